@@ -1,0 +1,18 @@
+"""hicache_jax: a hierarchical KV cache (device HBM -> host DRAM -> persistent storage) for JAX serving stacks.
+
+This package imports with numpy alone. JAX lives in ``hicache_jax.backends.jax`` (and the
+``pallas_kernels`` package); torch lives in ``npu_bridge``. Neither is imported here.
+"""
+
+from .allocator import PageAllocator, check_page_ids
+from .host_layout import HostLayout
+from .host_pool import HostKVPool, HostPoolConfig
+from .kv_geometry import KVGeometry
+from .transfer import CompletedHandle, KVTransferEngine, LoadHandle, TransferError, TransferHandle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompletedHandle", "HostKVPool", "HostLayout", "HostPoolConfig", "KVGeometry", "KVTransferEngine",
+    "LoadHandle", "PageAllocator", "TransferError", "TransferHandle", "check_page_ids",
+]

@@ -1,0 +1,124 @@
+"""Page allocator: integer page ids over a fixed-size pool.
+
+Pure numpy. Used for the device (L1) pool and the host (L2) pool alike.
+
+Contract:
+* ``alloc(n)`` returns ``n`` distinct free page ids (int32 array, lowest ids first on a
+  fresh allocator) or ``None`` when fewer than ``n`` are free: running out is a normal
+  condition under memory pressure (the caller evicts and retries), not an error.
+* ``free(ids)`` validates the whole batch first (range, duplicates, double free) and raises
+  ``ValueError`` naming the offending ids, changing no state; only then are they returned.
+* Ids never escape as views into internal state (the free list is copied out).
+
+Threading: not thread-safe; the owner (the cache manager's thread) calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+ID_DTYPE = np.int32
+
+
+def as_page_ids(ids: object, name: str = "page_ids") -> np.ndarray:
+    """Validate ``ids`` as a 1-D array of integer page ids; returns an int32 copy.
+
+    Raises TypeError for non-integer input (floats, bools, objects) and ValueError for
+    the wrong rank. Range checks belong to the owner of the pool.
+    """
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, ID_DTYPE)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected integer page ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of page ids, got shape {arr.shape}")
+    if arr.min() < np.iinfo(ID_DTYPE).min or arr.max() > np.iinfo(ID_DTYPE).max:
+        raise ValueError(f"{name}: page id out of int32 range")
+    return arr.astype(ID_DTYPE, copy=True)
+
+
+def check_page_ids(ids: object, num_pages: int, name: str = "page_ids", unique: bool = True) -> np.ndarray:
+    """`as_page_ids` plus range [0, num_pages) and (optionally) no-duplicate checks."""
+    arr = as_page_ids(ids, name)
+    if arr.size:
+        bad = arr[(arr < 0) | (arr >= num_pages)]
+        if bad.size:
+            raise ValueError(f"{name}: ids out of range [0, {num_pages}): {bad[:8].tolist()}")
+        if unique:
+            uniq, counts = np.unique(arr, return_counts=True)
+            if (counts > 1).any():
+                raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
+    return arr
+
+
+class PageAllocator:
+    """Free-list allocator over page ids ``[0, num_pages)``."""
+
+    def __init__(self, num_pages: int, name: str = "pages") -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
+            raise TypeError(f"num_pages: expected an int, got {type(num_pages).__name__}")
+        if num_pages < 0:
+            raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        self.name = name
+        self.num_pages = int(num_pages)
+        self._allocated = np.zeros(self.num_pages, dtype=bool)
+        # Stack: the top (end) is handed out first; reversed so a fresh allocator gives 0, 1, 2...
+        self._free = np.arange(self.num_pages, dtype=ID_DTYPE)[::-1].copy()
+        self._top = self.num_pages
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        """Number of free pages."""
+        return self._top
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - self._top
+
+    def is_allocated(self, ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        arr = check_page_ids(ids, self.num_pages, "ids", unique=False)
+        return self._allocated[arr]
+
+    # ---- mutation ------------------------------------------------------------------------
+    def alloc(self, n: int) -> np.ndarray | None:
+        """Take ``n`` free pages; ``None`` (and no change) when fewer than ``n`` are free."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"n: expected an int page count, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"n: expected >= 0 pages, got {n}")
+        if n > self._top:
+            return None
+        ids = self._free[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self._allocated[ids] = True
+        return ids
+
+    def free(self, ids: Iterable[int] | np.ndarray) -> None:
+        """Return pages to the pool. Validates the whole batch before changing anything."""
+        arr = check_page_ids(ids, self.num_pages, "ids", unique=True)
+        if not arr.size:
+            return
+        not_held = arr[~self._allocated[arr]]
+        if not_held.size:
+            raise ValueError(f"ids: double free of {self.name} pages {not_held[:8].tolist()} (not allocated)")
+        self._allocated[arr] = False
+        self._free[self._top:self._top + arr.size] = arr[::-1]
+        self._top += arr.size
+
+    def reset(self) -> None:
+        """Free every page."""
+        self.__init__(self.num_pages, self.name)
+
+    def check(self) -> None:
+        """Verify internal consistency (free list and bitmap agree); raises AssertionError."""
+        free = self._free[:self._top]
+        assert np.unique(free).size == free.size, f"{self.name}: duplicate ids in the free list"
+        assert not self._allocated[free].any(), f"{self.name}: a free-listed page is marked allocated"
+        assert int(self._allocated.sum()) == self.num_pages - self._top, f"{self.name}: counts disagree"
+
+    def __repr__(self) -> str:
+        return f"PageAllocator({self.name!r}, {self.used}/{self.num_pages} used)"

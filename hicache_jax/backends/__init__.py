@@ -1,0 +1,1 @@
+"""KV backends. ``numpy_backend`` is pure numpy; ``jax`` needs JAX (import it explicitly)."""

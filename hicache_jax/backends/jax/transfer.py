@@ -1,0 +1,125 @@
+"""JAX transfer engine: D2H backups and H2D loads between a JaxDevicePool and a HostKVPool.
+
+Backup (D2H), never blocking the caller:
+  owner thread: one all-layer gather per component into a transfer buffer already in the
+  host layout's order (``page_copy`` fuses the layout conversion), then ``device_put`` to
+  the host memory kind (pinned where the platform has it); both are async dispatches.
+  D2H worker: waits for the bytes (``np.asarray``) and copies the first ``n`` pages into
+  the host pool with one fancy-index copy. The handle is that job's future.
+
+Load (H2D), layer by layer:
+  owner thread: one numpy gather of the host pages into a contiguous staging buffer per
+  component (transfer order, bucket-padded), one ``device_put`` of it, then one scatter per
+  layer from that buffer into the layer's pool array (donated, in place). Each layer's new
+  array is installed in the pool at once, so later model steps are ordered after it by
+  dataflow; ``LoadHandle.layer_done(l)`` reports whether layer l's arrays have landed.
+
+Threading: ``backup``/``load`` are called from the owner thread (the one that donates the
+pool arrays to model steps; multi-host JAX also needs every ``device_put`` issued there).
+The D2H worker only converts finished host buffers to numpy and writes host pages the
+manager has reserved for this backup.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_kernels.page_copy.dispatch import PageCopier, PageCopyConfig
+
+from ...host_layout import HostLayout
+from ...host_pool import HostKVPool
+from ...transfer import CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker
+from .device_pool import JaxDevicePool
+from .memory import host_memory_kind
+
+_PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
+
+
+class JaxLoadHandle(LoadHandle):
+    """Per-layer readiness of an H2D load: layer l is done when its pool arrays are ready."""
+
+    def __init__(self, per_layer: list[list[jax.Array]]) -> None:
+        self._per_layer = per_layer
+        self.num_layers = len(per_layer)
+
+    @staticmethod
+    def _ready(a: jax.Array) -> bool:
+        # A consumed (donated) array was used by a later step, which ran after the load.
+        return a.is_deleted() or a.is_ready()
+
+    def layer_done(self, layer: int) -> bool:
+        return all(self._ready(a) for a in self._per_layer[layer])
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        for a in self._per_layer[layer]:
+            if not a.is_deleted():
+                a.block_until_ready()
+
+
+class JaxTransferEngine(KVTransferEngine):
+    def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
+                 copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True) -> None:
+        if device_pool.geom != host_pool.geom:
+            raise ValueError(f"host_pool: geometry {host_pool.geom} differs from the device pool's {device_pool.geom}")
+        self.geom = device_pool.geom
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.device_num_pages = device_pool.num_pages
+        if copier is None:
+            mesh, axis = device_pool.copier_sharding
+            copier = PageCopier(copy_config or PageCopyConfig(max_pages=device_pool.num_pages), mesh=mesh,
+                                kv_axis=axis)
+        self.copier = copier
+        self.order = host_pool.layout.transfer_order
+        # Memory kind D2H buffers land in (pinned where the platform has it); None: plain copies.
+        self.host_memory_kind = host_memory_kind() if use_host_memory_kind else None
+        self._d2h = SerialWorker("hicache-d2h")
+
+    def precompile(self, max_pages: int | None = None) -> int:
+        """Compile every bucket's gather and scatter now, so serving never compiles."""
+        shape = (self.device_num_pages,) + self.geom.page_shape
+        return self.copier.precompile(shape, self.device_pool.dtype, self.geom.num_layers, (self.order,),
+                                      max_pages=max_pages)
+
+    # ---- D2H ---------------------------------------------------------------------------
+    def backup(self, device_ids, host_ids) -> FutureHandle | CompletedHandle:
+        d, h = self.validate(device_ids, host_ids)
+        if not d.size:
+            return CompletedHandle(self.geom.num_layers)
+        staged = []
+        for c in self.geom.components:
+            buf, n = self.copier.gather(self.device_pool.layers(c), d, self.order)
+            if self.host_memory_kind is not None:
+                buf = jax.device_put(buf, buf.sharding.with_memory_kind(self.host_memory_kind))
+            staged.append((c, buf))
+        axis, host, view_dtype = _PAGE_AXIS[self.order], self.host_pool, self.geom.container_dtype
+
+        def finish() -> None:
+            for c, buf in staged:
+                arr = np.asarray(buf).view(view_dtype)
+                arr = arr[:, :n] if axis == 1 else arr[:n]
+                host.write_pages(c, h, arr)
+
+        return FutureHandle(self._d2h.submit(finish))
+
+    # ---- H2D ---------------------------------------------------------------------------
+    def load(self, host_ids, device_ids) -> JaxLoadHandle | CompletedHandle:
+        d, h = self.validate(device_ids, host_ids)
+        if not d.size:
+            return CompletedHandle(self.geom.num_layers)
+        nb = self.copier.bucket_for(h.size)
+        padded = np.zeros(nb, np.int32)
+        padded[:h.size] = h  # padding reads host page 0; the scatter skips those positions
+        per_layer: list[list[jax.Array]] = [[] for _ in range(self.geom.num_layers)]
+        for c in self.geom.components:
+            staging = self.host_pool.read_pages(c, padded).view(self.device_pool.dtype)
+            dev_buf = jax.device_put(staging, self.copier.buffer_sharding() or self.device_pool.sharding)
+            for layer in range(self.geom.num_layers):
+                new = self.copier.scatter(self.device_pool.layers(c)[layer], d, dev_buf, layer, self.order)
+                self.device_pool.set_layer(c, layer, new)
+                per_layer[layer].append(new)
+        return JaxLoadHandle(per_layer)
+
+    def close(self) -> None:
+        self._d2h.shutdown()

@@ -1,0 +1,133 @@
+"""Host (L2) KV pool: numpy arrays in one of the upstream host layouts, plus a page allocator.
+
+Pure numpy; imports no JAX or torch. Backends (JAX, torch) read and write it through
+``write_pages`` / ``read_pages`` / ``read_layer`` with integer host page ids and contiguous
+buffers in the layout's transfer order (see ``host_layout``).
+
+Memory: the arrays are plain numpy (page-aligned, zero-filled lazily by the OS). Pinning is
+the backend's business: the JAX backend stages D2H/H2D through ``pinned_host`` buffers where
+the platform has that memory kind; the torch backend (npu_bridge) may allocate pinned.
+
+Threading: ``write_pages``/``read_pages`` on *disjoint* page ids may run concurrently from
+transfer worker threads (numpy releases the GIL on copies); the allocator and everything
+else belong to the owner thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .allocator import PageAllocator, check_page_ids
+from .host_layout import HostLayout, host_array_shape, page_major_shape
+from .kv_geometry import KVGeometry
+
+
+@dataclass(frozen=True)
+class HostPoolConfig:
+    """How big the host pool is and how it is laid out.
+
+    ``size_bytes`` (if > 0) wins over ``ratio``; the ratio is host tokens / device tokens.
+    A host pool smaller than the device pool (ratio < 1) is allowed (upstream only warns).
+    """
+
+    layout: HostLayout | str = HostLayout.PAGE_FIRST
+    ratio: float = 2.0
+    size_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", HostLayout.parse(self.layout))
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+            raise TypeError(f"ratio: expected a number, got {type(self.ratio).__name__}")
+        if not self.ratio > 0:
+            raise ValueError(f"ratio: expected > 0, got {self.ratio}")
+        if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int):
+            raise TypeError(f"size_bytes: expected an int, got {type(self.size_bytes).__name__}")
+        if self.size_bytes < 0:
+            raise ValueError(f"size_bytes: expected >= 0, got {self.size_bytes}")
+
+    def num_pages(self, geom: KVGeometry, device_pages: int) -> int:
+        """Host pages for a device pool of ``device_pages`` pages."""
+        if self.size_bytes:
+            pages = self.size_bytes // geom.bytes_per_page
+        else:
+            pages = int(device_pages * self.ratio)
+        if pages < 1:
+            raise ValueError(f"host pool: {self} gives {pages} pages for {geom} "
+                             f"({geom.bytes_per_page} bytes per page); need at least 1")
+        return pages
+
+
+class HostKVPool:
+    """Numpy host pool. Holds raw KV bits in ``geom.container_dtype``."""
+
+    def __init__(self, geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> None:
+        if not isinstance(geom, KVGeometry):
+            raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
+        self.geom = geom
+        self.layout = HostLayout.parse(layout)
+        self.allocator = PageAllocator(num_pages, name="host")
+        self.num_pages = self.allocator.num_pages
+        self.array = np.zeros(host_array_shape(geom, self.layout, num_pages), dtype=geom.container_dtype)
+        views = self.array if geom.kind == "mha" else self.array[None]
+        shape = page_major_shape(geom, self.layout, num_pages)
+        # Page-major views share memory with self.array (reshape of contiguous data never copies).
+        self._views = {c: views[i].reshape(shape) for i, c in enumerate(geom.components)}
+        for v in self._views.values():
+            assert np.shares_memory(v, self.array)
+
+    @classmethod
+    def from_config(cls, geom: KVGeometry, config: HostPoolConfig, device_pages: int) -> "HostKVPool":
+        return cls(geom, config.num_pages(geom, device_pages), config.layout)
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def component_view(self, component: str) -> np.ndarray:
+        """The page-major view of one component (shares memory with the pool)."""
+        try:
+            return self._views[component]
+        except KeyError:
+            raise ValueError(f"component: expected one of {self.geom.components}, got {component!r}") from None
+
+    def _check_ids(self, host_ids: object, unique: bool) -> np.ndarray:
+        # Writes must name distinct pages; reads may repeat one (e.g. bucket padding).
+        return check_page_ids(host_ids, self.num_pages, "host_ids", unique=unique)
+
+    def write_pages(self, component: str, host_ids: object, buf: np.ndarray) -> None:
+        """Store ``buf`` (transfer order, n = len(host_ids)) into the given host pages."""
+        view = self.component_view(component)
+        ids = self._check_ids(host_ids, unique=True)
+        expected = page_major_shape(self.geom, self.layout, ids.size)
+        buf = np.asarray(buf)
+        if buf.shape != expected:
+            raise ValueError(f"buf: expected shape {expected} for {ids.size} pages in {self.layout.value} "
+                             f"order, got {buf.shape}")
+        if buf.dtype.itemsize != self.geom.itemsize:
+            raise TypeError(f"buf: expected {self.geom.itemsize}-byte elements ({self.geom.dtype}), got {buf.dtype}")
+        buf = buf.view(self.geom.container_dtype)
+        if self.layout is HostLayout.LAYER_FIRST:
+            view[:, ids] = buf
+        else:
+            view[ids] = buf
+
+    def read_pages(self, component: str, host_ids: object, out: np.ndarray | None = None) -> np.ndarray:
+        """Gather host pages into a contiguous buffer in transfer order (a copy, never a view)."""
+        view = self.component_view(component)
+        ids = self._check_ids(host_ids, unique=False)
+        axis = 1 if self.layout is HostLayout.LAYER_FIRST else 0
+        return np.take(view, ids, axis=axis, out=out)
+
+    def read_layer(self, component: str, host_ids: object, layer: int) -> np.ndarray:
+        """Gather one layer of host pages: ``(n, page, heads, width)`` contiguous."""
+        view = self.component_view(component)
+        ids = self._check_ids(host_ids, unique=False)
+        if not 0 <= layer < self.geom.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.geom.num_layers}, got {layer}")
+        if self.layout is HostLayout.LAYER_FIRST:
+            return view[layer][ids]
+        if self.layout is HostLayout.PAGE_FIRST:
+            return np.ascontiguousarray(view[ids, :, layer])
+        return np.ascontiguousarray(view[ids, layer])

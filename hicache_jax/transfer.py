@@ -1,0 +1,143 @@
+"""Transfer API between the cache manager and a KV backend (JAX, torch, numpy reference).
+
+Only integer page ids cross this boundary, never arrays. The manager owns both allocators;
+an engine only moves bytes.
+
+* ``backup(device_ids, host_ids)``: D2H copy of whole device pages (all layers, all
+  components) into host pages. Returns at once with a handle; the caller is never blocked
+  on the copy. The device pages must stay allocated and unmodified, and the host pages
+  reserved, until the handle is done (the manager keeps the node locked until the ack).
+* ``load(host_ids, device_ids)``: H2D copy of host pages into device pages. Returns a
+  ``LoadHandle`` with per-layer readiness, so a forward pass can start layer 0 while later
+  layers are still in flight. The host pages must stay allocated until the handle is done.
+
+Handles: ``done()`` polls without blocking; ``wait()`` blocks and re-raises a failure as
+``TransferError``. Handles are completed in any order; the manager polls them.
+
+Threading: ``backup``/``load`` are called from the owner thread (the one that owns the
+device pool: with JAX, the thread that donates the pool to the model step). Handles may be
+polled from that thread; engines run the copies on their own workers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .allocator import check_page_ids
+from .host_pool import HostKVPool
+from .kv_geometry import KVGeometry
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; the pages it named hold undefined bytes."""
+
+
+class TransferHandle(ABC):
+    """A transfer in flight."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy finished (successfully or not). Never blocks."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done. Raises TransferError if the copy failed, TimeoutError on timeout."""
+
+
+class LoadHandle(TransferHandle):
+    """An H2D load with per-layer readiness."""
+
+    num_layers: int
+
+    @abstractmethod
+    def layer_done(self, layer: int) -> bool:
+        """True once ``layer`` has landed on the device. Never blocks."""
+
+    @abstractmethod
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until ``layer`` has landed."""
+
+    def done(self) -> bool:
+        return all(self.layer_done(l) for l in range(self.num_layers))
+
+    def wait(self, timeout: float | None = None) -> None:
+        for l in range(self.num_layers):
+            self.wait_layer(l, timeout)
+
+
+class CompletedHandle(LoadHandle):
+    """A transfer that finished synchronously (e.g. zero pages)."""
+
+    def __init__(self, num_layers: int = 1) -> None:
+        self.num_layers = num_layers
+
+    def layer_done(self, layer: int) -> bool:
+        return True
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        return None
+
+
+class FutureHandle(TransferHandle):
+    """Wraps a ``concurrent.futures.Future`` run on an engine's worker."""
+
+    def __init__(self, future: cf.Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._future.result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"transfer not done after {timeout} s") from None
+        except Exception as e:  # noqa: BLE001 - surfaced to the manager as one error type
+            raise TransferError(f"transfer failed: {e!r}") from e
+
+
+class KVTransferEngine(ABC):
+    """Moves KV pages between one device pool and one host pool."""
+
+    geom: KVGeometry
+    host_pool: HostKVPool
+    device_num_pages: int
+
+    def validate(self, device_ids: object, host_ids: object) -> tuple[np.ndarray, np.ndarray]:
+        """Check a (device, host) id pair before anything is launched; raises ValueError/TypeError."""
+        d = check_page_ids(device_ids, self.device_num_pages, "device_ids")
+        h = check_page_ids(host_ids, self.host_pool.num_pages, "host_ids")
+        if d.size != h.size:
+            raise ValueError(f"device_ids and host_ids: expected equal lengths, got {d.size} and {h.size}")
+        return d, h
+
+    @abstractmethod
+    def backup(self, device_ids: Sequence[int] | np.ndarray, host_ids: Sequence[int] | np.ndarray) -> TransferHandle:
+        """Start a D2H copy of device pages into host pages; returns at once."""
+
+    @abstractmethod
+    def load(self, host_ids: Sequence[int] | np.ndarray, device_ids: Sequence[int] | np.ndarray) -> LoadHandle:
+        """Start an H2D copy of host pages into device pages; returns at once."""
+
+    def close(self) -> None:
+        """Finish outstanding work and release workers."""
+
+
+class SerialWorker:
+    """One background thread running jobs in submission order (a D2H or H2D "stream")."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], object]) -> cf.Future:
+        with self._lock:
+            return self._pool.submit(fn)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,289 @@
+"""Picks a page-copy implementation by platform and runs it on bucketed, precompiled shapes.
+
+``PageCopier`` is what pools and transfer engines call. It
+
+* validates page ids on the host (range; destination duplicates) and raises ``ValueError``
+  before anything is launched;
+* pads the ids to a bucket size and passes the live count as data, so every count inside a
+  bucket reuses one compiled executable (``precompile`` builds them all at start-up; steady
+  state never compiles);
+* bitcasts KV to an unsigned container of the same width, so kernels copy bits, not floats;
+* runs the kernel per shard under ``shard_map`` when the pool is sharded over a mesh axis
+  (the KV-head axis), so sharded pools give the same bytes as unsharded ones.
+
+Implementations (``impl``): ``tpu`` (scalar-prefetch DMA), ``gpu`` (Triton), ``xla`` (the
+pure-JAX reference, i.e. io backend ``direct``). ``auto`` picks ``tpu`` on TPU, ``gpu`` on
+GPU and ``tpu`` in interpret mode on CPU (the fastest interpreted variant).
+
+Threading: call from the thread that owns the pool (JAX dispatch is asynchronous; the
+arrays returned are futures). Donation: ``scatter`` consumes the pool array passed in and
+returns its replacement; ``gather(out=...)`` consumes ``out``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hicache_jax.allocator import check_page_ids
+
+from . import gpu, reference, tpu
+from .common import bucket_for, buffer_shape, check_order, default_buckets
+
+Impl = Literal["auto", "tpu", "gpu", "xla"]
+
+_CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _to_bits(x: jax.Array, c) -> jax.Array:
+    return x if x.dtype == c else jax.lax.bitcast_convert_type(x, c)
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    sm = getattr(jax, "shard_map", None)
+    if sm is None:  # jax < 0.7
+        from jax.experimental.shard_map import shard_map as sm
+        return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+@dataclass(frozen=True)
+class PageCopyConfig:
+    """How pages are copied. ``max_pages`` is the largest batch (the largest bucket)."""
+
+    impl: Impl = "auto"
+    max_pages: int = 4096
+    buckets: tuple[int, ...] | None = None
+    interpret: bool | None = None  # None: interpret exactly when running on CPU
+    platform: str | None = None  # None: jax.default_backend()
+
+    def __post_init__(self) -> None:
+        if self.impl not in ("auto", "tpu", "gpu", "xla"):
+            raise ValueError(f"impl: expected 'auto', 'tpu', 'gpu' or 'xla', got {self.impl!r}")
+        if not isinstance(self.max_pages, int) or self.max_pages < 1:
+            raise ValueError(f"max_pages: expected an int >= 1, got {self.max_pages!r}")
+        if self.buckets is not None:
+            b = tuple(int(x) for x in self.buckets)
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise ValueError(f"buckets: expected strictly increasing positive sizes, got {self.buckets!r}")
+            object.__setattr__(self, "buckets", b)
+
+
+@dataclass
+class _Plan:
+    impl: str
+    interpret: bool
+    buckets: tuple[int, ...]
+    compiled: dict = field(default_factory=dict)
+
+
+class PageCopier:
+    """Bucketed, precompiled page gather/scatter for pools of shape ``(P, page, H, D)``."""
+
+    def __init__(self, config: PageCopyConfig | None = None, mesh: jax.sharding.Mesh | None = None,
+                 kv_axis: str | None = None) -> None:
+        """``mesh`` + ``kv_axis``: pools sharded on the head axis; ``mesh`` alone: replicated pools."""
+        self.config = config or PageCopyConfig()
+        platform = self.config.platform or jax.default_backend()
+        impl = self.config.impl
+        if impl == "auto":
+            impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "tpu")
+        interpret = self.config.interpret
+        if interpret is None:
+            interpret = impl != "xla" and platform == "cpu"
+        self.platform = platform
+        if mesh is None and kv_axis is not None:
+            raise ValueError("kv_axis: needs a mesh")
+        if mesh is not None and kv_axis is not None and kv_axis not in mesh.axis_names:
+            raise ValueError(f"kv_axis: {kv_axis!r} is not an axis of the mesh {mesh.axis_names}")
+        self.mesh, self.kv_axis = mesh, kv_axis
+        self._plan = _Plan(impl, interpret, self.config.buckets or default_buckets(self.config.max_pages))
+        self._lock = threading.Lock()
+        self.compile_count = 0  # executables built by this copier (tests assert steady state adds none)
+
+    # ---- introspection --------------------------------------------------------------------
+    @property
+    def impl(self) -> str:
+        return self._plan.impl
+
+    @property
+    def interpret(self) -> bool:
+        return self._plan.interpret
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self._plan.buckets
+
+    def bucket_for(self, n: int) -> int:
+        return bucket_for(n, self._plan.buckets)
+
+    # ---- building executables ------------------------------------------------------------
+    def _fns(self):
+        impl, interp = self._plan.impl, self._plan.interpret
+        if impl == "xla":
+            return reference.gather_layers, reference.scatter_layer
+        mod = tpu if impl == "tpu" else gpu
+        g = lambda pools, ids, n, out, order: mod.gather_layers.__wrapped__(pools, ids, n, out, order, interp)
+        s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(pool, ids, n, buf, layer, order,
+                                                                                  interp)
+        return g, s
+
+    def _specs(self):
+        """(pool spec, buffer spec): head-sharded with a kv_axis, replicated without one."""
+        if self.mesh is None:
+            return None, None
+        if self.kv_axis is None:
+            return PartitionSpec(), PartitionSpec()
+        return PartitionSpec(None, None, self.kv_axis, None), PartitionSpec(*([None] * 3), self.kv_axis, None)
+
+    def buffer_sharding(self) -> jax.sharding.Sharding | None:
+        """Sharding transfer buffers must have for a mesh-resident pool (None: single device)."""
+        return None if self.mesh is None else NamedSharding(self.mesh, self._specs()[1])
+
+    def _build_gather(self, num_layers: int, pool_aval: jax.ShapeDtypeStruct, nb: int, order: str,
+                      with_out: bool):
+        gather, _ = self._fns()
+        pool_spec, buf_spec = self._specs()
+
+        dtype = pool_aval.dtype
+        c = _CONTAINERS[jnp.dtype(dtype).itemsize]
+
+        def f(pools, ids, n, out):
+            # Bitcasts to the unsigned container are free inside the executable (no copies).
+            bits = tuple(_to_bits(p, c) for p in pools)
+            return _from_bits(gather(bits, ids, n, None if out is None else _to_bits(out, c), order), dtype)
+
+        if self.mesh is not None:
+            f = _shard_map(f, self.mesh, in_specs=([pool_spec] * num_layers, PartitionSpec(), PartitionSpec(),
+                                                  buf_spec if with_out else None),
+                           out_specs=buf_spec)
+        donate = (3,) if with_out else ()
+        shape = buffer_shape(order, nb, num_layers, pool_aval.shape[1:])
+        args = ([self._aval(pool_aval.shape, pool_aval.dtype, pool_spec)] * num_layers,
+                jax.ShapeDtypeStruct((nb,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+                self._aval(shape, pool_aval.dtype, buf_spec) if with_out else None)
+        return jax.jit(f, donate_argnums=donate).trace(*args).lower().compile()
+
+    def _build_scatter(self, pool_aval: jax.ShapeDtypeStruct, buf_shape: tuple[int, ...], nb: int, order: str):
+        _, scatter = self._fns()
+        pool_spec, buf_spec = self._specs()
+
+        dtype = pool_aval.dtype
+        c = _CONTAINERS[jnp.dtype(dtype).itemsize]
+
+        def f(pool, ids, n, buf, layer):
+            return _from_bits(scatter(_to_bits(pool, c), ids, n, _to_bits(buf, c), layer, order), dtype)
+
+        if self.mesh is not None:
+            f = _shard_map(f, self.mesh, in_specs=(pool_spec, PartitionSpec(), PartitionSpec(), buf_spec,
+                                                  PartitionSpec()), out_specs=pool_spec)
+        args = (self._aval(pool_aval.shape, pool_aval.dtype, pool_spec), jax.ShapeDtypeStruct((nb,), jnp.int32),
+                jax.ShapeDtypeStruct((1,), jnp.int32), self._aval(buf_shape, pool_aval.dtype, buf_spec),
+                jax.ShapeDtypeStruct((1,), jnp.int32))
+        return jax.jit(f, donate_argnums=(0,)).trace(*args).lower().compile()
+
+    def _aval(self, shape, dtype, spec):
+        if self.mesh is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+
+    def _get(self, key, build):
+        with self._lock:
+            exe = self._plan.compiled.get(key)
+            if exe is None:
+                exe = build()
+                self._plan.compiled[key] = exe
+                self.compile_count += 1
+            return exe
+
+    def precompile(self, pool_shape: tuple[int, ...], dtype, num_layers: int, orders: Sequence[str] = ("npl",),
+                   max_pages: int | None = None, with_out: bool = False) -> int:
+        """Build every bucket's gather and scatter for these shapes; returns executables built."""
+        before = self.compile_count
+        for nb in self._plan.buckets:
+            if max_pages is not None and nb > self.bucket_for(max_pages):
+                break
+            for order in orders:
+                self._gather_exe(num_layers, pool_shape, dtype, nb, order, with_out)
+                self._scatter_exe(pool_shape, dtype, buffer_shape(order, nb, num_layers, pool_shape[1:]), nb, order)
+        return self.compile_count - before
+
+    def _gather_exe(self, num_layers, pool_shape, dtype, nb, order, with_out):
+        aval = jax.ShapeDtypeStruct(tuple(pool_shape), jnp.dtype(dtype))
+        key = ("gather", num_layers, aval.shape, aval.dtype, nb, order, with_out)
+        return self._get(key, lambda: self._build_gather(num_layers, aval, nb, order, with_out))
+
+    def _scatter_exe(self, pool_shape, dtype, buf_shape, nb, order):
+        aval = jax.ShapeDtypeStruct(tuple(pool_shape), jnp.dtype(dtype))
+        key = ("scatter", aval.shape, aval.dtype, tuple(buf_shape), nb, order)
+        return self._get(key, lambda: self._build_scatter(aval, tuple(buf_shape), nb, order))
+
+    # ---- running -------------------------------------------------------------------------
+    def _pad(self, ids: np.ndarray) -> tuple[jax.Array, jax.Array, int]:
+        nb = self.bucket_for(ids.size)
+        padded = np.zeros(nb, np.int32)
+        padded[:ids.size] = ids
+        return padded, np.array([ids.size], np.int32), nb
+
+    def gather(self, pools: Sequence[jax.Array], ids: object, order: str = "npl",
+               out: jax.Array | None = None) -> tuple[jax.Array, int]:
+        """Gather pages ``ids`` of every layer in ``pools`` into a transfer buffer in ``order``.
+
+        Returns ``(buffer, n)``: the buffer has the bucket size along its page axis; the
+        first ``n`` page positions hold the pages. ``out`` (optional, donated) must have
+        the bucket's shape; its positions >= n are left as they were.
+        """
+        check_order(order)
+        if not pools:
+            raise ValueError("pools: expected at least one pool layer")
+        p0 = pools[0]
+        for p in pools:
+            if p.shape != p0.shape or p.dtype != p0.dtype:
+                raise ValueError(f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, "
+                                 f"got {p.shape} {p.dtype}")
+        ids = check_page_ids(ids, p0.shape[0], "ids", unique=False)
+        padded, n, nb = self._pad(ids)
+        if out is not None:
+            want = buffer_shape(order, nb, len(pools), p0.shape[1:])
+            if out.shape != want or out.dtype != p0.dtype:
+                raise ValueError(f"out: expected {want} {p0.dtype} (bucket of {ids.size} pages), "
+                                 f"got {out.shape} {out.dtype}")
+        exe = self._gather_exe(len(pools), p0.shape, p0.dtype, nb, order, out is not None)
+        return exe(list(pools), padded, n, out), ids.size
+
+    def scatter(self, pool: jax.Array, ids: object, buf: jax.Array, layer: int = 0, order: str = "nlp") -> jax.Array:
+        """Write layer ``layer`` of transfer buffer ``buf`` into pool pages ``ids``; returns the new pool.
+
+        ``buf`` holds ``len(ids)`` pages (or a bucket's worth) in ``order`` over any number of
+        layers. ``pool`` is donated: the caller must use the returned array.
+        """
+        check_order(order)
+        ids = check_page_ids(ids, pool.shape[0], "ids", unique=True)
+        padded, n, nb = self._pad(ids)
+        page_axis = 1 if order == "lnp" else 0
+        layer_axis = {"nlp": 1, "npl": 2, "lnp": 0}[order]
+        num_layers = buf.shape[layer_axis]
+        if buf.dtype != pool.dtype:
+            raise ValueError(f"buf: expected dtype {pool.dtype} like the pool, got {buf.dtype}")
+        want = buffer_shape(order, buf.shape[page_axis], num_layers, pool.shape[1:])
+        if buf.shape != want or buf.shape[page_axis] not in (ids.size, nb):
+            raise ValueError(f"buf: expected {order} shape with {ids.size} (or {nb}) pages of {pool.shape[1:]}, "
+                             f"got {buf.shape}")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
+        if buf.shape[page_axis] != nb:  # pad to the bucket so the compiled shape is reused
+            pad = [(0, 0)] * buf.ndim
+            pad[page_axis] = (0, nb - buf.shape[page_axis])
+            buf = jnp.pad(buf, pad)
+        exe = self._scatter_exe(pool.shape, pool.dtype, buf.shape, nb, order)
+        return exe(pool, padded, n, buf, np.array([layer], np.int32))

@@ -1,0 +1,54 @@
+"""Pure-JAX reference for page gather/scatter. Also the ``direct`` io backend (plain XLA).
+
+Same signatures as the Pallas kernels (see ``common``): the kernels are tested bit-exact
+against these functions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .common import check_order
+
+
+_LAYER_AXIS = {"nlp": 1, "npl": 2, "lnp": 0}
+_PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
+
+
+def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, out: jax.Array | None,
+                  order: str) -> jax.Array:
+    """Gather pages ``ids[:n]`` from every pool layer into a transfer buffer in ``order``.
+
+    With ``out``, positions >= n keep its bytes (donate it to update in place); without, the
+    padding positions hold whatever pages the padding ids name.
+    """
+    check_order(order)
+    pages = [jnp.take(p, ids, axis=0, mode="clip") for p in pools]  # each (nb, page, H, D)
+    new = jnp.stack(pages, axis=_LAYER_AXIS[order])
+    if out is None:
+        return new
+    nb = ids.shape[0]
+    live_shape = [1] * new.ndim
+    live_shape[_PAGE_AXIS[order]] = nb
+    live = (jnp.arange(nb) < n[0]).reshape(live_shape)
+    return jnp.where(live, new, out)
+
+
+def select_layer(buf: jax.Array, layer: jax.Array, order: str) -> jax.Array:
+    """(nb, page, H, D) slab of one layer from a transfer buffer (dynamic layer index)."""
+    return jax.lax.dynamic_index_in_dim(buf, layer, axis=_LAYER_AXIS[check_order(order)], keepdims=False)
+
+
+def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
+                  order: str) -> jax.Array:
+    """Write layer ``layer`` of ``buf`` into pool pages ``ids[:n]``; padding is dropped.
+
+    Donate ``pool`` so XLA updates it in place.
+    """
+    src = select_layer(buf, layer[0], order)
+    nb = ids.shape[0]
+    live = jnp.arange(nb) < n[0]
+    # Padding gets distinct out-of-bounds ids, so they are dropped and indices stay unique.
+    dest = jnp.where(live, ids, pool.shape[0] + jnp.arange(nb, dtype=ids.dtype))
+    return pool.at[dest].set(src, mode="drop", unique_indices=True)

@@ -1,0 +1,47 @@
+# Sourced by scripts/bench and scripts/test: creates or reuses the project's virtual environments.
+#   .venv        Python 3.12 + jax, the Pallas kernels and the dev tools (most tests, benchmarks)
+#   .venv-torch  Python 3.11 + torch==2.13.0 (CPU wheel) and no JAX (torch path, pure-numpy core)
+# An environment is rebuilt when pyproject.toml changes (its hash is stamped inside the venv).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+_find_python() {  # $1 = major.minor; prints an interpreter path or nothing
+  local v="$1" c
+  for c in "python$v" "$(command -v pyenv >/dev/null 2>&1 && pyenv root)/versions/$v"*/bin/python3; do
+    if [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys' >/dev/null 2>&1; then
+      command -v "$c"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    for c in $(pyenv versions --bare 2>/dev/null | grep "^$v" | sort -rV); do
+      echo "$(pyenv root)/versions/$c/bin/python3"; return 0
+    done
+  fi
+  if command -v python3 >/dev/null 2>&1 && python3 -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$v'.split('.'))))"; then
+    command -v python3; return 0
+  fi
+}
+
+_stamp() { { cat "$ROOT/pyproject.toml"; echo "$*"; } | sha256sum | cut -c1-16; }
+
+_ensure_venv() {  # $1 = dir, $2 = python version, rest = pip install arguments
+  local dir="$ROOT/$1" ver="$2"; shift 2
+  local want; want="$(_stamp "$@")"
+  if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.hicache-stamp" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  local py; py="$(_find_python "$ver")"
+  if [ -z "$py" ]; then
+    echo "error: Python $ver not found (tried python$ver, pyenv versions $ver.*)" >&2; return 1
+  fi
+  echo ">> creating $1 with $py ($("$py" --version)) ..." >&2
+  rm -rf "$dir"
+  "$py" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null
+  (cd "$ROOT" && "$dir/bin/python" -m pip install -q "$@")
+  echo "$want" > "$dir/.hicache-stamp"
+}
+
+ensure_jax_env() { _ensure_venv .venv 3.12 -e ".[jax,dev]"; }
+ensure_torch_env() { _ensure_venv .venv-torch 3.11 "torch==2.13.0" -e ".[dev]"; }

@@ -1,0 +1,172 @@
+"""JAX device pool + transfer engine: D2H backups and H2D loads, byte for byte."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hicache_jax import HostKVPool, HostLayout, KVGeometry, TransferError
+from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
+from hicache_jax.transfer import FutureHandle
+from pallas_kernels.page_copy import PageCopyConfig
+
+DEVICE_PAGES, HOST_PAGES = 24, 16
+
+GEOMS = {
+    "mha-bf16-p16": KVGeometry.mha(3, 16, 4, 8, "bfloat16"),
+    "mha-fp32-p1": KVGeometry.mha(2, 1, 4, 4, "float32"),
+    "mha-fp16-p33": KVGeometry.mha(2, 33, 4, 4, "float16"),
+    "mla-fp8-p16": KVGeometry.mla(2, 16, 24, 8, "float8_e4m3fn"),
+}
+
+
+def _fill(pool: JaxDevicePool, rng) -> dict[str, np.ndarray]:
+    g = pool.geom
+    data = {}
+    for c in g.components:
+        info = np.iinfo(g.container_dtype)
+        data[c] = rng.integers(1, info.max, (g.num_layers, pool.num_pages) + g.page_shape, dtype=g.container_dtype)
+        pool.write_pages_host(c, np.arange(pool.num_pages), data[c])
+    return data
+
+
+def _engine(geom, layout, impl="tpu", mesh=None):
+    dev = JaxDevicePool(geom, DEVICE_PAGES, mesh=mesh)
+    host = HostKVPool(geom, HOST_PAGES, layout)
+    return dev, host, JaxTransferEngine(dev, host, copy_config=PageCopyConfig(impl=impl, max_pages=DEVICE_PAGES))
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("name", list(GEOMS))
+def test_backup_load_roundtrip(name, layout):
+    geom = GEOMS[name]
+    rng = np.random.default_rng(0)
+    dev, host, eng = _engine(geom, layout)
+    data = _fill(dev, rng)
+    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
+    eng.backup(src, hst).wait()
+    # the host pool holds exactly those pages, in its layout
+    for c in geom.components:
+        got = host.read_pages(c, hst)
+        want = data[c][:, src]  # (L, n, page, H, D)
+        want = {"lnp": want, "nlp": want.transpose(1, 0, 2, 3, 4), "npl": want.transpose(1, 2, 0, 3, 4)}[
+            layout.transfer_order]
+        np.testing.assert_array_equal(got, want)
+    handle = eng.load(hst, dst)
+    handle.wait_layer(0)
+    assert handle.layer_done(0)
+    handle.wait()
+    assert handle.done()
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
+        others = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
+        np.testing.assert_array_equal(dev.read_pages_host(c, others), data[c][:, others])
+    eng.close()
+
+
+@pytest.mark.parametrize("impl", ["xla", "gpu"])
+def test_other_copy_impls_roundtrip(impl):
+    geom = GEOMS["mha-bf16-p16"]
+    rng = np.random.default_rng(1)
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST, impl=impl)
+    data = _fill(dev, rng)
+    eng.backup([3, 5], [1, 2]).wait()
+    eng.load([1, 2], [10, 11]).wait()
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, [10, 11]), data[c][:, [3, 5]])
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("name", ["mha-bf16-p16", "mla-fp8-p16"])
+def test_sharded_pool_same_bytes_as_unsharded(name, tp):
+    devices = jax.devices("cpu")
+    if len(devices) < tp:
+        pytest.skip(f"needs {tp} CPU devices, have {len(devices)}")
+    geom = GEOMS[name] if name != "mha-bf16-p16" else KVGeometry.mha(2, 16, 8, 8, "bfloat16")
+    mesh = Mesh(np.array(devices[:tp]), ("tp",))
+    results = []
+    for m in (None, mesh):
+        rng = np.random.default_rng(2)
+        dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT, mesh=m)
+        _fill(dev, rng)
+        eng.backup([1, 9, 17], [2, 4, 6]).wait()
+        eng.load([2, 4, 6], [3, 5, 7]).wait()
+        results.append((host.array.copy(), {c: dev.read_pages_host(c, np.arange(DEVICE_PAGES))
+                                              for c in geom.components}))
+        if m is not None and geom.kind == "mha":
+            assert dev.layers("k")[0].sharding.spec[2] == "tp"
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for c in geom.components:
+        np.testing.assert_array_equal(results[0][1][c], results[1][1][c])
+
+
+def test_backup_does_not_block_the_caller():
+    """backup() returns before the D2H worker has written the host pages."""
+    geom = GEOMS["mha-fp32-p1"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST)
+    _fill(dev, np.random.default_rng(3))
+    gate = threading.Event()
+    eng._d2h.submit(gate.wait)  # occupy the D2H worker
+    handle = eng.backup([1, 2], [3, 4])
+    assert isinstance(handle, FutureHandle) and not handle.done()
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.05)
+    gate.set()
+    handle.wait(timeout=30)
+    assert handle.done()
+
+
+def test_failed_backup_surfaces_as_transfer_error(monkeypatch):
+    geom = GEOMS["mha-fp32-p1"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST)
+
+    def broken(*a, **k):
+        raise OSError("simulated host write failure")
+
+    monkeypatch.setattr(host, "write_pages", broken)
+    handle = eng.backup([1], [2])
+    with pytest.raises(TransferError, match="simulated"):
+        handle.wait(timeout=30)
+
+
+def test_bad_ids_rejected_before_launch():
+    geom = GEOMS["mha-bf16-p16"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST)
+    layers_before = list(dev.layers("k"))
+    with pytest.raises(ValueError, match="equal lengths"):
+        eng.backup([1, 2], [3])
+    with pytest.raises(ValueError, match="host_ids"):
+        eng.backup([1], [HOST_PAGES])
+    with pytest.raises(ValueError, match="duplicate"):
+        eng.load([1, 2], [5, 5])
+    with pytest.raises(TypeError, match="integer"):
+        eng.load([1.0], [5])
+    assert all(a is b and not a.is_deleted() for a, b in zip(dev.layers("k"), layers_before))
+
+
+def test_zero_pages_is_a_completed_handle():
+    dev, host, eng = _engine(GEOMS["mha-fp32-p1"], HostLayout.PAGE_FIRST)
+    assert eng.backup([], []).done() and eng.load([], []).done()
+
+
+def test_precompile_then_no_new_executables():
+    dev, host, eng = _engine(GEOMS["mha-bf16-p16"], HostLayout.PAGE_FIRST)
+    built = eng.precompile()
+    assert built == 2 * len(eng.copier.buckets)
+    before = eng.copier.compile_count
+    _fill(dev, np.random.default_rng(4))
+    for n in (1, 3, 7, 13, HOST_PAGES):
+        eng.backup(np.arange(n), np.arange(n)).wait()
+        eng.load(np.arange(n), np.arange(DEVICE_PAGES - n, DEVICE_PAGES)).wait()
+    assert eng.copier.compile_count == before
+
+
+def test_mismatched_geometry_rejected():
+    dev = JaxDevicePool(GEOMS["mha-bf16-p16"], 4)
+    host = HostKVPool(GEOMS["mha-fp32-p1"], 4)
+    with pytest.raises(ValueError, match="geometry"):
+        JaxTransferEngine(dev, host)
