@@ -4,9 +4,10 @@ Pure numpy; imports no JAX or torch. Backends (JAX, torch) read and write it thr
 ``write_pages`` / ``read_pages`` / ``read_layer`` with integer host page ids and contiguous
 buffers in the layout's transfer order (see ``host_layout``).
 
-Memory: the arrays are plain numpy (page-aligned, zero-filled lazily by the OS). Pinning is
-the backend's business: the JAX backend stages D2H/H2D through ``pinned_host`` buffers where
-the platform has that memory kind; the torch backend (npu_bridge) may allocate pinned.
+Memory: by default a plain numpy array. A backend may hand in the ``buffer`` instead, e.g.
+pinned host memory: ``hicache_jax.backends.jax.memory.pinned_host_pool`` allocates it as a
+JAX ``pinned_host`` array and passes a writable view (``buffer_owner`` keeps it alive); the
+torch backend (npu_bridge) can pass a pinned torch tensor's numpy view the same way.
 
 Threading: ``write_pages``/``read_pages`` on *disjoint* page ids may run concurrently from
 transfer worker threads (numpy releases the GIL on copies); the allocator and everything
@@ -62,14 +63,25 @@ class HostPoolConfig:
 class HostKVPool:
     """Numpy host pool. Holds raw KV bits in ``geom.container_dtype``."""
 
-    def __init__(self, geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> None:
+    def __init__(self, geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,
+                 buffer: np.ndarray | None = None, buffer_owner: object = None) -> None:
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
         self.geom = geom
         self.layout = HostLayout.parse(layout)
         self.allocator = PageAllocator(num_pages, name="host")
         self.num_pages = self.allocator.num_pages
-        self.array = np.zeros(host_array_shape(geom, self.layout, num_pages), dtype=geom.container_dtype)
+        shape = host_array_shape(geom, self.layout, num_pages)
+        if buffer is None:
+            buffer = np.zeros(shape, dtype=geom.container_dtype)
+        elif not isinstance(buffer, np.ndarray):
+            raise TypeError(f"buffer: expected a numpy array, got {type(buffer).__name__}")
+        elif (buffer.shape != shape or buffer.dtype != geom.container_dtype or not buffer.flags.c_contiguous
+              or not buffer.flags.writeable):
+            raise ValueError(f"buffer: expected a writable C-contiguous {geom.container_dtype} array of shape "
+                             f"{shape}, got {buffer.dtype} {buffer.shape} (writeable={buffer.flags.writeable})")
+        self.array = buffer
+        self._buffer_owner = buffer_owner  # keeps externally allocated (e.g. pinned) memory alive
         views = self.array if geom.kind == "mha" else self.array[None]
         shape = page_major_shape(geom, self.layout, num_pages)
         # Page-major views share memory with self.array (reshape of contiguous data never copies).

@@ -12,8 +12,9 @@
   (the KV-head axis), so sharded pools give the same bytes as unsharded ones.
 
 Implementations (``impl``): ``tpu`` (scalar-prefetch DMA), ``gpu`` (Triton), ``xla`` (the
-pure-JAX reference, i.e. io backend ``direct``). ``auto`` picks ``tpu`` on TPU, ``gpu`` on
-GPU and ``tpu`` in interpret mode on CPU (the fastest interpreted variant).
+pure-JAX reference: take / donated ``.at[].set``). ``auto`` picks ``tpu`` on TPU, ``gpu`` on
+GPU and ``tpu`` in interpret mode on CPU (the fastest interpreted variant). Upstream's io
+backend names are accepted too: ``kernel`` = ``auto``, ``direct`` = ``xla``.
 
 Threading: call from the thread that owns the pool (JAX dispatch is asynchronous; the
 arrays returned are futures). Donation: ``scatter`` consumes the pool array passed in and
@@ -39,6 +40,7 @@ from .common import bucket_for, buffer_shape, check_order, default_buckets
 Impl = Literal["auto", "tpu", "gpu", "xla"]
 
 _CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_IO_BACKEND_ALIASES = {"kernel": "auto", "direct": "xla"}
 
 
 def _to_bits(x: jax.Array, c) -> jax.Array:
@@ -68,8 +70,10 @@ class PageCopyConfig:
     platform: str | None = None  # None: jax.default_backend()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "impl", _IO_BACKEND_ALIASES.get(self.impl, self.impl))
         if self.impl not in ("auto", "tpu", "gpu", "xla"):
-            raise ValueError(f"impl: expected 'auto', 'tpu', 'gpu' or 'xla', got {self.impl!r}")
+            raise ValueError(f"impl: expected 'auto', 'tpu', 'gpu', 'xla' (or io backend 'kernel' / 'direct'), "
+                             f"got {self.impl!r}")
         if not isinstance(self.max_pages, int) or self.max_pages < 1:
             raise ValueError(f"max_pages: expected an int >= 1, got {self.max_pages!r}")
         if self.buckets is not None:

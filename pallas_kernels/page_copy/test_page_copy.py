@@ -166,6 +166,20 @@ def test_steady_state_never_recompiles(impl):
     assert compiles == [], f"steady state compiled: {compiles}"
 
 
+def test_config_names_and_validation():
+    assert PageCopyConfig(impl="direct").impl == "xla" and PageCopyConfig(impl="kernel").impl == "auto"
+    assert PageCopier(PageCopyConfig(impl="kernel", platform="cpu")).impl == "tpu"
+    assert PageCopier(PageCopyConfig(impl="kernel", platform="gpu")).impl == "gpu"
+    assert PageCopier(PageCopyConfig(impl="kernel", platform="cpu")).interpret
+    assert not PageCopier(PageCopyConfig(impl="direct", platform="cpu")).interpret
+    with pytest.raises(ValueError, match="impl"):
+        PageCopyConfig(impl="cuda")
+    with pytest.raises(ValueError, match="max_pages"):
+        PageCopyConfig(max_pages=0)
+    with pytest.raises(ValueError, match="buckets"):
+        PageCopyConfig(buckets=(4, 2))
+
+
 def test_default_buckets():
     b = default_buckets(4096)
     assert b[:5] == (1, 2, 4, 8, 16) and b[-1] == 4096 and list(b) == sorted(set(b))

@@ -170,3 +170,27 @@ def test_mismatched_geometry_rejected():
     host = HostKVPool(GEOMS["mha-fp32-p1"], 4)
     with pytest.raises(ValueError, match="geometry"):
         JaxTransferEngine(dev, host)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_pinned_host_pool_roundtrip_and_staging_reuse(layout):
+    """Host pool in pinned memory (JAX memory kind) and pinned H2D staging reused across loads."""
+    from hicache_jax.backends.jax.memory import pinned_host_pool
+
+    geom = GEOMS["mha-bf16-p16"]
+    dev = JaxDevicePool(geom, DEVICE_PAGES)
+    host = pinned_host_pool(geom, HOST_PAGES, layout)
+    if getattr(host, "memory_kind", None) != "pinned_host":
+        pytest.skip("this JAX runtime has no pinned_host memory kind")
+    eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES))
+    assert eng._ring is not None
+    data = _fill(dev, np.random.default_rng(5))
+    eng.backup(np.arange(8), np.arange(8)).wait()
+    # several loads of the same bucket shape in a row: staging buffers are recycled
+    handles = [eng.load(np.arange(i, i + 3), np.arange(10 + 3 * i, 13 + 3 * i)) for i in range(4)]
+    for h in handles:
+        h.wait()
+    for i in range(4):
+        for c in geom.components:
+            np.testing.assert_array_equal(dev.read_pages_host(c, np.arange(10 + 3 * i, 13 + 3 * i)),
+                                          data[c][:, i:i + 3])

@@ -1,8 +1,26 @@
-"""Host memory kinds: pinned where the platform has it, else unpinned / plain numpy."""
+"""Host memory for the JAX backend: pinned where the platform has it, numpy otherwise.
+
+``host_buffer`` allocates a JAX array in a host memory kind (``pinned_host``) and returns a
+*writable numpy view* of its bytes. The JAX array is only the allocation vehicle: it is
+never handed to XLA again, so writing through the view cannot race with a computation. The
+view keeps the JAX array alive. ``StagingRing`` hands out such buffers for H2D loads and
+only reuses one after the device copy that read it has finished.
+
+Threading: allocation and the ring belong to the owner thread.
+"""
 
 from __future__ import annotations
 
+import ctypes
+from collections import deque
+
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...host_layout import HostLayout, host_array_shape
+from ...host_pool import HostKVPool
+from ...kv_geometry import KVGeometry
 
 
 def host_memory_kind(device: jax.Device | None = None) -> str | None:
@@ -20,3 +38,61 @@ def host_memory_kind(device: jax.Device | None = None) -> str | None:
     if "unpinned_host" in kinds and device.platform != "tpu":
         return "unpinned_host"
     return None
+
+
+def host_buffer(shape: tuple[int, ...], dtype, device: jax.Device | None = None,
+                memory_kind: str = "pinned_host") -> tuple[np.ndarray, jax.Array]:
+    """(writable numpy view, owning JAX array) of a zeroed buffer in ``memory_kind``."""
+    device = device or jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    dtype = np.dtype(dtype)
+    owner = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    owner.block_until_ready()
+    raw = (ctypes.c_char * max(owner.nbytes, 1)).from_address(owner.unsafe_buffer_pointer())
+    raw.owner = owner  # the view's base is `raw`, which keeps the JAX buffer alive
+    view = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    return view, owner
+
+
+def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,
+                     device: jax.Device | None = None) -> HostKVPool:
+    """A HostKVPool whose array lives in pinned host memory (plain numpy if there is none)."""
+    kind = host_memory_kind(device)
+    if kind != "pinned_host":
+        return HostKVPool(geom, num_pages, layout)
+    shape = host_array_shape(geom, HostLayout.parse(layout), num_pages)
+    view, owner = host_buffer(shape, geom.container_dtype, device, kind)
+    pool = HostKVPool(geom, num_pages, layout, buffer=view, buffer_owner=owner)
+    pool.memory_kind = kind
+    return pool
+
+
+class StagingRing:
+    """Reusable pinned staging buffers for H2D, keyed by shape and dtype.
+
+    ``acquire`` returns a (view, owner) pair that no in-flight copy still reads; ``release``
+    records the device array a copy produced from it, which must be ready before reuse.
+    """
+
+    def __init__(self, device: jax.Device, memory_kind: str, per_shape: int = 2) -> None:
+        self.device, self.memory_kind, self.per_shape = device, memory_kind, per_shape
+        self._free: dict[tuple, deque] = {}
+        self._busy: dict[tuple, deque] = {}
+
+    def acquire(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, jax.Array]:
+        key = (tuple(shape), np.dtype(dtype).str)
+        free, busy = self._free.setdefault(key, deque()), self._busy.setdefault(key, deque())
+        if free:
+            return free.popleft()
+        if len(busy) >= self.per_shape:  # all in use: wait for the oldest copy to finish
+            buf, consumer = busy.popleft()
+            consumer.block_until_ready()
+            return buf
+        return host_buffer(shape, dtype, self.device, self.memory_kind)
+
+    def release(self, buf: tuple[np.ndarray, jax.Array], consumer: jax.Array) -> None:
+        key = (buf[0].shape, buf[0].dtype.str)
+        busy = self._busy[key]
+        busy.append((buf, consumer))
+        while busy and busy[0][1].is_ready():  # recycle finished ones eagerly
+            self._free[key].append(busy.popleft()[0])

@@ -9,8 +9,9 @@ Backup (D2H), never blocking the caller:
 
 Load (H2D), layer by layer:
   owner thread: one numpy gather of the host pages into a contiguous staging buffer per
-  component (transfer order, bucket-padded), one ``device_put`` of it, then one scatter per
-  layer from that buffer into the layer's pool array (donated, in place). Each layer's new
+  component (transfer order, bucket-padded; pinned and reused through a ``StagingRing`` on a
+  single-device pool where the platform has pinned memory), one ``device_put`` of it, then
+  one scatter per layer from that buffer into the layer's pool array (donated, in place). Each layer's new
   array is installed in the pool at once, so later model steps are ordered after it by
   dataflow; ``LoadHandle.layer_done(l)`` reports whether layer l's arrays have landed.
 
@@ -31,7 +32,7 @@ from ...host_layout import HostLayout
 from ...host_pool import HostKVPool
 from ...transfer import CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker
 from .device_pool import JaxDevicePool
-from .memory import host_memory_kind
+from .memory import StagingRing, host_memory_kind
 
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
 
@@ -74,6 +75,10 @@ class JaxTransferEngine(KVTransferEngine):
         self.order = host_pool.layout.transfer_order
         # Memory kind D2H buffers land in (pinned where the platform has it); None: plain copies.
         self.host_memory_kind = host_memory_kind() if use_host_memory_kind else None
+        # Pinned H2D staging for single-device pools (sharded pools take numpy -> device_put).
+        self._ring = None
+        if self.host_memory_kind == "pinned_host" and device_pool.mesh is None:
+            self._ring = StagingRing(next(iter(device_pool.sharding.device_set)), "pinned_host")
         self._d2h = SerialWorker("hicache-d2h")
 
     def precompile(self, max_pages: int | None = None) -> int:
@@ -113,13 +118,25 @@ class JaxTransferEngine(KVTransferEngine):
         padded[:h.size] = h  # padding reads host page 0; the scatter skips those positions
         per_layer: list[list[jax.Array]] = [[] for _ in range(self.geom.num_layers)]
         for c in self.geom.components:
-            staging = self.host_pool.read_pages(c, padded).view(self.device_pool.dtype)
-            dev_buf = jax.device_put(staging, self.copier.buffer_sharding() or self.device_pool.sharding)
+            dev_buf = self._stage_h2d(c, padded)
             for layer in range(self.geom.num_layers):
                 new = self.copier.scatter(self.device_pool.layers(c)[layer], d, dev_buf, layer, self.order)
                 self.device_pool.set_layer(c, layer, new)
                 per_layer[layer].append(new)
         return JaxLoadHandle(per_layer)
+
+    def _stage_h2d(self, component: str, padded_ids: np.ndarray) -> jax.Array:
+        """Host pages -> contiguous staging buffer -> device transfer buffer (async)."""
+        if self._ring is None:
+            staging = self.host_pool.read_pages(component, padded_ids).view(self.device_pool.dtype)
+            return jax.device_put(staging, self.copier.buffer_sharding() or self.device_pool.sharding)
+        shape = self.host_pool.component_view(component).shape
+        shape = (shape[0], padded_ids.size) + shape[2:] if self.order == "lnp" else (padded_ids.size,) + shape[1:]
+        view, owner = buf = self._ring.acquire(shape, self.device_pool.dtype)
+        self.host_pool.read_pages(component, padded_ids, out=view.view(self.geom.container_dtype))
+        dev_buf = jax.device_put(owner, self.device_pool.sharding)
+        self._ring.release(buf, dev_buf)
+        return dev_buf
 
     def close(self) -> None:
         self._d2h.shutdown()
