@@ -23,8 +23,9 @@ import jax
 import numpy as np
 
 from benchmarks._report import gbps, machine_info, median_seconds, print_table, write_json
-from hicache_jax import HostKVPool, HostLayout, KVGeometry
+from hicache_jax import HostLayout, KVGeometry
 from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine, host_memory_kind
+from hicache_jax.backends.jax.memory import pinned_host_pool
 from pallas_kernels.page_copy import PageCopyConfig
 from pallas_kernels.page_copy.bench_page_copy import gather_scatter_seconds, raw_device_copy_seconds
 
@@ -67,7 +68,7 @@ def run(args) -> dict:
         geom = KVGeometry.mha(page_size=page, **geom_kw)
         device_pages = max(2 * n, 64)
         dev = JaxDevicePool(geom, device_pages)
-        host = HostKVPool(geom, n, layout)
+        host = pinned_host_pool(geom, n, layout)  # plain numpy where there is no pinned memory
         eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(impl=args.impl, max_pages=device_pages))
         rng = np.random.default_rng(0)
         for c in geom.components:  # random KV, never zeros
@@ -110,26 +111,34 @@ def run(args) -> dict:
                 ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
                  "D2H", "x raw D2H", "x memcpy", "H2D", "x raw H2D"], rows)
     return {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl,
+            "host_pool_memory": getattr(host, "memory_kind", "numpy"),
             "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small sweep (seconds), e.g. for smoke tests")
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "tpu", "gpu"])
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "tpu", "gpu"],
+                   help="page-copy implementation (auto: Pallas on GPU/TPU, XLA on CPU; tpu/gpu on CPU = interpreted)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--page-counts", type=int, nargs="+", default=[16, 256])
+    p.add_argument("--page-sizes", type=int, nargs="+", default=None, help="tokens per page (default: 1 16 64)")
+    p.add_argument("--page-counts", type=int, nargs="+", default=None,
+                   help="pages per transfer (default: 16 128 on CPU; 16 256 1024 on GPU/TPU, >= 64 MiB moves)")
     p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per op (median; default 5)")
     p.add_argument("--out", default="benchmarks/results/transfer.json")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick:  # small shapes; explicit sizes / counts / reps still win
         args.layers, args.heads, args.head_dim = 2, 2, 64
-        args.page_sizes, args.page_counts, args.reps = [1, 16], [8, 64], 2
+        args.page_sizes = args.page_sizes or [1, 16]
+        args.page_counts = args.page_counts or [8, 64]
+        args.reps = args.reps or 2
+    args.page_sizes = args.page_sizes or [1, 16, 64]
+    args.page_counts = args.page_counts or ([16, 128] if jax.default_backend() == "cpu" else [16, 256, 1024])
+    args.reps = args.reps or 5
     payload = run(args)
     path = write_json(args.out, payload)
     print(f"JSON written to {path}")

@@ -13,7 +13,8 @@
 
 Implementations (``impl``): ``tpu`` (scalar-prefetch DMA), ``gpu`` (Triton), ``xla`` (the
 pure-JAX reference: take / donated ``.at[].set``). ``auto`` picks ``tpu`` on TPU, ``gpu`` on
-GPU and ``tpu`` in interpret mode on CPU (the fastest interpreted variant). Upstream's io
+GPU and ``xla`` on CPU: interpreted kernels are a correctness tool there (10-100x slower than
+XLA's native gather/scatter); ask for ``tpu`` or ``gpu`` explicitly to run them interpreted. Upstream's io
 backend names are accepted too: ``kernel`` = ``auto``, ``direct`` = ``xla``.
 
 Threading: call from the thread that owns the pool (JAX dispatch is asynchronous; the
@@ -101,7 +102,7 @@ class PageCopier:
         platform = self.config.platform or jax.default_backend()
         impl = self.config.impl
         if impl == "auto":
-            impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "tpu")
+            impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "xla")
         interpret = self.config.interpret
         if interpret is None:
             interpret = impl != "xla" and platform == "cpu"

@@ -168,9 +168,10 @@ def test_steady_state_never_recompiles(impl):
 
 def test_config_names_and_validation():
     assert PageCopyConfig(impl="direct").impl == "xla" and PageCopyConfig(impl="kernel").impl == "auto"
-    assert PageCopier(PageCopyConfig(impl="kernel", platform="cpu")).impl == "tpu"
+    assert PageCopier(PageCopyConfig(impl="kernel", platform="cpu")).impl == "xla"
     assert PageCopier(PageCopyConfig(impl="kernel", platform="gpu")).impl == "gpu"
-    assert PageCopier(PageCopyConfig(impl="kernel", platform="cpu")).interpret
+    assert PageCopier(PageCopyConfig(impl="kernel", platform="tpu")).impl == "tpu"
+    assert PageCopier(PageCopyConfig(impl="tpu", platform="cpu")).interpret
     assert not PageCopier(PageCopyConfig(impl="direct", platform="cpu")).interpret
     with pytest.raises(ValueError, match="impl"):
         PageCopyConfig(impl="cuda")
