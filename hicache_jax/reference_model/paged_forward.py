@@ -1,0 +1,101 @@
+"""One jitted model step over the paged KV pool, for prefill chunks and batched decode alike.
+
+``PagedRunner.step`` takes B sequences with up to T new tokens each, writes their KV into the
+pool at ``(page_table[pos // page], pos % page)``, attends over every cached position below
+``kv_len`` (causal), and returns the logits of each sequence's last new token plus the
+updated pool arrays.
+
+Donation: the pool arrays passed in are donated (updated in place) and must be replaced by
+the returned ones. Shapes are bucketed (B, T and the page-table width to powers of two), so
+steady-state serving reuses compiled steps. Threading: call from the thread that owns the pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig
+from .model import Transformer
+
+Pools = dict[str, list[jax.Array]]
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    any_pool = next(iter(pools.values()))[0]
+    num_pages, page = any_pool.shape[:2]
+    x = model.embed(tokens)
+    # New tokens' slots; padding tokens go to an out-of-range page and are dropped.
+    slot_page = jnp.take_along_axis(page_tables, positions // page, axis=1)
+    slot_page = jnp.where(valid, slot_page, num_pages)
+    slot_off = positions % page
+    s = page_tables.shape[1] * page
+    kpos = jnp.arange(s)
+    kv_valid = kpos[None, :] < kv_lens[:, None]  # (B, S)
+    mask = (kpos[None, None, :] <= positions[:, :, None]) & kv_valid[:, None, :]
+    new_pools: Pools = {c: [] for c in pools}
+    for layer, block in enumerate(model.blocks):
+        h = block.norm1(x)
+        new_kv = block.attn.project_kv(h, positions)
+        kv_all = {}
+        for c, entries in new_kv.items():
+            pool = pools[c][layer].at[slot_page, slot_off].set(entries.astype(any_pool.dtype), mode="drop")
+            new_pools[c].append(pool)
+            gathered = pool[page_tables]  # (B, M, page, H, W)
+            kv_all[c] = gathered.reshape((b, s) + gathered.shape[3:]).astype(jnp.float32)
+        x = x + block.attn.attend(h, positions, kv_all, kv_valid, mask)
+        x = x + block.mlp(block.norm2(x))
+    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    logits = model.lm_head(model.norm(x_last))
+    return logits, new_pools
+
+
+class PagedRunner:
+    """Holds the model's weights and its jitted, pool-donating step."""
+
+    def __init__(self, config: ModelConfig, page_size: int) -> None:
+        self.config = config
+        self.page_size = page_size
+        self.model = Transformer(config)
+        self.graphdef, self.state = nnx.split(self.model)
+        self._step = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,))
+
+    def step(self, pools: Pools, tokens: list[list[int]], starts: list[int], page_tables: list[np.ndarray],
+             min_t: int = 1) -> tuple[np.ndarray, Pools]:
+        """Run B sequences: sequence i adds ``tokens[i]`` at positions ``starts[i]...``.
+
+        ``page_tables[i]`` lists the pool pages of sequence i, covering every position up to
+        ``starts[i] + len(tokens[i])``. Returns (logits (B, vocab) as numpy, new pools).
+        """
+        b = len(tokens)
+        if not (b == len(starts) == len(page_tables)) or b == 0:
+            raise ValueError("tokens, starts, page_tables: expected equal, non-zero lengths")
+        bb = _bucket(b)
+        tb = _bucket(max(len(x) for x in tokens), min_t)
+        mb = _bucket(max(len(p) for p in page_tables))
+        tok = np.zeros((bb, tb), np.int32)
+        pos = np.zeros((bb, tb), np.int32)
+        val = np.zeros((bb, tb), bool)
+        pt = np.zeros((bb, mb), np.int32)
+        kv_lens = np.zeros(bb, np.int32)
+        for i, (ts, st, table) in enumerate(zip(tokens, starts, page_tables)):
+            n = len(ts)
+            if n == 0:
+                raise ValueError(f"tokens[{i}]: expected at least one token")
+            if (st + n + self.page_size - 1) // self.page_size > len(table):
+                raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {st + n} tokens")
+            tok[i, :n], pos[i, :n], val[i, :n] = ts, np.arange(st, st + n), True
+            pos[i, n:] = st + n - 1
+            pt[i, :len(table)] = table
+            kv_lens[i] = st + n
+        logits, new_pools = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens)
+        return np.asarray(logits[:b]), new_pools
