@@ -1,0 +1,90 @@
+"""Configuration of the hierarchical radix cache: a frozen dataclass validated at construction.
+
+Pure Python. Names and defaults follow upstream HiCache flags (REFERENCE.md section 2.9):
+``--hicache-write-policy`` -> ``write_policy``, ``--radix-eviction-policy`` -> ``eviction_policy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+
+class WritePolicy(str, Enum):
+    """When device KV is copied to the host tier."""
+
+    WRITE_THROUGH = "write_through"  # copy every newly inserted node right away
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copy a node once it has 2 insert-hits
+    WRITE_BACK = "write_back"  # copy only when device eviction would otherwise lose the node
+
+    @classmethod
+    def parse(cls, value: "str | WritePolicy") -> "WritePolicy":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"write_policy: expected one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+class EvictionPolicy(str, Enum):
+    """Order in which unlocked leaves leave a tier."""
+
+    LRU = "lru"  # oldest logical access first
+    LFU = "lfu"  # fewest insert-hits first, ties by oldest access
+
+    @classmethod
+    def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"eviction_policy: expected one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+# Upstream thresholds: hits needed before a node is backed up (REFERENCE 2.3).
+_DEFAULT_WRITE_THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
+                            WritePolicy.WRITE_BACK: None}
+
+
+def _int_arg(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """Settings of one ``HiRadixCache``.
+
+    * ``page_size``: tokens per page; must equal the KV geometry's page size. Keys are
+      matched and inserted in whole pages (a trailing partial page is never cached).
+    * ``write_policy`` / ``eviction_policy``: strings or enums (see above).
+    * ``write_through_threshold``: insert-hits before backup; ``None`` takes the policy's
+      upstream value (1 for write_through, 2 for write_through_selective). Ignored by write_back.
+    * ``load_back_threshold``: a host hit shorter than this many tokens is not loaded back
+      (recomputing it is cheaper than a transfer); upstream uses 10 for every page size.
+    * ``host_reclaim``: when the host tier is full and no host-only leaf is left, drop the
+      host copy of an on-device node (it stays on device, no longer backed up). Without it a
+      host pool smaller than the device pool starves write-through (sglang #33862).
+    """
+
+    page_size: int = 1
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU
+    write_through_threshold: int | None = None
+    load_back_threshold: int = 10
+    host_reclaim: bool = True
+
+    def __post_init__(self) -> None:
+        _int_arg("page_size", self.page_size, 1)
+        object.__setattr__(self, "write_policy", WritePolicy.parse(self.write_policy))
+        object.__setattr__(self, "eviction_policy", EvictionPolicy.parse(self.eviction_policy))
+        if self.write_through_threshold is None:
+            object.__setattr__(self, "write_through_threshold", _DEFAULT_WRITE_THRESHOLD[self.write_policy])
+        else:
+            _int_arg("write_through_threshold", self.write_through_threshold, 1)
+        _int_arg("load_back_threshold", self.load_back_threshold, 0)
+        if not isinstance(self.host_reclaim, bool):
+            raise TypeError(f"host_reclaim: expected a bool, got {type(self.host_reclaim).__name__}")

@@ -1,0 +1,126 @@
+"""Eviction order: LRU / LFU priorities and an indexed set of eviction candidates.
+
+Pure Python. An ``EvictionIndex`` holds the nodes that may leave a tier right now (for
+example "unlocked device leaves") and hands them out lowest priority first. It is a set
+plus a lazy min-heap: a node's priority only grows (its logical access time and hit count
+only increase), so instead of re-sorting, a fresh heap entry is pushed whenever a member's
+priority changes and stale entries are skipped on pop (each entry carries a stamp that
+must match the node's current stamp for this index). The heap is rebuilt when stale
+entries outnumber live ones, which keeps pop and push O(log n) amortised.
+
+Membership is decided by the cache (it knows the tier rules); this module only orders.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable, Iterator
+
+from .config import EvictionPolicy
+from .tree_node import TreeNode
+
+_stamps = itertools.count(1)
+
+
+def lru_priority(node: TreeNode) -> tuple:
+    return (node.last_access,)
+
+
+def lfu_priority(node: TreeNode) -> tuple:
+    return (node.hit_count, node.last_access)
+
+
+PRIORITY_FNS: dict[EvictionPolicy, Callable[[TreeNode], tuple]] = {
+    EvictionPolicy.LRU: lru_priority,
+    EvictionPolicy.LFU: lfu_priority,
+}
+
+
+class EvictionIndex:
+    """Candidates for one tier of one component, ordered by an eviction policy."""
+
+    def __init__(self, name: str, slot: int, priority: Callable[[TreeNode], tuple]) -> None:
+        self.name = name
+        self.slot = slot  # which entry of TreeNode.heap_stamp this index owns
+        self.priority = priority
+        self.members: set[TreeNode] = set()
+        self._heap: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return node in self.members
+
+    def __iter__(self) -> Iterator[TreeNode]:
+        return iter(self.members)
+
+    def _push(self, node: TreeNode) -> None:
+        stamp = next(_stamps)
+        node.heap_stamp[self.slot] = stamp
+        heapq.heappush(self._heap, (*self.priority(node), stamp, node))
+        if len(self._heap) > 4 * len(self.members) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        heap = []
+        for node in self.members:
+            stamp = next(_stamps)
+            node.heap_stamp[self.slot] = stamp
+            heap.append((*self.priority(node), stamp, node))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def set_member(self, node: TreeNode, member: bool) -> None:
+        if member:
+            if node not in self.members:
+                self.members.add(node)
+                self._push(node)
+        elif node in self.members:
+            self.members.discard(node)
+            node.heap_stamp[self.slot] = 0
+
+    def touch(self, node: TreeNode) -> None:
+        """The node's priority changed: re-order it if it is a member."""
+        if node in self.members:
+            self._push(node)
+
+    def pop(self) -> TreeNode | None:
+        """Remove and return the lowest-priority member, or None when empty."""
+        heap, members, slot = self._heap, self.members, self.slot
+        while heap:
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if node in members and node.heap_stamp[slot] == entry[-2]:
+                members.discard(node)
+                node.heap_stamp[slot] = 0
+                return node
+        return None
+
+    def clear(self) -> None:
+        for node in self.members:
+            node.heap_stamp[self.slot] = 0
+        self.members.clear()
+        self._heap.clear()
+
+    def check(self) -> list[str]:
+        """Violations: a member without a live heap entry, or a live entry for a non-member."""
+        errors = []
+        live = {}
+        for entry in self._heap:
+            node = entry[-1]
+            if node.heap_stamp[self.slot] == entry[-2]:
+                if node in live:
+                    errors.append(f"{self.name}: two live heap entries for {node!r}")
+                live[node] = entry
+        for node in self.members:
+            entry = live.get(node)
+            if entry is None:
+                errors.append(f"{self.name}: member {node!r} has no live heap entry")
+            elif tuple(entry[:-2]) != self.priority(node):
+                errors.append(f"{self.name}: stale priority {entry[:-2]} for {node!r}")
+        for node in live:
+            if node not in self.members:
+                errors.append(f"{self.name}: live heap entry for non-member {node!r}")
+        return errors

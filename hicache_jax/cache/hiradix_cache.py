@@ -1,0 +1,866 @@
+"""HiRadixCache: a radix tree over token pages with a device tier (L1) and a host tier (L2).
+
+Pure Python + numpy; the KV bytes are moved by a ``KVTransferEngine`` (numpy, JAX or torch),
+and only integer page ids cross into it.
+
+Contract
+========
+
+Who allocates device pages
+    The caller (the scheduler). It takes pages from the device allocator, directly or via
+    ``alloc_device`` (which evicts unlocked leaves when the pool is short), writes KV into
+    them, and hands them to ``insert``. From then on the tree owns them.
+
+Who frees duplicates on insert
+    The cache. ``insert(key, pages)`` takes one page id per whole page of ``key``. Where the
+    tree already holds a page on the device for the same position, the caller's page is a
+    duplicate and the cache frees it (unless it *is* the tree's page, e.g. a prefix the
+    caller got from ``match_prefix``). Where the tree holds the tokens on the host only, the
+    caller's page revives the node on the device. Before anything changes, every page the
+    cache would take or free is checked: allocated, not already owned by the tree, no
+    repeats. The trailing partial page of a key is never cached: ``cache_finished_req``
+    frees it, ``cache_unfinished_req`` leaves it with the request.
+
+What is locked when
+    * ``inc_lock_ref(node)`` / ``dec_lock_ref(node)``: device path locks (node up to the
+      root). A locked node is never evicted from the device; callers lock the
+      ``last_device_node`` of a match for as long as they use the matched pages.
+    * A backup (D2H) holds a device path lock and a host path lock on its deepest node from
+      issue until ``writing_check`` sees it done, so neither copy is freed mid-transfer.
+    * A load-back (H2D) holds the same two locks from issue until ``loading_check`` sees it
+      done. The loaded pages appear in ``match_prefix`` at once; a forward pass must wait on
+      the handle (per layer) before reading them, as upstream.
+    * Host eviction skips host-locked nodes; device eviction skips device-locked nodes.
+
+Which thread may call what
+    Every method runs on one owner thread (the scheduler's). The cache is not thread-safe.
+    Engines may run copies on their own workers; the cache only polls their handles, from
+    the owner thread, in ``writing_check`` / ``loading_check`` / ``check_events``.
+
+Write policies (REFERENCE.md 2.3)
+    Hits are counted on insert only (walked nodes, split parents, the new leaf; not for
+    chunked inserts). ``write_through`` backs a node up once it has 1 hit,
+    ``write_through_selective`` once it has 2; the un-backed ancestors are backed up first
+    in the same transfer, so backed-up nodes always form a prefix from the root.
+    ``write_back`` backs up only inside ``evict``, blocking on the copy; when the host has no
+    room even after host eviction, the node is dropped (``dropped_tokens``).
+
+Eviction
+    Device: unlocked leaves of the device tier, LRU or LFU. A backed-up leaf is demoted to
+    host-only; otherwise it is deleted. Host: host-only, host-unlocked leaves; then (option
+    ``host_reclaim``) the host copies of on-device nodes with no backed-up child.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ..allocator import ID_DTYPE, PageAllocator, check_page_ids
+from ..transfer import KVTransferEngine, LoadHandle, TransferHandle
+from .components import ComponentRegistry
+from .config import HiCacheConfig, WritePolicy
+from .eviction import PRIORITY_FNS, EvictionIndex
+from .metrics import CacheMetrics
+from .radix_key import RadixKey, as_radix_key, common_prefix_len, page_key
+from .request import CacheRequest
+from .tree_node import TreeNode
+
+_EMPTY = np.zeros(0, ID_DTYPE)
+
+
+class CacheInvariantError(AssertionError):
+    """``sanity_check`` found violations; the message lists all of them."""
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What ``match_prefix`` found.
+
+    ``device_indices``: device page ids of the on-device prefix (a copy).
+    ``last_device_node``: deepest on-device node matched (the root if none); lock it to keep
+    ``device_indices`` valid. ``last_host_node``: deepest node matched on any tier.
+    ``host_hit_length``: tokens after the device prefix that exist on the host only; pass
+    ``last_host_node`` to ``load_back`` to bring them to the device.
+    """
+
+    device_indices: np.ndarray
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_length: int
+    page_size: int
+
+    @property
+    def device_hit_length(self) -> int:
+        return int(self.device_indices.shape[0]) * self.page_size
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    prefix_len: int  # tokens of the key that were already in the tree (either tier)
+    last_node: TreeNode  # the node ending at the last inserted page
+
+
+@dataclass(frozen=True)
+class LoadBackResult:
+    """A load-back in flight. ``device_pages`` continue the device prefix of the match."""
+
+    device_pages: np.ndarray
+    num_tokens: int
+    node: TreeNode
+    handle: LoadHandle
+
+    def layer_ready(self, layer: int) -> bool:
+        return self.handle.layer_done(layer)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        self.handle.wait_layer(layer, timeout)
+
+
+class _PendingOp:
+    __slots__ = ("node", "handle", "tokens", "t0")
+
+    def __init__(self, node: TreeNode, handle: TransferHandle, tokens: int) -> None:
+        self.node, self.handle, self.tokens, self.t0 = node, handle, tokens, time.perf_counter()
+
+
+def _count_arg(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}: expected >= 0, got {value}")
+    return int(value)
+
+
+class HiRadixCache:
+    """Radix cache with device and host tiers. See the module docstring for the contract."""
+
+    def __init__(self, config: HiCacheConfig, engine: KVTransferEngine, device_allocator: PageAllocator,
+                 sidecars: Mapping[str, KVTransferEngine] | None = None) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
+        self.components = ComponentRegistry(engine, device_allocator, sidecars)
+        if config.page_size != self.components.page_size:
+            raise ValueError(f"config: page_size {config.page_size} != the KV geometry's page_size "
+                             f"{self.components.page_size}")
+        host_alloc = self.components.host_allocator
+        if host_alloc.used:
+            raise ValueError(f"engine: the host pool must start empty (the cache owns it), {host_alloc.used} "
+                             f"pages are in use")
+        self.config = config
+        self.page_size = config.page_size
+        self.device_allocator = device_allocator
+        self.host_allocator = host_alloc
+        self.write_policy = config.write_policy
+        self._threshold = config.write_through_threshold if config.write_policy != WritePolicy.WRITE_BACK else None
+        prio = PRIORITY_FNS[config.eviction_policy]
+        # One index per tier rule; a node is in at most one of device/host (disjoint by rule).
+        self.device_lru = EvictionIndex("device_leaves", 0, prio)
+        self.host_lru = EvictionIndex("host_leaves", 1, prio)
+        self.reclaim_lru = EvictionIndex("host_reclaimable", 2, prio)
+        self._indexes = (self.device_lru, self.host_lru, self.reclaim_lru)
+        self._reclaim = config.host_reclaim
+        self.metrics = CacheMetrics()
+        self._dev_owned = np.zeros(device_allocator.num_pages, bool)
+        self._scratch = np.zeros(device_allocator.num_pages, np.int32)  # for _page_ids
+        self._host_owned = np.zeros(host_alloc.num_pages, bool)
+        self._writes: deque[_PendingOp] = deque()
+        self._loads: deque[_PendingOp] = deque()
+        self._init_tree()
+
+    # ------------------------------------------------------------------ tree basics
+    def _init_tree(self) -> None:
+        root = TreeNode(np.zeros(0, np.int64), None, None)
+        root.value = _EMPTY
+        root.host_value = _EMPTY
+        root.lock_ref = 1  # the root is never evicted on either tier
+        root.host_lock_ref = 1
+        self.root = root
+        self._clock = 0
+        self.evictable_tokens = 0  # on device, lock_ref == 0
+        self.protected_tokens = 0  # on device, lock_ref > 0
+        self.host_tokens = 0  # held on the host tier
+        for index in self._indexes:
+            index.clear()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, node: TreeNode):
+        k = page_key(node.key, 0, self.page_size)
+        return (node.namespace, k) if node.parent is self.root else k
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Recompute node's membership in every eviction index (after any state change)."""
+        if node is self.root or node.deleted:
+            return
+        on_dev = node.value is not None
+        backed = node.host_value is not None
+        host_free = backed and node.host_lock_ref == 0 and node.host_children == 0
+        dev = on_dev and node.lock_ref == 0 and node.dev_children == 0
+        host = host_free and not on_dev
+        reclaim = host_free and on_dev and self._reclaim
+        # Hot path: most refreshes change nothing, so compare before touching the sets.
+        if dev != (node in self.device_lru.members):
+            self.device_lru.set_member(node, dev)
+        if host != (node in self.host_lru.members):
+            self.host_lru.set_member(node, host)
+        if reclaim != (node in self.reclaim_lru.members):
+            self.reclaim_lru.set_member(node, reclaim)
+
+    def _touch(self, node: TreeNode, t: int, hit: bool) -> None:
+        node.last_access = t
+        if hit:
+            node.hit_count += 1
+        for index in self._indexes:
+            index.touch(node)
+
+    def _set_device(self, node: TreeNode, ids: np.ndarray) -> None:
+        node.value = ids
+        self._dev_owned[ids] = True
+        if node.lock_ref:
+            self.protected_tokens += len(node)
+        else:
+            self.evictable_tokens += len(node)
+        node.parent.dev_children += 1
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _clear_device(self, node: TreeNode) -> np.ndarray:
+        ids = node.value
+        assert node.lock_ref == 0, "evicting a locked node"
+        node.value = None
+        self._dev_owned[ids] = False
+        self.evictable_tokens -= len(node)
+        node.parent.dev_children -= 1
+        self._refresh(node)
+        self._refresh(node.parent)
+        return ids
+
+    def _set_host(self, node: TreeNode, ids: np.ndarray) -> None:
+        node.host_value = ids
+        self._host_owned[ids] = True
+        self.host_tokens += len(node)
+        node.parent.host_children += 1
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _clear_host(self, node: TreeNode) -> np.ndarray:
+        ids = node.host_value
+        node.host_value = None
+        self._host_owned[ids] = False
+        self.host_tokens -= len(node)
+        node.parent.host_children -= 1
+        self._refresh(node)
+        self._refresh(node.parent)
+        return ids
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        """Unlink a node that holds nothing on either tier and has no children."""
+        assert node.value is None and node.host_value is None and not node.children
+        parent = node.parent
+        del parent.children[self._child_key(node)]
+        for index in self._indexes:
+            index.set_member(node, False)
+        node.deleted = True
+        node.parent = None
+        self._refresh(parent)
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` tokens (a page multiple); returns the new upper node."""
+        k = m // self.page_size
+        parent = child.parent
+        ck = self._child_key(child)
+        new = TreeNode(child.key[:m], child.namespace, parent)
+        new.value = None if child.value is None else child.value[:k]
+        new.host_value = None if child.host_value is None else child.host_value[:k]
+        # Path locks: every holder whose path crossed child crosses the new upper part too.
+        new.lock_ref = child.lock_ref
+        new.host_lock_ref = child.host_lock_ref
+        new.hit_count = child.hit_count
+        new.last_access = child.last_access
+        child.key = child.key[m:]
+        if child.value is not None:
+            child.value = child.value[k:]
+        if child.host_value is not None:
+            child.host_value = child.host_value[k:]
+        child.parent = new
+        parent.children[ck] = new
+        new.children[self._child_key(child)] = child
+        new.dev_children = int(child.value is not None)
+        new.host_children = int(child.host_value is not None)
+        self._refresh(new)
+        return new
+
+    def _walk(self, tokens: np.ndarray, n: int, namespace: tuple) -> tuple[list, int]:
+        """Read-only walk: [(node, matched tokens, offset)] and total matched tokens."""
+        segs = []
+        if n == 0:
+            return segs, 0
+        p = self.page_size
+        off = 0
+        child = self.root.children.get((namespace, page_key(tokens, 0, p)))
+        while child is not None:
+            m = common_prefix_len(child.key, tokens[off:n])
+            m -= m % p
+            segs.append((child, m, off))
+            off += m
+            if m < child.key.shape[0] or off == n:
+                break
+            child = child.children.get(page_key(tokens, off, p))
+        return segs, off
+
+    def _check_node(self, node: object, name: str = "node") -> TreeNode:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{name}: expected a TreeNode, got {type(node).__name__}")
+        if node.deleted:
+            raise ValueError(f"{name}: {node!r} was removed from the tree")
+        n = node
+        while n.parent is not None:
+            n = n.parent
+        if n is not self.root:
+            raise ValueError(f"{name}: {node!r} does not belong to this cache")
+        return node
+
+    def _page_ids(self, ids: object, name: str = "device_pages") -> np.ndarray:
+        """``check_page_ids`` for the insert hot path: O(n) duplicate test instead of a sort."""
+        if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype in (np.int32, np.int64)):
+            return check_page_ids(ids, self.device_allocator.num_pages, name)
+        n = ids.shape[0]
+        if n == 0:
+            return _EMPTY.copy()
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self._scratch.shape[0]:
+            return check_page_ids(ids, self.device_allocator.num_pages, name)  # raises with the details
+        # Each id records its position; a repeated id keeps only its last position.
+        pos = np.arange(n, dtype=np.int32)
+        self._scratch[ids] = pos
+        if not np.array_equal(self._scratch[ids], pos):
+            return check_page_ids(ids, self.device_allocator.num_pages, name)  # raises: duplicates
+        return ids.astype(ID_DTYPE, copy=True)
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: object) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key``; splits a node the match ends inside.
+
+        Refreshes the access time of every matched node; never counts a hit.
+        """
+        key = as_radix_key(key)
+        res = self._match(key)
+        m = self.metrics
+        m.match_calls += 1
+        m.match_tokens += len(key) - len(key) % self.page_size
+        m.device_hit_tokens += res.device_hit_length
+        m.host_hit_tokens += res.host_hit_length
+        return res
+
+    def _match(self, key: RadixKey) -> MatchResult:
+        tokens = key.token_ids
+        n = tokens.shape[0] - tokens.shape[0] % self.page_size
+        segs, _ = self._walk(tokens, n, key.namespace)
+        t = self._tick()
+        dev_vals = []
+        last_dev = last = self.root
+        host_len = 0
+        for node, m, _off in segs:
+            if m < node.key.shape[0]:
+                node = self._split(node, m)
+            self._touch(node, t, False)
+            if node.value is not None:
+                dev_vals.append(node.value)
+                last_dev = node
+            else:
+                host_len += m
+            last = node
+        if not dev_vals:
+            dev = _EMPTY.copy()
+        elif len(dev_vals) == 1:
+            dev = dev_vals[0].copy()
+        else:
+            dev = np.concatenate(dev_vals)
+        return MatchResult(dev, last_dev, last, host_len, self.page_size)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: object, device_pages: object, *, chunked: bool = False) -> InsertResult:
+        """Insert ``key``'s whole pages with their device pages (one id per whole page).
+
+        The tree takes ownership of the pages it keeps and frees the caller's duplicates
+        (see the module docstring). ``chunked=True`` (a chunked-prefill insert) counts no hits.
+        """
+        key = as_radix_key(key)
+        tokens = key.token_ids
+        p = self.page_size
+        n = tokens.shape[0] - tokens.shape[0] % p
+        pages = self._page_ids(device_pages)
+        if pages.shape[0] != n // p:
+            raise ValueError(f"device_pages: expected {n // p} page ids for {tokens.shape[0]} tokens "
+                             f"(page_size {p}), got {pages.shape[0]}")
+        segs, matched = self._walk(tokens, n, key.namespace)
+        # Validate every page the tree would take or free before changing anything.
+        mine = np.ones(pages.shape[0], bool)  # True: the caller's page (taken or freed), not the tree's
+        for node, m, off in segs:
+            if node.value is not None:
+                mine[off // p:(off + m) // p] = pages[off // p:(off + m) // p] != node.value[:m // p]
+        taken = pages[mine]
+        if taken.size:
+            owned = taken[self._dev_owned[taken]]
+            if owned.size:
+                raise ValueError(f"device_pages: pages {owned[:8].tolist()} are already owned by the cache "
+                                 f"at other positions")
+            unalloc = taken[~self.device_allocator.is_allocated(taken)]
+            if unalloc.size:
+                raise ValueError(f"device_pages: pages {unalloc[:8].tolist()} are not allocated (double free?)")
+        return self._insert(key, pages, segs, matched, chunked)
+
+    def _insert(self, key: RadixKey, pages: np.ndarray, segs: list, matched: int, chunked: bool) -> InsertResult:
+        tokens = key.token_ids
+        p = self.page_size
+        n = pages.shape[0] * p
+        t = self._tick()
+        hit = not chunked
+        dup = []
+        node = self.root
+        for node, m, off in segs:
+            if m < node.key.shape[0]:
+                node = self._split(node, m)
+            seg = pages[off // p:(off + m) // p]
+            if node.value is None:
+                self._set_device(node, seg.copy())  # revive a host-only node with the caller's pages
+            else:
+                diff = seg != node.value
+                if diff.any():
+                    dup.append(seg[diff])
+            self._touch(node, t, hit)
+        if matched < n:
+            leaf = TreeNode(tokens[matched:n].copy(), key.namespace, node)
+            node.children[page_key(leaf.key, 0, p) if node is not self.root
+                          else (key.namespace, page_key(leaf.key, 0, p))] = leaf
+            leaf.last_access = t
+            leaf.hit_count = int(hit)
+            self._set_device(leaf, pages[matched // p:].copy())
+            node = leaf
+        if dup:
+            self.device_allocator.free(np.concatenate(dup) if len(dup) > 1 else dup[0])
+        if self._threshold is not None and hit and node is not self.root:
+            # Deepest node on the path that reached the threshold; its backup carries the
+            # un-backed ancestors too (contiguity from the root).
+            target = node
+            while target is not self.root and target.hit_count < self._threshold:
+                target = target.parent
+            if target is not self.root and target.host_value is None:
+                op = self._backup(target)
+                if op is not None:
+                    self._writes.append(op)
+        return InsertResult(matched, node)
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock ``node`` and its ancestors on the device tier. The root is a no-op."""
+        self._check_node(node)
+        if node.value is None:
+            raise ValueError(f"node: {node!r} is not on the device; lock the last_device_node of a match")
+        self._lock(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one ``inc_lock_ref(node)``. Raises ValueError (no change) if that would go below zero."""
+        self._check_node(node)
+        n = node
+        while n is not self.root:
+            if n.lock_ref < 1:
+                raise ValueError(f"node: unlock below zero at {n!r}")
+            n = n.parent
+        self._unlock(node)
+
+    def _lock(self, node: TreeNode) -> None:
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                self.evictable_tokens -= len(node)
+                self.protected_tokens += len(node)
+                node.lock_ref = 1
+                self.device_lru.set_member(node, False)
+            else:
+                node.lock_ref += 1
+            node = node.parent
+
+    def _unlock(self, node: TreeNode) -> None:
+        root = self.root
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_tokens += len(node)
+                self.protected_tokens -= len(node)
+                self._refresh(node)
+            node = node.parent
+
+    def _host_lock(self, node: TreeNode) -> None:
+        root = self.root
+        while node is not root:
+            node.host_lock_ref += 1
+            if node.host_lock_ref == 1:
+                self._refresh(node)
+            node = node.parent
+
+    def _host_unlock(self, node: TreeNode) -> None:
+        root = self.root
+        while node is not root:
+            node.host_lock_ref -= 1
+            if node.host_lock_ref == 0:
+                self._refresh(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ backup (D2H)
+    def _backup(self, node: TreeNode) -> _PendingOp | None:
+        """Back up ``node`` and its un-backed ancestors, parent first, in one transfer."""
+        chain = []
+        n = node
+        while n.host_value is None:
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        npages = sum(c.key.shape[0] for c in chain) // self.page_size
+        tokens = npages * self.page_size
+        self._host_lock(node)  # before host eviction: keeps the backed-up ancestors' copies
+        host_ids = self._alloc_host(npages)
+        if host_ids is None:
+            self._host_unlock(node)
+            self.metrics.backup_failed_tokens += tokens
+            return None
+        dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
+        handle = self.components.backup(dev_ids, host_ids)
+        off = 0
+        for c in chain:
+            k = c.key.shape[0] // self.page_size
+            self._set_host(c, host_ids[off:off + k])
+            off += k
+        self._lock(node)  # the device pages must stay until the copy is acknowledged
+        op = _PendingOp(node, handle, tokens)
+        self.metrics.backup_tokens += tokens
+        self.metrics.backup_bytes += npages * self.components.bytes_per_page
+        return op
+
+    def _alloc_host(self, npages: int) -> np.ndarray | None:
+        ids = self.host_allocator.alloc(npages)
+        if ids is None:
+            self._evict_host(npages - self.host_allocator.available)
+            ids = self.host_allocator.alloc(npages)
+        return ids
+
+    def _release(self, op: _PendingOp) -> None:
+        self._unlock(op.node)
+        self._host_unlock(op.node)
+
+    def writing_check(self, block: bool = False) -> int:
+        """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
+        return self._ack(self._writes, block, "backup_seconds")
+
+    def loading_check(self, block: bool = False) -> int:
+        """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
+        return self._ack(self._loads, block, "load_back_seconds")
+
+    def check_events(self) -> None:
+        """Poll both queues without blocking (call once per scheduler step)."""
+        if self._writes:
+            self.writing_check()
+        if self._loads:
+            self.loading_check()
+
+    def flush(self) -> None:
+        """Block until every transfer in flight is acknowledged."""
+        self.writing_check(block=True)
+        self.loading_check(block=True)
+
+    def _ack(self, queue: deque, block: bool, metric: str) -> int:
+        count = 0
+        while queue and (block or queue[0].handle.done()):
+            op = queue.popleft()
+            try:
+                op.handle.wait()  # re-raises a failed copy as TransferError
+            finally:
+                self._release(op)
+            setattr(self.metrics, metric, getattr(self.metrics, metric) + time.perf_counter() - op.t0)
+            count += 1
+        return count
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """(backups, load-backs) not yet acknowledged."""
+        return len(self._writes), len(self._loads)
+
+    # ------------------------------------------------------------------ eviction
+    def alloc_device(self, num_pages: int) -> np.ndarray | None:
+        """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
+        num_pages = _count_arg("num_pages", num_pages)
+        ids = self.device_allocator.alloc(num_pages)
+        if ids is None:
+            self.evict((num_pages - self.device_allocator.available) * self.page_size)
+            ids = self.device_allocator.alloc(num_pages)
+        return ids
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
+        num_tokens = _count_arg("num_tokens", num_tokens)
+        t0 = time.perf_counter()
+        m = self.metrics
+        m.evict_calls += 1
+        freed = 0
+        free_ids = []
+        write_back = self.write_policy == WritePolicy.WRITE_BACK
+        while freed < num_tokens:
+            node = self.device_lru.pop()
+            if node is None:
+                break
+            size = node.key.shape[0]
+            if node.host_value is None and write_back:
+                op = self._backup(node)
+                if op is None:
+                    m.dropped_tokens += size
+                else:
+                    op.handle.wait()  # write_back blocks on the copy, as upstream
+                    self._release(op)
+                    m.backup_seconds += time.perf_counter() - op.t0
+            free_ids.append(self._clear_device(node))
+            freed += size
+            if node.host_value is None:
+                self._remove_leaf(node)
+                m.deleted_device_tokens += size
+            else:
+                m.demoted_tokens += size
+        if free_ids:
+            self.device_allocator.free(np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0])
+        m.evicted_device_tokens += freed
+        m.eviction_seconds += time.perf_counter() - t0
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
+        pages = -(-_count_arg("num_tokens", num_tokens) // self.page_size)
+        return self._evict_host(pages) * self.page_size
+
+    def _evict_host(self, num_pages: int) -> int:
+        t0 = time.perf_counter()
+        m = self.metrics
+        m.evict_host_calls += 1
+        want = num_pages * self.page_size
+        freed = 0
+        free_ids = []
+        while freed < want:
+            node = self.host_lru.pop()
+            if node is None:
+                break
+            free_ids.append(self._clear_host(node))
+            freed += node.key.shape[0]
+            m.evicted_host_tokens += node.key.shape[0]
+            self._remove_leaf(node)
+        while freed < want:
+            node = self.reclaim_lru.pop()
+            if node is None:
+                break
+            free_ids.append(self._clear_host(node))
+            freed += node.key.shape[0]
+            m.reclaimed_host_tokens += node.key.shape[0]
+        if free_ids:
+            self.host_allocator.free(np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0])
+        m.host_eviction_seconds += time.perf_counter() - t0
+        return freed // self.page_size
+
+    # ------------------------------------------------------------------ load-back (H2D)
+    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> LoadBackResult | None:
+        """Load the host-only chain ending at ``node`` (a match's ``last_host_node``) to the device.
+
+        All or nothing: returns None (and changes nothing) when the chain is shorter than
+        ``load_back_threshold`` tokens, longer than ``mem_quota`` tokens, or the device has
+        no room even after eviction. The loaded nodes count as on-device at once, locked
+        until ``loading_check`` acknowledges the copy.
+        """
+        self._check_node(node)
+        if mem_quota is not None:
+            mem_quota = _count_arg("mem_quota", mem_quota)
+        chain = []
+        n = node
+        while n.value is None:
+            chain.append(n)
+            n = n.parent
+        anchor = n
+        tokens = sum(c.key.shape[0] for c in chain)
+        m = self.metrics
+        if not chain:
+            return None
+        if tokens < self.config.load_back_threshold or (mem_quota is not None and tokens > mem_quota):
+            m.load_back_skipped += 1
+            return None
+        chain.reverse()
+        npages = tokens // self.page_size
+        # Protect the anchor (device) and the chain (host) while eviction makes room.
+        self._lock(anchor)
+        self._host_lock(node)
+        dev = self.alloc_device(npages)
+        self._unlock(anchor)
+        if dev is None:
+            self._host_unlock(node)
+            m.load_back_skipped += 1
+            return None
+        host_ids = np.concatenate([c.host_value for c in chain]) if len(chain) > 1 else chain[0].host_value
+        handle = self.components.load(host_ids, dev)
+        off = 0
+        for c in chain:
+            k = c.key.shape[0] // self.page_size
+            self._set_device(c, dev[off:off + k])
+            off += k
+        self._lock(node)
+        self._loads.append(_PendingOp(node, handle, tokens))
+        m.load_back_calls += 1
+        m.loaded_tokens += tokens
+        m.loaded_bytes += npages * self.components.bytes_per_page
+        return LoadBackResult(dev.copy(), tokens, node, handle)
+
+    # ------------------------------------------------------------------ request helpers
+    def begin_request(self, key: object, mem_quota: int | None = None,
+                      load_back: bool = True) -> tuple[CacheRequest, LoadBackResult | None]:
+        """Match ``key``, load back its host continuation (if worth it), lock the device prefix.
+
+        Returns the request (its ``device_pages`` = the cached prefix, owned by the tree) and
+        the load-back in flight, if any.
+        """
+        key = as_radix_key(key)
+        res = self.match_prefix(key)
+        pages, last = res.device_indices, res.last_device_node
+        lb = None
+        if load_back and res.host_hit_length:
+            lb = self.load_back(res.last_host_node, mem_quota)
+            if lb is not None:
+                pages = np.concatenate([pages, lb.device_pages])
+                last = lb.node
+        if last is not self.root:
+            self._lock(last)
+        req = CacheRequest(key, self.page_size, pages, last if last is not self.root else None,
+                           pages.shape[0])
+        return req, lb
+
+    def _check_request(self, req: object) -> CacheRequest:
+        if not isinstance(req, CacheRequest):
+            raise TypeError(f"req: expected a CacheRequest, got {type(req).__name__}")
+        if req.page_size != self.page_size:
+            raise ValueError(f"req: page_size {req.page_size} != cache page_size {self.page_size}")
+        want = -(-len(req.key) // self.page_size)
+        if req.device_pages.shape[0] != want:
+            raise ValueError(f"req: {len(req.key)} tokens need {want} device pages, it holds "
+                             f"{req.device_pages.shape[0]}")
+        if req.last_node is not None:
+            self._check_node(req.last_node, "req.last_node")
+        return req
+
+    def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
+        """Insert the request's whole pages so far and re-point it at the tree's pages.
+
+        Duplicate pages are freed and replaced in ``req.device_pages`` by the tree's; the lock
+        moves to the new deepest node. A trailing partial page stays with the request.
+        """
+        self._check_request(req)
+        aligned = req.key.token_ids.shape[0] // self.page_size
+        ins = self.insert(req.key.prefix(aligned * self.page_size), req.device_pages[:aligned], chunked=chunked)
+        node = ins.last_node
+        if node is not self.root:
+            # Everything just inserted is on the device: rebuild the page ids along the path.
+            vals = []
+            n = node
+            while n is not self.root:
+                vals.append(n.value)
+                n = n.parent
+            vals.reverse()
+            tree_pages = np.concatenate(vals) if vals else _EMPTY
+            req.device_pages = req.device_pages.copy()
+            req.device_pages[:tree_pages.shape[0]] = tree_pages
+            self._lock(node)
+        if req.last_node is not None:
+            self._unlock(req.last_node)
+        req.last_node = node if node is not self.root else None
+        req.cached_pages = aligned
+
+    def cache_finished_req(self, req: CacheRequest) -> None:
+        """Insert the finished request's whole pages, free its partial tail page, unlock it."""
+        self._check_request(req)
+        p = self.page_size
+        aligned = req.key.token_ids.shape[0] // p
+        tail = req.device_pages[aligned:]
+        if tail.size:
+            bad = tail[self._dev_owned[tail] | ~self.device_allocator.is_allocated(tail)]
+            if bad.size:
+                raise ValueError(f"req.device_pages: tail pages {bad.tolist()} are not the request's to free")
+        self.insert(req.key.prefix(aligned * p), req.device_pages[:aligned])
+        if tail.size:
+            self.device_allocator.free(tail)
+        if req.last_node is not None:
+            self._unlock(req.last_node)
+        req.last_node = None
+        req.device_pages = _EMPTY.copy()
+        req.cached_pages = 0
+
+    # ------------------------------------------------------------------ reset / stats / checks
+    def reset(self) -> None:
+        """Drop everything: wait for transfers, free every page the tree owns.
+
+        Raises RuntimeError (after the wait, before freeing) while callers still hold locks.
+        """
+        self.flush()
+        if self.protected_tokens:
+            raise RuntimeError(f"reset: callers still hold locks on {self.protected_tokens} device tokens")
+        dev = np.flatnonzero(self._dev_owned).astype(ID_DTYPE)
+        host = np.flatnonzero(self._host_owned).astype(ID_DTYPE)
+        self.device_allocator.free(dev)
+        self.host_allocator.free(host)
+        self._dev_owned[:] = False
+        self._host_owned[:] = False
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n.deleted = n is not self.root
+        self._init_tree()
+
+    def all_nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def stats(self) -> dict:
+        m = self.metrics
+        cached = m.device_hit_tokens + m.loaded_tokens
+        return {
+            "write_policy": self.write_policy.value,
+            "eviction_policy": self.config.eviction_policy.value,
+            "page_size": self.page_size,
+            "nodes": len(self.all_nodes()) - 1,
+            "device_tree_tokens": self.evictable_tokens + self.protected_tokens,
+            "device_evictable_tokens": self.evictable_tokens,
+            "device_protected_tokens": self.protected_tokens,
+            "device_free_tokens": self.device_allocator.available * self.page_size,
+            "device_total_tokens": self.device_allocator.num_pages * self.page_size,
+            "host_tree_tokens": self.host_tokens,
+            "host_free_tokens": self.host_allocator.available * self.page_size,
+            "host_total_tokens": self.host_allocator.num_pages * self.page_size,
+            "backups_in_flight": len(self._writes),
+            "loads_in_flight": len(self._loads),
+            "hit_rate": cached / m.match_tokens if m.match_tokens else 0.0,
+            "metrics": m.as_dict(),
+        }
+
+    def sanity_check(self, external_device_pages: int | None = None) -> None:
+        """Verify every invariant; gathers all violations, then raises CacheInvariantError once.
+
+        ``external_device_pages``: device pages the caller holds outside the tree (allocated,
+        not yet inserted). When given, also checks free + tree + external == total.
+        """
+        from .invariants import collect_violations
+
+        errors = collect_violations(self, external_device_pages)
+        if errors:
+            raise CacheInvariantError(f"{len(errors)} cache invariant violation(s):\n  " + "\n  ".join(errors))

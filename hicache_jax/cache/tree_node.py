@@ -1,0 +1,70 @@
+"""One node of the radix tree: a run of page-aligned tokens and where its KV lives.
+
+Pure numpy. Fields are mutated only by ``HiRadixCache`` (on its owner thread); callers get
+nodes back from ``match_prefix`` as opaque handles to pass to ``inc_lock_ref`` /
+``dec_lock_ref`` / ``load_back``.
+
+Residency of the target ("full") KV component, which shapes the tree:
+
+* on device  <=> ``value`` is not None (int32 device page ids, ``len(key) / page_size`` of them)
+* backed up  <=> ``host_value`` is not None (int32 host page ids, same count)
+* a node with neither is dead and is removed at once.
+
+Sidecar components (draft KV) share these page ids 1:1, so they add no per-node fields.
+A component with its own index space (sliding-window KV) would add its own residency and
+lock fields here, tracked by its own eviction indexes (see ``components``).
+
+Locks are path locks: locking a node increments ``lock_ref`` on it and every ancestor up to
+the root, so a node's count is the number of holders whose path passes through it.
+``host_lock_ref`` does the same for the host copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+_ids = itertools.count()
+
+
+class TreeNode:
+    __slots__ = (
+        "id", "key", "namespace", "parent", "children", "value", "host_value", "lock_ref",
+        "host_lock_ref", "hit_count", "last_access", "dev_children", "host_children", "deleted",
+        "heap_stamp",
+    )
+
+    def __init__(self, key: np.ndarray, namespace: tuple, parent: "TreeNode | None") -> None:
+        self.id = next(_ids)
+        self.key = key  # int64 token ids, a page multiple (empty for the root)
+        self.namespace = namespace
+        self.parent = parent
+        self.children: dict = {}  # page_key bytes (root: (namespace, bytes)) -> TreeNode
+        self.value: np.ndarray | None = None
+        self.host_value: np.ndarray | None = None
+        self.lock_ref = 0
+        self.host_lock_ref = 0
+        self.hit_count = 0
+        self.last_access = 0  # logical clock, not wall time: deterministic order, no ties
+        self.dev_children = 0  # children with value is not None: O(1) "device leaf" test
+        self.host_children = 0  # children with host_value is not None
+        self.deleted = False
+        # One stamp per eviction index; a heap entry is live only while its stamp matches.
+        self.heap_stamp = [0, 0, 0]
+
+    @property
+    def evicted(self) -> bool:
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        return self.host_value is not None
+
+    def __len__(self) -> int:
+        return int(self.key.shape[0])
+
+    def __repr__(self) -> str:
+        state = ("D" if self.value is not None else "-") + ("H" if self.host_value is not None else "-")
+        return (f"TreeNode(id={self.id}, len={len(self)}, {state}, lock={self.lock_ref}, "
+                f"host_lock={self.host_lock_ref}, hits={self.hit_count}, t={self.last_access})")

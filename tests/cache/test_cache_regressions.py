@@ -1,0 +1,200 @@
+"""Regression tests for upstream failure modes (REFERENCE.md section 3.2) that apply here."""
+
+import numpy as np
+
+from cache_harness import KVOracle, make_cache, node_path_pages, prefill_insert
+from hicache_jax.cache import RadixKey
+
+
+def seq(start, n, ns=None):
+    return RadixKey(np.arange(start, start + n, dtype=np.int64), ns)
+
+
+def garbage(be, ids):
+    """Overwrite pages the way a new request's prefill would."""
+    for c in be.geom.components:
+        shape = (be.geom.num_layers, len(ids)) + be.geom.page_shape
+        be.device.write(c, ids, np.full(shape, 0xDEAD, be.geom.container_dtype))
+
+
+# ---------------------------------------------------------------- lock_ref during cascade eviction
+def test_cascade_eviction_under_pressure_keeps_locked_path(backend_factory):
+    cache, be = make_cache(backend_factory, device_pages=40, host_pages=160)
+    oracle = KVOracle(be)
+    prefill_insert(cache, oracle, seq(0, 8))  # P
+    a = prefill_insert(cache, oracle, seq(0, 16)).last_node  # P -> A
+    prefill_insert(cache, oracle, seq(0, 24))  # P -> A -> C
+    d = prefill_insert(cache, oracle, seq(0, 32)).last_node  # P -> A -> C -> D
+    c = d.parent
+    b = prefill_insert(cache, oracle, RadixKey(np.r_[np.arange(8), np.arange(500, 508)])).last_node  # P -> B
+    cache.flush()
+    assert be.device.allocator.available == 0
+    p_node = a.parent
+    cache.inc_lock_ref(a)  # a running request holds P -> A
+    assert (a.lock_ref, p_node.lock_ref) == (1, 1)
+    # Allocation pressure: D is evicted, then C (a leaf only once D is gone); the cascade
+    # stops at the locked A even though A is now the oldest device leaf.
+    got = cache.alloc_device(16)
+    assert got is not None and d.evicted and c.evicted and not b.evicted
+    more = cache.alloc_device(8)  # B goes next
+    assert more is not None and b.evicted
+    assert cache.alloc_device(1) is None  # only the locked path is left
+    got = np.r_[got, more]
+    garbage(be, got)  # the reused pages are overwritten
+    assert (a.lock_ref, p_node.lock_ref) == (1, 1)
+    assert not a.evicted and not p_node.evicted
+    oracle.check_device(seq(0, 16), cache.match_prefix(seq(0, 16)).device_indices)
+    assert cache.evict(100) == 0
+    cache.sanity_check(external_device_pages=len(got))
+    cache.dec_lock_ref(a)
+    assert cache.evictable_tokens == 16 and cache.protected_tokens == 0
+    be.device.allocator.free(got)
+    cache.sanity_check(0)
+    # The demoted chain comes back intact.
+    m = cache.match_prefix(seq(0, 32))
+    assert m.host_hit_length == 16
+    lb = cache.load_back(m.last_host_node)
+    cache.flush()
+    oracle.check_device(seq(0, 32), np.r_[m.device_indices, lb.device_pages])
+
+
+def test_load_back_under_pressure_never_evicts_its_anchor(backend_factory):
+    cache, be = make_cache(backend_factory, device_pages=32, host_pages=128)
+    oracle = KVOracle(be)
+    prefill_insert(cache, oracle, seq(0, 4))
+    child = prefill_insert(cache, oracle, seq(0, 16)).last_node
+    cache.flush()
+    anchor = child.parent
+    cache.inc_lock_ref(anchor)
+    cache.evict(12)  # child host-only
+    cache.dec_lock_ref(anchor)
+    prefill_insert(cache, oracle, seq(100, 14))  # newer than the anchor: the anchor is now LRU-oldest
+    prefill_insert(cache, oracle, seq(200, 14))  # device full: 4 + 14 + 14 = 32
+    cache.flush()
+    assert be.device.allocator.available == 0
+    lb = cache.load_back(child)
+    assert lb is not None and not anchor.evicted
+    cache.flush()
+    full = cache.match_prefix(seq(0, 16))
+    assert full.device_hit_length == 16
+    oracle.check_device(seq(0, 16), full.device_indices)
+    cache.sanity_check(0)
+
+
+# ---------------------------------------------------------------- a node in both device and host LRU
+def test_revived_node_leaves_host_lru(backend_factory):
+    cache, be = make_cache(backend_factory)
+    oracle = KVOracle(be)
+    node = prefill_insert(cache, oracle, seq(0, 12)).last_node
+    cache.flush()
+    cache.evict(12)
+    assert node in cache.host_lru and node not in cache.device_lru
+    prefill_insert(cache, oracle, seq(0, 12))  # revives it on the device with new pages
+    assert node not in cache.host_lru and node in cache.reclaim_lru
+    cache.flush()
+    assert node in cache.device_lru and node not in cache.host_lru
+    oracle.check_device(seq(0, 12), node.value)
+    cache.sanity_check(0)
+
+
+def test_loaded_node_leaves_host_lru_and_split_keeps_sets_disjoint(backend_factory):
+    cache, be = make_cache(backend_factory, deferred=True)
+    oracle = KVOracle(be)
+    node = prefill_insert(cache, oracle, seq(0, 12)).last_node
+    be.complete_all()
+    cache.flush()
+    cache.evict(12)
+    cache.match_prefix(seq(0, 6))  # split a host-only node: both halves tracked correctly
+    cache.sanity_check(0)
+    lb = cache.load_back(node)
+    assert node not in cache.host_lru and node not in cache.device_lru  # locked until the ack
+    cache.sanity_check(0)
+    be.complete_all()
+    cache.loading_check()
+    assert node in cache.device_lru and not (cache.device_lru.members & cache.host_lru.members)
+    oracle.check_device(seq(0, 12), node_path_pages(cache, node))
+    del lb
+    cache.sanity_check(0)
+
+
+# ---------------------------------------------------------------- double-counted evictable size
+def test_shared_prefix_is_counted_once(backend_factory):
+    cache, be = make_cache(backend_factory, device_pages=64, host_pages=128)
+    oracle = KVOracle(be)
+    prefill_insert(cache, oracle, seq(0, 16))
+    cache.flush()
+    total = be.device.allocator.num_pages
+
+    def accounted():
+        return be.device.allocator.available + cache.evictable_tokens + cache.protected_tokens
+
+    r1, _ = cache.begin_request(seq(0, 16))
+    r2, _ = cache.begin_request(seq(0, 16))
+    assert cache.protected_tokens == 16 and cache.evictable_tokens == 0
+    assert accounted() == total
+    # Both requests insert the same continuation with their own pages: one copy is kept.
+    for r in (r1, r2):
+        key = seq(0, 24)
+        r.extend(key, cache.alloc_device(8))
+        oracle.write(key, r.device_pages[16:], 16)
+    cache.cache_finished_req(r1)
+    cache.cache_finished_req(r2)
+    cache.flush()
+    assert cache.evictable_tokens == 24 and cache.protected_tokens == 0
+    assert accounted() == total
+    assert cache.stats()["device_tree_tokens"] == 24
+    # Splits keep counts exact too.
+    cache.match_prefix(seq(0, 5))
+    cache.match_prefix(seq(0, 20))
+    assert cache.evictable_tokens == 24 and accounted() == total
+    cache.sanity_check(0)
+
+
+def test_nested_locks_and_unlock_order(backend_factory):
+    cache, be = make_cache(backend_factory)
+    oracle = KVOracle(be)
+    leaf = prefill_insert(cache, oracle, seq(0, 12)).last_node
+    cache.flush()
+    mid = cache.match_prefix(seq(0, 6)).last_device_node
+    cache.inc_lock_ref(leaf)
+    cache.inc_lock_ref(mid)
+    assert cache.protected_tokens == 12
+    cache.dec_lock_ref(leaf)
+    assert cache.protected_tokens == 6 and cache.evictable_tokens == 6
+    cache.dec_lock_ref(mid)
+    assert cache.protected_tokens == 0 and cache.evictable_tokens == 12
+    cache.sanity_check(0)
+
+
+# ---------------------------------------------------------------- host starvation (host < device)
+def _churn(cache, oracle, n):
+    for i in range(n):
+        prefill_insert(cache, oracle, seq(1000 * i, 8))
+        cache.check_events()
+    cache.flush()
+
+
+def test_write_through_does_not_starve_when_host_smaller_than_device(backend_factory):
+    cache, be = make_cache(backend_factory, device_pages=64, host_pages=16)
+    oracle = KVOracle(be)
+    _churn(cache, oracle, 40)
+    # Every insert found host room: old host copies were reclaimed or evicted, never starved.
+    assert cache.metrics.backup_failed_tokens == 0
+    assert cache.metrics.backup_tokens == 40 * 8
+    assert cache.metrics.reclaimed_host_tokens > 0
+    # The most recent sequences are backed up and survive a device flush.
+    cache.evict(10**6)
+    for i in (38, 39):
+        m = cache.match_prefix(seq(1000 * i, 8))
+        assert m.host_hit_length == 8
+        oracle.check_host(seq(1000 * i, 8), m.last_host_node.host_value)
+    cache.sanity_check(0)
+
+
+def test_without_host_reclaim_host_smaller_than_device_starves(backend_factory):
+    """Documents the upstream failure mode (sglang #33862) that host_reclaim avoids."""
+    cache, be = make_cache(backend_factory, device_pages=64, host_pages=16, host_reclaim=False)
+    oracle = KVOracle(be)
+    _churn(cache, oracle, 40)
+    assert cache.metrics.backup_failed_tokens > 0
+    cache.sanity_check(0)
