@@ -22,35 +22,59 @@ import numpy as np
 ID_DTYPE = np.int32
 
 
+_I32 = np.iinfo(ID_DTYPE)
+_EMPTY_IDS = np.zeros(0, ID_DTYPE)
+
+
+def _ids_and_bounds(ids: object, name: str) -> tuple[np.ndarray, int, int]:
+    """(int32 copy, min, max) of a 1-D integer id array; one pass of validation, no sort."""
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if arr.size == 0:
+        return _EMPTY_IDS.copy(), 0, -1
+    if arr.dtype.kind not in "iu":  # bool is kind 'b', floats 'f', objects 'O'
+        raise TypeError(f"{name}: expected integer page ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of page ids, got shape {arr.shape}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < _I32.min or hi > _I32.max:
+        raise ValueError(f"{name}: page id out of int32 range")
+    return arr.astype(ID_DTYPE, copy=True), lo, hi
+
+
 def as_page_ids(ids: object, name: str = "page_ids") -> np.ndarray:
     """Validate ``ids`` as a 1-D array of integer page ids; returns an int32 copy.
 
     Raises TypeError for non-integer input (floats, bools, objects) and ValueError for
     the wrong rank. Range checks belong to the owner of the pool.
     """
-    arr = np.asarray(ids)
-    if arr.size == 0:
-        return np.zeros(0, ID_DTYPE)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name}: expected integer page ids, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence of page ids, got shape {arr.shape}")
-    if arr.min() < np.iinfo(ID_DTYPE).min or arr.max() > np.iinfo(ID_DTYPE).max:
-        raise ValueError(f"{name}: page id out of int32 range")
-    return arr.astype(ID_DTYPE, copy=True)
+    return _ids_and_bounds(ids, name)[0]
+
+
+def has_duplicates(arr: np.ndarray) -> bool:
+    """Whether a 1-D id array repeats an id (a set for small batches, a sort for large ones)."""
+    n = arr.shape[0]
+    if n < 2:
+        return False
+    if n <= 64:  # the common small batch: a Python set beats numpy's fixed per-call costs
+        return len(set(arr.tolist())) != n
+    s = np.sort(arr)
+    return bool((s[1:] == s[:-1]).any())
 
 
 def check_page_ids(ids: object, num_pages: int, name: str = "page_ids", unique: bool = True) -> np.ndarray:
-    """`as_page_ids` plus range [0, num_pages) and (optionally) no-duplicate checks."""
-    arr = as_page_ids(ids, name)
+    """`as_page_ids` plus range [0, num_pages) and (optionally) no-duplicate checks.
+
+    This runs on every transfer and free, so the happy path costs a handful of numpy calls;
+    the detailed message is built only when a check fails.
+    """
+    arr, lo, hi = _ids_and_bounds(ids, name)
     if arr.size:
-        bad = arr[(arr < 0) | (arr >= num_pages)]
-        if bad.size:
+        if lo < 0 or hi >= num_pages:
+            bad = arr[(arr < 0) | (arr >= num_pages)]
             raise ValueError(f"{name}: ids out of range [0, {num_pages}): {bad[:8].tolist()}")
-        if unique:
+        if unique and has_duplicates(arr):
             uniq, counts = np.unique(arr, return_counts=True)
-            if (counts > 1).any():
-                raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
+            raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
     return arr
 
 

@@ -110,8 +110,11 @@ class HostKVPool:
 
     def write_pages(self, component: str, host_ids: object, buf: np.ndarray) -> None:
         """Store ``buf`` (transfer order, n = len(host_ids)) into the given host pages."""
+        self.write_pages_unchecked(component, self._check_ids(host_ids, unique=True), buf)
+
+    def write_pages_unchecked(self, component: str, ids: np.ndarray, buf: np.ndarray) -> None:
+        """``write_pages`` for ids an engine already validated (``KVTransferEngine.validate``)."""
         view = self.component_view(component)
-        ids = self._check_ids(host_ids, unique=True)
         expected = page_major_shape(self.geom, self.layout, ids.size)
         buf = np.asarray(buf)
         if buf.shape != expected:
@@ -134,8 +137,11 @@ class HostKVPool:
 
     def read_layer(self, component: str, host_ids: object, layer: int) -> np.ndarray:
         """Gather one layer of host pages: ``(n, page, heads, width)`` contiguous."""
+        return self.read_layer_unchecked(component, self._check_ids(host_ids, unique=False), layer)
+
+    def read_layer_unchecked(self, component: str, ids: np.ndarray, layer: int) -> np.ndarray:
+        """``read_layer`` for ids an engine already validated."""
         view = self.component_view(component)
-        ids = self._check_ids(host_ids, unique=False)
         if not 0 <= layer < self.geom.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {self.geom.num_layers}, got {layer}")
         if self.layout is HostLayout.LAYER_FIRST:

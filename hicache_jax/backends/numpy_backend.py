@@ -95,7 +95,7 @@ class NumpyTransferEngine(KVTransferEngine):
                     buf = buf.transpose(1, 0, 2, 3, 4)
                 elif order == "npl":
                     buf = buf.transpose(1, 2, 0, 3, 4)
-                self.host_pool.write_pages(c, h, np.ascontiguousarray(buf))
+                self.host_pool.write_pages_unchecked(c, h, np.ascontiguousarray(buf))
 
         return self._issue(run)
 
@@ -105,7 +105,7 @@ class NumpyTransferEngine(KVTransferEngine):
         def run() -> None:
             for c in self.geom.components:
                 for layer in range(self.geom.num_layers):
-                    self.device_pool.buffers[c][layer, d] = self.host_pool.read_layer(c, h, layer)
+                    self.device_pool.buffers[c][layer, d] = self.host_pool.read_layer_unchecked(c, h, layer)
 
         return self._issue(run)
 

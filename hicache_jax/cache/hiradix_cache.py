@@ -192,7 +192,7 @@ class HiRadixCache:
         return self._clock
 
     def _child_key(self, node: TreeNode):
-        k = page_key(node.key, 0, self.page_size)
+        k = node.kb[:8 * self.page_size]
         return (node.namespace, k) if node.parent is self.root else k
 
     def _refresh(self, node: TreeNode) -> None:
@@ -224,9 +224,9 @@ class HiRadixCache:
         node.value = ids
         self._dev_owned[ids] = True
         if node.lock_ref:
-            self.protected_tokens += len(node)
+            self.protected_tokens += node.size
         else:
-            self.evictable_tokens += len(node)
+            self.evictable_tokens += node.size
         node.parent.dev_children += 1
         self._refresh(node)
         self._refresh(node.parent)
@@ -236,7 +236,7 @@ class HiRadixCache:
         assert node.lock_ref == 0, "evicting a locked node"
         node.value = None
         self._dev_owned[ids] = False
-        self.evictable_tokens -= len(node)
+        self.evictable_tokens -= node.size
         node.parent.dev_children -= 1
         self._refresh(node)
         self._refresh(node.parent)
@@ -245,7 +245,7 @@ class HiRadixCache:
     def _set_host(self, node: TreeNode, ids: np.ndarray) -> None:
         node.host_value = ids
         self._host_owned[ids] = True
-        self.host_tokens += len(node)
+        self.host_tokens += node.size
         node.parent.host_children += 1
         self._refresh(node)
         self._refresh(node.parent)
@@ -254,7 +254,7 @@ class HiRadixCache:
         ids = node.host_value
         node.host_value = None
         self._host_owned[ids] = False
-        self.host_tokens -= len(node)
+        self.host_tokens -= node.size
         node.parent.host_children -= 1
         self._refresh(node)
         self._refresh(node.parent)
@@ -284,7 +284,8 @@ class HiRadixCache:
         new.host_lock_ref = child.host_lock_ref
         new.hit_count = child.hit_count
         new.last_access = child.last_access
-        child.key = child.key[m:]
+        child.kb = child.kb[8 * m:]
+        child.size -= m
         if child.value is not None:
             child.value = child.value[k:]
         if child.host_value is not None:
@@ -303,16 +304,21 @@ class HiRadixCache:
         if n == 0:
             return segs, 0
         p = self.page_size
+        pb = 8 * p
+        qb = tokens[:n].tobytes()  # compare raw bytes: a whole-node match is one memcmp
         off = 0
-        child = self.root.children.get((namespace, page_key(tokens, 0, p)))
+        child = self.root.children.get((namespace, qb[:pb]))
         while child is not None:
-            m = common_prefix_len(child.key, tokens[off:n])
-            m -= m % p
+            if qb.startswith(child.kb, 8 * off):
+                m = child.size
+            else:  # the match ends inside this node: find where (once per walk)
+                m = common_prefix_len(child.key, tokens[off:n])
+                m -= m % p
             segs.append((child, m, off))
             off += m
-            if m < child.key.shape[0] or off == n:
+            if m < child.size or off == n:
                 break
-            child = child.children.get(page_key(tokens, off, p))
+            child = child.children.get(qb[8 * off:8 * off + pb])
         return segs, off
 
     def _check_node(self, node: object, name: str = "node") -> TreeNode:
@@ -368,7 +374,7 @@ class HiRadixCache:
         last_dev = last = self.root
         host_len = 0
         for node, m, _off in segs:
-            if m < node.key.shape[0]:
+            if m < node.size:
                 node = self._split(node, m)
             self._touch(node, t, False)
             if node.value is not None:
@@ -426,7 +432,7 @@ class HiRadixCache:
         dup = []
         node = self.root
         for node, m, off in segs:
-            if m < node.key.shape[0]:
+            if m < node.size:
                 node = self._split(node, m)
             seg = pages[off // p:(off + m) // p]
             if node.value is None:
@@ -480,8 +486,8 @@ class HiRadixCache:
         root = self.root
         while node is not root:
             if node.lock_ref == 0:
-                self.evictable_tokens -= len(node)
-                self.protected_tokens += len(node)
+                self.evictable_tokens -= node.size
+                self.protected_tokens += node.size
                 node.lock_ref = 1
                 self.device_lru.set_member(node, False)
             else:
@@ -493,8 +499,8 @@ class HiRadixCache:
         while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_tokens += len(node)
-                self.protected_tokens -= len(node)
+                self.evictable_tokens += node.size
+                self.protected_tokens -= node.size
                 self._refresh(node)
             node = node.parent
 
@@ -523,7 +529,7 @@ class HiRadixCache:
             chain.append(n)
             n = n.parent
         chain.reverse()
-        npages = sum(c.key.shape[0] for c in chain) // self.page_size
+        npages = sum(c.size for c in chain) // self.page_size
         tokens = npages * self.page_size
         self._host_lock(node)  # before host eviction: keeps the backed-up ancestors' copies
         host_ids = self._alloc_host(npages)
@@ -535,7 +541,7 @@ class HiRadixCache:
         handle = self.components.backup(dev_ids, host_ids)
         off = 0
         for c in chain:
-            k = c.key.shape[0] // self.page_size
+            k = c.size // self.page_size
             self._set_host(c, host_ids[off:off + k])
             off += k
         self._lock(node)  # the device pages must stay until the copy is acknowledged
@@ -615,7 +621,7 @@ class HiRadixCache:
             node = self.device_lru.pop()
             if node is None:
                 break
-            size = node.key.shape[0]
+            size = node.size
             if node.host_value is None and write_back:
                 op = self._backup(node)
                 if op is None:
@@ -654,16 +660,16 @@ class HiRadixCache:
             if node is None:
                 break
             free_ids.append(self._clear_host(node))
-            freed += node.key.shape[0]
-            m.evicted_host_tokens += node.key.shape[0]
+            freed += node.size
+            m.evicted_host_tokens += node.size
             self._remove_leaf(node)
         while freed < want:
             node = self.reclaim_lru.pop()
             if node is None:
                 break
             free_ids.append(self._clear_host(node))
-            freed += node.key.shape[0]
-            m.reclaimed_host_tokens += node.key.shape[0]
+            freed += node.size
+            m.reclaimed_host_tokens += node.size
         if free_ids:
             self.host_allocator.free(np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0])
         m.host_eviction_seconds += time.perf_counter() - t0
@@ -687,7 +693,7 @@ class HiRadixCache:
             chain.append(n)
             n = n.parent
         anchor = n
-        tokens = sum(c.key.shape[0] for c in chain)
+        tokens = sum(c.size for c in chain)
         m = self.metrics
         if not chain:
             return None
@@ -709,7 +715,7 @@ class HiRadixCache:
         handle = self.components.load(host_ids, dev)
         off = 0
         for c in chain:
-            k = c.key.shape[0] // self.page_size
+            k = c.size // self.page_size
             self._set_device(c, dev[off:off + k])
             off += k
         self._lock(node)

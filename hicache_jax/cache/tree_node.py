@@ -30,14 +30,14 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "key", "namespace", "parent", "children", "value", "host_value", "lock_ref",
+        "id", "kb", "size", "namespace", "parent", "children", "value", "host_value", "lock_ref",
         "host_lock_ref", "hit_count", "last_access", "dev_children", "host_children", "deleted",
         "heap_stamp",
     )
 
     def __init__(self, key: np.ndarray, namespace: tuple, parent: "TreeNode | None") -> None:
         self.id = next(_ids)
-        self.key = key  # int64 token ids, a page multiple (empty for the root)
+        self.key = key  # int64 token ids, a page multiple (empty for the root); see the property
         self.namespace = namespace
         self.parent = parent
         self.children: dict = {}  # page_key bytes (root: (namespace, bytes)) -> TreeNode
@@ -54,6 +54,18 @@ class TreeNode:
         self.heap_stamp = [0, 0, 0]
 
     @property
+    def key(self) -> np.ndarray:
+        """Token ids (read-only int64 view of ``kb``)."""
+        return np.frombuffer(self.kb, np.int64)
+
+    @key.setter
+    def key(self, tokens: np.ndarray) -> None:
+        # The tree walks compare raw bytes (memcmp via bytes.startswith), so the bytes are
+        # the stored form; ``size`` caches the token count for the hot paths.
+        self.kb = np.ascontiguousarray(tokens, np.int64).tobytes()
+        self.size = len(self.kb) // 8
+
+    @property
     def evicted(self) -> bool:
         return self.value is None
 
@@ -62,7 +74,7 @@ class TreeNode:
         return self.host_value is not None
 
     def __len__(self) -> int:
-        return int(self.key.shape[0])
+        return self.size
 
     def __repr__(self) -> str:
         state = ("D" if self.value is not None else "-") + ("H" if self.host_value is not None else "-")
