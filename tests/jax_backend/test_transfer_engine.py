@@ -127,7 +127,7 @@ def test_failed_backup_surfaces_as_transfer_error(monkeypatch):
     def broken(*a, **k):
         raise OSError("simulated host write failure")
 
-    monkeypatch.setattr(host, "write_pages", broken)
+    monkeypatch.setattr(host, "write_pages_unchecked", broken)
     handle = eng.backup([1], [2])
     with pytest.raises(TransferError, match="simulated"):
         handle.wait(timeout=30)
