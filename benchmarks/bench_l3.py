@@ -1,0 +1,276 @@
+"""L3 benchmark: the orbax segment log (and the file backend) against raw file I/O of the same pages.
+
+In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per round:
+
+* write  orbax: ``batch_set`` of every page (copied out of the host pool) + ``flush`` (segments
+         of ``--segment-pages`` pages, one orbax step each, fsync'ed by tensorstore)
+         file:  the ``file`` backend (header + CRC, temp file, fsync, rename)
+         raw:   one file per page, ``write`` + ``fsync`` of the same bytes (no header, no CRC)
+* cold read, one page at a time and 16 in flight, in a random order:
+         orbax: ``batch_get`` into host pages through tensorstore, CRC-32C checked (integrity=full)
+         raw:   ``readinto`` a numpy buffer
+  Also orbax with integrity=off, to show what the CRC costs.
+
+Ratios are backend GB/s / raw GB/s of the same bytes in the same round (medians over rounds).
+
+Page cache: before every cold read every file of the store being read is fsync'ed and then
+dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages leave the cache; no root
+needed). A fresh store object is opened for each read pass, so tensorstore holds no data.
+On tmpfs (``--dir /dev/shm/...``) nothing can be dropped: that run shows software cost only.
+
+Usage: python -m benchmarks.bench_l3 [--quick] [--out PATH] [--dir DIR] [--pages N] [--page-mib M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from benchmarks._report import gbps, machine_info, median_seconds, print_table, write_json
+from hicache_jax import HostKVPool, KVGeometry
+from hicache_jax.storage import Namespace, PageCodec, StorageConfig, create_storage, page_keys
+from hicache_jax.storage import integrity
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc="L3 bench", unit="step", file=sys.stderr)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def drop_cache(root: str) -> int:
+    """fsync + POSIX_FADV_DONTNEED every file under ``root``; returns the number of files."""
+    n = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return n
+
+
+def _geometry(page_mib: float) -> KVGeometry:
+    # REFERENCE.md 6: page (2, 32, 16, 8, 128) bf16 = 2 MiB; scale layers for other sizes
+    layers = max(1, int(round(32 * page_mib / 2)))
+    return KVGeometry.mha(layers, 16, 8, 128, "bfloat16")
+
+
+def raw_write(root: str, pages: np.ndarray) -> None:
+    os.makedirs(root, exist_ok=True)
+    for i, page in enumerate(pages):
+        fd = os.open(os.path.join(root, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            mv = memoryview(page)
+            while mv:
+                mv = mv[os.write(fd, mv):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def raw_read_one(root: str, i: int, buf: np.ndarray) -> None:
+    with open(os.path.join(root, f"{i}.bin"), "rb", buffering=0) as f:
+        if f.readinto(memoryview(buf)) != buf.nbytes:
+            raise IOError("short read")
+
+
+def run(args) -> dict:
+    geom = _geometry(args.page_mib)
+    n = args.pages
+    base = args.dir or tempfile.mkdtemp(prefix="hicache-l3-bench-")
+    os.makedirs(base, exist_ok=True)
+    rng = np.random.default_rng(0)
+    host = HostKVPool(geom, n, "page_first")
+    host.array[...] = rng.integers(1, 2**16, host.array.shape, dtype=np.uint16)  # random, never zeros
+    ns = Namespace.from_geometry(geom, "page_first", model="bench-model", weights_revision="r0")
+    pb = geom.bytes_per_page
+    total = n * pb
+
+    steps = args.rounds * 9
+    bar = _progress(steps)
+    res: dict[str, list[float]] = {}
+
+    def rec(name: str, seconds: float) -> None:
+        res.setdefault(name, []).append(seconds)
+        if bar is not None:
+            bar.update(1)
+
+    def store(kind: str, path: str, integ: str = "full"):
+        cfg = StorageConfig(backend=kind, path=path, segment_pages=args.segment_pages,
+                            max_pending_pages=max(1024, 2 * args.segment_pages), read_concurrency=16,
+                            integrity=integ, refresh_interval_s=0.0, flush_interval_s=5.0)
+        return create_storage(cfg, {"target": host})
+
+    # warm-up (untimed): the first orbax save in a process pays one-off setup costs
+    wst = store("orbax", os.path.join(base, "warmup"))
+    wkeys = page_keys(ns, rng.integers(0, 150_000, min(n, args.segment_pages) * geom.page_size))
+    wst.batch_set(wkeys, np.arange(len(wkeys)))
+    wst.flush(600)
+    wst.batch_get(wkeys[:1], [0])
+    wst.close()
+    shutil.rmtree(os.path.join(base, "warmup"), ignore_errors=True)
+
+    pages_raw = None
+    for r in range(args.rounds):
+        tokens = rng.integers(0, 150_000, n * geom.page_size)
+        keys = page_keys(ns, tokens)  # new keys every round: nothing is skipped as already stored
+        rdir = os.path.join(base, f"round{r}")
+        shutil.rmtree(rdir, ignore_errors=True)
+        odir, fdir, raw_dir = (os.path.join(rdir, x) for x in ("orbax", "file", "raw"))
+        ids = np.arange(n)
+        B = args.segment_pages
+
+        # ---- writes (same bytes; the order alternates per round so neither side always
+        # follows the previous round's deletes) ----
+        def w_orbax() -> None:
+            st = store("orbax", odir)
+            t0 = time.perf_counter()
+            for i in range(0, n, B):
+                st.batch_set(keys[i:i + B], ids[i:i + B])
+            assert st.flush(600)
+            rec("write_orbax", time.perf_counter() - t0)
+            assert st.metrics.pages_written == n, st.metrics
+            st.close()
+
+        def w_raw() -> None:
+            t0 = time.perf_counter()
+            raw_write(raw_dir, pages_raw)
+            rec("write_raw", time.perf_counter() - t0)
+
+        def w_file() -> None:
+            fs = store("file", fdir)
+            t0 = time.perf_counter()
+            for i in range(0, n, B):
+                fs.batch_set(keys[i:i + B], ids[i:i + B])
+            rec("write_file", time.perf_counter() - t0)
+            fs.close()
+
+        if pages_raw is None:
+            pages_raw = PageCodec(host).pack(ids)  # the exact page bytes the stores hold
+        for w in ((w_orbax, w_raw, w_file) if r % 2 == 0 else (w_raw, w_file, w_orbax)):
+            os.sync()  # start each timed write with no dirty data of others in flight
+            w()
+
+        order = rng.permutation(n)
+        okeys = [keys[i] for i in order]
+        buf = np.empty(pb, np.uint8)
+        bufs = [np.empty(pb, np.uint8) for _ in range(16)]
+
+        # ---- cold reads: one at a time ----
+        drop_cache(odir)
+        st = store("orbax", odir)
+        t0 = time.perf_counter()
+        for i, k in enumerate(okeys):
+            assert st.batch_get([k], [int(order[i])])[0]
+        rec("read1_orbax", time.perf_counter() - t0)
+        st.close()
+        drop_cache(raw_dir)
+        t0 = time.perf_counter()
+        for i in order:
+            raw_read_one(raw_dir, int(i), buf)
+        rec("read1_raw", time.perf_counter() - t0)
+
+        # ---- cold reads: 16 in flight ----
+        drop_cache(odir)
+        st = store("orbax", odir)
+        t0 = time.perf_counter()
+        assert all(st.batch_get(okeys, order))  # read_concurrency=16 sliding window
+        rec("read16_orbax", time.perf_counter() - t0)
+        assert st.metrics.verified == n and st.metrics.corrupt == 0
+        st.close()
+        drop_cache(raw_dir)
+        with ThreadPoolExecutor(16) as ex:
+            t0 = time.perf_counter()
+            list(ex.map(lambda j: raw_read_one(raw_dir, int(order[j]), bufs[j % 16]), range(n)))
+            rec("read16_raw", time.perf_counter() - t0)
+        drop_cache(odir)
+        st = store("orbax", odir, integ="off")
+        t0 = time.perf_counter()
+        assert all(st.batch_get(okeys, order))
+        rec("read16_orbax_nocrc", time.perf_counter() - t0)
+        st.close()
+        drop_cache(fdir)
+        fs = store("file", fdir)
+        t0 = time.perf_counter()
+        assert all(fs.batch_get(okeys, order))
+        rec("read16_file", time.perf_counter() - t0)
+        fs.close()
+        if not args.keep:
+            shutil.rmtree(rdir, ignore_errors=True)
+            os.sync()
+    if bar is not None:
+        bar.close()
+    if args.dir is None and not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in res.items()}
+    g = {k: gbps(total, s) for k, s in med.items()}
+    # CRC-32C cost on one page (CPU only)
+    page = pages_raw[0]
+    crc_s = median_seconds(lambda: integrity.crc32c(page, b"k" * 32), reps=20 if not args.quick else 3)
+    rows = [
+        ("write", "orbax segments", g["write_orbax"], g["write_raw"], g["write_orbax"] / g["write_raw"]),
+        ("write", "file backend", g["write_file"], g["write_raw"], g["write_file"] / g["write_raw"]),
+        ("cold read, 1 at a time", "orbax + CRC", g["read1_orbax"], g["read1_raw"], g["read1_orbax"] / g["read1_raw"]),
+        ("cold read, 16 in flight", "orbax + CRC", g["read16_orbax"], g["read16_raw"],
+         g["read16_orbax"] / g["read16_raw"]),
+        ("cold read, 16 in flight", "orbax, no CRC", g["read16_orbax_nocrc"], g["read16_raw"],
+         g["read16_orbax_nocrc"] / g["read16_raw"]),
+        ("cold read, 16 in flight", "file backend + CRC", g["read16_file"], g["read16_raw"],
+         g["read16_file"] / g["read16_raw"]),
+    ]
+    print_table(f"L3: {n} pages x {pb / 2**20:.2f} MiB, segments of {args.segment_pages}, {args.rounds} rounds, "
+                f"dir {base}", ["op", "backend", "GB/s", "raw GB/s", "ratio"], rows)
+    print(f"CRC-32C: {crc_s * 1e3:.3f} ms per {pb / 2**20:.2f} MiB page = {gbps(pb, crc_s):.2f} GB/s on one core")
+    return {
+        "machine": machine_info(),
+        "config": {"pages": n, "page_bytes": pb, "segment_pages": args.segment_pages, "rounds": args.rounds,
+                   "dir": base, "geometry": str(geom), "cache_drop": "fsync + posix_fadvise(DONTNEED) per file"},
+        "seconds_median": med,
+        "seconds_all_rounds": res,
+        "gbps": g,
+        "ratios": {r[0] + " / " + r[1]: r[4] for r in rows},
+        "crc32c": {"seconds_per_page": crc_s, "gbps": gbps(pb, crc_s),
+                   "read16_cost_fraction": 1 - g["read16_orbax"] / g["read16_orbax_nocrc"]},
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
+    p.add_argument("--out", default="benchmarks/results/l3.json")
+    p.add_argument("--dir", default=None, help="store directory (default: a fresh temp dir, removed after)")
+    p.add_argument("--pages", type=int, default=256)
+    p.add_argument("--page-mib", type=float, default=2.0)
+    p.add_argument("--segment-pages", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--keep", action="store_true", help="keep the written stores")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.pages, args.page_mib, args.segment_pages, args.rounds = 16, 0.25, 8, 1
+    payload = run(args)
+    print("wrote", write_json(args.out, payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

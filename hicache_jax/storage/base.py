@@ -1,0 +1,454 @@
+"""The L3 storage interface: pages keyed by 32-byte digests, moved to and from host (L2) pages.
+
+Pure numpy. Backends subclass ``HiCacheStorage`` and implement three primitives on raw page
+bytes (``_contains``, ``_read``, ``_write``); this base class owns everything around them:
+argument checks, packing host pages into page bytes and back, hit policies across pools, the
+consecutive-hit rule, metrics, and turning every storage fault into a miss.
+
+Page bytes: for each component of the pool's geometry (``k``, ``v`` or ``kv``), the page's slab
+in the host layout's transfer order with the page axis first, concatenated: ``uint8[page_bytes]``.
+The layout is part of the key namespace (``keys.Namespace.layout``), so a reader with another
+layout never sees these bytes.
+
+Pools and hit policies (REFERENCE.md 2.7/2.8): a request's pages exist in several pools (e.g.
+``target``, ``draft``, ``swa``), each a ``HostKVPool`` with its own keys (its own namespace).
+
+* ``ALL_PAGES``: every page in ``[0, hit)`` must be stored.
+* ``TRAILING_PAGES(window)``: only the ``window`` pages before the hit point must be stored
+  (``[max(0, hit - window), hit)``); SWA backups write only those.
+
+The multi-pool hit is the largest ``hit`` satisfying every pool. Nothing is published for a
+page unless all pools have it: ``get_multi`` reads everything first and only then writes host
+pages, so a target page never lands without its draft (stronger than upstream's draft-first).
+
+Error contract: caller mistakes (unknown pool, wrong key size, mismatched lengths, bad host
+ids) raise ``TypeError``/``ValueError`` before any storage is touched. Storage faults (I/O
+errors, corruption, vanished files, disk full, read-only directories) never raise: they are
+logged, counted in ``metrics`` and reported as misses / failed sets.
+
+Threading: public methods may be called from several threads at once (the controller's
+prefetch, IO and backup threads); each backend documents its own locking. Reads into host pages
+write only the given host ids (``HostKVPool.write_pages`` on disjoint ids is thread-safe); the
+caller owns those ids for the duration of the call. ``batch_set`` copies the page bytes out of the
+host pool before it returns, so the caller may release or reuse those host pages immediately.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..host_layout import HostLayout, page_major_shape
+from ..host_pool import HostKVPool
+from .config import StorageConfig
+from .keys import check_key
+from .metrics import StorageMetrics
+
+log = logging.getLogger("hicache_jax.storage")
+
+
+class PoolHitPolicy(str, Enum):
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool name and its hit policy. ``window_pages`` (>= 1) is for ``TRAILING_PAGES`` only."""
+
+    name: str
+    policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
+    window_pages: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or not all(c.isalnum() or c in "_-" for c in self.name):
+            raise ValueError(f"name: expected a non-empty [A-Za-z0-9_-] pool name, got {self.name!r}")
+        object.__setattr__(self, "policy", PoolHitPolicy(self.policy))
+        if isinstance(self.window_pages, bool) or not isinstance(self.window_pages, int):
+            raise TypeError(f"window_pages: expected an int, got {type(self.window_pages).__name__}")
+        if self.policy is PoolHitPolicy.TRAILING_PAGES and self.window_pages < 1:
+            raise ValueError(f"window_pages: TRAILING_PAGES needs >= 1, got {self.window_pages}")
+        if self.policy is PoolHitPolicy.ALL_PAGES and self.window_pages != 0:
+            raise ValueError("window_pages: only meaningful for TRAILING_PAGES; leave it 0")
+
+
+@dataclass(frozen=True)
+class PoolTransfer:
+    """One pool's part of a multi-pool call: its keys (one per page of the request, for every
+    pool, aligned) and, for get/set, the host page ids (aligned with ``keys``; for a
+    ``TRAILING_PAGES`` pool only the entries inside the window are used, others may be -1)."""
+
+    pool: str
+    keys: Sequence[bytes]
+    host_page_ids: object = None
+
+
+@dataclass(frozen=True)
+class HitResult:
+    """``hit_pages``: pages ``[0, hit_pages)`` usable for every pool. ``pool_hits``: per pool,
+    pages found (ALL_PAGES: consecutive from the start; TRAILING_PAGES: pages of the final
+    window found)."""
+
+    hit_pages: int
+    pool_hits: Mapping[str, int] = field(default_factory=dict)
+
+
+def consecutive(flags: Sequence[bool]) -> int:
+    """Number of leading True values."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+class PageCodec:
+    """Packs host pages into page bytes and back for one ``HostKVPool``."""
+
+    def __init__(self, pool: HostKVPool) -> None:
+        self.pool = pool
+        self.geom = pool.geom
+        self.layer_first = pool.layout is HostLayout.LAYER_FIRST
+        one = page_major_shape(self.geom, pool.layout, 1)
+        self.comp_bytes = int(np.prod(one)) * self.geom.itemsize
+        self.page_bytes = self.comp_bytes * len(self.geom.components)
+        # Page-first shape of one component's slab for n pages (page axis moved first).
+        self._slab = (one[:1] + one[2:]) if self.layer_first else one[1:]
+
+    def pack(self, ids: np.ndarray) -> np.ndarray:
+        """``uint8[n, page_bytes]`` copy of host pages ``ids``: one gather per component straight
+        into the result. Few large numpy calls on purpose: each call may drop and retake the
+        GIL, and under a Python-heavy writer thread (orbax) every retake can wait a whole
+        switch interval (5 ms), so a per-page loop here was measured 10-40x slower."""
+        ids = np.asarray(ids, np.intp)
+        n = len(ids)
+        out = np.empty((n, self.page_bytes), np.uint8)
+        out3 = out.view(self.geom.container_dtype).reshape((n, len(self.geom.components)) + self._slab)
+        for i, c in enumerate(self.geom.components):
+            view = self.pool.component_view(c)
+            if self.layer_first:  # (L, pages, ...) gathered along axis 1 into (n, L, ...)
+                np.take(view, ids, axis=1, out=np.moveaxis(out3[:, i], 0, 1), mode="clip")
+            else:
+                np.take(view, ids, axis=0, out=out3[:, i], mode="clip")
+        return out
+
+    def unpack_one(self, host_id: int, page: np.ndarray) -> None:
+        """Write one page (``uint8[page_bytes]``) straight into the host pool's views: one copy,
+        no staging buffer (reads of many 2 MiB pages are memory-bandwidth bound)."""
+        dt = self.geom.container_dtype
+        for i, c in enumerate(self.geom.components):
+            part = page[i * self.comp_bytes:(i + 1) * self.comp_bytes].view(dt).reshape(self._slab)
+            view = self.pool.component_view(c)
+            if self.layer_first:
+                view[:, host_id] = part
+            else:
+                view[host_id] = part
+
+    def unpack(self, ids: np.ndarray, pages: np.ndarray) -> None:
+        """Write ``uint8[n, page_bytes]`` into host pages ``ids``."""
+        n = len(ids)
+        dt = self.geom.container_dtype
+        for i, c in enumerate(self.geom.components):
+            part = np.ascontiguousarray(pages[:, i * self.comp_bytes:(i + 1) * self.comp_bytes]).view(dt)
+            part = part.reshape((n,) + self._slab)
+            if self.layer_first:
+                part = np.moveaxis(part, 0, 1)
+            self.pool.write_pages(c, ids, part)
+
+
+class HiCacheStorage(ABC):
+    """Abstract L3 store. See the module docstring for the contract."""
+
+    backend_name = "abstract"
+
+    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
+                 specs: Sequence[PoolSpec] | None = None) -> None:
+        if not isinstance(config, StorageConfig):
+            raise TypeError(f"config: expected StorageConfig, got {type(config).__name__}")
+        if not isinstance(pools, Mapping) or not pools:
+            raise ValueError("pools: expected a non-empty mapping of pool name -> HostKVPool")
+        for name, p in pools.items():
+            if not isinstance(p, HostKVPool):
+                raise TypeError(f"pools[{name!r}]: expected HostKVPool, got {type(p).__name__}")
+        if specs is None:
+            specs = [PoolSpec(name) for name in pools]
+        specs = list(specs)
+        names = [s.name for s in specs]
+        if sorted(names) != sorted(pools) or len(set(names)) != len(names):
+            raise ValueError(f"specs: expected one PoolSpec per pool {sorted(pools)}, got {names}")
+        if not any(s.policy is PoolHitPolicy.ALL_PAGES for s in specs):
+            raise ValueError("specs: at least one pool (the target) must use ALL_PAGES")
+        self.config = config
+        self.specs: dict[str, PoolSpec] = {s.name: s for s in specs}
+        self.primary = next(s.name for s in specs if s.policy is PoolHitPolicy.ALL_PAGES)
+        self.codecs: dict[str, PageCodec] = {name: PageCodec(p) for name, p in pools.items()}
+        self.metrics = StorageMetrics()
+
+    # ---- backend primitives ------------------------------------------------------------------
+    @abstractmethod
+    def _contains(self, pool: str, keys: list[bytes]) -> list[bool]:
+        """Whether each key is stored (or accepted and in flight) in ``pool``."""
+
+    @abstractmethod
+    def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        """Verified ``uint8[page_bytes]`` per key, or None (absent / failed a check). The
+        backend counts ``corrupt``/``quarantined``/``read_errors``; the base counts hits and misses."""
+
+    @abstractmethod
+    def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
+        """Store ``pages`` (``uint8[n, page_bytes]``, owned by the callee) under ``keys``
+        (none already stored). True = durably stored, or accepted for an asynchronous write."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until accepted pages are durable (or dropped). True if nothing is left pending."""
+        return True
+
+    def close(self) -> None:
+        """Flush and release resources. Idempotent."""
+
+    def __enter__(self) -> "HiCacheStorage":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- argument checks ---------------------------------------------------------------------
+    def _pool(self, pool: str | None) -> str:
+        pool = self.primary if pool is None else pool
+        if pool not in self.codecs:
+            raise ValueError(f"pool: expected one of {sorted(self.codecs)}, got {pool!r}")
+        return pool
+
+    @staticmethod
+    def _keys(keys: Sequence[bytes]) -> list[bytes]:
+        if isinstance(keys, (bytes, str)):
+            raise TypeError("keys: expected a sequence of 32-byte keys, got a single bytes/str")
+        return [check_key(k) for k in keys]
+
+    def _ids(self, pool: str, ids: object, n: int) -> np.ndarray:
+        if ids is None:
+            raise ValueError("host_page_ids: required")
+        arr = np.asarray(ids)
+        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"host_page_ids: expected integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64).reshape(-1)
+        if arr.size != n:
+            raise ValueError(f"host_page_ids: expected {n} ids (one per key), got {arr.size}")
+        return arr
+
+    def _check_used_ids(self, pool: str, ids: np.ndarray, unique: bool) -> None:
+        num = self.codecs[pool].pool.num_pages
+        if ids.size and (ids.min() < 0 or ids.max() >= num):
+            raise ValueError(f"host_page_ids: out of range [0, {num}) for pool {pool!r}")
+        if unique and np.unique(ids).size != ids.size:
+            raise ValueError("host_page_ids: duplicate host page ids")
+
+    # ---- fault-tolerant wrappers -------------------------------------------------------------
+    def _safe_contains(self, pool: str, keys: list[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            return [bool(x) for x in self._contains(pool, keys)]
+        except Exception as e:  # a storage fault is a miss, never an exception
+            log.warning("L3 %s: exists(%s, %d keys) failed: %r", self.backend_name, pool, len(keys), e)
+            self.metrics.add(read_errors=1)
+            return [False] * len(keys)
+
+    def _safe_read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        try:
+            out = list(self._read(pool, keys))
+            if len(out) != len(keys):
+                raise RuntimeError(f"backend returned {len(out)} pages for {len(keys)} keys")
+        except Exception as e:
+            log.warning("L3 %s: read(%s, %d keys) failed: %r", self.backend_name, pool, len(keys), e)
+            self.metrics.add(read_errors=1)
+            out = [None] * len(keys)
+        pb = self.codecs[pool].page_bytes
+        good = 0
+        for i, page in enumerate(out):
+            if page is not None and (page.dtype != np.uint8 or page.size != pb):
+                # Wrong size can only mean a mismatched geometry sharing a namespace: refuse.
+                self.metrics.add(corrupt=1)
+                out[i] = None
+            elif page is not None:
+                good += 1
+        self.metrics.add(hits=good, misses=len(keys) - good, bytes_read=good * pb,
+                         read_seconds=time.perf_counter() - t0)
+        return out
+
+    def _safe_write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
+        try:
+            ok = [bool(x) for x in self._write(pool, keys, pages)]
+            if len(ok) != len(keys):
+                raise RuntimeError(f"backend returned {len(ok)} flags for {len(keys)} keys")
+            return ok
+        except Exception as e:
+            log.warning("L3 %s: write(%s, %d pages) failed: %r", self.backend_name, pool, len(keys), e)
+            self.metrics.add(write_errors=1, pages_dropped=len(keys))
+            return [False] * len(keys)
+
+    # ---- single-pool API ---------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[bytes], pool: str | None = None) -> int:
+        """Number of consecutive stored pages from the start (a missing first page gives 0)."""
+        pool = self._pool(pool)
+        return consecutive(self._safe_contains(pool, self._keys(keys)))
+
+    def batch_get(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
+        """Read pages into host pages; per page, whether it was loaded. Host pages whose flag is
+        False are left untouched. Callers use ``consecutive(result)`` as the hit count."""
+        pool = self._pool(pool)
+        keys = self._keys(keys)
+        ids = self._ids(pool, host_page_ids, len(keys))
+        self._check_used_ids(pool, ids, unique=True)
+        pages = self._safe_read(pool, keys)
+        self._publish(pool, ids, pages, range(len(keys)))
+        return [p is not None for p in pages]
+
+    def batch_set(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
+        """Store host pages under ``keys``; per page, whether it is stored (or accepted for an
+        asynchronous write). Keys already stored or in flight are skipped and reported True."""
+        pool = self._pool(pool)
+        keys = self._keys(keys)
+        ids = self._ids(pool, host_page_ids, len(keys))
+        self._check_used_ids(pool, ids, unique=False)
+        result = [False] * len(keys)
+        present = self._safe_contains(pool, keys)
+        first: dict[bytes, int] = {}
+        todo = []
+        for i, (k, p) in enumerate(zip(keys, present)):
+            if p:  # content-addressed: an equal key means equal bytes, so skip it
+                result[i] = True
+            elif k not in first:
+                first[k] = i
+                todo.append(i)
+        self.metrics.add(sets_skipped=len(keys) - len(todo))
+        if todo:
+            try:
+                pages = self.codecs[pool].pack(ids[todo])
+            except Exception as e:  # never lose the caller's (backup) thread
+                log.warning("L3 %s: packing host pages failed: %r", self.backend_name, e)
+                self.metrics.add(write_errors=1, pages_dropped=len(todo))
+                return result
+            for i, o in zip(todo, self._safe_write(pool, [keys[i] for i in todo], pages)):
+                result[i] = o
+        for i, k in enumerate(keys):  # a repeated key shares its first occurrence's outcome
+            if not present[i] and first[k] != i:
+                result[i] = result[first[k]]
+        return result
+
+    def _publish(self, pool: str, ids: np.ndarray, pages: list, which) -> None:
+        codec = self.codecs[pool]
+        for i in which:
+            if pages[i] is not None:
+                codec.unpack_one(int(ids[i]), pages[i])
+
+    # ---- multi-pool API ----------------------------------------------------------------------
+    def _transfers(self, transfers: Sequence[PoolTransfer], need_ids: bool):
+        if not transfers:
+            raise ValueError("transfers: expected at least one PoolTransfer")
+        by_pool: dict[str, PoolTransfer] = {}
+        for t in transfers:
+            if not isinstance(t, PoolTransfer):
+                raise TypeError(f"transfers: expected PoolTransfer items, got {type(t).__name__}")
+            name = self._pool(t.pool)
+            if name in by_pool:
+                raise ValueError(f"transfers: pool {name!r} given twice")
+            by_pool[name] = t
+        if not any(self.specs[p].policy is PoolHitPolicy.ALL_PAGES for p in by_pool):
+            raise ValueError("transfers: need at least one ALL_PAGES pool")
+        keys = {p: self._keys(t.keys) for p, t in by_pool.items()}
+        n = {len(k) for k in keys.values()}
+        if len(n) != 1:
+            raise ValueError(f"transfers: every pool needs one key per page; got lengths "
+                             f"{ {p: len(k) for p, k in keys.items()} }")
+        ids = {p: self._ids(p, t.host_page_ids, len(keys[p])) for p, t in by_pool.items()} if need_ids else {}
+        return keys, ids, n.pop()
+
+    def _window(self, pool: str, hit: int) -> range:
+        spec = self.specs[pool]
+        return range(max(0, hit - spec.window_pages), hit)
+
+    def _best_hit(self, hit: int, trailing: dict[str, dict[int, bool]]) -> int:
+        """Largest h <= hit whose trailing windows are all present (h = 0 always qualifies)."""
+        h = hit
+        while h > 0:
+            bad = [i for p, flags in trailing.items() for i in self._window(p, h) if not flags.get(i, False)]
+            if not bad:
+                return h
+            h = max(bad)  # every window ending above a missing page contains it
+        return 0
+
+    def exists_multi(self, transfers: Sequence[PoolTransfer]) -> HitResult:
+        """Pages usable for every pool under its hit policy (no data moved)."""
+        keys, _, n = self._transfers(transfers, need_ids=False)
+        all_pools = [p for p in keys if self.specs[p].policy is PoolHitPolicy.ALL_PAGES]
+        pool_hits = {p: consecutive(self._safe_contains(p, keys[p])) for p in all_pools}
+        hit = min(pool_hits.values())
+        trailing = {}
+        for p in keys:
+            if p not in pool_hits:
+                flags = self._safe_contains(p, keys[p][:hit])
+                trailing[p] = dict(enumerate(flags))
+        hit = self._best_hit(hit, trailing)
+        for p in trailing:
+            pool_hits[p] = sum(trailing[p].get(i, False) for i in self._window(p, hit))
+        return HitResult(hit, pool_hits)
+
+    def get_multi(self, transfers: Sequence[PoolTransfer]) -> HitResult:
+        """Read every pool's pages for the largest prefix all pools can serve, then publish them
+        into host pages (nothing is written to host pages beyond the returned hit)."""
+        keys, ids, n = self._transfers(transfers, need_ids=True)
+        hint = self.exists_multi(transfers).hit_pages  # index only; avoids reading pages we cannot use
+        all_pools = [p for p in keys if self.specs[p].policy is PoolHitPolicy.ALL_PAGES]
+        for p in all_pools:
+            self._check_used_ids(p, ids[p], unique=True)
+        # non-target pools first (draft before target, as upstream), though nothing is published
+        # until every pool is read.
+        all_pools.sort(key=lambda p: p == self.primary)
+        pages: dict[str, dict[int, np.ndarray | None]] = {}
+        hit = hint
+        for p in all_pools:
+            got = self._safe_read(p, keys[p][:hit])
+            pages[p] = dict(enumerate(got))
+            hit = min(hit, consecutive([g is not None for g in got]))
+        trailing_pools = [p for p in keys if p not in all_pools]
+        for p in trailing_pools:
+            pages[p] = {}
+        while True:
+            for p in trailing_pools:
+                need = [i for i in self._window(p, hit) if i not in pages[p]]
+                got = self._safe_read(p, [keys[p][i] for i in need])
+                pages[p].update(zip(need, got))
+            flags = {p: {i: g is not None for i, g in pages[p].items()} for p in trailing_pools}
+            new_hit = self._best_hit(hit, flags)
+            if new_hit == hit:
+                break
+            hit = new_hit
+        pool_hits = {}
+        for p in keys:
+            rng = range(hit) if p in all_pools else self._window(p, hit)
+            sel = [i for i in rng if pages[p].get(i) is not None]
+            self._check_used_ids(p, ids[p][sel], unique=True)
+            self._publish(p, ids[p], [pages[p].get(i) for i in range(n)], sel)
+            pool_hits[p] = len(sel)
+        return HitResult(hit, pool_hits)
+
+    def set_multi(self, transfers: Sequence[PoolTransfer]) -> dict[str, list[bool]]:
+        """``batch_set`` per pool. Keys may differ in length per pool here: a TRAILING_PAGES pool
+        is given only the window pages it should store."""
+        out = {}
+        for t in transfers:
+            if not isinstance(t, PoolTransfer):
+                raise TypeError(f"transfers: expected PoolTransfer items, got {type(t).__name__}")
+            out[self._pool(t.pool)] = self.batch_set(t.keys, t.host_page_ids, t.pool)
+        return out

@@ -1,0 +1,143 @@
+"""Typed, validated L3 storage configuration.
+
+Pure Python. ``StorageConfig`` is immutable and validated in ``__post_init__`` (TypeError for
+a wrong type, ValueError for a wrong value, each naming the field).
+
+Prefetch fields are read by the controller (not by the backends):
+
+* ``prefetch_policy``:
+    - ``best_effort``: the prefetch stops whenever the scheduler asks; whatever is loaded is used.
+    - ``wait_complete``: the request waits until every hit page has been read.
+    - ``timeout`` (default): like ``wait_complete`` but gives up after ``prefetch_timeout(tokens)``.
+* ``prefetch_threshold_tokens``: below this many hit tokens a prefetch is not worth it and is
+  revoked (upstream: ``max(256, page_size)``; the controller applies the max with the page size).
+* Timeout formula (seconds) for a prefetch of ``tokens`` tokens::
+
+      timeout = base_s + per_ki_token_s * tokens / 1024,   capped at max_s when max_s is not None
+
+  The defaults ``1.0 + 0.25 * tokens/1024`` with no cap are upstream's unified-tree values;
+  upstream's HiRadix tree uses ``base_s=2.0, per_ki_token_s=0.1, max_s=30``.
+
+Threading: immutable; share freely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BACKENDS = ("orbax", "file", "memory")
+INTEGRITY_MODES = ("full", "sampled", "off")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(name: str, v: object, lo: int, hi: int | None = None) -> None:
+    if not _is_int(v):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}: expected {lo} <= {name}" + (f" <= {hi}" if hi is not None else "") + f", got {v}")
+
+
+def _num(name: str, v: object, lo: float, *, lo_open: bool = False, hi: float | None = None) -> None:
+    if not _is_num(v):
+        raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
+    if not math.isfinite(v) or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+        bound = f"> {lo}" if lo_open else f">= {lo}"
+        raise ValueError(f"{name}: expected a finite number {bound}" + (f" and <= {hi}" if hi is not None else "")
+                         + f", got {v}")
+
+
+def _choice(name: str, v: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected a str, got {type(v).__name__}")
+    if v not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """L3 storage settings.
+
+    backend            ``orbax`` (segment log, default), ``file`` (one file per page) or ``memory``.
+    path               Store directory; required for ``orbax`` and ``file``.
+    capacity_bytes     Bound on stored page bytes; 0 = unbounded. Eviction is oldest-first
+                       (whole segments for ``orbax``).
+    segment_pages      Pages per orbax segment (64-256 recommended; smaller is allowed for tests).
+    read_concurrency   Page reads kept in flight per batch (~16 saturates disks measured so far).
+    integrity          ``full``: CRC-32C of every page checked on read; ``sampled``: checked on a
+                       ``integrity_sample_rate`` fraction of reads (deterministic per key);
+                       ``off``: never checked (missing chunks in a segment may then read as zeros).
+    flush_interval_s   A partial orbax segment is written after at most this long.
+    max_pending_pages  Pages accepted but not yet written (orbax); sets beyond are dropped.
+    refresh_interval_s How often the orbax index picks up segments other processes wrote (0 = never).
+    """
+
+    backend: str = "orbax"
+    path: str | None = None
+    capacity_bytes: int = 0
+    segment_pages: int = 64
+    read_concurrency: int = 16
+    integrity: str = "full"
+    integrity_sample_rate: float = 0.125
+    flush_interval_s: float = 0.5
+    max_pending_pages: int = 1024
+    refresh_interval_s: float = 5.0
+    prefetch_policy: str = "timeout"
+    prefetch_threshold_tokens: int = 256
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_ki_token_s: float = 0.25
+    prefetch_timeout_max_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _choice("backend", self.backend, BACKENDS)
+        if self.path is not None and not isinstance(self.path, str):
+            # os.PathLike is accepted and normalised to str.
+            import os
+            if isinstance(self.path, os.PathLike):
+                object.__setattr__(self, "path", os.fspath(self.path))
+            else:
+                raise TypeError(f"path: expected a str or os.PathLike, got {type(self.path).__name__}")
+        if self.backend in ("orbax", "file") and not self.path:
+            raise ValueError(f"path: backend {self.backend!r} needs a store directory")
+        _int("capacity_bytes", self.capacity_bytes, 0)
+        _int("segment_pages", self.segment_pages, 1, 65536)
+        _int("read_concurrency", self.read_concurrency, 1, 1024)
+        _choice("integrity", self.integrity, INTEGRITY_MODES)
+        _num("integrity_sample_rate", self.integrity_sample_rate, 0.0, lo_open=True, hi=1.0)
+        _num("flush_interval_s", self.flush_interval_s, 0.0, lo_open=True)
+        _int("max_pending_pages", self.max_pending_pages, 1)
+        _num("refresh_interval_s", self.refresh_interval_s, 0.0)
+        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _int("prefetch_threshold_tokens", self.prefetch_threshold_tokens, 0)
+        _num("prefetch_timeout_base_s", self.prefetch_timeout_base_s, 0.0)
+        _num("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s, 0.0)
+        if self.prefetch_timeout_max_s is not None:
+            _num("prefetch_timeout_max_s", self.prefetch_timeout_max_s, 0.0, lo_open=True)
+        if self.max_pending_pages < self.segment_pages:
+            raise ValueError(f"max_pending_pages: expected >= segment_pages={self.segment_pages}, "
+                             f"got {self.max_pending_pages}")
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        """Seconds a ``timeout`` prefetch of ``tokens`` tokens may take (see module docstring)."""
+        _int("tokens", tokens, 0)
+        t = self.prefetch_timeout_base_s + self.prefetch_timeout_per_ki_token_s * tokens / 1024
+        return t if self.prefetch_timeout_max_s is None else min(t, self.prefetch_timeout_max_s)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StorageConfig":
+        """Build from a plain dict (e.g. parsed JSON extra config); unknown keys are an error."""
+        if not isinstance(d, dict):
+            raise TypeError(f"storage config: expected a dict, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"storage config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,58 @@
+"""Counters for the L3 store.
+
+Threading: every update takes one lock, so the writer thread, reader threads and the owner
+may all count concurrently; ``snapshot()`` returns a consistent copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class _Counters:
+    hits: int = 0            # pages found and returned (verified when integrity is on)
+    misses: int = 0          # pages asked for and not returned (absent, corrupt or unreadable)
+    corrupt: int = 0         # pages that failed a check (CRC, length, header, missing chunk)
+    read_errors: int = 0     # reads that raised (I/O errors, vanished segment files)
+    quarantined: int = 0     # segments / files moved aside after a failed check
+    verified: int = 0        # pages whose CRC was checked
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    pages_written: int = 0   # pages durably committed
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    write_errors: int = 0    # failed commits (disk full, read-only, ...)
+    pages_dropped: int = 0   # pages accepted or offered but never committed
+    sets_skipped: int = 0    # sets of pages already stored or in flight (content-addressed)
+    segments_written: int = 0
+    segments_evicted: int = 0
+    pages_evicted: int = 0
+    index_rebuild_seconds: float = 0.0
+
+
+class StorageMetrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c = _Counters()
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self._c, k, getattr(self._c, k) + v)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return asdict(self._c)
+
+    def __getattr__(self, name: str):
+        # Convenience read access: metrics.hits etc.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        with self.__dict__["_lock"]:
+            return getattr(self.__dict__["_c"], name)
+
+    def __repr__(self) -> str:
+        return f"StorageMetrics({self.snapshot()})"
+

@@ -1,0 +1,34 @@
+"""Storage tests: backend fixtures, and clean skipping where orbax is missing.
+
+``memory`` and ``file`` need numpy only and run everywhere (including the Python 3.11 torch
+env, where CRCs fall back to zlib's CRC-32 if google-crc32c is absent). Tests of the orbax
+segment log live in ``test_orbax_*.py`` and are not collected without orbax-checkpoint,
+tensorstore and google-crc32c (the ``jax`` extra, Python 3.12).
+"""
+
+import logging
+
+import pytest
+
+from storage_helpers import BACKENDS, HAVE_ORBAX
+
+collect_ignore_glob = [] if HAVE_ORBAX else ["test_orbax_*.py"]
+
+# orbax warns on every small-chunk save ("target_byte_size too small"); the chunking is deliberate.
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    # Project convention: @slow stress variants run only when selected with -m slow.
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    here = __file__.rsplit("/", 1)[0]
+    skip = pytest.mark.skip(reason="long stress run: select with -m slow")
+    for item in items:
+        if "slow" in item.keywords and str(item.fspath).startswith(here):
+            item.add_marker(skip)
