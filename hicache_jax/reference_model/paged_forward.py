@@ -59,6 +59,11 @@ def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_table
     return logits, new_pools
 
 
+# One jitted step for every runner: equal configs give equal graphdefs (a static argument),
+# so engines built for the same model reuse each other's compiled steps.
+_STEP = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,))
+
+
 class PagedRunner:
     """Holds the model's weights and its jitted, pool-donating step."""
 
@@ -67,7 +72,7 @@ class PagedRunner:
         self.page_size = page_size
         self.model = Transformer(config)
         self.graphdef, self.state = nnx.split(self.model)
-        self._step = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,))
+        self._step = _STEP
 
     def step(self, pools: Pools, tokens: list[list[int]], starts: list[int], page_tables: list[np.ndarray],
              min_t: int = 1) -> tuple[np.ndarray, Pools]:
