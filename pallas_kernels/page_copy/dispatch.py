@@ -42,6 +42,8 @@ Impl = Literal["auto", "tpu", "gpu", "xla"]
 
 _CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _IO_BACKEND_ALIASES = {"kernel": "auto", "direct": "xla"}
+_GLOBAL_EXES: dict = {}
+_GLOBAL_LOCK = threading.Lock()
 
 
 def _to_bits(x: jax.Array, c) -> jax.Array:
@@ -113,8 +115,7 @@ class PageCopier:
             raise ValueError(f"kv_axis: {kv_axis!r} is not an axis of the mesh {mesh.axis_names}")
         self.mesh, self.kv_axis = mesh, kv_axis
         self._plan = _Plan(impl, interpret, self.config.buckets or default_buckets(self.config.max_pages))
-        self._lock = threading.Lock()
-        self.compile_count = 0  # executables built by this copier (tests assert steady state adds none)
+        self.compile_count = 0  # executables this copier prepared (tests assert steady state adds none)
 
     # ---- introspection --------------------------------------------------------------------
     @property
@@ -203,13 +204,18 @@ class PageCopier:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
 
     def _get(self, key, build):
-        with self._lock:
-            exe = self._plan.compiled.get(key)
-            if exe is None:
-                exe = build()
-                self._plan.compiled[key] = exe
-                self.compile_count += 1
-            return exe
+        exe = self._plan.compiled.get(key)
+        if exe is None:
+            # Executables are shared process-wide between copiers of the same plan and mesh,
+            # so a second engine with the same shapes compiles nothing.
+            gkey = (self._plan.impl, self._plan.interpret, self.mesh, self.kv_axis) + key
+            with _GLOBAL_LOCK:
+                exe = _GLOBAL_EXES.get(gkey)
+                if exe is None:
+                    exe = _GLOBAL_EXES[gkey] = build()
+            self._plan.compiled[key] = exe
+            self.compile_count += 1
+        return exe
 
     def precompile(self, pool_shape: tuple[int, ...], dtype, num_layers: int, orders: Sequence[str] = ("npl",),
                    max_pages: int | None = None, with_out: bool = False) -> int:

@@ -1,0 +1,52 @@
+"""Engine-side cache configuration (validated at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..cache.config import EvictionPolicy, HiCacheConfig, WritePolicy
+from ..host_layout import HostLayout
+from ..host_pool import HostPoolConfig
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineCacheConfig:
+    """How the engine caches KV.
+
+    * ``device_pages``: L1 pool size in pages (page_size tokens each).
+    * ``host``: L2 pool sizing and layout (ratio of device pages, or bytes).
+    * ``write_policy`` / ``eviction_policy``: as ``HiCacheConfig``.
+    * ``copy_impl``: page-copy implementation (``auto``: Pallas on GPU/TPU, XLA on CPU).
+    * ``max_batch``: sequences decoded together; ``prefill_chunk``: tokens per prefill step.
+    """
+
+    page_size: int = 16
+    device_pages: int = 256
+    host: HostPoolConfig = field(default_factory=lambda: HostPoolConfig(layout=HostLayout.PAGE_FIRST, ratio=4.0))
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU
+    copy_impl: str = "auto"
+    max_batch: int = 8
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        _int("page_size", self.page_size, 1)
+        _int("device_pages", self.device_pages, 2)
+        _int("max_batch", self.max_batch, 1)
+        _int("prefill_chunk", self.prefill_chunk, 1)
+        if not isinstance(self.host, HostPoolConfig):
+            raise TypeError(f"host: expected a HostPoolConfig, got {type(self.host).__name__}")
+        # Validates the policies (raises ValueError naming the field).
+        self.tree_config()
+
+    def tree_config(self) -> HiCacheConfig:
+        return HiCacheConfig(page_size=self.page_size, write_policy=self.write_policy,
+                             eviction_policy=self.eviction_policy)

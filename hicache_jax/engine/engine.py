@@ -1,0 +1,216 @@
+"""The reference engine: request queue, prefix match, load-back, chunked prefill, batched
+greedy decode, eviction under memory pressure, per-request results.
+
+Scheduling (one thread, the owner of the device pool): admit waiting requests FIFO while
+the batch has room and device pages can be had (``alloc_device`` evicts unlocked leaves);
+each admitted request matches its prompt (at most ``len - 1`` tokens, so the last prompt
+token is always computed and yields the first output token), loads its host-only
+continuation back, prefills the rest in chunks and emits its first token (TTFT is taken
+then); running requests decode together, one token per step, allocating a page when they
+cross a page boundary. Finished requests are inserted into the tree (``cache_finished_req``)
+and their locks released. Transfer events are polled every step.
+
+Ordering: loads and model steps update the same per-layer pool arrays functionally (every
+step consumes the arrays the previous operation produced), so a prefill that reads loaded
+pages is ordered after the load by data dependence; handles only gate lock release.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backends.jax import JaxDevicePool, JaxTransferEngine
+from ..backends.jax.memory import pinned_host_pool
+from ..cache import CacheRequest, HiRadixCache, RadixKey
+from ..reference_model import ModelConfig, PagedRunner
+from .config import EngineCacheConfig
+
+
+@dataclass
+class RequestResult:
+    """What one request produced and where its prefix came from."""
+
+    prompt_len: int
+    tokens: list[int]
+    cached_tokens: dict[str, int]  # {"device", "host", "storage"}: prefix tokens served per tier
+    ttft_s: float
+    latency_s: float
+
+    @property
+    def cached_total(self) -> int:
+        return sum(self.cached_tokens.values())
+
+
+@dataclass
+class _Seq:
+    index: int
+    prompt: np.ndarray
+    max_new: int
+    arrival: float
+    req: CacheRequest | None = None
+    out: list[int] = field(default_factory=list)
+    cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    ttft: float = 0.0
+
+    @property
+    def all_tokens(self) -> np.ndarray:
+        return np.concatenate([self.prompt, np.asarray(self.out, np.int64)])
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """A request cannot fit in the device pool even with everything evictable evicted."""
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None) -> None:
+        if not isinstance(model_config, ModelConfig):
+            raise TypeError(f"model_config: expected a ModelConfig, got {type(model_config).__name__}")
+        cache_config = cache_config or EngineCacheConfig()
+        if not isinstance(cache_config, EngineCacheConfig):
+            raise TypeError(f"cache_config: expected an EngineCacheConfig, got {type(cache_config).__name__}")
+        from pallas_kernels.page_copy import PageCopyConfig
+
+        self.model_config, self.cache_config = model_config, cache_config
+        page = cache_config.page_size
+        self.geom = model_config.kv_geometry(page)
+        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages)
+        host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)
+        self.host_pool = pinned_host_pool(self.geom, host_pages, cache_config.host.layout)
+        self.transfer = JaxTransferEngine(
+            self.device_pool, self.host_pool,
+            copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages))
+        self.transfer.precompile()
+        self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator)
+        self.runner = PagedRunner(model_config, page)
+        self.page_size = page
+
+    # ---- public API ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True) -> list[RequestResult]:
+        """Greedy-decode every prompt; results in prompt order. ``use_cache=False``: no prefix
+        reuse (every prompt prefilled from scratch, nothing inserted) - the baseline."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        seqs = []
+        now = time.perf_counter()
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+                raise ValueError(f"prompts[{i}]: expected a non-empty list of int token ids")
+            if arr.min() < 0 or arr.max() >= self.model_config.vocab_size:
+                raise ValueError(f"prompts[{i}]: token ids must be in [0, {self.model_config.vocab_size})")
+            seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now))
+        waiting, running, done = deque(seqs), [], {}
+        while waiting or running:
+            while waiting and len(running) < self.cache_config.max_batch:
+                seq = waiting[0]
+                if not self._admit(seq, use_cache, have_running=bool(running)):
+                    break
+                waiting.popleft()
+                self._prefill(seq)
+                if use_cache:  # the prompt's pages become shareable (and backed up) right away
+                    self.cache.cache_unfinished_req(seq.req)
+                if len(seq.out) >= seq.max_new:
+                    done[seq.index] = self._finish(seq, use_cache)
+                else:
+                    running.append(seq)
+            if running:
+                self._decode_step(running)
+                for seq in [s for s in running if len(s.out) >= s.max_new]:
+                    running.remove(seq)
+                    done[seq.index] = self._finish(seq, use_cache)
+            self.cache.check_events()
+        return [done[i] for i in range(len(seqs))]
+
+    def evict_device_cache(self) -> int:
+        """Evict every unlocked device page of the tree (backed-up nodes stay on the host).
+
+        Waits for in-flight backups first so write-through copies are not lost. Returns the
+        tokens evicted. Used to force L2 hits in tests and benchmarks.
+        """
+        self.cache.flush()
+        return self.cache.evict(self.cache.evictable_tokens)
+
+    def stats(self) -> dict:
+        return self.cache.stats()
+
+    def close(self) -> None:
+        self.cache.flush()
+        self.transfer.close()
+
+    # ---- scheduling steps ----------------------------------------------------------------
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _admit(self, seq: _Seq, use_cache: bool, have_running: bool) -> bool:
+        prompt = seq.prompt
+        key = RadixKey(prompt)
+        if use_cache:
+            # Match at most len-1 tokens: the last prompt token is always computed.
+            req, lb = self.cache.begin_request(RadixKey(prompt[:-1]))
+            req.key = RadixKey(prompt[:req.device_pages.shape[0] * self.page_size])
+            loaded = lb.num_tokens if lb is not None else 0
+            seq.cached["host"] = loaded
+            seq.cached["device"] = req.device_pages.shape[0] * self.page_size - loaded
+        else:
+            req = CacheRequest(RadixKey(prompt[:0]), self.page_size)
+        need = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
+        pages = self.cache.alloc_device(need)
+        if pages is None:
+            if req.last_node is not None:
+                self.cache.dec_lock_ref(req.last_node)
+            if not have_running:
+                raise OutOfDeviceMemory(f"prompt of {prompt.shape[0]} tokens needs {need} free device pages; "
+                                        f"{self.device_pool.allocator.available} free after eviction")
+            return False
+        req.extend(key, pages)
+        seq.req = req
+        return True
+
+    def _run(self, token_lists, starts, tables) -> np.ndarray:
+        pools = self.device_pool.buffers
+        logits, new = self.runner.step(pools, token_lists, starts, tables)
+        for c, layers in new.items():
+            for l, arr in enumerate(layers):
+                self.device_pool.set_layer(c, l, arr)
+        return logits
+
+    def _prefill(self, seq: _Seq) -> None:
+        req = seq.req
+        start = seq.cached["device"] + seq.cached["host"]  # the cached prefix is not recomputed
+        n = seq.prompt.shape[0]
+        chunk = self.cache_config.prefill_chunk
+        logits = None
+        while start < n:
+            end = min(n, start + chunk)
+            logits = self._run([seq.prompt[start:end].tolist()], [start], [req.device_pages])
+            start = end
+        seq.out.append(int(np.argmax(logits[0])))
+        seq.ttft = time.perf_counter() - seq.arrival
+
+    def _decode_step(self, running: list[_Seq]) -> None:
+        for seq in running:
+            req = seq.req
+            total = seq.prompt.shape[0] + len(seq.out)  # the newest token enters the KV now
+            need = self._pages_for(total) - req.device_pages.shape[0]
+            pages = self.cache.alloc_device(need) if need else np.zeros(0, np.int32)
+            if pages is None:
+                raise OutOfDeviceMemory(f"decode needs {need} more device pages; none left after eviction")
+            req.extend(RadixKey(seq.all_tokens), pages)
+        logits = self._run([[s.out[-1]] for s in running],
+                           [s.prompt.shape[0] + len(s.out) - 1 for s in running],
+                           [s.req.device_pages for s in running])
+        for seq, lg in zip(running, logits):
+            seq.out.append(int(np.argmax(lg)))
+
+    def _finish(self, seq: _Seq, use_cache: bool) -> RequestResult:
+        req = seq.req
+        if use_cache:
+            self.cache.cache_finished_req(req)
+        else:
+            self.device_pool.allocator.free(req.device_pages)
+        return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
+                             time.perf_counter() - seq.arrival)

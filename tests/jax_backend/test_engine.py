@@ -1,0 +1,106 @@
+"""End-to-end exactness of the reference engine: the same greedy tokens with no cache, with an
+L1 (device) hit and with an L2 (host) hit, and cached-token counts per tier that match where
+the prefix really came from. L3 (storage) hits are covered once the storage controller lands."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache_jax.engine import Engine, EngineCacheConfig
+from hicache_jax.engine.engine import OutOfDeviceMemory
+from hicache_jax.host_pool import HostPoolConfig
+from hicache_jax.reference_model import ModelConfig
+
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+SYSTEM, USER, NEW = 48, 20, 4  # shared prefix, user turn (> the 10-token load-back minimum), generated
+
+
+def _prompts(seed: int, n: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 512, SYSTEM).tolist()
+    return [system + rng.integers(0, 512, USER).tolist() for _ in range(n)]
+
+
+def _aligned(n: int, page: int) -> int:
+    return n - n % page
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_tokens_identical_across_tiers(attention, page, policy):
+    model = ModelConfig(attention=attention, num_layers=2, hidden=64, ffn=128)
+    engine = Engine(model, EngineCacheConfig(page_size=page, device_pages=max(24, 512 // page),
+                                             write_policy=policy, max_batch=4, prefill_chunk=32))
+    prompts = _prompts(seed=page)
+    cold = engine.generate(prompts, NEW, use_cache=False)
+    assert all(r.cached_total == 0 for r in cold)
+    warm = engine.generate(prompts, NEW)  # fills the cache (later prompts already hit the prefix)
+    l1 = engine.generate(prompts, NEW)
+    for r, c in zip(warm + l1, cold + cold):
+        assert r.tokens == c.tokens
+    # Second pass: each whole prompt (up to len - 1, page aligned) is on the device.
+    for r in l1:
+        assert r.cached_tokens == {"device": _aligned(r.prompt_len - 1, page), "host": 0, "storage": 0}
+    engine.evict_device_cache()
+    assert engine.stats()["device_tree_tokens"] == 0
+    l2 = engine.generate(prompts, NEW)
+    for r, c in zip(l2, cold):
+        assert r.tokens == c.tokens
+    # The first request after eviction finds everything on the host only.
+    first = l2[0].cached_tokens
+    assert first["device"] == 0 and first["host"] == _aligned(l2[0].prompt_len - 1, page)
+    for r in l2[1:]:  # later ones hit the shared prefix on the device again, the rest on the host
+        assert r.cached_tokens["device"] + r.cached_tokens["host"] == _aligned(r.prompt_len - 1, page)
+    engine.cache.flush()
+    engine.cache.sanity_check(0)
+    engine.close()
+
+
+def test_eviction_under_memory_pressure_keeps_tokens_exact():
+    model = ModelConfig(num_layers=2, hidden=64, ffn=128)
+    # 12 pages of 4 tokens: every prompt evicts the previous ones.
+    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=20, max_batch=1,
+                                             host=HostPoolConfig(ratio=2.0)))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 512, 30).tolist() for _ in range(4)]
+    cold = engine.generate(prompts, 3, use_cache=False)
+    first = engine.generate(prompts, 3)
+    again = engine.generate(prompts, 3)
+    assert [r.tokens for r in first] == [r.tokens for r in cold] == [r.tokens for r in again]
+    assert engine.cache.metrics.evicted_device_tokens > 0
+    assert sum(r.cached_tokens["host"] for r in again) > 0
+    engine.cache.flush()
+    engine.cache.sanity_check(0)
+
+
+def test_prompt_that_cannot_fit_raises_clearly():
+    engine = Engine(ModelConfig(num_layers=1, hidden=32, ffn=64), EngineCacheConfig(page_size=4, device_pages=4))
+    with pytest.raises(OutOfDeviceMemory, match="device pages"):
+        engine.generate([list(range(40))], 2)
+
+
+@pytest.mark.parametrize("prompts, new, exc, match", [
+    ([[]], 2, ValueError, "prompts\\[0\\]"),
+    ([[1, 2, 600]], 2, ValueError, "token ids"),
+    ([[1.5, 2]], 2, ValueError, "prompts\\[0\\]"),
+    ([[1, 2]], 0, ValueError, "max_new_tokens"),
+])
+def test_bad_input_rejected(prompts, new, exc, match):
+    engine = Engine(ModelConfig(num_layers=1, hidden=32, ffn=64), EngineCacheConfig(page_size=4, device_pages=16))
+    with pytest.raises(exc, match=match):
+        engine.generate(prompts, new)
+    assert engine.device_pool.allocator.used == 0
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(page_size=0), ValueError, "page_size"),
+    (dict(device_pages=1), ValueError, "device_pages"),
+    (dict(write_policy="write_sometimes"), ValueError, "write_policy"),
+    (dict(host=2.0), TypeError, "host"),
+    (dict(max_batch=1.0), TypeError, "max_batch"),
+])
+def test_engine_config_validation(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        EngineCacheConfig(**kwargs)
