@@ -43,5 +43,5 @@ _ensure_venv() {  # $1 = dir, $2 = python version, rest = pip install arguments
   echo "$want" > "$dir/.hicache-stamp"
 }
 
-ensure_jax_env() { _ensure_venv .venv 3.12 -e ".[jax,dev]"; }
+ensure_jax_env() { _ensure_venv .venv 3.12 -e ".[jax,dev,bench]"; }
 ensure_torch_env() { _ensure_venv .venv-torch 3.11 "torch==2.13.0" -e ".[dev]"; }

@@ -26,6 +26,8 @@ class EngineCacheConfig:
     * ``write_policy`` / ``eviction_policy``: as ``HiCacheConfig``.
     * ``copy_impl``: page-copy implementation (``auto``: Pallas on GPU/TPU, XLA on CPU).
     * ``max_batch``: sequences decoded together; ``prefill_chunk``: tokens per prefill step.
+    * ``max_context``: longest prompt + output in tokens; fixes the attention width, so
+      ``Engine.warmup`` can compile every step shape before serving.
     """
 
     page_size: int = 16
@@ -36,12 +38,14 @@ class EngineCacheConfig:
     copy_impl: str = "auto"
     max_batch: int = 8
     prefill_chunk: int = 512
+    max_context: int = 4096
 
     def __post_init__(self) -> None:
         _int("page_size", self.page_size, 1)
         _int("device_pages", self.device_pages, 2)
         _int("max_batch", self.max_batch, 1)
         _int("prefill_chunk", self.prefill_chunk, 1)
+        _int("max_context", self.max_context, 2)
         if not isinstance(self.host, HostPoolConfig):
             raise TypeError(f"host: expected a HostPoolConfig, got {type(self.host).__name__}")
         # Validates the policies (raises ValueError naming the field).

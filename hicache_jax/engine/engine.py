@@ -55,6 +55,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     ttft: float = 0.0
+    reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -85,15 +86,24 @@ class Engine:
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages))
         self.transfer.precompile()
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator)
-        self.runner = PagedRunner(model_config, page)
+        self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page))
         self.page_size = page
 
     # ---- public API ----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True) -> list[RequestResult]:
-        """Greedy-decode every prompt; results in prompt order. ``use_cache=False``: no prefix
-        reuse (every prompt prefilled from scratch, nothing inserted) - the baseline."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
+                 arrivals: list[float] | None = None) -> list[RequestResult]:
+        """Greedy-decode every prompt; results in prompt order.
+
+        ``use_cache=False``: no prefix reuse (every prompt prefilled from scratch, nothing
+        inserted) - the baseline. ``arrivals``: per prompt, seconds after the call at which
+        the request arrives (it is not admitted earlier; TTFT and latency count from it).
+        """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if arrivals is not None:
+            arrivals = [float(a) for a in arrivals]
+            if len(arrivals) != len(prompts) or any(not a >= 0 for a in arrivals):
+                raise ValueError("arrivals: expected one offset >= 0 (seconds) per prompt")
         seqs = []
         now = time.perf_counter()
         for i, p in enumerate(prompts):
@@ -102,10 +112,15 @@ class Engine:
                 raise ValueError(f"prompts[{i}]: expected a non-empty list of int token ids")
             if arr.min() < 0 or arr.max() >= self.model_config.vocab_size:
                 raise ValueError(f"prompts[{i}]: token ids must be in [0, {self.model_config.vocab_size})")
-            seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now))
-        waiting, running, done = deque(seqs), [], {}
+            if arr.size + max_new_tokens > self.cache_config.max_context:
+                raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new exceed max_context "
+                                 f"{self.cache_config.max_context}")
+            seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0)))
+        waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
         while waiting or running:
-            while waiting and len(running) < self.cache_config.max_batch:
+            if not running and waiting and waiting[0].arrival > time.perf_counter():
+                time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
+            while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
                 seq = waiting[0]
                 if not self._admit(seq, use_cache, have_running=bool(running)):
                     break
@@ -124,6 +139,14 @@ class Engine:
                     done[seq.index] = self._finish(seq, use_cache)
             self.cache.check_events()
         return [done[i] for i in range(len(seqs))]
+
+    def warmup(self) -> None:
+        """Compile every model-step shape now (prefill chunks and decode batch sizes), so
+        measured TTFTs contain no compilation. The cache contents are unchanged."""
+        new = self.runner.warmup(self.device_pool.buffers, self.cache_config.max_batch, self.cache_config.prefill_chunk)
+        for c, layers in new.items():
+            for l, arr in enumerate(layers):
+                self.device_pool.set_layer(c, l, arr)
 
     def evict_device_cache(self) -> int:
         """Evict every unlocked device page of the tree (backed-up nodes stay on the host).
@@ -157,7 +180,10 @@ class Engine:
             seq.cached["device"] = req.device_pages.shape[0] * self.page_size - loaded
         else:
             req = CacheRequest(RadixKey(prompt[:0]), self.page_size)
-        need = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
+        # Every page the request will write (prompt + max_new - 1 tokens of KV) is allocated
+        # now, so a running request never runs out of device memory mid-decode.
+        prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
+        need = self._pages_for(prompt.shape[0] + seq.max_new - 1) - req.device_pages.shape[0]
         pages = self.cache.alloc_device(need)
         if pages is None:
             if req.last_node is not None:
@@ -166,7 +192,8 @@ class Engine:
                 raise OutOfDeviceMemory(f"prompt of {prompt.shape[0]} tokens needs {need} free device pages; "
                                         f"{self.device_pool.allocator.available} free after eviction")
             return False
-        req.extend(key, pages)
+        req.extend(key, pages[:prompt_pages])
+        seq.reserve = pages[prompt_pages:]
         seq.req = req
         return True
 
@@ -196,9 +223,7 @@ class Engine:
             req = seq.req
             total = seq.prompt.shape[0] + len(seq.out)  # the newest token enters the KV now
             need = self._pages_for(total) - req.device_pages.shape[0]
-            pages = self.cache.alloc_device(need) if need else np.zeros(0, np.int32)
-            if pages is None:
-                raise OutOfDeviceMemory(f"decode needs {need} more device pages; none left after eviction")
+            pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
             req.extend(RadixKey(seq.all_tokens), pages)
         logits = self._run([[s.out[-1]] for s in running],
                            [s.prompt.shape[0] + len(s.out) - 1 for s in running],
@@ -212,5 +237,7 @@ class Engine:
             self.cache.cache_finished_req(req)
         else:
             self.device_pool.allocator.free(req.device_pages)
+        if seq.reserve is not None and seq.reserve.size:
+            self.device_pool.allocator.free(seq.reserve)
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
                              time.perf_counter() - seq.arrival)

@@ -1,0 +1,332 @@
+"""Serving benchmarks on the reference engine: multi-turn, two-run, TTFT-by-tier.
+
+Each benchmark prints a readable table, writes JSON and draws a PNG. Baselines are measured
+in the same run (a no-cache pass, or a cold prefill), and results are reported as ratios.
+
+* ``multiturn``: clients x rounds; each round appends the previous answer and a new question
+  to every client's history; Poisson arrivals at ``--request-rate``. Run once with the cache
+  and once without (the baseline); TTFT percentiles, throughput and hit rate per round.
+* ``two-run``: upstream PR #12214's protocol: the same prompts (~3.5k tokens) twice; TTFT
+  and input throughput of each run.
+* ``ttft``: the issue's goals in one run: a cold 2k-token prefill vs the same prompt with
+  >= 90% of its prefix cached on L1 and on L2 (after forcing device eviction), and the
+  decode step time while write-through backups run vs without.
+
+Compilation is excluded from every measurement: the engine is warmed up (``Engine.warmup``)
+and one throwaway request of each kind runs before the clock starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engine import Engine, EngineCacheConfig
+from ..host_pool import HostPoolConfig
+from ..reference_model import ModelConfig
+from .report import machine_info, print_table, write_json
+
+MODEL_PRESETS = {
+    # Small enough for tests and smoke runs.
+    "tiny": ModelConfig(vocab_size=512, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128),
+    # Sized so a cold 2k-token prefill takes >= 1 s on a 2-core CPU machine.
+    "bench": ModelConfig(vocab_size=2048, num_layers=6, hidden=384, num_heads=6, num_kv_heads=2, head_dim=64,
+                         ffn=1536),
+}
+TIERS = ("cold", "device", "host", "storage")
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def serving_tier(result) -> str:
+    """The tier that served most of the request's prefix ('cold' when nothing was cached)."""
+    c = result.cached_tokens
+    if sum(c.values()) == 0:
+        return "cold"
+    return max(("device", "host", "storage"), key=lambda t: c[t])
+
+
+def model_config(args) -> ModelConfig:
+    cfg = MODEL_PRESETS[args.model]
+    if args.attention != cfg.attention:
+        from dataclasses import replace
+        cfg = replace(cfg, attention=args.attention)
+    return cfg
+
+
+def build_engine(args, max_context: int) -> Engine:
+    cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
+                              host=HostPoolConfig(ratio=args.host_ratio), write_policy=args.write_policy,
+                              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, max_context=max_context)
+    engine = Engine(model_config(args), cache)
+    engine.warmup()
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------
+# multiturn
+@dataclass
+class _Round:
+    results: list
+    seconds: float
+
+
+def _run_multiturn(engine: Engine, args, use_cache: bool, label: str) -> list[_Round]:
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.model_config.vocab_size
+    histories = [rng.integers(0, vocab, args.first_len).tolist() for _ in range(args.clients)]
+    rounds, bar = [], _progress(args.clients * args.rounds, label)
+    for r in range(args.rounds):
+        if r:
+            for h in histories:
+                h.extend(rng.integers(0, vocab, args.turn_len).tolist())
+        gaps = rng.exponential(1.0 / args.request_rate, args.clients) if args.request_rate > 0 else np.zeros(
+            args.clients)
+        arrivals = np.cumsum(gaps) - gaps[0]
+        t0 = time.perf_counter()
+        results = engine.generate([list(h) for h in histories], args.answer_len, use_cache=use_cache,
+                                  arrivals=arrivals.tolist())
+        rounds.append(_Round(results, time.perf_counter() - t0))
+        for h, res in zip(histories, results):
+            h.extend(res.tokens)
+        if bar is not None:
+            bar.update(args.clients)
+    if bar is not None:
+        bar.close()
+    return rounds
+
+
+def _summarize(rounds: list[_Round]) -> dict:
+    res = [x for r in rounds for x in r.results]
+    ttft = [x.ttft_s for x in res]
+    prompt = sum(x.prompt_len for x in res)
+    out = {
+        "requests": len(res),
+        "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99), "ttft_max_s": max(ttft),
+        "latency_mean_s": statistics.fmean(x.latency_s for x in res),
+        "duration_s": sum(r.seconds for r in rounds),
+        "input_tok_per_s": prompt / sum(r.seconds for r in rounds),
+        "cache_hit_rate": sum(x.cached_total for x in res) / prompt,
+        "hit_rate_by_tier": {t: sum(x.cached_tokens[t] for x in res) / prompt for t in ("device", "host", "storage")},
+        "hit_rate_per_round": [sum(x.cached_total for x in r.results) / sum(x.prompt_len for x in r.results)
+                               for r in rounds],
+        "ttft_by_tier": {t: [x.ttft_s for x in res if serving_tier(x) == t] for t in TIERS},
+    }
+    return out
+
+
+def _plot(path: str, title: str, by_tier: dict, per_round: list[float] | None) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ncols = 2 if per_round is not None else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4))
+    axes = np.atleast_1d(axes)
+    data = [(t, [v * 1e3 for v in by_tier.get(t, [])]) for t in TIERS if by_tier.get(t)]
+    if data:
+        axes[0].boxplot([d for _, d in data], tick_labels=[f"{t}\n(n={len(d)})" for t, d in data])
+    axes[0].set_ylabel("TTFT (ms)")
+    axes[0].set_title("TTFT by the tier that served the prefix")
+    if per_round is not None:
+        axes[1].plot(range(len(per_round)), per_round, marker="o")
+        axes[1].set_xlabel("round")
+        axes[1].set_xticks(range(len(per_round)))
+        axes[1].set_ylabel("cache hit rate")
+        axes[1].set_ylim(0, 1)
+        axes[1].set_title("hit rate per round")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def multiturn(args) -> dict:
+    max_context = args.first_len + args.rounds * (args.turn_len + args.answer_len) + 16
+    engine = build_engine(args, max_context)
+    # Throwaway pass with other tokens: compiles the transfer paths and warms the pinned buffers.
+    warm = argparse.Namespace(**{**vars(args), "clients": min(2, args.clients), "rounds": min(2, args.rounds),
+                                 "seed": args.seed + 1000, "request_rate": 0})
+    _run_multiturn(engine, warm, True, "warm-up")
+    engine.cache.reset()
+    base = _summarize(_run_multiturn(engine, args, False, "no cache"))
+    cached_rounds = _run_multiturn(engine, args, True, "hicache")
+    cached = _summarize(cached_rounds)
+    stats = engine.stats()
+    engine.close()
+    rows = []
+    for name, s in (("no cache", base), ("hicache", cached)):
+        rows.append([name, s["requests"], s["ttft_mean_s"] * 1e3, s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3,
+                     s["ttft_p99_s"] * 1e3, s["input_tok_per_s"], s["cache_hit_rate"],
+                     s["hit_rate_by_tier"]["device"], s["hit_rate_by_tier"]["host"],
+                     s["hit_rate_by_tier"]["storage"]])
+    print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, model {args.model}, "
+                f"page {args.page_size}, {args.write_policy}, {args.request_rate} req/s",
+                ["run", "reqs", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "hit rate", "L1", "L2", "L3"],
+                rows)
+    ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
+              "ttft_p50": cached["ttft_p50_s"] / base["ttft_p50_s"],
+              "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"]}
+    print(f"hicache / no-cache: TTFT mean x{ratios['ttft_mean']:.3f}, p50 x{ratios['ttft_p50']:.3f}, "
+          f"input throughput x{ratios['input_throughput']:.2f}")
+    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "multi-turn (hicache)", cached["ttft_by_tier"],
+                cached["hit_rate_per_round"])
+    return {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
+            "hicache": cached, "ratios_vs_no_cache": ratios, "cache_stats": stats, "plot": png}
+
+
+# ---------------------------------------------------------------------------------------------
+# two-run
+def two_run(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    engine = build_engine(args, args.prompt_len + args.answer_len + 16)
+    vocab = engine.model_config.vocab_size
+    warm = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(2)]
+    engine.generate(warm, args.answer_len)
+    engine.generate(warm, args.answer_len)
+    engine.cache.reset()
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
+    runs = []
+    for i in range(2):
+        bar = _progress(len(prompts), f"run {i + 1}")
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, args.answer_len)
+        runs.append((res, time.perf_counter() - t0))
+        if bar is not None:
+            bar.update(len(prompts))
+            bar.close()
+    engine.close()
+    rows, out = [], []
+    for i, (res, secs) in enumerate(runs):
+        ttft = [r.ttft_s for r in res]
+        tier = {t: sum(serving_tier(r) == t for r in res) for t in TIERS}
+        d = {"run": i + 1, "ttft_mean_s": statistics.fmean(ttft), "duration_s": secs,
+             "input_tok_per_s": sum(r.prompt_len for r in res) / secs, "requests_by_tier": tier,
+             "same_tokens_as_run1": [r.tokens for r in res] == [r.tokens for r in runs[0][0]]}
+        out.append(d)
+        rows.append([i + 1, d["ttft_mean_s"] * 1e3, secs, d["input_tok_per_s"], tier["cold"], tier["device"],
+                     tier["host"], d["same_tokens_as_run1"]])
+    print_table(f"two-run: {args.num_prompts} prompts x {args.prompt_len} tokens, model {args.model}",
+                ["run", "TTFT mean ms", "duration s", "input tok/s", "cold", "L1", "L2", "same tokens"], rows)
+    delta = out[1]["ttft_mean_s"] / out[0]["ttft_mean_s"] - 1
+    print(f"TTFT run2 vs run1: {delta * 100:+.1f}%")
+    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "two-run",
+                {t: [r.ttft_s for r in runs[0][0] + runs[1][0] if serving_tier(r) == t] for t in TIERS}, None)
+    return {"benchmark": "two-run", "machine": machine_info(), "config": vars(args), "runs": out,
+            "ttft_change": delta, "plot": png}
+
+
+# ---------------------------------------------------------------------------------------------
+# ttft goals
+def ttft(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    engine = build_engine(args, args.prompt_len + args.answer_len + 16)
+    vocab = engine.model_config.vocab_size
+    keep = int(args.prompt_len * args.reuse)
+
+    def variant(base: list[int]) -> list[int]:  # same prefix, fresh suffix: ~reuse of it cached
+        return base[:keep] + rng.integers(0, vocab, args.prompt_len - keep).tolist()
+
+    def one(prompt, **kw):
+        return engine.generate([prompt], 1, **kw)[0]
+
+    def measure(kind: str) -> list:
+        out = []
+        for _ in range(args.reps):
+            base = rng.integers(0, vocab, args.prompt_len).tolist()
+            if kind == "cold":
+                out.append(one(base, use_cache=False))
+                continue
+            one(base)  # populate the cache (not timed)
+            engine.cache.flush()
+            if kind == "host":
+                engine.evict_device_cache()
+            out.append(one(variant(base)))
+        return out
+
+    for kind in ("cold", "device", "host"):  # warm-up: compile and fault in every path once
+        measure(kind)
+    results = {k: measure(k) for k in ("cold", "device", "host")}
+    engine.cache.reset()
+    # Decode step time with and without write-through backups in flight.
+    decode = _decode_overhead(engine, args, rng)
+    engine.close()
+    med = {k: statistics.median(r.ttft_s for r in v) for k, v in results.items()}
+    rows = [[k, statistics.median(r.cached_tokens["device"] + r.cached_tokens["host"] for r in v),
+             med[k] * 1e3, med[k] / med["cold"]] for k, v in results.items()]
+    print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, model {args.model} "
+                f"(median of {args.reps})", ["served by", "cached tokens", "TTFT ms", "x cold"], rows)
+    print(f"decode step: {decode['with_backups_s'] * 1e3:.1f} ms with write-through backups vs "
+          f"{decode['without_backups_s'] * 1e3:.1f} ms without: x{decode['ratio']:.3f}")
+    goals = {"l2_over_cold": med["host"] / med["cold"], "l2_goal": 0.10,
+             "decode_ratio": decode["ratio"], "decode_goal": 1.05}
+    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "TTFT by tier",
+                {("cold" if k == "cold" else k): [r.ttft_s for r in v] for k, v in results.items()}, None)
+    return {"benchmark": "ttft", "machine": machine_info(), "config": vars(args),
+            "median_ttft_s": med, "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
+            "decode": decode, "goals": goals, "plot": png}
+
+
+def _decode_overhead(engine: Engine, args, rng) -> dict:
+    """Median decode step (batch of max_batch) with write-through backups in flight vs none."""
+    vocab = engine.model_config.vocab_size
+    n = engine.cache_config.max_batch
+    steps = args.decode_steps
+
+    def run(with_backups: bool) -> float:
+        prompts = [rng.integers(0, vocab, 64).tolist() for _ in range(n)]
+        if with_backups:  # a long prompt whose backup (D2H) runs while we decode
+            engine.generate([rng.integers(0, vocab, args.prompt_len).tolist()], 1)
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, steps)
+        total = time.perf_counter() - t0
+        first = max(r.ttft_s for r in res)
+        return (total - first) / max(1, steps - 1)
+
+    run(True), run(False)  # warm-up
+    a = statistics.median(run(True) for _ in range(3))
+    b = statistics.median(run(False) for _ in range(3))
+    return {"with_backups_s": a, "without_backups_s": b, "ratio": a / b}
+
+
+# ---------------------------------------------------------------------------------------------
+def add_common(p: argparse.ArgumentParser, out: str, model: str = "bench") -> None:
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=model)
+    p.add_argument("--attention", choices=["mha", "mla"], default="mha")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--device-pages", type=int, default=1024)
+    p.add_argument("--host-ratio", type=float, default=4.0)
+    p.add_argument("--write-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"])
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out)
+
+
+def run_and_save(fn, args) -> int:
+    payload = fn(args)
+    path = write_json(args.out, payload)
+    print(f"JSON written to {path}")
+    if payload.get("plot"):
+        print(f"plot written to {payload['plot']}")
+    return 0

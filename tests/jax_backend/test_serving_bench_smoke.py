@@ -1,0 +1,32 @@
+"""The serving benchmarks run end to end on the tiny model and write JSON + PNG (smoke)."""
+
+import json
+
+import pytest
+
+from hicache_jax import cli
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "multiturn", "--model", "tiny", "--clients", "3", "--rounds", "2", "--first-len", "40",
+     "--turn-len", "12", "--answer-len", "3", "--request-rate", "0", "--device-pages", "24", "--page-size", "4"],
+    ["bench", "two-run", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "48", "--page-size", "4",
+     "--device-pages", "64"],
+    ["bench", "ttft", "--model", "tiny", "--prompt-len", "64", "--reps", "1", "--decode-steps", "3",
+     "--page-size", "4", "--device-pages", "128", "--max-batch", "2"],
+])
+def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(argv + ["--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == argv[1]
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    text = capsys.readouterr().out
+    assert "JSON written" in text
+    if argv[1] == "multiturn":
+        assert payload["hicache"]["cache_hit_rate"] > 0.3 and payload["no_cache"]["cache_hit_rate"] == 0
+    if argv[1] == "two-run":
+        assert payload["runs"][1]["same_tokens_as_run1"]
+        assert payload["runs"][1]["requests_by_tier"]["cold"] == 0
+    if argv[1] == "ttft":
+        assert set(payload["ratios_vs_cold"]) == {"cold", "device", "host"}
