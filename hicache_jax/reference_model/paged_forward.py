@@ -6,8 +6,11 @@ pool at ``(page_table[pos // page], pos % page)``, attends over every cached pos
 updated pool arrays.
 
 Donation: the pool arrays passed in are donated (updated in place) and must be replaced by
-the returned ones. Shapes are bucketed (B, T and the page-table width to powers of two), so
-steady-state serving reuses compiled steps. Threading: call from the thread that owns the pool.
+the returned ones. Shapes are bucketed so steady-state serving reuses compiled steps: B to
+powers of two, T to ``token_buckets`` (then powers of two), and the page-table width either
+fixed at ``max_pages_per_seq`` (one width: attention over a few padded keys is cheap next to
+the matmuls, and ``warmup`` can then compile every shape up front) or to powers of two.
+Threading: call from the thread that owns the pool.
 """
 
 from __future__ import annotations
@@ -67,9 +70,12 @@ _STEP = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,))
 class PagedRunner:
     """Holds the model's weights and its jitted, pool-donating step."""
 
-    def __init__(self, config: ModelConfig, page_size: int) -> None:
+    def __init__(self, config: ModelConfig, page_size: int, max_pages_per_seq: int | None = None,
+                 token_buckets: tuple[int, ...] = (16, 64, 256, 1024)) -> None:
         self.config = config
         self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.token_buckets = tuple(sorted(token_buckets))
         self.model = Transformer(config)
         self.graphdef, self.state = nnx.split(self.model)
         self._step = _STEP
@@ -85,8 +91,11 @@ class PagedRunner:
         if not (b == len(starts) == len(page_tables)) or b == 0:
             raise ValueError("tokens, starts, page_tables: expected equal, non-zero lengths")
         bb = _bucket(b)
-        tb = _bucket(max(len(x) for x in tokens), min_t)
-        mb = _bucket(max(len(p) for p in page_tables))
+        tb = self._token_bucket(max(len(x) for x in tokens), min_t)
+        widest = max(len(p) for p in page_tables)
+        if self.max_pages_per_seq is not None and widest > self.max_pages_per_seq:
+            raise ValueError(f"page_tables: {widest} pages exceed max_pages_per_seq {self.max_pages_per_seq}")
+        mb = self.max_pages_per_seq or _bucket(widest)
         tok = np.zeros((bb, tb), np.int32)
         pos = np.zeros((bb, tb), np.int32)
         val = np.zeros((bb, tb), bool)
@@ -104,3 +113,26 @@ class PagedRunner:
             kv_lens[i] = st + n
         logits, new_pools = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens)
         return np.asarray(logits[:b]), new_pools
+
+    def _token_bucket(self, n: int, minimum: int = 1) -> int:
+        for t in self.token_buckets:
+            if t >= max(n, minimum):
+                return t
+        return _bucket(max(n, minimum))
+
+    def warmup(self, pools: Pools, max_batch: int, max_new_tokens_per_step: int) -> Pools:
+        """Compile every (B, T) shape serving will use (needs ``max_pages_per_seq``); returns the pools.
+
+        Runs steps whose tokens are all padding, so no KV is written: the pools come back with
+        the same content (as new arrays: they were donated).
+        """
+        if self.max_pages_per_seq is None:
+            raise ValueError("warmup: needs a fixed max_pages_per_seq")
+        shapes = {(1, self._token_bucket(t)) for t in self.token_buckets if t <= max_new_tokens_per_step}
+        shapes.add((1, self._token_bucket(max_new_tokens_per_step)))
+        shapes |= {(_bucket(b), 1) for b in range(1, max_batch + 1)}
+        for bb, tb in sorted(shapes):
+            zeros = np.zeros((bb, tb), np.int32)
+            _, pools = self._step(self.graphdef, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
+                                  np.zeros((bb, self.max_pages_per_seq), np.int32), np.ones(bb, np.int32))
+        return pools

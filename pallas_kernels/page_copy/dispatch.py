@@ -46,7 +46,7 @@ _GLOBAL_EXES: dict = {}
 _GLOBAL_LOCK = threading.Lock()
 
 
-def _to_bits(x: jax.Array, c) -> jax.Array:
+def _to_bits(x: jax.Array, c) -> jax.Array:  # no-op when c is x's own dtype
     return x if x.dtype == c else jax.lax.bitcast_convert_type(x, c)
 
 
@@ -144,6 +144,15 @@ class PageCopier:
                                                                                   interp)
         return g, s
 
+    def _container(self, dtype):
+        """The dtype kernels copy: an unsigned container for Pallas kernels, the KV dtype for XLA.
+
+        XLA's take / scatter move elements bit for bit, and a bitcast around a donated
+        scatter costs XLA its in-place update (a whole-pool copy: 5x slower on CPU).
+        Pallas kernels get bits because interpreted masked float copies may flush subnormals.
+        """
+        return jnp.dtype(dtype) if self._plan.impl == "xla" else _CONTAINERS[jnp.dtype(dtype).itemsize]
+
     def _specs(self):
         """(pool spec, buffer spec): head-sharded with a kv_axis, replicated without one."""
         if self.mesh is None:
@@ -162,7 +171,7 @@ class PageCopier:
         pool_spec, buf_spec = self._specs()
 
         dtype = pool_aval.dtype
-        c = _CONTAINERS[jnp.dtype(dtype).itemsize]
+        c = self._container(dtype)
 
         def f(pools, ids, n, out):
             # Bitcasts to the unsigned container are free inside the executable (no copies).
@@ -185,7 +194,7 @@ class PageCopier:
         pool_spec, buf_spec = self._specs()
 
         dtype = pool_aval.dtype
-        c = _CONTAINERS[jnp.dtype(dtype).itemsize]
+        c = self._container(dtype)
 
         def f(pool, ids, n, buf, layer):
             return _from_bits(scatter(_to_bits(pool, c), ids, n, _to_bits(buf, c), layer, order), dtype)
