@@ -11,6 +11,8 @@ from enum import Enum
 
 import numpy as np
 
+from ..storage.config import StorageConfig
+
 
 class WritePolicy(str, Enum):
     """When device KV is copied to the host tier."""
@@ -68,6 +70,11 @@ class HiCacheConfig:
     * ``host_reclaim``: when the host tier is full and no host-only leaf is left, drop the
       host copy of an on-device node (it stays on device, no longer backed up). Without it a
       host pool smaller than the device pool starves write-through (sglang #33862).
+    * ``storage``: the L3 tier's settings (``hicache_jax.storage.StorageConfig``: backend name,
+      path, capacity, prefetch policy, threshold, timeout formula), or a plain dict of its
+      fields (e.g. parsed ``--hicache-storage-backend-extra-config`` JSON), or ``None`` for no
+      L3. The cache itself never touches storage: a ``StorageController`` reads this field
+      when built without an explicit ``storage_config``.
     """
 
     page_size: int = 1
@@ -76,6 +83,7 @@ class HiCacheConfig:
     write_through_threshold: int | None = None
     load_back_threshold: int = 10
     host_reclaim: bool = True
+    storage: StorageConfig | dict | None = None
 
     def __post_init__(self) -> None:
         _int_arg("page_size", self.page_size, 1)
@@ -88,3 +96,10 @@ class HiCacheConfig:
         _int_arg("load_back_threshold", self.load_back_threshold, 0)
         if not isinstance(self.host_reclaim, bool):
             raise TypeError(f"host_reclaim: expected a bool, got {type(self.host_reclaim).__name__}")
+        if isinstance(self.storage, dict):
+            try:
+                object.__setattr__(self, "storage", StorageConfig.from_dict(self.storage))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"storage: {e}") from None
+        elif self.storage is not None and not isinstance(self.storage, StorageConfig):
+            raise TypeError(f"storage: expected a StorageConfig, a dict or None, got {type(self.storage).__name__}")

@@ -45,6 +45,14 @@ Write policies (REFERENCE.md 2.3)
     ``write_back`` backs up only inside ``evict``, blocking on the copy; when the host has no
     room even after host eviction, the node is dropped (``dropped_tokens``).
 
+L3 hook (``storage_hook``)
+    ``None`` unless a ``StorageController`` (``storage_controller``) attaches itself. Then,
+    on the owner thread: each acknowledged backup calls ``on_backup_acked(node)`` (before the
+    backup's locks drop; it may only take host locks and queue work), ``writing_check`` and
+    ``check_events`` call ``poll()``, ``reset`` calls ``on_reset()`` before freeing pages, and
+    ``sanity_check`` counts ``reserved_host_pages()`` (host pages the controller holds for
+    prefetches in flight) as accounted for. ``insert_host`` attaches prefetched host pages.
+
 Eviction
     Device: unlocked leaves of the device tier, LRU or LFU. A backed-up leaf is demoted to
     host-only; otherwise it is deleted. Host: host-only, host-unlocked leaves; then (option
@@ -170,6 +178,7 @@ class HiRadixCache:
         self._host_owned = np.zeros(host_alloc.num_pages, bool)
         self._writes: deque[_PendingOp] = deque()
         self._loads: deque[_PendingOp] = deque()
+        self.storage_hook = None  # a StorageController, when attached (see the module docstring)
         self._init_tree()
 
     # ------------------------------------------------------------------ tree basics
@@ -464,6 +473,50 @@ class HiRadixCache:
                     self._writes.append(op)
         return InsertResult(matched, node)
 
+    def insert_host(self, key: object, host_pages: object, start: int) -> tuple[int, TreeNode | None]:
+        """Attach host pages (e.g. read from L3) as host-only nodes; returns (tokens attached, leaf).
+
+        ``host_pages[i]`` (allocated from the host pool, not owned by the tree) holds page
+        ``start // page_size + i`` of ``key``. The cache takes every page: it attaches the run
+        that continues the tree's backed-up path from its end and frees the rest (pages the tree
+        already holds, or pages that no longer connect because the backed-up path now ends
+        before ``start`` or a not-backed-up node sits where they would go). The leaf is None
+        when nothing was attached.
+        """
+        key = as_radix_key(key)
+        p = self.page_size
+        start = _count_arg("start", start)
+        ids = check_page_ids(host_pages, self.host_allocator.num_pages, "host_pages")
+        end = start + ids.shape[0] * p
+        if start % p or end > len(key):
+            raise ValueError(f"start: {start} must be a page multiple with start + pages <= {len(key)} tokens")
+        if ids.size:
+            bad = ids[self._host_owned[ids] | ~self.host_allocator.is_allocated(ids)]
+            if bad.size:
+                raise ValueError(f"host_pages: {bad[:8].tolist()} are free or owned by the tree")
+        tokens = key.token_ids
+        segs, matched = self._walk(tokens, end, key.namespace)
+        backed, last, last_m = 0, self.root, 0
+        for node, m, off in segs:
+            if node.host_value is None:
+                break
+            backed, last, last_m = off + m, node, m
+        if ids.size == 0 or backed < start or backed >= end or matched > backed:
+            if ids.size:
+                self.host_allocator.free(ids)
+            return 0, None
+        skip = (backed - start) // p
+        if last is not self.root and last_m < last.size:
+            last = self._split(last, last_m)
+        leaf = TreeNode(tokens[backed:end].copy(), key.namespace, last)
+        last.children[page_key(leaf.key, 0, p) if last is not self.root
+                      else (key.namespace, page_key(leaf.key, 0, p))] = leaf
+        leaf.last_access = self._tick()
+        self._set_host(leaf, ids[skip:].copy())
+        if skip:
+            self.host_allocator.free(ids[:skip])
+        return end - backed, leaf
+
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors on the device tier. The root is a no-op."""
@@ -563,7 +616,10 @@ class HiRadixCache:
 
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
-        return self._ack(self._writes, block, "backup_seconds")
+        n = self._ack(self._writes, block, "backup_seconds")
+        if self.storage_hook is not None:
+            self.storage_hook.poll()
+        return n
 
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
@@ -573,6 +629,8 @@ class HiRadixCache:
         """Poll both queues without blocking (call once per scheduler step)."""
         if self._writes:
             self.writing_check()
+        elif self.storage_hook is not None:
+            self.storage_hook.poll()
         if self._loads:
             self.loading_check()
 
@@ -587,6 +645,8 @@ class HiRadixCache:
             op = queue.popleft()
             try:
                 op.handle.wait()  # re-raises a failed copy as TransferError
+                if queue is self._writes and self.storage_hook is not None:
+                    self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
             finally:
                 self._release(op)
             setattr(self.metrics, metric, getattr(self.metrics, metric) + time.perf_counter() - op.t0)
@@ -628,6 +688,8 @@ class HiRadixCache:
                     m.dropped_tokens += size
                 else:
                     op.handle.wait()  # write_back blocks on the copy, as upstream
+                    if self.storage_hook is not None:
+                        self.storage_hook.on_backup_acked(op.node)
                     self._release(op)
                     m.backup_seconds += time.perf_counter() - op.t0
             free_ids.append(self._clear_device(node))
@@ -816,6 +878,8 @@ class HiRadixCache:
         self.flush()
         if self.protected_tokens:
             raise RuntimeError(f"reset: callers still hold locks on {self.protected_tokens} device tokens")
+        if self.storage_hook is not None:
+            self.storage_hook.on_reset()  # L3 backups still reading host pages finish first
         dev = np.flatnonzero(self._dev_owned).astype(ID_DTYPE)
         host = np.flatnonzero(self._host_owned).astype(ID_DTYPE)
         self.device_allocator.free(dev)

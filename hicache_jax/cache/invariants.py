@@ -162,9 +162,15 @@ def collect_violations(cache: "HiRadixCache", external_device_pages: int | None 
         if not np.array_equal(mask, owned):
             errs.append(f"{name} ownership bitmap disagrees with the tree at pages "
                         f"{np.flatnonzero(mask != owned)[:8].tolist()}")
-        if name == "host" and alloc.available + uniq.size != alloc.num_pages:
-            errs.append(f"host pool memory leak detected: free {alloc.available} + tree {uniq.size} "
-                        f"!= total {alloc.num_pages}")
+        if name == "host":
+            # Host pages an attached L3 controller holds for prefetches in flight (not the tree's).
+            hook = cache.storage_hook
+            res = np.zeros(0, np.int64) if hook is None else np.asarray(hook.reserved_host_pages(), np.int64)
+            if res.size and (np.unique(res).size != res.size or mask[res].any() or not alloc.is_allocated(res).all()):
+                errs.append("host pages reserved by the storage controller are repeated, free or owned by the tree")
+            if alloc.available + uniq.size + res.size != alloc.num_pages:
+                errs.append(f"host pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
+                            f"reserved {res.size} != total {alloc.num_pages}")
         if name == "device":
             if (evictable + protected) // p != uniq.size:
                 errs.append(f"device pages {uniq.size} != (evictable + protected) tokens / page_size")

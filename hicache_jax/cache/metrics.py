@@ -47,6 +47,18 @@ class CacheMetrics:
     evicted_host_tokens: int = 0  # host-only nodes removed
     reclaimed_host_tokens: int = 0  # host copies of on-device nodes dropped
     host_eviction_seconds: float = 0.0
+    # L3 (updated by an attached StorageController, on the owner thread)
+    prefetch_calls: int = 0  # prefetches started (a storage lookup was queued)
+    prefetch_skipped: int = 0  # not started: continuation under the threshold, host budget, closed
+    prefetch_revoked: int = 0  # started, then dropped: hit under the threshold, no host room, tree moved
+    prefetch_timeouts: int = 0  # ``timeout`` policy: the deadline passed before the last page
+    prefetched_tokens: int = 0  # tokens read from storage into host pages
+    storage_hit_tokens: int = 0  # prefetched tokens attached to the tree (finish_prefetch's result)
+    prefetch_seconds: float = 0.0  # prefetch start -> finish_prefetch, summed
+    storage_backup_tokens: int = 0  # tokens written host -> storage
+    storage_backup_bytes: int = 0
+    storage_backup_failed_tokens: int = 0  # the storage refused or failed them
+    storage_backup_seconds: float = 0.0  # queued -> stored, summed
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +84,17 @@ _COUNTERS = [
     ("eviction_duration_seconds", "Time spent in device eviction", "eviction_seconds", {}),
     ("load_back_duration_seconds", "Load-back time, issue to acknowledgement", "load_back_seconds", {}),
     ("backup_duration_seconds", "Backup time, issue to acknowledgement", "backup_seconds", {}),
+    # L3. Storage hits reach the device through a host load-back, so the host source above
+    # includes them; storage_hit_tokens is the part of it that came from L3.
+    ("cached_tokens", "Prompt tokens served from a cache tier", "storage_hit_tokens", {"cache_source": "storage"}),
+    ("prefetched_tokens", "Tokens read from L3 storage into host pages", "prefetched_tokens", {}),
+    ("prefetch_revoked", "Prefetches dropped after they started", "prefetch_revoked", {}),
+    ("prefetch_timeouts", "Prefetches cut short by the timeout policy", "prefetch_timeouts", {}),
+    ("prefetch_duration_seconds", "Prefetch time, start to finish_prefetch", "prefetch_seconds", {}),
+    ("storage_backup_tokens", "Tokens backed up host -> L3 storage", "storage_backup_tokens", {}),
+    ("storage_backup_bytes", "KV bytes backed up host -> L3 storage", "storage_backup_bytes", {}),
+    ("storage_backup_failed_tokens", "Tokens L3 storage refused or failed", "storage_backup_failed_tokens", {}),
+    ("storage_backup_duration_seconds", "L3 backup time, queued to stored", "storage_backup_seconds", {}),
 ]
 
 

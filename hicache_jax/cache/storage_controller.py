@@ -1,0 +1,820 @@
+"""L3 controller: write-through backups host (L2) -> storage (L3), and prefetch storage -> host.
+
+Usage (REFERENCE.md 2.6; the engine's scheduler thread owns the cache and the controller)::
+
+    cache = HiRadixCache(HiCacheConfig(page_size=16, storage=StorageConfig(backend="file", path=d)),
+                         engine, device_allocator, sidecars={"draft": draft_engine})
+    controller = StorageController(cache, model="llama-3-8b", weights_revision="abc123")
+    op = controller.prefetch(radix_key)        # request arrival: non-blocking
+    ...                                        # optional: admit once controller.prefetch_ready(op)
+    storage_tokens = controller.finish_prefetch(op)   # admission, before cache.begin_request
+    req, lb = cache.begin_request(radix_key)   # loads the new host-only nodes to the device
+    cache.check_events()                       # every step: acks D2H backups -> L3 writes; polls
+    controller.close()                         # shutdown: cancel prefetches, flush L3 writes
+
+Signatures::
+
+    StorageController(cache, storage_config=None, *, model, weights_revision="", tp_size=1, tp_rank=0,
+                      salt="", storage=None, batch_pages=128, max_inflight_fraction=0.5)
+    prefetch(key) -> PrefetchOperation
+    prefetch_ready(op) -> bool
+    finish_prefetch(op) -> int                 # tokens attached to the tree from storage
+    cancel(op) -> None
+    flush(timeout=None) -> bool
+    close() -> None
+    stats() -> dict
+
+``storage_config`` defaults to ``cache.config.storage`` (``HiCacheConfig.storage``); one of them
+must be set. ``storage`` injects a ready ``HiCacheStorage`` built over the cache's host pools
+(tests use slow or faulty stores); otherwise the controller builds one with ``create_storage``
+and closes it in ``close``.
+
+Pools and keys
+    The target KV (component ``full``) is the storage pool ``target``; every sidecar (e.g. the
+    draft model's KV, sharing the target's page ids) is a pool of its own name. Every pool is
+    ``ALL_PAGES``: a page is a storage hit only if every pool has it, and ``get_multi`` reads
+    every pool before it publishes anything, so a target page never lands without its draft.
+    Page keys are SHA-256 chains (``storage.keys``) seeded with a per-pool ``Namespace`` of: the
+    model id with the KV geometry folded in (kind, layers, heads, width), ``weights_revision``,
+    KV dtype, page size, host layout, TP size/rank, pool name, and an ``extra_key`` that
+    encodes the controller's ``salt`` and the RadixKey's ``extra_key``/``cache_salt`` (the tree's
+    namespace) canonically. Namespace values must be None, bool, int, float, str, bytes or
+    tuples of those; keys in other namespaces skip L3 (logged once). The controller keeps each
+    tree node's page digests per pool, so a child chains from its parent's last digest; an
+    entry outliving a split is trimmed to the lower part, and nodes without one are hashed.
+
+L3 backup (write-through from L2, no threshold)
+    Each acknowledged D2H backup calls ``on_backup_acked(node)``: the controller collects the
+    nodes from ``node`` up to the first one already stored or in flight, takes a host lock on
+    ``node`` (the pages stay in the host pool), and queues one job on the backup thread, which
+    calls ``batch_set`` per pool (sidecars first, then the target; the storage skips keys it
+    already holds). ``batch_set`` copies the pages out before returning; the owner thread
+    then drops the host lock at its next ``poll``. A node whose pages failed is retried on
+    the next backup below it.
+
+Prefetch (REFERENCE.md 2.6 flow; policies in ``storage.config``)
+    ``prefetch(key)`` walks the tree read-only. It starts only when the match ends on a
+    backed-up node (or the root), the continuation after it is >= the threshold
+    (``max(prefetch_threshold_tokens, page_size)``) and prefetches in flight hold less than
+    ``max_inflight_fraction`` of the host pool. It host-locks the anchor node (the match's
+    deepest node) and queues a query on the query thread: hash the continuation's page keys
+    and count consecutive storage hits in ``batch_pages`` batches, stopping at the first
+    partial batch. On the owner thread (``poll``, ``prefetch_ready`` or ``finish_prefetch``) a
+    hit under the threshold is revoked; otherwise exactly ``hit`` host pages are allocated
+    (evicting host leaves if needed) and the IO thread reads them batch by batch (all pools
+    per batch), stopping at the first miss or when told to. ``finish_prefetch`` applies the
+    policy -- ``best_effort``: take what has arrived; ``wait_complete``: wait for every page;
+    ``timeout``: wait until done or ``prefetch_timeout(tokens)`` seconds after ``prefetch``
+    (``tokens``: the hit once known, else the requested continuation) -- then hands the
+    consecutive pages that arrived to ``HiRadixCache.insert_host`` (under the threshold: all
+    freed, revoked). The tree may have changed meanwhile: pages it already holds are freed,
+    pages that no longer connect are freed, never attached elsewhere (keys cover the whole
+    prefix, so attached bytes are always the right ones). Pages still being written when a
+    prefetch is cut short stay reserved until the IO thread lets go of them.
+
+Counting
+    ``finish_prefetch`` returns the tokens attached from storage (now host-only nodes). They
+    reach the device through ``begin_request``'s load-back (subject to its
+    ``load_back_threshold`` and device room, like any host hit), so ``metrics.loaded_tokens``
+    (the host source) includes them. An engine reporting per tier uses device = the match's
+    device hit, storage = min(this result, the load-back's ``num_tokens``), host = the
+    load-back's ``num_tokens`` - storage. Counters live in ``cache.metrics`` (``prefetch_*``,
+    ``storage_hit_tokens``, ``storage_backup_*``; exported by ``register_prometheus``); the
+    store's own counters are ``controller.storage.metrics``.
+
+Threading
+    Every public method, and every hook the cache calls (``on_backup_acked``, ``poll``,
+    ``on_reset``, ``reserved_host_pages``), runs on the cache's owner thread; the controller
+    is not thread-safe beyond that. Three worker threads (one each: query, IO, backup) never
+    touch the tree, the allocators or ``cache.metrics``: they read storage indexes, write the
+    host pages reserved for their prefetch, read host pages that a host lock keeps alive, and
+    report back through per-operation conditions and a completion queue that the owner
+    thread drains. Storage faults are misses and failed sets (the storage layer's contract);
+    any other exception on a worker is logged and treated the same way, so nothing escapes to
+    the scheduler except argument errors from the public methods.
+
+Coupling: the controller uses the cache's internal ``_walk``, ``_host_lock``, ``_host_unlock``
+and ``_alloc_host`` (owner-thread helpers; keep their meaning when optimizing the tree).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+
+from ..storage import HiCacheStorage, Namespace, PoolSpec, PoolTransfer, StorageConfig, create_storage, page_keys
+from .components import FULL
+from .hiradix_cache import HiRadixCache
+from .radix_key import RadixKey, as_radix_key
+from .tree_node import TreeNode
+
+log = logging.getLogger("hicache_jax.cache.storage")
+
+TARGET_POOL = "target"
+_NEW, _INFLIGHT, _STORED = 0, 1, 2
+_EMPTY = np.zeros(0, np.int64)
+
+
+def encode_namespace(salt: str, namespace: tuple) -> str:
+    """Canonical, process-stable string for the key namespace's ``extra_key`` field.
+
+    ``""`` for no salt and the default tree namespace; otherwise typed JSON, so ``1``, ``"1"``
+    and ``b"1"`` differ. Raises TypeError for values without a stable encoding.
+    """
+
+    def enc(v: object) -> object:
+        if v is None:
+            return None
+        if isinstance(v, bool):
+            return {"b": v}
+        if isinstance(v, (int, np.integer)):
+            return {"i": int(v)}
+        if isinstance(v, float):
+            return {"f": repr(v)}
+        if isinstance(v, str):
+            return {"s": v}
+        if isinstance(v, (bytes, bytearray)):
+            return {"x": bytes(v).hex()}
+        if isinstance(v, tuple):
+            return {"t": [enc(x) for x in v]}
+        raise TypeError(f"namespace value of type {type(v).__name__} has no stable encoding for L3 keys")
+
+    if not salt and all(x is None for x in namespace):
+        return ""
+    return json.dumps([salt, [enc(x) for x in namespace]], sort_keys=True, separators=(",", ":"))
+
+
+class _Entry:
+    """Page digests of one tree node, per pool, and whether its pages are in L3."""
+
+    __slots__ = ("digests", "state")
+
+    def __init__(self, digests: dict[str, list[bytes]]) -> None:
+        self.digests = digests
+        self.state = _NEW
+
+    def __len__(self) -> int:
+        return len(next(iter(self.digests.values())))
+
+    def trim(self, k: int) -> None:
+        """The node was split: keep the digests of its last ``k`` pages (in place)."""
+        for pool in self.digests:
+            self.digests[pool] = self.digests[pool][len(self) - k:]
+
+
+class _BackupJob:
+    __slots__ = ("node", "entries", "keys", "ids", "ok", "t0", "done")
+
+    def __init__(self, node, entries, keys, ids) -> None:
+        self.node, self.entries, self.keys, self.ids = node, entries, keys, ids
+        self.ok = np.zeros(len(ids), bool)
+        self.t0 = time.perf_counter()
+        self.done = threading.Event()
+
+
+class PrefetchOperation:
+    """One request's prefetch. Read-only for callers; ``status`` is one of:
+
+    ``skipped`` (never started), ``querying`` (counting storage hits), ``loading`` (host pages
+    reserved, reading), ``revoked`` (dropped; nothing attached), ``finished`` (after
+    ``finish_prefetch``; ``storage_tokens`` is the result), ``closed`` (controller closed).
+    """
+
+    def __init__(self, controller: "StorageController", key: RadixKey) -> None:
+        self._ctrl = controller
+        self.key = key
+        self.status = "skipped"
+        self.reason = ""
+        self.start = 0  # tokens of the key already backed up in the tree at prefetch time
+        self.end = 0  # page-aligned end of the key
+        self.storage_tokens = 0
+        self.t0 = time.perf_counter()
+        self._cond = threading.Condition()
+        self._cancel = False
+        self._anchor: TreeNode | None = None
+        self._ns: dict[str, Namespace] = {}
+        self._prev: dict[str, bytes] | None = None
+        # Written by the query thread (under _cond):
+        self._keys: dict[str, list[bytes]] = {}
+        self._hit_pages: int | None = None
+        # Owner thread:
+        self._ids = _EMPTY  # host pages allocated for the hit
+        self._reserved = _EMPTY  # the part of _ids the controller still owns
+        self._finalized = False
+        # IO thread (under _cond):
+        self._done_pages = 0
+        self._io_finished = False
+
+    @property
+    def requested_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def hit_tokens(self) -> int | None:
+        """Storage hit (tokens after ``start``) once the query finished, else None."""
+        with self._cond:
+            return None if self._hit_pages is None else self._hit_pages * self._ctrl.page_size
+
+    @property
+    def loaded_tokens(self) -> int:
+        with self._cond:
+            return self._done_pages * self._ctrl.page_size
+
+    def __repr__(self) -> str:
+        return (f"PrefetchOperation(status={self.status}, start={self.start}, end={self.end}, "
+                f"hit={self.hit_tokens}, loaded={self.loaded_tokens}, storage_tokens={self.storage_tokens})")
+
+
+class StorageController:
+    """Wires an L3 store into a ``HiRadixCache``. See the module docstring for the contract."""
+
+    def __init__(self, cache: HiRadixCache, storage_config: StorageConfig | None = None, *, model: str,
+                 weights_revision: str = "", tp_size: int = 1, tp_rank: int = 0, salt: str = "",
+                 storage: HiCacheStorage | None = None, batch_pages: int = 128,
+                 max_inflight_fraction: float = 0.5) -> None:
+        if not isinstance(cache, HiRadixCache):
+            raise TypeError(f"cache: expected a HiRadixCache, got {type(cache).__name__}")
+        if cache.storage_hook is not None:
+            raise ValueError("cache: a storage controller is already attached")
+        if storage_config is None:
+            storage_config = cache.config.storage
+            if storage_config is None:
+                raise ValueError("storage_config: not given and cache.config.storage is None; set one of them")
+        if not isinstance(storage_config, StorageConfig):
+            raise TypeError(f"storage_config: expected a StorageConfig, got {type(storage_config).__name__}")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model: expected a non-empty str (the model identity in every page key), got {model!r}")
+        if not isinstance(salt, str):
+            raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
+        if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
+            raise ValueError(f"batch_pages: expected an int >= 1, got {batch_pages!r}")
+        if isinstance(max_inflight_fraction, bool) or not isinstance(max_inflight_fraction, (int, float)) \
+                or not 0 < max_inflight_fraction <= 1:
+            raise ValueError(f"max_inflight_fraction: expected a number in (0, 1], got {max_inflight_fraction!r}")
+        self.cache = cache
+        self.config = storage_config
+        self.page_size = cache.page_size
+        self.batch_pages = batch_pages
+        self.max_inflight_fraction = float(max_inflight_fraction)
+        self.threshold = max(storage_config.prefetch_threshold_tokens, self.page_size)
+        self.salt = salt
+        engines = cache.components.engines
+        pool_names = {}
+        for comp in engines:
+            name = TARGET_POOL if comp == FULL else comp
+            if name in pool_names.values():
+                raise ValueError(f"cache: sidecar {comp!r} clashes with the storage pool name {TARGET_POOL!r}")
+            pool_names[comp] = name
+        self.pools = {pool_names[c]: engines[c].host_pool for c in engines}
+        # Sidecars (draft) first, the target last: its pages are written only after theirs.
+        self._order = [n for n in self.pools if n != TARGET_POOL] + [TARGET_POOL]
+        # Namespace template per pool: model identity with the KV geometry folded in.
+        self._ns_base = {}
+        for comp, eng in engines.items():
+            g = eng.geom
+            ident = f"{model}#{g.kind}:L{g.num_layers}:H{g.heads}:D{g.width}"
+            self._ns_base[pool_names[comp]] = Namespace.from_geometry(
+                g, eng.host_pool.layout, model=ident, weights_revision=weights_revision, pool=pool_names[comp],
+                tp_size=tp_size, tp_rank=tp_rank)  # validates model / revision / TP
+        if storage is None:
+            specs = [PoolSpec(n) for n in self.pools]
+            self.storage = create_storage(storage_config, self.pools, specs)
+            self._owns_storage = True
+        else:
+            if not isinstance(storage, HiCacheStorage):
+                raise TypeError(f"storage: expected a HiCacheStorage, got {type(storage).__name__}")
+            if set(storage.codecs) != set(self.pools) or any(storage.codecs[n].pool is not p
+                                                             for n, p in self.pools.items()):
+                raise ValueError(f"storage: must be built over this cache's host pools {sorted(self.pools)}, "
+                                 f"got pools {sorted(storage.codecs)}")
+            self.storage = storage
+            self._owns_storage = False
+        self._ns_cache: dict[tuple, dict[str, Namespace] | None] = {}
+        self._bad_ns_logged: set = set()
+        self._entries: dict[TreeNode, _Entry] = {}
+        self._prune_at = 4096
+        self._ops: set[PrefetchOperation] = set()  # started, not finished
+        self._draining: list[PrefetchOperation] = []  # finished while the IO thread still held pages
+        self._backups: set[_BackupJob] = set()
+        self._backup_done: deque[_BackupJob] = deque()  # appended by the backup thread
+        self._inflight_keys: set[bytes] = set()  # target keys queued for L3
+        self._query = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-query")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-io")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-backup")
+        self._closed = False
+        cache.storage_hook = self
+
+    # ------------------------------------------------------------------ keys
+    def _namespaces(self, radix_ns: tuple) -> dict[str, Namespace] | None:
+        if radix_ns in self._ns_cache:
+            return self._ns_cache[radix_ns]
+        try:
+            extra = encode_namespace(self.salt, radix_ns)
+            out = {pool: replace(ns, extra_key=extra) for pool, ns in self._ns_base.items()}
+        except TypeError as e:
+            if radix_ns not in self._bad_ns_logged:
+                self._bad_ns_logged.add(radix_ns)
+                log.warning("L3: namespace %r is not supported (%s); its pages skip storage", radix_ns, e)
+            out = None
+        self._ns_cache[radix_ns] = out
+        return out
+
+    def _valid_entry(self, node: TreeNode) -> _Entry | None:
+        """The node's entry if it has one (fixing it up after splits), without hashing."""
+        p = self.page_size
+        e = self._entries.get(node)
+        if e is None:
+            # A node made by a split: its lower half (now a child) still holds the digests.
+            for c in node.children.values():
+                ce = self._entries.get(c)
+                if ce is not None and len(ce) > c.size // p:
+                    self._valid_entry(c)
+                    return self._entries.get(node)
+            return None
+        k = node.size // p
+        if len(e) > k:  # split since: hand the head digests to the new ancestors
+            cut = len(e) - k
+            head = {pool: d[:cut] for pool, d in e.digests.items()}
+            e.trim(k)
+            a, root = node.parent, self.cache.root
+            while cut > 0 and a is not root and a not in self._entries and a.size // p <= cut:
+                ka = a.size // p
+                ea = self._entries[a] = _Entry({pool: d[cut - ka:cut] for pool, d in head.items()})
+                ea.state = _STORED if e.state == _STORED else _NEW
+                cut -= ka
+                a = a.parent
+        elif len(e) < k:  # cannot happen (nodes only shrink); recompute to be safe
+            del self._entries[node]
+            return None
+        return e
+
+    def _entry(self, node: TreeNode) -> _Entry | None:
+        """The node's digests (computing them and its ancestors' as needed); None if unkeyable."""
+        root = self.cache.root
+        if node is root:
+            return None
+        path = []
+        n, e = node, None
+        while n is not root:
+            e = self._valid_entry(n)
+            if e is not None:
+                break
+            path.append(n)
+            n = n.parent
+        prev = None if n is root else {p: d[-1] for p, d in e.digests.items()}
+        for n in reversed(path):
+            ns = self._namespaces(n.namespace)
+            if ns is None:
+                return None
+            try:
+                digests = {pool: page_keys(ns[pool], n.key, None if prev is None else prev[pool]) for pool in ns}
+            except ValueError as err:  # token ids outside the uint32 key encoding
+                log.warning("L3: cannot key node %r: %s", n, err)
+                return None
+            self._entries[n] = e = _Entry(digests)
+            prev = {p: d[-1] for p, d in digests.items()}
+        if len(self._entries) > self._prune_at:
+            for dead in [x for x in self._entries if x.deleted]:
+                del self._entries[dead]
+            self._prune_at = max(4096, 2 * len(self._entries))
+        return self._entries.get(node)
+
+    # ------------------------------------------------------------------ hooks (owner thread)
+    def on_backup_acked(self, node: TreeNode) -> None:
+        """A D2H backup of ``node`` (and its un-backed ancestors) was acknowledged: queue L3."""
+        if self._closed:
+            return
+        try:
+            self._queue_backup(node)
+        except Exception:  # never break the cache's acknowledgement loop
+            log.exception("L3: queueing a backup failed")
+
+    def _queue_backup(self, node: TreeNode) -> None:
+        root = self.cache.root
+        if node is root or self._entry(node) is None:
+            return
+        chain = []
+        n = node
+        while n is not root:
+            e = self._valid_entry(n)
+            if e is None:
+                e = self._entry(n)
+            if e is None or e.state != _NEW or n.host_value is None:
+                break
+            chain.append((n, e))
+            n = n.parent
+        if not chain:
+            return
+        chain.reverse()
+        ids = np.concatenate([n.host_value for n, _ in chain]).astype(np.int64)
+        keys = {pool: [k for _, e in chain for k in e.digests[pool]] for pool in self.pools}
+        keep = np.array([k not in self._inflight_keys for k in keys[TARGET_POOL]], bool)
+        if not keep.all():
+            ids = ids[keep]
+            keys = {pool: [k for k, f in zip(ks, keep) if f] for pool, ks in keys.items()}
+        for _, e in chain:
+            e.state = _INFLIGHT
+        job = _BackupJob(node, [e for _, e in chain], keys, ids)
+        self._inflight_keys.update(keys[TARGET_POOL])
+        self.cache._host_lock(node)  # the host pages stay until the storage has copied them
+        self._backups.add(job)
+        self._writer.submit(self._run_backup, job)
+
+    def poll(self) -> None:
+        """Owner-thread progress: release finished L3 backups, start reads, reclaim pages."""
+        try:
+            self._reap_backups()
+            for op in list(self._ops):
+                self._advance(op)
+            for op in list(self._draining):
+                with op._cond:
+                    finished = op._io_finished
+                if finished:
+                    self._draining.remove(op)
+                    self._free(op)
+        except Exception:
+            log.exception("L3: poll failed")
+
+    def on_reset(self) -> None:
+        """The cache is about to drop every page: let L3 backups finish reading, drop anchors."""
+        self._wait_backups(None)
+        for op in self._ops:
+            self._release_anchor(op)
+        self._entries.clear()
+
+    def reserved_host_pages(self) -> np.ndarray:
+        """Host pages allocated for prefetches and not (yet) handed to the tree or freed."""
+        parts = [op._reserved for op in self._ops if op._reserved.size]
+        parts += [op._reserved for op in self._draining if op._reserved.size]
+        return np.concatenate(parts) if parts else _EMPTY
+
+    # ------------------------------------------------------------------ backups
+    def _run_backup(self, job: _BackupJob) -> None:  # backup thread
+        try:
+            ok = np.ones(len(job.ids), bool)
+            if len(job.ids):
+                for pool in self._order:
+                    ok &= np.asarray(self.storage.batch_set(job.keys[pool], job.ids, pool), bool)
+            job.ok = ok
+        except Exception:
+            log.exception("L3: backup of %d pages failed", len(job.ids))
+        finally:
+            self._backup_done.append(job)
+            job.done.set()
+
+    def _reap_backups(self) -> None:
+        m = self.cache.metrics
+        p = self.page_size
+        while self._backup_done:
+            job = self._backup_done.popleft()
+            self._backups.discard(job)
+            if not job.node.deleted:
+                self.cache._host_unlock(job.node)
+            self._inflight_keys.difference_update(job.keys[TARGET_POOL])
+            good = int(job.ok.sum())
+            m.storage_backup_tokens += good * p
+            m.storage_backup_bytes += good * self.cache.components.bytes_per_page
+            m.storage_backup_failed_tokens += (len(job.ok) - good) * p
+            m.storage_backup_seconds += time.perf_counter() - job.t0
+            state = _STORED if good == len(job.ok) else _NEW
+            for e in job.entries:
+                e.state = state
+
+    def _wait_backups(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for job in list(self._backups):
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not job.done.wait(left):
+                self._reap_backups()
+                return False
+        self._reap_backups()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued L3 backup is handed to the storage and the storage has made
+        it durable. True if nothing is left pending."""
+        if not self._wait_backups(timeout):
+            return False
+        return bool(self.storage.flush(timeout))
+
+    # ------------------------------------------------------------------ prefetch
+    def _inflight_pages(self) -> int:
+        n = 0
+        for op in self._ops:
+            n += op._reserved.size if op.status == "loading" else op.requested_tokens // self.page_size
+        return n + sum(op._reserved.size for op in self._draining)
+
+    def prefetch(self, key: object) -> PrefetchOperation:
+        """Start prefetching the storage continuation of ``key`` (non-blocking; owner thread)."""
+        key = as_radix_key(key)
+        op = PrefetchOperation(self, key)
+        cache = self.cache
+        m = cache.metrics
+        p = self.page_size
+        n = len(key) - len(key) % p
+        if self._closed:
+            op.status, op.reason = "closed", "controller closed"
+            m.prefetch_skipped += 1
+            return op
+        self.poll()
+        segs, matched = cache._walk(key.token_ids, n, key.namespace)
+        anchor = segs[-1][0] if segs else cache.root
+        op.start, op.end = matched, n
+        reason = ""
+        if anchor is not cache.root and anchor.host_value is None:
+            reason = "the matched prefix is not backed up"
+        elif n - matched < self.threshold:
+            reason = "continuation below the threshold"
+        elif self._inflight_pages() >= self.max_inflight_fraction * cache.host_allocator.num_pages:
+            reason = "prefetches in flight hold the host budget"
+        else:
+            ns = self._namespaces(key.namespace)
+            if ns is None:
+                reason = "namespace not supported"
+        if reason:
+            op.reason = reason
+            m.prefetch_skipped += 1
+            return op
+        op._ns = ns
+        if anchor is not cache.root:
+            e = self._valid_entry(anchor)
+            if e is not None:
+                k = segs[-1][1] // p  # pages of the anchor inside the match
+                op._prev = {pool: d[k - 1] for pool, d in e.digests.items()}
+            cache._host_lock(anchor)  # keeps the prefix the prefetch continues
+            op._anchor = anchor
+        op.status = "querying"
+        self._ops.add(op)
+        m.prefetch_calls += 1
+        self._query.submit(self._run_query, op)
+        return op
+
+    def _run_query(self, op: PrefetchOperation) -> None:  # query thread
+        keys: dict[str, list[bytes]] = {}
+        hit = 0
+        try:
+            toks = op.key.token_ids
+            for pool, ns in op._ns.items():
+                prev = op._prev[pool] if op._prev is not None else None
+                if prev is None and op.start:
+                    prev = page_keys(ns, toks[:op.start])[-1]
+                keys[pool] = page_keys(ns, toks[op.start:op.end], prev)
+            n = len(keys[TARGET_POOL])
+            for s in range(0, n, self.batch_pages):
+                if op._cancel:
+                    break
+                e = min(n, s + self.batch_pages)
+                r = self.storage.exists_multi([PoolTransfer(pool, ks[s:e]) for pool, ks in keys.items()])
+                hit += r.hit_pages
+                if r.hit_pages < e - s:
+                    break
+        except Exception:
+            log.exception("L3: prefetch query failed")
+            hit = 0
+        with op._cond:
+            op._keys, op._hit_pages = keys, hit
+            op._cond.notify_all()
+
+    def _run_io(self, op: PrefetchOperation) -> None:  # IO thread
+        try:
+            ids, n = op._ids, op._ids.size
+            for s in range(0, n, self.batch_pages):
+                if op._cancel:
+                    break
+                e = min(n, s + self.batch_pages)
+                r = self.storage.get_multi([PoolTransfer(pool, ks[s:e], ids[s:e]) for pool, ks in op._keys.items()])
+                got = min(max(int(r.hit_pages), 0), e - s)
+                with op._cond:
+                    op._done_pages += got
+                    op._cond.notify_all()
+                if got < e - s:
+                    break
+        except Exception:
+            log.exception("L3: prefetch read failed")
+        finally:
+            with op._cond:
+                op._io_finished = True
+                op._cond.notify_all()
+
+    def _advance(self, op: PrefetchOperation) -> None:
+        """Owner thread: a finished query becomes a revoke or a read into reserved host pages."""
+        if op.status != "querying":
+            return
+        with op._cond:
+            hit = op._hit_pages
+        if hit is None:
+            return
+        if hit * self.page_size < self.threshold:
+            self._revoke(op, "storage hit below the threshold" if hit else "no storage hit", count=hit > 0)
+            return
+        ids = self.cache._alloc_host(hit)
+        if ids is None:
+            self._revoke(op, "no host memory for the hit")
+            return
+        op._ids = op._reserved = ids.astype(np.int64)
+        op.status = "loading"
+        self._io.submit(self._run_io, op)
+
+    def _release_anchor(self, op: PrefetchOperation) -> None:
+        if op._anchor is not None:
+            if not op._anchor.deleted:
+                self.cache._host_unlock(op._anchor)
+            op._anchor = None
+
+    def _free(self, op: PrefetchOperation) -> None:
+        if op._reserved.size:
+            self.cache.host_allocator.free(op._reserved)
+            op._reserved = _EMPTY
+
+    def _revoke(self, op: PrefetchOperation, reason: str, count: bool = True) -> None:
+        with op._cond:
+            op._cancel = True
+        op.status, op.reason = "revoked", reason
+        self._ops.discard(op)
+        if count:
+            self.cache.metrics.prefetch_revoked += 1
+        self._release_anchor(op)
+
+    def _deadline(self, op: PrefetchOperation) -> float:
+        with op._cond:
+            hit = op._hit_pages
+        tokens = op.requested_tokens if hit is None else hit * self.page_size
+        return op.t0 + self.config.prefetch_timeout(tokens)
+
+    def _complete(self, op: PrefetchOperation) -> bool:
+        """Nothing more will arrive (revoked, or the read stopped)."""
+        if op.status != "loading":
+            return op.status != "querying"
+        with op._cond:
+            return op._io_finished
+
+    def prefetch_ready(self, op: PrefetchOperation) -> bool:
+        """Whether ``finish_prefetch(op)`` would return without waiting under the policy."""
+        self._check_op(op)
+        self._advance(op)
+        policy = self.config.prefetch_policy
+        if policy == "best_effort" or self._complete(op):
+            return True
+        return policy == "timeout" and time.perf_counter() >= self._deadline(op)
+
+    def _check_op(self, op: object) -> PrefetchOperation:
+        if not isinstance(op, PrefetchOperation):
+            raise TypeError(f"op: expected a PrefetchOperation, got {type(op).__name__}")
+        if op._ctrl is not self:
+            raise ValueError("op: started by another controller")
+        return op
+
+    def finish_prefetch(self, op: PrefetchOperation) -> int:
+        """Stop ``op`` per the policy and attach what arrived to the tree as host-only nodes.
+
+        Call at admission, before ``cache.begin_request``. Returns the tokens attached from
+        storage (0 if skipped, revoked or nothing arrived). Raises ValueError if called twice.
+        """
+        self._check_op(op)
+        if op.status == "closed":
+            return 0
+        if op._finalized:
+            raise ValueError(f"op: already finished ({op.status})")
+        op._finalized = True
+        if op.status not in ("querying", "loading"):  # skipped / revoked / closed
+            self._ops.discard(op)
+            if op.status == "revoked":
+                self._account(op, 0)
+            return 0
+        policy = self.config.prefetch_policy
+        timed_out = False
+        if policy != "best_effort":
+            while True:
+                self._advance(op)
+                if self._complete(op):
+                    break
+                left = None
+                if policy == "timeout":
+                    left = self._deadline(op) - time.perf_counter()
+                    if left <= 0:
+                        timed_out = True
+                        break
+                with op._cond:
+                    if op.status == "querying" and op._hit_pages is None or \
+                            op.status == "loading" and not op._io_finished:
+                        op._cond.wait(0.05 if left is None else min(left, 0.05))
+        with op._cond:
+            op._cancel = True
+            done = op._done_pages if op.status == "loading" else 0
+            io_finished = op._io_finished
+        if timed_out:
+            self.cache.metrics.prefetch_timeouts += 1
+        self._ops.discard(op)
+        attached = 0
+        if op.status == "loading":
+            got, rest = op._ids[:done], op._ids[done:]
+            op._reserved = rest
+            if rest.size:
+                if io_finished:
+                    self._free(op)
+                else:
+                    self._draining.append(op)  # freed by poll once the IO thread lets go
+            if done * self.page_size < self.threshold:
+                if done:
+                    self.cache.host_allocator.free(got)
+                self.cache.metrics.prefetch_revoked += 1
+                op.status, op.reason = "revoked", "arrived below the threshold"
+            else:
+                attached, leaf = self.cache.insert_host(op.key, got, op.start)
+                if leaf is not None:
+                    k = attached // self.page_size
+                    e = _Entry({pool: ks[done - k:done] for pool, ks in op._keys.items()})
+                    e.state = _STORED  # it came from L3
+                    self._entries[leaf] = e
+                else:
+                    self.cache.metrics.prefetch_revoked += 1
+                    op.reason = "the tree no longer connects"
+                op.status = "finished"
+            self.cache.metrics.prefetched_tokens += done * self.page_size
+        elif op.status == "querying":  # nothing was reserved yet
+            op.status, op.reason = "revoked", "stopped before the storage answered"
+        self._release_anchor(op)
+        self._account(op, attached)
+        return attached
+
+    def _account(self, op: PrefetchOperation, attached: int) -> None:
+        op.storage_tokens = attached
+        m = self.cache.metrics
+        m.storage_hit_tokens += attached
+        m.prefetch_seconds += time.perf_counter() - op.t0
+
+    def cancel(self, op: PrefetchOperation) -> None:
+        """Drop a prefetch whose request will not be scheduled (frees everything it holds)."""
+        self._check_op(op)
+        if op._finalized:
+            return
+        op._finalized = True
+        self._ops.discard(op)
+        with op._cond:
+            op._cancel = True
+            io_finished = op._io_finished
+        if op.status == "loading" and not io_finished:
+            self._draining.append(op)
+        else:
+            self._free(op)
+        if op.status in ("querying", "loading"):
+            op.status, op.reason = "revoked", "cancelled"
+        self._release_anchor(op)
+
+    # ------------------------------------------------------------------ lifecycle
+    def stats(self) -> dict:
+        return {
+            "backend": self.storage.backend_name,
+            "prefetch_policy": self.config.prefetch_policy,
+            "threshold_tokens": self.threshold,
+            "prefetches_in_flight": len(self._ops),
+            "prefetch_pages_reserved": int(self.reserved_host_pages().size),
+            "backups_in_flight": len(self._backups),
+            "storage": self.storage.metrics.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Acknowledge pending D2H backups, cancel prefetches, flush every L3 write, close the
+        storage (if built here) and detach from the cache.
+
+        Idempotent; owner thread.
+        """
+        if self._closed:
+            return
+        try:  # D2H backups still in flight: acknowledge them so their L3 writes are queued too
+            self.cache.writing_check(block=True)
+        except Exception:
+            log.exception("L3: acknowledging backups at close failed")
+        self._closed = True
+        for op in list(self._ops):
+            self.cancel(op)
+            op.status, op.reason = "closed", "controller closed"
+        self._query.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True, cancel_futures=True)
+        for op in self._draining:
+            self._free(op)
+        self._draining.clear()
+        self._writer.shutdown(wait=True)
+        self._reap_backups()
+        try:
+            self.storage.flush(None)
+            if self._owns_storage:
+                self.storage.close()
+        except Exception:
+            log.exception("L3: closing the storage failed")
+        if self.cache.storage_hook is self:
+            self.cache.storage_hook = None
+        self._entries.clear()
+
+    def __enter__(self) -> "StorageController":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
