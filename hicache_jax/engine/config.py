@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..cache.config import EvictionPolicy, HiCacheConfig, WritePolicy
+from ..storage.config import StorageConfig
 from ..host_layout import HostLayout
 from ..host_pool import HostPoolConfig
 
@@ -28,6 +29,8 @@ class EngineCacheConfig:
     * ``max_batch``: sequences decoded together; ``prefill_chunk``: tokens per prefill step.
     * ``max_context``: longest prompt + output in tokens; fixes the attention width, so
       ``Engine.warmup`` can compile every step shape before serving.
+    * ``storage``: the L3 tier (``StorageConfig``: backend orbax / file / memory, path,
+      capacity, prefetch policy, threshold, timeout), or None for L1 + L2 only.
     """
 
     page_size: int = 16
@@ -39,6 +42,7 @@ class EngineCacheConfig:
     max_batch: int = 8
     prefill_chunk: int = 512
     max_context: int = 4096
+    storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
         _int("page_size", self.page_size, 1)
@@ -48,9 +52,11 @@ class EngineCacheConfig:
         _int("max_context", self.max_context, 2)
         if not isinstance(self.host, HostPoolConfig):
             raise TypeError(f"host: expected a HostPoolConfig, got {type(self.host).__name__}")
+        if self.storage is not None and not isinstance(self.storage, StorageConfig):
+            raise TypeError(f"storage: expected a StorageConfig or None, got {type(self.storage).__name__}")
         # Validates the policies (raises ValueError naming the field).
         self.tree_config()
 
     def tree_config(self) -> HiCacheConfig:
         return HiCacheConfig(page_size=self.page_size, write_policy=self.write_policy,
-                             eviction_policy=self.eviction_policy)
+                             eviction_policy=self.eviction_policy, storage=self.storage)

@@ -1,6 +1,11 @@
 """The reference engine: request queue, prefix match, load-back, chunked prefill, batched
 greedy decode, eviction under memory pressure, per-request results.
 
+L3: with ``storage`` configured, a request starts an L3 prefetch when it arrives; at
+admission the prefetch is finished (per its policy) before the prefix match, so pages that
+came from storage are host-only nodes that the load-back brings to the device. Every
+acknowledged D2H backup is written through to storage by the controller.
+
 Scheduling (one thread, the owner of the device pool): admit waiting requests FIFO while
 the batch has room and device pages can be had (``alloc_device`` evicts unlocked leaves);
 each admitted request matches its prompt (at most ``len - 1`` tokens, so the last prompt
@@ -26,6 +31,7 @@ import numpy as np
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
 from ..cache import CacheRequest, HiRadixCache, RadixKey
+from ..cache.storage_controller import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
 from .config import EngineCacheConfig
 
@@ -56,6 +62,7 @@ class _Seq:
     cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     ttft: float = 0.0
     reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
+    prefetch: PrefetchOperation | None = None
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -86,6 +93,10 @@ class Engine:
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages))
         self.transfer.precompile()
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator)
+        self.storage = None
+        if cache_config.storage is not None:
+            # The model id seeds every L3 key: another model, seed or shape never hits.
+            self.storage = StorageController(self.cache, model=f"hicache-jax-reference:{model_config!r}")
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page))
         self.page_size = page
 
@@ -118,6 +129,13 @@ class Engine:
             seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0)))
         waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
         while waiting or running:
+            if use_cache and self.storage is not None:
+                now = time.perf_counter()
+                for seq in waiting:  # arrivals start their L3 prefetch right away
+                    if seq.arrival > now:
+                        break
+                    if seq.prefetch is None:
+                        seq.prefetch = self.storage.prefetch(RadixKey(seq.prompt[:-1]))
             if not running and waiting and waiting[0].arrival > time.perf_counter():
                 time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
             while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
@@ -157,11 +175,27 @@ class Engine:
         self.cache.flush()
         return self.cache.evict(self.cache.evictable_tokens)
 
+    def evict_host_cache(self) -> int:
+        """Evict the device tier, then every unlocked host page (after L3 writes finished), so
+        the next requests can only hit storage. Returns host tokens evicted."""
+        self.flush()
+        self.cache.evict(self.cache.evictable_tokens)
+        return self.cache.evict_host(self.cache.host_tokens)
+
     def stats(self) -> dict:
         return self.cache.stats()
 
-    def close(self) -> None:
+    def flush(self) -> None:
+        """Wait until every backup has reached its last tier (host, and storage if configured)."""
         self.cache.flush()
+        if self.storage is not None:
+            self.storage.flush()
+
+    def close(self) -> None:
+        """Finish every transfer (L3 writes included) and release workers."""
+        self.cache.flush()
+        if self.storage is not None:
+            self.storage.close()
         self.transfer.close()
 
     # ---- scheduling steps ----------------------------------------------------------------
@@ -172,11 +206,16 @@ class Engine:
         prompt = seq.prompt
         key = RadixKey(prompt)
         if use_cache:
+            from_storage = 0
+            if seq.prefetch is not None:  # L3 pages become host-only nodes before the match
+                from_storage = self.storage.finish_prefetch(seq.prefetch)
+                seq.prefetch = None
             # Match at most len-1 tokens: the last prompt token is always computed.
             req, lb = self.cache.begin_request(RadixKey(prompt[:-1]))
             req.key = RadixKey(prompt[:req.device_pages.shape[0] * self.page_size])
             loaded = lb.num_tokens if lb is not None else 0
-            seq.cached["host"] = loaded
+            seq.cached["storage"] = min(from_storage, loaded)
+            seq.cached["host"] = loaded - seq.cached["storage"]
             seq.cached["device"] = req.device_pages.shape[0] * self.page_size - loaded
         else:
             req = CacheRequest(RadixKey(prompt[:0]), self.page_size)

@@ -1,6 +1,6 @@
 """End-to-end exactness of the reference engine: the same greedy tokens with no cache, with an
-L1 (device) hit and with an L2 (host) hit, and cached-token counts per tier that match where
-the prefix really came from. L3 (storage) hits are covered once the storage controller lands."""
+L1 (device) hit, with an L2 (host) hit and with an L3 (storage) hit from a new engine whose
+L1 and L2 are empty, and cached-token counts per tier that match where the prefix came from."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hicache_jax.engine import Engine, EngineCacheConfig
 from hicache_jax.engine.engine import OutOfDeviceMemory
 from hicache_jax.host_pool import HostPoolConfig
 from hicache_jax.reference_model import ModelConfig
+from hicache_jax.storage.config import StorageConfig
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 SYSTEM, USER, NEW = 48, 20, 4  # shared prefix, user turn (> the 10-token load-back minimum), generated
@@ -29,10 +30,13 @@ def _aligned(n: int, page: int) -> int:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("attention", ["mha", "mla"])
-def test_tokens_identical_across_tiers(attention, page, policy):
+def test_tokens_identical_across_tiers(attention, page, policy, tmp_path):
     model = ModelConfig(attention=attention, num_layers=2, hidden=64, ffn=128)
-    engine = Engine(model, EngineCacheConfig(page_size=page, device_pages=max(24, 512 // page),
-                                             write_policy=policy, max_batch=4, prefill_chunk=32))
+    storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
+                            prefetch_threshold_tokens=16)
+    config = EngineCacheConfig(page_size=page, device_pages=max(24, 512 // page), write_policy=policy,
+                               max_batch=4, prefill_chunk=32, storage=storage)
+    engine = Engine(model, config)
     prompts = _prompts(seed=page)
     cold = engine.generate(prompts, NEW, use_cache=False)
     assert all(r.cached_total == 0 for r in cold)
@@ -55,6 +59,35 @@ def test_tokens_identical_across_tiers(attention, page, policy):
         assert r.cached_tokens["device"] + r.cached_tokens["host"] == _aligned(r.prompt_len - 1, page)
     engine.cache.flush()
     engine.cache.sanity_check(0)
+    engine.close()  # flushes every L3 write
+    # A new engine on the same storage directory: L1 and L2 empty, the prefixes come from L3.
+    fresh = Engine(model, config)
+    l3 = fresh.generate(prompts, NEW)
+    for r, c in zip(l3, cold):
+        assert r.tokens == c.tokens
+    first = l3[0].cached_tokens
+    assert first == {"device": 0, "host": 0, "storage": _aligned(l3[0].prompt_len - 1, page)}
+    for r in l3[1:]:  # the shared prefix is on the device by now; each user turn comes from L3
+        assert r.cached_tokens["storage"] > 0
+        assert r.cached_total == _aligned(r.prompt_len - 1, page)
+    fresh.cache.flush()
+    fresh.cache.sanity_check(0)
+    fresh.close()
+
+
+def test_orbax_storage_hit_after_host_eviction(tmp_path):
+    """The default (orbax segment log) backend: evict L1 and L2, the prompt comes back from L3."""
+    model = ModelConfig(num_layers=2, hidden=64, ffn=128)
+    engine = Engine(model, EngineCacheConfig(page_size=16, device_pages=48, storage=StorageConfig(
+        backend="orbax", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=16)))
+    prompts = _prompts(seed=3, n=2)
+    cold = engine.generate(prompts, NEW, use_cache=False)
+    engine.generate(prompts, NEW)
+    assert engine.evict_host_cache() > 0
+    assert engine.stats()["host_tree_tokens"] == 0
+    again = engine.generate(prompts, NEW)
+    assert [r.tokens for r in again] == [r.tokens for r in cold]
+    assert again[0].cached_tokens["storage"] == _aligned(again[0].prompt_len - 1, 16)
     engine.close()
 
 
