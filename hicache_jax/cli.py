@@ -3,6 +3,7 @@
     hicache-jax bench multiturn   # clients x rounds with a request rate (default: the README's main job)
     hicache-jax bench two-run     # the same ~3.5k-token prompts twice
     hicache-jax bench ttft        # TTFT by serving tier and decode overhead of backups, as ratios
+    hicache-jax bench restart     # write to L3, then a fresh process re-sends and hits L3
     hicache-jax bench transfer    # KV page-transfer benchmark (gather/scatter/D2H/H2D vs raw copies)
 
 Every benchmark prints a table, writes JSON (``--out``) and, for serving runs, a PNG beside it.
@@ -24,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
 
     mt = bench.add_parser("multiturn", help="multi-turn conversations with Poisson arrivals")
     serving.add_common(mt, "benchmarks/results/multiturn.json")
-    mt.set_defaults(device_pages=384)  # smaller than the working set: some prefixes come back from L2
+    # L1 and L2 smaller than the working set: prefixes come back from every tier.
+    mt.set_defaults(device_pages=384, host_ratio=1.0)
     mt.add_argument("--clients", type=int, default=8)
     mt.add_argument("--rounds", type=int, default=4)
     mt.add_argument("--first-len", type=int, default=512)
@@ -48,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--answer-len", type=int, default=1)
     tt.add_argument("--decode-steps", type=int, default=16)
     tt.set_defaults(fn=serving.ttft)
+
+    rs = bench.add_parser("restart", help="write through to L3, then a fresh process re-sends and hits L3")
+    serving.add_common(rs, "benchmarks/results/restart.json")
+    rs.add_argument("--num-prompts", type=int, default=4)
+    rs.add_argument("--prompt-len", type=int, default=1024)
+    rs.add_argument("--answer-len", type=int, default=4)
+    rs.add_argument("--phase", choices=["both", "write", "read"], default="both", help=argparse.SUPPRESS)
+    rs.set_defaults(fn=serving.restart)
 
     tx = bench.add_parser("transfer", help="KV page transfers vs raw copies", add_help=False)
     tx.set_defaults(fn=None)

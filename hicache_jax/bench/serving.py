@@ -9,8 +9,13 @@ in the same run (a no-cache pass, or a cold prefill), and results are reported a
 * ``two-run``: upstream PR #12214's protocol: the same prompts (~3.5k tokens) twice; TTFT
   and input throughput of each run.
 * ``ttft``: the issue's goals in one run: a cold 2k-token prefill vs the same prompt with
-  >= 90% of its prefix cached on L1 and on L2 (after forcing device eviction), and the
-  decode step time while write-through backups run vs without.
+  >= 90% of its prefix cached on L1, on L2 (after forcing device eviction) and on L3 (after
+  evicting L1 and L2), and the decode step time while write-through backups run vs without.
+* ``restart``: one process writes prompts through L1/L2 to L3 and exits; a fresh process
+  pointed at the same directory re-sends them and hits L3 (upstream's reproduction).
+
+L3 lives in ``--storage-dir`` (default: a fresh temporary directory, removed afterwards) with
+the ``--storage-backend`` (default orbax); ``--storage-backend none`` runs L1 + L2 only.
 
 Compilation is excluded from every measurement: the engine is warmed up (``Engine.warmup``)
 and one throwaway request of each kind runs before the clock starts.
@@ -19,8 +24,13 @@ and one throwaway request of each kind runs before the clock starts.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -29,6 +39,7 @@ import numpy as np
 from ..engine import Engine, EngineCacheConfig
 from ..host_pool import HostPoolConfig
 from ..reference_model import ModelConfig
+from ..storage.config import StorageConfig
 from .report import machine_info, print_table, write_json
 
 MODEL_PRESETS = {
@@ -69,13 +80,39 @@ def model_config(args) -> ModelConfig:
     return cfg
 
 
+def storage_config(args) -> StorageConfig | None:
+    if args.storage_backend == "none":
+        return None
+    return StorageConfig(backend=args.storage_backend, path=args.storage_dir, prefetch_policy=args.prefetch_policy,
+                         prefetch_threshold_tokens=args.page_size)
+
+
 def build_engine(args, max_context: int) -> Engine:
     cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
                               host=HostPoolConfig(ratio=args.host_ratio), write_policy=args.write_policy,
-                              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, max_context=max_context)
+                              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, max_context=max_context,
+                              storage=storage_config(args))
     engine = Engine(model_config(args), cache)
     engine.warmup()
     return engine
+
+
+class _StorageDir:
+    """``--storage-dir`` if given (kept), else a temporary directory removed at the end."""
+
+    def __init__(self, args) -> None:
+        self.args, self.tmp = args, None
+
+    def __enter__(self):
+        if self.args.storage_backend != "none" and not self.args.storage_dir:
+            self.tmp = tempfile.mkdtemp(prefix="hicache-l3-")
+            self.args.storage_dir = self.tmp
+        return self.args.storage_dir
+
+    def __exit__(self, *exc) -> None:
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.args.storage_dir = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,13 +198,19 @@ def _plot(path: str, title: str, by_tier: dict, per_round: list[float] | None) -
 
 
 def multiturn(args) -> dict:
+    with _StorageDir(args):
+        return _multiturn(args)
+
+
+def _multiturn(args) -> dict:
     max_context = args.first_len + args.rounds * (args.turn_len + args.answer_len) + 16
     engine = build_engine(args, max_context)
     # Throwaway pass with other tokens: compiles the transfer paths and warms the pinned buffers.
     warm = argparse.Namespace(**{**vars(args), "clients": min(2, args.clients), "rounds": min(2, args.rounds),
                                  "seed": args.seed + 1000, "request_rate": 0})
     _run_multiturn(engine, warm, True, "warm-up")
-    engine.cache.reset()
+    engine.flush()
+    engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
     base = _summarize(_run_multiturn(engine, args, False, "no cache"))
     cached_rounds = _run_multiturn(engine, args, True, "hicache")
     cached = _summarize(cached_rounds)
@@ -180,7 +223,8 @@ def multiturn(args) -> dict:
                      s["hit_rate_by_tier"]["device"], s["hit_rate_by_tier"]["host"],
                      s["hit_rate_by_tier"]["storage"]])
     print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, model {args.model}, "
-                f"page {args.page_size}, {args.write_policy}, {args.request_rate} req/s",
+                f"page {args.page_size}, {args.write_policy}, {args.request_rate} req/s, "
+                f"L1 {args.device_pages} pages, L2 x{args.host_ratio}, L3 {args.storage_backend}",
                 ["run", "reqs", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "hit rate", "L1", "L2", "L3"],
                 rows)
     ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
@@ -197,12 +241,18 @@ def multiturn(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # two-run
 def two_run(args) -> dict:
+    with _StorageDir(args):
+        return _two_run(args)
+
+
+def _two_run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
     warm = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(2)]
     engine.generate(warm, args.answer_len)
     engine.generate(warm, args.answer_len)
+    engine.flush()
     engine.cache.reset()
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
     runs = []
@@ -224,9 +274,9 @@ def two_run(args) -> dict:
              "same_tokens_as_run1": [r.tokens for r in res] == [r.tokens for r in runs[0][0]]}
         out.append(d)
         rows.append([i + 1, d["ttft_mean_s"] * 1e3, secs, d["input_tok_per_s"], tier["cold"], tier["device"],
-                     tier["host"], d["same_tokens_as_run1"]])
+                     tier["host"], tier["storage"], d["same_tokens_as_run1"]])
     print_table(f"two-run: {args.num_prompts} prompts x {args.prompt_len} tokens, model {args.model}",
-                ["run", "TTFT mean ms", "duration s", "input tok/s", "cold", "L1", "L2", "same tokens"], rows)
+                ["run", "TTFT mean ms", "duration s", "input tok/s", "cold", "L1", "L2", "L3", "same tokens"], rows)
     delta = out[1]["ttft_mean_s"] / out[0]["ttft_mean_s"] - 1
     print(f"TTFT run2 vs run1: {delta * 100:+.1f}%")
     png = _plot(args.out.rsplit(".", 1)[0] + ".png", "two-run",
@@ -238,6 +288,11 @@ def two_run(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # ttft goals
 def ttft(args) -> dict:
+    with _StorageDir(args):
+        return _ttft(args)
+
+
+def _ttft(args) -> dict:
     rng = np.random.default_rng(args.seed)
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
@@ -257,28 +312,33 @@ def ttft(args) -> dict:
                 out.append(one(base, use_cache=False))
                 continue
             one(base)  # populate the cache (not timed)
-            engine.cache.flush()
+            engine.flush()
             if kind == "host":
                 engine.evict_device_cache()
+            elif kind == "storage":
+                engine.evict_host_cache()
             out.append(one(variant(base)))
         return out
 
-    for kind in ("cold", "device", "host"):  # warm-up: compile and fault in every path once
+    kinds = ("cold", "device", "host") + (("storage",) if engine.storage is not None else ())
+    for kind in kinds:  # warm-up: compile and fault in every path once
         measure(kind)
-    results = {k: measure(k) for k in ("cold", "device", "host")}
+    results = {k: measure(k) for k in kinds}
     engine.cache.reset()
     # Decode step time with and without write-through backups in flight.
     decode = _decode_overhead(engine, args, rng)
     engine.close()
     med = {k: statistics.median(r.ttft_s for r in v) for k, v in results.items()}
-    rows = [[k, statistics.median(r.cached_tokens["device"] + r.cached_tokens["host"] for r in v),
-             med[k] * 1e3, med[k] / med["cold"]] for k, v in results.items()]
+    rows = [[k, statistics.median(r.cached_total for r in v), statistics.median(r.cached_tokens[k] for r in v)
+             if k != "cold" else 0, med[k] * 1e3, med[k] / med["cold"]] for k, v in results.items()]
     print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, model {args.model} "
-                f"(median of {args.reps})", ["served by", "cached tokens", "TTFT ms", "x cold"], rows)
+                f"(median of {args.reps})", ["served by", "cached tokens", "from that tier", "TTFT ms", "x cold"], rows)
     print(f"decode step: {decode['with_backups_s'] * 1e3:.1f} ms with write-through backups vs "
           f"{decode['without_backups_s'] * 1e3:.1f} ms without: x{decode['ratio']:.3f}")
     goals = {"l2_over_cold": med["host"] / med["cold"], "l2_goal": 0.10,
+             "l3_over_cold": med["storage"] / med["cold"] if "storage" in med else None, "l3_goal": 0.15,
              "decode_ratio": decode["ratio"], "decode_goal": 1.05}
+    print("goals: " + ", ".join(f"{k}={v:.3f}" for k, v in goals.items() if isinstance(v, float)))
     png = _plot(args.out.rsplit(".", 1)[0] + ".png", "TTFT by tier",
                 {("cold" if k == "cold" else k): [r.ttft_s for r in v] for k, v in results.items()}, None)
     return {"benchmark": "ttft", "machine": machine_info(), "config": vars(args),
@@ -309,6 +369,64 @@ def _decode_overhead(engine: Engine, args, rng) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# restart
+def restart(args) -> dict:
+    """Phase ``write`` and phase ``read`` run in separate processes over one storage directory."""
+    if args.storage_backend == "none":
+        raise SystemExit("restart: needs an L3 backend (--storage-backend orbax|file)")
+    if args.phase != "both":
+        return _restart_phase(args)
+    with _StorageDir(args):
+        phases = {}
+        for phase in ("write", "read"):
+            part = args.out.rsplit(".", 1)[0] + f".{phase}.json"
+            cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part,
+                   "--storage-dir", args.storage_dir]
+            for k in ("model", "attention", "page_size", "device_pages", "host_ratio", "write_policy", "max_batch",
+                      "prefill_chunk", "seed", "storage_backend", "prefetch_policy", "num_prompts", "prompt_len",
+                      "answer_len"):
+                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            print(f"[restart] phase {phase}: a new process (pid will differ) ...", flush=True)
+            subprocess.run(cmd, check=True)
+            with open(part) as f:
+                phases[phase] = json.load(f)
+            os.remove(part)
+    w, r = phases["write"], phases["read"]
+    rows = [["write (process 1)", w["ttft_mean_s"] * 1e3, w["cached"]["storage"], w["pid"]],
+            ["read (process 2)", r["ttft_mean_s"] * 1e3, r["cached"]["storage"], r["pid"]]]
+    print_table(f"restart: {args.num_prompts} prompts x {args.prompt_len} tokens, L3 {args.storage_backend}",
+                ["phase", "TTFT mean ms", "tokens from L3", "pid"], rows)
+    same = w["tokens"] == r["tokens"]
+    ratio = r["ttft_mean_s"] / w["ttft_mean_s"]
+    print(f"same tokens: {same}; TTFT after restart x{ratio:.3f} of the cold run")
+    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "restart",
+                {"cold": w["ttft_s"], "storage": r["ttft_s"]}, None)
+    return {"benchmark": "restart", "machine": machine_info(), "config": vars(args), "write": w, "read": r,
+            "same_tokens": same, "ttft_ratio": ratio, "plot": png}
+
+
+def _restart_phase(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    engine = build_engine(args, args.prompt_len + args.answer_len + 16)
+    vocab = engine.model_config.vocab_size
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
+    if args.phase == "write":  # compile the cold path with other tokens, then the measured cold run
+        engine.generate([rng.integers(0, vocab, args.prompt_len).tolist()], args.answer_len, use_cache=False)
+    else:  # compile the L3 path with other tokens written and read in this process
+        other = [rng.integers(0, vocab, args.prompt_len).tolist()]
+        engine.generate(other, args.answer_len)
+        engine.evict_host_cache()
+        engine.generate(other, args.answer_len)
+        engine.flush()
+        engine.cache.reset()
+    res = engine.generate(prompts, args.answer_len)
+    engine.close()  # the write phase's L3 pages are all on disk when the process exits
+    return {"pid": os.getpid(), "phase": args.phase, "tokens": [r.tokens for r in res],
+            "ttft_s": [r.ttft_s for r in res], "ttft_mean_s": statistics.fmean(r.ttft_s for r in res),
+            "cached": {t: sum(r.cached_tokens[t] for r in res) for t in ("device", "host", "storage")}}
+
+
+# ---------------------------------------------------------------------------------------------
 def add_common(p: argparse.ArgumentParser, out: str, model: str = "bench") -> None:
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=model)
     p.add_argument("--attention", choices=["mha", "mla"], default="mha")
@@ -320,12 +438,18 @@ def add_common(p: argparse.ArgumentParser, out: str, model: str = "bench") -> No
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--storage-backend", choices=["orbax", "file", "memory", "none"], default="orbax",
+                   help="L3 backend (none: L1 + L2 only)")
+    p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
+    p.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"], default="wait_complete")
     p.add_argument("--out", default=out)
 
 
 def run_and_save(fn, args) -> int:
     payload = fn(args)
     path = write_json(args.out, payload)
+    if getattr(args, "phase", "both") != "both":
+        return 0  # a restart phase: the parent process reports
     print(f"JSON written to {path}")
     if payload.get("plot"):
         print(f"plot written to {payload['plot']}")

@@ -224,6 +224,10 @@ class Engine:
         prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
         need = self._pages_for(prompt.shape[0] + seq.max_new - 1) - req.device_pages.shape[0]
         pages = self.cache.alloc_device(need)
+        if pages is None and not have_running:
+            # Nodes under a D2H backup stay locked until acknowledged: wait for the copies, retry.
+            self.cache.flush()
+            pages = self.cache.alloc_device(need)
         if pages is None:
             if req.last_node is not None:
                 self.cache.dec_lock_ref(req.last_node)

@@ -13,7 +13,9 @@ from hicache_jax import cli
     ["bench", "two-run", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "48", "--page-size", "4",
      "--device-pages", "64"],
     ["bench", "ttft", "--model", "tiny", "--prompt-len", "64", "--reps", "1", "--decode-steps", "3",
-     "--page-size", "4", "--device-pages", "128", "--max-batch", "2"],
+     "--page-size", "4", "--device-pages", "128", "--max-batch", "2", "--storage-backend", "file"],
+    ["bench", "restart", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "40", "--page-size", "4",
+     "--device-pages", "64", "--storage-backend", "file"],
 ])
 def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
     out = tmp_path / "r.json"
@@ -29,4 +31,8 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["runs"][1]["same_tokens_as_run1"]
         assert payload["runs"][1]["requests_by_tier"]["cold"] == 0
     if argv[1] == "ttft":
-        assert set(payload["ratios_vs_cold"]) == {"cold", "device", "host"}
+        assert set(payload["ratios_vs_cold"]) == {"cold", "device", "host", "storage"}
+    if argv[1] == "restart":
+        assert payload["same_tokens"] and payload["write"]["pid"] != payload["read"]["pid"]
+        assert payload["read"]["cached"]["storage"] == 2 * 36  # each prompt's 39 tokens, page-aligned
+        assert payload["write"]["cached"]["storage"] == 0
