@@ -45,6 +45,7 @@ class RequestResult:
     cached_tokens: dict[str, int]  # {"device", "host", "storage"}: prefix tokens served per tier
     ttft_s: float
     latency_s: float
+    prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
 
     @property
     def cached_total(self) -> int:
@@ -61,6 +62,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     ttft: float = 0.0
+    computed: int = 0
     reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
     prefetch: PrefetchOperation | None = None
 
@@ -250,7 +252,8 @@ class Engine:
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
-        start = seq.cached["device"] + seq.cached["host"]  # the cached prefix is not recomputed
+        start = sum(seq.cached.values())  # the cached prefix (from any tier) is not recomputed
+        seq.computed = seq.prompt.shape[0] - start
         n = seq.prompt.shape[0]
         chunk = self.cache_config.prefill_chunk
         logits = None
@@ -283,4 +286,4 @@ class Engine:
         if seq.reserve is not None and seq.reserve.size:
             self.device_pool.allocator.free(seq.reserve)
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival)
+                             time.perf_counter() - seq.arrival, seq.computed)

@@ -27,6 +27,12 @@ def _aligned(n: int, page: int) -> int:
     return n - n % page
 
 
+def _check_computed(results) -> None:
+    """Only the uncached part of each prompt was prefilled (a hit must save the compute)."""
+    for r in results:
+        assert r.prefill_tokens == r.prompt_len - r.cached_total, r
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("attention", ["mha", "mla"])
@@ -44,6 +50,7 @@ def test_tokens_identical_across_tiers(attention, page, policy, tmp_path):
     l1 = engine.generate(prompts, NEW)
     for r, c in zip(warm + l1, cold + cold):
         assert r.tokens == c.tokens
+    _check_computed(cold + warm + l1)
     # Second pass: each whole prompt (up to len - 1, page aligned) is on the device.
     for r in l1:
         assert r.cached_tokens == {"device": _aligned(r.prompt_len - 1, page), "host": 0, "storage": 0}
@@ -52,6 +59,7 @@ def test_tokens_identical_across_tiers(attention, page, policy, tmp_path):
     l2 = engine.generate(prompts, NEW)
     for r, c in zip(l2, cold):
         assert r.tokens == c.tokens
+    _check_computed(l2)
     # The first request after eviction finds everything on the host only.
     first = l2[0].cached_tokens
     assert first["device"] == 0 and first["host"] == _aligned(l2[0].prompt_len - 1, page)
@@ -65,6 +73,7 @@ def test_tokens_identical_across_tiers(attention, page, policy, tmp_path):
     l3 = fresh.generate(prompts, NEW)
     for r, c in zip(l3, cold):
         assert r.tokens == c.tokens
+    _check_computed(l3)
     first = l3[0].cached_tokens
     assert first == {"device": 0, "host": 0, "storage": _aligned(l3[0].prompt_len - 1, page)}
     for r in l3[1:]:  # the shared prefix is on the device by now; each user turn comes from L3
