@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("orbax", "file", "memory")
 INTEGRITY_MODES = ("full", "sampled", "off")
+READ_PATHS = ("direct", "tensorstore")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -78,6 +79,13 @@ class StorageConfig:
     flush_interval_s   A partial orbax segment is written after at most this long.
     max_pending_pages  Pages accepted but not yet written (orbax); sets beyond are dropped.
     refresh_interval_s How often the orbax index picks up segments other processes wrote (0 = never).
+    read_path          orbax page reads: ``direct`` (default: byte ranges resolved once per segment from
+                       the OCDBT B-tree, then ``preadv`` straight into the host page; falls back per segment to
+                       tensorstore when the layout is not the expected one) or ``tensorstore``
+                       (zarr3-over-OCDBT reads through tensorstore handles).
+    write_buffer_bytes orbax: memory of reusable segment buffers kept between saves (pages are packed
+                       straight into them; freshly allocated memory costs as much as the disk write on
+                       some VMs). 0 = allocate every segment afresh.
     """
 
     backend: str = "orbax"
@@ -90,6 +98,8 @@ class StorageConfig:
     flush_interval_s: float = 0.5
     max_pending_pages: int = 1024
     refresh_interval_s: float = 5.0
+    read_path: str = "direct"
+    write_buffer_bytes: int = 512 << 20
     prefetch_policy: str = "timeout"
     prefetch_threshold_tokens: int = 256
     prefetch_timeout_base_s: float = 1.0
@@ -115,6 +125,8 @@ class StorageConfig:
         _num("flush_interval_s", self.flush_interval_s, 0.0, lo_open=True)
         _int("max_pending_pages", self.max_pending_pages, 1)
         _num("refresh_interval_s", self.refresh_interval_s, 0.0)
+        _choice("read_path", self.read_path, READ_PATHS)
+        _int("write_buffer_bytes", self.write_buffer_bytes, 0)
         _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _int("prefetch_threshold_tokens", self.prefetch_threshold_tokens, 0)
         _num("prefetch_timeout_base_s", self.prefetch_timeout_base_s, 0.0)

@@ -1,4 +1,4 @@
-"""Default L3 backend: an orbax-managed segment log, read page by page through tensorstore.
+"""Default L3 backend: an orbax-managed segment log, read page by page (OCDBT byte ranges).
 
 Needs orbax-checkpoint, tensorstore and google-crc32c (the ``jax`` extra); imported lazily by
 ``create_storage``. Design and measurements: REFERENCE.md section 6.
@@ -25,21 +25,47 @@ array (all writer directories), and refreshed every ``refresh_interval_s`` to pi
 segments other processes wrote. Pages are content-addressed, so the same key in two
 segments is harmless: either copy is right.
 
-Reads: ``{pool}.data`` of a segment is opened once through tensorstore (zarr3 driver over the
-ocdbt kvstore, handles cached) and single pages are read with up to ``read_concurrency`` reads
-in flight. Each page's CRC is checked (per ``integrity``); a failed check, a truncated or
-vanished file, or a read error is a miss, and the segment is quarantined (all its pages
-leave the index). Missing zarr chunks read as zeros (the fill value): the CRC catches that.
+Reads (``read_path="direct"``, the default): the first read of a segment resolves every
+page's byte range from the segment's OCDBT B-tree (``ocdbt_direct``). ``batch_get`` then reads
+each page in place into its host page: the page is requested from the device
+(``POSIX_FADV_WILLNEED``), the host page's old bytes are saved into a per-thread scratch buffer
+while the device works, the page is read (``preadv``) and checksummed in 512 KiB pieces, and on
+any failure the old bytes are put back (a False flag still means "left untouched"). A lone page
+is read in the calling thread; more go to a pool of ``read_concurrency`` threads. The
+multi-pool ``get_multi`` path reads into new arrays (it publishes only once every pool is in).
+Where the layout is not the expected one the segment is read through tensorstore instead
+(``read_path="tensorstore"`` forces that): ``{pool}.data`` opened once (zarr3 driver over the
+ocdbt kvstore, handles cached), single pages read with up to ``read_concurrency`` in flight.
+A failed check, a truncated or vanished file, or a read error is a miss, and the segment is
+quarantined (all its pages leave the index); an unexpected exception (a bug) is a counted
+miss that quarantines nothing. A missing chunk is a miss (direct) or reads as zeros
+(tensorstore) that the CRC rejects.
 
-Writes: ``batch_set`` copies pages into a pending buffer (visible to reads at once) and
-returns; one writer thread saves a segment when ``segment_pages`` are pending, on ``flush()``,
-or ``flush_interval_s`` after the oldest pending page arrived. A failed save (disk full,
-read-only directory) drops that segment's pages (counted, logged); the next save tries again.
-A capacity bound evicts whole segments, oldest commit first.
+Writes: ``batch_set`` packs host pages straight into the pool's open segment buffer (a
+``uint8[segment_pages, page_bytes]`` array, reused across saves up to ``write_buffer_bytes``;
+visible to reads at once) and returns; one writer thread saves a segment when a buffer is full,
+on ``flush()``, or ``flush_interval_s`` after the oldest pending page arrived. Orbax saves the
+buffer without its defensive deep copy (the save is synchronous and the buffer is not touched
+until it returns). A failed save (disk full, read-only directory) drops that segment's pages
+(counted, logged); the next save tries again. A capacity bound evicts whole segments, oldest
+commit first.
 
 Threading: public methods may be called from any threads. One lock (``_lock``) guards the
-index, the segment table, the handle cache and the pending buffer; it is never held across
-I/O. The writer thread is the only caller of the orbax CheckpointManager.
+index, the segment table, the handle cache and the pending pages; it is never held across
+I/O (copies of pending pages happen under it). ``_fill_lock`` serialises packing into the open
+segment buffers (taken before ``_lock``, never after). The writer thread is the only caller of
+the orbax CheckpointManager.
+
+Where the time went (measured on the project's 2-vCPU VM, 2 MiB pages, segments of 64;
+benchmarks/bench_l3.py): memory the process has not touched recently costs about as much as
+the disk write itself there (the hypervisor takes freed guest pages back after ~2 s and
+refaults them at 0.3-0.5 GB/s), so orbax's defensive deep copy per save (save CPU 1.0 s ->
+0.2 s per 128 MiB without it) and a fresh pack buffer per ``batch_set`` each cost as much as
+the I/O; reads through tensorstore cost ~1.3 ms more per page than the bytes themselves
+(decode buffer, copies, thread hops); direct reads disable readahead on the large OCDBT
+data files (8 MiB here, which could fetch well beyond a 2 MiB page). What is left above raw
+file I/O on reads is the CRC (~0.08 ms per page) and one page copy (the backup or, on the
+fallback, the publish), ~0.25 ms of a ~2.5-3 ms cold read.
 """
 
 from __future__ import annotations
@@ -53,7 +79,9 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -61,12 +89,14 @@ import numpy as np
 
 from ..host_pool import HostKVPool
 from . import integrity
-from .base import HiCacheStorage, PoolSpec
+from .base import HiCacheStorage, PageCodec, PoolSpec
 from .config import StorageConfig
 from .keys import KEY_BYTES, keys_to_array
 
 import orbax.checkpoint as ocp  # noqa: E402  (module is imported lazily by create_storage)
 import tensorstore as ts  # noqa: E402
+
+from . import ocdbt_direct  # noqa: E402  (needs tensorstore)
 
 if not integrity.HAVE_CRC32C:  # pragma: no cover - google-crc32c ships with the jax extra
     raise ImportError("the orbax L3 backend needs google-crc32c (pip install google-crc32c)")
@@ -75,6 +105,63 @@ log = logging.getLogger("hicache_jax.storage")
 
 _WRITER_RE = re.compile(r"w\d{4,}")
 _MAX_HANDLES = 512
+
+
+def _type_handler_registry():
+    """orbax's default handlers, but numpy arrays are saved without a defensive deep copy.
+
+    Safe here: saves are synchronous (``enable_async_checkpointing=False``) and a segment
+    buffer is neither written nor recycled until the save has returned. The deep copy costs
+    a fresh ``page_bytes * segment_pages`` allocation per save (measured: save CPU 1.0 s ->
+    0.2 s for 128 MiB on the project VM)."""
+    th = ocp.type_handlers
+    handlers = []
+    for ty in th.supported_types():
+        h = th.NumpyHandler(deepcopy_host_arrays=False) if ty is np.ndarray else th.get_type_handler(ty)
+        handlers.append((ty, h))
+    return th.create_type_handler_registry(*handlers)
+
+
+def _pack_into(codec: PageCodec, ids: np.ndarray, out: np.ndarray) -> None:
+    """``codec.pack(ids)`` written into ``out`` (``uint8[n, page_bytes]``, C-contiguous rows)
+    instead of a new array: the same few large gathers, which release the GIL."""
+    n = len(ids)
+    comps = codec.geom.components
+    out3 = out.view(codec.geom.container_dtype).reshape((n, len(comps)) + codec._slab)
+    for i, c in enumerate(comps):
+        view = codec.pool.component_view(c)
+        if codec.layer_first:  # (L, pages, ...) gathered along axis 1 into (n, L, ...)
+            np.take(view, ids, axis=1, out=np.moveaxis(out3[:, i], 0, 1), mode="clip")
+        else:
+            np.take(view, ids, axis=0, out=out3[:, i], mode="clip")
+
+
+def _copy_parts(parts: list, flat: np.ndarray, into_parts: bool) -> None:
+    """Copy between ``parts`` (1-D uint8 arrays, in page order) and ``flat`` (uint8[page_bytes])."""
+    pos = 0
+    for p in parts:
+        if into_parts:
+            p[...] = flat[pos:pos + p.nbytes]
+        else:
+            flat[pos:pos + p.nbytes] = p
+        pos += p.nbytes
+
+
+def _host_pieces(codec: PageCodec, host_id: int) -> list[np.ndarray] | None:
+    """The host page ``host_id`` as 1-D uint8 views in page-byte order (what
+    ``codec.unpack_one`` writes: per component, its slab; layer-first pools, per layer), or
+    None if any piece is not C-contiguous."""
+    pieces = []
+    for c in codec.geom.components:
+        view = codec.pool.component_view(c)
+        slabs = [view[l, host_id] for l in range(view.shape[0])] if codec.layer_first else [view[host_id]]
+        for s in slabs:
+            if not s.flags.c_contiguous:
+                return None
+            pieces.append(s.reshape(-1).view(np.uint8))
+    if sum(p.nbytes for p in pieces) != codec.page_bytes:
+        return None
+    return pieces
 
 
 @dataclass
@@ -86,20 +173,16 @@ class _Segment:
     crcs: dict[str, np.ndarray] = field(default_factory=dict)
     keys: dict[str, list[bytes]] = field(default_factory=dict)
     nbytes: int = 0
+    locs: dict | None = None       # pool -> per-slot page locations (direct reads), loaded lazily
 
 
-def _rows_as_block(rows: list) -> np.ndarray:
-    """The rows as one ``[n, page_bytes]`` array: a view when they are consecutive rows of one
-    C-contiguous 2-D array (the usual case: one ``batch_set`` packed them), else a copy."""
-    base = rows[0].base
-    if isinstance(base, np.ndarray) and base.ndim == 2 and base.flags.c_contiguous and base.dtype == np.uint8:
-        pb = base.shape[1]
-        start, rem = divmod(rows[0].__array_interface__["data"][0] - base.__array_interface__["data"][0], pb)
-        if (rem == 0 and 0 <= start and start + len(rows) <= base.shape[0] and rows[0].size == pb
-                and all(r.base is base and r.__array_interface__["data"][0] ==
-                        rows[0].__array_interface__["data"][0] + j * pb for j, r in enumerate(rows))):
-            return base[start:start + len(rows)]
-    return np.stack(rows)
+class _SegBuf:
+    """Pages of one pool waiting for a save: rows ``[0, n)`` of ``data`` hold ``keys``."""
+
+    __slots__ = ("pool", "data", "keys", "n", "view_ref")
+
+    def __init__(self, pool: str, data: np.ndarray) -> None:
+        self.pool, self.data, self.keys, self.n, self.view_ref = pool, data, [], 0, None
 
 
 class OrbaxSegmentStorage(HiCacheStorage):
@@ -111,19 +194,26 @@ class OrbaxSegmentStorage(HiCacheStorage):
         self.root = os.path.join(os.path.abspath(config.path), "segments-v1")
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        self._fill_lock = threading.Lock()
         self._index: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self.codecs}
         self._segments: dict[str, _Segment] = {}
         self._bad: set[str] = set()  # segment names never to index again in this process
         self._bytes = 0
         self._handles: OrderedDict[tuple[str, str], object] = OrderedDict()
-        # pending: (pool, key) -> page bytes; insertion order = arrival order
-        self._pending: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
+        # pending: (pool, key) -> (segment buffer, row); insertion order = arrival order
+        self._pending: dict[tuple[str, bytes], tuple[_SegBuf, int]] = {}
+        self._open: dict[str, _SegBuf] = {}       # pool -> buffer being filled
+        self._sealed: deque[_SegBuf] = deque()    # full (or flushed) buffers, oldest first
+        self._free: dict[str, list[np.ndarray]] = {p: [] for p in self.codecs}
+        self._free_bytes = 0
         self._pending_since = 0.0
         self._flush_requested = False
         self._saving = 0
         self._closed = False
         self._last_refresh = 0.0
         self._ts_ctx = ts.Context({"file_io_concurrency": {"limit": max(16, config.read_concurrency)}})
+        self._tls = threading.local()
+        self._executor: ThreadPoolExecutor | None = None
         self._lock_fd = -1
         self._wdir: str | None = None
         self._mgr = None
@@ -175,7 +265,8 @@ class OrbaxSegmentStorage(HiCacheStorage):
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=None, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=False,
                 save_root_metadata=False, lightweight_initialize=True),
-            item_handlers=ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False))
+            item_handlers=ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                                      type_handler_registry=_type_handler_registry()))
         steps = [int(m.group(1)) for n in os.listdir(self._wdir) if (m := re.match(r"(\d+)", n))]
         self._next_step = max(steps, default=-1) + 1
 
@@ -339,21 +430,46 @@ class OrbaxSegmentStorage(HiCacheStorage):
         self.metrics.add(corrupt=1)
         self._quarantine(name, seg.path, why)
 
-    def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
-        self._maybe_refresh()
-        out: list[np.ndarray | None] = [None] * len(keys)
-        plan = []  # (i, segment, slot, crc)
+    def _plan(self, pool: str, keys: list[bytes], pending_hit) -> list:
+        """Under the lock: pending pages go to ``pending_hit(i, row)`` (a view valid only during
+        the call); returns ``(i, segment, slot, crc)`` for indexed pages."""
+        plan = []
         with self._lock:
             idx = self._index[pool]
             for i, k in enumerate(keys):
-                page = self._pending.get((pool, k))
-                if page is not None:
-                    out[i] = page.copy()
+                ent = self._pending.get((pool, k))
+                if ent is not None:
+                    pending_hit(i, ent[0].data[ent[1]])
                     continue
                 loc = idx.get(k)
                 if loc is not None:
                     seg = self._segments[loc[0]]
                     plan.append((i, seg, loc[1], int(seg.crcs[pool][loc[1]])))
+        return plan
+
+    def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        self._maybe_refresh()
+        out: list[np.ndarray | None] = [None] * len(keys)
+
+        def pending_hit(i: int, row: np.ndarray) -> None:
+            out[i] = row.copy()
+
+        plan = self._plan(pool, keys, pending_hit)
+        if self.config.read_path == "direct":
+            pb = self.codecs[pool].page_bytes
+
+            def task(item) -> None:
+                i, seg, slot, crc = item
+                dst = np.empty(pb, np.uint8)
+                if self._fetch(pool, seg, slot, crc, keys[i], dst):
+                    out[i] = dst
+
+            self._run(task, plan)
+        else:
+            self._read_tensorstore(pool, keys, plan, out)
+        return out
+
+    def _read_tensorstore(self, pool: str, keys: list[bytes], plan: list, out: list) -> None:
         mode, rate = self.config.integrity, self.config.integrity_sample_rate
         inflight: deque = deque()
 
@@ -389,42 +505,282 @@ class OrbaxSegmentStorage(HiCacheStorage):
                 finish(inflight.popleft())
         while inflight:
             finish(inflight.popleft())
-        return out
+
+    # ---- direct reads ----------------------------------------------------------------------------
+    def batch_get(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
+        """``HiCacheStorage.batch_get``, streamed: each page is read into a per-thread scratch
+        buffer, verified, and copied into its host page at once (no page-sized allocation per
+        read, nothing held until the whole batch is in). Same contract: pages whose flag is
+        False are left untouched; faults are misses."""
+        if self.config.read_path != "direct":
+            return super().batch_get(keys, host_page_ids, pool)
+        pool = self._pool(pool)
+        keys = self._keys(keys)
+        ids = self._small_ids(pool, host_page_ids, len(keys))
+        if ids is None:
+            ids = self._ids(pool, host_page_ids, len(keys))
+            self._check_used_ids(pool, ids, unique=True)
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        codec = self.codecs[pool]
+        flags = [False] * len(keys)
+
+        def publish(i: int, page: np.ndarray) -> None:
+            codec.unpack_one(int(ids[i]), page)
+            flags[i] = True
+
+        try:
+            self._maybe_refresh()
+            plan = self._plan(pool, keys, publish)
+            pb = codec.page_bytes
+
+            def task(item) -> None:
+                i, seg, slot, crc = item
+                pieces = _host_pieces(codec, int(ids[i]))
+                if pieces is not None:  # read in place; restored from the backup on failure
+                    if self._fetch(pool, seg, slot, crc, keys[i], pieces, backup=self._scratch(pb)):
+                        flags[i] = True
+                    return
+                dst = self._scratch(pb)
+                if self._fetch(pool, seg, slot, crc, keys[i], dst):
+                    publish(i, dst)
+
+            self._run(task, plan)
+        except Exception as e:  # never escapes; pages already published keep their True flag
+            log.warning("L3 orbax: read(%s, %d keys) failed: %r", pool, len(keys), e)
+            self.metrics.add(read_errors=1)
+        good = sum(flags)
+        self.metrics.add(hits=good, misses=len(keys) - good, bytes_read=good * codec.page_bytes,
+                         read_seconds=time.perf_counter() - t0)
+        return flags
+
+    def _small_ids(self, pool: str, host_page_ids: object, n: int) -> list[int] | None:
+        """The ids of a small, plainly valid call (a list/tuple/range of distinct in-range
+        Python ints) without numpy; None for anything else, which then goes through the base
+        checks (and their errors). One-page reads are frequent: after a 2 MiB copy has
+        flushed the CPU caches, the numpy checks cost ~0.1 ms of a ~3 ms read."""
+        if n > 16 or not isinstance(host_page_ids, (list, tuple, range)) or len(host_page_ids) != n:
+            return None
+        vals = list(host_page_ids)
+        if not all(type(v) is int for v in vals):
+            return None
+        if vals and (min(vals) < 0 or max(vals) >= self.codecs[pool].pool.num_pages or len(set(vals)) != n):
+            return None
+        return vals
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        bufs = getattr(self._tls, "bufs", None)
+        if bufs is None:
+            bufs = self._tls.bufs = {}
+        buf = bufs.get(nbytes)
+        if buf is None:
+            buf = bufs[nbytes] = np.empty(nbytes, np.uint8)
+        return buf
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        ex = self._executor
+        if ex is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.config.read_concurrency,
+                                                        thread_name_prefix="l3-orbax-read")
+                ex = self._executor
+        return ex
+
+    def _run(self, task, plan: list) -> None:
+        """Run ``task`` over ``plan`` with up to ``read_concurrency`` pages in flight (a lone
+        page in the calling thread: no handoff); tasks never raise."""
+
+        def safe(item) -> None:
+            try:
+                task(item)
+            except Exception as e:  # a bug, not a storage fault: still a miss
+                log.warning("L3 orbax: page read failed: %r", e)
+                self.metrics.add(read_errors=1)
+
+        if len(plan) <= 1 or self.config.read_concurrency <= 1:
+            for item in plan:
+                safe(item)
+            return
+        ex = self._pool_executor()
+        for f in [ex.submit(safe, item) for item in plan]:
+            f.result()
+
+    def _locations(self, seg: _Segment, pool: str):
+        locs = seg.locs
+        if locs is None:
+            locs = ocdbt_direct.load_locations(
+                seg.path, dict(seg.counts), {p: self.codecs[p].page_bytes for p in seg.counts})
+            seg.locs = locs  # immutable once loaded; a racing load stores an equal dict
+        return locs.get(pool)
+
+    def _fetch(self, pool: str, seg: _Segment, slot: int, crc: int, key: bytes, dst,
+               backup: np.ndarray | None = None) -> bool:
+        """Fill ``dst`` (a ``uint8[page_bytes]`` array, or a list of 1-D uint8 arrays taking the
+        page's bytes in order) with the page at ``seg``/``slot`` and check it; False (counted,
+        segment quarantined where the segment is at fault) on any failure.
+
+        With ``backup`` (a ``uint8[page_bytes]`` scratch array) ``dst`` is read in place: its
+        old bytes are saved into ``backup`` while the device fetches the page (overlapping the
+        I/O instead of a copy after it) and put back on any failure, so a failed read leaves
+        ``dst`` as it was."""
+        with self._lock:
+            if seg.name not in self._segments:
+                return False
+        mode = self.config.integrity
+        check = mode == "full" or (mode == "sampled" and integrity.sample_hit(self.config.integrity_sample_rate))
+        parts = dst if isinstance(dst, list) else [dst]
+        saved = False
+        ok = False
+
+        def save() -> None:
+            nonlocal saved
+            _copy_parts(parts, backup, into_parts=False)
+            saved = True
+
+        try:
+            try:
+                locs = self._locations(seg, pool)
+                if locs is not None:
+                    got = ocdbt_direct.read_page(locs[slot], dst, integrity.crc32c(b"", key) if check else None,
+                                                 save if backup is not None else None)
+                else:  # unexpected layout: through tensorstore (checked before dst is written)
+                    try:
+                        page = np.asarray(self._handle(seg, pool)[slot].read().result()).reshape(-1)
+                    except Exception as e:  # tensorstore reports I/O and format errors as ValueError etc.
+                        raise ocdbt_direct.DirectReadError(f"tensorstore read failed: {e!r}") from e
+                    got = integrity.crc32c(page, key) if check else None
+                    if got == crc or not check:
+                        _copy_parts(parts, page, into_parts=True)
+            except OSError as e:  # the segment's files: vanished, truncated, unreadable, malformed
+                self.metrics.add(read_errors=1)
+                self._segment_failed(seg.name, f"read of slot {slot} ({pool}) failed: {e!r}")
+                return False
+            except Exception as e:  # our bug, not the segment's fault: a miss, but never quarantine
+                log.warning("L3 orbax: reading slot %d of %s (%s) failed: %r", slot, seg.name, pool, e)
+                self.metrics.add(read_errors=1)
+                return False
+            if check:
+                self.metrics.add(verified=1)
+                if got != crc:
+                    self._segment_failed(seg.name, f"CRC mismatch at slot {slot} ({pool})")
+                    return False
+            ok = True
+            return True
+        finally:
+            if saved and not ok:
+                _copy_parts(parts, backup, into_parts=True)
+
+    # ---- writes --------------------------------------------------------------------------------
+    def batch_set(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
+        """``HiCacheStorage.batch_set``, but host pages are packed straight into the open
+        segment buffer (one copy, into reused memory) instead of a new array per call. Same
+        contract: the bytes are copied out before this returns."""
+        pool = self._pool(pool)
+        keys = self._keys(keys)
+        ids = self._ids(pool, host_page_ids, len(keys))
+        self._check_used_ids(pool, ids, unique=False)
+        result = [False] * len(keys)
+        present = self._safe_contains(pool, keys)
+        first: dict[bytes, int] = {}
+        todo = []
+        for i, (k, p) in enumerate(zip(keys, present)):
+            if p:  # content-addressed: an equal key means equal bytes, so skip it
+                result[i] = True
+            elif k not in first:
+                first[k] = i
+                todo.append(i)
+        self.metrics.add(sets_skipped=len(keys) - len(todo))
+        if todo:
+            codec = self.codecs[pool]
+            src = ids[todo].astype(np.intp)
+            try:
+                ok = self._enqueue(pool, [keys[i] for i in todo], lambda dst, sel: _pack_into(codec, src[sel], dst))
+            except Exception as e:  # never lose the caller's (backup) thread
+                log.warning("L3 orbax: packing host pages failed: %r", e)
+                self.metrics.add(write_errors=1, pages_dropped=len(todo))
+                ok = [False] * len(todo)
+            for i, o in zip(todo, ok):
+                result[i] = o
+        for i, k in enumerate(keys):  # a repeated key shares its first occurrence's outcome
+            if not present[i] and first[k] != i:
+                result[i] = result[first[k]]
+        return result
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
-        with self._cond:
-            if self._mgr is None or self._closed:
-                self.metrics.add(write_errors=1 if self._mgr is None else 0, pages_dropped=len(keys))
-                return [False] * len(keys)
-            ok = []
-            room = self.config.max_pending_pages - len(self._pending)
-            for i, k in enumerate(keys):
-                if (pool, k) in self._pending:
-                    ok.append(True)
-                elif room > 0:
-                    if not self._pending:
-                        self._pending_since = time.monotonic()
-                    self._pending[(pool, k)] = pages[i]
-                    room -= 1
-                    ok.append(True)
-                else:  # back-pressure: L3 is best effort, the writer is behind
-                    ok.append(False)
+        return self._enqueue(pool, keys, lambda dst, sel: np.copyto(dst, pages[sel]))
+
+    def _new_buffer(self, pool: str) -> _SegBuf:  # under _fill_lock
+        with self._lock:
+            free = self._free[pool]
+            data = free.pop() if free else None
+            if data is not None:
+                self._free_bytes -= data.nbytes
+        if data is None:
+            data = np.empty((self.config.segment_pages, self.codecs[pool].page_bytes), np.uint8)
+        return _SegBuf(pool, data)
+
+    def _enqueue(self, pool: str, keys: list[bytes], fill) -> list[bool]:
+        """Accept ``keys`` (distinct, not stored) into ``pool``'s open segment buffer;
+        ``fill(dst_rows, sel)`` writes the pages ``sel`` (indices into keys) into ``dst_rows``."""
+        S = self.config.segment_pages
+        with self._fill_lock:
+            with self._lock:
+                if self._mgr is None or self._closed:
+                    self.metrics.add(write_errors=1 if self._mgr is None else 0, pages_dropped=len(keys))
+                    return [False] * len(keys)
+                ok = []
+                accept = []
+                room = self.config.max_pending_pages - len(self._pending)
+                for i, k in enumerate(keys):
+                    if (pool, k) in self._pending:
+                        ok.append(True)
+                    elif room > 0:
+                        accept.append(i)
+                        room -= 1
+                        ok.append(True)
+                    else:  # back-pressure: L3 is best effort, the writer is behind
+                        ok.append(False)
             dropped = ok.count(False)
             if dropped:
                 self.metrics.add(pages_dropped=dropped)
-            self._cond.notify_all()
+            pos = 0
+            while pos < len(accept):
+                buf = self._open.get(pool)  # changed only under _fill_lock, which we hold
+                if buf is None:
+                    buf = self._new_buffer(pool)
+                    with self._lock:
+                        self._open[pool] = buf
+                take = min(S - buf.n, len(accept) - pos)
+                sel = np.asarray(accept[pos:pos + take], np.intp)
+                fill(buf.data[buf.n:buf.n + take], sel)  # outside _lock: readers go on meanwhile
+                with self._cond:
+                    if not self._pending:
+                        self._pending_since = time.monotonic()
+                    for r, i in enumerate(sel):
+                        self._pending[(pool, keys[i])] = (buf, buf.n + r)
+                        buf.keys.append(keys[i])
+                    buf.n += take
+                    if buf.n >= S:
+                        del self._open[pool]
+                        self._sealed.append(buf)
+                    self._cond.notify_all()
+                pos += take
         return ok
 
     # ---- writer thread -------------------------------------------------------------------------
     def _writer_loop(self) -> None:
-        S = self.config.segment_pages
         while True:
+            seal = False
             with self._cond:
                 while True:
+                    if self._sealed:
+                        break
                     if self._pending:
                         age = time.monotonic() - self._pending_since
-                        if (len(self._pending) >= S or self._flush_requested or self._closed
-                                or age >= self.config.flush_interval_s):
+                        if self._flush_requested or self._closed or age >= self.config.flush_interval_s:
+                            seal = True
                             break
                         wait = max(0.001, self.config.flush_interval_s - age)
                     else:
@@ -435,38 +791,61 @@ class OrbaxSegmentStorage(HiCacheStorage):
                             return
                         wait = None
                     self._cond.wait(wait)
-                batch = []
-                for (pool, k), page in self._pending.items():
-                    batch.append((pool, k, page))
-                    if len(batch) >= S:
-                        break
+            if seal:  # hand over the partly filled buffers (waits for a fill in progress)
+                with self._fill_lock:
+                    with self._lock:
+                        for p in list(self._open):
+                            if self._open[p].n:
+                                self._sealed.append(self._open.pop(p))
+            with self._lock:
+                if not self._sealed:
+                    continue
+                # one buffer per pool: the oldest, plus the oldest of every other pool
+                segment = [self._sealed.popleft()]
+                for b in list(self._sealed):
+                    if all(b.pool != x.pool for x in segment):
+                        segment.append(b)
+                        self._sealed.remove(b)
                 self._saving += 1
             try:
-                self._save_segment(batch)
+                self._save_segment(segment)
             except Exception as e:  # never let the writer thread die
                 log.warning("L3 orbax: writer error: %r", e)
                 self.metrics.add(write_errors=1)
             finally:
                 with self._cond:
-                    for pool, k, _ in batch:
-                        self._pending.pop((pool, k), None)
+                    for b in segment:
+                        for k in b.keys:
+                            if self._pending.get((b.pool, k), (None,))[0] is b:
+                                del self._pending[(b.pool, k)]
+                        self._recycle(b)
                     self._pending_since = time.monotonic()
                     self._saving -= 1
                     self._cond.notify_all()
 
-    def _save_segment(self, batch: list) -> None:
-        by_pool: dict[str, list] = {}
-        for pool, k, page in batch:
-            by_pool.setdefault(pool, []).append((k, page))
+    def _recycle(self, buf: _SegBuf) -> None:  # under _lock; no pending page refers to buf any more
+        data, buf.data = buf.data, None
+        if buf.view_ref is not None and buf.view_ref() is not None:
+            return  # something (orbax, tensorstore) still holds the saved view: never reuse it
+        if self._closed or self._free_bytes + data.nbytes > self.config.write_buffer_bytes:
+            return
+        self._free[buf.pool].append(data)
+        self._free_bytes += data.nbytes
+
+    def _save_segment(self, segment: list[_SegBuf]) -> None:
         tree, save_args = {}, {}
-        for pool, items in by_pool.items():
-            keys = [k for k, _ in items]
-            data = _rows_as_block([p for _, p in items])
-            crcs = np.array([integrity.crc32c(data[i], keys[i]) for i in range(len(keys))], np.uint32)
-            tree[pool] = {"data": data, "keys": keys_to_array(keys), "crc": crcs}
+        npages = 0
+        for b in segment:
+            data = b.data[:b.n]
+            b.view_ref = weakref.ref(data)
+            keys = b.keys
+            crcs = np.array([integrity.crc32c(data[i], keys[i]) for i in range(b.n)], np.uint32)
+            tree[b.pool] = {"data": data, "keys": keys_to_array(keys), "crc": crcs}
             # one zarr chunk per page: without shard_axes orbax splits a page over many chunks
-            save_args[pool] = {"data": ocp.SaveArgs(chunk_byte_size=data.shape[1], shard_axes=(0,)),
-                               "keys": ocp.SaveArgs(), "crc": ocp.SaveArgs()}
+            save_args[b.pool] = {"data": ocp.SaveArgs(chunk_byte_size=data.shape[1], shard_axes=(0,)),
+                                 "keys": ocp.SaveArgs(), "crc": ocp.SaveArgs()}
+            npages += b.n
+            del data
         step = self._next_step
         self._next_step += 1
         nbytes = sum(t["data"].nbytes for t in tree.values())
@@ -478,20 +857,21 @@ class OrbaxSegmentStorage(HiCacheStorage):
                 raise RuntimeError(f"orbax declined to save step {step}")
         except Exception as e:
             log.warning("L3 orbax: saving segment %s/%d (%d pages) failed: %r; pages dropped",
-                        os.path.basename(self._wdir), step, len(batch), e)
-            self.metrics.add(write_errors=1, pages_dropped=len(batch))
+                        os.path.basename(self._wdir), step, npages, e)
+            self.metrics.add(write_errors=1, pages_dropped=npages)
             self._cleanup_failed_step(step)
             return
         dt = time.perf_counter() - t0
         path = os.path.join(self._wdir, str(step))
         name = f"{os.path.basename(self._wdir)}/{step}"
-        seg = _Segment(name, path, (time.time(), name), {p: len(v) for p, v in by_pool.items()},
+        seg = _Segment(name, path, (time.time(), name), {b.pool: b.n for b in segment},
                        crcs={p: tree[p]["crc"] for p in tree},
-                       keys={p: [k for k, _ in v] for p, v in by_pool.items()}, nbytes=nbytes)
+                       keys={b.pool: list(b.keys) for b in segment}, nbytes=nbytes)
+        tree.clear()  # drop our references to the buffers' views
         with self._lock:
             self._add_segment(seg)
-        self.metrics.add(pages_written=len(batch), bytes_written=nbytes, write_seconds=dt, segments_written=1)
-        log.debug("L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, len(batch), nbytes / 2**20, dt)
+        self.metrics.add(pages_written=npages, bytes_written=nbytes, write_seconds=dt, segments_written=1)
+        log.debug("L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, npages, nbytes / 2**20, dt)
         self._evict()
 
     def _cleanup_failed_step(self, step: int) -> None:
@@ -565,8 +945,12 @@ class OrbaxSegmentStorage(HiCacheStorage):
                 self._mgr.close()
         except Exception as e:
             log.warning("L3 orbax: closing the checkpoint manager: %r", e)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         with self._lock:
             self._handles.clear()
+            self._free = {p: [] for p in self.codecs}
+            self._free_bytes = 0
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
