@@ -21,13 +21,13 @@ import itertools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import numpy as np
 
 from hicache_jax import HostLayout, KVGeometry
+from hicache_jax.bench import report as _report
+from hicache_jax.bench.report import gbps, print_table
 
 from . import _lazy
 from .backend import make_torch_backend
@@ -38,29 +38,8 @@ torch = _lazy.torch()
 
 
 def median_seconds(run, reps: int, sync=None, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def print_table(title: str, columns, rows) -> None:
-    cells = [[f"{c:.3g}" if isinstance(c, float) else ("N/A" if c is None else str(c)) for c in r] for r in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
-    print(title)
-    print("  ".join(str(h).rjust(w) for h, w in zip(columns, widths)))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    """``hicache_jax.bench.report.median_seconds`` with an optional device sync after each run."""
+    return _report.median_seconds(run if sync is None else (lambda: (run(), sync())), reps, warmup)
 
 
 def pick_device(name: str):

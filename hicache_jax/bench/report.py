@@ -27,6 +27,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def _fmt(c: object) -> str:
+    if c is None:
+        return "N/A"
     if isinstance(c, float):
         return f"{c:,.0f}" if abs(c) >= 1000 else f"{c:.3g}"
     return str(c)

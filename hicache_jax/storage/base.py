@@ -53,6 +53,25 @@ from .metrics import StorageMetrics
 log = logging.getLogger("hicache_jax.storage")
 
 
+class _SetPlan:
+    """Which pages of a ``batch_set`` to write, and its per-page result list."""
+
+    def __init__(self, keys: list[bytes], present: list[bool]) -> None:
+        self.present, self.result, self.first, self.todo = present, [False] * len(keys), {}, []
+        for i, (k, p) in enumerate(zip(keys, present)):
+            if p:  # content-addressed: an equal key means equal bytes, so skip it
+                self.result[i] = True
+            elif k not in self.first:
+                self.first[k] = i
+                self.todo.append(i)
+
+    def finish(self, keys: list[bytes]) -> list[bool]:
+        for i, k in enumerate(keys):  # a repeated key shares its first occurrence's outcome
+            if not self.present[i] and self.first[k] != i:
+                self.result[i] = self.result[self.first[k]]
+        return self.result
+
+
 class PoolHitPolicy(str, Enum):
     ALL_PAGES = "all_pages"
     TRAILING_PAGES = "trailing_pages"
@@ -317,21 +336,8 @@ class HiCacheStorage(ABC):
     def batch_set(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
         """Store host pages under ``keys``; per page, whether it is stored (or accepted for an
         asynchronous write). Keys already stored or in flight are skipped and reported True."""
-        pool = self._pool(pool)
-        keys = self._keys(keys)
-        ids = self._ids(pool, host_page_ids, len(keys))
-        self._check_used_ids(pool, ids, unique=False)
-        result = [False] * len(keys)
-        present = self._safe_contains(pool, keys)
-        first: dict[bytes, int] = {}
-        todo = []
-        for i, (k, p) in enumerate(zip(keys, present)):
-            if p:  # content-addressed: an equal key means equal bytes, so skip it
-                result[i] = True
-            elif k not in first:
-                first[k] = i
-                todo.append(i)
-        self.metrics.add(sets_skipped=len(keys) - len(todo))
+        pool, keys, ids, plan = self._plan_set(pool, keys, host_page_ids)
+        result, todo = plan.result, plan.todo
         if todo:
             try:
                 pages = self.codecs[pool].pack(ids[todo])
@@ -341,10 +347,18 @@ class HiCacheStorage(ABC):
                 return result
             for i, o in zip(todo, self._safe_write(pool, [keys[i] for i in todo], pages)):
                 result[i] = o
-        for i, k in enumerate(keys):  # a repeated key shares its first occurrence's outcome
-            if not present[i] and first[k] != i:
-                result[i] = result[first[k]]
-        return result
+        return plan.finish(keys)
+
+    def _plan_set(self, pool: str | None, keys: Sequence[bytes], host_page_ids: object):
+        """The checks and bookkeeping every ``batch_set`` shares: (pool, keys, ids, plan) where
+        ``plan.todo`` are the positions to write (first occurrence of each key not stored yet)."""
+        pool = self._pool(pool)
+        keys = self._keys(keys)
+        ids = self._ids(pool, host_page_ids, len(keys))
+        self._check_used_ids(pool, ids, unique=False)
+        plan = _SetPlan(keys, self._safe_contains(pool, keys))
+        self.metrics.add(sets_skipped=len(keys) - len(plan.todo))
+        return pool, keys, ids, plan
 
     def _publish(self, pool: str, ids: np.ndarray, pages: list, which) -> None:
         codec = self.codecs[pool]

@@ -677,21 +677,8 @@ class OrbaxSegmentStorage(HiCacheStorage):
         """``HiCacheStorage.batch_set``, but host pages are packed straight into the open
         segment buffer (one copy, into reused memory) instead of a new array per call. Same
         contract: the bytes are copied out before this returns."""
-        pool = self._pool(pool)
-        keys = self._keys(keys)
-        ids = self._ids(pool, host_page_ids, len(keys))
-        self._check_used_ids(pool, ids, unique=False)
-        result = [False] * len(keys)
-        present = self._safe_contains(pool, keys)
-        first: dict[bytes, int] = {}
-        todo = []
-        for i, (k, p) in enumerate(zip(keys, present)):
-            if p:  # content-addressed: an equal key means equal bytes, so skip it
-                result[i] = True
-            elif k not in first:
-                first[k] = i
-                todo.append(i)
-        self.metrics.add(sets_skipped=len(keys) - len(todo))
+        pool, keys, ids, plan = self._plan_set(pool, keys, host_page_ids)
+        result, todo = plan.result, plan.todo
         if todo:
             codec = self.codecs[pool]
             src = ids[todo].astype(np.intp)
@@ -703,10 +690,7 @@ class OrbaxSegmentStorage(HiCacheStorage):
                 ok = [False] * len(todo)
             for i, o in zip(todo, ok):
                 result[i] = o
-        for i, k in enumerate(keys):  # a repeated key shares its first occurrence's outcome
-            if not present[i] and first[k] != i:
-                result[i] = result[first[k]]
-        return result
+        return plan.finish(keys)
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
         return self._enqueue(pool, keys, lambda dst, sel: np.copyto(dst, pages[sel]))
