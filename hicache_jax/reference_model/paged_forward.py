@@ -71,7 +71,7 @@ class PagedRunner:
     """Holds the model's weights and its jitted, pool-donating step."""
 
     def __init__(self, config: ModelConfig, page_size: int, max_pages_per_seq: int | None = None,
-                 token_buckets: tuple[int, ...] = (16, 64, 256, 1024)) -> None:
+                 token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)) -> None:
         self.config = config
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
