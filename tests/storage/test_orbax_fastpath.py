@@ -74,7 +74,10 @@ def test_multi_pool_get_uses_direct_reads(tmp_path):
     for i, p in enumerate(src.values()):
         fill_random(p, 50 + i)
     keys = {p: keys_for(4, seed=60 + i) for i, p in enumerate(src)}
-    st = make_store("orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=4)
+    # A long flush interval: the segment is saved by flush() with both pools in it, however slow
+    # this machine is between the two pools' sets.
+    st = make_store("orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=4,
+                    flush_interval_s=30.0)
     st.set_multi([PoolTransfer(p, keys[p], range(4)) for p in src])
     assert st.flush(60)
     assert len(st._segments) == 1  # both pools' buffers saved as one segment
