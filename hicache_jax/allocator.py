@@ -23,22 +23,40 @@ ID_DTYPE = np.int32
 
 
 _I32 = np.iinfo(ID_DTYPE)
+_I32_MIN, _I32_MAX = int(_I32.min), int(_I32.max)  # iinfo's attributes are computed per access
 _EMPTY_IDS = np.zeros(0, ID_DTYPE)
 
 
 def _ids_and_bounds(ids: object, name: str) -> tuple[np.ndarray, int, int]:
     """(int32 copy, min, max) of a 1-D integer id array; one pass of validation, no sort."""
+    arr = _int_array(ids, name)
+    if arr is None:
+        return _EMPTY_IDS.copy(), 0, -1
+    lo, hi = int(_MIN(arr)), int(_MAX(arr))
+    if lo < _I32_MIN or hi > _I32_MAX:
+        raise ValueError(f"{name}: page id out of int32 range")
+    return arr.astype(ID_DTYPE, copy=True), lo, hi
+
+
+def _int_array(ids: object, name: str) -> np.ndarray | None:
+    """``ids`` as a non-empty 1-D integer ndarray (no copy), None when empty; raises otherwise."""
     arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
     if arr.size == 0:
-        return _EMPTY_IDS.copy(), 0, -1
+        return None
     if arr.dtype.kind not in "iu":  # bool is kind 'b', floats 'f', objects 'O'
         raise TypeError(f"{name}: expected integer page ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence of page ids, got shape {arr.shape}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < _I32.min or hi > _I32.max:
-        raise ValueError(f"{name}: page id out of int32 range")
-    return arr.astype(ID_DTYPE, copy=True), lo, hi
+    return arr
+
+
+# ufunc reductions called directly: ndarray.min/max/any go through Python wrappers that cost
+# more than the reduction itself on the small arrays this module sees all the time.
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+try:  # np.count_nonzero without its Python wrapper (same function, no axis handling)
+    from numpy._core.multiarray import count_nonzero
+except ImportError:  # pragma: no cover - other numpy layouts
+    count_nonzero = np.count_nonzero
 
 
 def as_page_ids(ids: object, name: str = "page_ids") -> np.ndarray:
@@ -51,31 +69,46 @@ def as_page_ids(ids: object, name: str = "page_ids") -> np.ndarray:
 
 
 def has_duplicates(arr: np.ndarray) -> bool:
-    """Whether a 1-D id array repeats an id (a set for small batches, a sort for large ones)."""
+    """Whether a 1-D id array repeats an id (a set for tiny batches, a sort otherwise)."""
     n = arr.shape[0]
     if n < 2:
         return False
-    if n <= 64:  # the common small batch: a Python set beats numpy's fixed per-call costs
+    if n <= 8:  # a Python set beats numpy's fixed per-call costs only for a handful of ids
         return len(set(arr.tolist())) != n
-    s = np.sort(arr)
-    return bool((s[1:] == s[:-1]).any())
+    s = np.array(arr)
+    s.sort()
+    return bool(count_nonzero(s[1:] == s[:-1]))
 
 
 def check_page_ids(ids: object, num_pages: int, name: str = "page_ids", unique: bool = True) -> np.ndarray:
     """`as_page_ids` plus range [0, num_pages) and (optionally) no-duplicate checks.
 
-    This runs on every transfer and free, so the happy path costs a handful of numpy calls;
-    the detailed message is built only when a check fails.
+    This runs on every transfer and free, so the happy path costs a handful of numpy calls
+    (with ``unique``, one sorted copy gives the bounds and the duplicate test at once); the
+    detailed message is built only when a check fails.
     """
-    arr, lo, hi = _ids_and_bounds(ids, name)
-    if arr.size:
-        if lo < 0 or hi >= num_pages:
-            bad = arr[(arr < 0) | (arr >= num_pages)]
-            raise ValueError(f"{name}: ids out of range [0, {num_pages}): {bad[:8].tolist()}")
-        if unique and has_duplicates(arr):
-            uniq, counts = np.unique(arr, return_counts=True)
-            raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
-    return arr
+    arr = _int_array(ids, name)
+    if arr is None:
+        return _EMPTY_IDS.copy()
+    n = arr.shape[0]
+    if unique and n > 8:
+        s = np.array(arr)
+        s.sort()
+        lo, hi = int(s[0]), int(s[-1])
+        dup = bool(count_nonzero(s[1:] == s[:-1]))
+    else:
+        lo, hi = int(_MIN(arr)), int(_MAX(arr))
+        dup = unique and n > 1 and len(set(arr.tolist())) != n
+    if lo < _I32_MIN or hi > _I32_MAX:
+        raise ValueError(f"{name}: page id out of int32 range")
+    out = arr.astype(ID_DTYPE, copy=True)
+    if lo < 0 or hi >= num_pages:
+        bad = out[(out < 0) | (out >= num_pages)]
+        raise ValueError(f"{name}: ids out of range [0, {num_pages}): {bad[:8].tolist()}")
+    if dup:
+        uniq, counts = np.unique(out, return_counts=True)
+        raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
+    return out
 
 
 class PageAllocator:
@@ -90,7 +123,8 @@ class PageAllocator:
         self.num_pages = int(num_pages)
         self._allocated = np.zeros(self.num_pages, dtype=bool)
         # Stack: the top (end) is handed out first; reversed so a fresh allocator gives 0, 1, 2...
-        self._free = np.arange(self.num_pages, dtype=ID_DTYPE)[::-1].copy()
+        # Held as intp: numpy's fancy indexing (the bitmap updates) converts int32 indices first.
+        self._free = np.arange(self.num_pages, dtype=np.intp)[::-1].copy()
         self._top = self.num_pages
 
     # ---- queries -------------------------------------------------------------------------
@@ -107,6 +141,10 @@ class PageAllocator:
         arr = check_page_ids(ids, self.num_pages, "ids", unique=False)
         return self._allocated[arr]
 
+    def allocated_mask(self, ids: np.ndarray) -> np.ndarray:
+        """``is_allocated`` for ids the caller already checked (``check_page_ids``) against this pool."""
+        return self._allocated[ids]
+
     # ---- mutation ------------------------------------------------------------------------
     def alloc(self, n: int) -> np.ndarray | None:
         """Take ``n`` free pages; ``None`` (and no change) when fewer than ``n`` are free."""
@@ -116,22 +154,37 @@ class PageAllocator:
             raise ValueError(f"n: expected >= 0 pages, got {n}")
         if n > self._top:
             return None
-        ids = self._free[self._top - n:self._top][::-1].copy()
-        self._top -= n
+        top = self._top
+        ids = self._free[top - n:top][::-1]
         self._allocated[ids] = True
-        return ids
+        self._top = top - n
+        return ids.astype(ID_DTYPE)  # a copy, never a view of the free list
 
     def free(self, ids: Iterable[int] | np.ndarray) -> None:
         """Return pages to the pool. Validates the whole batch before changing anything."""
-        arr = check_page_ids(ids, self.num_pages, "ids", unique=True)
-        if not arr.size:
+        self._free_checked(check_page_ids(ids, self.num_pages, "ids", unique=True))
+
+    def free_owned(self, ids: np.ndarray) -> None:
+        """``free`` for an owner that guarantees its ids are distinct integer ids of this pool
+        (the cache freeing pages its tree held: its ownership bitmap rules out repeats).
+
+        Still refuses (ValueError, no change) to free a page that is not allocated.
+        """
+        self._free_checked(ids)
+
+    def _free_checked(self, ids: np.ndarray) -> None:
+        n = ids.shape[0]
+        if not n:
             return
-        not_held = arr[~self._allocated[arr]]
-        if not_held.size:
+        arr = ids.astype(np.intp, copy=False)  # not kept: the free list copies it below
+        held = self._allocated[arr]
+        if count_nonzero(held) != n:
+            not_held = arr[~held]
             raise ValueError(f"ids: double free of {self.name} pages {not_held[:8].tolist()} (not allocated)")
         self._allocated[arr] = False
-        self._free[self._top:self._top + arr.size] = arr[::-1]
-        self._top += arr.size
+        top = self._top
+        self._free[top:top + n] = arr[::-1]
+        self._top = top + n
 
     def reset(self) -> None:
         """Free every page."""

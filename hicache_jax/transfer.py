@@ -124,6 +124,18 @@ class KVTransferEngine(ABC):
     def load(self, host_ids: Sequence[int] | np.ndarray, device_ids: Sequence[int] | np.ndarray) -> LoadHandle:
         """Start an H2D copy of host pages into device pages; returns at once."""
 
+    # The cache's entry points. The cache passes only page ids it owns: int32 arrays of equal
+    # length, in range, no repeats (its ownership bitmaps and allocators guarantee it, and
+    # ``sanity_check`` verifies it), never modified while the copy is in flight. An engine may
+    # skip ``validate`` for them; by default they are ``backup`` / ``load``, validation included.
+    def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> TransferHandle:
+        """``backup`` of ids the cache owns (see above)."""
+        return self.backup(device_ids, host_ids)
+
+    def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> LoadHandle:
+        """``load`` of ids the cache owns (see above)."""
+        return self.load(host_ids, device_ids)
+
     def close(self) -> None:
         """Finish outstanding work and release workers."""
 

@@ -74,6 +74,32 @@ class NumpyTransferEngine(KVTransferEngine):
         self.host_pool = host_pool
         self.device_num_pages = device_pool.num_pages
         self.deferred = deferred
+        # Direct copies between the two pools' arrays: a host component's page-major view and
+        # the device buffer share dtype and per-page shape, so one gather + one scatter per
+        # component moves a transfer (transposed per layout: device order is (L, n, page, H, D)).
+        order = host_pool.layout.transfer_order
+        self._perm = {"lnp": None, "npl": (1, 2, 0, 3, 4), "nlp": (1, 0, 2, 3, 4)}[order]
+        self._inv = None if self._perm is None else tuple(int(i) for i in np.argsort(self._perm))
+        self._pairs = tuple((device_pool.buffers[c], host_pool.component_view(c)) for c in self.geom.components)
+        for dev, host in self._pairs:
+            if dev.dtype != host.dtype or dev.ndim != 5 or host.ndim != 5:
+                raise ValueError(f"host_pool: component views {host.dtype} {host.shape} do not match the device "
+                                 f"buffers {dev.dtype} {dev.shape}")
+        # One layer: a page is one contiguous row in both pools whatever the layout, so each pool
+        # is viewed as a 1-D array of opaque rows and a transfer is one row gather + scatter
+        # (numpy then copies whole rows instead of walking the 5-D index space element-wise).
+        self._rows = None
+        if self.geom.num_layers == 1:
+            rows = []
+            for dev, host in self._pairs:
+                d2 = dev.reshape(dev.shape[1], -1)
+                h2 = host.reshape(host.shape[1] if self._perm is None else host.shape[0], -1)
+                if not (np.shares_memory(d2, dev) and np.shares_memory(h2, host) and d2.shape[1] == h2.shape[1]):
+                    break
+                row = np.dtype((np.void, d2.shape[1] * d2.dtype.itemsize))
+                rows.append((d2.view(row).reshape(-1), h2.view(row).reshape(-1)))
+            else:
+                self._rows = tuple(rows)
         self.pending: list[_DeferredHandle] = []
 
     def _issue(self, run) -> _DeferredHandle:
@@ -86,26 +112,46 @@ class NumpyTransferEngine(KVTransferEngine):
 
     def backup(self, device_ids, host_ids) -> _DeferredHandle:
         d, h = self.validate(device_ids, host_ids)
-        order = self.host_pool.layout.transfer_order
+        return self._backup(d, h)
+
+    def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> _DeferredHandle:
+        # The cache's own ids (KVTransferEngine.backup_owned): no validate; index copies.
+        return self._backup(np.array(device_ids, np.intp), np.array(host_ids, np.intp))
+
+    def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> _DeferredHandle:
+        return self._load(np.array(device_ids, np.intp), np.array(host_ids, np.intp))
+
+    def _backup(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
+        perm, pairs, rows = self._perm, self._pairs, self._rows
 
         def run() -> None:
-            for c in self.geom.components:
-                buf = self.device_pool.buffers[c][:, d]  # (L, n, page, H, D)
-                if order == "nlp":
-                    buf = buf.transpose(1, 0, 2, 3, 4)
-                elif order == "npl":
-                    buf = buf.transpose(1, 2, 0, 3, 4)
-                self.host_pool.write_pages_unchecked(c, h, np.ascontiguousarray(buf))
+            if rows is not None:
+                for dev, host in rows:
+                    host[h] = dev[d]
+                return
+            for dev, host in pairs:
+                buf = dev[:, d]  # (L, n, page, H, D)
+                if perm is None:
+                    host[:, h] = buf
+                else:
+                    host[h] = buf.transpose(perm)
 
         return self._issue(run)
 
     def load(self, host_ids, device_ids) -> _DeferredHandle:
         d, h = self.validate(device_ids, host_ids)
+        return self._load(d, h)
 
-        def run() -> None:
-            for c in self.geom.components:
-                for layer in range(self.geom.num_layers):
-                    self.device_pool.buffers[c][layer, d] = self.host_pool.read_layer_unchecked(c, h, layer)
+    def _load(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
+        inv, pairs, rows = self._inv, self._pairs, self._rows
+
+        def run() -> None:  # all layers at once: the handle reports them done together anyway
+            if rows is not None:
+                for dev, host in rows:
+                    dev[d] = host[h]
+                return
+            for dev, host in pairs:
+                dev[:, d] = host[:, h] if inv is None else host[h].transpose(inv)
 
         return self._issue(run)
 

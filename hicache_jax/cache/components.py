@@ -105,11 +105,14 @@ class ComponentRegistry:
         return tuple(self.engines)
 
     def backup(self, device_ids: np.ndarray, host_ids: np.ndarray) -> TransferHandle:
+        """D2H copy on every component; the ids are the cache's own (``KVTransferEngine.backup_owned``)."""
+        # The cache's own page ids (see KVTransferEngine.backup_owned).
         if self._single:
-            return self.engines[FULL].backup(device_ids, host_ids)
-        return MultiTransferHandle({n: e.backup(device_ids, host_ids) for n, e in self.engines.items()})
+            return self.engines[FULL].backup_owned(device_ids, host_ids)
+        return MultiTransferHandle({n: e.backup_owned(device_ids, host_ids) for n, e in self.engines.items()})
 
     def load(self, host_ids: np.ndarray, device_ids: np.ndarray) -> LoadHandle:
+        """H2D copy on every component; the ids are the cache's own (``KVTransferEngine.load_owned``)."""
         if self._single:
-            return self.engines[FULL].load(host_ids, device_ids)
-        return MultiLoadHandle({n: e.load(host_ids, device_ids) for n, e in self.engines.items()})
+            return self.engines[FULL].load_owned(host_ids, device_ids)
+        return MultiLoadHandle({n: e.load_owned(host_ids, device_ids) for n, e in self.engines.items()})

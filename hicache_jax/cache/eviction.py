@@ -44,6 +44,7 @@ class EvictionIndex:
         self.name = name
         self.slot = slot  # which entry of TreeNode.heap_stamp this index owns
         self.priority = priority
+        self._kind = 1 if priority is lru_priority else 2 if priority is lfu_priority else 0
         self.members: set[TreeNode] = set()
         self._heap: list[tuple] = []
 
@@ -56,11 +57,27 @@ class EvictionIndex:
     def __iter__(self) -> Iterator[TreeNode]:
         return iter(self.members)
 
+    def _entry(self, node: TreeNode, stamp: int) -> tuple:
+        # The two built-in policies build their tuple directly (this runs on every touch).
+        if self._kind == 1:
+            return (node.last_access, stamp, node)
+        if self._kind == 2:
+            return (node.hit_count, node.last_access, stamp, node)
+        return (*self.priority(node), stamp, node)
+
     def _push(self, node: TreeNode) -> None:
         stamp = next(_stamps)
         node.heap_stamp[self.slot] = stamp
-        heapq.heappush(self._heap, (*self.priority(node), stamp, node))
-        if len(self._heap) > 4 * len(self.members) + 64:
+        kind = self._kind  # _entry, inlined (this runs on every touch)
+        if kind == 1:
+            entry = (node.last_access, stamp, node)
+        elif kind == 2:
+            entry = (node.hit_count, node.last_access, stamp, node)
+        else:
+            entry = (*self.priority(node), stamp, node)
+        heap = self._heap
+        heapq.heappush(heap, entry)
+        if len(heap) > 4 * len(self.members) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
@@ -68,7 +85,7 @@ class EvictionIndex:
         for node in self.members:
             stamp = next(_stamps)
             node.heap_stamp[self.slot] = stamp
-            heap.append((*self.priority(node), stamp, node))
+            heap.append(self._entry(node, stamp))
         heapq.heapify(heap)
         self._heap = heap
 

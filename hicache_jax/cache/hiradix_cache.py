@@ -1,7 +1,9 @@
 """HiRadixCache: a radix tree over token pages with a device tier (L1) and a host tier (L2).
 
 Pure Python + numpy; the KV bytes are moved by a ``KVTransferEngine`` (numpy, JAX or torch),
-and only integer page ids cross into it.
+and only integer page ids cross into it: ids the cache owns, through the engine's
+``backup_owned`` / ``load_owned`` (an engine may skip re-validating those; every public entry
+point of the cache validates its caller's input before changing anything).
 
 Contract
 ========
@@ -68,7 +70,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..allocator import ID_DTYPE, PageAllocator, check_page_ids
+from ..allocator import ID_DTYPE, PageAllocator, check_page_ids, count_nonzero, has_duplicates
 from ..transfer import KVTransferEngine, LoadHandle, TransferHandle
 from .components import ComponentRegistry
 from .config import HiCacheConfig, WritePolicy
@@ -171,10 +173,13 @@ class HiRadixCache:
         self.host_lru = EvictionIndex("host_leaves", 1, prio)
         self.reclaim_lru = EvictionIndex("host_reclaimable", 2, prio)
         self._indexes = (self.device_lru, self.host_lru, self.reclaim_lru)
+        # The member sets, bound once: _refresh and the walks test membership on every node.
+        self._dev_members = self.device_lru.members
+        self._host_members = self.host_lru.members
+        self._reclaim_members = self.reclaim_lru.members
         self._reclaim = config.host_reclaim
         self.metrics = CacheMetrics()
         self._dev_owned = np.zeros(device_allocator.num_pages, bool)
-        self._scratch = np.zeros(device_allocator.num_pages, np.int32)  # for _page_ids
         self._host_owned = np.zeros(host_alloc.num_pages, bool)
         self._writes: deque[_PendingOp] = deque()
         self._loads: deque[_PendingOp] = deque()
@@ -188,6 +193,7 @@ class HiRadixCache:
         root.host_value = _EMPTY
         root.lock_ref = 1  # the root is never evicted on either tier
         root.host_lock_ref = 1
+        root.owner = self
         self.root = root
         self._clock = 0
         self.evictable_tokens = 0  # on device, lock_ref == 0
@@ -209,25 +215,31 @@ class HiRadixCache:
         if node is self.root or node.deleted:
             return
         on_dev = node.value is not None
-        backed = node.host_value is not None
-        host_free = backed and node.host_lock_ref == 0 and node.host_children == 0
+        if node.host_value is not None and node.host_lock_ref == 0 and node.host_children == 0:
+            host = not on_dev
+            reclaim = on_dev and self._reclaim
+        else:
+            host = reclaim = False
         dev = on_dev and node.lock_ref == 0 and node.dev_children == 0
-        host = host_free and not on_dev
-        reclaim = host_free and on_dev and self._reclaim
         # Hot path: most refreshes change nothing, so compare before touching the sets.
-        if dev != (node in self.device_lru.members):
+        if dev != (node in self._dev_members):
             self.device_lru.set_member(node, dev)
-        if host != (node in self.host_lru.members):
+        if host != (node in self._host_members):
             self.host_lru.set_member(node, host)
-        if reclaim != (node in self.reclaim_lru.members):
+        if reclaim != (node in self._reclaim_members):
             self.reclaim_lru.set_member(node, reclaim)
 
     def _touch(self, node: TreeNode, t: int, hit: bool) -> None:
         node.last_access = t
         if hit:
             node.hit_count += 1
-        for index in self._indexes:
-            index.touch(node)
+        # Re-order the node in the indexes that hold it (inlined EvictionIndex.touch).
+        if node in self._dev_members:
+            self.device_lru._push(node)
+        if node in self._host_members:
+            self.host_lru._push(node)
+        if node in self._reclaim_members:
+            self.reclaim_lru._push(node)
 
     def _set_device(self, node: TreeNode, ids: np.ndarray) -> None:
         node.value = ids
@@ -240,11 +252,14 @@ class HiRadixCache:
         self._refresh(node)
         self._refresh(node.parent)
 
-    def _clear_device(self, node: TreeNode) -> np.ndarray:
+    def _clear_device(self, node: TreeNode, owned: bool = True) -> np.ndarray:
+        """Take ``node``'s pages off the device tier; ``owned=False``: the caller clears
+        ``_dev_owned`` for them (one batched write per eviction)."""
         ids = node.value
         assert node.lock_ref == 0, "evicting a locked node"
         node.value = None
-        self._dev_owned[ids] = False
+        if owned:
+            self._dev_owned[ids] = False
         self.evictable_tokens -= node.size
         node.parent.dev_children -= 1
         self._refresh(node)
@@ -259,10 +274,11 @@ class HiRadixCache:
         self._refresh(node)
         self._refresh(node.parent)
 
-    def _clear_host(self, node: TreeNode) -> np.ndarray:
+    def _clear_host(self, node: TreeNode, owned: bool = True) -> np.ndarray:
         ids = node.host_value
         node.host_value = None
-        self._host_owned[ids] = False
+        if owned:
+            self._host_owned[ids] = False
         self.host_tokens -= node.size
         node.parent.host_children -= 1
         self._refresh(node)
@@ -285,7 +301,7 @@ class HiRadixCache:
         k = m // self.page_size
         parent = child.parent
         ck = self._child_key(child)
-        new = TreeNode(child.key[:m], child.namespace, parent)
+        new = TreeNode(child.kb[:8 * m], child.namespace, parent)
         new.value = None if child.value is None else child.value[:k]
         new.host_value = None if child.host_value is None else child.host_value[:k]
         # Path locks: every holder whose path crossed child crosses the new upper part too.
@@ -309,9 +325,14 @@ class HiRadixCache:
 
     def _walk(self, tokens: np.ndarray, n: int, namespace: tuple) -> tuple[list, int]:
         """Read-only walk: [(node, matched tokens, offset)] and total matched tokens."""
+        segs, off, _qb = self._walk_bytes(tokens, n, namespace)
+        return segs, off
+
+    def _walk_bytes(self, tokens: np.ndarray, n: int, namespace: tuple) -> tuple[list, int, bytes]:
+        """``_walk`` that also returns the raw bytes of ``tokens[:n]`` (new nodes' keys)."""
         segs = []
         if n == 0:
-            return segs, 0
+            return segs, 0, b""
         p = self.page_size
         pb = 8 * p
         qb = tokens[:n].tobytes()  # compare raw bytes: a whole-node match is one memcmp
@@ -328,36 +349,16 @@ class HiRadixCache:
             if m < child.size or off == n:
                 break
             child = child.children.get(qb[8 * off:8 * off + pb])
-        return segs, off
+        return segs, off, qb
 
     def _check_node(self, node: object, name: str = "node") -> TreeNode:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{name}: expected a TreeNode, got {type(node).__name__}")
         if node.deleted:
             raise ValueError(f"{name}: {node!r} was removed from the tree")
-        n = node
-        while n.parent is not None:
-            n = n.parent
-        if n is not self.root:
+        if node.owner is not self:  # every live node of this tree has owner == self (sanity_check)
             raise ValueError(f"{name}: {node!r} does not belong to this cache")
         return node
-
-    def _page_ids(self, ids: object, name: str = "device_pages") -> np.ndarray:
-        """``check_page_ids`` for the insert hot path: O(n) duplicate test instead of a sort."""
-        if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype in (np.int32, np.int64)):
-            return check_page_ids(ids, self.device_allocator.num_pages, name)
-        n = ids.shape[0]
-        if n == 0:
-            return _EMPTY.copy()
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self._scratch.shape[0]:
-            return check_page_ids(ids, self.device_allocator.num_pages, name)  # raises with the details
-        # Each id records its position; a repeated id keeps only its last position.
-        pos = np.arange(n, dtype=np.int32)
-        self._scratch[ids] = pos
-        if not np.array_equal(self._scratch[ids], pos):
-            return check_page_ids(ids, self.device_allocator.num_pages, name)  # raises: duplicates
-        return ids.astype(ID_DTYPE, copy=True)
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: object) -> MatchResult:
@@ -382,10 +383,17 @@ class HiRadixCache:
         dev_vals = []
         last_dev = last = self.root
         host_len = 0
+        dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
         for node, m, _off in segs:
             if m < node.size:
                 node = self._split(node, m)
-            self._touch(node, t, False)
+            node.last_access = t  # inlined _touch(node, t, False)
+            if node in dm:
+                self.device_lru._push(node)
+            if node in hm:
+                self.host_lru._push(node)
+            if node in rm:
+                self.reclaim_lru._push(node)
             if node.value is not None:
                 dev_vals.append(node.value)
                 last_dev = node
@@ -408,59 +416,111 @@ class HiRadixCache:
         (see the module docstring). ``chunked=True`` (a chunked-prefill insert) counts no hits.
         """
         key = as_radix_key(key)
-        tokens = key.token_ids
+        pages = self._device_pages(device_pages)
+        return self._insert(key.token_ids, key.namespace, pages, chunked)[0]  # pages: a private copy
+
+    def _device_pages(self, ids: object) -> np.ndarray:
+        """``check_page_ids`` without the duplicate test, which ``_insert`` does on the pages it
+        takes only (the rest equal the tree's own, distinct, pages); see ``_bad_pages``."""
+        return check_page_ids(ids, self.device_allocator.num_pages, "device_pages", unique=False)
+
+    def _bad_pages(self, pages: np.ndarray) -> None:
+        """On a failed insert check, raise the full ``check_page_ids`` error first (duplicates),
+        so errors keep their precedence over the length / ownership / allocation checks."""
+        check_page_ids(pages, self.device_allocator.num_pages, "device_pages")
+
+    def _insert(self, tokens: np.ndarray, namespace: tuple, pages: np.ndarray,
+                chunked: bool) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
+        """``insert`` for page ids that passed ``check_page_ids`` (a private copy: the tree may
+        keep slices of it). Also returns ``(dup_mask, tree_head)``: where the caller's page
+        was a duplicate (freed) among the first ``len(tree_head)`` pages and the tree's page
+        ids there; ``(None, None)`` when the tree kept every page of the caller."""
         p = self.page_size
         n = tokens.shape[0] - tokens.shape[0] % p
-        pages = self._page_ids(device_pages)
         if pages.shape[0] != n // p:
+            self._bad_pages(pages)
             raise ValueError(f"device_pages: expected {n // p} page ids for {tokens.shape[0]} tokens "
                              f"(page_size {p}), got {pages.shape[0]}")
-        segs, matched = self._walk(tokens, n, key.namespace)
-        # Validate every page the tree would take or free before changing anything.
-        mine = np.ones(pages.shape[0], bool)  # True: the caller's page (taken or freed), not the tree's
-        for node, m, off in segs:
-            if node.value is not None:
-                mine[off // p:(off + m) // p] = pages[off // p:(off + m) // p] != node.value[:m // p]
-        taken = pages[mine]
-        if taken.size:
-            owned = taken[self._dev_owned[taken]]
-            if owned.size:
-                raise ValueError(f"device_pages: pages {owned[:8].tolist()} are already owned by the cache "
+        segs, matched, qb = self._walk_bytes(tokens, n, namespace)
+        mp = matched // p
+        # Validate every page the tree would take or free before changing anything: the
+        # caller's pages where they differ from the tree's along the matched path, and the
+        # new leaf's pages. The tree's page ids are -1 where only the host holds the tokens
+        # (there the caller's page is taken, reviving the node).
+        dup = dup_mask = tree_head = None
+        taken = tail = pages[mp:]
+        if segs:
+            vals = []
+            revive = False
+            for node, m, _off in segs:
+                v = node.value
+                if v is None:
+                    revive = True
+                    vals.append(np.full(m // p, -1, ID_DTYPE))
+                else:
+                    vals.append(v if m == node.size else v[:m // p])
+            tree_head = np.concatenate(vals) if len(vals) > 1 else vals[0]
+            head = pages[:mp]
+            mine = head != tree_head  # the caller's page (taken or freed), not the tree's
+            if count_nonzero(mine):
+                taken = np.concatenate([head[mine], tail])
+                dup_mask = (mine & (tree_head >= 0)) if revive else mine
+                if count_nonzero(dup_mask):
+                    dup = head[dup_mask]
+                else:
+                    dup_mask = None
+        if taken.shape[0]:
+            # No repeats in ``pages``: the rest are the tree's pages (distinct), and a taken page
+            # that repeats one of them is owned by the tree (caught just below).
+            if has_duplicates(taken):
+                self._bad_pages(pages)
+            owned = self._dev_owned[taken]
+            if count_nonzero(owned):
+                self._bad_pages(pages)
+                raise ValueError(f"device_pages: pages {taken[owned][:8].tolist()} are already owned by the cache "
                                  f"at other positions")
-            unalloc = taken[~self.device_allocator.is_allocated(taken)]
-            if unalloc.size:
-                raise ValueError(f"device_pages: pages {unalloc[:8].tolist()} are not allocated (double free?)")
-        return self._insert(key, pages, segs, matched, chunked)
+            held = self.device_allocator.allocated_mask(taken)
+            if count_nonzero(held) != taken.shape[0]:
+                self._bad_pages(pages)
+                raise ValueError(f"device_pages: pages {taken[~held][:8].tolist()} are not allocated (double free?)")
 
-    def _insert(self, key: RadixKey, pages: np.ndarray, segs: list, matched: int, chunked: bool) -> InsertResult:
-        tokens = key.token_ids
-        p = self.page_size
-        n = pages.shape[0] * p
         t = self._tick()
         hit = not chunked
-        dup = []
         node = self.root
+        dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
         for node, m, off in segs:
             if m < node.size:
                 node = self._split(node, m)
-            seg = pages[off // p:(off + m) // p]
             if node.value is None:
-                self._set_device(node, seg.copy())  # revive a host-only node with the caller's pages
-            else:
-                diff = seg != node.value
-                if diff.any():
-                    dup.append(seg[diff])
-            self._touch(node, t, hit)
+                self._set_device(node, pages[off // p:(off + m) // p])  # revive a host-only node
+            node.last_access = t  # inlined _touch(node, t, hit)
+            if hit:
+                node.hit_count += 1
+            if node in dm:
+                self.device_lru._push(node)
+            if node in hm:
+                self.host_lru._push(node)
+            if node in rm:
+                self.reclaim_lru._push(node)
         if matched < n:
-            leaf = TreeNode(tokens[matched:n].copy(), key.namespace, node)
-            node.children[page_key(leaf.key, 0, p) if node is not self.root
-                          else (key.namespace, page_key(leaf.key, 0, p))] = leaf
+            leaf = TreeNode(qb[8 * matched:], namespace, node)
+            fk = qb[8 * matched:8 * (matched + p)]
+            node.children[fk if node is not self.root else (namespace, fk)] = leaf
             leaf.last_access = t
             leaf.hit_count = int(hit)
-            self._set_device(leaf, pages[matched // p:].copy())
+            # Inlined _set_device(leaf, tail): the leaf (unlocked, not backed up) joins the
+            # device index; its parent, now with an on-device child, leaves it.
+            leaf.value = tail
+            self._dev_owned[tail] = True
+            self.evictable_tokens += leaf.size
+            node.dev_children += 1
+            dm.add(leaf)
+            self.device_lru._push(leaf)
+            if node in dm:
+                self.device_lru.set_member(node, False)
             node = leaf
-        if dup:
-            self.device_allocator.free(np.concatenate(dup) if len(dup) > 1 else dup[0])
+        if dup is not None:
+            self.device_allocator.free_owned(dup)  # checked above: distinct, allocated, not the tree's
         if self._threshold is not None and hit and node is not self.root:
             # Deepest node on the path that reached the threshold; its backup carries the
             # un-backed ancestors too (contiguity from the root).
@@ -471,7 +531,7 @@ class HiRadixCache:
                 op = self._backup(target)
                 if op is not None:
                     self._writes.append(op)
-        return InsertResult(matched, node)
+        return InsertResult(matched, node), dup_mask, tree_head
 
     def insert_host(self, key: object, host_pages: object, start: int) -> tuple[int, TreeNode | None]:
         """Attach host pages (e.g. read from L3) as host-only nodes; returns (tokens attached, leaf).
@@ -537,32 +597,78 @@ class HiRadixCache:
 
     def _lock(self, node: TreeNode) -> None:
         root = self.root
+        dm = self._dev_members
+        moved = 0
         while node is not root:
             if node.lock_ref == 0:
-                self.evictable_tokens -= node.size
-                self.protected_tokens += node.size
+                moved += node.size
                 node.lock_ref = 1
-                self.device_lru.set_member(node, False)
+                if node in dm:  # inlined device_lru.set_member(node, False)
+                    dm.discard(node)
+                    node.heap_stamp[0] = 0
             else:
                 node.lock_ref += 1
             node = node.parent
+        if moved:
+            self.evictable_tokens -= moved
+            self.protected_tokens += moved
 
     def _unlock(self, node: TreeNode) -> None:
         root = self.root
+        dl = self.device_lru
+        moved = 0
         while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_tokens += node.size
-                self.protected_tokens -= node.size
-                self._refresh(node)
+                moved += node.size
+                # Inlined _refresh: the device lock only decides device-index membership, and
+                # a locked node is on the device: it joins the index iff it is a device leaf.
+                if node.dev_children == 0:
+                    dl.set_member(node, True)
             node = node.parent
+        if moved:
+            self.evictable_tokens += moved
+            self.protected_tokens -= moved
+
+    def _move_lock(self, old: TreeNode, new: TreeNode) -> None:
+        """``_lock(new)`` then ``_unlock(old)``. When ``old`` is an ancestor of ``new`` (a request
+        growing down its path), only the nodes below ``old`` change: the rest keep their count."""
+        root = self.root
+        path = []
+        n = new
+        while n is not old:
+            if n is root:
+                self._lock(new)
+                self._unlock(old)
+                return
+            path.append(n)
+            n = n.parent
+        dm = self._dev_members
+        moved = 0
+        for n in path:
+            if n.lock_ref == 0:
+                moved += n.size
+                n.lock_ref = 1
+                if n in dm:
+                    dm.discard(n)
+                    n.heap_stamp[0] = 0
+            else:
+                n.lock_ref += 1
+        if moved:
+            self.evictable_tokens -= moved
+            self.protected_tokens += moved
 
     def _host_lock(self, node: TreeNode) -> None:
         root = self.root
+        hm, rm = self._host_members, self._reclaim_members
         while node is not root:
             node.host_lock_ref += 1
             if node.host_lock_ref == 1:
-                self._refresh(node)
+                # A host-locked node is in neither host index (inlined _refresh: nothing else changes).
+                if node in hm:
+                    self.host_lru.set_member(node, False)
+                if node in rm:
+                    self.reclaim_lru.set_member(node, False)
             node = node.parent
 
     def _host_unlock(self, node: TreeNode) -> None:
@@ -573,31 +679,112 @@ class HiRadixCache:
                 self._refresh(node)
             node = node.parent
 
+    def _lock_both(self, node: TreeNode, dev_from: TreeNode | None = None) -> None:
+        """``_host_lock(node)`` and ``_lock(dev_from or node)`` in one walk (a transfer's two
+        path locks); ``dev_from`` must be ``node`` or one of its ancestors."""
+        root = self.root
+        dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
+        moved = 0
+        if dev_from is None:  # the common case (a backup), without the dev_from test per node
+            while node is not root:
+                if node.lock_ref == 0:
+                    moved += node.size
+                    node.lock_ref = 1
+                    if node in dm:
+                        dm.discard(node)
+                        node.heap_stamp[0] = 0
+                else:
+                    node.lock_ref += 1
+                node.host_lock_ref += 1
+                if node.host_lock_ref == 1:
+                    if node in hm:
+                        self.host_lru.set_member(node, False)
+                    if node in rm:
+                        self.reclaim_lru.set_member(node, False)
+                node = node.parent
+            if moved:
+                self.evictable_tokens -= moved
+                self.protected_tokens += moved
+            return
+        dev = dev_from is node
+        while node is not root:
+            if node is dev_from:
+                dev = True
+            if not dev:
+                pass
+            elif node.lock_ref == 0:
+                moved += node.size
+                node.lock_ref = 1
+                if node in dm:
+                    dm.discard(node)
+                    node.heap_stamp[0] = 0
+            else:
+                node.lock_ref += 1
+            node.host_lock_ref += 1
+            if node.host_lock_ref == 1:
+                if node in hm:
+                    self.host_lru.set_member(node, False)
+                if node in rm:
+                    self.reclaim_lru.set_member(node, False)
+            node = node.parent
+        if moved:
+            self.evictable_tokens -= moved
+            self.protected_tokens += moved
+
+    def _unlock_both(self, node: TreeNode) -> None:
+        """``_unlock(node)`` and ``_host_unlock(node)`` in one walk."""
+        root = self.root
+        dl = self.device_lru
+        moved = 0
+        while node is not root:
+            node.lock_ref -= 1
+            node.host_lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += node.size
+                if node.dev_children == 0:  # as in _unlock
+                    dl.set_member(node, True)
+            if node.host_lock_ref == 0 and node.host_children == 0 and node.host_value is not None:
+                self._refresh(node)  # it may join a host index now
+            node = node.parent
+        if moved:
+            self.evictable_tokens += moved
+            self.protected_tokens -= moved
+
     # ------------------------------------------------------------------ backup (D2H)
     def _backup(self, node: TreeNode) -> _PendingOp | None:
         """Back up ``node`` and its un-backed ancestors, parent first, in one transfer."""
         chain = []
+        tokens = 0
         n = node
         while n.host_value is None:
             chain.append(n)
+            tokens += n.size
             n = n.parent
+        anchor = n
         chain.reverse()
-        npages = sum(c.size for c in chain) // self.page_size
-        tokens = npages * self.page_size
-        self._host_lock(node)  # before host eviction: keeps the backed-up ancestors' copies
+        npages = tokens // self.page_size
+        # Host lock before host eviction: keeps the backed-up ancestors' copies. Device lock:
+        # the device pages must stay until the copy is acknowledged (host eviction ignores it).
+        self._lock_both(node)
         host_ids = self._alloc_host(npages)
         if host_ids is None:
-            self._host_unlock(node)
+            self._unlock_both(node)
             self.metrics.backup_failed_tokens += tokens
             return None
         dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
         handle = self.components.backup(dev_ids, host_ids)
+        # _set_host for the whole chain at once. Every chain node is host-locked (above), so
+        # none of them joins a host index: only the anchor's membership can change.
+        self._host_owned[host_ids] = True
+        self.host_tokens += tokens
         off = 0
+        p = self.page_size
         for c in chain:
-            k = c.size // self.page_size
-            self._set_host(c, host_ids[off:off + k])
+            k = c.size // p
+            c.host_value = host_ids[off:off + k]
+            c.parent.host_children += 1
             off += k
-        self._lock(node)  # the device pages must stay until the copy is acknowledged
+        self._refresh(anchor)
         op = _PendingOp(node, handle, tokens)
         self.metrics.backup_tokens += tokens
         self.metrics.backup_bytes += npages * self.components.bytes_per_page
@@ -611,8 +798,7 @@ class HiRadixCache:
         return ids
 
     def _release(self, op: _PendingOp) -> None:
-        self._unlock(op.node)
-        self._host_unlock(op.node)
+        self._unlock_both(op.node)
 
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
@@ -674,8 +860,9 @@ class HiRadixCache:
         t0 = time.perf_counter()
         m = self.metrics
         m.evict_calls += 1
-        freed = 0
+        freed = evictable = 0
         free_ids = []
+        dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
         write_back = self.write_policy == WritePolicy.WRITE_BACK
         while freed < num_tokens:
             node = self.device_lru.pop()
@@ -692,15 +879,42 @@ class HiRadixCache:
                         self.storage_hook.on_backup_acked(op.node)
                     self._release(op)
                     m.backup_seconds += time.perf_counter() - op.t0
-            free_ids.append(self._clear_device(node))
+            # Inlined _clear_device(node, owned=False) (+ _remove_leaf): the node left the
+            # device index when popped (write_back: the backup's unlock may have re-listed it).
+            assert node.lock_ref == 0, "evicting a locked node"
+            free_ids.append(node.value)
+            node.value = None
+            parent = node.parent
+            parent.dev_children -= 1
+            evictable -= size
             freed += size
+            if node in dm:
+                self.device_lru.set_member(node, False)
             if node.host_value is None:
-                self._remove_leaf(node)
+                # Holds nothing now: it is in no index (never backed up), unlink it.
+                del parent.children[self._child_key(node)]
+                node.deleted = True
+                node.parent = None
                 m.deleted_device_tokens += size
             else:
+                # Host-only from now on: a host eviction candidate unless host-locked or a
+                # parent of host copies; no longer a reclaim candidate (not on the device).
+                if node.host_lock_ref == 0 and node.host_children == 0 and node not in hm:
+                    hm.add(node)  # inlined host_lru.set_member(node, True)
+                    self.host_lru._push(node)
+                if node in rm:
+                    self.reclaim_lru.set_member(node, False)
                 m.demoted_tokens += size
+            # Inlined _refresh(parent): only its device-leaf status can change (one device
+            # child fewer); the root is never in an index.
+            if parent.dev_children == 0 and parent.lock_ref == 0 and parent is not self.root and parent not in dm:
+                dm.add(parent)  # inlined device_lru.set_member(parent, True)
+                self.device_lru._push(parent)
+        self.evictable_tokens += evictable
         if free_ids:
-            self.device_allocator.free(np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0])
+            ids = (np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]).astype(np.intp)
+            self._dev_owned[ids] = False
+            self.device_allocator.free_owned(ids)  # the tree's pages: distinct by the ownership bitmap
         m.evicted_device_tokens += freed
         m.eviction_seconds += time.perf_counter() - t0
         return freed
@@ -721,7 +935,7 @@ class HiRadixCache:
             node = self.host_lru.pop()
             if node is None:
                 break
-            free_ids.append(self._clear_host(node))
+            free_ids.append(self._clear_host(node, owned=False))
             freed += node.size
             m.evicted_host_tokens += node.size
             self._remove_leaf(node)
@@ -729,11 +943,13 @@ class HiRadixCache:
             node = self.reclaim_lru.pop()
             if node is None:
                 break
-            free_ids.append(self._clear_host(node))
+            free_ids.append(self._clear_host(node, owned=False))
             freed += node.size
             m.reclaimed_host_tokens += node.size
         if free_ids:
-            self.host_allocator.free(np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0])
+            ids = (np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]).astype(np.intp)
+            self._host_owned[ids] = False
+            self.host_allocator.free_owned(ids)  # the tree's pages: distinct by the ownership bitmap
         m.host_eviction_seconds += time.perf_counter() - t0
         return freed // self.page_size
 
@@ -750,12 +966,13 @@ class HiRadixCache:
         if mem_quota is not None:
             mem_quota = _count_arg("mem_quota", mem_quota)
         chain = []
+        tokens = 0
         n = node
         while n.value is None:
             chain.append(n)
+            tokens += n.size
             n = n.parent
         anchor = n
-        tokens = sum(c.size for c in chain)
         m = self.metrics
         if not chain:
             return None
@@ -764,23 +981,32 @@ class HiRadixCache:
             return None
         chain.reverse()
         npages = tokens // self.page_size
-        # Protect the anchor (device) and the chain (host) while eviction makes room.
-        self._lock(anchor)
-        self._host_lock(node)
+        # Protect the anchor (device) and the chain (host) while eviction makes room; one walk.
+        self._lock_both(node, anchor)
         dev = self.alloc_device(npages)
-        self._unlock(anchor)
         if dev is None:
+            self._unlock(anchor)
             self._host_unlock(node)
             m.load_back_skipped += 1
             return None
         host_ids = np.concatenate([c.host_value for c in chain]) if len(chain) > 1 else chain[0].host_value
         handle = self.components.load(host_ids, dev)
+        # _set_device for the whole chain at once, then _lock(node): the anchor's path already
+        # holds the lock taken above, so only the chain nodes (evicted, so unlocked) get theirs.
+        # Each chain node but the last gets an on-device child and the last is locked, so no
+        # chain node joins the device index; chain nodes are host-locked, so they join no host
+        # index: only the anchor's membership can change.
+        self._dev_owned[dev] = True
+        self.protected_tokens += tokens
         off = 0
+        p = self.page_size
         for c in chain:
-            k = c.size // self.page_size
-            self._set_device(c, dev[off:off + k])
+            k = c.size // p
+            c.value = dev[off:off + k]
+            c.lock_ref = 1
+            c.parent.dev_children += 1
             off += k
-        self._lock(node)
+        self._refresh(anchor)
         self._loads.append(_PendingOp(node, handle, tokens))
         m.load_back_calls += 1
         m.loaded_tokens += tokens
@@ -830,22 +1056,24 @@ class HiRadixCache:
         moves to the new deepest node. A trailing partial page stays with the request.
         """
         self._check_request(req)
-        aligned = req.key.token_ids.shape[0] // self.page_size
-        ins = self.insert(req.key.prefix(aligned * self.page_size), req.device_pages[:aligned], chunked=chunked)
+        p = self.page_size
+        aligned = req.key.token_ids.shape[0] // p
+        pages = self._device_pages(req.device_pages[:aligned])
+        ins, dup_mask, tree_head = self._insert(req.key.token_ids[:aligned * p], req.key.namespace, pages, chunked)
         node = ins.last_node
         if node is not self.root:
-            # Everything just inserted is on the device: rebuild the page ids along the path.
-            vals = []
-            n = node
-            while n is not self.root:
-                vals.append(n.value)
-                n = n.parent
-            vals.reverse()
-            tree_pages = np.concatenate(vals) if vals else _EMPTY
-            req.device_pages = req.device_pages.copy()
-            req.device_pages[:tree_pages.shape[0]] = tree_pages
-            self._lock(node)
-        if req.last_node is not None:
+            # Everything just inserted is on the device: point the request at the tree's page
+            # ids along the path (they differ from its own only where its pages were duplicates).
+            if dup_mask is not None:
+                dev = req.device_pages.copy()
+                head = dev[:tree_head.shape[0]]
+                head[dup_mask] = tree_head[dup_mask]
+                req.device_pages = dev
+            if req.last_node is not None:
+                self._move_lock(req.last_node, node)
+            else:
+                self._lock(node)
+        elif req.last_node is not None:
             self._unlock(req.last_node)
         req.last_node = node if node is not self.root else None
         req.cached_pages = aligned
@@ -860,7 +1088,8 @@ class HiRadixCache:
             bad = tail[self._dev_owned[tail] | ~self.device_allocator.is_allocated(tail)]
             if bad.size:
                 raise ValueError(f"req.device_pages: tail pages {bad.tolist()} are not the request's to free")
-        self.insert(req.key.prefix(aligned * p), req.device_pages[:aligned])
+        pages = self._device_pages(req.device_pages[:aligned])
+        self._insert(req.key.token_ids[:aligned * p], req.key.namespace, pages, False)
         if tail.size:
             self.device_allocator.free(tail)
         if req.last_node is not None:

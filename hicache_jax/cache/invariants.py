@@ -42,6 +42,8 @@ def collect_violations(cache: "HiRadixCache", external_device_pages: int | None 
             continue
         seen.add(node.id)
         nodes.append(node)
+        if node.owner is not cache:
+            errs.append(f"{node!r}: owner is not this cache (the O(1) handle check would misjudge it)")
         for ck, child in node.children.items():
             if child.parent is not node:
                 errs.append(f"{child!r}: parent link does not point at {node!r}")

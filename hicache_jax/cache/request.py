@@ -37,7 +37,8 @@ class CacheRequest:
         if key.namespace != self.key.namespace:
             raise ValueError(f"key: namespace {key.namespace} differs from the request's {self.key.namespace}")
         old = self.key.token_ids
-        if len(key) < old.shape[0] or not np.array_equal(key.token_ids[:old.shape[0]], old):
+        new = key.token_ids
+        if new is not old and (new.shape[0] < old.shape[0] or np.count_nonzero(new[:old.shape[0]] != old)):
             raise ValueError("key: must extend the request's current tokens")
         pages = as_page_ids(new_pages, "new_pages")
         page_size = self.page_size

@@ -32,7 +32,7 @@ class TreeNode:
     __slots__ = (
         "id", "kb", "size", "namespace", "parent", "children", "value", "host_value", "lock_ref",
         "host_lock_ref", "hit_count", "last_access", "dev_children", "host_children", "deleted",
-        "heap_stamp",
+        "heap_stamp", "owner",
     )
 
     def __init__(self, key: np.ndarray, namespace: tuple, parent: "TreeNode | None") -> None:
@@ -52,6 +52,9 @@ class TreeNode:
         self.deleted = False
         # One stamp per eviction index; a heap entry is live only while its stamp matches.
         self.heap_stamp = [0, 0, 0]
+        # The cache whose tree holds the node (inherited from the parent; the cache sets its
+        # root's): an O(1) "does this node belong to this cache" test for handles.
+        self.owner = None if parent is None else parent.owner
 
     @property
     def key(self) -> np.ndarray:
@@ -59,10 +62,16 @@ class TreeNode:
         return np.frombuffer(self.kb, np.int64)
 
     @key.setter
-    def key(self, tokens: np.ndarray) -> None:
+    def key(self, tokens: "np.ndarray | bytes") -> None:
         # The tree walks compare raw bytes (memcmp via bytes.startswith), so the bytes are
-        # the stored form; ``size`` caches the token count for the hot paths.
-        self.kb = np.ascontiguousarray(tokens, np.int64).tobytes()
+        # the stored form; ``size`` caches the token count for the hot paths. The cache may
+        # pass the bytes directly (native-endian int64, as ``tobytes`` makes them).
+        if isinstance(tokens, bytes):
+            if len(tokens) % 8:
+                raise ValueError(f"key: {len(tokens)} bytes is not a whole number of int64 tokens")
+            self.kb = tokens
+        else:
+            self.kb = np.ascontiguousarray(tokens, np.int64).tobytes()
         self.size = len(self.kb) // 8
 
     @property
