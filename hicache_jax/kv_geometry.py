@@ -21,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 
+from ._checks import check_int
+
 # Logical dtype name -> (itemsize, container dtype for raw bits).
 KV_DTYPES: dict[str, tuple[int, np.dtype]] = {
     "bfloat16": (2, np.dtype(np.uint16)),
@@ -43,14 +45,6 @@ def canonical_dtype(dtype: object) -> str:
     return name
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected >= 1, got {value}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class KVGeometry:
     """What one page of KV holds. Validated at construction."""
@@ -67,14 +61,14 @@ class KVGeometry:
     def __post_init__(self) -> None:
         if self.kind not in ("mha", "mla"):
             raise ValueError(f"kind: expected 'mha' or 'mla', got {self.kind!r}")
-        _positive_int("num_layers", self.num_layers)
-        _positive_int("page_size", self.page_size)
+        check_int("num_layers", self.num_layers, 1)
+        check_int("page_size", self.page_size, 1)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.kind == "mha":
-            _positive_int("num_kv_heads", self.num_kv_heads)
-            _positive_int("head_dim", self.head_dim)
+            check_int("num_kv_heads", self.num_kv_heads, 1)
+            check_int("head_dim", self.head_dim, 1)
         else:
-            _positive_int("kv_lora_rank", self.kv_lora_rank)
+            check_int("kv_lora_rank", self.kv_lora_rank, 1)
             if self.qk_rope_head_dim < 0:
                 raise ValueError(f"qk_rope_head_dim: expected >= 0, got {self.qk_rope_head_dim}")
 

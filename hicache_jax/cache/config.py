@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-import numpy as np
-
+from .._checks import check_int
 from ..storage.config import StorageConfig
 
 
@@ -48,14 +47,6 @@ _DEFAULT_WRITE_THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THRO
                             WritePolicy.WRITE_BACK: None}
 
 
-def _int_arg(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class HiCacheConfig:
     """Settings of one ``HiRadixCache``.
@@ -86,14 +77,14 @@ class HiCacheConfig:
     storage: StorageConfig | dict | None = None
 
     def __post_init__(self) -> None:
-        _int_arg("page_size", self.page_size, 1)
+        check_int("page_size", self.page_size, 1)
         object.__setattr__(self, "write_policy", WritePolicy.parse(self.write_policy))
         object.__setattr__(self, "eviction_policy", EvictionPolicy.parse(self.eviction_policy))
         if self.write_through_threshold is None:
             object.__setattr__(self, "write_through_threshold", _DEFAULT_WRITE_THRESHOLD[self.write_policy])
         else:
-            _int_arg("write_through_threshold", self.write_through_threshold, 1)
-        _int_arg("load_back_threshold", self.load_back_threshold, 0)
+            check_int("write_through_threshold", self.write_through_threshold, 1)
+        check_int("load_back_threshold", self.load_back_threshold, 0)
         if not isinstance(self.host_reclaim, bool):
             raise TypeError(f"host_reclaim: expected a bool, got {type(self.host_reclaim).__name__}")
         if isinstance(self.storage, dict):

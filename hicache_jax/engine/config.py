@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .._checks import check_int
 from ..cache.config import EvictionPolicy, HiCacheConfig, WritePolicy
 from ..storage.config import StorageConfig
 from ..host_layout import HostLayout
 from ..host_pool import HostPoolConfig
-
-
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -45,11 +38,11 @@ class EngineCacheConfig:
     storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
-        _int("page_size", self.page_size, 1)
-        _int("device_pages", self.device_pages, 2)
-        _int("max_batch", self.max_batch, 1)
-        _int("prefill_chunk", self.prefill_chunk, 1)
-        _int("max_context", self.max_context, 2)
+        check_int("page_size", self.page_size, 1)
+        check_int("device_pages", self.device_pages, 2)
+        check_int("max_batch", self.max_batch, 1)
+        check_int("prefill_chunk", self.prefill_chunk, 1)
+        check_int("max_context", self.max_context, 2)
         if not isinstance(self.host, HostPoolConfig):
             raise TypeError(f"host: expected a HostPoolConfig, got {type(self.host).__name__}")
         if self.storage is not None and not isinstance(self.storage, StorageConfig):

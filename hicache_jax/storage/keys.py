@@ -34,6 +34,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .._checks import check_int
+
 KEY_BYTES = 32
 KEY_FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u4")  # fixed width, explicit little-endian
@@ -46,14 +48,6 @@ def _check_str(name: str, value: object, allow_empty: bool = True) -> str:
     if not allow_empty and not value:
         raise ValueError(f"{name}: expected a non-empty string")
     return value
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -84,9 +78,9 @@ class Namespace:
         _check_str("layout", self.layout, allow_empty=False)
         _check_str("pool", self.pool, allow_empty=False)
         _check_str("extra_key", self.extra_key)
-        _check_int("page_size", self.page_size, 1)
-        _check_int("tp_size", self.tp_size, 1)
-        _check_int("tp_rank", self.tp_rank, 0)
+        check_int("page_size", self.page_size, 1)
+        check_int("tp_size", self.tp_size, 1)
+        check_int("tp_rank", self.tp_rank, 0)
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank: expected < tp_size={self.tp_size}, got {self.tp_rank}")
         fields_ = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
