@@ -74,9 +74,10 @@ def test_multi_pool_get_uses_direct_reads(tmp_path):
     for i, p in enumerate(src.values()):
         fill_random(p, 50 + i)
     keys = {p: keys_for(4, seed=60 + i) for i, p in enumerate(src)}
-    # A long flush interval: the segment is saved by flush() with both pools in it, however slow
-    # this machine is between the two pools' sets.
-    st = make_store("orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=4,
+    # Buffers that never fill (8-page segments, 4 pages each) and a long flush interval: the
+    # segment is saved by flush() with both pools in it, however slow this machine is between
+    # the two pools' sets (a full buffer would be saved on its own at once).
+    st = make_store("orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=8,
                     flush_interval_s=30.0)
     st.set_multi([PoolTransfer(p, keys[p], range(4)) for p in src])
     assert st.flush(60)
