@@ -192,6 +192,7 @@ def _plot(path: str, title: str, by_tier: dict, per_round: list[float] | None) -
         axes[1].set_title("hit rate per round")
     fig.suptitle(title)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # results/ is not in the repo
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -18,11 +18,11 @@ from hicache_jax import cli
      "--device-pages", "64", "--storage-backend", "file"],
 ])
 def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
-    out = tmp_path / "r.json"
+    out = tmp_path / "results" / "r.json"  # a directory that does not exist yet, as on a fresh clone
     assert cli.main(argv + ["--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == argv[1]
-    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert (tmp_path / "results" / "r.png").stat().st_size > 1000
     text = capsys.readouterr().out
     assert "JSON written" in text
     if argv[1] == "multiturn":
