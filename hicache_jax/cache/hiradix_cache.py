@@ -685,8 +685,13 @@ class HiRadixCache:
         root = self.root
         dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
         moved = 0
-        if dev_from is None:  # the common case (a backup), without the dev_from test per node
-            while node is not root:
+        if dev_from is None:  # TreeNode has __len__: never test it for truth
+            dev_from = node
+        dev = dev_from is node  # device locks start at dev_from; host locks at node
+        while node is not root:
+            if node is dev_from:
+                dev = True
+            if dev:
                 if node.lock_ref == 0:
                     moved += node.size
                     node.lock_ref = 1
@@ -695,31 +700,6 @@ class HiRadixCache:
                         node.heap_stamp[0] = 0
                 else:
                     node.lock_ref += 1
-                node.host_lock_ref += 1
-                if node.host_lock_ref == 1:
-                    if node in hm:
-                        self.host_lru.set_member(node, False)
-                    if node in rm:
-                        self.reclaim_lru.set_member(node, False)
-                node = node.parent
-            if moved:
-                self.evictable_tokens -= moved
-                self.protected_tokens += moved
-            return
-        dev = dev_from is node
-        while node is not root:
-            if node is dev_from:
-                dev = True
-            if not dev:
-                pass
-            elif node.lock_ref == 0:
-                moved += node.size
-                node.lock_ref = 1
-                if node in dm:
-                    dm.discard(node)
-                    node.heap_stamp[0] = 0
-            else:
-                node.lock_ref += 1
             node.host_lock_ref += 1
             if node.host_lock_ref == 1:
                 if node in hm:
