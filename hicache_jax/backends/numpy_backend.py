@@ -115,11 +115,12 @@ class NumpyTransferEngine(KVTransferEngine):
         return self._backup(d, h)
 
     def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> _DeferredHandle:
-        # The cache's own ids (KVTransferEngine.backup_owned): no validate; index copies.
-        return self._backup(np.array(device_ids, np.intp), np.array(host_ids, np.intp))
+        # The cache's own ids (KVTransferEngine.backup_owned): no validate, and used as they
+        # are (int32 index arrays the cache never modifies while the copy is in flight).
+        return self._backup(device_ids, host_ids)
 
     def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> _DeferredHandle:
-        return self._load(np.array(device_ids, np.intp), np.array(host_ids, np.intp))
+        return self._load(device_ids, host_ids)
 
     def _backup(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
         perm, pairs, rows = self._perm, self._pairs, self._rows

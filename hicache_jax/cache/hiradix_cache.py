@@ -23,6 +23,15 @@ Who frees duplicates on insert
     repeats. The trailing partial page of a key is never cached: ``cache_finished_req``
     frees it, ``cache_unfinished_req`` leaves it with the request.
 
+Request helpers
+    ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req`` keep a
+    ``CacheRequest`` whose first ``cached_pages`` pages are the tree's, on the path to the
+    node it holds locked (``last_node``). The helpers insert from that node: the path is
+    checked against the request's tokens byte by byte (one memcmp per node, no child
+    lookups) and only the pages after it are validated and compared with the tree's. A
+    request whose node does not spell its first ``cached_pages`` pages is inserted by a walk
+    from the root, as ``insert`` does. Either way the tree ends up identical (tested).
+
 What is locked when
     * ``inc_lock_ref(node)`` / ``dec_lock_ref(node)``: device path locks (node up to the
       root). A locked node is never evicted from the device; callers lock the
@@ -328,16 +337,23 @@ class HiRadixCache:
         segs, off, _qb = self._walk_bytes(tokens, n, namespace)
         return segs, off
 
-    def _walk_bytes(self, tokens: np.ndarray, n: int, namespace: tuple) -> tuple[list, int, bytes]:
-        """``_walk`` that also returns the raw bytes of ``tokens[:n]`` (new nodes' keys)."""
+    def _walk_bytes(self, tokens: np.ndarray, n: int, namespace: tuple, qb: bytes | None = None,
+                    start: TreeNode | None = None, off: int = 0) -> tuple[list, int, bytes]:
+        """``_walk`` that also returns the raw bytes of ``tokens[:n]`` (new nodes' keys).
+
+        With ``start`` (a node whose path spells ``tokens[:off]``, see ``_request_path``) the
+        walk continues below it: ``segs`` then lists only the nodes after ``start``."""
         segs = []
-        if n == 0:
-            return segs, 0, b""
+        if n == off:
+            return segs, off, b"" if qb is None else qb
         p = self.page_size
         pb = 8 * p
-        qb = tokens[:n].tobytes()  # compare raw bytes: a whole-node match is one memcmp
-        off = 0
-        child = self.root.children.get((namespace, qb[:pb]))
+        if qb is None:
+            qb = tokens[:n].tobytes()  # compare raw bytes: a whole-node match is one memcmp
+        if start is None or start is self.root:
+            child = self.root.children.get((namespace, qb[8 * off:8 * off + pb]))
+        else:
+            child = start.children.get(qb[8 * off:8 * off + pb])
         while child is not None:
             if qb.startswith(child.kb, 8 * off):
                 m = child.size
@@ -430,29 +446,41 @@ class HiRadixCache:
         check_page_ids(pages, self.device_allocator.num_pages, "device_pages")
 
     def _insert(self, tokens: np.ndarray, namespace: tuple, pages: np.ndarray,
-                chunked: bool) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
+                chunked: bool, start: tuple | None = None) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
         """``insert`` for page ids that passed ``check_page_ids`` (a private copy: the tree may
         keep slices of it). Also returns ``(dup_mask, tree_head)``: where the caller's page
         was a duplicate (freed) among the first ``len(tree_head)`` pages and the tree's page
-        ids there; ``(None, None)`` when the tree kept every page of the caller."""
+        ids there; ``(None, None)`` when the tree kept every page of the caller.
+
+        ``start``: ``_request_path``'s ``(path, qb, depth)``, the tree's on-device nodes that
+        already spell the first ``depth`` tokens with the caller's own pages there. The walk
+        then starts below them, ``pages`` covers only the tokens after them, and ``dup_mask`` /
+        ``tree_head`` are relative to that start. The path nodes are touched (and hit) as a
+        walk from the root would touch them."""
         p = self.page_size
         n = tokens.shape[0] - tokens.shape[0] % p
-        if pages.shape[0] != n // p:
+        path, qb, off0 = start if start is not None else (None, None, 0)
+        if pages.shape[0] != (n - off0) // p:
             self._bad_pages(pages)
-            raise ValueError(f"device_pages: expected {n // p} page ids for {tokens.shape[0]} tokens "
+            raise ValueError(f"device_pages: expected {(n - off0) // p} page ids for {tokens.shape[0]} tokens "
                              f"(page_size {p}), got {pages.shape[0]}")
-        segs, matched, qb = self._walk_bytes(tokens, n, namespace)
-        mp = matched // p
+        if path:
+            segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb, path[-1], off0)
+            segs = [(node, node.size, 0) for node in path] + segs
+        else:
+            segs, matched, qb = self._walk_bytes(tokens, n, namespace)
+        mp = (matched - off0) // p
+        seg0 = len(path) if path else 0  # the first segment whose pages are the caller's
         # Validate every page the tree would take or free before changing anything: the
         # caller's pages where they differ from the tree's along the matched path, and the
         # new leaf's pages. The tree's page ids are -1 where only the host holds the tokens
         # (there the caller's page is taken, reviving the node).
         dup = dup_mask = tree_head = None
         taken = tail = pages[mp:]
-        if segs:
+        if len(segs) > seg0:
             vals = []
             revive = False
-            for node, m, _off in segs:
+            for node, m, _off in segs[seg0:]:
                 v = node.value
                 if v is None:
                     revive = True
@@ -491,8 +519,8 @@ class HiRadixCache:
         for node, m, off in segs:
             if m < node.size:
                 node = self._split(node, m)
-            if node.value is None:
-                self._set_device(node, pages[off // p:(off + m) // p])  # revive a host-only node
+            if node.value is None:  # revive a host-only node (never a path node: those are locked)
+                self._set_device(node, pages[(off - off0) // p:(off - off0 + m) // p])
             node.last_access = t  # inlined _touch(node, t, hit)
             if hit:
                 node.hit_count += 1
@@ -892,7 +920,7 @@ class HiRadixCache:
                 self.device_lru._push(parent)
         self.evictable_tokens += evictable
         if free_ids:
-            ids = (np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]).astype(np.intp)
+            ids = np.concatenate(free_ids, dtype=np.intp) if len(free_ids) > 1 else free_ids[0].astype(np.intp)
             self._dev_owned[ids] = False
             self.device_allocator.free_owned(ids)  # the tree's pages: distinct by the ownership bitmap
         m.evicted_device_tokens += freed
@@ -927,7 +955,7 @@ class HiRadixCache:
             freed += node.size
             m.reclaimed_host_tokens += node.size
         if free_ids:
-            ids = (np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]).astype(np.intp)
+            ids = np.concatenate(free_ids, dtype=np.intp) if len(free_ids) > 1 else free_ids[0].astype(np.intp)
             self._host_owned[ids] = False
             self.host_allocator.free_owned(ids)  # the tree's pages: distinct by the ownership bitmap
         m.host_eviction_seconds += time.perf_counter() - t0
@@ -1029,6 +1057,49 @@ class HiRadixCache:
             self._check_node(req.last_node, "req.last_node")
         return req
 
+    def _request_path(self, req: CacheRequest, tokens: np.ndarray) -> tuple[list | None, bytes | None, int]:
+        """The nodes from the root to ``req.last_node``, when they spell the request's first
+        ``cached_pages`` pages (checked byte by byte): the request helpers then insert from
+        there, with the bytes of ``tokens`` and the path's length in tokens. ``(None, None, 0)``
+        when they do not (the insert then walks from the root).
+
+        Their pages are the request's first ``cached_pages`` (``CacheRequest``'s contract: the
+        tree's pages, kept on the device by the request's lock), so only the pages after them
+        need checking, and the walk over them needs no child lookups."""
+        node = req.last_node
+        if node is None or node.lock_ref < 1 or node.namespace != req.key.namespace:
+            return None, None, 0
+        path = []
+        depth = 0
+        root = self.root
+        while node is not root:
+            path.append(node)
+            depth += node.size
+            node = node.parent
+        if depth != req.cached_pages * self.page_size or depth > tokens.shape[0]:
+            return None, None, 0
+        path.reverse()
+        qb = tokens.tobytes()
+        off = 0
+        for node in path:
+            if not qb.startswith(node.kb, off):
+                return None, None, 0
+            off += len(node.kb)
+        return path, qb, depth
+
+    def _insert_request(self, req: CacheRequest, chunked: bool):
+        """``_insert`` of the request's whole pages; returns ``(result, dup_mask, tree_head,
+        first page dup_mask refers to)``."""
+        p = self.page_size
+        aligned = req.key.token_ids.shape[0] // p
+        tokens = req.key.token_ids[:aligned * p]
+        path, qb, depth = self._request_path(req, tokens)
+        if path is None:
+            pages = self._device_pages(req.device_pages[:aligned])
+            return self._insert(tokens, req.key.namespace, pages, chunked) + (0,)
+        pages = self._device_pages(req.device_pages[req.cached_pages:aligned])
+        return self._insert(tokens, req.key.namespace, pages, chunked, (path, qb, depth)) + (req.cached_pages,)
+
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.
 
@@ -1038,15 +1109,14 @@ class HiRadixCache:
         self._check_request(req)
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
-        pages = self._device_pages(req.device_pages[:aligned])
-        ins, dup_mask, tree_head = self._insert(req.key.token_ids[:aligned * p], req.key.namespace, pages, chunked)
+        ins, dup_mask, tree_head, head0 = self._insert_request(req, chunked)
         node = ins.last_node
         if node is not self.root:
             # Everything just inserted is on the device: point the request at the tree's page
             # ids along the path (they differ from its own only where its pages were duplicates).
             if dup_mask is not None:
                 dev = req.device_pages.copy()
-                head = dev[:tree_head.shape[0]]
+                head = dev[head0:head0 + tree_head.shape[0]]
                 head[dup_mask] = tree_head[dup_mask]
                 req.device_pages = dev
             if req.last_node is not None:
@@ -1068,8 +1138,7 @@ class HiRadixCache:
             bad = tail[self._dev_owned[tail] | ~self.device_allocator.is_allocated(tail)]
             if bad.size:
                 raise ValueError(f"req.device_pages: tail pages {bad.tolist()} are not the request's to free")
-        pages = self._device_pages(req.device_pages[:aligned])
-        self._insert(req.key.token_ids[:aligned * p], req.key.namespace, pages, False)
+        self._insert_request(req, False)
         if tail.size:
             self.device_allocator.free(tail)
         if req.last_node is not None:
