@@ -31,6 +31,7 @@ import numpy as np
 from .allocator import check_page_ids
 from .host_pool import HostKVPool
 from .kv_geometry import KVGeometry
+from .workers import DEFAULT_WORKER_NICE, background_executor
 
 
 class TransferError(RuntimeError):
@@ -141,10 +142,12 @@ class KVTransferEngine(ABC):
 
 
 class SerialWorker:
-    """One background thread running jobs in submission order (a D2H or H2D "stream")."""
+    """One background thread running jobs in submission order (a D2H or H2D "stream"), at
+    ``nice`` above the creating thread's priority (``workers``: it yields cores to the
+    serving thread)."""
 
-    def __init__(self, name: str) -> None:
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, nice: int = DEFAULT_WORKER_NICE) -> None:
+        self._pool = background_executor(name, nice)
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], object]) -> cf.Future:

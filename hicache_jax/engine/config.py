@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .._checks import check_int
 from ..cache.config import EvictionPolicy, HiCacheConfig, WritePolicy
 from ..storage.config import StorageConfig
+from ..workers import DEFAULT_WORKER_NICE, check_nice
 from ..host_layout import HostLayout
 from ..host_pool import HostPoolConfig
 
@@ -24,6 +25,9 @@ class EngineCacheConfig:
       ``Engine.warmup`` can compile every step shape before serving.
     * ``storage``: the L3 tier (``StorageConfig``: backend orbax / file / memory, path,
       capacity, prefetch policy, threshold, timeout), or None for L1 + L2 only.
+    * ``worker_nice``: how much lower than the scheduler's the OS priority of the D2H copy
+      worker is (0..19; ``hicache_jax.workers``). The L3 threads take theirs from
+      ``storage.worker_nice``.
     """
 
     page_size: int = 16
@@ -36,8 +40,10 @@ class EngineCacheConfig:
     prefill_chunk: int = 512
     max_context: int = 4096
     storage: StorageConfig | None = None
+    worker_nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
+        check_nice(self.worker_nice)
         check_int("page_size", self.page_size, 1)
         check_int("device_pages", self.device_pages, 2)
         check_int("max_batch", self.max_batch, 1)

@@ -92,7 +92,8 @@ class Engine:
         self.host_pool = pinned_host_pool(self.geom, host_pages, cache_config.host.layout)
         self.transfer = JaxTransferEngine(
             self.device_pool, self.host_pool,
-            copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages))
+            copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
+            worker_nice=cache_config.worker_nice)
         self.transfer.precompile()
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator)
         self.storage = None

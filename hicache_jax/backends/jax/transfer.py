@@ -18,7 +18,8 @@ Load (H2D), layer by layer:
 Threading: ``backup``/``load`` are called from the owner thread (the one that donates the
 pool arrays to model steps; multi-host JAX also needs every ``device_put`` issued there).
 The D2H worker only converts finished host buffers to numpy and writes host pages the
-manager has reserved for this backup.
+manager has reserved for this backup; it runs ``worker_nice`` above the owner's priority
+(``hicache_jax.workers``), so its memcpy never takes a core the model step wants.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pallas_kernels.page_copy.dispatch import PageCopier, PageCopyConfig
 from ...host_layout import HostLayout
 from ...host_pool import HostKVPool
 from ...transfer import CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker
+from ...workers import DEFAULT_WORKER_NICE, check_nice
 from .device_pool import JaxDevicePool
 from .memory import StagingRing, host_memory_kind
 
@@ -60,7 +62,8 @@ class JaxLoadHandle(LoadHandle):
 
 class JaxTransferEngine(KVTransferEngine):
     def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
-                 copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True) -> None:
+                 copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True,
+                 worker_nice: int = DEFAULT_WORKER_NICE) -> None:
         if device_pool.geom != host_pool.geom:
             raise ValueError(f"host_pool: geometry {host_pool.geom} differs from the device pool's {device_pool.geom}")
         self.geom = device_pool.geom
@@ -79,7 +82,7 @@ class JaxTransferEngine(KVTransferEngine):
         self._ring = None
         if self.host_memory_kind == "pinned_host" and device_pool.mesh is None:
             self._ring = StagingRing(next(iter(device_pool.sharding.device_set)), "pinned_host")
-        self._d2h = SerialWorker("hicache-d2h")
+        self._d2h = SerialWorker("hicache-d2h", check_nice(worker_nice))
 
     def precompile(self, max_pages: int | None = None) -> int:
         """Compile every bucket's gather and scatter now, so serving never compiles."""
