@@ -91,7 +91,8 @@ Threading
     report back through per-operation conditions and a completion queue that the owner
     thread drains. Storage faults are misses and failed sets (the storage layer's contract);
     any other exception on a worker is logged and treated the same way, so nothing escapes to
-    the scheduler except argument errors from the public methods.
+    the scheduler except argument errors from the public methods. The three threads run
+    ``StorageConfig.worker_nice`` below the scheduler's OS priority (``hicache_jax.workers``).
 
 Coupling: the controller uses the cache's internal ``_walk``, ``_host_lock``, ``_host_unlock``
 and ``_alloc_host`` (owner-thread helpers; keep their meaning when optimizing the tree).
@@ -104,12 +105,12 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
 
 from ..storage import HiCacheStorage, Namespace, PoolSpec, PoolTransfer, StorageConfig, create_storage, page_keys
+from ..workers import background_executor
 from .components import FULL
 from .hiradix_cache import HiRadixCache
 from .radix_key import RadixKey, as_radix_key
@@ -305,9 +306,10 @@ class StorageController:
         self._backups: set[_BackupJob] = set()
         self._backup_done: deque[_BackupJob] = deque()  # appended by the backup thread
         self._inflight_keys: set[bytes] = set()  # target keys queued for L3
-        self._query = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-query")
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-io")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-backup")
+        nice = storage_config.worker_nice  # the L3 threads yield cores to the scheduler (workers.py)
+        self._query = background_executor("hicache-l3-query", nice)
+        self._io = background_executor("hicache-l3-io", nice)
+        self._writer = background_executor("hicache-l3-backup", nice)
         self._closed = False
         cache.storage_hook = self
 

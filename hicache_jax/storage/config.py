@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..workers import DEFAULT_WORKER_NICE, check_nice
+
 BACKENDS = ("orbax", "file", "memory")
 INTEGRITY_MODES = ("full", "sampled", "off")
 READ_PATHS = ("direct", "tensorstore")
@@ -86,6 +88,10 @@ class StorageConfig:
     write_buffer_bytes orbax: memory of reusable segment buffers kept between saves (pages are packed
                        straight into them; freshly allocated memory costs as much as the disk write on
                        some VMs). 0 = allocate every segment afresh.
+    worker_nice        How much lower than the scheduler's the OS priority of the L3 threads is (the
+                       controller's query / IO / backup threads, the segment writer and the read pool;
+                       0..19, ``hicache_jax.workers``): storage work uses idle cores and yields to the
+                       thread driving the model.
     """
 
     backend: str = "orbax"
@@ -105,9 +111,11 @@ class StorageConfig:
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_ki_token_s: float = 0.25
     prefetch_timeout_max_s: float | None = None
+    worker_nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
+        check_nice(self.worker_nice)
         if self.path is not None and not isinstance(self.path, str):
             # os.PathLike is accepted and normalised to str.
             import os

@@ -72,3 +72,34 @@ def test_check_nice_rejects(bad, exc):
         check_nice(bad)
     with pytest.raises(exc, match="nice"):
         background_executor("x", bad)
+
+
+def test_storage_config_validates_worker_nice():
+    from hicache_jax.storage import StorageConfig
+    assert StorageConfig(backend="memory").worker_nice == DEFAULT_WORKER_NICE
+    assert StorageConfig(backend="memory", worker_nice=0).worker_nice == 0
+    with pytest.raises(ValueError, match="worker_nice"):
+        StorageConfig(backend="memory", worker_nice=25)
+    with pytest.raises(TypeError, match="worker_nice"):
+        StorageConfig(backend="memory", worker_nice="high")
+
+
+@linux
+def test_storage_controller_threads_are_niced():
+    import numpy as np
+    from hicache_jax import KVGeometry
+    from hicache_jax.backends.numpy_backend import make_numpy_backend
+    from hicache_jax.cache import HiCacheConfig, HiRadixCache
+    from hicache_jax.cache.storage_controller import StorageController
+    from hicache_jax.storage import StorageConfig
+
+    geom = KVGeometry.mha(1, 1, 1, 2, "float32")
+    device, host, engine = make_numpy_backend(geom, 8, 8)
+    cache = HiRadixCache(HiCacheConfig(page_size=1), engine, device.allocator)
+    ctl = StorageController(cache, StorageConfig(backend="memory", worker_nice=4), model="m")
+    try:
+        before = thread_nice()
+        for ex in (ctl._query, ctl._io, ctl._writer):
+            assert ex.submit(thread_nice).result() == min(19, before + 4)
+    finally:
+        ctl.close()
