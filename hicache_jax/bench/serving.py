@@ -40,6 +40,7 @@ from ..engine import Engine, EngineCacheConfig
 from ..host_pool import HostPoolConfig
 from ..reference_model import ModelConfig
 from ..storage.config import StorageConfig
+from ..workers import DEFAULT_WORKER_NICE
 from .report import machine_info, print_table, write_json
 
 MODEL_PRESETS = {
@@ -84,14 +85,14 @@ def storage_config(args) -> StorageConfig | None:
     if args.storage_backend == "none":
         return None
     return StorageConfig(backend=args.storage_backend, path=args.storage_dir, prefetch_policy=args.prefetch_policy,
-                         prefetch_threshold_tokens=args.page_size)
+                         prefetch_threshold_tokens=args.page_size, worker_nice=args.worker_nice)
 
 
 def build_engine(args, max_context: int) -> Engine:
     cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
                               host=HostPoolConfig(ratio=args.host_ratio), write_policy=args.write_policy,
                               max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, max_context=max_context,
-                              storage=storage_config(args))
+                              storage=storage_config(args), worker_nice=args.worker_nice)
     engine = Engine(model_config(args), cache)
     engine.warmup()
     return engine
@@ -336,7 +337,13 @@ def _ttft(args) -> dict:
                 f"(median of {args.reps})", ["served by", "cached tokens", "from that tier", "TTFT ms", "x cold"], rows)
     print(f"decode step: {decode['with_backups_s'] * 1e3:.1f} ms with write-through backups "
           f"(L3 {args.storage_backend}) vs {decode['without_backups_s'] * 1e3:.1f} ms with none: "
-          f"x{decode['ratio']:.3f}")
+          f"x{decode['ratio']:.3f} (median of {args.decode_reps} interleaved rounds)")
+    r = decode["with_rounds"]
+    print(f"  backups during the decode: {statistics.median(x['host_tokens_acked_by_decode_end'] for x in r):.0f} "
+          f"tokens on the host and {statistics.median(x['l3_pages_committed_by_decode_end'] for x in r):.0f} of "
+          f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by its end; "
+          f"the rest drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
+          f"(workers at nice +{decode['worker_nice']})")
     goals = {"l2_over_cold": med["host"] / med["cold"], "l2_goal": 0.10,
              "l3_over_cold": med["storage"] / med["cold"] if "storage" in med else None, "l3_goal": 0.15,
              "decode_ratio": decode["ratio"], "decode_goal": 1.05}
@@ -351,34 +358,54 @@ def _ttft(args) -> dict:
 def _decode_overhead(engine: Engine, args, rng) -> dict:
     """Median decode step of a full batch, with write-through backups running vs with none.
 
-    "With": ``engine`` (write_through, L3 as configured): the batch's own prompts and a long
-    prompt inserted just before are backed up (D2H, then L3) while the batch decodes.
-    "Without": the same model on an engine whose write policy backs nothing up while nothing
-    is evicted (write_back, no L3). Both engines are warmed up; only decode steps are timed.
+    "With": ``engine`` (write_through, L3 as configured): a long prompt is prefilled just
+    before the batch, so its backup (D2H, then hashing and L3 segment saves) and the batch's
+    own prompts' backups run while the batch decodes. "Without": the same model on an engine
+    whose write policy backs nothing up while nothing is evicted (write_back, no L3). Both
+    engines are warmed up; only decode steps are timed, interleaved (machine noise hits both
+    alike). So that "running" is checked, not assumed, each "with" round also reports what
+    its backups did: tokens acknowledged on the host and pages committed to L3 by the end of
+    the decode, and how long the rest took to drain after it.
     """
     quiet = build_engine(argparse.Namespace(**{**vars(args), "write_policy": "write_back",
                                                "storage_backend": "none"}), engine.cache_config.max_context)
     vocab = engine.model_config.vocab_size
     n, steps = engine.cache_config.max_batch, args.decode_steps
 
-    def run(e: Engine) -> float:
+    def l3_pages(e: Engine) -> int:
+        return e.storage.storage.metrics.snapshot()["pages_written"] if e.storage is not None else 0
+
+    def run(e: Engine, rounds: list | None = None) -> float:
         prompts = [rng.integers(0, vocab, 64).tolist() for _ in range(n)]
+        e.flush()
+        b0, w0 = e.cache.metrics.backup_tokens, l3_pages(e)
         e.generate([rng.integers(0, vocab, args.prompt_len).tolist()], 1)  # its backup overlaps the decode
         t0 = time.perf_counter()
         res = e.generate(prompts, steps)
         total = time.perf_counter() - t0
-        return (total - max(r.ttft_s for r in res)) / max(1, steps - 1)
+        step = (total - max(r.ttft_s for r in res)) / max(1, steps - 1)
+        if rounds is not None:
+            e.cache.check_events()
+            acked, written = e.cache.metrics.backup_tokens - b0, l3_pages(e) - w0
+            t1 = time.perf_counter()
+            e.flush()
+            rounds.append({"step_s": step, "host_tokens_acked_by_decode_end": acked,
+                           "l3_pages_committed_by_decode_end": written,
+                           "l3_pages_committed_total": l3_pages(e) - w0,
+                           "drain_after_decode_s": time.perf_counter() - t1})
+        return step
 
     run(engine), run(quiet)  # warm-up
-    with_b, without = [], []
-    for _ in range(3):  # interleaved, so machine noise hits both alike
-        with_b.append(run(engine))
+    with_b, without, rounds = [], [], []
+    for _ in range(args.decode_reps):
+        with_b.append(run(engine, rounds))
         without.append(run(quiet))
-    backups = engine.cache.metrics.backup_tokens
+    quiet_backups = quiet.cache.metrics.backup_tokens
     quiet.close()
     a, b = statistics.median(with_b), statistics.median(without)
-    return {"with_backups_s": a, "without_backups_s": b, "ratio": a / b, "backup_tokens_total": backups,
-            "quiet_backup_tokens": quiet.cache.metrics.backup_tokens}
+    return {"with_backups_s": a, "without_backups_s": b, "ratio": a / b,
+            "with_backups_steps_s": with_b, "without_backups_steps_s": without, "with_rounds": rounds,
+            "worker_nice": engine.cache_config.worker_nice, "quiet_backup_tokens": quiet_backups}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +424,7 @@ def restart(args) -> dict:
                    "--storage-dir", args.storage_dir]
             for k in ("model", "attention", "page_size", "device_pages", "host_ratio", "write_policy", "max_batch",
                       "prefill_chunk", "seed", "storage_backend", "prefetch_policy", "num_prompts", "prompt_len",
-                      "answer_len"):
+                      "answer_len", "worker_nice"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             print(f"[restart] phase {phase}: a new process (pid will differ) ...", flush=True)
             subprocess.run(cmd, check=True)
@@ -455,6 +482,8 @@ def add_common(p: argparse.ArgumentParser, out: str, model: str = "bench") -> No
                    help="L3 backend (none: L1 + L2 only)")
     p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
     p.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"], default="wait_complete")
+    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
+                   help="OS priority offset of the cache's worker threads (0: same as the scheduler)")
     p.add_argument("--out", default=out)
 
 
