@@ -69,13 +69,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "transfer"]:
-        try:
-            from benchmarks import bench_transfer  # a script of the repository, not of the package
-        except ImportError:
-            sys.exit("hicache-jax bench transfer: run it from the repository root (benchmarks/ is not installed)")
+    if argv[:2] == ["bench", "transfer"]:  # its own argument parser (hicache_jax.bench.transfer)
+        from .bench import transfer
 
-        return bench_transfer.main(argv[2:])
+        return transfer.main(argv[2:])
     args = _parser().parse_args(argv)
     from .bench.serving import run_and_save
 

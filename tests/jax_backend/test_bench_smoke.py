@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import bench_transfer
+from hicache_jax.bench import transfer as bench_transfer
 
 
 def test_transfer_benchmark_quick_writes_ratios(tmp_path, capsys):
