@@ -13,16 +13,23 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
                 the step directory).
 * cold read, one page at a time (orbax and raw interleaved page by page) and 16 in flight
   (whole passes, the order alternating per round), in a random order:
-         orbax: ``batch_get`` into host pages through tensorstore, CRC-32C checked (integrity=full)
-         raw:   ``readinto`` a numpy buffer
+         orbax: ``batch_get`` into host pages (direct OCDBT reads, in place), CRC-32C checked
+                (integrity=full); 16 in flight = one ``batch_get`` of every page with
+                ``read_concurrency=16`` (pages requested ahead, read in the calling thread)
+         raw:   ``open`` + ``readinto`` a numpy buffer (one plain read of the page: one request
+                to the device); 16 in flight = 16 threads
   Also orbax with integrity=off, to show what the CRC costs.
 
 Ratios are backend GB/s / raw GB/s of the same bytes in the same round, the median over rounds
 of those per-round (paired) ratios; the ratio of the median GB/s is reported beside it.
-Reads of both go into 2 MiB buffers the reader reuses (raw: ``readinto``; orbax: per-thread
-scratch, CRC, then one copy into the host page). Machine note: on the project VM, memory a
-process has not touched recently costs about as much as the disk write (the hypervisor reclaims
-freed guest pages), so every extra fresh buffer shows up directly in these ratios.
+Raw reads go into 2 MiB buffers the reader reuses; orbax reads go straight into the host
+pages (the 256 pages of the pool, all resident). A lone orbax page is requested from the
+device in 256 KiB pieces, which the device serves in parallel: a plain ``read`` does not, so
+the one-at-a-time ratio includes that I/O pattern (a raw reader splitting its requests the
+same way was measured ~1.2x the plain read on the project VM). Machine note: on the project
+VM, memory a process has not touched recently costs about as much as the disk write (the
+hypervisor reclaims freed guest pages), so every extra fresh buffer shows up directly in
+these ratios.
 
 Page cache: before every cold read every file of the store being read is fsync'ed and then
 dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages leave the cache; no root

@@ -323,8 +323,12 @@ class HiCacheStorage(ABC):
         return consecutive(self._safe_contains(pool, self._keys(keys)))
 
     def batch_get(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
-        """Read pages into host pages; per page, whether it was loaded. Host pages whose flag is
-        False are left untouched. Callers use ``consecutive(result)`` as the hit count."""
+        """Read pages into host pages; per page, whether it was loaded. Callers use
+        ``consecutive(result)`` as the hit count. A page flagged False holds no stored bytes:
+        if its key is not stored its host page is left untouched; if a read into it failed
+        (a storage fault) a backend that reads in place (orbax) may have overwritten it and
+        zero-fills it, so it never keeps bytes that failed a check. This implementation reads
+        every page before writing any host page, so it leaves them all untouched."""
         pool = self._pool(pool)
         keys = self._keys(keys)
         ids = self._ids(pool, host_page_ids, len(keys))

@@ -42,6 +42,16 @@ class StorageMetrics:
             for k, v in deltas.items():
                 setattr(self._c, k, getattr(self._c, k) + v)
 
+    def add_read(self, hits: int, misses: int, bytes_read: int, seconds: float, verified: int = 0) -> None:
+        """``add`` for the counters of one read call (the hot path: no keyword dict, no loop)."""
+        c = self._c
+        with self._lock:
+            c.hits += hits
+            c.misses += misses
+            c.bytes_read += bytes_read
+            c.read_seconds += seconds
+            c.verified += verified
+
     def snapshot(self) -> dict:
         with self._lock:
             return asdict(self._c)

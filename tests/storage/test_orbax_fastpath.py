@@ -92,7 +92,11 @@ def test_multi_pool_get_uses_direct_reads(tmp_path):
     st.close()
 
 
-def test_failed_in_place_read_leaves_host_page_untouched(tmp_path):
+@pytest.mark.parametrize("batched", [False, True], ids=["one_page", "batched"])
+def test_failed_in_place_read_scrubs_only_that_host_page(tmp_path, batched):
+    # Reads go straight into the host page (no backup copy): a page whose read fails a check
+    # is zero-filled (never left holding bytes that failed it), reported False and its
+    # segment quarantined; host pages never read into keep their bytes.
     st, src, keys = _written(tmp_path)
     seg = sorted(glob.glob(str(tmp_path / "segments-v1" / "w*" / "[0-9]*")))[0]  # pages 0-3
     f, off = _page_location(seg, st.codecs["target"].pack(np.array([1]))[0].tobytes())
@@ -102,13 +106,26 @@ def test_failed_in_place_read_leaves_host_page_untouched(tmp_path):
         fh.seek(off + 1500)
         fh.write(bytes([b[0] ^ 0x10]))
     dst = HostKVPool(GEOM, 16, "page_first")
-    fill_random(dst, 99)  # not zeros: the old bytes must survive a failed read
-    before = {c: dst.read_pages(c, [3]) for c in GEOM.components}
+    fill_random(dst, 99)  # not zeros: the scrub must show
+    before = {c: dst.read_pages(c, range(16)) for c in GEOM.components}
     st.codecs["target"].pool = dst
-    assert st.batch_get(keys[1:2], [3]) == [False]
+    absent = keys_for(1, seed=12345)[0]
+    if batched:  # page 1 (corrupt) among pages of another segment and an absent key
+        flags = st.batch_get([keys[5], keys[1], absent, keys[6]], [2, 3, 4, 5])
+        assert flags == [True, False, False, True]
+        assert_pages_equal(src, [5, 6], dst, [2, 5])
+    else:
+        assert st.batch_get(keys[1:2], [3]) == [False]
+        assert st.batch_get([absent], [4]) == [False]
     for c in GEOM.components:
-        np.testing.assert_array_equal(dst.read_pages(c, [3]), before[c])
-    assert st.metrics.corrupt == 1 and st.metrics.quarantined == 1
+        assert not dst.read_pages(c, [3]).any()  # the failed page: zeros, not the corrupt bytes
+        untouched = [i for i in range(16) if i not in (2, 3, 5)]
+        np.testing.assert_array_equal(dst.read_pages(c, untouched), before[c][untouched])
+    m = st.metrics.snapshot()
+    assert m["corrupt"] == 1 and m["quarantined"] == 1 and m["hits"] == (2 if batched else 0)
+    assert m["verified"] == (3 if batched else 1)  # two good pages + the one that failed its CRC
+    assert st.batch_get(keys[4:5], [3]) == [True]  # the scrubbed page is reusable
+    assert_pages_equal(src, [4], dst, [3])
     st.close()
 
 
