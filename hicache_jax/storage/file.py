@@ -28,12 +28,12 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..host_pool import HostKVPool
+from ..workers import background_executor
 from . import integrity
 from .base import HiCacheStorage, PoolSpec
 from .config import StorageConfig
@@ -62,7 +62,7 @@ class FileStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._known: OrderedDict[str, int] = OrderedDict()  # path -> file bytes, oldest first
         self._known_bytes = 0
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor = None  # read pool, started on first use
         try:
             for p in self.codecs:
                 os.makedirs(os.path.join(self.root, p), exist_ok=True)
@@ -161,7 +161,8 @@ class FileStorage(HiCacheStorage):
             return [self._read_one(pool, k) for k in keys]
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.config.read_concurrency, thread_name_prefix="l3-file-read")
+                self._executor = background_executor("l3-file-read", self.config.worker_nice,
+                                                     self.config.read_concurrency)
             ex = self._executor
         return list(ex.map(lambda k: self._read_one(pool, k), keys))
 

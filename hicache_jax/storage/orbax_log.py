@@ -102,6 +102,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..host_pool import HostKVPool
+from ..workers import lower_thread_priority
 from . import integrity
 from .base import HiCacheStorage, PageCodec, PoolSpec
 from .config import StorageConfig
@@ -815,6 +816,9 @@ class OrbaxSegmentStorage(HiCacheStorage):
 
     # ---- writer thread -------------------------------------------------------------------------
     def _writer_loop(self) -> None:
+        # Below the scheduler's priority (StorageConfig.worker_nice); orbax's commit threads,
+        # started from here, inherit it.
+        lower_thread_priority(self.config.worker_nice)
         while True:
             seal = False
             with self._cond:

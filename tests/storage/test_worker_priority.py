@@ -1,0 +1,42 @@
+"""The L3 stores' own threads run at StorageConfig.worker_nice below their creator."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from hicache_jax import HostKVPool
+from hicache_jax.workers import thread_nice
+from storage_helpers import GEOM, HAVE_ORBAX, fill_random, keys_for, make_store
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux-only")
+
+
+@pytest.mark.skipif(not HAVE_ORBAX, reason="orbax / tensorstore not installed (the JAX env runs this)")
+def test_orbax_segment_writer_is_niced(tmp_path):
+    pool = HostKVPool(GEOM, 8)
+    fill_random(pool, 1)
+    store = make_store("orbax", tmp_path / "s", {"target": pool}, worker_nice=6)
+    try:
+        store.batch_set(keys_for(2), [0, 1], "target")  # the writer thread is running now
+        assert store.flush(30)
+        writer = store._writer
+        assert writer.is_alive()
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, thread_nice() + 6)
+    finally:
+        store.close()
+
+
+def test_file_read_pool_is_niced(tmp_path):
+    pool = HostKVPool(GEOM, 8)
+    fill_random(pool, 2)
+    store = make_store("file", tmp_path / "f", {"target": pool}, worker_nice=3)
+    try:
+        keys = keys_for(2)
+        store.batch_set(keys, [0, 1], "target")
+        store.batch_get(keys, [2, 3], "target")  # starts the read pool
+        assert store._executor.submit(thread_nice).result() == min(19, thread_nice() + 3)
+    finally:
+        store.close()
