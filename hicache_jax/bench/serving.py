@@ -335,14 +335,19 @@ def _ttft(args) -> dict:
              if k != "cold" else 0, med[k] * 1e3, med[k] / med["cold"]] for k, v in results.items()]
     print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, model {args.model} "
                 f"(median of {args.reps})", ["served by", "cached tokens", "from that tier", "TTFT ms", "x cold"], rows)
-    print(f"decode step: {decode['with_backups_s'] * 1e3:.1f} ms with write-through backups "
-          f"(L3 {args.storage_backend}) vs {decode['without_backups_s'] * 1e3:.1f} ms with none: "
-          f"x{decode['ratio']:.3f} (median of {args.decode_reps} interleaved rounds)")
     r = decode["with_rounds"]
-    print(f"  backups during the decode: {statistics.median(x['host_tokens_acked_by_decode_end'] for x in r):.0f} "
-          f"tokens on the host and {statistics.median(x['l3_pages_committed_by_decode_end'] for x in r):.0f} of "
-          f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by its end; "
-          f"the rest drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
+    if decode["ratio"] is None:
+        print("decode: no decode step overlapped a backup (they all finished before the decode); "
+              "raise --prompt-len or --decode-steps")
+    else:
+        print(f"decode step while write-through backups run (L3 {args.storage_backend}): "
+              f"{decode['with_backups_s'] * 1e3:.1f} ms vs {decode['without_backups_s'] * 1e3:.1f} ms with none: "
+              f"x{decode['ratio']:.3f} ({decode['overlapping_steps']} overlapping steps in {args.decode_reps} "
+              f"interleaved rounds; all {decode['steps_per_round']} steps: x{decode['all_steps_ratio']:.3f})")
+    print(f"  backups: {statistics.median(x['host_tokens_acked_by_decode_end'] for x in r):.0f} tokens on the host "
+          f"and {statistics.median(x['l3_pages_committed_by_decode_end'] for x in r):.0f} of "
+          f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by the decode's end, "
+          f"drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
           f"(workers at nice +{decode['worker_nice']})")
     goals = {"l2_over_cold": med["host"] / med["cold"], "l2_goal": 0.10,
              "l3_over_cold": med["storage"] / med["cold"] if "storage" in med else None, "l3_goal": 0.15,
@@ -356,56 +361,86 @@ def _ttft(args) -> dict:
 
 
 def _decode_overhead(engine: Engine, args, rng) -> dict:
-    """Median decode step of a full batch, with write-through backups running vs with none.
+    """Decode step time of a full batch while write-through backups run vs with none.
 
     "With": ``engine`` (write_through, L3 as configured): a long prompt is prefilled just
-    before the batch, so its backup (D2H, then hashing and L3 segment saves) and the batch's
-    own prompts' backups run while the batch decodes. "Without": the same model on an engine
-    whose write policy backs nothing up while nothing is evicted (write_back, no L3). Both
-    engines are warmed up; only decode steps are timed, interleaved (machine noise hits both
-    alike). So that "running" is checked, not assumed, each "with" round also reports what
-    its backups did: tokens acknowledged on the host and pages committed to L3 by the end of
-    the decode, and how long the rest took to drain after it.
+    before the batch, so its backup (device gather, D2H, L3 hashing and segment saves) and
+    the batch's own prompts' backups run while the batch decodes. "Without": the same engine
+    and the same requests with ``use_cache=False`` (nothing inserted, so nothing backed up):
+    same pools, same compiled steps, so only the backups differ. Rounds are interleaved so
+    machine noise hits both alike.
+
+    Every decode step is timed (``Engine.on_decode_step``). A step of the "with" engine
+    counts as overlapping when, at its start, a D2H backup, an L3 backup job or an
+    uncommitted L3 page was in flight; the goal's ratio compares those steps with the steps
+    of the same index in the "without" rounds (so backups that finish early cannot hide in
+    a long average). The mean over every step is reported beside it, with how much backup
+    work ran: tokens acknowledged on the host, L3 pages committed, and the drain after the
+    decode (0 when the backups finished during it).
     """
-    quiet = build_engine(argparse.Namespace(**{**vars(args), "write_policy": "write_back",
-                                               "storage_backend": "none"}), engine.cache_config.max_context)
     vocab = engine.model_config.vocab_size
     n, steps = engine.cache_config.max_batch, args.decode_steps
 
     def l3_pages(e: Engine) -> int:
         return e.storage.storage.metrics.snapshot()["pages_written"] if e.storage is not None else 0
 
-    def run(e: Engine, rounds: list | None = None) -> float:
+    def busy(e: Engine) -> bool:
+        if e.cache.in_flight[0]:
+            return True
+        ctl = e.storage
+        return ctl is not None and (ctl.stats()["backups_in_flight"] > 0 or ctl.storage.writes_pending())
+
+    def run(e: Engine, backups: bool) -> dict:
         prompts = [rng.integers(0, vocab, 64).tolist() for _ in range(n)]
         e.flush()
         b0, w0 = e.cache.metrics.backup_tokens, l3_pages(e)
-        e.generate([rng.integers(0, vocab, args.prompt_len).tolist()], 1)  # its backup overlaps the decode
-        t0 = time.perf_counter()
-        res = e.generate(prompts, steps)
-        total = time.perf_counter() - t0
-        step = (total - max(r.ttft_s for r in res)) / max(1, steps - 1)
-        if rounds is not None:
-            e.cache.check_events()
-            acked, written = e.cache.metrics.backup_tokens - b0, l3_pages(e) - w0
-            t1 = time.perf_counter()
-            e.flush()
-            rounds.append({"step_s": step, "host_tokens_acked_by_decode_end": acked,
-                           "l3_pages_committed_by_decode_end": written,
-                           "l3_pages_committed_total": l3_pages(e) - w0,
-                           "drain_after_decode_s": time.perf_counter() - t1})
-        return step
+        # The long prompt's backup overlaps the decode (with use_cache=False nothing is backed up).
+        e.generate([rng.integers(0, vocab, args.prompt_len).tolist()], 1, use_cache=backups)
+        log = []
 
-    run(engine), run(quiet)  # warm-up
-    with_b, without, rounds = [], [], []
+        def hook(phase: str) -> None:
+            if phase == "start":
+                overlapping = busy(e)  # before the clock starts: not part of the step
+                log.append([time.perf_counter(), None, overlapping])
+            else:
+                log[-1][1] = time.perf_counter()
+
+        e.on_decode_step = hook
+        try:
+            e.generate(prompts, steps, use_cache=backups)
+        finally:
+            e.on_decode_step = None
+        e.cache.check_events()
+        acked, written = e.cache.metrics.backup_tokens - b0, l3_pages(e) - w0
+        t1 = time.perf_counter()
+        e.flush()
+        return {"step_s": [b - a for a, b, _ in log], "overlapping": [o for _, _, o in log],
+                "host_tokens_acked_by_decode_end": acked, "l3_pages_committed_by_decode_end": written,
+                "l3_pages_committed_total": l3_pages(e) - w0, "drain_after_decode_s": time.perf_counter() - t1}
+
+    run(engine, True), run(engine, False)  # warm-up
+    with_r, without_r = [], []
     for _ in range(args.decode_reps):
-        with_b.append(run(engine, rounds))
-        without.append(run(quiet))
-    quiet_backups = quiet.cache.metrics.backup_tokens
-    quiet.close()
-    a, b = statistics.median(with_b), statistics.median(without)
-    return {"with_backups_s": a, "without_backups_s": b, "ratio": a / b,
-            "with_backups_steps_s": with_b, "without_backups_steps_s": without, "with_rounds": rounds,
-            "worker_nice": engine.cache_config.worker_nice, "quiet_backup_tokens": quiet_backups}
+        with_r.append(run(engine, True))
+        without_r.append(run(engine, False))
+    over_with, over_without = [], []
+    for w, q in zip(with_r, without_r):
+        for i, o in enumerate(w["overlapping"]):
+            if o and i < len(q["step_s"]):
+                over_with.append(w["step_s"][i])
+                over_without.append(q["step_s"][i])
+    mean = statistics.fmean
+    all_with = [t for r in with_r for t in r["step_s"]]
+    all_without = [t for r in without_r for t in r["step_s"]]
+    ratio = mean(over_with) / mean(over_without) if over_with else None
+    return {"with_backups_s": mean(over_with) if over_with else None,
+            "without_backups_s": mean(over_without) if over_without else None, "ratio": ratio,
+            "overlapping_steps": len(over_with), "steps_per_round": steps,
+            "all_steps_with_s": mean(all_with), "all_steps_without_s": mean(all_without),
+            "all_steps_ratio": mean(all_with) / mean(all_without),
+            "with_rounds": with_r, "without_rounds": without_r,
+            "worker_nice": engine.cache_config.worker_nice,
+            "without_backup_tokens": sum(r["host_tokens_acked_by_decode_end"] for r in without_r)}
 
 
 # ---------------------------------------------------------------------------------------------

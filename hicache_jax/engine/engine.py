@@ -102,6 +102,9 @@ class Engine:
             self.storage = StorageController(self.cache, model=f"hicache-jax-reference:{model_config!r}")
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page))
         self.page_size = page
+        # Instrumentation: called with "start" / "end" around every batched decode step (on the
+        # scheduler thread, outside the timed work of the step itself); None = off.
+        self.on_decode_step = None
 
     # ---- public API ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
@@ -154,7 +157,12 @@ class Engine:
                 else:
                     running.append(seq)
             if running:
+                hook = self.on_decode_step
+                if hook is not None:
+                    hook("start")
                 self._decode_step(running)
+                if hook is not None:
+                    hook("end")
                 for seq in [s for s in running if len(s.out) >= s.max_new]:
                     running.remove(seq)
                     done[seq.index] = self._finish(seq, use_cache)

@@ -225,6 +225,10 @@ class HiCacheStorage(ABC):
         """Store ``pages`` (``uint8[n, page_bytes]``, owned by the callee) under ``keys``
         (none already stored). True = durably stored, or accepted for an asynchronous write."""
 
+    def writes_pending(self) -> bool:
+        """Whether pages accepted by ``batch_set`` are not yet committed (never blocks)."""
+        return False
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until accepted pages are durable (or dropped). True if nothing is left pending."""
         return True

@@ -965,6 +965,10 @@ class OrbaxSegmentStorage(HiCacheStorage):
                     self._bad.add(victim.name)  # do not re-index it on refresh
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def writes_pending(self) -> bool:
+        with self._cond:
+            return bool(self._pending or self._saving)
+
     def flush(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:

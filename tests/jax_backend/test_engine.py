@@ -146,3 +146,16 @@ def test_bad_input_rejected(prompts, new, exc, match):
 def test_engine_config_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         EngineCacheConfig(**kwargs)
+
+
+def test_decode_step_hook_brackets_every_decode_step():
+    model = ModelConfig(num_layers=2, hidden=64, ffn=128)
+    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=32, max_batch=2))
+    calls = []
+    engine.on_decode_step = calls.append
+    engine.generate(_prompts(3, 2), 5)  # the prefill emits token 1; 4 batched decode steps follow
+    assert calls == ["start", "end"] * 4
+    engine.on_decode_step = None
+    engine.generate(_prompts(4, 2), 3)
+    assert len(calls) == 8
+    engine.close()

@@ -1,4 +1,5 @@
-"""The L3 stores' own threads run at StorageConfig.worker_nice below their creator."""
+"""The L3 stores' own threads run at StorageConfig.worker_nice below their creator; stores report
+whether accepted writes are still uncommitted (writes_pending)."""
 
 from __future__ import annotations
 
@@ -38,5 +39,34 @@ def test_file_read_pool_is_niced(tmp_path):
         store.batch_set(keys, [0, 1], "target")
         store.batch_get(keys, [2, 3], "target")  # starts the read pool
         assert store._executor.submit(thread_nice).result() == min(19, thread_nice() + 3)
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not HAVE_ORBAX, reason="orbax / tensorstore not installed (the JAX env runs this)")
+def test_orbax_writes_pending_until_flushed(tmp_path):
+    pool = HostKVPool(GEOM, 8)
+    fill_random(pool, 3)
+    # A long flush interval: a partial segment stays pending until flush() asks for it.
+    store = make_store("orbax", tmp_path / "p", {"target": pool}, segment_pages=4, flush_interval_s=60.0)
+    try:
+        assert not store.writes_pending()
+        store.batch_set(keys_for(2), [0, 1], "target")
+        assert store.writes_pending()
+        assert store.flush(30)
+        assert not store.writes_pending()
+    finally:
+        store.close()
+
+
+def test_synchronous_backends_have_nothing_pending(tmp_path, backend):
+    if backend == "orbax":
+        pytest.skip("asynchronous: covered above")
+    pool = HostKVPool(GEOM, 8)
+    fill_random(pool, 4)
+    store = make_store(backend, tmp_path / "m", {"target": pool})
+    try:
+        store.batch_set(keys_for(2), [0, 1], "target")
+        assert not store.writes_pending()
     finally:
         store.close()
