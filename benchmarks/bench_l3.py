@@ -7,7 +7,9 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
          store object writes every round (steady state, as in a server: its reusable segment
          buffers are warm after the untimed warm-up, which writes as many pages as a round)
          file:  the ``file`` backend (header + CRC, temp file, fsync, rename)
-         raw:   one file per page, ``write`` + ``fsync`` of the same bytes (no header, no CRC).
+         raw:   one file per page, ``write`` + ``fsync`` of the same bytes (no header, no CRC);
+         raw per segment: one file per ``--segment-pages`` pages, one ``fsync`` each (orbax's
+                durability granularity: fewer, larger syncs)
                 Durability matches orbax's: tensorstore fsyncs every file it writes and, like
                 raw, no directory (checked with strace); both publish by name (orbax renames
                 the step directory).
@@ -17,16 +19,19 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
                 (integrity=full); 16 in flight = one ``batch_get`` of every page with
                 ``read_concurrency=16`` (pages requested ahead, read in the calling thread)
          raw:   ``open`` + ``readinto`` a numpy buffer (one plain read of the page: one request
-                to the device); 16 in flight = 16 threads
+                to the device); 16 in flight = 16 threads. One at a time also "raw split": the
+                page asked for in 256 KiB ``POSIX_FADV_WILLNEED`` pieces first, as the backend
+                does for a lone page
   Also orbax with integrity=off, to show what the CRC costs.
 
 Ratios are backend GB/s / raw GB/s of the same bytes in the same round, the median over rounds
-of those per-round (paired) ratios; the ratio of the median GB/s is reported beside it.
+of those per-round (paired) ratios; the ratio of the median GB/s is reported beside it. The
+goal's ratio (``goal_ratios``) is the one against the faster raw baseline of each op.
 Raw reads go into 2 MiB buffers the reader reuses; orbax reads go straight into the host
 pages (the 256 pages of the pool, all resident). A lone orbax page is requested from the
 device in 256 KiB pieces, which the device serves in parallel: a plain ``read`` does not, so
-the one-at-a-time ratio includes that I/O pattern (a raw reader splitting its requests the
-same way was measured ~1.2x the plain read on the project VM). Machine note: on the project
+the goal's one-at-a-time ratio is against the raw split reader (~1.1-1.2x the plain read on
+the project VM). Machine note: on the project
 VM, memory a process has not touched recently costs about as much as the disk write (the
 hypervisor reclaims freed guest pages), so every extra fresh buffer shows up directly in
 these ratios.
