@@ -119,6 +119,17 @@ if not integrity.HAVE_CRC32C:  # pragma: no cover - google-crc32c ships with the
 
 log = logging.getLogger("hicache_jax.storage")
 
+
+class _ChunkSizeWarningFilter(logging.Filter):
+    """Drops orbax's "target_byte_size too small" warning: one chunk per page is this store's
+    design (pages are read one at a time), so it fired on every segment save for pages < 1 MiB."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "target_byte_size too small" not in str(record.msg)
+
+
+logging.getLogger("absl").addFilter(_ChunkSizeWarningFilter())
+
 _WRITER_RE = re.compile(r"w\d{4,}")
 _MAX_HANDLES = 512
 

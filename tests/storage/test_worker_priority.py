@@ -70,3 +70,15 @@ def test_synchronous_backends_have_nothing_pending(tmp_path, backend):
         assert not store.writes_pending()
     finally:
         store.close()
+
+
+@pytest.mark.skipif(not HAVE_ORBAX, reason="orbax / tensorstore not installed (the JAX env runs this)")
+def test_orbax_chunk_size_warning_is_filtered_and_nothing_else():
+    import logging
+    from hicache_jax.storage import orbax_log
+
+    f = orbax_log._ChunkSizeWarningFilter()
+    rec = lambda msg: logging.LogRecord("absl", logging.WARNING, __file__, 1, msg, None, None)
+    assert not f.filter(rec("Setting the target_byte_size too small could reduce performance."))
+    assert f.filter(rec("some other orbax warning"))
+    assert any(isinstance(x, orbax_log._ChunkSizeWarningFilter) for x in logging.getLogger("absl").filters)
