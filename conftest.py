@@ -3,10 +3,14 @@
 * Gives JAX 8 CPU devices (before JAX is imported) so sharded pools run on a real mesh.
 * In an environment without JAX (the Python 3.11 torch env) the JAX-only test folders are
   not collected; everything else must pass there too.
+* Tests marked ``slow`` (long stress runs) are skipped, with the reason, unless selected with
+  ``-m slow``; CI runs their bounded variants.
 """
 
 import importlib.util
 import os
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -16,3 +20,12 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 collect_ignore_glob = []
 if not HAVE_JAX:
     collect_ignore_glob += ["pallas_kernels/*", "tests/jax_backend/*", "benchmarks/*"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="long stress run: select with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -297,8 +297,6 @@ def test_fuzz_ci():
 
 
 @pytest.mark.slow
-def test_fuzz_slow(request):
+def test_fuzz_slow():
     """>= 100,000 checked steps (run with -m slow)."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("long stress run: select with -m slow")
     _run(examples=1500, steps=100, min_total=100_000, derandomize=False)

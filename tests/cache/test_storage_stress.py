@@ -142,9 +142,7 @@ def test_storage_stress_ci(backend_factory, policy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["memory", "file"])
-def test_storage_stress_slow(backend_factory, backend, request, tmp_path):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("long stress run: select with -m slow")
+def test_storage_stress_slow(backend_factory, backend, tmp_path):
     hits = 0
     for seed in range(12):
         policy = ("best_effort", "wait_complete", "timeout")[seed % 3]

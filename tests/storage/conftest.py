@@ -21,14 +21,3 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
-
-
-def pytest_collection_modifyitems(config, items):
-    # Project convention: @slow stress variants run only when selected with -m slow.
-    if "slow" in (config.getoption("markexpr") or ""):
-        return
-    here = __file__.rsplit("/", 1)[0]
-    skip = pytest.mark.skip(reason="long stress run: select with -m slow")
-    for item in items:
-        if "slow" in item.keywords and str(item.fspath).startswith(here):
-            item.add_marker(skip)
