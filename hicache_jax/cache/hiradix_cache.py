@@ -920,12 +920,18 @@ class HiRadixCache:
                 self.device_lru._push(parent)
         self.evictable_tokens += evictable
         if free_ids:
-            ids = np.concatenate(free_ids, dtype=np.intp) if len(free_ids) > 1 else free_ids[0].astype(np.intp)
-            self._dev_owned[ids] = False
-            self.device_allocator.free_owned(ids)  # the tree's pages: distinct by the ownership bitmap
+            self._free_tree_pages(free_ids, self._dev_owned, self.device_allocator)
         m.evicted_device_tokens += freed
         m.eviction_seconds += time.perf_counter() - t0
         return freed
+
+    @staticmethod
+    def _free_tree_pages(free_ids: list, owned: np.ndarray, allocator: PageAllocator) -> None:
+        """Return the pages an eviction took off one tier: one ownership-bitmap write and one
+        allocator free for the whole batch (distinct by the ownership bitmap)."""
+        ids = np.concatenate(free_ids, dtype=np.intp) if len(free_ids) > 1 else free_ids[0].astype(np.intp)
+        owned[ids] = False
+        allocator.free_owned(ids)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
@@ -955,9 +961,7 @@ class HiRadixCache:
             freed += node.size
             m.reclaimed_host_tokens += node.size
         if free_ids:
-            ids = np.concatenate(free_ids, dtype=np.intp) if len(free_ids) > 1 else free_ids[0].astype(np.intp)
-            self._host_owned[ids] = False
-            self.host_allocator.free_owned(ids)  # the tree's pages: distinct by the ownership bitmap
+            self._free_tree_pages(free_ids, self._host_owned, self.host_allocator)
         m.host_eviction_seconds += time.perf_counter() - t0
         return freed // self.page_size
 
