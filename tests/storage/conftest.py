@@ -6,16 +6,11 @@ segment log live in ``test_orbax_*.py`` and are not collected without orbax-chec
 tensorstore and google-crc32c (the ``jax`` extra, Python 3.12).
 """
 
-import logging
-
 import pytest
 
 from storage_helpers import BACKENDS, HAVE_ORBAX
 
 collect_ignore_glob = [] if HAVE_ORBAX else ["test_orbax_*.py"]
-
-# orbax warns on every small-chunk save ("target_byte_size too small"); the chunking is deliberate.
-logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 @pytest.fixture(params=BACKENDS)
