@@ -86,7 +86,6 @@ def test_storage_config_validates_worker_nice():
 
 @linux
 def test_storage_controller_threads_are_niced():
-    import numpy as np
     from hicache_jax import KVGeometry
     from hicache_jax.backends.numpy_backend import make_numpy_backend
     from hicache_jax.cache import HiCacheConfig, HiRadixCache
