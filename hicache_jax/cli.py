@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--reps", type=int, default=3)
     tt.add_argument("--answer-len", type=int, default=1)
     tt.add_argument("--decode-steps", type=int, default=16)
-    tt.add_argument("--decode-reps", type=int, default=3, help="interleaved with/without rounds of the decode test")
+    tt.add_argument("--decode-reps", type=int, default=10, help="interleaved with/without rounds of the decode test")
     tt.set_defaults(fn=serving.ttft)
 
     rs = bench.add_parser("restart", help="write through to L3, then a fresh process re-sends and hits L3")
