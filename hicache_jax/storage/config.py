@@ -32,6 +32,9 @@ BACKENDS = ("orbax", "file", "memory")
 INTEGRITY_MODES = ("full", "sampled", "off")
 READ_PATHS = ("direct", "tensorstore")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# segment_pages=None: a segment holds about this many bytes of a pool's pages, within these bounds.
+AUTO_SEGMENT_BYTES = 64 << 20
+AUTO_SEGMENT_PAGES = (64, 256)
 
 
 def _is_int(v: object) -> bool:
@@ -74,6 +77,10 @@ class StorageConfig:
     capacity_bytes     Bound on stored page bytes; 0 = unbounded. Eviction is oldest-first
                        (whole segments for ``orbax``).
     segment_pages      Pages per orbax segment (64-256 recommended; smaller is allowed for tests).
+                       None (default): sized by bytes per pool, ``AUTO_SEGMENT_BYTES`` (64 MiB) of
+                       pages within 64..256 pages and at most ``max_pending_pages`` (see
+                       ``segment_pages_for``). Every orbax step costs ~25 ms of CPU however small
+                       (measured on the project VM), so pools of small pages get 256-page segments.
     read_concurrency   Page reads kept in flight per batch (~16 saturates disks measured so far).
     integrity          ``full``: CRC-32C of every page checked on read; ``sampled``: checked on a
                        ``integrity_sample_rate`` fraction of reads (deterministic per key);
@@ -97,7 +104,7 @@ class StorageConfig:
     backend: str = "orbax"
     path: str | None = None
     capacity_bytes: int = 0
-    segment_pages: int = 64
+    segment_pages: int | None = None
     read_concurrency: int = 16
     integrity: str = "full"
     integrity_sample_rate: float = 0.125
@@ -126,7 +133,8 @@ class StorageConfig:
         if self.backend in ("orbax", "file") and not self.path:
             raise ValueError(f"path: backend {self.backend!r} needs a store directory")
         _int("capacity_bytes", self.capacity_bytes, 0)
-        _int("segment_pages", self.segment_pages, 1, 65536)
+        if self.segment_pages is not None:
+            _int("segment_pages", self.segment_pages, 1, 65536)
         _int("read_concurrency", self.read_concurrency, 1, 1024)
         _choice("integrity", self.integrity, INTEGRITY_MODES)
         _num("integrity_sample_rate", self.integrity_sample_rate, 0.0, lo_open=True, hi=1.0)
@@ -141,9 +149,18 @@ class StorageConfig:
         _num("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s, 0.0)
         if self.prefetch_timeout_max_s is not None:
             _num("prefetch_timeout_max_s", self.prefetch_timeout_max_s, 0.0, lo_open=True)
-        if self.max_pending_pages < self.segment_pages:
+        if self.segment_pages is not None and self.max_pending_pages < self.segment_pages:
             raise ValueError(f"max_pending_pages: expected >= segment_pages={self.segment_pages}, "
                              f"got {self.max_pending_pages}")
+
+    def segment_pages_for(self, page_bytes: int) -> int:
+        """Pages per orbax segment for a pool of ``page_bytes``-byte pages (``segment_pages``
+        when set, else sized by bytes as described in the class docstring)."""
+        _int("page_bytes", page_bytes, 1)
+        if self.segment_pages is not None:
+            return self.segment_pages
+        lo, hi = AUTO_SEGMENT_PAGES
+        return min(self.max_pending_pages, max(lo, min(hi, AUTO_SEGMENT_BYTES // page_bytes)))
 
     def prefetch_timeout(self, tokens: int) -> float:
         """Seconds a ``timeout`` prefetch of ``tokens`` tokens may take (see module docstring)."""

@@ -47,7 +47,7 @@ miss that quarantines nothing. A missing chunk is a miss (direct) or reads as ze
 (tensorstore) that the CRC rejects.
 
 Writes: ``batch_set`` packs host pages straight into the pool's open segment buffer (a
-``uint8[segment_pages, page_bytes]`` array, reused across saves up to ``write_buffer_bytes``;
+``uint8[StorageConfig.segment_pages_for(page_bytes), page_bytes]`` array, reused across saves up to ``write_buffer_bytes``;
 visible to reads at once) and returns; one writer thread saves a segment when a buffer is full,
 on ``flush()``, or ``flush_interval_s`` after the oldest pending page arrived. Orbax saves the
 buffer without its defensive deep copy (the save is synchronous and the buffer is not touched
@@ -241,6 +241,7 @@ class OrbaxSegmentStorage(HiCacheStorage):
         self._open: dict[str, _SegBuf] = {}       # pool -> buffer being filled
         self._sealed: deque[_SegBuf] = deque()    # full (or flushed) buffers, oldest first
         self._free: dict[str, list[np.ndarray]] = {p: [] for p in self.codecs}
+        self._seg_pages = {p: config.segment_pages_for(c.page_bytes) for p, c in self.codecs.items()}
         self._free_bytes = 0
         self._pending_since = 0.0
         self._flush_requested = False
@@ -774,13 +775,13 @@ class OrbaxSegmentStorage(HiCacheStorage):
             if data is not None:
                 self._free_bytes -= data.nbytes
         if data is None:
-            data = np.empty((self.config.segment_pages, self.codecs[pool].page_bytes), np.uint8)
+            data = np.empty((self._seg_pages[pool], self.codecs[pool].page_bytes), np.uint8)
         return _SegBuf(pool, data)
 
     def _enqueue(self, pool: str, keys: list[bytes], fill) -> list[bool]:
         """Accept ``keys`` (distinct, not stored) into ``pool``'s open segment buffer;
         ``fill(dst_rows, sel)`` writes the pages ``sel`` (indices into keys) into ``dst_rows``."""
-        S = self.config.segment_pages
+        S = self._seg_pages[pool]
         with self._fill_lock:
             with self._lock:
                 if self._mgr is None or self._closed:

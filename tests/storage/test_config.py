@@ -14,6 +14,19 @@ def test_defaults_and_timeout_formula():
     assert hiradix.prefetch_timeout(10**7) == 30.0
 
 
+def test_segment_pages_sized_by_bytes_unless_set():
+    auto = StorageConfig(path="/x")
+    assert auto.segment_pages is None
+    assert auto.segment_pages_for(64 << 10) == 256  # small pages: the upper bound
+    assert auto.segment_pages_for(512 << 10) == 128  # 64 MiB of pages
+    assert auto.segment_pages_for(2 << 20) == 64
+    assert auto.segment_pages_for(16 << 20) == 64  # large pages: the lower bound
+    assert StorageConfig(path="/x", max_pending_pages=100).segment_pages_for(1024) == 100
+    assert StorageConfig(path="/x", segment_pages=8).segment_pages_for(1024) == 8
+    with pytest.raises(ValueError, match="page_bytes"):
+        auto.segment_pages_for(0)
+
+
 @pytest.mark.parametrize("kw,exc,match", [
     ({"backend": "s3"}, ValueError, "backend"),
     ({"backend": 3}, TypeError, "backend"),

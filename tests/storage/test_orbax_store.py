@@ -64,6 +64,29 @@ def test_segments_one_chunk_per_page_and_reopen(tmp_path):
     st2.close()
 
 
+@pytest.mark.parametrize("max_pending,want", [(1024, 256), (100, 100)])
+def test_default_segments_are_sized_by_bytes(tmp_path, max_pending, want):
+    # segment_pages=None: GEOM's pages are small, so a segment takes the most pages allowed.
+    n = want + 7
+    src = HostKVPool(GEOM, n, "page_first")
+    fill_random(src, 13)
+    keys = keys_for(n, seed=23)
+    st = make_store("orbax", tmp_path, {"target": src}, segment_pages=None, max_pending_pages=max_pending,
+                    flush_interval_s=60)
+    assert all(st.batch_set(keys[:want], range(want)))  # one full segment: saved without a flush
+    deadline = time.monotonic() + 60
+    while st.metrics.segments_written < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(st.batch_set(keys[want:], range(want, n)))
+    assert st.flush(60)
+    assert sorted(seg.counts["target"] for seg in st._segments.values()) == [7, want]
+    dst = HostKVPool(GEOM, n, "page_first")
+    st.codecs["target"].pool = dst
+    assert all(st.batch_get(keys, range(n)))
+    assert_pages_equal(src, range(n), dst, range(n))
+    st.close()
+
+
 def test_pending_pages_are_readable_before_the_save(tmp_path):
     src = HostKVPool(GEOM, 16, "page_first")
     fill_random(src, 12)
