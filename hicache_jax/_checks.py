@@ -5,10 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; TypeError (not an int, or a bool) / ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None, *,
+              numpy_ints: bool = True) -> int:
+    """``value`` as an int in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None);
+    TypeError (not an int, a bool, or a numpy integer when ``numpy_ints`` is False) /
+    ValueError naming ``name``. Configs that may come from JSON pass ``numpy_ints=False``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer) if numpy_ints else int):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    if value < minimum or (maximum is not None and value > maximum):
+        want = f">= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: expected {want}, got {value}")
     return int(value)

@@ -30,6 +30,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from ._checks import check_int
+
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKER_NICE = 19
@@ -39,11 +41,7 @@ _warned = False
 
 def check_nice(value: object, name: str = "worker_nice") -> int:
     """``value`` as a nice increment in [0, 19]; TypeError / ValueError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int in [0, {MAX_NICE}], got {type(value).__name__}")
-    if not 0 <= value <= MAX_NICE:
-        raise ValueError(f"{name}: expected an int in [0, {MAX_NICE}], got {value}")
-    return value
+    return check_int(name, value, 0, MAX_NICE, numpy_ints=False)
 
 
 def lower_thread_priority(nice: int) -> bool:

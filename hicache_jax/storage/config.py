@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .._checks import check_int
 from ..workers import DEFAULT_WORKER_NICE, check_nice
 
 BACKENDS = ("orbax", "file", "memory")
@@ -37,19 +38,12 @@ AUTO_SEGMENT_BYTES = 64 << 20
 AUTO_SEGMENT_PAGES = (64, 256)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _int(name: str, v: object, lo: int, hi: int | None = None) -> None:
-    if not _is_int(v):
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name}: expected {lo} <= {name}" + (f" <= {hi}" if hi is not None else "") + f", got {v}")
+    check_int(name, v, lo, hi, numpy_ints=False)
 
 
 def _num(name: str, v: object, lo: float, *, lo_open: bool = False, hi: float | None = None) -> None:
