@@ -838,7 +838,13 @@ class HiRadixCache:
         while queue and (block or queue[0].handle.done()):
             op = queue.popleft()
             try:
-                op.handle.wait()  # re-raises a failed copy as TransferError
+                # Re-raises a failed copy as TransferError. Known gap (not yet repaired): the
+                # op's nodes keep the tier ids set at dispatch, so after a failed backup their
+                # host pages (and after a failed load their device pages) hold unwritten bytes
+                # that a later hit could serve. A repair must re-copy from the still-locked
+                # source before the op is released, or drop the copies together with any
+                # descendant copies queued behind it (FIFO acks keep those unacknowledged).
+                op.handle.wait()
                 if queue is self._writes and self.storage_hook is not None:
                     self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
             finally:
@@ -882,7 +888,8 @@ class HiRadixCache:
                 if op is None:
                     m.dropped_tokens += size
                 else:
-                    op.handle.wait()  # write_back blocks on the copy, as upstream
+                    op.handle.wait()  # write_back blocks on the copy, as upstream (a failure
+                    # raises out of evict with the op unreleased: see the gap noted in _ack)
                     if self.storage_hook is not None:
                         self.storage_hook.on_backup_acked(op.node)
                     self._release(op)
