@@ -47,9 +47,10 @@ miss that quarantines nothing. A missing chunk is a miss (direct) or reads as ze
 (tensorstore) that the CRC rejects.
 
 Writes: ``batch_set`` packs host pages straight into the pool's open segment buffer (a
-``uint8[StorageConfig.segment_pages_for(page_bytes), page_bytes]`` array, reused across saves up to ``write_buffer_bytes``;
-visible to reads at once) and returns; one writer thread saves a segment when a buffer is full,
-on ``flush()``, or ``flush_interval_s`` after the oldest pending page arrived. Orbax saves the
+``uint8[segment_pages, page_bytes]`` array, ``StorageConfig.segment_pages_for(page_bytes)``
+rows, reused across saves up to ``write_buffer_bytes``; visible to reads at once) and returns;
+one writer thread saves a segment when a buffer is full, on ``flush()``, or ``flush_interval_s``
+after the oldest pending page arrived. Orbax saves the
 buffer without its defensive deep copy (the save is synchronous and the buffer is not touched
 until it returns). A failed save (disk full, read-only directory) drops that segment's pages
 (counted, logged); the next save tries again. A capacity bound evicts whole segments, oldest
