@@ -391,6 +391,23 @@ class HiRadixCache:
         m.host_hit_tokens += res.host_hit_length
         return res
 
+    def peek_prefix(self, key: object) -> tuple[int, int]:
+        """``(device tokens, host-only tokens)`` of the cached page-aligned prefix of ``key``.
+
+        Read-only, unlike ``match_prefix``: no split, no access-time refresh, no metrics, so a
+        scheduler may ask it about waiting requests as often as it likes.
+        """
+        key = as_radix_key(key)
+        tokens = key.token_ids
+        segs, _ = self._walk(tokens, tokens.shape[0] - tokens.shape[0] % self.page_size, key.namespace)
+        device = host = 0
+        for node, m, _off in segs:
+            if node.value is not None:
+                device += m
+            else:
+                host += m
+        return device, host
+
     def _match(self, key: RadixKey) -> MatchResult:
         tokens = key.token_ids
         n = tokens.shape[0] - tokens.shape[0] % self.page_size

@@ -72,6 +72,25 @@ def test_match_mid_node_splits_and_keeps_pages(backend_factory, page_size):
     cache.sanity_check(0)
 
 
+def test_peek_prefix_reports_tiers_and_changes_nothing(backend_factory, page_size):
+    cache, be = make_cache(backend_factory, page_size=page_size, write_policy="write_through")
+    oracle = KVOracle(be)
+    prefill_insert(cache, oracle, seq(0, 6 * page_size))
+    cache.flush()
+    cache.evict(6 * page_size)  # backed up: the whole path becomes host-only
+    prefill_insert(cache, oracle, seq(0, 2 * page_size))  # the first 2 pages back on the device
+    before = snapshot(cache, be)
+    # Ends inside a node and has a trailing partial page: 5 whole pages, 2 of them on device.
+    assert cache.peek_prefix(seq(0, 5 * page_size + page_size // 2)) == (2 * page_size, 3 * page_size)
+    assert cache.peek_prefix(seq(0, 8 * page_size)) == (2 * page_size, 4 * page_size)
+    assert cache.peek_prefix(seq(100, 3 * page_size)) == (0, 0)
+    assert cache.peek_prefix(seq(0, 6 * page_size, ns="other")) == (0, 0)
+    assert snapshot(cache, be) == before  # no split, no access time, no metrics
+    with pytest.raises(TypeError, match="key"):
+        cache.peek_prefix("abc")
+    cache.sanity_check(0)
+
+
 def test_insert_frees_duplicate_pages(backend_factory, page_size):
     cache, be = make_cache(backend_factory, page_size=page_size)
     oracle = KVOracle(be)
