@@ -7,7 +7,11 @@ came from storage are host-only nodes that the load-back brings to the device. E
 acknowledged D2H backup is written through to storage by the controller.
 
 Scheduling (one thread, the owner of the device pool): admit waiting requests FIFO while
-the batch has room and device pages can be had (``alloc_device`` evicts unlocked leaves);
+the batch has room and device pages can be had (``alloc_device`` evicts unlocked leaves). A
+request that could not get its pages even by evicting every unlocked page waits, without
+touching its L3 prefetch; with nothing running, the scheduler first waits for the D2H copies
+in flight (they lock their nodes), so that a host hit can still be loaded back. A waiting
+request whose prefix leaves the host (evicted meanwhile) prefetches it from L3 again.
 each admitted request matches its prompt (at most ``len - 1`` tokens, so the last prompt
 token is always computed and yields the first output token), loads its host-only
 continuation back, prefills the rest in chunks and emits its first token (TTFT is taken
@@ -65,6 +69,7 @@ class _Seq:
     computed: int = 0
     reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
     prefetch: PrefetchOperation | None = None
+    storage_tokens: int = 0  # tokens attached from L3 by this request's prefetches so far
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -134,14 +139,10 @@ class Engine:
                                  f"{self.cache_config.max_context}")
             seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0)))
         waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
+        removed_seen = -1
         while waiting or running:
             if use_cache and self.storage is not None:
-                now = time.perf_counter()
-                for seq in waiting:  # arrivals start their L3 prefetch right away
-                    if seq.arrival > now:
-                        break
-                    if seq.prefetch is None:
-                        seq.prefetch = self.storage.prefetch(RadixKey(seq.prompt[:-1]))
+                removed_seen = self._start_prefetches(waiting, removed_seen)
             if not running and waiting and waiting[0].arrival > time.perf_counter():
                 time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
             while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
@@ -213,43 +214,88 @@ class Engine:
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def _start_prefetches(self, waiting: deque, removed_seen: int) -> int:
+        """Arrived requests start their L3 prefetch right away. A waiting request whose
+        prefetch ended without a read (skipped: the tree held its prefix; revoked) gets a new
+        one when the tree has since lost part of that prefix (host eviction while it waited),
+        so the pages come back from L3 instead of being recomputed. The re-check walks the
+        tree only after something left a tier. Returns the eviction count it has seen."""
+        m = self.cache.metrics
+        removed = m.evicted_device_tokens + m.evicted_host_tokens
+        now = time.perf_counter()
+        for seq in waiting:
+            if seq.arrival > now:
+                break
+            op = seq.prefetch
+            if op is None:
+                seq.prefetch = self.storage.prefetch(RadixKey(seq.prompt[:-1]))
+            elif removed != removed_seen and op.status in ("skipped", "revoked") and \
+                    sum(self.cache.peek_prefix(op.key)) < op.start:
+                self.storage.cancel(op)
+                seq.prefetch = self.storage.prefetch(op.key)
+        return removed
+
     def _admit(self, seq: _Seq, use_cache: bool, have_running: bool) -> bool:
         prompt = seq.prompt
-        key = RadixKey(prompt)
-        if use_cache:
-            from_storage = 0
-            if seq.prefetch is not None:  # L3 pages become host-only nodes before the match
-                from_storage = self.storage.finish_prefetch(seq.prefetch)
-                seq.prefetch = None
-            # Match at most len-1 tokens: the last prompt token is always computed.
-            req, lb = self.cache.begin_request(RadixKey(prompt[:-1]))
-            req.key = RadixKey(prompt[:req.device_pages.shape[0] * self.page_size])
-            loaded = lb.num_tokens if lb is not None else 0
-            seq.cached["storage"] = min(from_storage, loaded)
-            seq.cached["host"] = loaded - seq.cached["storage"]
-            seq.cached["device"] = req.device_pages.shape[0] * self.page_size - loaded
-        else:
-            req = CacheRequest(RadixKey(prompt[:0]), self.page_size)
+        p = self.page_size
         # Every page the request will write (prompt + max_new - 1 tokens of KV) is allocated
         # now, so a running request never runs out of device memory mid-decode.
-        prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
-        need = self._pages_for(prompt.shape[0] + seq.max_new - 1) - req.device_pages.shape[0]
-        pages = self.cache.alloc_device(need)
+        total = self._pages_for(prompt.shape[0] + seq.max_new - 1)
+        if use_cache:
+            # Whatever its prefix's tier, the request needs device pages for everything after
+            # its on-device prefix (a host or L3 hit is loaded into new pages).
+            on_device, _ = self.cache.peek_prefix(RadixKey(prompt[:-1]))
+            if total - on_device // p > self.device_pool.allocator.available + self.cache.evictable_tokens // p:
+                if have_running:
+                    return False  # wait for room; an L3 prefetch keeps running meanwhile
+                # Nodes under a D2H backup stay locked until acknowledged: wait for the copies
+                # before the match, so that the load-back of a host hit can evict them too.
+                self.cache.flush()
+            req = self._match(seq, 0)
+        else:
+            req = CacheRequest(RadixKey(prompt[:0]), p)
+        pages = self.cache.alloc_device(total - req.device_pages.shape[0])
         if pages is None and not have_running:
-            # Nodes under a D2H backup stay locked until acknowledged: wait for the copies, retry.
+            # Rare after the flush above (the request's own prefix counted as evictable there).
+            # Wait for every copy, then match again, so a host hit is not recomputed.
+            if req.last_node is not None:
+                self.cache.dec_lock_ref(req.last_node)
             self.cache.flush()
-            pages = self.cache.alloc_device(need)
+            if use_cache:
+                req = self._match(seq, seq.cached["host"] + seq.cached["storage"])
+            pages = self.cache.alloc_device(total - req.device_pages.shape[0])
         if pages is None:
             if req.last_node is not None:
                 self.cache.dec_lock_ref(req.last_node)
             if not have_running:
-                raise OutOfDeviceMemory(f"prompt of {prompt.shape[0]} tokens needs {need} free device pages; "
+                raise OutOfDeviceMemory(f"prompt of {prompt.shape[0]} tokens needs "
+                                        f"{total - req.device_pages.shape[0]} free device pages; "
                                         f"{self.device_pool.allocator.available} free after eviction")
             return False
-        req.extend(key, pages[:prompt_pages])
+        prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
+        req.extend(RadixKey(prompt), pages[:prompt_pages])
         seq.reserve = pages[prompt_pages:]
         seq.req = req
         return True
+
+    def _match(self, seq: _Seq, loaded_before: int) -> CacheRequest:
+        """Attach the L3 prefetch, match the prompt and load its host continuation back; sets
+        ``seq.cached``. ``loaded_before``: tokens an earlier attempt loaded back (on the device
+        now, but they came from the host or L3)."""
+        prompt = seq.prompt
+        if seq.prefetch is not None:  # L3 pages become host-only nodes before the match
+            seq.storage_tokens += self.storage.finish_prefetch(seq.prefetch)
+            seq.prefetch = None
+        # Match at most len-1 tokens: the last prompt token is always computed.
+        req, lb = self.cache.begin_request(RadixKey(prompt[:-1]))
+        hit = req.device_pages.shape[0] * self.page_size
+        req.key = RadixKey(prompt[:hit])
+        loaded = min(hit, loaded_before + (lb.num_tokens if lb is not None else 0))
+        # Pages attached from L3 (by this or an earlier, failed admission attempt) are the tail
+        # of the host-only chain the load-back brings in.
+        storage = min(seq.storage_tokens, loaded)
+        seq.cached = {"device": hit - loaded, "host": loaded - storage, "storage": storage}
+        return req
 
     def _run(self, token_lists, starts, tables) -> np.ndarray:
         pools = self.device_pool.buffers

@@ -4,14 +4,18 @@ L1 and L2 are empty, and cached-token counts per tier that match where the prefi
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from hicache_jax.cache import RadixKey
 from hicache_jax.engine import Engine, EngineCacheConfig
 from hicache_jax.engine.engine import OutOfDeviceMemory
 from hicache_jax.host_pool import HostPoolConfig
 from hicache_jax.reference_model import ModelConfig
 from hicache_jax.storage.config import StorageConfig
+from hicache_jax.transfer import TransferHandle
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 SYSTEM, USER, NEW = 48, 20, 4  # shared prefix, user turn (> the 10-token load-back minimum), generated
@@ -158,4 +162,77 @@ def test_decode_step_hook_brackets_every_decode_step():
     engine.on_decode_step = None
     engine.generate(_prompts(4, 2), 3)
     assert len(calls) == 8
+    engine.close()
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_prefix_lost_from_host_while_waiting_comes_back_from_storage(max_batch, tmp_path):
+    """B arrives while its prefix is on the host (its prefetch has nothing to do), then A's
+    backups push that prefix out of the small host pool while B waits. B must re-prefetch it
+    from L3 (not recompute it), and count it as a storage hit. With ``max_batch=2`` B waits
+    for device room beside a running A: its prefetch must keep running until it is admitted."""
+    model = ModelConfig(num_layers=2, hidden=64, ffn=128)
+    storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
+                            prefetch_threshold_tokens=8)
+    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=32, max_batch=max_batch, max_context=256,
+                                             host=HostPoolConfig(ratio=1.0), storage=storage))
+    rng = np.random.default_rng(11)
+    b = rng.integers(0, 512, 41).tolist()
+    a = rng.integers(0, 512, 100).tolist()  # 25 pages: with B's 10 the 32-page host overflows
+    b2 = b + rng.integers(0, 512, 6).tolist()
+    cold = engine.generate([a, b2], 3, use_cache=False)
+    engine.generate([b], 2)
+    engine.flush()  # B's 10 pages are on the host and in L3
+    engine.evict_device_cache()
+    assert engine.cache.peek_prefix(RadixKey(np.asarray(b2[:-1]))) == (0, 40)
+    # After each decode step every backup is finished, so A's host copies can make room for
+    # B's pages whenever B's prefetch asks (not only when the L3 writes happen to be done).
+    engine.on_decode_step = lambda phase: engine.flush() if phase == "end" else None
+    res = engine.generate([a, b2], 3)
+    assert [r.tokens for r in res] == [r.tokens for r in cold]
+    assert engine.cache.metrics.evicted_host_tokens >= 40  # B's prefix did leave the host
+    assert res[1].cached_tokens == {"device": 0, "host": 0, "storage": 40}
+    _check_computed(res)
+    engine.cache.flush()
+    engine.cache.sanity_check(0)
+    engine.close()
+
+
+class _SlowHandle(TransferHandle):
+    """A D2H copy that reports done only ``delay`` seconds after it was issued."""
+
+    def __init__(self, inner: TransferHandle, delay: float) -> None:
+        self.inner, self.ready_at = inner, time.perf_counter() + delay
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.ready_at and self.inner.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        time.sleep(max(0.0, self.ready_at - time.perf_counter()))
+        self.inner.wait(timeout)
+
+
+def test_host_hit_is_loaded_when_the_device_is_held_by_unacknowledged_backups():
+    """At admission (nothing running) the device is full of nodes whose D2H backups are not
+    acknowledged yet, so they cannot be evicted. The engine must wait for those copies and
+    then load the host hit back, not evict them afterwards and recompute the prefix."""
+    model = ModelConfig(num_layers=2, hidden=64, ffn=128)
+    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=24, max_context=128))
+    backup = engine.transfer.backup_owned
+    engine.transfer.backup_owned = lambda d, h: _SlowHandle(backup(d, h), 0.5)
+    rng = np.random.default_rng(12)
+    x = rng.integers(0, 512, 41).tolist()
+    y = rng.integers(0, 512, 81).tolist()  # 20 pages: with x's 10 the device overflows
+    x2 = x + rng.integers(0, 512, 6).tolist()
+    cold = engine.generate([x2], 2, use_cache=False)
+    engine.generate([x], 2)
+    engine.evict_device_cache()  # x: host only
+    engine.generate([y], 2)  # y's 20 pages: locked by their backup for the next 0.5 s
+    assert engine.cache.in_flight[0] > 0
+    res = engine.generate([x2], 2)
+    assert res[0].tokens == cold[0].tokens
+    assert res[0].cached_tokens == {"device": 0, "host": 40, "storage": 0}
+    _check_computed(res)
+    engine.cache.flush()
+    engine.cache.sanity_check(0)
     engine.close()
