@@ -166,6 +166,8 @@ def _summarize(rounds: list[_Round]) -> dict:
         "hit_rate_per_round": [sum(x.cached_total for x in r.results) / sum(x.prompt_len for x in r.results)
                                for r in rounds],
         "ttft_by_tier": {t: [x.ttft_s for x in res if serving_tier(x) == t] for t in TIERS},
+        "per_request": [{"round": i, "prompt_len": x.prompt_len, "cached": x.cached_tokens, "ttft_s": x.ttft_s,
+                         "prefill_tokens": x.prefill_tokens} for i, r in enumerate(rounds) for x in r.results],
     }
     return out
 

@@ -9,7 +9,8 @@ from hicache_jax import cli
 
 @pytest.mark.parametrize("argv", [
     ["bench", "multiturn", "--model", "tiny", "--clients", "3", "--rounds", "2", "--first-len", "40",
-     "--turn-len", "12", "--answer-len", "3", "--request-rate", "0", "--device-pages", "24", "--page-size", "4"],
+     "--turn-len", "12", "--answer-len", "3", "--request-rate", "0", "--device-pages", "24", "--page-size", "4",
+     "--host-ratio", "4"],
     ["bench", "two-run", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "48", "--page-size", "4",
      "--device-pages", "64"],
     ["bench", "ttft", "--model", "tiny", "--prompt-len", "64", "--reps", "1", "--decode-steps", "3",
@@ -26,7 +27,11 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "JSON written" in text
     if argv[1] == "multiturn":
-        assert payload["hicache"]["cache_hit_rate"] > 0.3 and payload["no_cache"]["cache_hit_rate"] == 0
+        # Round 2 re-sends each 40-token history (+ answer + turn = 55 tokens): 40 tokens hit.
+        # The host holds every history (ratio 4), so no hit depends on an L3 prefetch's timing.
+        assert payload["hicache"]["cache_hit_rate"] == pytest.approx(3 * 40 / (3 * 40 + 3 * 55)), \
+            (payload["hicache"]["per_request"], payload["cache_stats"])
+        assert payload["no_cache"]["cache_hit_rate"] == 0
     if argv[1] == "two-run":
         assert payload["runs"][1]["same_tokens_as_run1"]
         assert payload["runs"][1]["requests_by_tier"]["cold"] == 0
