@@ -7,6 +7,10 @@ move only when the test calls ``complete(handle)`` / ``complete_all()``, in any 
 manager bug that frees or overwrites pages while their transfer is still in flight then
 shows up as wrong bytes, which a shadow model detects.
 
+``inject_failures(n, kind)`` makes the next ``n`` backups / loads fail the way a broken copy
+would: they write random bytes into their destination pages, and waiting on them raises
+``TransferError``. A manager that served those pages would return wrong bytes.
+
 Threading: single-threaded; everything runs on the caller's thread.
 """
 
@@ -18,7 +22,7 @@ from ..allocator import PageAllocator, check_page_ids
 from ..host_layout import HostLayout
 from ..host_pool import HostKVPool
 from ..kv_geometry import KVGeometry
-from ..transfer import KVTransferEngine, LoadHandle
+from ..transfer import KVTransferEngine, LoadHandle, TransferError
 
 
 class NumpyDevicePool:
@@ -51,6 +55,8 @@ class _DeferredHandle(LoadHandle):
         if not self.completed:
             self.completed = True
             self._run()
+        if self.error is not None:
+            raise TransferError(f"transfer failed: {self.error!r}")
 
     def layer_done(self, layer: int) -> bool:
         return self.completed
@@ -101,14 +107,47 @@ class NumpyTransferEngine(KVTransferEngine):
             else:
                 self._rows = tuple(rows)
         self.pending: list[_DeferredHandle] = []
+        self._failures = {"backup": 0, "load": 0}
+        self._garbage = np.random.default_rng(0xBAD)
 
-    def _issue(self, run) -> _DeferredHandle:
+    def inject_failures(self, count: int, kind: str = "backup") -> None:
+        """The next ``count`` copies of ``kind`` ("backup" or "load") fail (test control)."""
+        if kind not in self._failures:
+            raise ValueError(f"kind: expected 'backup' or 'load', got {kind!r}")
+        self._failures[kind] = int(count)
+
+    def _issue(self, run, kind: str = "", dst: np.ndarray | None = None) -> _DeferredHandle:
+        fail = kind and self._failures[kind] > 0
+        if fail:
+            self._failures[kind] -= 1
+            run = self._scramble_fn(kind, dst)
         handle = _DeferredHandle(self, run, self.geom.num_layers)
+        if fail:
+            handle.error = RuntimeError(f"injected {kind} failure")
         if self.deferred:
             self.pending.append(handle)
         else:
-            handle.complete()
+            try:
+                handle.complete()
+            except TransferError:
+                pass  # reported again by wait / wait_layer
         return handle
+
+    def _scramble_fn(self, kind: str, ids: np.ndarray):
+        """A failed copy: random bytes land in the destination pages."""
+        def run() -> None:
+            for dev, host in self._pairs:
+                if kind == "load":
+                    view = dev[:, ids]
+                    dev[:, ids] = self._random_like(view)
+                elif self._perm is None:
+                    host[:, ids] = self._random_like(host[:, ids])
+                else:
+                    host[ids] = self._random_like(host[ids])
+        return run
+
+    def _random_like(self, a: np.ndarray) -> np.ndarray:
+        return self._garbage.integers(0, 256, a.nbytes, dtype=np.uint8).view(a.dtype).reshape(a.shape)
 
     def backup(self, device_ids, host_ids) -> _DeferredHandle:
         d, h = self.validate(device_ids, host_ids)
@@ -137,7 +176,7 @@ class NumpyTransferEngine(KVTransferEngine):
                 else:
                     host[h] = buf.transpose(perm)
 
-        return self._issue(run)
+        return self._issue(run, "backup", h)
 
     def load(self, host_ids, device_ids) -> _DeferredHandle:
         d, h = self.validate(device_ids, host_ids)
@@ -154,13 +193,17 @@ class NumpyTransferEngine(KVTransferEngine):
             for dev, host in pairs:
                 dev[:, d] = host[:, h] if inv is None else host[h].transpose(inv)
 
-        return self._issue(run)
+        return self._issue(run, "load", d)
 
     # ---- test control --------------------------------------------------------------------
     def complete(self, handle: _DeferredHandle) -> None:
-        handle.complete()
+        """Run ``handle``'s copy now (a failed one does not raise here; its wait does)."""
         if handle in self.pending:
             self.pending.remove(handle)
+        try:
+            handle.complete()
+        except TransferError:
+            pass
 
     def complete_all(self) -> None:
         for handle in list(self.pending):

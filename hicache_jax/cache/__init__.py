@@ -8,7 +8,7 @@ L3 (storage): ``StorageController(cache, ...)``; see ``storage_controller``.
 from .components import FULL, ComponentRegistry, MultiLoadHandle, MultiTransferHandle
 from .config import EvictionPolicy, HiCacheConfig, WritePolicy
 from .eviction import EvictionIndex
-from .hiradix_cache import CacheInvariantError, HiRadixCache, InsertResult, LoadBackResult, MatchResult
+from .hiradix_cache import CacheFailedError, CacheInvariantError, HiRadixCache, InsertResult, LoadBackResult, MatchResult
 from .metrics import CacheMetrics, register_prometheus
 from .radix_key import RadixKey, as_token_ids
 from .request import CacheRequest
@@ -16,7 +16,7 @@ from .storage_controller import PrefetchOperation, StorageController
 from .tree_node import TreeNode
 
 __all__ = [
-    "FULL", "CacheInvariantError", "CacheMetrics", "CacheRequest", "ComponentRegistry", "EvictionIndex",
+    "FULL", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest", "ComponentRegistry", "EvictionIndex",
     "EvictionPolicy", "HiCacheConfig", "HiRadixCache", "InsertResult", "LoadBackResult", "MatchResult",
     "MultiLoadHandle", "MultiTransferHandle", "PrefetchOperation", "RadixKey", "StorageController", "TreeNode",
     "WritePolicy", "as_token_ids", "register_prometheus",

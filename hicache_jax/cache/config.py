@@ -61,6 +61,10 @@ class HiCacheConfig:
     * ``host_reclaim``: when the host tier is full and no host-only leaf is left, drop the
       host copy of an on-device node (it stays on device, no longer backed up). Without it a
       host pool smaller than the device pool starves write-through (sglang #33862).
+    * ``transfer_retries``: a backup or load-back whose copy failed is issued again from its
+      source (still locked) this many times when it is acknowledged. If it still fails, the
+      cache stops: every call raises ``CacheFailedError`` until ``reset()``, so pages with
+      undefined bytes are never served.
     * ``storage``: the L3 tier's settings (``hicache_jax.storage.StorageConfig``: backend name,
       path, capacity, prefetch policy, threshold, timeout formula), or a plain dict of its
       fields (e.g. parsed ``--hicache-storage-backend-extra-config`` JSON), or ``None`` for no
@@ -74,6 +78,7 @@ class HiCacheConfig:
     write_through_threshold: int | None = None
     load_back_threshold: int = 10
     host_reclaim: bool = True
+    transfer_retries: int = 2
     storage: StorageConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -85,6 +90,7 @@ class HiCacheConfig:
         else:
             check_int("write_through_threshold", self.write_through_threshold, 1)
         check_int("load_back_threshold", self.load_back_threshold, 0)
+        check_int("transfer_retries", self.transfer_retries, 0, 10)
         if not isinstance(self.host_reclaim, bool):
             raise TypeError(f"host_reclaim: expected a bool, got {type(self.host_reclaim).__name__}")
         if isinstance(self.storage, dict):

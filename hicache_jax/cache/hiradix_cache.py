@@ -64,6 +64,14 @@ L3 hook (``storage_hook``)
     ``sanity_check`` counts ``reserved_host_pages()`` (host pages the controller holds for
     prefetches in flight) as accounted for. ``insert_host`` attaches prefetched host pages.
 
+Failed copies
+    A backup or load-back whose handle reports a failure is issued again, from the same
+    source pages into the same destination pages (both still locked), when it is
+    acknowledged, up to ``config.transfer_retries`` times. If it still fails, the cache
+    stops: every call raises ``CacheFailedError`` until ``reset()``, which empties it (and
+    forgets callers' locks: they must abandon their requests). A load-back's caller that
+    read the pages before the acknowledgement sees the failure through its own handle.
+
 Eviction
     Device: unlocked leaves of the device tier, LRU or LFU. A backed-up leaf is demoted to
     host-only; otherwise it is deleted. Host: host-only, host-unlocked leaves; then (option
@@ -140,11 +148,18 @@ class LoadBackResult:
         self.handle.wait_layer(layer, timeout)
 
 
-class _PendingOp:
-    __slots__ = ("node", "handle", "tokens", "t0")
+class CacheFailedError(RuntimeError):
+    """A KV copy failed even after its retries. The cache refuses every call until
+    ``reset()`` (the pages the copy named hold undefined bytes and must never be served)."""
 
-    def __init__(self, node: TreeNode, handle: TransferHandle, tokens: int) -> None:
+
+class _PendingOp:
+    __slots__ = ("node", "handle", "tokens", "t0", "src", "dst", "load")
+
+    def __init__(self, node: TreeNode, handle: TransferHandle, tokens: int, src: np.ndarray, dst: np.ndarray,
+                 load: bool) -> None:
         self.node, self.handle, self.tokens, self.t0 = node, handle, tokens, time.perf_counter()
+        self.src, self.dst, self.load = src, dst, load  # page ids, to issue the copy again
 
 
 def _count_arg(name: str, value: object) -> int:
@@ -191,6 +206,7 @@ class HiRadixCache:
         self._dev_owned = np.zeros(device_allocator.num_pages, bool)
         self._host_owned = np.zeros(host_alloc.num_pages, bool)
         self._writes: deque[_PendingOp] = deque()
+        self._failure: CacheFailedError | None = None  # set when a copy failed for good
         self._loads: deque[_PendingOp] = deque()
         self.storage_hook = None  # a StorageController, when attached (see the module docstring)
         self._init_tree()
@@ -382,6 +398,8 @@ class HiRadixCache:
 
         Refreshes the access time of every matched node; never counts a hit.
         """
+        if self._failure is not None:
+            self._raise_failure()
         key = as_radix_key(key)
         res = self._match(key)
         m = self.metrics
@@ -397,6 +415,8 @@ class HiRadixCache:
         Read-only, unlike ``match_prefix``: no split, no access-time refresh, no metrics, so a
         scheduler may ask it about waiting requests as often as it likes.
         """
+        if self._failure is not None:
+            self._raise_failure()
         key = as_radix_key(key)
         tokens = key.token_ids
         segs, _ = self._walk(tokens, tokens.shape[0] - tokens.shape[0] % self.page_size, key.namespace)
@@ -448,6 +468,8 @@ class HiRadixCache:
         The tree takes ownership of the pages it keeps and frees the caller's duplicates
         (see the module docstring). ``chunked=True`` (a chunked-prefill insert) counts no hits.
         """
+        if self._failure is not None:
+            self._raise_failure()
         key = as_radix_key(key)
         pages = self._device_pages(device_pages)
         return self._insert(key.token_ids, key.namespace, pages, chunked)[0]  # pages: a private copy
@@ -588,6 +610,8 @@ class HiRadixCache:
         before ``start`` or a not-backed-up node sits where they would go). The leaf is None
         when nothing was attached.
         """
+        if self._failure is not None:
+            self._raise_failure()
         key = as_radix_key(key)
         p = self.page_size
         start = _count_arg("start", start)
@@ -625,6 +649,8 @@ class HiRadixCache:
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors on the device tier. The root is a no-op."""
+        if self._failure is not None:
+            self._raise_failure()
         self._check_node(node)
         if node.value is None:
             raise ValueError(f"node: {node!r} is not on the device; lock the last_device_node of a match")
@@ -632,6 +658,8 @@ class HiRadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one ``inc_lock_ref(node)``. Raises ValueError (no change) if that would go below zero."""
+        if self._failure is not None:
+            self._raise_failure()
         self._check_node(node)
         n = node
         while n is not self.root:
@@ -810,7 +838,7 @@ class HiRadixCache:
             c.parent.host_children += 1
             off += k
         self._refresh(anchor)
-        op = _PendingOp(node, handle, tokens)
+        op = _PendingOp(node, handle, tokens, dev_ids, host_ids, False)
         self.metrics.backup_tokens += tokens
         self.metrics.backup_bytes += npages * self.components.bytes_per_page
         return op
@@ -827,6 +855,8 @@ class HiRadixCache:
 
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
+        if self._failure is not None:
+            self._raise_failure()
         n = self._ack(self._writes, block, "backup_seconds")
         if self.storage_hook is not None:
             self.storage_hook.poll()
@@ -834,10 +864,14 @@ class HiRadixCache:
 
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
+        if self._failure is not None:
+            self._raise_failure()
         return self._ack(self._loads, block, "load_back_seconds")
 
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step)."""
+        if self._failure is not None:
+            self._raise_failure()
         if self._writes:
             self.writing_check()
         elif self.storage_hook is not None:
@@ -847,6 +881,8 @@ class HiRadixCache:
 
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged."""
+        if self._failure is not None:
+            self._raise_failure()
         self.writing_check(block=True)
         self.loading_check(block=True)
 
@@ -855,13 +891,7 @@ class HiRadixCache:
         while queue and (block or queue[0].handle.done()):
             op = queue.popleft()
             try:
-                # Re-raises a failed copy as TransferError. Known gap (not yet repaired): the
-                # op's nodes keep the tier ids set at dispatch, so after a failed backup their
-                # host pages (and after a failed load their device pages) hold unwritten bytes
-                # that a later hit could serve. A repair must re-copy from the still-locked
-                # source before the op is released, or drop the copies together with any
-                # descendant copies queued behind it (FIFO acks keep those unacknowledged).
-                op.handle.wait()
+                self._wait_op(op)
                 if queue is self._writes and self.storage_hook is not None:
                     self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
             finally:
@@ -869,6 +899,37 @@ class HiRadixCache:
             setattr(self.metrics, metric, getattr(self.metrics, metric) + time.perf_counter() - op.t0)
             count += 1
         return count
+
+    def _wait_op(self, op: _PendingOp) -> None:
+        """Wait for ``op``'s copy; a failed one is issued again from its source.
+
+        Both ends of the copy are locked until the op is released (after this returns), so
+        a retry copies the same bytes into the same pages, and nothing read the destination
+        meanwhile (except a load-back's own caller, which sees the failure through its
+        handle). If every retry fails, the cache stops (``CacheFailedError``).
+        """
+        try:
+            op.handle.wait()
+            return
+        except Exception as e:  # noqa: BLE001 - an engine may raise its own error types
+            error = e
+        m = self.metrics
+        for _ in range(self.config.transfer_retries):
+            m.transfer_retries += 1
+            try:
+                (self.components.load if op.load else self.components.backup)(op.src, op.dst).wait()
+                return
+            except Exception as e:  # noqa: BLE001
+                error = e
+        m.transfer_failures += 1
+        what = "load-back" if op.load else "backup"
+        self._failure = CacheFailedError(
+            f"a {what} of {op.tokens} tokens failed after {self.config.transfer_retries} retries ({error!r}); "
+            f"the cache refuses every call until reset()")
+        raise self._failure from error
+
+    def _raise_failure(self) -> None:
+        raise self._failure
 
     @property
     def in_flight(self) -> tuple[int, int]:
@@ -878,6 +939,8 @@ class HiRadixCache:
     # ------------------------------------------------------------------ eviction
     def alloc_device(self, num_pages: int) -> np.ndarray | None:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
+        if self._failure is not None:
+            self._raise_failure()
         num_pages = _count_arg("num_pages", num_pages)
         ids = self.device_allocator.alloc(num_pages)
         if ids is None:
@@ -887,6 +950,8 @@ class HiRadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
+        if self._failure is not None:
+            self._raise_failure()
         num_tokens = _count_arg("num_tokens", num_tokens)
         t0 = time.perf_counter()
         m = self.metrics
@@ -905,11 +970,12 @@ class HiRadixCache:
                 if op is None:
                     m.dropped_tokens += size
                 else:
-                    op.handle.wait()  # write_back blocks on the copy, as upstream (a failure
-                    # raises out of evict with the op unreleased: see the gap noted in _ack)
-                    if self.storage_hook is not None:
-                        self.storage_hook.on_backup_acked(op.node)
-                    self._release(op)
+                    try:
+                        self._wait_op(op)  # write_back blocks on the copy, as upstream
+                        if self.storage_hook is not None:
+                            self.storage_hook.on_backup_acked(op.node)
+                    finally:
+                        self._release(op)
                     m.backup_seconds += time.perf_counter() - op.t0
             # Inlined _clear_device(node, owned=False) (+ _remove_leaf): the node left the
             # device index when popped (write_back: the backup's unlock may have re-listed it).
@@ -959,6 +1025,8 @@ class HiRadixCache:
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
+        if self._failure is not None:
+            self._raise_failure()
         pages = -(-_count_arg("num_tokens", num_tokens) // self.page_size)
         return self._evict_host(pages) * self.page_size
 
@@ -998,6 +1066,8 @@ class HiRadixCache:
         no room even after eviction. The loaded nodes count as on-device at once, locked
         until ``loading_check`` acknowledges the copy.
         """
+        if self._failure is not None:
+            self._raise_failure()
         self._check_node(node)
         if mem_quota is not None:
             mem_quota = _count_arg("mem_quota", mem_quota)
@@ -1043,7 +1113,7 @@ class HiRadixCache:
             c.parent.dev_children += 1
             off += k
         self._refresh(anchor)
-        self._loads.append(_PendingOp(node, handle, tokens))
+        self._loads.append(_PendingOp(node, handle, tokens, host_ids, dev, True))
         m.load_back_calls += 1
         m.loaded_tokens += tokens
         m.loaded_bytes += npages * self.components.bytes_per_page
@@ -1057,6 +1127,8 @@ class HiRadixCache:
         Returns the request (its ``device_pages`` = the cached prefix, owned by the tree) and
         the load-back in flight, if any.
         """
+        if self._failure is not None:
+            self._raise_failure()
         key = as_radix_key(key)
         res = self.match_prefix(key)
         pages, last = res.device_indices, res.last_device_node
@@ -1134,6 +1206,8 @@ class HiRadixCache:
         Duplicate pages are freed and replaced in ``req.device_pages`` by the tree's; the lock
         moves to the new deepest node. A trailing partial page stays with the request.
         """
+        if self._failure is not None:
+            self._raise_failure()
         self._check_request(req)
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
@@ -1158,6 +1232,8 @@ class HiRadixCache:
 
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
+        if self._failure is not None:
+            self._raise_failure()
         self._check_request(req)
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
@@ -1180,10 +1256,22 @@ class HiRadixCache:
         """Drop everything: wait for transfers, free every page the tree owns.
 
         Raises RuntimeError (after the wait, before freeing) while callers still hold locks.
+        After a ``CacheFailedError`` it waits for the copies in flight ignoring their errors,
+        and drops callers' locks too: callers must abandon every request they held.
         """
-        self.flush()
-        if self.protected_tokens:
-            raise RuntimeError(f"reset: callers still hold locks on {self.protected_tokens} device tokens")
+        if self._failure is None:
+            self.flush()
+            if self.protected_tokens:
+                raise RuntimeError(f"reset: callers still hold locks on {self.protected_tokens} device tokens")
+        else:
+            for op in (*self._writes, *self._loads):
+                try:  # a copy still running must not land in pages the next user gets
+                    op.handle.wait()
+                except Exception:  # noqa: BLE001 - the cache is being emptied anyway
+                    pass
+            self._writes.clear()
+            self._loads.clear()
+            self._failure = None
         if self.storage_hook is not None:
             self.storage_hook.on_reset()  # L3 backups still reading host pages finish first
         dev = np.flatnonzero(self._dev_owned).astype(ID_DTYPE)

@@ -35,6 +35,9 @@ class CacheMetrics:
     backup_bytes: int = 0
     backup_failed_tokens: int = 0  # no host memory even after host eviction
     backup_seconds: float = 0.0  # issue -> acknowledged, summed
+    # failed copies (either direction)
+    transfer_retries: int = 0  # failed copies issued again
+    transfer_failures: int = 0  # copies that still failed after every retry (the cache stopped)
     # device eviction
     evict_calls: int = 0
     evicted_device_tokens: int = 0  # freed from the device tier (demoted + deleted)
@@ -81,6 +84,8 @@ _COUNTERS = [
     ("evicted_tokens", "Tokens evicted from a tier", "evicted_device_tokens", {"tier": "device"}),
     ("evicted_tokens", "Tokens evicted from a tier", "evicted_host_tokens", {"tier": "host"}),
     ("dropped_tokens", "Tokens dropped instead of backed up", "dropped_tokens", {"reason": "host_pressure"}),
+    ("transfer_retries", "Failed KV copies issued again", "transfer_retries", {}),
+    ("transfer_failures", "KV copies that failed after every retry", "transfer_failures", {}),
     ("eviction_duration_seconds", "Time spent in device eviction", "eviction_seconds", {}),
     ("load_back_duration_seconds", "Load-back time, issue to acknowledgement", "load_back_seconds", {}),
     ("backup_duration_seconds", "Backup time, issue to acknowledgement", "backup_seconds", {}),

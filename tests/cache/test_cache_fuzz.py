@@ -2,10 +2,13 @@
 
 Random requests (begin / unfinished / finished / abort), raw match / lock / unlock /
 evict / evict_host / load_back / reset, and transfers completed in random order on a
-deferred engine. After every step: ``sanity_check`` (with the request-held page count, so a
+deferred engine, with injected copy failures (garbage in the destination; retried, or the
+cache stops and is reset). After every step: ``sanity_check`` (with the request-held page count, so a
 leak is caught). The shadow model: KV at a position is a function of (namespace, prefix),
 so every device hit and every settled host copy must hold exactly those bytes.
 """
+
+import functools
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from cache_harness import KVOracle, numpy_backend_factory, small_geom
-from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
+from hicache_jax.cache import CacheFailedError, HiCacheConfig, HiRadixCache, RadixKey
 
 STEPS = {"n": 0}
 EVENTS: dict = {}  # cache metrics summed over all runs: proves the machine reaches every path
@@ -23,6 +26,18 @@ EVENTS: dict = {}  # cache metrics summed over all runs: proves the machine reac
 # Keys are prefixes of a few base documents plus a short random tail, so requests share
 # prefixes (and split nodes) the way multi-turn traffic does.
 _DOCS = np.random.default_rng(0).integers(0, 50, size=(3, 24))
+
+
+def _survives_failure(rule_fn):
+    """A copy that failed for good stops the cache (``CacheFailedError``) at whatever call
+    acknowledged it: the machine then checks the stop, resets and goes on."""
+    @functools.wraps(rule_fn)
+    def run(self, *args, **kwargs):
+        try:
+            return rule_fn(self, *args, **kwargs)
+        except CacheFailedError:
+            self.after_failure()
+    return run
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -57,7 +72,10 @@ class CacheMachine(RuleBasedStateMachine):
         return RadixKey(np.array(toks, dtype=np.int64), ns)
 
     def loading_pages(self):
-        self.loads = [(h, pg) for h, pg in self.loads if not h.done()]
+        # A failed load's pages hold garbage until the cache acknowledges it (and copies them
+        # again): its reader learns of it through the handle, as a forward pass would.
+        acking = {id(op.handle) for op in self.cache._loads}
+        self.loads = [(h, pg) for h, pg in self.loads if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)]
         return set(np.concatenate([pg for _, pg in self.loads]).tolist()) if self.loads else set()
 
     def check_device(self, key, pages, first_page=0):
@@ -80,6 +98,23 @@ class CacheMachine(RuleBasedStateMachine):
                 self.oracle.check_host(key, node.host_value, off)
             off += k
 
+    def after_failure(self):
+        EVENTS["fail_stops"] = EVENTS.get("fail_stops", 0) + 1
+        with pytest.raises(CacheFailedError):
+            self.cache.match_prefix(self.key([0], None))
+        for req in self.reqs:  # the requests are abandoned: their own pages go back
+            own = req.device_pages[req.cached_pages:]
+            if own.size:
+                self.be.device.allocator.free(own)
+        self.reqs, self.locks, self.loads = [], [], []
+        self.no_more_failures()
+        self.cache.reset()
+
+    def no_more_failures(self):
+        if hasattr(self.be.engine, "inject_failures"):
+            self.be.engine.inject_failures(0, "backup")
+            self.be.engine.inject_failures(0, "load")
+
     def own_pages(self):
         return sum(r.device_pages.shape[0] - r.cached_pages for r in self.reqs)
 
@@ -93,6 +128,7 @@ class CacheMachine(RuleBasedStateMachine):
     ns = st.sampled_from([None, "b"])
 
     @rule(toks=tokens, ns=ns, load=st.booleans(), quota=st.sampled_from([None, 4, 100]))
+    @_survives_failure
     def begin(self, toks, ns, load, quota):
         key = self.key(toks, ns)
         req, lb = self.cache.begin_request(key, mem_quota=quota, load_back=load)
@@ -110,6 +146,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(toks=tokens, ns=ns, load=st.booleans(), out=st.lists(st.integers(0, 2), max_size=4),
           mid=st.booleans())
+    @_survives_failure
     def serve(self, toks, ns, load, out, mid):
         """A whole request in one step: begin, prefill, (unfinished), decode, finished."""
         self.begin(toks, ns, load, None)
@@ -122,6 +159,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), chunked=st.booleans())
+    @_survives_failure
     def unfinished(self, data, chunked):
         req = data.draw(st.sampled_from(self.reqs))
         self.cache.cache_unfinished_req(req, chunked=chunked)
@@ -129,6 +167,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), more=st.lists(st.integers(0, 2), max_size=5))
+    @_survives_failure
     def finish(self, data, more):
         self._finish(data.draw(st.sampled_from(self.reqs)), more)
 
@@ -152,6 +191,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
+    @_survives_failure
     def abort(self, data):
         req = data.draw(st.sampled_from(self.reqs))
         self.reqs.remove(req)
@@ -160,11 +200,13 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.dec_lock_ref(req.last_node)
 
     @rule(toks=tokens, ns=ns)
+    @_survives_failure
     def match(self, toks, ns):
         key = self.key(toks, ns)
         self.check_path(key, self.cache.match_prefix(key))
 
     @rule(toks=tokens, ns=ns)
+    @_survives_failure
     def lock(self, toks, ns):
         m = self.cache.match_prefix(self.key(toks, ns))
         self.cache.inc_lock_ref(m.last_device_node)
@@ -172,22 +214,26 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
+    @_survives_failure
     def unlock(self, data):
         node = data.draw(st.sampled_from(self.locks))
         self.locks.remove(node)
         self.cache.dec_lock_ref(node)
 
     @rule(n=st.integers(0, 12))
+    @_survives_failure
     def evict(self, n):
         before = self.cache.evictable_tokens
         freed = self.cache.evict(n)
         assert freed >= min(n, before)  # every unlocked device token is reachable by cascade
 
     @rule(n=st.integers(0, 12))
+    @_survives_failure
     def evict_host(self, n):
         self.cache.evict_host(n)
 
     @rule(toks=tokens, ns=ns, quota=st.sampled_from([None, 3, 100]))
+    @_survives_failure
     def load_back(self, toks, ns, quota):
         key = self.key(toks, ns)
         m = self.cache.match_prefix(key)
@@ -207,6 +253,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.be.complete_all()
 
     @rule(block=st.booleans())
+    @_survives_failure
     def poll(self, block):
         if block:
             self.cache.flush()
@@ -215,6 +262,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.reqs and not self.locks)
     @rule(go=st.integers(0, 7))
+    @_survives_failure
     def reset(self, go):
         if go:  # rarely: a reset throws away the state the other rules build up
             return
@@ -222,6 +270,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.loads = []
 
     @rule(toks=tokens, bad=st.sampled_from(["short", "owned", "unlock"]))
+    @_survives_failure
     def bad_input_changes_nothing(self, toks, bad):
         key = self.key(toks, None)
         m = self.cache.match_prefix(key)
@@ -264,36 +313,56 @@ class CacheMachine(RuleBasedStateMachine):
         for k, v in self.cache.metrics.as_dict().items():
             EVENTS[k] = EVENTS.get(k, 0) + v
         # Drain: everything must come back to the pools.
-        for req in list(self.reqs):
-            self.cache.cache_finished_req(req)
-        for node in self.locks:
-            self.cache.dec_lock_ref(node)
-        self.be.complete_all()
-        self.cache.flush()
+        self.no_more_failures()
+        try:
+            for req in list(self.reqs):
+                self.cache.cache_finished_req(req)
+                self.reqs.remove(req)
+            for node in self.locks:
+                self.cache.dec_lock_ref(node)
+            self.be.complete_all()
+            self.cache.flush()
+        except CacheFailedError:  # a copy that failed earlier is acknowledged here
+            self.after_failure()
         self.cache.sanity_check(0)
         self.cache.reset()
         assert self.be.device.allocator.available == self.be.device.allocator.num_pages
         assert self.be.host.allocator.available == self.be.host.allocator.num_pages
 
 
-def _run(examples, steps, min_total, derandomize):
+class FailingCacheMachine(CacheMachine):
+    """``CacheMachine`` plus injected copy failures (the numpy engine's ``inject_failures``).
+
+    A subclass, so the torch run keeps the base machine's rule set and draws."""
+
+    @rule(kind=st.sampled_from(["backup", "load"]), count=st.integers(1, 3))
+    def inject_failure(self, kind, count):
+        """The next copies of ``kind`` write garbage and fail. The default 2 retries absorb
+        up to 2 in a row; more stop the cache. Every byte served must still be right."""
+        self.be.engine.inject_failures(count, kind)
+
+
+def _run(examples, steps, min_total, derandomize, failures=True):
     STEPS["n"] = 0
     EVENTS.clear()
-    run_state_machine_as_test(CacheMachine, settings=settings(
+    run_state_machine_as_test(FailingCacheMachine if failures else CacheMachine, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         derandomize=derandomize, suppress_health_check=list(HealthCheck)))
     assert STEPS["n"] >= min_total, f"only {STEPS['n']} steps ran"
     # The fuzz must actually exercise every tier transition, not just pass trivially.
     for event in ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
                   "evicted_host_tokens", "reclaimed_host_tokens", "dropped_tokens", "load_back_skipped",
-                  "backup_failed_tokens"):
+                  "backup_failed_tokens", *(("transfer_retries", "transfer_failures") if failures else ())):
         assert EVENTS.get(event, 0) > 0, f"fuzz never produced {event}: {EVENTS}"
 
 
+# CI: >= 2,000 checked steps (about 10,000; a few seconds). Derandomized: CI is reproducible
+# and the event-coverage check cannot flake.
+CI_RUN = dict(examples=250, steps=50, min_total=2000, derandomize=True)
+
+
 def test_fuzz_ci():
-    """CI: >= 2,000 checked steps (about 10,000; a few seconds)."""
-    # Derandomized: CI is reproducible and the event-coverage check cannot flake.
-    _run(examples=250, steps=50, min_total=2000, derandomize=True)
+    _run(**CI_RUN)
 
 
 @pytest.mark.slow

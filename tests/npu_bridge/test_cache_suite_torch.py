@@ -58,4 +58,5 @@ assert _reexport(test_cache_api, "api") > 0 and _reexport(test_cache_policies, "
 
 def test_fuzz_torch_ci(monkeypatch):
     monkeypatch.setattr(test_cache_fuzz.CacheMachine, "backend_factory", staticmethod(torch_backend_factory))
-    test_cache_fuzz.test_fuzz_ci()
+    # The torch engine cannot inject copy failures (the numpy run covers them).
+    test_cache_fuzz._run(**test_cache_fuzz.CI_RUN, failures=False)
