@@ -55,8 +55,6 @@ class _DeferredHandle(LoadHandle):
         if not self.completed:
             self.completed = True
             self._run()
-        if self.error is not None:
-            raise TransferError(f"transfer failed: {self.error!r}")
 
     def layer_done(self, layer: int) -> bool:
         return self.completed
@@ -64,6 +62,8 @@ class _DeferredHandle(LoadHandle):
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         # Deferred mode: waiting forces completion, like a blocking stream sync.
         self.complete()
+        if self.error is not None:
+            raise TransferError(f"transfer failed: {self.error!r}")
 
     def done(self) -> bool:
         return self.completed
@@ -127,10 +127,7 @@ class NumpyTransferEngine(KVTransferEngine):
         if self.deferred:
             self.pending.append(handle)
         else:
-            try:
-                handle.complete()
-            except TransferError:
-                pass  # reported again by wait / wait_layer
+            handle.complete()
         return handle
 
     def _scramble_fn(self, kind: str, ids: np.ndarray):
@@ -138,8 +135,7 @@ class NumpyTransferEngine(KVTransferEngine):
         def run() -> None:
             for dev, host in self._pairs:
                 if kind == "load":
-                    view = dev[:, ids]
-                    dev[:, ids] = self._random_like(view)
+                    dev[:, ids] = self._random_like(dev[:, ids])
                 elif self._perm is None:
                     host[:, ids] = self._random_like(host[:, ids])
                 else:
@@ -198,12 +194,9 @@ class NumpyTransferEngine(KVTransferEngine):
     # ---- test control --------------------------------------------------------------------
     def complete(self, handle: _DeferredHandle) -> None:
         """Run ``handle``'s copy now (a failed one does not raise here; its wait does)."""
+        handle.complete()
         if handle in self.pending:
             self.pending.remove(handle)
-        try:
-            handle.complete()
-        except TransferError:
-            pass
 
     def complete_all(self) -> None:
         for handle in list(self.pending):

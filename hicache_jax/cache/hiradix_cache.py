@@ -399,7 +399,7 @@ class HiRadixCache:
         Refreshes the access time of every matched node; never counts a hit.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         key = as_radix_key(key)
         res = self._match(key)
         m = self.metrics
@@ -416,7 +416,7 @@ class HiRadixCache:
         scheduler may ask it about waiting requests as often as it likes.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         key = as_radix_key(key)
         tokens = key.token_ids
         segs, _ = self._walk(tokens, tokens.shape[0] - tokens.shape[0] % self.page_size, key.namespace)
@@ -469,7 +469,7 @@ class HiRadixCache:
         (see the module docstring). ``chunked=True`` (a chunked-prefill insert) counts no hits.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         key = as_radix_key(key)
         pages = self._device_pages(device_pages)
         return self._insert(key.token_ids, key.namespace, pages, chunked)[0]  # pages: a private copy
@@ -611,7 +611,7 @@ class HiRadixCache:
         when nothing was attached.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         key = as_radix_key(key)
         p = self.page_size
         start = _count_arg("start", start)
@@ -650,7 +650,7 @@ class HiRadixCache:
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors on the device tier. The root is a no-op."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         self._check_node(node)
         if node.value is None:
             raise ValueError(f"node: {node!r} is not on the device; lock the last_device_node of a match")
@@ -659,7 +659,7 @@ class HiRadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one ``inc_lock_ref(node)``. Raises ValueError (no change) if that would go below zero."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         self._check_node(node)
         n = node
         while n is not self.root:
@@ -856,7 +856,7 @@ class HiRadixCache:
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         n = self._ack(self._writes, block, "backup_seconds")
         if self.storage_hook is not None:
             self.storage_hook.poll()
@@ -865,13 +865,13 @@ class HiRadixCache:
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         return self._ack(self._loads, block, "load_back_seconds")
 
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step)."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         if self._writes:
             self.writing_check()
         elif self.storage_hook is not None:
@@ -882,7 +882,7 @@ class HiRadixCache:
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         self.writing_check(block=True)
         self.loading_check(block=True)
 
@@ -928,9 +928,6 @@ class HiRadixCache:
             f"the cache refuses every call until reset()")
         raise self._failure from error
 
-    def _raise_failure(self) -> None:
-        raise self._failure
-
     @property
     def in_flight(self) -> tuple[int, int]:
         """(backups, load-backs) not yet acknowledged."""
@@ -940,7 +937,7 @@ class HiRadixCache:
     def alloc_device(self, num_pages: int) -> np.ndarray | None:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         num_pages = _count_arg("num_pages", num_pages)
         ids = self.device_allocator.alloc(num_pages)
         if ids is None:
@@ -951,7 +948,7 @@ class HiRadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         num_tokens = _count_arg("num_tokens", num_tokens)
         t0 = time.perf_counter()
         m = self.metrics
@@ -1026,7 +1023,7 @@ class HiRadixCache:
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         pages = -(-_count_arg("num_tokens", num_tokens) // self.page_size)
         return self._evict_host(pages) * self.page_size
 
@@ -1067,7 +1064,7 @@ class HiRadixCache:
         until ``loading_check`` acknowledges the copy.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         self._check_node(node)
         if mem_quota is not None:
             mem_quota = _count_arg("mem_quota", mem_quota)
@@ -1128,7 +1125,7 @@ class HiRadixCache:
         the load-back in flight, if any.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         key = as_radix_key(key)
         res = self.match_prefix(key)
         pages, last = res.device_indices, res.last_device_node
@@ -1207,7 +1204,7 @@ class HiRadixCache:
         moves to the new deepest node. A trailing partial page stays with the request.
         """
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         self._check_request(req)
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
@@ -1233,7 +1230,7 @@ class HiRadixCache:
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
         if self._failure is not None:
-            self._raise_failure()
+            raise self._failure
         self._check_request(req)
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
