@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
@@ -30,18 +30,22 @@ _DOCS = np.random.default_rng(0).integers(0, 50, size=(3, 24))
 
 def _survives_failure(rule_fn):
     """A copy that failed for good stops the cache (``CacheFailedError``) at whatever call
-    acknowledged it: the machine then checks the stop, resets and goes on."""
+    acknowledged it: a machine that injects failures then checks the stop, resets and goes
+    on. Without injected failures the error is a test failure."""
     @functools.wraps(rule_fn)
     def run(self, *args, **kwargs):
         try:
             return rule_fn(self, *args, **kwargs)
         except CacheFailedError:
+            if not self.injects_failures:
+                raise
             self.after_failure()
     return run
 
 
 class CacheMachine(RuleBasedStateMachine):
     backend_factory = staticmethod(numpy_backend_factory)
+    injects_failures = False
 
     @initialize(
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
@@ -75,7 +79,8 @@ class CacheMachine(RuleBasedStateMachine):
         # A failed load's pages hold garbage until the cache acknowledges it (and copies them
         # again): its reader learns of it through the handle, as a forward pass would.
         acking = {id(op.handle) for op in self.cache._loads}
-        self.loads = [(h, pg) for h, pg in self.loads if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)]
+        self.loads = [(h, pg) for h, pg in self.loads
+                      if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)]
         return set(np.concatenate([pg for _, pg in self.loads]).tolist()) if self.loads else set()
 
     def check_device(self, key, pages, first_page=0):
@@ -111,7 +116,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.reset()
 
     def no_more_failures(self):
-        if hasattr(self.be.engine, "inject_failures"):
+        if self.injects_failures:
             self.be.engine.inject_failures(0, "backup")
             self.be.engine.inject_failures(0, "load")
 
@@ -323,6 +328,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.be.complete_all()
             self.cache.flush()
         except CacheFailedError:  # a copy that failed earlier is acknowledged here
+            if not self.injects_failures:
+                raise
             self.after_failure()
         self.cache.sanity_check(0)
         self.cache.reset()
@@ -335,6 +342,8 @@ class FailingCacheMachine(CacheMachine):
 
     A subclass, so the torch run keeps the base machine's rule set and draws."""
 
+    injects_failures = True
+
     @rule(kind=st.sampled_from(["backup", "load"]), count=st.integers(1, 3))
     def inject_failure(self, kind, count):
         """The next copies of ``kind`` write garbage and fail. The default 2 retries absorb
@@ -342,12 +351,17 @@ class FailingCacheMachine(CacheMachine):
         self.be.engine.inject_failures(count, kind)
 
 
-def _run(examples, steps, min_total, derandomize, failures=True):
+def _run(examples, steps, min_total, fixed_seed=None, failures=True):
     STEPS["n"] = 0
     EVENTS.clear()
-    run_state_machine_as_test(FailingCacheMachine if failures else CacheMachine, settings=settings(
+    machine = FailingCacheMachine if failures else CacheMachine
+    if fixed_seed is not None:
+        # An explicit seed, not derandomize: hypothesis derives that one from the machine
+        # class's source, so any edit of the class (a comment) picked another run.
+        machine = seed(fixed_seed)(type(machine.__name__, (machine,), {}))
+    run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-        derandomize=derandomize, suppress_health_check=list(HealthCheck)))
+        suppress_health_check=list(HealthCheck)))
     assert STEPS["n"] >= min_total, f"only {STEPS['n']} steps ran"
     # The fuzz must actually exercise every tier transition, not just pass trivially.
     for event in ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
@@ -356,9 +370,9 @@ def _run(examples, steps, min_total, derandomize, failures=True):
         assert EVENTS.get(event, 0) > 0, f"fuzz never produced {event}: {EVENTS}"
 
 
-# CI: >= 2,000 checked steps (about 10,000; a few seconds). Derandomized: CI is reproducible
-# and the event-coverage check cannot flake.
-CI_RUN = dict(examples=250, steps=50, min_total=2000, derandomize=True)
+# CI: >= 2,000 checked steps (about 20,000; ~12 s). A fixed seed: CI is reproducible and the
+# event-coverage check cannot flake. 500 examples: with 250, 1 seed in 6 missed an event.
+CI_RUN = dict(examples=500, steps=50, min_total=2000, fixed_seed=0)
 
 
 def test_fuzz_ci():
@@ -368,4 +382,4 @@ def test_fuzz_ci():
 @pytest.mark.slow
 def test_fuzz_slow():
     """>= 100,000 checked steps (run with -m slow)."""
-    _run(examples=1500, steps=100, min_total=100_000, derandomize=False)
+    _run(examples=1500, steps=100, min_total=100_000)

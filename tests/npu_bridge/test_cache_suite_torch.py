@@ -3,9 +3,11 @@
 Every test of tests/cache/test_cache_api.py and test_cache_policies.py that takes the
 ``backend_factory`` fixture is re-collected here with the fixture bound to
 ``make_torch_backend`` (device='cpu'); the stateful fuzz runs with its machine's factory
-swapped. Non-deferred transfers are really asynchronous here (worker threads), unlike numpy's.
+swapped. Non-deferred transfers are really asynchronous here (worker threads), unlike numpy's,
+except in the fuzz, which finishes them before they return (see ``_fuzz_backend_factory``).
 """
 
+import functools
 import inspect
 import sys
 from pathlib import Path
@@ -56,7 +58,26 @@ def _reexport(module, prefix):
 assert _reexport(test_cache_api, "api") > 0 and _reexport(test_cache_policies, "policies") > 0
 
 
+def _finished(issue, *page_ids):
+    handle = issue(*page_ids)
+    handle.wait()
+    return handle
+
+
+def _fuzz_backend_factory(geom, device_pages, host_pages, layout="page_first", deferred=False):
+    """The torch backend with every non-deferred copy finished before it returns. Hypothesis
+    replays test cases and needs the same draws each time; with copies on worker threads,
+    which requests got device room depended on their timing (FlakyStrategyDefinition).
+    Deferred copies, completed by the machine in random order, still cover out-of-order
+    completion; the asynchronous path has its own tests (test_torch_backend_cpu.py)."""
+    be = torch_backend_factory(geom, device_pages, host_pages, layout, deferred)
+    if not deferred:
+        for name in ("backup_owned", "load_owned"):
+            setattr(be.engine, name, functools.partial(_finished, getattr(be.engine, name)))
+    return be
+
+
 def test_fuzz_torch_ci(monkeypatch):
-    monkeypatch.setattr(test_cache_fuzz.CacheMachine, "backend_factory", staticmethod(torch_backend_factory))
+    monkeypatch.setattr(test_cache_fuzz.CacheMachine, "backend_factory", staticmethod(_fuzz_backend_factory))
     # The torch engine cannot inject copy failures (the numpy run covers them).
     test_cache_fuzz._run(**test_cache_fuzz.CI_RUN, failures=False)
