@@ -55,6 +55,7 @@ class CacheMetrics:
     prefetch_skipped: int = 0  # not started: continuation under the threshold, host budget, closed
     prefetch_revoked: int = 0  # started, then dropped: hit under the threshold, no host room, tree moved
     prefetch_timeouts: int = 0  # ``timeout`` policy: the deadline passed before the last page
+    prefetch_truncated: int = 0  # the host could hold only the first part of the hit: that part was read
     prefetched_tokens: int = 0  # tokens read from storage into host pages
     storage_hit_tokens: int = 0  # prefetched tokens attached to the tree (finish_prefetch's result)
     prefetch_seconds: float = 0.0  # prefetch start -> finish_prefetch, summed
@@ -95,6 +96,7 @@ _COUNTERS = [
     ("prefetched_tokens", "Tokens read from L3 storage into host pages", "prefetched_tokens", {}),
     ("prefetch_revoked", "Prefetches dropped after they started", "prefetch_revoked", {}),
     ("prefetch_timeouts", "Prefetches cut short by the timeout policy", "prefetch_timeouts", {}),
+    ("prefetch_truncated", "Prefetches cut to the host memory free for them", "prefetch_truncated", {}),
     ("prefetch_duration_seconds", "Prefetch time, start to finish_prefetch", "prefetch_seconds", {}),
     ("storage_backup_tokens", "Tokens backed up host -> L3 storage", "storage_backup_tokens", {}),
     ("storage_backup_bytes", "KV bytes backed up host -> L3 storage", "storage_backup_bytes", {}),

@@ -61,7 +61,9 @@ Prefetch (REFERENCE.md 2.6 flow; policies in ``storage.config``)
     and count consecutive storage hits in ``batch_pages`` batches, stopping at the first
     partial batch. On the owner thread (``poll``, ``prefetch_ready`` or ``finish_prefetch``) a
     hit under the threshold is revoked; otherwise exactly ``hit`` host pages are allocated
-    (evicting host leaves if needed) and the IO thread reads them batch by batch (all pools
+    (evicting host leaves if needed; when the host cannot free that many, the pages it can
+    give hold the hit's first pages, if they reach the threshold: ``prefetch_truncated``, else
+    revoked) and the IO thread reads them batch by batch (all pools
     per batch), stopping at the first miss or when told to. ``finish_prefetch`` applies the
     policy -- ``best_effort``: take what has arrived; ``wait_complete``: wait for every page;
     ``timeout``: wait until done or ``prefetch_timeout(tokens)`` seconds after ``prefetch``
@@ -618,8 +620,15 @@ class StorageController:
             return
         ids = self.cache._alloc_host(hit)
         if ids is None:
-            self._revoke(op, "no host memory for the hit")
-            return
+            # Host eviction freed what it could (pages under a backup or an L3 write stay
+            # locked): read the part of the prefix that fits rather than nothing, when that is
+            # still worth a read. The pages it freed would otherwise go unused.
+            fit = self.cache.host_allocator.available
+            if fit * self.page_size < self.threshold:
+                self._revoke(op, "no host memory for the hit")
+                return
+            ids = self.cache.host_allocator.alloc(fit)  # hit_tokens still says what storage had
+            self.cache.metrics.prefetch_truncated += 1
         op._ids = op._reserved = ids.astype(np.int64)
         op.status = "loading"
         self._io.submit(self._run_io, op)

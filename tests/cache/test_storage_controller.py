@@ -457,6 +457,43 @@ def test_inflight_budget_skips_prefetches(backend_factory):
     ctl.close()
 
 
+def _hold_host_pages(cache, ctl, store, oracle, keys):
+    """Fill the host with pages that stay host-locked: their L3 writes hang (writes gated)."""
+    store.writes.clear()
+    for key in keys:
+        prefill_insert(cache, oracle, key)
+        cache.flush()  # D2H acknowledged: the L3 write is queued and holds the host pages
+        cache.evict(cache.evictable_tokens)
+
+
+@pytest.mark.parametrize("free_pages, attached", [(6, 12), (1, 0)])
+def test_prefetch_reads_what_fits_when_the_host_is_held(backend_factory, free_pages, attached):
+    """Host pages held by L3 writes cannot be evicted: a 16-page hit then reads its first
+    pages into the host pages that are free (if they reach the threshold, 4 tokens here)."""
+    cache, be, ctl, store, oracle = _fill(backend_factory)
+    held = cache.host_allocator.num_pages - free_pages  # 64 host pages in all
+    sizes = [min(28, held - 28 * k) for k in range(-(-held // 28))]  # pages; the device holds 32
+    _hold_host_pages(cache, ctl, store, oracle, [seq(1000 * (k + 1), 2 * n) for k, n in enumerate(sizes)])
+    assert cache.host_allocator.available == free_pages and cache.evict_host(cache.host_tokens) == 0
+    store.reads.release(1000)
+    op = ctl.prefetch(seq(0, 32))
+    assert ctl.finish_prefetch(op) == attached
+    assert op.hit_tokens == 32  # what the storage had
+    m = cache.metrics
+    if attached:
+        assert op.status == "finished" and m.prefetch_truncated == 1 and m.prefetched_tokens == attached
+        req = fetch_and_check(cache, ctl, oracle, seq(0, 32), 0)  # the attached pages are bit-exact
+        assert req.cached_pages == attached // P
+    else:
+        assert op.status == "revoked" and op.reason == "no host memory for the hit"
+        assert m.prefetch_truncated == 0 and m.prefetch_revoked == 1
+    cache.sanity_check()
+    store.writes.set()
+    assert ctl.flush(10)
+    cache.sanity_check(0)
+    ctl.close()
+
+
 def test_prefix_not_backed_up_skips(backend_factory):
     cache, be = make_cache(backend_factory, page_size=P, write_policy="write_back")
     ctl = StorageController(cache, scfg(), model="m")
