@@ -17,9 +17,11 @@ Pools and hit policies (REFERENCE.md 2.7/2.8): a request's pages exist in severa
 * ``TRAILING_PAGES(window)``: only the ``window`` pages before the hit point must be stored
   (``[max(0, hit - window), hit)``); SWA backups write only those.
 
-The multi-pool hit is the largest ``hit`` satisfying every pool. Nothing is published for a
-page unless all pools have it: ``get_multi`` reads everything first and only then writes host
-pages, so a target page never lands without its draft (stronger than upstream's draft-first).
+The multi-pool hit is the largest ``hit`` satisfying every pool. Nothing is reported for a
+page unless all pools have it, so a target page never counts without its draft (stronger
+than upstream's draft-first). This class's ``get_multi`` reads everything first and only then
+writes host pages; a backend may read ``ALL_PAGES`` pools in place instead (orbax does), and
+then host pages of the call beyond the hit may hold bytes: the caller's pages, never hits.
 
 Error contract: caller mistakes (unknown pool, wrong key size, mismatched lengths, bad host
 ids) raise ``TypeError``/``ValueError`` before any storage is touched. Storage faults (I/O

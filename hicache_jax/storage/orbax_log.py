@@ -36,8 +36,9 @@ staging copy) and checks its CRC; a lone page is requested in 256 KiB pieces (th
 serves them in parallel) and read and checksummed in 512 KiB groups. A page whose read fails
 after it started (bad CRC, truncated file, damaged shard index) is zero-filled: its flag is
 False and its host page never keeps bytes that failed a check; host pages of keys that are
-not stored are never touched. The multi-pool ``get_multi`` path reads into one new array per
-call (it publishes only once every pool is in).
+not stored are never touched. ``get_multi`` over ``ALL_PAGES`` pools (the controller's
+prefetch) reads each pool in place the same way; with a trailing-window pool it reads into
+one new array per call and publishes once every pool is in.
 Where the layout is not the expected one the segment is read through tensorstore instead
 (``read_path="tensorstore"`` forces that): ``{pool}.data`` opened once (zarr3 driver over the
 ocdbt kvstore, handles cached), single pages read with up to ``read_concurrency`` in flight.
@@ -79,9 +80,9 @@ works, and the request goes out in pieces: ~2.5 ms, faster than the plain ``read
 (which is one request); against a raw reader that splits its requests the same way what
 is left is ~0.2 ms of CRC and Python per page. The copy of the host page's old bytes
 that once let a failed read restore them (2 MiB per page, ~0.3 ms of CPU) is gone: no
-caller needs those bytes (the cache's storage controller reads through ``get_multi``, which
-publishes only hits, into host pages it has just reserved), and a failed page is zero-filled
-instead.
+caller needs those bytes (the cache's storage controller reads through ``get_multi`` into
+host pages it has just reserved, and attaches only the hit), and a failed page is
+zero-filled instead.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ import numpy as np
 from ..host_pool import HostKVPool
 from ..workers import lower_thread_priority
 from . import integrity
-from .base import HiCacheStorage, PageCodec, PoolSpec
+from .base import HiCacheStorage, HitResult, PageCodec, PoolHitPolicy, PoolSpec, PoolTransfer, consecutive
 from .config import StorageConfig
 from .keys import KEY_BYTES, keys_to_array
 
@@ -547,6 +548,28 @@ class OrbaxSegmentStorage(HiCacheStorage):
             finish(inflight.popleft())
 
     # ---- direct reads ----------------------------------------------------------------------------
+    def get_multi(self, transfers: Sequence[PoolTransfer]) -> HitResult:
+        """``HiCacheStorage.get_multi`` read in place, pool by pool (draft before target), through
+        ``batch_get``, when every pool is ``ALL_PAGES`` (the storage controller's prefetch):
+        no new array and no second copy per call. The hit and what it publishes are the base
+        class's; the difference is that host pages in ``[hit, index hint)`` may hold one
+        pool's bytes when another pool failed there (or zeros, where the read failed): the
+        caller's own pages for this call, never reported as hits. Trailing-window pools go
+        through the base class (read everything, then publish)."""
+        if self.config.read_path != "direct" or not transfers or any(
+                not isinstance(t, PoolTransfer) or t.pool not in self.specs
+                or self.specs[t.pool].policy is not PoolHitPolicy.ALL_PAGES for t in transfers):
+            return super().get_multi(transfers)  # also raises the argument errors
+        keys, ids, _ = self._transfers(transfers, need_ids=True)
+        for p in keys:
+            self._check_used_ids(p, ids[p], unique=True)
+        hit = self.exists_multi(transfers).hit_pages  # index only: never read what cannot be used
+        for p in sorted(keys, key=lambda p: p == self.primary):
+            if not hit:
+                break
+            hit = min(hit, consecutive(self.batch_get(keys[p][:hit], ids[p][:hit], p)))
+        return HitResult(hit, {p: hit for p in keys})
+
     def batch_get(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
         """``HiCacheStorage.batch_get``, streamed: each page is read straight into its host page
         (in place; into a per-thread scratch buffer, then copied, only for a layout whose page

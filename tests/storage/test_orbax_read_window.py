@@ -237,7 +237,7 @@ def test_inline_values_roundtrip(tmp_path, fds):
     st.close()
 
 
-def test_get_multi_stops_at_a_bad_page_and_publishes_nothing_beyond(tmp_path, fds):
+def test_get_multi_stops_at_a_bad_page_and_reports_nothing_beyond(tmp_path, fds, monkeypatch):
     src = {p: HostKVPool(GEOM, 8, "page_first") for p in ("target", "draft")}
     for i, p in enumerate(src.values()):
         fill_random(p, 70 + i)
@@ -251,11 +251,16 @@ def test_get_multi_stops_at_a_bad_page_and_publishes_nothing_beyond(tmp_path, fd
     dst = {p: HostKVPool(GEOM, 8, "page_first") for p in src}
     for p in src:
         st.codecs[p].pool = dst[p]
+    monkeypatch.setattr(st, "_read", None)  # ALL_PAGES pools are read in place, never via _read
     hit = st.get_multi([PoolTransfer(p, keys[p], range(6)) for p in src])
-    assert hit.hit_pages == 3
+    assert hit.hit_pages == 3 and hit.pool_hits == {"target": 3, "draft": 3}
     for p in src:
         assert_pages_equal(src[p], range(3), dst[p], range(3))
-        assert not dst[p].read_pages("k", range(3, 8)).any()  # nothing published past the hit
+        assert not dst[p].read_pages("k", range(6, 8)).any()  # beyond the call's pages: untouched
+    # Past the hit the call's host pages may hold bytes (read in place, draft first), never
+    # wrong ones: the failed target page is zero-filled, the draft's pages are its own.
+    assert not dst["target"].read_pages("k", [3]).any()
+    assert_pages_equal(src["draft"], range(3, 6), dst["draft"], range(3, 6))
     assert st.metrics.corrupt == 1 and st.metrics.quarantined == 1
     st.close()
 
