@@ -206,8 +206,8 @@ class HiRadixCache:
         self._dev_owned = np.zeros(device_allocator.num_pages, bool)
         self._host_owned = np.zeros(host_alloc.num_pages, bool)
         self._writes: deque[_PendingOp] = deque()
-        self._failure: CacheFailedError | None = None  # set when a copy failed for good
         self._loads: deque[_PendingOp] = deque()
+        self._failure: CacheFailedError | None = None  # set when a copy failed for good
         self.storage_hook = None  # a StorageController, when attached (see the module docstring)
         self._init_tree()
 
