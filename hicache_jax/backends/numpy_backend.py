@@ -45,6 +45,14 @@ class NumpyDevicePool:
         return self.buffers[component][:, ids].copy()
 
 
+def _as_rows(a2: np.ndarray, base: np.ndarray) -> np.ndarray | None:
+    """``a2`` (pages, elements per page) as a 1-D view of opaque page rows into ``base``, or
+    None when that needs a copy (``a2`` itself a copy, or a page's elements not contiguous)."""
+    if not np.shares_memory(a2, base) or a2.strides[1] != a2.itemsize:
+        return None
+    return a2.view(np.dtype((np.void, a2.shape[1] * a2.itemsize))).reshape(-1)
+
+
 class _DeferredHandle(LoadHandle):
     def __init__(self, engine: "NumpyTransferEngine", run, num_layers: int) -> None:
         self._engine, self._run, self.num_layers = engine, run, num_layers
@@ -91,24 +99,29 @@ class NumpyTransferEngine(KVTransferEngine):
             if dev.dtype != host.dtype or dev.ndim != 5 or host.ndim != 5:
                 raise ValueError(f"host_pool: component views {host.dtype} {host.shape} do not match the device "
                                  f"buffers {dev.dtype} {dev.shape}")
-        # One layer: a page is one contiguous row in both pools whatever the layout, so each pool
-        # is viewed as a 1-D array of opaque rows and a transfer is one row gather + scatter
-        # (numpy then copies whole rows instead of walking the 5-D index space element-wise).
-        self._rows = None
-        if self.geom.num_layers == 1:
-            rows = []
-            for dev, host in self._pairs:
-                d2 = dev.reshape(dev.shape[1], -1)
-                h2 = host.reshape(host.shape[1] if self._perm is None else host.shape[0], -1)
-                if not (np.shares_memory(d2, dev) and np.shares_memory(h2, host) and d2.shape[1] == h2.shape[1]):
-                    break
-                row = np.dtype((np.void, d2.shape[1] * d2.dtype.itemsize))
-                rows.append((d2.view(row).reshape(-1), h2.view(row).reshape(-1)))
-            else:
-                self._rows = tuple(rows)
+        # Per component and layer, a page is one contiguous row in the device buffer and, for
+        # every layout with page size 1 (and for layer_first / page_first_direct at any page
+        # size), one contiguous run of bytes in the host pool too. Each side is then viewed as
+        # a 1-D array of opaque rows and a transfer is one row gather + scatter per (component,
+        # layer): numpy copies whole rows instead of walking the 5-D index space element-wise
+        # (~7x faster for small rows). ``None`` when a view would need a copy (the 5-D path).
+        self._rows = self._row_views(order)
         self.pending: list[_DeferredHandle] = []
         self._failures = {"backup": 0, "load": 0}
         self._garbage = np.random.default_rng(0xBAD)
+
+    def _row_views(self, order: str) -> tuple | None:
+        rows = []
+        for dev, host in self._pairs:
+            for layer in range(dev.shape[0]):
+                d2 = dev[layer].reshape(dev.shape[1], -1)
+                h = host[layer] if order == "lnp" else host[:, :, layer] if order == "npl" else host[:, layer]
+                h2 = h.reshape(h.shape[0], -1)
+                d_rows, h_rows = _as_rows(d2, dev), _as_rows(h2, host)
+                if d_rows is None or h_rows is None or d_rows.dtype != h_rows.dtype:
+                    return None
+                rows.append((d_rows, h_rows))
+        return tuple(rows)
 
     def inject_failures(self, count: int, kind: str = "backup") -> None:
         """The next ``count`` copies of ``kind`` ("backup" or "load") fail (test control)."""
