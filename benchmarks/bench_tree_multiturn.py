@@ -131,8 +131,9 @@ class Timer:
 
 
 def run(trace: list[dict], policy: str, mode: str, device_tokens: int, host_ratio: float, real_layers: int,
-        verify: bool, check_every: int, progress: bool) -> dict:
-    geom = geometry(mode, real_layers)
+        verify: bool, check_every: int, progress: bool, geom: KVGeometry | None = None) -> dict:
+    """One replay with a fresh cache; ``geom`` overrides the mode's KV geometry."""
+    geom = geometry(mode, real_layers) if geom is None else geom
     host_pages = int(device_tokens * host_ratio)
     device, host, engine = make_numpy_backend(geom, device_tokens, host_pages)
     cache = HiRadixCache(HiCacheConfig(page_size=1, write_policy=policy), engine, device.allocator)
