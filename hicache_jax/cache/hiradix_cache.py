@@ -555,6 +555,16 @@ class HiRadixCache:
         hit = not chunked
         node = self.root
         dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
+        if seg0:
+            # The request's path: device-locked, so in neither the device index (unlocked
+            # leaves) nor the host one (host-only nodes); whole nodes, nothing to split or revive.
+            for node in path:
+                node.last_access = t
+                if hit:
+                    node.hit_count += 1
+                if node in rm:
+                    self.reclaim_lru._push(node)
+            segs = segs[seg0:]
         for node, m, off in segs:
             if m < node.size:
                 node = self._split(node, m)
@@ -1166,22 +1176,25 @@ class HiRadixCache:
         node = req.last_node
         if node is None or node.lock_ref < 1 or node.namespace != req.key.namespace:
             return None, None, 0
+        depth = req.cached_pages * self.page_size
+        if depth > tokens.shape[0]:
+            return None, None, 0
+        qb = tokens.tobytes()
+        # Walk up from the node, checking each one's bytes where it must sit: one memcmp per
+        # node, no child lookups; the path must end at the root exactly at offset 0.
         path = []
-        depth = 0
+        end = 8 * depth
         root = self.root
         while node is not root:
+            kb = node.kb
+            end -= len(kb)
+            if end < 0 or not qb.startswith(kb, end):
+                return None, None, 0
             path.append(node)
-            depth += node.size
             node = node.parent
-        if depth != req.cached_pages * self.page_size or depth > tokens.shape[0]:
+        if end:
             return None, None, 0
         path.reverse()
-        qb = tokens.tobytes()
-        off = 0
-        for node in path:
-            if not qb.startswith(node.kb, off):
-                return None, None, 0
-            off += len(node.kb)
         return path, qb, depth
 
     def _insert_request(self, req: CacheRequest, chunked: bool):
