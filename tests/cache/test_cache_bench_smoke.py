@@ -26,3 +26,19 @@ def test_bench_tree_multiturn_quick(tmp_path):
     # The trace generator is the REFERENCE 4.3 one: round r prompts are 1280 + 384 r tokens.
     trace = bench.make_trace(clients=2, rounds=2)
     assert [len(t["prompt"]) for t in trace] == [1280, 1280, 1664, 1664]
+
+
+def test_bench_tree_multiturn_geometry_override_keeps_hits():
+    """bench_tree_vs_upstream gives our replay upstream's KV geometry: the tree's decisions (hit
+    rates per tier) must not depend on it, and the bytes must still verify."""
+    spec = importlib.util.spec_from_file_location("bench_tree_multiturn",
+                                                  os.path.join(ROOT, "benchmarks", "bench_tree_multiturn.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from hicache_jax import KVGeometry
+
+    trace = bench.make_trace(clients=8, rounds=3)
+    runs = [bench.run(trace, "write_through", "manager", 6_000, 4.0, 1, True, 8, False, geom=g)
+            for g in (None, KVGeometry.mha(2, 1, 1, 8, "bfloat16"))]
+    assert runs[1]["kv_bytes_per_token"] == 4 * runs[0]["kv_bytes_per_token"] == 64
+    assert runs[0]["hit_rate"] == runs[1]["hit_rate"] and runs[0]["hit_rate"]["L2"] > 0
