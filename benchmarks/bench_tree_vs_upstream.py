@@ -19,7 +19,8 @@ of 4 arrays per transfer then weigh in). Req/s are by process CPU
 time over the replay loop: ours is ``manager_req_per_cpu_s`` (the simulated model's KV writes
 timed and subtracted; upstream's timed replay writes no KV at all); both include their
 harness's request building. Each side gets ``--warmup`` untimed replays first (the first
-replay in a process runs slower).
+replay in a process runs slower), and every replay starts after a full ``gc.collect()``
+(untimed), so none pays for collecting the previous replay's tree (tree nodes form cycles).
 
 Runs in the upstream baseline environment (Python 3.11, torch 2.13.0 CPU, sglang without its
 dependency tree; our package needs only numpy, which it has):
@@ -33,6 +34,7 @@ Writes ``benchmarks/results/tree_vs_upstream.json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -54,6 +56,7 @@ KV_VARIANTS = ("manager", "upstream")
 
 
 def _ours(trace, policy: str, kv: str) -> dict:
+    gc.collect()  # start clean: a replay must not pay for collecting the previous one's tree
     geom = (KVGeometry.mha(upstream.LAYERS, 1, upstream.HEADS, upstream.HEAD_DIM, "bfloat16")
             if kv == "upstream" else None)  # None: the manager mode's own geometry
     r = run_ours(trace, policy, "manager", upstream.DEVICE_TOKENS, upstream.HOST_RATIO, 1,
@@ -63,6 +66,7 @@ def _ours(trace, policy: str, kv: str) -> dict:
 
 
 def _theirs(up, trace, policy: str) -> dict:
+    gc.collect()
     r = upstream.run(up, trace, policy, check=False)
     return {"req_per_cpu_s": r["req_per_cpu_s"], "req_per_s": r["req_per_s"], "hit_rate": r["hit_rate"]}
 
@@ -74,7 +78,7 @@ def _same_hits(a: dict, b: dict) -> bool:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default="write_through")
-    ap.add_argument("--rounds", type=int, default=7, help="paired rounds per policy")
+    ap.add_argument("--rounds", type=int, default=9, help="paired rounds per policy")
     ap.add_argument("--ours-kv", default=",".join(KV_VARIANTS),
                     help="our tree's KV geometry: manager (issue 3's manager mode), upstream (upstream's)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed replays per tree first")
