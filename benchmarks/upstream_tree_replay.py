@@ -93,7 +93,6 @@ import atexit
 import gc
 import importlib.abc
 import importlib.machinery
-import json
 import logging
 import os
 import platform
@@ -518,10 +517,9 @@ def main(argv: list[str] | None = None) -> dict:
                       "kv": f"{LAYERS} layers x {HEADS} head x {HEAD_DIM} dims bf16, K+V",
                       "io_backend": "direct", "host_layout": "layer_first", "requests": len(trace)},
            "stubbed_modules": list(STUBBED_MODULES), "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    from hicache_jax.bench.report import write_json
+
+    print(f"wrote {write_json(args.out, doc)}")
     return doc
 
 
