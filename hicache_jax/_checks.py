@@ -1,4 +1,4 @@
-"""Argument checks shared by the typed configs (pure Python + numpy)."""
+"""Argument checks shared by the typed configs and the cache's public calls (pure Python + numpy)."""
 
 from __future__ import annotations
 

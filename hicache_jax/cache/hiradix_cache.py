@@ -87,6 +87,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .._checks import check_int
 from ..allocator import ID_DTYPE, PageAllocator, check_page_ids, count_nonzero, has_duplicates
 from ..transfer import KVTransferEngine, LoadHandle, TransferHandle
 from .components import ComponentRegistry
@@ -160,14 +161,6 @@ class _PendingOp:
                  load: bool) -> None:
         self.node, self.handle, self.tokens, self.t0 = node, handle, tokens, time.perf_counter()
         self.src, self.dst, self.load = src, dst, load  # page ids, to issue the copy again
-
-
-def _count_arg(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}: expected >= 0, got {value}")
-    return int(value)
 
 
 class HiRadixCache:
@@ -624,7 +617,7 @@ class HiRadixCache:
             raise self._failure
         key = as_radix_key(key)
         p = self.page_size
-        start = _count_arg("start", start)
+        start = check_int("start", start, 0)
         ids = check_page_ids(host_pages, self.host_allocator.num_pages, "host_pages")
         end = start + ids.shape[0] * p
         if start % p or end > len(key):
@@ -948,7 +941,7 @@ class HiRadixCache:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
         if self._failure is not None:
             raise self._failure
-        num_pages = _count_arg("num_pages", num_pages)
+        num_pages = check_int("num_pages", num_pages, 0)
         ids = self.device_allocator.alloc(num_pages)
         if ids is None:
             self.evict((num_pages - self.device_allocator.available) * self.page_size)
@@ -959,7 +952,7 @@ class HiRadixCache:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         if self._failure is not None:
             raise self._failure
-        num_tokens = _count_arg("num_tokens", num_tokens)
+        num_tokens = check_int("num_tokens", num_tokens, 0)
         t0 = time.perf_counter()
         m = self.metrics
         m.evict_calls += 1
@@ -1034,7 +1027,7 @@ class HiRadixCache:
         """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
         if self._failure is not None:
             raise self._failure
-        pages = -(-_count_arg("num_tokens", num_tokens) // self.page_size)
+        pages = -(-check_int("num_tokens", num_tokens, 0) // self.page_size)
         return self._evict_host(pages) * self.page_size
 
     def _evict_host(self, num_pages: int) -> int:
@@ -1077,7 +1070,7 @@ class HiRadixCache:
             raise self._failure
         self._check_node(node)
         if mem_quota is not None:
-            mem_quota = _count_arg("mem_quota", mem_quota)
+            mem_quota = check_int("mem_quota", mem_quota, 0)
         chain = []
         tokens = 0
         n = node
