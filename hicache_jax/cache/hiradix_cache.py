@@ -341,14 +341,16 @@ class HiRadixCache:
         self._refresh(new)
         return new
 
-    def _walk(self, tokens: np.ndarray, n: int, namespace: tuple) -> tuple[list, int]:
+    def _walk(self, tokens: np.ndarray, n: int, namespace: tuple, qb: bytes | None = None) -> tuple[list, int]:
         """Read-only walk: [(node, matched tokens, offset)] and total matched tokens."""
-        segs, off, _qb = self._walk_bytes(tokens, n, namespace)
+        segs, off, _qb = self._walk_bytes(tokens, n, namespace, qb)
         return segs, off
 
     def _walk_bytes(self, tokens: np.ndarray, n: int, namespace: tuple, qb: bytes | None = None,
                     start: TreeNode | None = None, off: int = 0) -> tuple[list, int, bytes]:
-        """``_walk`` that also returns the raw bytes of ``tokens[:n]`` (new nodes' keys).
+        """``_walk`` of ``tokens[:n]`` that also returns their raw bytes (new nodes' keys):
+        ``qb`` when given (the bytes of at least ``tokens[:n]``, e.g. ``RadixKey.token_bytes``;
+        bytes past ``8 * n`` are never matched), else ``tokens[:n].tobytes()``.
 
         With ``start`` (a node whose path spells ``tokens[:off]``, see ``_request_path``) the
         walk continues below it: ``segs`` then lists only the nodes after ``start``."""
@@ -357,6 +359,7 @@ class HiRadixCache:
             return segs, off, b"" if qb is None else qb
         p = self.page_size
         pb = 8 * p
+        nb = 8 * n
         if qb is None:
             qb = tokens[:n].tobytes()  # compare raw bytes: a whole-node match is one memcmp
         if start is None or start is self.root:
@@ -364,7 +367,7 @@ class HiRadixCache:
         else:
             child = start.children.get(qb[8 * off:8 * off + pb])
         while child is not None:
-            if qb.startswith(child.kb, 8 * off):
+            if qb.startswith(child.kb, 8 * off, nb):
                 m = child.size
             else:  # the match ends inside this node: find where (once per walk)
                 m = common_prefix_len(child.key, tokens[off:n])
@@ -412,7 +415,8 @@ class HiRadixCache:
             raise self._failure
         key = as_radix_key(key)
         tokens = key.token_ids
-        segs, _ = self._walk(tokens, tokens.shape[0] - tokens.shape[0] % self.page_size, key.namespace)
+        segs, _ = self._walk(tokens, tokens.shape[0] - tokens.shape[0] % self.page_size, key.namespace,
+                             key.token_bytes)
         device = host = 0
         for node, m, _off in segs:
             if node.value is not None:
@@ -424,7 +428,7 @@ class HiRadixCache:
     def _match(self, key: RadixKey) -> MatchResult:
         tokens = key.token_ids
         n = tokens.shape[0] - tokens.shape[0] % self.page_size
-        segs, _ = self._walk(tokens, n, key.namespace)
+        segs, _ = self._walk(tokens, n, key.namespace, key.token_bytes)
         t = self._tick()
         dev_vals = []
         last_dev = last = self.root
@@ -465,7 +469,8 @@ class HiRadixCache:
             raise self._failure
         key = as_radix_key(key)
         pages = self._device_pages(device_pages)
-        return self._insert(key.token_ids, key.namespace, pages, chunked)[0]  # pages: a private copy
+        return self._insert(key.token_ids, key.namespace, pages, chunked,
+                            (None, key.token_bytes, 0))[0]  # pages: a private copy
 
     def _device_pages(self, ids: object) -> np.ndarray:
         """``check_page_ids`` without the duplicate test, which ``_insert`` does on the pages it
@@ -488,7 +493,8 @@ class HiRadixCache:
         already spell the first ``depth`` tokens with the caller's own pages there. The walk
         then starts below them, ``pages`` covers only the tokens after them, and ``dup_mask`` /
         ``tree_head`` are relative to that start. The path nodes are touched (and hit) as a
-        walk from the root would touch them."""
+        walk from the root would touch them. ``(None, qb, 0)`` only passes the key's bytes
+        (see ``_walk_bytes``) to a walk from the root."""
         p = self.page_size
         n = tokens.shape[0] - tokens.shape[0] % p
         path, qb, off0 = start if start is not None else (None, None, 0)
@@ -500,7 +506,7 @@ class HiRadixCache:
             segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb, path[-1], off0)
             segs = [(node, node.size, 0) for node in path] + segs
         else:
-            segs, matched, qb = self._walk_bytes(tokens, n, namespace)
+            segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb)
         mp = (matched - off0) // p
         seg0 = len(path) if path else 0  # the first segment whose pages are the caller's
         # Validate every page the tree would take or free before changing anything: the
@@ -573,7 +579,7 @@ class HiRadixCache:
             if node in rm:
                 self.reclaim_lru._push(node)
         if matched < n:
-            leaf = TreeNode(qb[8 * matched:], namespace, node)
+            leaf = TreeNode(qb[8 * matched:8 * n], namespace, node)
             fk = qb[8 * matched:8 * (matched + p)]
             node.children[fk if node is not self.root else (namespace, fk)] = leaf
             leaf.last_access = t
@@ -627,7 +633,7 @@ class HiRadixCache:
             if bad.size:
                 raise ValueError(f"host_pages: {bad[:8].tolist()} are free or owned by the tree")
         tokens = key.token_ids
-        segs, matched = self._walk(tokens, end, key.namespace)
+        segs, matched = self._walk(tokens, end, key.namespace, key.token_bytes)
         backed, last, last_m = 0, self.root, 0
         for node, m, off in segs:
             if node.host_value is None:
@@ -1157,11 +1163,12 @@ class HiRadixCache:
             self._check_node(req.last_node, "req.last_node")
         return req
 
-    def _request_path(self, req: CacheRequest, tokens: np.ndarray) -> tuple[list | None, bytes | None, int]:
+    def _request_path(self, req: CacheRequest, qb: bytes, n: int) -> tuple[list | None, bytes | None, int]:
         """The nodes from the root to ``req.last_node``, when they spell the request's first
-        ``cached_pages`` pages (checked byte by byte): the request helpers then insert from
-        there, with the bytes of ``tokens`` and the path's length in tokens. ``(None, None, 0)``
-        when they do not (the insert then walks from the root).
+        ``cached_pages`` pages (checked byte by byte against ``qb``, the bytes of at least
+        the request's first ``n`` tokens, its whole pages): the request helpers then insert
+        from there, with ``qb`` and the path's length in tokens. ``(None, None, 0)`` when they
+        do not (the insert then walks from the root).
 
         Their pages are the request's first ``cached_pages`` (``CacheRequest``'s contract: the
         tree's pages, kept on the device by the request's lock), so only the pages after them
@@ -1170,9 +1177,8 @@ class HiRadixCache:
         if node is None or node.lock_ref < 1 or node.namespace != req.key.namespace:
             return None, None, 0
         depth = req.cached_pages * self.page_size
-        if depth > tokens.shape[0]:
+        if depth > n:
             return None, None, 0
-        qb = tokens.tobytes()
         # Walk up from the node, checking each one's bytes where it must sit: one memcmp per
         # node, no child lookups; the path must end at the root exactly at offset 0.
         path = []
@@ -1194,14 +1200,16 @@ class HiRadixCache:
         """``_insert`` of the request's whole pages; returns ``(result, dup_mask, tree_head,
         first page dup_mask refers to)``."""
         p = self.page_size
-        aligned = req.key.token_ids.shape[0] // p
-        tokens = req.key.token_ids[:aligned * p]
-        path, qb, depth = self._request_path(req, tokens)
+        key = req.key
+        aligned = key.token_ids.shape[0] // p
+        tokens = key.token_ids[:aligned * p]
+        qb = key.token_bytes
+        path, _qb, depth = self._request_path(req, qb, aligned * p)
         if path is None:
             pages = self._device_pages(req.device_pages[:aligned])
-            return self._insert(tokens, req.key.namespace, pages, chunked) + (0,)
+            return self._insert(tokens, key.namespace, pages, chunked, (None, qb, 0)) + (0,)
         pages = self._device_pages(req.device_pages[req.cached_pages:aligned])
-        return self._insert(tokens, req.key.namespace, pages, chunked, (path, qb, depth)) + (req.cached_pages,)
+        return self._insert(tokens, key.namespace, pages, chunked, (path, qb, depth)) + (req.cached_pages,)
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.

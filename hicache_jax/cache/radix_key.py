@@ -1,7 +1,10 @@
 """Radix keys: token ids plus a namespace, validated once at the API boundary.
 
 Pure numpy. A ``RadixKey`` is what the tree indexes: int64 token ids and a namespace built
-from ``extra_key`` (LoRA id, tenant, ...) and ``cache_salt``. Keys in different namespaces
+from ``extra_key`` (LoRA id, tenant, ...) and ``cache_salt``. A key is immutable: it copies
+the tokens once, into ``token_bytes`` (their native int64 bytes, which the tree compares and
+keys its children by), and ``token_ids`` is a read-only array over those bytes, so a caller
+that later reuses its own buffer cannot change a key the tree is working with. Keys in different namespaces
 never share a node: the root's children are keyed by ``(namespace, first page)`` and every
 node below inherits its parent's namespace.
 
@@ -11,7 +14,7 @@ is found by the bytes of its first page (``page_key``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -44,14 +47,17 @@ def as_token_ids(tokens: object, name: str = "token_ids") -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class RadixKey:
-    """Token ids (int64) plus the namespace they live in."""
+    """Token ids (int64, read-only) plus the namespace they live in."""
 
     token_ids: np.ndarray
     extra_key: Hashable = None
     cache_salt: Hashable = None
+    token_bytes: bytes = field(init=False, repr=False)  # the ids' native int64 bytes
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", as_token_ids(self.token_ids))
+        data = as_token_ids(self.token_ids).tobytes()  # the one copy of the tokens
+        object.__setattr__(self, "token_bytes", data)
+        object.__setattr__(self, "token_ids", np.frombuffer(data, TOKEN_DTYPE))
         for name in ("extra_key", "cache_salt"):
             try:
                 hash(getattr(self, name))

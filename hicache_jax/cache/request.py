@@ -36,9 +36,7 @@ class CacheRequest:
         key = as_radix_key(key)
         if key.namespace != self.key.namespace:
             raise ValueError(f"key: namespace {key.namespace} differs from the request's {self.key.namespace}")
-        old = self.key.token_ids
-        new = key.token_ids
-        if new is not old and (new.shape[0] < old.shape[0] or np.count_nonzero(new[:old.shape[0]] != old)):
+        if key is not self.key and not key.token_bytes.startswith(self.key.token_bytes):  # one memcmp
             raise ValueError("key: must extend the request's current tokens")
         pages = as_page_ids(new_pages, "new_pages")
         page_size = self.page_size

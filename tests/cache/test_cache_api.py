@@ -475,6 +475,28 @@ def test_request_extend_validates(backend_factory):
         cache.cache_finished_req("req")
 
 
+def test_radix_key_owns_its_tokens(backend_factory):
+    """A key copies the caller's tokens once: reusing the buffer afterwards changes neither
+    the key nor what the tree matches with it, and the key's arrays are read-only."""
+    cache, be = make_cache(backend_factory)
+    oracle = KVOracle(be)
+    buf = np.arange(10, 22, dtype=np.int64)
+    key = RadixKey(buf)
+    assert key.token_bytes == buf.tobytes() and not key.token_ids.flags.writeable
+    with pytest.raises(ValueError):
+        key.token_ids[0] = 1
+    prefill_insert(cache, oracle, key)
+    buf[:] = 99  # the caller reuses its buffer
+    assert key.token_ids.tolist() == list(range(10, 22))
+    m = cache.match_prefix(key)
+    assert m.device_hit_length == 12
+    oracle.check_device(RadixKey(np.arange(10, 22, dtype=np.int64)), m.device_indices)
+    assert cache.match_prefix(RadixKey(buf)).device_hit_length == 0
+    # Non-int64 input is converted once; the bytes are always native int64.
+    assert RadixKey(np.arange(3, dtype=np.int32)).token_bytes == np.arange(3, dtype=np.int64).tobytes()
+    cache.sanity_check(0)
+
+
 # ---------------------------------------------------------------- bad input: error, no state change
 @pytest.mark.parametrize("bad_key, exc", [
     ([1.0, 2.0], TypeError), (["a"], TypeError), ("abc", TypeError), ([True, 1], TypeError),

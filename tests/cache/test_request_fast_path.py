@@ -47,7 +47,7 @@ def _eviction_order(cache: HiRadixCache) -> list:
 
 def _run(cache, be, seed: int, page: int, full_walk: bool, monkeypatch) -> list:
     if full_walk:
-        monkeypatch.setattr(cache, "_request_path", lambda req, tokens: (None, None, 0))
+        monkeypatch.setattr(cache, "_request_path", lambda req, qb, n: (None, None, 0))
     rng = random.Random(seed)
     oracle = KVOracle(be)
     systems = [[rng.randrange(1, 50) for _ in range(3 * page)] for _ in range(2)]
@@ -122,15 +122,15 @@ def test_fast_path_is_taken_and_refused_when_the_request_disagrees(backend_facto
     req.extend(key, cache.alloc_device(6))
     oracle.write(key, req.device_pages)
     cache.cache_unfinished_req(req)
-    path, qb, depth = cache._request_path(req, key.token_ids)
-    assert depth == 6 and path[-1] is req.last_node and qb == key.token_ids.tobytes()
+    path, qb, depth = cache._request_path(req, key.token_bytes, 6)
+    assert depth == 6 and path[-1] is req.last_node and qb == key.token_bytes
     # A request whose count of tree pages disagrees with its node's depth walks from the root.
     req.cached_pages = 5
-    assert cache._request_path(req, key.token_ids) == (None, None, 0)
+    assert cache._request_path(req, key.token_bytes, 6) == (None, None, 0)
     req.cached_pages = 6
     # A key whose tokens differ from the locked path (the caller replaced req.key) walks too.
     other = RadixKey(np.arange(2, 8, dtype=np.int64))
-    assert cache._request_path(req, other.token_ids) == (None, None, 0)
+    assert cache._request_path(req, other.token_bytes, 6) == (None, None, 0)
     cache.cache_finished_req(req)
     cache.flush()
     cache.sanity_check(0)
