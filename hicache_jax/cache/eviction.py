@@ -5,8 +5,9 @@ example "unlocked device leaves") and hands them out lowest priority first. It i
 plus a lazy min-heap: a node's priority only grows (its logical access time and hit count
 only increase), so instead of re-sorting, a fresh heap entry is pushed whenever a member's
 priority changes and stale entries are skipped on pop (each entry carries a stamp that
-must match the node's current stamp for this index). The heap is rebuilt when stale
-entries outnumber live ones, which keeps pop and push O(log n) amortised.
+must match the node's current stamp for this index). The heap is compacted (stale entries
+dropped, live ones kept with their stamps, so ties keep their order) when stale entries
+outnumber live ones, which keeps pop and push O(log n) amortised.
 
 Membership is decided by the cache (it knows the tier rules); this module only orders.
 """
@@ -57,18 +58,10 @@ class EvictionIndex:
     def __iter__(self) -> Iterator[TreeNode]:
         return iter(self.members)
 
-    def _entry(self, node: TreeNode, stamp: int) -> tuple:
-        # The two built-in policies build their tuple directly (this runs on every touch).
-        if self._kind == 1:
-            return (node.last_access, stamp, node)
-        if self._kind == 2:
-            return (node.hit_count, node.last_access, stamp, node)
-        return (*self.priority(node), stamp, node)
-
     def _push(self, node: TreeNode) -> None:
         stamp = next(_stamps)
         node.heap_stamp[self.slot] = stamp
-        kind = self._kind  # _entry, inlined (this runs on every touch)
+        kind = self._kind  # the two built-in policies build their tuple directly (every touch)
         if kind == 1:
             entry = (node.last_access, stamp, node)
         elif kind == 2:
@@ -81,11 +74,10 @@ class EvictionIndex:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        heap = []
-        for node in self.members:
-            stamp = next(_stamps)
-            node.heap_stamp[self.slot] = stamp
-            heap.append(self._entry(node, stamp))
+        # Keep the live entries as they are (the test ``pop`` applies): same priorities and
+        # stamps, so the pop order is unchanged.
+        members, slot = self.members, self.slot
+        heap = [e for e in self._heap if e[-1] in members and e[-1].heap_stamp[slot] == e[-2]]
         heapq.heapify(heap)
         self._heap = heap
 
@@ -114,6 +106,28 @@ class EvictionIndex:
                 node.heap_stamp[slot] = 0
                 return node
         return None
+
+    def precedes(self, node: TreeNode) -> bool:
+        """Whether ``node`` (not a member), if it joined now, would be the next ``pop``: its
+        priority is below every member's (a tie goes to the member, whose stamp is older).
+        Drops the stale entries off the heap's top on the way, as ``pop`` would.
+
+        Lets eviction take a parent that just became a leaf straight away instead of pushing
+        it and popping it again, with the same eviction order."""
+        heap, members, slot = self._heap, self.members, self.slot
+        while heap:
+            top = heap[0]
+            if top[-1] in members and top[-1].heap_stamp[slot] == top[-2]:
+                break
+            heapq.heappop(heap)
+        else:
+            return True
+        kind = self._kind
+        if kind == 1:
+            return node.last_access < top[0]
+        if kind == 2:
+            return (node.hit_count, node.last_access) < top[:2]
+        return tuple(self.priority(node)) < top[:-2]
 
     def clear(self) -> None:
         for node in self.members:

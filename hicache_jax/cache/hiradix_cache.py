@@ -958,7 +958,13 @@ class HiRadixCache:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         if self._failure is not None:
             raise self._failure
-        num_tokens = check_int("num_tokens", num_tokens, 0)
+        return self._evict(check_int("num_tokens", num_tokens, 0))[0]
+
+    def _evict(self, num_tokens: int, keep: int = 0) -> tuple[int, np.ndarray | None]:
+        """``evict``; returns ``(tokens freed, kept pages)``. With ``keep``, up to that many of
+        the pages taken off the tree (the first ones evicted) are not freed: they stay
+        allocated and marked as the tree's, and come back as an int32 array (None if none)
+        for the tree's own use (``_alloc_owned``)."""
         t0 = time.perf_counter()
         m = self.metrics
         m.evict_calls += 1
@@ -966,10 +972,16 @@ class HiRadixCache:
         free_ids = []
         dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
         write_back = self.write_policy == WritePolicy.WRITE_BACK
+        dl = self.device_lru
+        root = self.root
+        nxt = None  # a parent that just became the next candidate (see below)
         while freed < num_tokens:
-            node = self.device_lru.pop()
-            if node is None:
-                break
+            if nxt is None:
+                node = dl.pop()
+                if node is None:
+                    break
+            else:
+                node, nxt = nxt, None
             size = node.size
             if node.host_value is None and write_back:
                 op = self._backup(node)
@@ -1010,16 +1022,50 @@ class HiRadixCache:
                     self.reclaim_lru.set_member(node, False)
                 m.demoted_tokens += size
             # Inlined _refresh(parent): only its device-leaf status can change (one device
-            # child fewer); the root is never in an index.
-            if parent.dev_children == 0 and parent.lock_ref == 0 and parent is not self.root and parent not in dm:
-                dm.add(parent)  # inlined device_lru.set_member(parent, True)
-                self.device_lru._push(parent)
+            # child fewer); the root is never in an index. A parent that would be popped next
+            # anyway (usually: a chain of one conversation's nodes shares its access time) is
+            # taken directly, skipping a heap push and pop; the eviction order is the same.
+            if parent.dev_children == 0 and parent.lock_ref == 0 and parent is not root and parent not in dm:
+                if freed < num_tokens and dl.precedes(parent):
+                    nxt = parent
+                else:
+                    dm.add(parent)  # inlined device_lru.set_member(parent, True)
+                    dl._push(parent)
         self.evictable_tokens += evictable
-        if free_ids:
+        kept = None
+        if free_ids and keep:
+            ids = np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]
+            kept = ids[:keep].copy()  # never a view of a former node's pages
+            if ids.shape[0] > keep:
+                self._free_tree_pages([ids[keep:]], self._dev_owned, self.device_allocator)
+        elif free_ids:
             self._free_tree_pages(free_ids, self._dev_owned, self.device_allocator)
         m.evicted_device_tokens += freed
         m.eviction_seconds += time.perf_counter() - t0
-        return freed
+        return freed, kept
+
+    def _alloc_owned(self, num_pages: int) -> np.ndarray | None:
+        """``alloc_device`` for the tree itself (a load-back's destination): the pages come back
+        already marked as the tree's. Pages an eviction takes off the tree for this go straight
+        to the new owner, skipping a free and a re-allocation; None (nothing allocated, the
+        eviction done) when the device has no room even after eviction."""
+        a = self.device_allocator
+        short = num_pages - a.available
+        if short <= 0:
+            ids = a.alloc(num_pages)
+            self._dev_owned[ids] = True
+            return ids
+        _freed, kept = self._evict(short * self.page_size, keep=num_pages)
+        rest = num_pages - (0 if kept is None else kept.shape[0])
+        if not rest:
+            return kept
+        more = a.alloc(rest)
+        if more is None:
+            if kept is not None:
+                self._free_tree_pages([kept], self._dev_owned, a)
+            return None
+        self._dev_owned[more] = True
+        return more if kept is None else np.concatenate([kept, more])
 
     @staticmethod
     def _free_tree_pages(free_ids: list, owned: np.ndarray, allocator: PageAllocator) -> None:
@@ -1095,20 +1141,25 @@ class HiRadixCache:
         npages = tokens // self.page_size
         # Protect the anchor (device) and the chain (host) while eviction makes room; one walk.
         self._lock_both(node, anchor)
-        dev = self.alloc_device(npages)
+        dev = self._alloc_owned(npages)
         if dev is None:
             self._unlock(anchor)
             self._host_unlock(node)
             m.load_back_skipped += 1
             return None
         host_ids = np.concatenate([c.host_value for c in chain]) if len(chain) > 1 else chain[0].host_value
-        handle = self.components.load(host_ids, dev)
+        try:
+            handle = self.components.load(host_ids, dev)
+        except BaseException:  # the engine refused the copy: give the pages back, then raise
+            self._free_tree_pages([dev], self._dev_owned, self.device_allocator)
+            self._unlock(anchor)
+            self._host_unlock(node)
+            raise
         # _set_device for the whole chain at once, then _lock(node): the anchor's path already
         # holds the lock taken above, so only the chain nodes (evicted, so unlocked) get theirs.
         # Each chain node but the last gets an on-device child and the last is locked, so no
         # chain node joins the device index; chain nodes are host-locked, so they join no host
         # index: only the anchor's membership can change.
-        self._dev_owned[dev] = True
         self.protected_tokens += tokens
         off = 0
         p = self.page_size

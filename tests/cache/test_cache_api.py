@@ -406,6 +406,85 @@ def test_load_back_evicts_to_make_room_but_keeps_anchor(backend_factory):
     cache.sanity_check(0)
 
 
+def _host_only(cache, oracle, key):
+    """Insert ``key``, back it up, evict it from the device: a host-only chain to load."""
+    prefill_insert(cache, oracle, key)
+    cache.flush()
+    cache.evict(len(key))
+    m = cache.match_prefix(key)
+    assert m.device_hit_length == 0 and m.host_hit_length == len(key)
+    return m.last_host_node
+
+
+def test_load_back_into_evicted_and_free_pages(backend_factory):
+    """The load's pages: first the ones its eviction took off the tree (passed on without a
+    free), then free ones; every page ends up owned once, and the bytes are the key's."""
+    cache, be = make_cache(backend_factory, device_pages=24, host_pages=96)
+    oracle = KVOracle(be)
+    node = _host_only(cache, oracle, seq(0, 16))
+    prefill_insert(cache, oracle, seq(100, 12))  # evictable, 12 pages
+    cache.flush()
+    hold = be.device.allocator.alloc(8)  # 4 pages left free: 16 = 12 evicted + 4 free
+    evicted_pages = cache.match_prefix(seq(100, 12)).device_indices.tolist()
+    free_before = be.device.allocator.available
+    lb = cache.load_back(node)
+    assert lb is not None and lb.num_tokens == 16
+    assert set(evicted_pages) < set(lb.device_pages.tolist())
+    assert be.device.allocator.available == free_before - 4 == 0
+    assert cache.metrics.evicted_device_tokens == 16 + 12
+    cache.flush()
+    oracle.check_device(seq(0, 16), cache.match_prefix(seq(0, 16)).device_indices)
+    assert cache.match_prefix(seq(100, 12)).device_hit_length == 0
+    be.device.allocator.free(hold)
+    cache.sanity_check(0)
+
+
+def test_load_back_without_room_returns_the_evicted_pages(backend_factory):
+    """Eviction frees too little: the load is refused, and the pages its eviction took are
+    freed (not kept, not leaked); the eviction itself stays done, as with alloc_device."""
+    cache, be = make_cache(backend_factory, device_pages=24, host_pages=96)
+    oracle = KVOracle(be)
+    node = _host_only(cache, oracle, seq(0, 16))
+    prefill_insert(cache, oracle, seq(100, 6))
+    cache.flush()
+    hold = be.device.allocator.alloc(be.device.allocator.available - 2)  # 6 evictable + 2 free < 16
+    assert cache.load_back(node) is None
+    assert be.device.allocator.available == 8
+    assert cache.match_prefix(seq(100, 6)).device_hit_length == 0
+    assert cache.metrics.load_back_skipped == 1
+    cache.sanity_check(len(hold))
+    be.device.allocator.free(hold)
+    lb = cache.load_back(cache.match_prefix(seq(0, 16)).last_host_node)
+    assert lb is not None
+    cache.flush()
+    oracle.check_device(seq(0, 16), lb.device_pages)
+    cache.sanity_check(0)
+
+
+def test_load_back_engine_error_gives_the_pages_back(backend_factory, monkeypatch):
+    cache, be = make_cache(backend_factory, device_pages=24, host_pages=96)
+    oracle = KVOracle(be)
+    node = _host_only(cache, oracle, seq(0, 16))
+    prefill_insert(cache, oracle, seq(100, 20))  # the load must evict 12 of these 20 pages
+    cache.flush()
+    free_before = be.device.allocator.available
+
+    def refuse(host_ids, device_ids):
+        raise RuntimeError("engine refused")
+
+    monkeypatch.setattr(cache.components, "load", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        cache.load_back(node)
+    assert be.device.allocator.available == free_before + 20  # the evicted node's pages, all free
+    assert cache.protected_tokens == 0 and cache.in_flight == (0, 0)
+    cache.sanity_check(0)
+    monkeypatch.undo()
+    lb = cache.load_back(cache.match_prefix(seq(0, 16)).last_host_node)
+    cache.flush()
+    oracle.check_device(seq(0, 16), lb.device_pages)
+    cache.sanity_check(0)
+
+
 def test_load_back_of_on_device_node_is_none(backend_factory):
     cache, be = make_cache(backend_factory)
     oracle = KVOracle(be)
