@@ -163,8 +163,7 @@ class NumpyTransferEngine(KVTransferEngine):
         return self._backup(d, h)
 
     def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> _DeferredHandle:
-        # The cache's own ids (KVTransferEngine.backup_owned): no validate, and used as they
-        # are (int32 index arrays the cache never modifies while the copy is in flight).
+        # The cache's own ids (KVTransferEngine.backup_owned): no validate.
         return self._backup(device_ids, host_ids)
 
     def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> _DeferredHandle:
@@ -172,6 +171,7 @@ class NumpyTransferEngine(KVTransferEngine):
 
     def _backup(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
         perm, pairs, rows = self._perm, self._pairs, self._rows
+        d, h = d.astype(np.intp), h.astype(np.intp)  # private copies; numpy indexes by intp natively
 
         def run() -> None:
             if rows is not None:
@@ -193,6 +193,7 @@ class NumpyTransferEngine(KVTransferEngine):
 
     def _load(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
         inv, pairs, rows = self._inv, self._pairs, self._rows
+        d, h = d.astype(np.intp), h.astype(np.intp)  # as in _backup
 
         def run() -> None:  # all layers at once: the handle reports them done together anyway
             if rows is not None:
