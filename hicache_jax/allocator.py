@@ -27,15 +27,13 @@ _I32_MIN, _I32_MAX = int(_I32.min), int(_I32.max)  # iinfo's attributes are comp
 _EMPTY_IDS = np.zeros(0, ID_DTYPE)
 
 
-def _ids_and_bounds(ids: object, name: str) -> tuple[np.ndarray, int, int]:
-    """(int32 copy, min, max) of a 1-D integer id array; one pass of validation, no sort."""
-    arr = _int_array(ids, name)
-    if arr is None:
-        return _EMPTY_IDS.copy(), 0, -1
-    lo, hi = int(_MIN(arr)), int(_MAX(arr))
-    if lo < _I32_MIN or hi > _I32_MAX:
-        raise ValueError(f"{name}: page id out of int32 range")
-    return arr.astype(ID_DTYPE, copy=True), lo, hi
+def _as_int32(arr: np.ndarray, name: str) -> np.ndarray:
+    """An int32 copy of a non-empty 1-D integer id array; ValueError if an id does not fit."""
+    if arr.dtype != ID_DTYPE:  # an int32 array fits by construction: no range pass
+        lo, hi = int(_MIN(arr)), int(_MAX(arr))
+        if lo < _I32_MIN or hi > _I32_MAX:
+            raise ValueError(f"{name}: page id out of int32 range")
+    return arr.astype(ID_DTYPE, copy=True)
 
 
 def _int_array(ids: object, name: str) -> np.ndarray | None:
@@ -65,7 +63,8 @@ def as_page_ids(ids: object, name: str = "page_ids") -> np.ndarray:
     Raises TypeError for non-integer input (floats, bools, objects) and ValueError for
     the wrong rank. Range checks belong to the owner of the pool.
     """
-    return _ids_and_bounds(ids, name)[0]
+    arr = _int_array(ids, name)
+    return _EMPTY_IDS.copy() if arr is None else _as_int32(arr, name)
 
 
 def has_duplicates(arr: np.ndarray) -> bool:
