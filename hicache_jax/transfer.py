@@ -83,6 +83,12 @@ class CompletedHandle(LoadHandle):
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         return None
 
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
 
 class FutureHandle(TransferHandle):
     """Wraps a ``concurrent.futures.Future`` run on an engine's worker."""

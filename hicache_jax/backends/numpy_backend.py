@@ -22,7 +22,7 @@ from ..allocator import PageAllocator, check_page_ids
 from ..host_layout import HostLayout
 from ..host_pool import HostKVPool
 from ..kv_geometry import KVGeometry
-from ..transfer import KVTransferEngine, LoadHandle, TransferError
+from ..transfer import CompletedHandle, KVTransferEngine, LoadHandle, TransferError
 
 
 class NumpyDevicePool:
@@ -107,6 +107,7 @@ class NumpyTransferEngine(KVTransferEngine):
         # (~7x faster for small rows). ``None`` when a view would need a copy (the 5-D path).
         self._rows = self._row_views(order)
         self.pending: list[_DeferredHandle] = []
+        self._completed = CompletedHandle(self.geom.num_layers)  # what an immediate copy returns
         self._failures = {"backup": 0, "load": 0}
         self._garbage = np.random.default_rng(0xBAD)
 
@@ -158,52 +159,57 @@ class NumpyTransferEngine(KVTransferEngine):
     def _random_like(self, a: np.ndarray) -> np.ndarray:
         return self._garbage.integers(0, 256, a.nbytes, dtype=np.uint8).view(a.dtype).reshape(a.shape)
 
-    def backup(self, device_ids, host_ids) -> _DeferredHandle:
+    def backup(self, device_ids, host_ids) -> LoadHandle:
         d, h = self.validate(device_ids, host_ids)
         return self._backup(d, h)
 
-    def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> _DeferredHandle:
+    def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> LoadHandle:
         # The cache's own ids (KVTransferEngine.backup_owned): no validate.
         return self._backup(device_ids, host_ids)
 
-    def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> _DeferredHandle:
+    def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> LoadHandle:
         return self._load(device_ids, host_ids)
 
-    def _backup(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
-        perm, pairs, rows = self._perm, self._pairs, self._rows
+    def _backup(self, d: np.ndarray, h: np.ndarray) -> LoadHandle:
         d, h = d.astype(np.intp), h.astype(np.intp)  # private copies; numpy indexes by intp natively
+        if self.deferred or self._failures["backup"]:
+            return self._issue(lambda: self._copy_d2h(d, h), "backup", h)
+        self._copy_d2h(d, h)  # immediate mode, nothing to fail: copy now, no per-copy handle
+        return self._completed
 
-        def run() -> None:
-            if rows is not None:
-                for dev, host in rows:
-                    host[h] = dev[d]
-                return
-            for dev, host in pairs:
-                buf = dev[:, d]  # (L, n, page, H, D)
-                if perm is None:
-                    host[:, h] = buf
-                else:
-                    host[h] = buf.transpose(perm)
+    def _copy_d2h(self, d: np.ndarray, h: np.ndarray) -> None:
+        if self._rows is not None:
+            for dev, host in self._rows:
+                host[h] = dev[d]
+            return
+        perm = self._perm
+        for dev, host in self._pairs:
+            buf = dev[:, d]  # (L, n, page, H, D)
+            if perm is None:
+                host[:, h] = buf
+            else:
+                host[h] = buf.transpose(perm)
 
-        return self._issue(run, "backup", h)
-
-    def load(self, host_ids, device_ids) -> _DeferredHandle:
+    def load(self, host_ids, device_ids) -> LoadHandle:
         d, h = self.validate(device_ids, host_ids)
         return self._load(d, h)
 
-    def _load(self, d: np.ndarray, h: np.ndarray) -> _DeferredHandle:
-        inv, pairs, rows = self._inv, self._pairs, self._rows
+    def _load(self, d: np.ndarray, h: np.ndarray) -> LoadHandle:
         d, h = d.astype(np.intp), h.astype(np.intp)  # as in _backup
+        if self.deferred or self._failures["load"]:
+            return self._issue(lambda: self._copy_h2d(d, h), "load", d)
+        self._copy_h2d(d, h)
+        return self._completed
 
-        def run() -> None:  # all layers at once: the handle reports them done together anyway
-            if rows is not None:
-                for dev, host in rows:
-                    dev[d] = host[h]
-                return
-            for dev, host in pairs:
-                dev[:, d] = host[:, h] if inv is None else host[h].transpose(inv)
-
-        return self._issue(run, "load", d)
+    def _copy_h2d(self, d: np.ndarray, h: np.ndarray) -> None:
+        # All layers at once: the handle reports them done together anyway.
+        if self._rows is not None:
+            for dev, host in self._rows:
+                dev[d] = host[h]
+            return
+        inv = self._inv
+        for dev, host in self._pairs:
+            dev[:, d] = host[:, h] if inv is None else host[h].transpose(inv)
 
     # ---- test control --------------------------------------------------------------------
     def complete(self, handle: _DeferredHandle) -> None:
