@@ -968,7 +968,7 @@ class HiRadixCache:
         t0 = time.perf_counter()
         m = self.metrics
         m.evict_calls += 1
-        freed = evictable = 0
+        freed = demoted = deleted = 0
         free_ids = []
         dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
         write_back = self.write_policy == WritePolicy.WRITE_BACK
@@ -1002,7 +1002,6 @@ class HiRadixCache:
             node.value = None
             parent = node.parent
             parent.dev_children -= 1
-            evictable -= size
             freed += size
             if node in dm:
                 self.device_lru.set_member(node, False)
@@ -1011,7 +1010,7 @@ class HiRadixCache:
                 del parent.children[self._child_key(node)]
                 node.deleted = True
                 node.parent = None
-                m.deleted_device_tokens += size
+                deleted += size
             else:
                 # Host-only from now on: a host eviction candidate unless host-locked or a
                 # parent of host copies; no longer a reclaim candidate (not on the device).
@@ -1020,7 +1019,7 @@ class HiRadixCache:
                     self.host_lru._push(node)
                 if node in rm:
                     self.reclaim_lru.set_member(node, False)
-                m.demoted_tokens += size
+                demoted += size
             # Inlined _refresh(parent): only its device-leaf status can change (one device
             # child fewer); the root is never in an index. A parent that would be popped next
             # anyway (usually: a chain of one conversation's nodes shares its access time) is
@@ -1031,7 +1030,9 @@ class HiRadixCache:
                 else:
                     dm.add(parent)  # inlined device_lru.set_member(parent, True)
                     dl._push(parent)
-        self.evictable_tokens += evictable
+        self.evictable_tokens -= freed  # every evicted node was unlocked: evictable
+        m.deleted_device_tokens += deleted
+        m.demoted_tokens += demoted
         kept = None
         if free_ids and keep:
             ids = np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]

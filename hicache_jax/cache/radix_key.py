@@ -53,6 +53,7 @@ class RadixKey:
     extra_key: Hashable = None
     cache_salt: Hashable = None
     token_bytes: bytes = field(init=False, repr=False)  # the ids' native int64 bytes
+    namespace: tuple = field(init=False, repr=False)  # (extra_key, cache_salt)
 
     def __post_init__(self) -> None:
         data = as_token_ids(self.token_ids).tobytes()  # the one copy of the tokens
@@ -63,10 +64,7 @@ class RadixKey:
                 hash(getattr(self, name))
             except TypeError:
                 raise TypeError(f"{name}: expected a hashable value, got {type(getattr(self, name)).__name__}") from None
-
-    @property
-    def namespace(self) -> tuple:
-        return (self.extra_key, self.cache_salt)
+        object.__setattr__(self, "namespace", (self.extra_key, self.cache_salt))
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
