@@ -947,12 +947,7 @@ class HiRadixCache:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
         if self._failure is not None:
             raise self._failure
-        num_pages = check_int("num_pages", num_pages, 0)
-        ids = self.device_allocator.alloc(num_pages)
-        if ids is None:
-            self.evict((num_pages - self.device_allocator.available) * self.page_size)
-            ids = self.device_allocator.alloc(num_pages)
-        return ids
+        return self._alloc(check_int("num_pages", num_pages, 0), False)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
@@ -964,7 +959,7 @@ class HiRadixCache:
         """``evict``; returns ``(tokens freed, kept pages)``. With ``keep``, up to that many of
         the pages taken off the tree (the first ones evicted) are not freed: they stay
         allocated and marked as the tree's, and come back as an int32 array (None if none)
-        for the tree's own use (``_alloc_owned``)."""
+        for the tree's own use or the caller's (``_alloc``)."""
         t0 = time.perf_counter()
         m = self.metrics
         m.evict_calls += 1
@@ -1045,27 +1040,34 @@ class HiRadixCache:
         m.eviction_seconds += time.perf_counter() - t0
         return freed, kept
 
-    def _alloc_owned(self, num_pages: int) -> np.ndarray | None:
-        """``alloc_device`` for the tree itself (a load-back's destination): the pages come back
-        already marked as the tree's. Pages an eviction takes off the tree for this go straight
-        to the new owner, skipping a free and a re-allocation; None (nothing allocated, the
-        eviction done) when the device has no room even after eviction."""
+    def _alloc(self, num_pages: int, owned: bool) -> np.ndarray | None:
+        """``num_pages`` device pages, evicting if short: the caller's (``alloc_device``), or,
+        with ``owned``, the tree's own, already marked as the tree's (a load-back's
+        destination). The pages an eviction takes off the tree for this go straight to the
+        new owner, skipping a free and a re-allocation. None (nothing allocated, the eviction
+        done) when the device has no room even after eviction."""
         a = self.device_allocator
         short = num_pages - a.available
         if short <= 0:
             ids = a.alloc(num_pages)
-            self._dev_owned[ids] = True
+            if owned:
+                self._dev_owned[ids] = True
             return ids
         _freed, kept = self._evict(short * self.page_size, keep=num_pages)
+        if kept is not None and not owned:
+            self._dev_owned[kept] = False  # the caller's now (still allocated)
         rest = num_pages - (0 if kept is None else kept.shape[0])
         if not rest:
             return kept
         more = a.alloc(rest)
         if more is None:
             if kept is not None:
-                self._free_tree_pages([kept], self._dev_owned, a)
+                if owned:
+                    self._dev_owned[kept] = False
+                a.free_owned(kept)  # distinct (they were the tree's), allocated
             return None
-        self._dev_owned[more] = True
+        if owned:
+            self._dev_owned[more] = True
         return more if kept is None else np.concatenate([kept, more])
 
     @staticmethod
@@ -1142,7 +1144,7 @@ class HiRadixCache:
         npages = tokens // self.page_size
         # Protect the anchor (device) and the chain (host) while eviction makes room; one walk.
         self._lock_both(node, anchor)
-        dev = self._alloc_owned(npages)
+        dev = self._alloc(npages, True)
         if dev is None:
             self._unlock(anchor)
             self._host_unlock(node)

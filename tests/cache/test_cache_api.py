@@ -461,6 +461,33 @@ def test_load_back_without_room_returns_the_evicted_pages(backend_factory):
     cache.sanity_check(0)
 
 
+def test_alloc_device_hands_evicted_pages_to_the_caller(backend_factory):
+    """Short of free pages, alloc_device gives the caller the pages its eviction took off the
+    tree (no longer the tree's, still allocated), then free ones; too little room: None, and
+    the evicted pages are free again."""
+    cache, be = make_cache(backend_factory, device_pages=24, host_pages=96)
+    oracle = KVOracle(be)
+    lru = prefill_insert(cache, oracle, seq(0, 12)).last_node.value.tolist()
+    prefill_insert(cache, oracle, seq(100, 8))
+    cache.flush()
+    got = cache.alloc_device(8)  # 4 free, 4 short: evicts the LRU node (12 pages), hands over 8
+    assert got is not None and len(set(got.tolist())) == 8 and set(got.tolist()) <= set(lru)
+    assert be.device.allocator.available == 4 + 4
+    assert be.device.allocator.is_allocated(got).all()
+    assert cache.match_prefix(seq(0, 12)).device_hit_length == 0
+    cache.sanity_check(8)
+    oracle.write(seq(500, 8), got)  # the caller's pages: insert them
+    cache.insert(seq(500, 8), got)
+    cache.flush()
+    oracle.check_device(seq(500, 8), cache.match_prefix(seq(500, 8)).device_indices)
+    cache.sanity_check(0)
+    hold = be.device.allocator.alloc(be.device.allocator.available)
+    free_before = be.device.allocator.available
+    assert cache.alloc_device(30) is None  # evicts everything evictable, still short
+    assert be.device.allocator.available == free_before + 16  # both 8-page nodes, freed
+    cache.sanity_check(len(hold))
+
+
 def test_load_back_engine_error_gives_the_pages_back(backend_factory, monkeypatch):
     cache, be = make_cache(backend_factory, device_pages=24, host_pages=96)
     oracle = KVOracle(be)
