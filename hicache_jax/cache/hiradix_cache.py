@@ -37,7 +37,9 @@ What is locked when
       root). A locked node is never evicted from the device; callers lock the
       ``last_device_node`` of a match for as long as they use the matched pages.
     * A backup (D2H) holds a device path lock and a host path lock on its deepest node from
-      issue until ``writing_check`` sees it done, so neither copy is freed mid-transfer.
+      issue until ``writing_check`` sees it done, so neither copy is freed mid-transfer. A
+      backup the engine reports done and successful as soon as it is issued (a synchronous
+      engine), with no earlier backup waiting, is acknowledged at once and takes no locks.
     * A load-back (H2D) holds the same two locks from issue until ``loading_check`` sees it
       done. The loaded pages appear in ``match_prefix`` at once; a forward pass must wait on
       the handle (per layer) before reading them, as upstream.
@@ -59,7 +61,8 @@ Write policies (REFERENCE.md 2.3)
 L3 hook (``storage_hook``)
     ``None`` unless a ``StorageController`` (``storage_controller``) attaches itself. Then,
     on the owner thread: each acknowledged backup calls ``on_backup_acked(node)`` (before the
-    backup's locks drop; it may only take host locks and queue work), ``writing_check`` and
+    backup's locks drop, or, for a backup acknowledged when issued, at the end of the insert
+    that made it; it may only take host locks and queue work), ``writing_check`` and
     ``check_events`` call ``poll()``, ``reset`` calls ``on_reset()`` before freeing pages, and
     ``sanity_check`` counts ``reserved_host_pages()`` (host pages the controller holds for
     prefetches in flight) as accounted for. ``insert_host`` attaches prefetched host pages.
@@ -813,8 +816,14 @@ class HiRadixCache:
             self.protected_tokens -= moved
 
     # ------------------------------------------------------------------ backup (D2H)
-    def _backup(self, node: TreeNode) -> _PendingOp | None:
-        """Back up ``node`` and its un-backed ancestors, parent first, in one transfer."""
+    def _backup(self, node: TreeNode, ack_now: bool = True) -> _PendingOp | None:
+        """Back up ``node`` and its un-backed ancestors, parent first, in one transfer.
+
+        Returns the op to acknowledge later (it holds a device and a host path lock on
+        ``node``), or None: no host room (``backup_failed_tokens``), or, with ``ack_now``,
+        a copy the engine reports finished and successful when issued while no earlier
+        backup waits (a synchronous engine): it is acknowledged here, FIFO order kept, and
+        never locks the path."""
         chain = []
         tokens = 0
         n = node
@@ -825,18 +834,27 @@ class HiRadixCache:
         anchor = n
         chain.reverse()
         npages = tokens // self.page_size
-        # Host lock before host eviction: keeps the backed-up ancestors' copies. Device lock:
-        # the device pages must stay until the copy is acknowledged (host eviction ignores it).
-        self._lock_both(node)
+        # Host eviction must keep the backed-up path's copies (the prefix stays contiguous
+        # from the root). The only candidate on the path is the anchor's copy (host reclaim:
+        # an on-device node without backed-up children; every node above it has one), so the
+        # anchor alone is host-locked meanwhile (a lock, not just leaving the index: host
+        # eviction re-indexes a parent whose last backed-up child it removes).
+        guard = anchor is not self.root
+        if guard:
+            anchor.host_lock_ref += 1
+            if anchor in self._reclaim_members:
+                self.reclaim_lru.set_member(anchor, False)
         host_ids = self._alloc_host(npages)
+        if guard:
+            anchor.host_lock_ref -= 1
         if host_ids is None:
-            self._unlock_both(node)
+            self._refresh(anchor)
             self.metrics.backup_failed_tokens += tokens
             return None
         dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
         handle = self.components.backup(dev_ids, host_ids)
-        # _set_host for the whole chain at once. Every chain node is host-locked (above), so
-        # none of them joins a host index: only the anchor's membership can change.
+        # _set_host for the whole chain at once: every chain node but the last has a backed-up
+        # child now, so only the last and the anchor can change index membership.
         self._host_owned[host_ids] = True
         self.host_tokens += tokens
         off = 0
@@ -846,10 +864,26 @@ class HiRadixCache:
             c.host_value = host_ids[off:off + k]
             c.parent.host_children += 1
             off += k
-        self._refresh(anchor)
+        m = self.metrics
+        m.backup_tokens += tokens
+        m.backup_bytes += npages * self.components.bytes_per_page
         op = _PendingOp(node, handle, tokens, dev_ids, host_ids, False)
-        self.metrics.backup_tokens += tokens
-        self.metrics.backup_bytes += npages * self.components.bytes_per_page
+        if ack_now and not self._writes and handle.done():
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - a failed copy: acknowledged (and retried) later
+                pass
+            else:
+                self._refresh(node)
+                self._refresh(anchor)
+                if self.storage_hook is not None:
+                    self.storage_hook.on_backup_acked(node)  # L2 -> L3 write-through
+                m.backup_seconds += time.perf_counter() - op.t0
+                return None
+        # Until acknowledged: the device pages stay (device lock), and so do the new host
+        # copies and the anchor's (host lock; the chain joins no host index meanwhile).
+        self._lock_both(node)
+        self._refresh(anchor)
         return op
 
     def _alloc_host(self, npages: int) -> np.ndarray | None:
@@ -979,7 +1013,7 @@ class HiRadixCache:
                 node, nxt = nxt, None
             size = node.size
             if node.host_value is None and write_back:
-                op = self._backup(node)
+                op = self._backup(node, ack_now=False)
                 if op is None:
                     m.dropped_tokens += size
                 else:

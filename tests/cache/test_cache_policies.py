@@ -60,6 +60,37 @@ def test_write_through_acks_are_fifo(backend_factory):
     cache.sanity_check(0)
 
 
+def test_backup_done_when_issued_is_acknowledged_at_once_after_earlier_ones(backend_factory, monkeypatch):
+    """A copy the engine finishes while issuing it is acknowledged inside the insert (no
+    locks, nothing in flight), unless an earlier backup still waits: then it queues behind
+    it (FIFO). Its host copy holds the right bytes either way."""
+    cache, be = make_cache(backend_factory, deferred=True)
+    oracle = KVOracle(be)
+    prefill_insert(cache, oracle, seq(0, 8))  # deferred: in flight
+    assert cache.in_flight == (1, 0)
+    issue = cache.components.backup
+
+    def synchronous(device_ids, host_ids):
+        handle = issue(device_ids, host_ids)
+        be.complete(handle)
+        return handle
+
+    monkeypatch.setattr(cache.components, "backup", synchronous)
+    prefill_insert(cache, oracle, seq(100, 8))  # done at once, but the first one waits
+    assert cache.in_flight == (2, 0)
+    be.complete_all()
+    assert cache.writing_check() == 2
+    acked = cache.metrics.backup_tokens
+    node = prefill_insert(cache, oracle, seq(200, 12)).last_node  # nothing waits: acknowledged now
+    assert cache.in_flight == (0, 0) and cache.protected_tokens == 0
+    assert node.backuped and node.lock_ref == 0 and node.host_lock_ref == 0
+    assert cache.metrics.backup_tokens == acked + 12
+    cache.sanity_check(0)
+    oracle.check_host(seq(200, 12), node.host_value)
+    evict_all_and_reload(cache, be, oracle, seq(200, 12))
+    cache.sanity_check(0)
+
+
 def test_write_through_backs_up_unbacked_ancestors_parent_first(backend_factory):
     cache, be = make_cache(backend_factory, write_policy="write_through_selective")
     oracle = KVOracle(be)

@@ -198,3 +198,27 @@ def test_without_host_reclaim_host_smaller_than_device_starves(backend_factory):
     _churn(cache, oracle, 40)
     assert cache.metrics.backup_failed_tokens > 0
     cache.sanity_check(0)
+
+
+# ---------------------------------------------------------------- contiguity during a backup's host eviction
+def test_backup_host_eviction_never_reclaims_its_anchor(backend_factory):
+    """Backing up X under the backed-up A evicts host pages. Evicting A's last backed-up
+    child (host-only H) makes A a reclaim candidate again; A's copy must still survive (X's
+    copy hangs below it), so the backup fails for lack of room instead (found by the L3
+    stress test when backups started to be acknowledged at issue time)."""
+    cache, be = make_cache(backend_factory, device_pages=32, host_pages=16)
+    oracle = KVOracle(be)
+    a = prefill_insert(cache, oracle, seq(0, 4)).last_node  # A: 4 host pages
+    prefill_insert(cache, oracle, seq(0, 10))  # H under A: 6
+    cache.flush()
+    assert cache.evict(6) == 6  # H: host-only now, the only host-only leaf
+    prefill_insert(cache, oracle, seq(100, 6))  # B: 6, the host is full
+    cache.flush()
+    assert be.host.allocator.available == 0
+    key = RadixKey(np.r_[np.arange(4), np.arange(1000, 1013)])  # X under A: needs 13 host pages
+    x = prefill_insert(cache, oracle, key).last_node
+    cache.flush()
+    assert a.backuped and not x.backuped  # H (6) + B (6) freed, A kept: 12 < 13
+    assert cache.metrics.backup_failed_tokens == 13
+    cache.sanity_check(0)
+    oracle.check_host(seq(0, 4), a.host_value)
