@@ -505,23 +505,23 @@ class HiRadixCache:
             self._bad_pages(pages)
             raise ValueError(f"device_pages: expected {(n - off0) // p} page ids for {tokens.shape[0]} tokens "
                              f"(page_size {p}), got {pages.shape[0]}")
+        # segs: the walked nodes below the path (all of them without one); their pages
+        # are the caller's ``pages[:mp]``.
         if path:
             segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb, path[-1], off0)
-            segs = [(node, node.size, 0) for node in path] + segs
         else:
             segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb)
         mp = (matched - off0) // p
-        seg0 = len(path) if path else 0  # the first segment whose pages are the caller's
         # Validate every page the tree would take or free before changing anything: the
         # caller's pages where they differ from the tree's along the matched path, and the
         # new leaf's pages. The tree's page ids are -1 where only the host holds the tokens
         # (there the caller's page is taken, reviving the node).
         dup = dup_mask = tree_head = None
         taken = tail = pages[mp:]
-        if len(segs) > seg0:
+        if segs:
             vals = []
             revive = False
-            for node, m, _off in segs[seg0:]:
+            for node, m, _off in segs:
                 v = node.value
                 if v is None:
                     revive = True
@@ -557,7 +557,7 @@ class HiRadixCache:
         hit = not chunked
         node = self.root
         dm, hm, rm = self._dev_members, self._host_members, self._reclaim_members
-        if seg0:
+        if path:
             # The request's path: device-locked, so in neither the device index (unlocked
             # leaves) nor the host one (host-only nodes); whole nodes, nothing to split or revive.
             for node in path:
@@ -566,7 +566,6 @@ class HiRadixCache:
                     node.hit_count += 1
                 if node in rm:
                     self.reclaim_lru._push(node)
-            segs = segs[seg0:]
         for node, m, off in segs:
             if m < node.size:
                 node = self._split(node, m)
@@ -852,6 +851,7 @@ class HiRadixCache:
             self.metrics.backup_failed_tokens += tokens
             return None
         dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
+        t0 = time.perf_counter()
         handle = self.components.backup(dev_ids, host_ids)
         # _set_host for the whole chain at once: every chain node but the last has a backed-up
         # child now, so only the last and the anchor can change index membership.
@@ -867,7 +867,6 @@ class HiRadixCache:
         m = self.metrics
         m.backup_tokens += tokens
         m.backup_bytes += npages * self.components.bytes_per_page
-        op = _PendingOp(node, handle, tokens, dev_ids, host_ids, False)
         if ack_now and not self._writes and handle.done():
             try:
                 handle.wait()
@@ -878,13 +877,13 @@ class HiRadixCache:
                 self._refresh(anchor)
                 if self.storage_hook is not None:
                     self.storage_hook.on_backup_acked(node)  # L2 -> L3 write-through
-                m.backup_seconds += time.perf_counter() - op.t0
+                m.backup_seconds += time.perf_counter() - t0
                 return None
         # Until acknowledged: the device pages stay (device lock), and so do the new host
         # copies and the anchor's (host lock; the chain joins no host index meanwhile).
         self._lock_both(node)
         self._refresh(anchor)
-        return op
+        return _PendingOp(node, handle, tokens, dev_ids, host_ids, False)
 
     def _alloc_host(self, npages: int) -> np.ndarray | None:
         ids = self.host_allocator.alloc(npages)
