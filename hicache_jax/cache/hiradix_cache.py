@@ -1087,21 +1087,19 @@ class HiRadixCache:
                 self._dev_owned[ids] = True
             return ids
         _freed, kept = self._evict(short * self.page_size, keep=num_pages)
+        rest = num_pages - (0 if kept is None else kept.shape[0])
+        more = a.alloc(rest) if rest else None
+        if rest and more is None:
+            if kept is not None:  # still the tree's: free them as an eviction would have
+                self._free_tree_pages([kept], self._dev_owned, a)
+            return None
         if kept is not None and not owned:
             self._dev_owned[kept] = False  # the caller's now (still allocated)
-        rest = num_pages - (0 if kept is None else kept.shape[0])
-        if not rest:
-            return kept
-        more = a.alloc(rest)
-        if more is None:
-            if kept is not None:
-                if owned:
-                    self._dev_owned[kept] = False
-                a.free_owned(kept)  # distinct (they were the tree's), allocated
-            return None
-        if owned:
+        if more is not None and owned:
             self._dev_owned[more] = True
-        return more if kept is None else np.concatenate([kept, more])
+        if kept is None:
+            return more
+        return kept if more is None else np.concatenate([kept, more])
 
     @staticmethod
     def _free_tree_pages(free_ids: list, owned: np.ndarray, allocator: PageAllocator) -> None:
