@@ -2,6 +2,8 @@
 
 Used by the manager's tests (no JAX needed) and as the semantic oracle for real backends.
 
+``NumpyTransferEngine()`` copies when a transfer is issued and returns the engine's one
+``CompletedHandle`` (the cache then acknowledges a backup at once, without locks).
 ``NumpyTransferEngine(deferred=True)`` does not copy when a transfer is issued: the bytes
 move only when the test calls ``complete(handle)`` / ``complete_all()``, in any order. A
 manager bug that frees or overwrites pages while their transfer is still in flight then
@@ -161,20 +163,26 @@ class NumpyTransferEngine(KVTransferEngine):
 
     def backup(self, device_ids, host_ids) -> LoadHandle:
         d, h = self.validate(device_ids, host_ids)
-        return self._backup(d, h)
+        return self._transfer("backup", d, h)
+
+    def load(self, host_ids, device_ids) -> LoadHandle:
+        d, h = self.validate(device_ids, host_ids)
+        return self._transfer("load", d, h)
 
     def backup_owned(self, device_ids: np.ndarray, host_ids: np.ndarray) -> LoadHandle:
         # The cache's own ids (KVTransferEngine.backup_owned): no validate.
-        return self._backup(device_ids, host_ids)
+        return self._transfer("backup", device_ids, host_ids)
 
     def load_owned(self, host_ids: np.ndarray, device_ids: np.ndarray) -> LoadHandle:
-        return self._load(device_ids, host_ids)
+        return self._transfer("load", device_ids, host_ids)
 
-    def _backup(self, d: np.ndarray, h: np.ndarray) -> LoadHandle:
+    def _transfer(self, kind: str, d: np.ndarray, h: np.ndarray) -> LoadHandle:
+        """Copy device pages ``d`` to host pages ``h`` ("backup") or back ("load")."""
         d, h = d.astype(np.intp), h.astype(np.intp)  # private copies; numpy indexes by intp natively
-        if self.deferred or self._failures["backup"]:
-            return self._issue(lambda: self._copy_d2h(d, h), "backup", h)
-        self._copy_d2h(d, h)  # immediate mode, nothing to fail: copy now, no per-copy handle
+        copy = self._copy_d2h if kind == "backup" else self._copy_h2d
+        if self.deferred or self._failures[kind]:
+            return self._issue(lambda: copy(d, h), kind, h if kind == "backup" else d)
+        copy(d, h)  # immediate mode, nothing to fail: copy now, no per-copy handle
         return self._completed
 
     def _copy_d2h(self, d: np.ndarray, h: np.ndarray) -> None:
@@ -189,17 +197,6 @@ class NumpyTransferEngine(KVTransferEngine):
                 host[:, h] = buf
             else:
                 host[h] = buf.transpose(perm)
-
-    def load(self, host_ids, device_ids) -> LoadHandle:
-        d, h = self.validate(device_ids, host_ids)
-        return self._load(d, h)
-
-    def _load(self, d: np.ndarray, h: np.ndarray) -> LoadHandle:
-        d, h = d.astype(np.intp), h.astype(np.intp)  # as in _backup
-        if self.deferred or self._failures["load"]:
-            return self._issue(lambda: self._copy_h2d(d, h), "load", d)
-        self._copy_h2d(d, h)
-        return self._completed
 
     def _copy_h2d(self, d: np.ndarray, h: np.ndarray) -> None:
         # All layers at once: the handle reports them done together anyway.
