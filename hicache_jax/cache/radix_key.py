@@ -4,9 +4,9 @@ Pure numpy. A ``RadixKey`` is what the tree indexes: int64 token ids and a names
 from ``extra_key`` (LoRA id, tenant, ...) and ``cache_salt``. A key is immutable: it copies
 the tokens once, into ``token_bytes`` (their native int64 bytes, which the tree compares and
 keys its children by), and ``token_ids`` is a read-only array over those bytes, so a caller
-that later reuses its own buffer cannot change a key the tree is working with. Keys in different namespaces
-never share a node: the root's children are keyed by ``(namespace, first page)`` and every
-node below inherits its parent's namespace.
+that later reuses its own buffer cannot change a key the tree is working with. Keys in
+different namespaces never share a node: the root's children are keyed by
+``(namespace, first page)`` and every node below inherits its parent's namespace.
 
 Matching works in whole pages: ``aligned_len`` rounds down to a page multiple, and a child
 is found by the bytes of its first page (``page_key``).
