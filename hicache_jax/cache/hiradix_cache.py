@@ -344,29 +344,23 @@ class HiRadixCache:
         self._refresh(new)
         return new
 
-    def _walk(self, tokens: np.ndarray, n: int, namespace: tuple, qb: bytes | None = None) -> tuple[list, int]:
-        """Read-only walk: [(node, matched tokens, offset)] and total matched tokens."""
-        segs, off, _qb = self._walk_bytes(tokens, n, namespace, qb)
-        return segs, off
+    def _walk(self, key: RadixKey, n: int, start: TreeNode | None = None, off: int = 0) -> tuple[list, int]:
+        """Read-only walk of ``key``'s first ``n`` tokens (a page multiple): [(node, matched
+        tokens, offset)] and total matched tokens. Compares ``key.token_bytes`` (a whole-node
+        match is one memcmp; bytes past ``8 * n`` never match).
 
-    def _walk_bytes(self, tokens: np.ndarray, n: int, namespace: tuple, qb: bytes | None = None,
-                    start: TreeNode | None = None, off: int = 0) -> tuple[list, int, bytes]:
-        """``_walk`` of ``tokens[:n]`` that also returns their raw bytes (new nodes' keys):
-        ``qb`` when given (the bytes of at least ``tokens[:n]``, e.g. ``RadixKey.token_bytes``;
-        bytes past ``8 * n`` are never matched), else ``tokens[:n].tobytes()``.
-
-        With ``start`` (a node whose path spells ``tokens[:off]``, see ``_request_path``) the
-        walk continues below it: ``segs`` then lists only the nodes after ``start``."""
+        With ``start`` (a node whose path spells the first ``off`` tokens, see
+        ``_request_path``) the walk continues below it: ``segs`` then lists only the nodes
+        after ``start``."""
         segs = []
         if n == off:
-            return segs, off, b"" if qb is None else qb
+            return segs, off
+        tokens, qb = key.token_ids, key.token_bytes
         p = self.page_size
         pb = 8 * p
         nb = 8 * n
-        if qb is None:
-            qb = tokens[:n].tobytes()  # compare raw bytes: a whole-node match is one memcmp
         if start is None or start is self.root:
-            child = self.root.children.get((namespace, qb[8 * off:8 * off + pb]))
+            child = self.root.children.get((key.namespace, qb[8 * off:8 * off + pb]))
         else:
             child = start.children.get(qb[8 * off:8 * off + pb])
         while child is not None:
@@ -380,7 +374,7 @@ class HiRadixCache:
             if m < child.size or off == n:
                 break
             child = child.children.get(qb[8 * off:8 * off + pb])
-        return segs, off, qb
+        return segs, off
 
     def _check_node(self, node: object, name: str = "node") -> TreeNode:
         if not isinstance(node, TreeNode):
@@ -418,8 +412,7 @@ class HiRadixCache:
             raise self._failure
         key = as_radix_key(key)
         tokens = key.token_ids
-        segs, _ = self._walk(tokens, tokens.shape[0] - tokens.shape[0] % self.page_size, key.namespace,
-                             key.token_bytes)
+        segs, _ = self._walk(key, tokens.shape[0] - tokens.shape[0] % self.page_size)
         device = host = 0
         for node, m, _off in segs:
             if node.value is not None:
@@ -431,7 +424,7 @@ class HiRadixCache:
     def _match(self, key: RadixKey) -> MatchResult:
         tokens = key.token_ids
         n = tokens.shape[0] - tokens.shape[0] % self.page_size
-        segs, _ = self._walk(tokens, n, key.namespace, key.token_bytes)
+        segs, _ = self._walk(key, n)
         t = self._tick()
         dev_vals = []
         last_dev = last = self.root
@@ -472,8 +465,7 @@ class HiRadixCache:
             raise self._failure
         key = as_radix_key(key)
         pages = self._device_pages(device_pages)
-        return self._insert(key.token_ids, key.namespace, pages, chunked,
-                            (None, key.token_bytes, 0))[0]  # pages: a private copy
+        return self._insert(key, pages, chunked)[0]  # pages: a private copy
 
     def _device_pages(self, ids: object) -> np.ndarray:
         """``check_page_ids`` without the duplicate test, which ``_insert`` does on the pages it
@@ -485,32 +477,28 @@ class HiRadixCache:
         so errors keep their precedence over the length / ownership / allocation checks."""
         check_page_ids(pages, self.device_allocator.num_pages, "device_pages")
 
-    def _insert(self, tokens: np.ndarray, namespace: tuple, pages: np.ndarray,
-                chunked: bool, start: tuple | None = None) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
+    def _insert(self, key: RadixKey, pages: np.ndarray, chunked: bool, path: list | None = None,
+                off0: int = 0) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
         """``insert`` for page ids that passed ``check_page_ids`` (a private copy: the tree may
         keep slices of it). Also returns ``(dup_mask, tree_head)``: where the caller's page
         was a duplicate (freed) among the first ``len(tree_head)`` pages and the tree's page
         ids there; ``(None, None)`` when the tree kept every page of the caller.
 
-        ``start``: ``_request_path``'s ``(path, qb, depth)``, the tree's on-device nodes that
-        already spell the first ``depth`` tokens with the caller's own pages there. The walk
+        ``path`` / ``off0``: ``_request_path``'s nodes and depth, the tree's on-device nodes that
+        already spell the first ``off0`` tokens with the caller's own pages there. The walk
         then starts below them, ``pages`` covers only the tokens after them, and ``dup_mask`` /
         ``tree_head`` are relative to that start. The path nodes are touched (and hit) as a
-        walk from the root would touch them. ``(None, qb, 0)`` only passes the key's bytes
-        (see ``_walk_bytes``) to a walk from the root."""
+        walk from the root would touch them."""
         p = self.page_size
-        n = tokens.shape[0] - tokens.shape[0] % p
-        path, qb, off0 = start if start is not None else (None, None, 0)
+        namespace, qb = key.namespace, key.token_bytes
+        n = len(key) - len(key) % p
         if pages.shape[0] != (n - off0) // p:
             self._bad_pages(pages)
-            raise ValueError(f"device_pages: expected {(n - off0) // p} page ids for {tokens.shape[0]} tokens "
+            raise ValueError(f"device_pages: expected {(n - off0) // p} page ids for {len(key)} tokens "
                              f"(page_size {p}), got {pages.shape[0]}")
         # segs: the walked nodes below the path (all of them without one); their pages
         # are the caller's ``pages[:mp]``.
-        if path:
-            segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb, path[-1], off0)
-        else:
-            segs, matched, qb = self._walk_bytes(tokens, n, namespace, qb)
+        segs, matched = self._walk(key, n, path[-1], off0) if path else self._walk(key, n)
         mp = (matched - off0) // p
         # Validate every page the tree would take or free before changing anything: the
         # caller's pages where they differ from the tree's along the matched path, and the
@@ -635,7 +623,7 @@ class HiRadixCache:
             if bad.size:
                 raise ValueError(f"host_pages: {bad[:8].tolist()} are free or owned by the tree")
         tokens = key.token_ids
-        segs, matched = self._walk(tokens, end, key.namespace, key.token_bytes)
+        segs, matched = self._walk(key, end)
         backed, last, last_m = 0, self.root, 0
         for node, m, off in segs:
             if node.host_value is None:
@@ -1286,15 +1274,13 @@ class HiRadixCache:
         first page dup_mask refers to)``."""
         p = self.page_size
         key = req.key
-        aligned = key.token_ids.shape[0] // p
-        tokens = key.token_ids[:aligned * p]
-        qb = key.token_bytes
-        path, _qb, depth = self._request_path(req, qb, aligned * p)
+        aligned = len(key) // p
+        path, _qb, depth = self._request_path(req, key.token_bytes, aligned * p)
         if path is None:
             pages = self._device_pages(req.device_pages[:aligned])
-            return self._insert(tokens, key.namespace, pages, chunked, (None, qb, 0)) + (0,)
+            return self._insert(key, pages, chunked) + (0,)
         pages = self._device_pages(req.device_pages[req.cached_pages:aligned])
-        return self._insert(tokens, key.namespace, pages, chunked, (path, qb, depth)) + (req.cached_pages,)
+        return self._insert(key, pages, chunked, path, depth) + (req.cached_pages,)
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.

@@ -528,7 +528,7 @@ class StorageController:
             m.prefetch_skipped += 1
             return op
         self.poll()
-        segs, matched = cache._walk(key.token_ids, n, key.namespace, key.token_bytes)
+        segs, matched = cache._walk(key, n)
         anchor = segs[-1][0] if segs else cache.root
         op.start, op.end = matched, n
         reason = ""
