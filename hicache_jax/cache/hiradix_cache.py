@@ -887,7 +887,7 @@ class HiRadixCache:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
         if self._failure is not None:
             raise self._failure
-        n = self._ack(self._writes, block, "backup_seconds")
+        n = self._ack(self._writes, block)
         if self.storage_hook is not None:
             self.storage_hook.poll()
         return n
@@ -896,7 +896,7 @@ class HiRadixCache:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
         if self._failure is not None:
             raise self._failure
-        return self._ack(self._loads, block, "load_back_seconds")
+        return self._ack(self._loads, block)
 
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step)."""
@@ -916,19 +916,27 @@ class HiRadixCache:
         self.writing_check(block=True)
         self.loading_check(block=True)
 
-    def _ack(self, queue: deque, block: bool, metric: str) -> int:
+    def _ack(self, queue: deque, block: bool) -> int:
         count = 0
         while queue and (block or queue[0].handle.done()):
-            op = queue.popleft()
-            try:
-                self._wait_op(op)
-                if queue is self._writes and self.storage_hook is not None:
-                    self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
-            finally:
-                self._release(op)
-            setattr(self.metrics, metric, getattr(self.metrics, metric) + time.perf_counter() - op.t0)
+            self._finish(queue.popleft())
             count += 1
         return count
+
+    def _finish(self, op: _PendingOp) -> None:
+        """Acknowledge ``op``: wait for it (retrying a failed copy), run the L3 hook of a
+        backup while its locks still hold, drop the locks, count its time."""
+        try:
+            self._wait_op(op)
+            if not op.load and self.storage_hook is not None:
+                self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
+        finally:
+            self._release(op)
+        m = self.metrics
+        if op.load:
+            m.load_back_seconds += time.perf_counter() - op.t0
+        else:
+            m.backup_seconds += time.perf_counter() - op.t0
 
     def _wait_op(self, op: _PendingOp) -> None:
         """Wait for ``op``'s copy; a failed one is issued again from its source.
@@ -1004,13 +1012,7 @@ class HiRadixCache:
                 if op is None:
                     m.dropped_tokens += size
                 else:
-                    try:
-                        self._wait_op(op)  # write_back blocks on the copy, as upstream
-                        if self.storage_hook is not None:
-                            self.storage_hook.on_backup_acked(op.node)
-                    finally:
-                        self._release(op)
-                    m.backup_seconds += time.perf_counter() - op.t0
+                    self._finish(op)  # write_back blocks on the copy, as upstream
             # Inlined _clear_device(node, owned=False) (+ _remove_leaf): the node left the
             # device index when popped (write_back: the backup's unlock may have re-listed it).
             assert node.lock_ref == 0, "evicting a locked node"
