@@ -132,8 +132,8 @@ class NumpyTransferEngine(KVTransferEngine):
             raise ValueError(f"kind: expected 'backup' or 'load', got {kind!r}")
         self._failures[kind] = int(count)
 
-    def _issue(self, run, kind: str = "", dst: np.ndarray | None = None) -> _DeferredHandle:
-        fail = kind and self._failures[kind] > 0
+    def _issue(self, run, kind: str, dst: np.ndarray) -> _DeferredHandle:
+        fail = self._failures[kind] > 0
         if fail:
             self._failures[kind] -= 1
             run = self._scramble_fn(kind, dst)
