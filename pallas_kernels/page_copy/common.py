@@ -5,7 +5,7 @@ Arrays seen by the kernels:
 * a *pool layer*: ``(P, page, H, D)``, one layer of one KV component (K, V or MLA latent),
   raw bits in an unsigned container dtype (the dispatcher bitcasts);
 * a *transfer buffer* of ``nb`` pages over ``L`` layers in one of three orders, matching the
-  host layouts of ``hicache_jax.host_layout``:
+  host layouts of the cache that drives these kernels (its names in brackets):
 
   - ``nlp``: ``(nb, L, page, H, D)``  (page_first_direct)
   - ``npl``: ``(nb, page, L, H, D)``  (page_first)
@@ -17,6 +17,8 @@ positions >= n are padding: gathers leave those output pages undefined, scatters
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 ORDERS = ("nlp", "npl", "lnp")
 
@@ -58,3 +60,31 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
         if b >= n:
             return b
     raise ValueError(f"n: {n} pages exceed the largest precompiled bucket {buckets[-1]}")
+
+
+def check_page_ids(ids: object, num_pages: int, name: str = "ids", unique: bool = True) -> np.ndarray:
+    """``ids`` as an int32 copy after host-side checks, so no kernel sees a bad id.
+
+    Raises ``TypeError`` for non-integer ids (floats, bools, objects) and ``ValueError`` for
+    a rank other than 1, ids outside ``[0, num_pages)`` and, with ``unique`` (scatter
+    destinations: duplicates would race), repeated ids. The messages name the offending ids.
+    The package validates on its own: kernels never depend on the cache that drives them.
+    """
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, np.int32)
+    if arr.dtype.kind not in "iu":  # bool is kind 'b', floats 'f', objects 'O'
+        raise TypeError(f"{name}: expected integer page ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of page ids, got shape {arr.shape}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_pages:
+        bad = arr[(arr < 0) | (arr >= num_pages)]
+        raise ValueError(f"{name}: ids out of range [0, {num_pages}): {bad[:8].tolist()}")
+    out = arr.astype(np.int32)  # in range, so it fits
+    if unique and out.size > 1:
+        s = np.sort(out)
+        if (s[1:] == s[:-1]).any():
+            uniq, counts = np.unique(out, return_counts=True)
+            raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
+    return out

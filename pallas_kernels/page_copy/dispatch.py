@@ -2,8 +2,8 @@
 
 ``PageCopier`` is what pools and transfer engines call. It
 
-* validates page ids on the host (range; destination duplicates) and raises ``ValueError``
-  before anything is launched;
+* validates page ids on the host (``common.check_page_ids``: range; destination duplicates)
+  and raises ``ValueError`` before anything is launched;
 * pads the ids to a bucket size and passes the live count as data, so every count inside a
   bucket reuses one compiled executable (``precompile`` builds them all at start-up; steady
   state never compiles);
@@ -33,10 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hicache_jax.allocator import check_page_ids
-
 from . import gpu, reference, tpu
-from .common import bucket_for, buffer_shape, check_order, default_buckets
+from .common import bucket_for, buffer_shape, check_order, check_page_ids, default_buckets
 
 Impl = Literal["auto", "tpu", "gpu", "xla"]
 

@@ -281,3 +281,35 @@ def _compiled_bit_exact(platform):
                     got = _bits(new)
                     np.testing.assert_array_equal(got[dest], _bits(pools[1])[ids])
                     assert (got[np.setdiff1d(np.arange(NUM_PAGES), dest)].view(np.uint8) == POISON).all()
+
+
+def test_package_imports_nothing_from_the_cache():
+    """Dependencies point one way: no module under pallas_kernels imports the cache manager."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(root)}:{node.lineno}" for m in names if m.split(".")[0] == "hicache_jax"]
+    assert offenders == []
+
+
+def test_check_page_ids():
+    from .common import check_page_ids
+    out = check_page_ids(np.array([3, 0, 7], np.int64), 8)
+    assert out.dtype == np.int32 and out.tolist() == [3, 0, 7]
+    assert check_page_ids([], 8).shape == (0,) and check_page_ids([2, 2], 8, unique=False).tolist() == [2, 2]
+    with pytest.raises(ValueError, match=r"out of range \[0, 8\): \[8, -1\]"):
+        check_page_ids([1, 8, -1], 8)
+    with pytest.raises(ValueError, match="out of range"):
+        check_page_ids([2**40], 8)  # does not wrap into range through the int32 cast
+    with pytest.raises(ValueError, match=r"duplicate ids \[5\]"):
+        check_page_ids([5, 1, 5], 8)
+    with pytest.raises(ValueError, match="1-D"):
+        check_page_ids([[1, 2]], 8)
+    for bad in ([0.5], [True, False], np.array([1], object)):
+        with pytest.raises(TypeError, match="integer"):
+            check_page_ids(bad, 8)
