@@ -1,8 +1,8 @@
 """L3 (persistent) KV page storage: keys, the storage interface and its backends.
 
-Imports with numpy alone. The default ``orbax`` backend (``orbax_log.OrbaxSegmentStorage``)
-needs the ``jax`` extra (orbax-checkpoint, tensorstore, google-crc32c) and is imported only
-when it is created; ``file`` and ``memory`` need nothing beyond numpy.
+Imports with numpy alone. The default ``orbax`` backend (the ``orbax`` subpackage,
+``OrbaxSegmentStorage``) needs the ``jax`` extra (orbax-checkpoint, tensorstore,
+google-crc32c) and is imported only when it is created; ``file`` and ``memory`` need nothing beyond numpy.
 
 Threading contracts are stated per module; in short, every backend's public methods may be
 called from several threads at once, and the orbax backend writes from one writer thread.
@@ -29,7 +29,7 @@ def create_storage(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSp
         from .file import FileStorage
         return FileStorage(config, pools, specs)
     try:
-        from .orbax_log import OrbaxSegmentStorage
+        from .orbax import OrbaxSegmentStorage
     except ImportError as e:
         raise ImportError("the 'orbax' L3 backend needs orbax-checkpoint, tensorstore and google-crc32c "
                           "(pip install 'hicache-jax[jax]'); use backend='file' without them") from e

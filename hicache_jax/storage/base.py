@@ -1,9 +1,30 @@
 """The L3 storage interface: pages keyed by 32-byte digests, moved to and from host (L2) pages.
 
-Pure numpy. Backends subclass ``HiCacheStorage`` and implement three primitives on raw page
-bytes (``_contains``, ``_read``, ``_write``); this base class owns everything around them:
+Pure numpy. Backends subclass ``HiCacheStorage`` and implement protected hooks; the public
+methods are this class's alone (no backend overrides one) and own everything around the hooks:
 argument checks, packing host pages into page bytes and back, hit policies across pools, the
 consecutive-hit rule, metrics, and turning every storage fault into a miss.
+
+Hooks a backend implements (raw page bytes, arguments already checked, keys non-empty):
+
+* ``_contains(pool, keys)``: whether each key is stored (or accepted and in flight).
+* ``_read(pool, keys)``: verified page bytes per key, or None.
+* ``_write(pool, keys, pages)``: store packed pages (none of the keys stored yet).
+
+and may override, where it can do better than the default built on the three above:
+
+* ``_read_into_host(pool, keys, ids, loaded)``: read pages straight into host pages (orbax
+  reads in place, with no page-sized array per read); the default reads through ``_read``
+  and then publishes every page.
+* ``_reads_in_place()``: True if ``get_multi`` over ``ALL_PAGES`` pools may read pool by
+  pool through ``_read_into_host`` instead of reading everything before publishing anything.
+* ``_write_from_host(pool, keys, ids)``: store host pages (orbax packs them straight into
+  its segment buffers); the default packs them into a new array for ``_write``.
+* ``_writes_pending()``, ``_flush(timeout)``, ``_close()``: the lifecycle of an
+  asynchronous backend (defaults: nothing pending, nothing to release).
+
+A hook may raise on a storage fault; the public method that called it logs it, counts it and
+reports misses / failed sets. A hook must never report a page it did not verify.
 
 Page bytes: for each component of the pool's geometry (``k``, ``v`` or ``kv``), the page's slab
 in the host layout's transfer order with the page axis first, concatenated: ``uint8[page_bytes]``.
@@ -19,25 +40,30 @@ Pools and hit policies (REFERENCE.md 2.7/2.8): a request's pages exist in severa
 
 The multi-pool hit is the largest ``hit`` satisfying every pool. Nothing is reported for a
 page unless all pools have it, so a target page never counts without its draft (stronger
-than upstream's draft-first). This class's ``get_multi`` reads everything first and only then
-writes host pages; a backend may read ``ALL_PAGES`` pools in place instead (orbax does), and
-then host pages of the call beyond the hit may hold bytes: the caller's pages, never hits.
+than upstream's draft-first). ``get_multi`` reads everything first and only then writes host
+pages, unless the backend reads in place and every pool is ``ALL_PAGES`` (orbax's direct
+path): then it reads pool by pool (draft before target) straight into the host pages, and
+host pages of the call beyond the hit may hold bytes: the caller's pages, never hits.
 
 Error contract: caller mistakes (unknown pool, wrong key size, mismatched lengths, bad host
-ids) raise ``TypeError``/``ValueError`` before any storage is touched. Storage faults (I/O
-errors, corruption, vanished files, disk full, read-only directories) never raise: they are
-logged, counted in ``metrics`` and reported as misses / failed sets.
+ids, a flush timeout that is not a number) raise ``TypeError``/``ValueError`` before any
+storage is touched. Storage faults (I/O errors, corruption, vanished files, disk full,
+read-only directories) never raise: they are logged, counted in ``metrics`` and reported as
+misses / failed sets.
 
 Threading: public methods may be called from several threads at once (the controller's
-prefetch, IO and backup threads); each backend documents its own locking. Reads into host pages
-write only the given host ids (``HostKVPool.write_pages`` on disjoint ids is thread-safe); the
-caller owns those ids for the duration of the call. ``batch_set`` copies the page bytes out of the
-host pool before it returns, so the caller may release or reuse those host pages immediately.
+prefetch, IO and backup threads), so hooks may run concurrently; each backend documents its
+own locking. ``close`` runs ``_close`` once (concurrent callers wait for it). Reads into host
+pages write only the given host ids (``HostKVPool.write_pages`` on disjoint ids is
+thread-safe); the caller owns those ids for the duration of the call. ``batch_set`` copies the
+page bytes out of the host pool before it returns, so the caller may release or reuse those
+host pages immediately.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -185,7 +211,7 @@ class PageCodec:
 
 
 class HiCacheStorage(ABC):
-    """Abstract L3 store. See the module docstring for the contract."""
+    """Abstract L3 store. See the module docstring for the contract and the hooks."""
 
     backend_name = "abstract"
 
@@ -211,8 +237,10 @@ class HiCacheStorage(ABC):
         self.primary = next(s.name for s in specs if s.policy is PoolHitPolicy.ALL_PAGES)
         self.codecs: dict[str, PageCodec] = {name: PageCodec(p) for name, p in pools.items()}
         self.metrics = StorageMetrics()
+        self._close_lock = threading.Lock()
+        self._closed = False
 
-    # ---- backend primitives ------------------------------------------------------------------
+    # ---- hooks every backend implements --------------------------------------------------------
     @abstractmethod
     def _contains(self, pool: str, keys: list[bytes]) -> list[bool]:
         """Whether each key is stored (or accepted and in flight) in ``pool``."""
@@ -220,23 +248,72 @@ class HiCacheStorage(ABC):
     @abstractmethod
     def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
         """Verified ``uint8[page_bytes]`` per key, or None (absent / failed a check). The
-        backend counts ``corrupt``/``quarantined``/``read_errors``; the base counts hits and misses."""
+        backend counts ``corrupt``/``quarantined``/``read_errors``/``verified``; the caller
+        counts hits and misses."""
 
     @abstractmethod
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
         """Store ``pages`` (``uint8[n, page_bytes]``, owned by the callee) under ``keys``
         (none already stored). True = durably stored, or accepted for an asynchronous write."""
 
-    def writes_pending(self) -> bool:
-        """Whether pages accepted by ``batch_set`` are not yet committed (never blocks)."""
+    # ---- hooks a backend may override ------------------------------------------------------------
+    def _read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], loaded: list[bool]) -> int:
+        """Read page ``keys[i]`` into host page ``ids[i]`` and set ``loaded[i]`` for each page
+        loaded (flags set before a raise still count); returns how many pages had their CRC
+        checked here (the caller counts them with the hits). A page not loaded holds no stored
+        bytes: untouched if its key is not stored, else untouched or zero-filled. This default
+        reads every page through ``_read`` before writing any host page."""
+        pages = self._checked_read(pool, keys)
+        codec = self.codecs[pool]
+        for i, page in enumerate(pages):
+            if page is not None:
+                codec.unpack_one(int(ids[i]), page)
+                loaded[i] = True
+        return 0
+
+    def _reads_in_place(self) -> bool:
+        """Whether ``get_multi`` over ``ALL_PAGES`` pools reads each pool straight into its host
+        pages through ``_read_into_host`` (see the module docstring)."""
         return False
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until accepted pages are durable (or dropped). True if nothing is left pending."""
+    def _write_from_host(self, pool: str, keys: list[bytes], ids: np.ndarray) -> list[bool]:
+        """Store host pages ``ids`` under ``keys`` (distinct, none stored); same result as
+        ``_write``. The page bytes must be copied out of the host pool before this returns."""
+        return self._write(pool, keys, self.codecs[pool].pack(ids))
+
+    def _writes_pending(self) -> bool:
+        return False
+
+    def _flush(self, timeout: float | None) -> bool:
         return True
 
+    def _close(self) -> None:
+        pass
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def writes_pending(self) -> bool:
+        """Whether pages accepted by ``batch_set`` are not yet committed (never blocks)."""
+        return self._writes_pending()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until accepted pages are durable (or dropped), at most ``timeout`` seconds (None:
+        no limit; <= 0: do not wait). True if nothing is left pending."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
+            if timeout != timeout:
+                raise ValueError("timeout: expected seconds or None, got NaN")
+        return self._flush(timeout)
+
     def close(self) -> None:
-        """Flush and release resources. Idempotent."""
+        """Flush and release resources. Idempotent; a second caller waits for the first."""
+        with self._close_lock:
+            if self._closed:
+                return
+            try:
+                self._close()
+            finally:
+                self._closed = True
 
     def __enter__(self) -> "HiCacheStorage":
         return self
@@ -275,7 +352,27 @@ class HiCacheStorage(ABC):
         if unique and np.unique(ids).size != ids.size:
             raise ValueError("host_page_ids: duplicate host page ids")
 
-    # ---- fault-tolerant wrappers -------------------------------------------------------------
+    def _read_ids(self, pool: str, host_page_ids: object, n: int) -> Sequence[int]:
+        """The checked host ids of a read (in range, distinct). A small, plainly valid call (a
+        list/tuple/range of distinct in-range Python ints) is checked without numpy: one-page
+        reads are frequent, and after a 2 MiB copy has flushed the CPU caches the numpy checks
+        cost ~0.1 ms of a ~3 ms read. Anything else goes through the numpy checks (and their
+        errors)."""
+        num = self.codecs[pool].pool.num_pages
+        if n == 1 and type(host_page_ids) is list and len(host_page_ids) == 1:  # the common lone page
+            v = host_page_ids[0]
+            if type(v) is int and 0 <= v < num:
+                return [v]
+        elif n <= 16 and isinstance(host_page_ids, (list, tuple, range)) and len(host_page_ids) == n:
+            vals = list(host_page_ids)
+            if all(type(v) is int for v in vals) and (
+                    not vals or (min(vals) >= 0 and max(vals) < num and len(set(vals)) == n)):
+                return vals
+        ids = self._ids(pool, host_page_ids, n)
+        self._check_used_ids(pool, ids, unique=True)
+        return ids
+
+    # ---- fault-tolerant wrappers around the hooks --------------------------------------------
     def _safe_contains(self, pool: str, keys: list[bytes]) -> list[bool]:
         if not keys:
             return []
@@ -286,38 +383,60 @@ class HiCacheStorage(ABC):
             self.metrics.add(read_errors=1)
             return [False] * len(keys)
 
-    def _safe_read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
-        if not keys:
-            return []
-        t0 = time.perf_counter()
-        try:
-            out = list(self._read(pool, keys))
-            if len(out) != len(keys):
-                raise RuntimeError(f"backend returned {len(out)} pages for {len(keys)} keys")
-        except Exception as e:
-            log.warning("L3 %s: read(%s, %d keys) failed: %r", self.backend_name, pool, len(keys), e)
-            self.metrics.add(read_errors=1)
-            out = [None] * len(keys)
+    def _checked_read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        """``_read``, with pages of the wrong size or dtype dropped (counted as corrupt)."""
+        out = list(self._read(pool, keys))
+        if len(out) != len(keys):
+            raise RuntimeError(f"backend returned {len(out)} pages for {len(keys)} keys")
         pb = self.codecs[pool].page_bytes
-        good = 0
         for i, page in enumerate(out):
             if page is not None and (page.dtype != np.uint8 or page.size != pb):
                 # Wrong size can only mean a mismatched geometry sharing a namespace: refuse.
                 self.metrics.add(corrupt=1)
                 out[i] = None
-            elif page is not None:
-                good += 1
-        self.metrics.add(hits=good, misses=len(keys) - good, bytes_read=good * pb,
-                         read_seconds=time.perf_counter() - t0)
         return out
 
-    def _safe_write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
+    def _read_failed(self, pool: str, n: int, e: Exception) -> None:
+        log.warning("L3 %s: read(%s, %d keys) failed: %r", self.backend_name, pool, n, e)
+        self.metrics.add(read_errors=1)
+
+    def _count_read(self, pool: str, n: int, good: int, t0: float, verified: int) -> None:
+        self.metrics.add_read(good, n - good, good * self.codecs[pool].page_bytes, time.perf_counter() - t0, verified)
+
+    def _safe_read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        """Page bytes per key (None: a miss), counted; never raises."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
         try:
-            ok = [bool(x) for x in self._write(pool, keys, pages)]
+            out = self._checked_read(pool, keys)
+        except Exception as e:
+            self._read_failed(pool, len(keys), e)
+            out = [None] * len(keys)
+        self._count_read(pool, len(keys), sum(p is not None for p in out), t0, 0)
+        return out
+
+    def _safe_read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int]) -> list[bool]:
+        """Per page, whether it was loaded into its host page, counted; never raises."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        loaded = [False] * len(keys)
+        verified = 0
+        try:
+            verified = self._read_into_host(pool, keys, ids, loaded)
+        except Exception as e:  # pages loaded before the fault keep their flag
+            self._read_failed(pool, len(keys), e)
+        self._count_read(pool, len(keys), sum(loaded), t0, verified)
+        return loaded
+
+    def _safe_write_from_host(self, pool: str, keys: list[bytes], ids: np.ndarray) -> list[bool]:
+        try:
+            ok = [bool(x) for x in self._write_from_host(pool, keys, ids)]
             if len(ok) != len(keys):
                 raise RuntimeError(f"backend returned {len(ok)} flags for {len(keys)} keys")
             return ok
-        except Exception as e:
+        except Exception as e:  # never lose the caller's (backup) thread
             log.warning("L3 %s: write(%s, %d pages) failed: %r", self.backend_name, pool, len(keys), e)
             self.metrics.add(write_errors=1, pages_dropped=len(keys))
             return [False] * len(keys)
@@ -333,42 +452,27 @@ class HiCacheStorage(ABC):
         ``consecutive(result)`` as the hit count. A page flagged False holds no stored bytes:
         if its key is not stored its host page is left untouched; if a read into it failed
         (a storage fault) a backend that reads in place (orbax) may have overwritten it and
-        zero-fills it, so it never keeps bytes that failed a check. This implementation reads
-        every page before writing any host page, so it leaves them all untouched."""
+        zero-fills it, so it never keeps bytes that failed a check. Backends that read through
+        ``_read`` read every page before writing any host page, so they leave them all untouched."""
         pool = self._pool(pool)
         keys = self._keys(keys)
-        ids = self._ids(pool, host_page_ids, len(keys))
-        self._check_used_ids(pool, ids, unique=True)
-        pages = self._safe_read(pool, keys)
-        self._publish(pool, ids, pages, range(len(keys)))
-        return [p is not None for p in pages]
+        ids = self._read_ids(pool, host_page_ids, len(keys))
+        return self._safe_read_into_host(pool, keys, ids)
 
     def batch_set(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
         """Store host pages under ``keys``; per page, whether it is stored (or accepted for an
         asynchronous write). Keys already stored or in flight are skipped and reported True."""
-        pool, keys, ids, plan = self._plan_set(pool, keys, host_page_ids)
-        result, todo = plan.result, plan.todo
-        if todo:
-            try:
-                pages = self.codecs[pool].pack(ids[todo])
-            except Exception as e:  # never lose the caller's (backup) thread
-                log.warning("L3 %s: packing host pages failed: %r", self.backend_name, e)
-                self.metrics.add(write_errors=1, pages_dropped=len(todo))
-                return result
-            for i, o in zip(todo, self._safe_write(pool, [keys[i] for i in todo], pages)):
-                result[i] = o
-        return plan.finish(keys)
-
-    def _plan_set(self, pool: str | None, keys: Sequence[bytes], host_page_ids: object):
-        """The checks and bookkeeping every ``batch_set`` shares: (pool, keys, ids, plan) where
-        ``plan.todo`` are the positions to write (first occurrence of each key not stored yet)."""
         pool = self._pool(pool)
         keys = self._keys(keys)
         ids = self._ids(pool, host_page_ids, len(keys))
         self._check_used_ids(pool, ids, unique=False)
         plan = _SetPlan(keys, self._safe_contains(pool, keys))
         self.metrics.add(sets_skipped=len(keys) - len(plan.todo))
-        return pool, keys, ids, plan
+        if plan.todo:
+            ok = self._safe_write_from_host(pool, [keys[i] for i in plan.todo], ids[plan.todo])
+            for i, o in zip(plan.todo, ok):
+                plan.result[i] = o
+        return plan.finish(keys)
 
     def _publish(self, pool: str, ids: np.ndarray, pages: list, which) -> None:
         codec = self.codecs[pool]
@@ -414,7 +518,10 @@ class HiCacheStorage(ABC):
 
     def exists_multi(self, transfers: Sequence[PoolTransfer]) -> HitResult:
         """Pages usable for every pool under its hit policy (no data moved)."""
-        keys, _, n = self._transfers(transfers, need_ids=False)
+        keys, _, _ = self._transfers(transfers, need_ids=False)
+        return self._stored_hit(keys)
+
+    def _stored_hit(self, keys: dict[str, list[bytes]]) -> HitResult:
         all_pools = [p for p in keys if self.specs[p].policy is PoolHitPolicy.ALL_PAGES]
         pool_hits = {p: consecutive(self._safe_contains(p, keys[p])) for p in all_pools}
         hit = min(pool_hits.values())
@@ -429,19 +536,24 @@ class HiCacheStorage(ABC):
         return HitResult(hit, pool_hits)
 
     def get_multi(self, transfers: Sequence[PoolTransfer]) -> HitResult:
-        """Read every pool's pages for the largest prefix all pools can serve, then publish them
-        into host pages (nothing is written to host pages beyond the returned hit)."""
+        """Read every pool's pages for the largest prefix all pools can serve into host pages;
+        nothing beyond the returned hit is reported (see the module docstring for which host
+        pages beyond it a backend that reads in place may have written)."""
         keys, ids, n = self._transfers(transfers, need_ids=True)
-        hint = self.exists_multi(transfers).hit_pages  # index only; avoids reading pages we cannot use
         all_pools = [p for p in keys if self.specs[p].policy is PoolHitPolicy.ALL_PAGES]
         for p in all_pools:
             self._check_used_ids(p, ids[p], unique=True)
-        # non-target pools first (draft before target, as upstream), though nothing is published
-        # until every pool is read.
+        hit = self._stored_hit(keys).hit_pages  # index only; avoids reading pages we cannot use
+        # non-target pools first (draft before target, as upstream)
         all_pools.sort(key=lambda p: p == self.primary)
+        if len(all_pools) == len(keys) and self._reads_in_place():
+            for p in all_pools:  # straight into host pages: no page array, no second copy
+                if not hit:
+                    break
+                hit = min(hit, consecutive(self._safe_read_into_host(p, keys[p][:hit], ids[p][:hit])))
+            return HitResult(hit, {p: hit for p in keys})
         pages: dict[str, dict[int, np.ndarray | None]] = {}
-        hit = hint
-        for p in all_pools:
+        for p in all_pools:  # nothing is published until every pool is read
             got = self._safe_read(p, keys[p][:hit])
             pages[p] = dict(enumerate(got))
             hit = min(hit, consecutive([g is not None for g in got]))

@@ -237,7 +237,7 @@ class FileStorage(HiCacheStorage):
                 log.warning("L3 file: evicting %s failed: %r", path, e)
         self.metrics.add(pages_evicted=len(victims))
 
-    def close(self) -> None:
+    def _close(self) -> None:
         with self._lock:
             ex, self._executor = self._executor, None
         if ex is not None:

@@ -215,3 +215,30 @@ def test_capacity_evicts_oldest(backend, tmp_path):
         assert present[:4] == [0] * 4  # oldest gone
         assert 4 <= sum(present) <= 8
         assert st.metrics.pages_evicted >= 8
+
+
+def test_backends_implement_hooks_not_public_methods(backend, tmp_path):
+    # The base class's public methods own the checks, metrics and fault handling; a backend
+    # that overrode one would skip them.
+    from hicache_jax.storage import HiCacheStorage
+
+    with make_store(backend, tmp_path, {"target": HostKVPool(GEOM, 2)}) as st:
+        public = {n for n, v in vars(HiCacheStorage).items() if not n.startswith("_") and callable(v)}
+        overridden = {n for cls in type(st).__mro__[:type(st).__mro__.index(HiCacheStorage)]
+                      for n in vars(cls) if n in public}
+        assert not overridden, f"{type(st).__name__} overrides {sorted(overridden)}"
+
+
+def test_flush_timeout_is_checked_and_close_is_idempotent(backend, tmp_path):
+    src = HostKVPool(GEOM, 4, "page_first")
+    fill_random(src, 1)
+    keys = keys_for(2)
+    st = make_store(backend, tmp_path, {"target": src})
+    for bad, err in (("5", TypeError), (True, TypeError), (float("nan"), ValueError)):
+        with pytest.raises(err, match="timeout"):
+            st.flush(bad)
+    assert st.batch_set(keys, [0, 1]) == [True, True]
+    assert st.flush(0 if backend != "orbax" else 60) and st.flush(-1.0)  # nothing left: no wait needed
+    st.close()
+    st.close()  # a no-op
+    assert st.metrics.pages_written == 2

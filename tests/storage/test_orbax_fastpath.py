@@ -10,8 +10,9 @@ import pytest
 
 from hicache_jax import HostKVPool, HostLayout, KVGeometry
 from hicache_jax.storage import PoolSpec, PoolTransfer, StorageConfig
-from hicache_jax.storage import ocdbt_direct
-from hicache_jax.storage.orbax_log import _host_pieces, _pack_into
+from hicache_jax.storage.orbax import ocdbt_direct
+from hicache_jax.storage.orbax.reader import host_pieces
+from hicache_jax.storage.orbax.writer import pack_into
 
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace
 
@@ -44,9 +45,9 @@ def test_pack_into_matches_codec_pack(tmp_path, layout):
     codec = st.codecs["target"]
     ids = np.array([5, 0, 15, 5, 9])
     out = np.full((len(ids), codec.page_bytes), 0xAB, np.uint8)
-    _pack_into(codec, ids, out)
+    pack_into(codec, ids, out)
     np.testing.assert_array_equal(out, codec.pack(ids))
-    pieces = _host_pieces(codec, 9)  # the in-place read destinations, in page-byte order
+    pieces = host_pieces(codec, 9)  # the in-place read destinations, in page-byte order
     np.testing.assert_array_equal(np.concatenate(pieces), codec.pack(np.array([9]))[0])
     st.close()
 
@@ -65,7 +66,7 @@ def test_read_paths_roundtrip_single_and_batched(tmp_path, layout, read_path):
     m = st.metrics.snapshot()
     assert m["verified"] == 9 and m["corrupt"] == 0 and m["read_errors"] == 0
     if read_path == "direct":  # byte ranges resolved from the OCDBT B-tree, no fallback
-        assert all(s.locs is not None and s.locs["target"] is not None for s in st._segments.values())
+        assert all(s.locs is not None and s.locs["target"] is not None for s in st.index.segments.values())
     st.close()
 
 
@@ -81,7 +82,7 @@ def test_multi_pool_get_uses_direct_reads(tmp_path):
                     flush_interval_s=30.0)
     st.set_multi([PoolTransfer(p, keys[p], range(4)) for p in src])
     assert st.flush(60)
-    assert len(st._segments) == 1  # both pools' buffers saved as one segment
+    assert len(st.index.segments) == 1  # both pools' buffers saved as one segment
     dst = {p: HostKVPool(GEOM, 8, "page_first") for p in src}
     for p in src:
         st.codecs[p].pool = dst[p]
@@ -153,7 +154,7 @@ def test_unexpected_layout_falls_back_to_tensorstore(tmp_path, monkeypatch):
     st.codecs["target"].pool = dst
     assert st.batch_get(keys, range(8)) == [True] * 8
     assert_pages_equal(src, range(8), dst, range(8))
-    assert all(s.locs == {"target": None} for s in st._segments.values())
+    assert all(s.locs == {"target": None} for s in st.index.segments.values())
     st.close()
 
 
@@ -175,7 +176,7 @@ def test_segment_buffers_are_reused_up_to_the_bound(tmp_path, buffer_bytes):
         assert all(st.batch_get(keys, range(8)))
         np.testing.assert_array_equal(st.codecs["target"].pack(np.arange(8)), expect)
         st.codecs["target"].pool = src
-        assert st._free_bytes == (0 if buffer_bytes == 0 else 2 * seg_bytes)
+        assert st.writer.free_buffer_bytes == (0 if buffer_bytes == 0 else 2 * seg_bytes)
     # every earlier round still reads back right (a reused buffer never rewrote a saved page)
     dst = HostKVPool(GEOM, 24, "page_first")
     st.codecs["target"].pool = dst

@@ -9,7 +9,8 @@ import pytest
 
 from hicache_jax import HostKVPool, HostLayout, KVGeometry
 from hicache_jax.storage import PoolSpec, PoolTransfer
-from hicache_jax.storage import ocdbt_direct
+from hicache_jax.storage.orbax import ocdbt_direct
+from hicache_jax.storage.orbax.reader import HandleCache
 
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace
 
@@ -148,7 +149,7 @@ def test_segment_gone_between_request_and_read_is_a_miss(tmp_path, fds, monkeypa
         req = real(*a, **k)
         calls.append(1)
         if len(calls) == 1:
-            st._forget(sorted(st._segments, key=lambda n: st._segments[n].order)[0])
+            st.index.forget(st.segment_names()[0])
         return req
 
     monkeypatch.setattr(ocdbt_direct, "request_page", request_then_forget)
@@ -184,7 +185,8 @@ def test_lone_page_split_requests_and_chunks_bit_exact(tmp_path, fds, monkeypatc
     for i, h in zip(range(4), [3, 2, 1, 0]):
         advised.clear()
         assert st.batch_get(keys[i:i + 1], [h]) == [True]
-        loc = st._segments[st._index["target"][keys[i]][0]].locs["target"][st._index["target"][keys[i]][1]]
+        seg_name, slot = st.index.location("target", keys[i])
+        loc = st.index.segments[seg_name].locs["target"][slot]
         _, off, length = loc
         assert advised[0][0] == off and sum(n for _, n in advised) == length  # the whole value, once
         for (a, n), (b, _) in zip(advised, advised[1:]):
@@ -201,8 +203,8 @@ def test_lone_page_split_requests_and_chunks_bit_exact(tmp_path, fds, monkeypatc
 def test_page_request_is_released_exactly_once(tmp_path, fds):
     st, src, keys = _written(tmp_path)
     st.batch_get(keys[:1], [0])  # resolves the segment's locations
-    seg_name, slot = st._index["target"][keys[2]]
-    loc = st._segments[seg_name].locs["target"][slot]
+    seg_name, slot = st.index.location("target", keys[2])
+    loc = st.index.segments[seg_name].locs["target"][slot]
     pb = st.codecs["target"].page_bytes
     req = ocdbt_direct.request_page(loc, pb)
     dst = np.empty(pb, np.uint8)
@@ -232,7 +234,7 @@ def test_inline_values_roundtrip(tmp_path, fds):
     assert all(st.batch_get(keys, [5, 4, 3, 2, 1, 0]))
     assert_pages_equal(src, range(6), dst, [5, 4, 3, 2, 1, 0])
     assert_pages_equal(src, [2], dst, [9])
-    assert all(isinstance(l, bytes) for s in st._segments.values() for l in s.locs["target"])
+    assert all(isinstance(l, bytes) for s in st.index.segments.values() for l in s.locs["target"])
     assert fds.opened == 0 and st.metrics.verified == 7
     st.close()
 
@@ -272,14 +274,14 @@ def test_tensorstore_fallback_faults_quarantine(tmp_path, monkeypatch, fault):
     if fault == "corrupt_page":
         _corrupt(tmp_path, st, 5, 1)
     else:
-        real = type(st)._handle
+        real = HandleCache.get
 
-        def broken(self, seg, pool):
-            if seg.counts and sorted(self._segments, key=lambda n: self._segments[n].order).index(seg.name) == 1:
+        def broken(self, seg, pool, page_bytes):
+            if seg.counts and st.segment_names().index(seg.name) == 1:
                 raise ValueError("data array (3, 2048) uint8, expected (4, 2048) uint8")
-            return real(self, seg, pool)
+            return real(self, seg, pool, page_bytes)
 
-        monkeypatch.setattr(type(st), "_handle", broken)
+        monkeypatch.setattr(HandleCache, "get", broken)
     dst = HostKVPool(GEOM, 16, "page_first")
     st.codecs["target"].pool = dst
     flags = st.batch_get(keys, range(8))

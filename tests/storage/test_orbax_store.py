@@ -79,7 +79,7 @@ def test_default_segments_are_sized_by_bytes(tmp_path, max_pending, want):
         time.sleep(0.01)
     assert all(st.batch_set(keys[want:], range(want, n)))
     assert st.flush(60)
-    assert sorted(seg.counts["target"] for seg in st._segments.values()) == [7, want]
+    assert sorted(seg.counts["target"] for seg in st.index.segments.values()) == [7, want]
     dst = HostKVPool(GEOM, n, "page_first")
     st.codecs["target"].pool = dst
     assert all(st.batch_get(keys, range(n)))
@@ -295,17 +295,17 @@ def test_disk_full_injected_then_recovers(tmp_path, monkeypatch):
     import errno
 
     st, src, keys = _store(tmp_path, n=4)
-    real = type(st._mgr).save
+    real = type(st.writer.manager).save
 
     def enospc(self, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(type(st._mgr), "save", enospc)
+    monkeypatch.setattr(type(st.writer.manager), "save", enospc)
     new = keys_for(4, seed=77)
     assert st.batch_set(new, range(4, 8)) == [True] * 4  # accepted; the save fails in the writer
     assert st.flush(60)
     assert st.batch_exists(new) == 0 and st.metrics.write_errors == 1 and st.metrics.pages_dropped == 4
-    monkeypatch.setattr(type(st._mgr), "save", real)
+    monkeypatch.setattr(type(st.writer.manager), "save", real)
     st.batch_set(new, range(4, 8))
     assert st.flush(60) and st.batch_exists(new) == 4
     flags, dst = _read_back(st, keys + new)
@@ -319,16 +319,78 @@ def test_backpressure_drops_beyond_max_pending(tmp_path, monkeypatch):
     fill_random(src, 3)
     st = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, max_pending_pages=4, flush_interval_s=30)
     gate = __import__("threading").Event()
-    real = type(st._mgr).save
+    real = type(st.writer.manager).save
 
     def slow(self, *a, **k):
         gate.wait(30)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(type(st._mgr), "save", slow)
+    monkeypatch.setattr(type(st.writer.manager), "save", slow)
     keys = keys_for(8, seed=8)
     ok = st.batch_set(keys, range(8))
     assert ok == [True] * 4 + [False] * 4 and st.metrics.pages_dropped == 4
     gate.set()
     assert st.flush(60) and st.batch_exists(keys) == 4
+    st.close()
+
+
+@pytest.mark.parametrize("call", ["batch_exists", "batch_get"])
+def test_page_saved_between_the_two_lookups_is_found(tmp_path, call):
+    # A pending page moves from its segment buffer into the index as its segment is saved.
+    # Whichever of the two places a lookup asks first, the save lands right after that
+    # question: the page must still be found (the writer indexes before it un-pends).
+    src = HostKVPool(GEOM, 16, "page_first")
+    fill_random(src, 14)
+    keys = keys_for(2, seed=24)
+    st = make_store("orbax", tmp_path, {"target": src}, segment_pages=64, flush_interval_s=60)
+    assert all(st.batch_set(keys, [0, 1]))
+    asked = []
+
+    def save_after_first(obj, name):
+        real = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            out = real(*a, **k)
+            if not asked:
+                asked.append(name)
+                assert st.flush(60)
+            return out
+
+        setattr(obj, name, wrapped)
+
+    first = "pending_flags" if call == "batch_exists" else "serve_pending"
+    second = "contains" if call == "batch_exists" else "locate"
+    save_after_first(st.writer, first)
+    save_after_first(st.index, second)
+    dst = HostKVPool(GEOM, 16, "page_first")
+    st.codecs["target"].pool = dst
+    if call == "batch_exists":
+        assert st.batch_exists(keys) == 2
+    else:
+        assert st.batch_get(keys, [5, 6]) == [True, True]
+        assert_pages_equal(src, [0, 1], dst, [5, 6])
+    assert asked and st.metrics.segments_written == 1 and not st.writes_pending()
+    st.codecs["target"].pool = src
+    st.close()
+
+
+def test_writer_indexes_a_segment_before_its_pages_stop_pending(tmp_path):
+    # The other half of the lookup order above: at the moment a saved segment enters the
+    # index, its pages are still pending, so no lookup can fall between the two.
+    src = HostKVPool(GEOM, 16, "page_first")
+    fill_random(src, 15)
+    keys = keys_for(6, seed=25)
+    st = make_store("orbax", tmp_path, {"target": src}, segment_pages=4)
+    still_pending = []
+    real_add = st.index.add
+
+    def add(seg):
+        still_pending.append(st.writer.pending_flags("target", seg.keys["target"]))
+        real_add(seg)
+
+    st.index.add = add
+    assert all(st.batch_set(keys, range(6)))
+    assert st.flush(60)
+    assert [len(f) for f in still_pending] == [4, 2] and all(all(f) for f in still_pending)
+    assert st.batch_exists(keys) == 6 and not st.writes_pending()
     st.close()

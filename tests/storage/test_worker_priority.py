@@ -23,7 +23,7 @@ def test_orbax_segment_writer_is_niced(tmp_path):
     try:
         store.batch_set(keys_for(2), [0, 1], "target")  # the writer thread is running now
         assert store.flush(30)
-        writer = store._writer
+        writer = store.writer.thread
         assert writer.is_alive()
         assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, thread_nice() + 6)
     finally:
@@ -75,10 +75,10 @@ def test_synchronous_backends_have_nothing_pending(tmp_path, backend):
 @pytest.mark.skipif(not HAVE_ORBAX, reason="orbax / tensorstore not installed (the JAX env runs this)")
 def test_orbax_chunk_size_warning_is_filtered_and_nothing_else():
     import logging
-    from hicache_jax.storage import orbax_log
+    from hicache_jax.storage.orbax import writer
 
-    f = orbax_log._ChunkSizeWarningFilter()
+    f = writer._ChunkSizeWarningFilter()
     rec = lambda msg: logging.LogRecord("absl", logging.WARNING, __file__, 1, msg, None, None)
     assert not f.filter(rec("Setting the target_byte_size too small could reduce performance."))
     assert f.filter(rec("some other orbax warning"))
-    assert any(isinstance(x, orbax_log._ChunkSizeWarningFilter) for x in logging.getLogger("absl").filters)
+    assert any(isinstance(x, writer._ChunkSizeWarningFilter) for x in logging.getLogger("absl").filters)

@@ -1,0 +1,248 @@
+"""The orbax log's index: key -> (segment, slot) per pool, and the table of live segments.
+
+Rebuilt at start-up from every committed segment's ``keys`` and ``crc`` arrays (all writer
+directories), and refreshed (``refresh``) to pick up segments other processes wrote and to
+forget segments that vanished. Pages are content-addressed, so the same key in two segments is
+harmless: either copy is right. A segment whose metadata cannot be read, or that fails a
+check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
+only on a read-only store) and never indexed again by this process, so all its pages are
+misses from then on. A segment that vanished (evicted by any process) is simply forgotten.
+
+Threading and locking: every method may be called from any thread. One lock guards the key
+maps, the segment table, the set of segments never to index again and the byte count; it is
+a leaf (nothing else is locked while it is held) and never held across I/O: ``refresh`` lists
+and loads segments without it and publishes them under it. ``on_forget(name)`` runs after the
+lock is released. ``Segment`` objects handed out stay valid after their segment is forgotten
+(their reads then fail or miss); ``is_live`` says whether one still is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Callable, Mapping
+
+import numpy as np
+import tensorstore as ts
+
+from ..keys import KEY_BYTES
+from ..metrics import StorageMetrics
+from .segment import QUARANTINE_DIR, WRITER_DIR_RE, Segment, array_spec, is_committed_step
+
+log = logging.getLogger("hicache_jax.storage")
+
+
+class SegmentIndex:
+    """Which segment and slot holds each stored key, per pool, and the live segments."""
+
+    def __init__(self, root: str, page_bytes: Mapping[str, int], metrics: StorageMetrics,
+                 ts_context: ts.Context, on_forget: Callable[[str], None] = lambda name: None) -> None:
+        self.root = root
+        self._page_bytes = dict(page_bytes)
+        self._metrics = metrics
+        self._ts_ctx = ts_context
+        self._on_forget = on_forget
+        self._lock = threading.Lock()
+        self._keys: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self._page_bytes}
+        self._segments: dict[str, Segment] = {}
+        self._bad: set[str] = set()  # segment names never to index again in this process
+        self._bytes = 0
+        self._last_refresh = 0.0
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def contains(self, pool: str, keys: list[bytes]) -> list[bool]:
+        with self._lock:
+            idx = self._keys[pool]
+            return [k in idx for k in keys]
+
+    def locate(self, pool: str, keys: list[bytes], skip: set[int]) -> list[tuple[int, Segment, int, int]]:
+        """``(i, segment, slot, crc)`` for every indexed ``keys[i]`` with ``i`` not in ``skip``."""
+        plan = []
+        with self._lock:
+            idx = self._keys[pool]
+            for i, k in enumerate(keys):
+                if i in skip:
+                    continue
+                loc = idx.get(k)
+                if loc is not None:
+                    seg = self._segments[loc[0]]
+                    plan.append((i, seg, loc[1], seg.crcs[pool].item(loc[1])))
+        return plan
+
+    def location(self, pool: str, key: bytes) -> tuple[str, int] | None:
+        """``(segment name, slot)`` of ``key`` in ``pool``, or None."""
+        with self._lock:
+            return self._keys[pool].get(key)
+
+    def is_live(self, seg: Segment) -> bool:
+        """Whether ``seg`` is still indexed (not quarantined, evicted or vanished)."""
+        with self._lock:
+            return seg.name in self._segments
+
+    @property
+    def segments(self) -> dict[str, Segment]:
+        """A copy of the segment table (name -> segment)."""
+        with self._lock:
+            return dict(self._segments)
+
+    def segment_names(self) -> list[str]:
+        """Live segments, oldest commit first (the eviction order)."""
+        with self._lock:
+            return sorted(self._segments, key=lambda n: self._segments[n].order)
+
+    def oldest(self) -> Segment | None:
+        with self._lock:
+            return min(self._segments.values(), key=lambda s: s.order) if self._segments else None
+
+    @property
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    # ---- changes -----------------------------------------------------------------------------
+    def add(self, seg: Segment) -> None:
+        """Publish a complete segment (a no-op if one of that name is indexed)."""
+        with self._lock:
+            self._add(seg)
+
+    def _add(self, seg: Segment) -> None:  # under _lock
+        if seg.name in self._segments:
+            return
+        self._segments[seg.name] = seg
+        self._bytes += seg.nbytes
+        for p, keys in seg.keys.items():
+            idx = self._keys[p]
+            for slot, k in enumerate(keys):
+                idx[k] = (seg.name, slot)
+
+    def forget(self, name: str) -> Segment | None:
+        """Drop a segment and its keys (keys another segment also holds stay with that one)."""
+        with self._lock:
+            seg = self._segments.pop(name, None)
+            if seg is None:
+                return None
+            self._bytes -= seg.nbytes
+            for p, keys in seg.keys.items():
+                idx = self._keys[p]
+                for k in keys:
+                    if idx.get(k, (None,))[0] == name:
+                        del idx[k]
+        self._on_forget(name)
+        return seg
+
+    def never_index(self, name: str) -> None:
+        """Keep ``name`` out of every later refresh (a segment we could not delete)."""
+        with self._lock:
+            self._bad.add(name)
+
+    def quarantine(self, name: str, path: str, why: str) -> None:
+        """Forget the segment for good and move its directory to ``quarantine/``."""
+        log.warning("L3 orbax: segment %s: %s; quarantined", name, why)
+        with self._lock:
+            if name in self._bad:
+                return
+            self._bad.add(name)
+        self.forget(name)
+        self._metrics.add(quarantined=1)
+        try:
+            qdir = os.path.join(self.root, QUARANTINE_DIR)
+            os.makedirs(qdir, exist_ok=True)
+            os.rename(path, os.path.join(qdir, f"{name.replace('/', '-')}-{uuid.uuid4().hex[:8]}"))
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # read-only store: remembered in-process only
+            log.warning("L3 orbax: cannot move %s to quarantine: %r", path, e)
+
+    def segment_failed(self, name: str, why: str) -> None:
+        """A read of segment ``name`` failed a check: quarantine it (counted as corrupt), unless
+        its directory is gone, which is a plain eviction (forgotten, not counted)."""
+        with self._lock:
+            seg = self._segments.get(name)
+        if seg is None:
+            return
+        if not os.path.isdir(seg.path):  # evicted (by us or another process): a plain miss
+            self.forget(name)
+            return
+        self._metrics.add(corrupt=1)
+        self.quarantine(name, seg.path, why)
+
+    # ---- scanning ----------------------------------------------------------------------------
+    def refresh_due(self, interval_s: float) -> bool:
+        return bool(interval_s) and time.monotonic() - self._last_refresh > interval_s
+
+    def refresh(self) -> None:
+        """Index segments written since the last scan (by any process); forget vanished ones."""
+        self._last_refresh = time.monotonic()
+        on_disk = self._list_committed()
+        with self._lock:
+            gone = [n for n in self._segments if n not in on_disk]
+            new = [n for n in on_disk if n not in self._segments and n not in self._bad]
+        for n in gone:
+            self.forget(n)
+        # Issue every segment's key/CRC reads before waiting on any (start-up over many
+        # segments is bounded by I/O latency, not by one segment after another).
+        started = [(n, self._start_load(n, on_disk[n])) for n in new]
+        loaded = [seg for n, st in started if (seg := self._finish_load(n, on_disk[n], st)) is not None]
+        loaded.sort(key=lambda s: s.order)
+        with self._lock:
+            for seg in loaded:
+                self._add(seg)
+
+    def _list_committed(self) -> dict[str, str]:
+        """name -> path of every committed segment on disk."""
+        out = {}
+        try:
+            writers = [d for d in os.listdir(self.root) if WRITER_DIR_RE.fullmatch(d)]
+        except OSError:
+            return out
+        for w in writers:
+            try:
+                steps = os.listdir(os.path.join(self.root, w))
+            except OSError:
+                continue
+            for s in steps:
+                if is_committed_step(s):
+                    out[f"{w}/{s}"] = os.path.join(self.root, w, s)
+        return out
+
+    def _start_load(self, name: str, path: str):
+        try:
+            with open(os.path.join(path, "default", "_METADATA")) as f:
+                meta = json.load(f)
+            pools = {v["key_metadata"][0]["key"] for v in meta["tree_metadata"].values()}
+            seg = Segment(name, path, (os.stat(path).st_mtime, name), {})
+            futs = {}
+            for p in sorted(pools & set(self._page_bytes)):
+                futs[p] = [ts.open(array_spec(path, f"{p}.{a}"), open=True, read=True, context=self._ts_ctx)
+                           for a in ("keys", "crc")]
+            return seg, futs
+        except Exception as e:
+            return e
+
+    def _finish_load(self, name: str, path: str, started) -> Segment | None:
+        try:
+            if isinstance(started, Exception):
+                raise started
+            seg, futs = started
+            reads = {p: [f.result().read() for f in fs] for p, fs in futs.items()}
+            for p, (fk, fc) in reads.items():
+                keys, crcs = fk.result(), fc.result()
+                n = keys.shape[0]
+                if keys.shape != (n, KEY_BYTES) or keys.dtype != np.uint8 or crcs.shape != (n,):
+                    raise ValueError(f"pool {p}: keys {keys.shape} / crc {crcs.shape} do not match")
+                seg.counts[p] = n
+                seg.keys[p] = [bytes(k) for k in keys]
+                seg.crcs[p] = np.asarray(crcs, np.uint32)
+                seg.nbytes += n * self._page_bytes[p]
+            return seg
+        except FileNotFoundError:
+            return None  # evicted between listing and loading
+        except Exception as e:
+            if not os.path.isdir(path):
+                return None
+            self.quarantine(name, path, f"unreadable segment metadata: {e!r}")
+            return None
