@@ -63,6 +63,7 @@ host pages immediately.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -299,7 +300,7 @@ class HiCacheStorage(ABC):
         """Wait until accepted pages are durable (or dropped), at most ``timeout`` seconds (None:
         no limit; <= 0: do not wait). True if nothing is left pending."""
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
                 raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
             if timeout != timeout:
                 raise ValueError("timeout: expected seconds or None, got NaN")

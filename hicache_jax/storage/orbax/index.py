@@ -47,7 +47,8 @@ class SegmentIndex:
         self._ts_ctx = ts_context
         self._on_forget = on_forget
         self._lock = threading.Lock()
-        self._keys: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self._page_bytes}
+        # pool -> key -> (segment name, slot)
+        self._slot_of: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self._page_bytes}
         self._segments: dict[str, Segment] = {}
         self._bad: set[str] = set()  # segment names never to index again in this process
         self._bytes = 0
@@ -56,14 +57,14 @@ class SegmentIndex:
     # ---- lookups ---------------------------------------------------------------------------
     def contains(self, pool: str, keys: list[bytes]) -> list[bool]:
         with self._lock:
-            idx = self._keys[pool]
+            idx = self._slot_of[pool]
             return [k in idx for k in keys]
 
     def locate(self, pool: str, keys: list[bytes], skip: set[int]) -> list[tuple[int, Segment, int, int]]:
         """``(i, segment, slot, crc)`` for every indexed ``keys[i]`` with ``i`` not in ``skip``."""
         plan = []
         with self._lock:
-            idx = self._keys[pool]
+            idx = self._slot_of[pool]
             for i, k in enumerate(keys):
                 if i in skip:
                     continue
@@ -76,7 +77,7 @@ class SegmentIndex:
     def location(self, pool: str, key: bytes) -> tuple[str, int] | None:
         """``(segment name, slot)`` of ``key`` in ``pool``, or None."""
         with self._lock:
-            return self._keys[pool].get(key)
+            return self._slot_of[pool].get(key)
 
     def is_live(self, seg: Segment) -> bool:
         """Whether ``seg`` is still indexed (not quarantined, evicted or vanished)."""
@@ -115,7 +116,7 @@ class SegmentIndex:
         self._segments[seg.name] = seg
         self._bytes += seg.nbytes
         for p, keys in seg.keys.items():
-            idx = self._keys[p]
+            idx = self._slot_of[p]
             for slot, k in enumerate(keys):
                 idx[k] = (seg.name, slot)
 
@@ -127,7 +128,7 @@ class SegmentIndex:
                 return None
             self._bytes -= seg.nbytes
             for p, keys in seg.keys.items():
-                idx = self._keys[p]
+                idx = self._slot_of[p]
                 for k in keys:
                     if idx.get(k, (None,))[0] == name:
                         del idx[k]
