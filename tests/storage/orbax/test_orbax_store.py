@@ -394,3 +394,12 @@ def test_writer_indexes_a_segment_before_its_pages_stop_pending(tmp_path):
     assert [len(f) for f in still_pending] == [4, 2] and all(all(f) for f in still_pending)
     assert st.batch_exists(keys) == 6 and not st.writes_pending()
     st.close()
+
+
+def test_old_module_path_still_names_the_backend(tmp_path):
+    from hicache_jax.storage import orbax, orbax_log
+
+    assert orbax_log.OrbaxSegmentStorage is orbax.OrbaxSegmentStorage
+    st = make_store("orbax", tmp_path, {"target": HostKVPool(GEOM, 2)})
+    assert type(st) is orbax.OrbaxSegmentStorage
+    st.close()
