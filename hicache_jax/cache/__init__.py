@@ -1,23 +1,40 @@
 """Hierarchical radix cache (device L1 + host L2): pure Python + numpy.
 
 Entry point: ``HiRadixCache(HiCacheConfig(...), engine, device_allocator)``. See
-``hiradix_cache`` for the contract (who allocates, who frees, what is locked, threads).
-L3 (storage): ``StorageController(cache, ...)``; see ``storage_controller``.
+``hiradix_cache`` for the contract (who allocates, who frees, what is locked, threads) and
+the map of the modules behind it. L3 (storage): ``hicache_jax.l3.StorageController(cache,
+...)``, which uses only the cache's public L3 surface.
 """
 
-from .components import FULL, ComponentRegistry, MultiLoadHandle, MultiTransferHandle
+from .agreement import Agreement, SingleProcessAgreement
+from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, MultiTransferHandle
 from .config import EvictionPolicy, HiCacheConfig, WritePolicy
-from .eviction import EvictionIndex
-from .hiradix_cache import CacheFailedError, CacheInvariantError, HiRadixCache, InsertResult, LoadBackResult, MatchResult
+from .debug_view import CacheDebugView
+from .errors import CacheFailedError, CacheInvariantError
+from .eviction_index import EvictionIndex
+from .eviction_policies import EvictionStrategy
+from .hiradix_cache import HiRadixCache
+from .locks import LockReceipt
 from .metrics import CacheMetrics, register_prometheus
 from .radix_key import RadixKey, as_token_ids
 from .request import CacheRequest
-from .storage_controller import PrefetchOperation, StorageController
+from .results import InsertResult, LoadBackResult, MatchResult
 from .tree_node import TreeNode
 
 __all__ = [
-    "FULL", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest", "ComponentRegistry", "EvictionIndex",
-    "EvictionPolicy", "HiCacheConfig", "HiRadixCache", "InsertResult", "LoadBackResult", "MatchResult",
-    "MultiLoadHandle", "MultiTransferHandle", "PrefetchOperation", "RadixKey", "StorageController", "TreeNode",
-    "WritePolicy", "as_token_ids", "register_prometheus",
+    "FULL", "Agreement", "CacheDebugView", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest",
+    "ComponentRegistry", "EvictionIndex", "EvictionPolicy", "EvictionStrategy", "HiCacheConfig", "HiRadixCache",
+    "InsertResult", "KVComponent", "LoadBackResult", "LockReceipt", "MatchResult", "MultiLoadHandle",
+    "MultiTransferHandle", "RadixKey", "SingleProcessAgreement", "TreeNode", "WritePolicy", "as_token_ids",
+    "register_prometheus",
 ]
+
+
+def __getattr__(name: str):
+    # The L3 controller moved to ``hicache_jax.l3`` (it depends on the cache, not the other
+    # way round); these names still resolve here for existing callers, lazily.
+    if name in ("StorageController", "PrefetchOperation"):
+        from .. import l3
+
+        return getattr(l3, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,9 @@ class EvictionPolicy(str, Enum):
 
     LRU = "lru"  # oldest logical access first
     LFU = "lfu"  # fewest insert-hits first, ties by oldest access
+    FIFO = "fifo"  # oldest creation first (a split's upper part keeps its creation time)
+    MRU = "mru"  # newest logical access first
+    PRIORITY = "priority"  # lowest request priority first, ties by oldest access
 
     @classmethod
     def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
@@ -53,7 +56,10 @@ class HiCacheConfig:
 
     * ``page_size``: tokens per page; must equal the KV geometry's page size. Keys are
       matched and inserted in whole pages (a trailing partial page is never cached).
-    * ``write_policy`` / ``eviction_policy``: strings or enums (see above).
+    * ``write_policy`` / ``eviction_policy``: strings or enums (see above). The eviction
+      policies are upstream's ``--radix-eviction-policy`` choices (``slru`` is not offered);
+      ``priority`` orders by the ``priority`` given to ``insert`` / ``begin_request`` (a node
+      keeps the highest priority that inserted through it).
     * ``write_through_threshold``: insert-hits before backup; ``None`` takes the policy's
       upstream value (1 for write_through, 2 for write_through_selective). Ignored by write_back.
     * ``load_back_threshold``: a host hit shorter than this many tokens is not loaded back

@@ -1,11 +1,11 @@
-"""Eviction order: LRU / LFU priorities and an indexed set of eviction candidates.
+"""An indexed set of eviction candidates, ordered by an eviction strategy.
 
-Pure Python. An ``EvictionIndex`` holds the nodes that may leave a tier right now (for
-example "unlocked device leaves") and hands them out lowest priority first. It is a set
-plus a lazy min-heap: a node's priority only grows (its logical access time and hit count
-only increase), so instead of re-sorting, a fresh heap entry is pushed whenever a member's
-priority changes and stale entries are skipped on pop (each entry carries a stamp that
-must match the node's current stamp for this index). The heap is compacted (stale entries
+Pure Python, owner thread only. An ``EvictionIndex`` holds the nodes that may leave a tier
+right now (for example "unlocked device leaves") and hands them out lowest key first, the
+key being the strategy's (``eviction_policies``). It is a set plus a lazy min-heap: instead
+of re-sorting, a fresh heap entry is pushed (``push``) whenever a member's key changes and
+stale entries are skipped on pop (each entry carries a stamp that must match the node's
+current stamp for this index), so a key may move either way. The heap is compacted (stale entries
 dropped, live ones kept with their stamps, so ties keep their order) when stale entries
 outnumber live ones, which keeps pop and push O(log n) amortised.
 
@@ -16,36 +16,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterator
+from typing import Iterator
 
-from .config import EvictionPolicy
+from .eviction_policies import EvictionStrategy
 from .tree_node import TreeNode
 
 _stamps = itertools.count(1)
 
 
-def lru_priority(node: TreeNode) -> tuple:
-    return (node.last_access,)
-
-
-def lfu_priority(node: TreeNode) -> tuple:
-    return (node.hit_count, node.last_access)
-
-
-PRIORITY_FNS: dict[EvictionPolicy, Callable[[TreeNode], tuple]] = {
-    EvictionPolicy.LRU: lru_priority,
-    EvictionPolicy.LFU: lfu_priority,
-}
-
-
 class EvictionIndex:
-    """Candidates for one tier of one component, ordered by an eviction policy."""
+    """Candidates for one tier of one component, ordered by an eviction strategy."""
 
-    def __init__(self, name: str, slot: int, priority: Callable[[TreeNode], tuple]) -> None:
+    def __init__(self, name: str, slot: int, strategy: EvictionStrategy) -> None:
+        if not isinstance(strategy, EvictionStrategy):
+            raise TypeError(f"strategy: expected an EvictionStrategy, got {type(strategy).__name__}")
         self.name = name
         self.slot = slot  # which entry of TreeNode.heap_stamp this index owns
-        self.priority = priority
-        self._kind = 1 if priority is lru_priority else 2 if priority is lfu_priority else 0
+        self.strategy = strategy
+        self.priority = strategy.key
+        self._kind = strategy.kind
         self.members: set[TreeNode] = set()
         self._heap: list[tuple] = []
 
@@ -58,7 +47,8 @@ class EvictionIndex:
     def __iter__(self) -> Iterator[TreeNode]:
         return iter(self.members)
 
-    def _push(self, node: TreeNode) -> None:
+    def push(self, node: TreeNode) -> None:
+        """(Re-)order a member after its key changed (the caller checked membership)."""
         stamp = next(_stamps)
         node.heap_stamp[self.slot] = stamp
         kind = self._kind  # the two built-in policies build their tuple directly (every touch)
@@ -85,7 +75,7 @@ class EvictionIndex:
         if member:
             if node not in self.members:
                 self.members.add(node)
-                self._push(node)
+                self.push(node)
         elif node in self.members:
             self.members.discard(node)
             node.heap_stamp[self.slot] = 0
@@ -93,7 +83,7 @@ class EvictionIndex:
     def touch(self, node: TreeNode) -> None:
         """The node's priority changed: re-order it if it is a member."""
         if node in self.members:
-            self._push(node)
+            self.push(node)
 
     def pop(self) -> TreeNode | None:
         """Remove and return the lowest-priority member, or None when empty."""
@@ -128,6 +118,11 @@ class EvictionIndex:
         if kind == 2:
             return (node.hit_count, node.last_access) < top[:2]
         return tuple(self.priority(node)) < top[:-2]
+
+    def heap_snapshot(self) -> list[tuple]:
+        """A copy of the lazy heap's entries, live and stale: ``(*key, stamp, node)``; an entry
+        is live while its node is a member and its stamp is the node's (debugging, tests)."""
+        return list(self._heap)
 
     def clear(self) -> None:
         for node in self.members:

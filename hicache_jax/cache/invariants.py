@@ -1,8 +1,10 @@
-"""Every invariant of a HiRadixCache, recomputed from scratch (REFERENCE.md section 3.1).
+"""Every invariant of a HiRadixCache, recomputed from scratch through its read-only
+``CacheDebugView`` (upstream's invariants: sglang ``hiradix_cache.py`` sanity checks).
 
 Pure numpy. ``collect_violations`` never raises on the first problem: it gathers them all
 so one failing fuzz step shows the whole picture; ``HiRadixCache.sanity_check`` raises once.
-It is O(tree size) and meant for tests and debugging, not the serving hot path.
+It is O(tree size) and meant for tests and debugging, not the serving hot path. Stateful
+plug-in components add their own violations (``KVComponent.check``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import numpy as np
 from .radix_key import page_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .hiradix_cache import HiRadixCache
+    from .debug_view import CacheDebugView
 
 
-def collect_violations(cache: "HiRadixCache", external_device_pages: int | None = None) -> list[str]:
+def collect_violations(view: "CacheDebugView", external_device_pages: int | None = None) -> list[str]:
     errs: list[str] = []
-    root = cache.root
-    p = cache.page_size
+    cache = view.cache  # only to test node ownership
+    root = view.root
+    p = view.page_size
 
     # ---- root and links -----------------------------------------------------------------
     if root.parent is not None:
@@ -108,7 +111,7 @@ def collect_violations(cache: "HiRadixCache", external_device_pages: int | None 
             want_host.add(node)
             if node.children:
                 errs.append(f"{node!r}: host-only node with children that are not backed up")
-        if cache.config.host_reclaim and on_dev and backed and node.host_lock_ref == 0 and hc == 0:
+        if view.config.host_reclaim and on_dev and backed and node.host_lock_ref == 0 and hc == 0:
             want_reclaim.add(node)
     # Root's counters too (its children are real nodes).
     dc = sum(c.value is not None for c in root.children.values())
@@ -117,37 +120,37 @@ def collect_violations(cache: "HiRadixCache", external_device_pages: int | None 
         errs.append(f"root: child counters ({root.dev_children}, {root.host_children}) != actual ({dc}, {hc})")
 
     # ---- tracking sets ----------------------------------------------------------------------
-    for index, want in ((cache.device_lru, want_dev), (cache.host_lru, want_host), (cache.reclaim_lru, want_reclaim)):
+    device_index, host_index, reclaim_index = view.indexes
+    for index, want in ((device_index, want_dev), (host_index, want_host), (reclaim_index, want_reclaim)):
         if index.members != want:
             extra = [n for n in index.members if n not in want][:4]
             missing = [n for n in want if n not in index.members][:4]
             errs.append(f"{index.name}: stale members {extra}, missing {missing}")
         errs.extend(index.check())
-    both = cache.device_lru.members & cache.host_lru.members
+    both = device_index.members & host_index.members
     if both:
         errs.append(f"nodes in both the device and host eviction sets: {list(both)[:4]}")
 
     # ---- counts -----------------------------------------------------------------------------
-    if evictable != cache.evictable_tokens or protected != cache.protected_tokens:
-        errs.append(f"device counts: evictable {cache.evictable_tokens} / protected {cache.protected_tokens}, "
-                    f"recomputed {evictable} / {protected}")
-    if host_tokens != cache.host_tokens:
-        errs.append(f"host tokens {cache.host_tokens}, recomputed {host_tokens}")
+    counters = view.counters
+    if evictable != counters["evictable_tokens"] or protected != counters["protected_tokens"]:
+        errs.append(f"device counts: evictable {counters['evictable_tokens']} / protected "
+                    f"{counters['protected_tokens']}, recomputed {evictable} / {protected}")
+    if host_tokens != counters["host_tokens"]:
+        errs.append(f"host tokens {counters['host_tokens']}, recomputed {host_tokens}")
 
     # ---- in-flight transfers ----------------------------------------------------------------
-    for kind, queue in (("backup", cache._writes), ("load", cache._loads)):
-        for op in queue:
-            n = op.node
-            if n.deleted:
-                errs.append(f"{kind} in flight on a deleted node {n!r}")
-            if n.lock_ref < 1 or n.host_lock_ref < 1:
-                errs.append(f"{kind} in flight on {n!r} without device and host locks")
-            if n.value is None or (kind == "backup" and n.host_value is None):
-                errs.append(f"{kind} in flight on {n!r} whose pages are gone")
+    for kind, n in view.pending():
+        if n.deleted:
+            errs.append(f"{kind} in flight on a deleted node {n!r}")
+        if n.lock_ref < 1 or n.host_lock_ref < 1:
+            errs.append(f"{kind} in flight on {n!r} without device and host locks")
+        if n.value is None or (kind == "backup" and n.host_value is None):
+            errs.append(f"{kind} in flight on {n!r} whose pages are gone")
 
     # ---- pages and allocators ------------------------------------------------------------------
-    for name, alloc, pages, owned in (("device", cache.device_allocator, dev_pages, cache._dev_owned),
-                                      ("host", cache.host_allocator, host_pages, cache._host_owned)):
+    for name, alloc, pages, owned in (("device", view.device_allocator, dev_pages, view.device_owned),
+                                      ("host", view.host_allocator, host_pages, view.host_owned)):
         try:
             alloc.check()
         except AssertionError as e:
@@ -166,8 +169,7 @@ def collect_violations(cache: "HiRadixCache", external_device_pages: int | None 
                         f"{np.flatnonzero(mask != owned)[:8].tolist()}")
         if name == "host":
             # Host pages an attached L3 controller holds for prefetches in flight (not the tree's).
-            hook = cache.storage_hook
-            res = np.zeros(0, np.int64) if hook is None else np.asarray(hook.reserved_host_pages(), np.int64)
+            res = view.reserved_host_pages()
             if res.size and (np.unique(res).size != res.size or mask[res].any() or not alloc.is_allocated(res).all()):
                 errs.append("host pages reserved by the storage controller are repeated, free or owned by the tree")
             if alloc.available + uniq.size + res.size != alloc.num_pages:
@@ -180,4 +182,13 @@ def collect_violations(cache: "HiRadixCache", external_device_pages: int | None 
                     alloc.available + uniq.size + external_device_pages != alloc.num_pages:
                 errs.append(f"device pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
                             f"external {external_device_pages} != total {alloc.num_pages}")
+    # ---- caller locks ---------------------------------------------------------------------------
+    # Every caller lock is a device path lock through one of the root's children.
+    through_root = sum(c.lock_ref for c in root.children.values())
+    if view.caller_locks > through_root:
+        errs.append(f"{view.caller_locks} caller locks but only {through_root} device path locks reach the root")
+
+    # ---- plug-in components -------------------------------------------------------------------
+    for comp in view.components:
+        errs.extend(f"{comp.name}: {e}" for e in comp.check(nodes))
     return errs

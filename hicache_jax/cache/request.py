@@ -2,7 +2,9 @@
 
 Pure numpy. A ``CacheRequest`` is the slice of a scheduler's request that the cache needs:
 the tokens so far, one device page per started page, the node locked on the request's
-behalf, and how many leading pages belong to the tree (the rest belong to the request).
+behalf (one of the cache's caller locks on that node), how many leading pages belong to the tree (the rest belong to the request), and the request's
+eviction priority (``eviction_policy="priority"``: a node keeps the highest priority that
+inserted through it; larger survives longer).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class CacheRequest:
     device_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, ID_DTYPE))
     last_node: TreeNode | None = None  # holds one device lock while not None
     cached_pages: int = 0
+    priority: int = 0
 
     def extend(self, key: object, new_pages: object) -> None:
         """Grow the request to ``key`` (which must start with the current tokens), adding

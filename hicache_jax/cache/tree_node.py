@@ -1,18 +1,26 @@
-"""One node of the radix tree: a run of page-aligned tokens and where its KV lives.
+"""One node of the radix tree: a run of page-aligned tokens, its statistics and where its KV lives.
 
-Pure numpy. Fields are mutated only by ``HiRadixCache`` (on its owner thread); callers get
-nodes back from ``match_prefix`` as opaque handles to pass to ``inc_lock_ref`` /
-``dec_lock_ref`` / ``load_back``.
+Pure numpy. Fields are mutated only by the modules of this package, on the cache's owner
+thread; callers get nodes back from ``match_prefix`` as opaque handles to pass to
+``inc_lock_ref`` / ``dec_lock_ref`` / ``load_back``.
 
-Residency of the target ("full") KV component, which shapes the tree:
+Fields by owner (each module changes only its own; every name is public inside the package):
 
-* on device  <=> ``value`` is not None (int32 device page ids, ``len(key) / page_size`` of them)
-* backed up  <=> ``host_value`` is not None (int32 host page ids, same count)
-* a node with neither is dead and is removed at once.
+* structure (``tree``): ``kb``/``size`` (the tokens), ``namespace``, ``parent``,
+  ``children``, ``deleted``, ``owner``;
+* statistics (``tree``, ``insert``, ``lookup``): ``hit_count``, ``last_access`` (a logical
+  clock), ``created`` (logical clock at creation; a split's upper part keeps its lower
+  part's), ``priority`` (the highest request priority that inserted through the node);
+* residency of the target ("full") KV component (``residency``, ``locks``): ``value`` /
+  ``host_value`` (int32 page ids, ``size / page_size`` of them), ``lock_ref`` /
+  ``host_lock_ref`` (path locks), ``dev_children`` / ``host_children`` (children holding
+  pages on that tier, for O(1) leaf tests), ``heap_stamp`` (one stamp per eviction index);
+* plug-in components with their own residency (``components``): ``ext``, a dict from
+  component name to that component's per-node state, ``None`` while no such component is
+  registered (today's ``full`` and ``sidecar`` components need none).
 
-Sidecar components (draft KV) share these page ids 1:1, so they add no per-node fields.
-A component with its own index space (sliding-window KV) would add its own residency and
-lock fields here, tracked by its own eviction indexes (see ``components``).
+The full component shapes the tree: on device <=> ``value`` is not None; backed up <=>
+``host_value`` is not None; a node with neither is dead and removed at once.
 
 Locks are path locks: locking a node increments ``lock_ref`` on it and every ancestor up to
 the root, so a node's count is the number of holders whose path passes through it.
@@ -31,11 +39,11 @@ _ids = itertools.count()
 class TreeNode:
     __slots__ = (
         "id", "kb", "size", "namespace", "parent", "children", "value", "host_value", "lock_ref",
-        "host_lock_ref", "hit_count", "last_access", "dev_children", "host_children", "deleted",
-        "heap_stamp", "owner",
+        "host_lock_ref", "hit_count", "last_access", "created", "priority", "dev_children", "host_children",
+        "deleted", "heap_stamp", "owner", "ext",
     )
 
-    def __init__(self, key: np.ndarray, namespace: tuple, parent: "TreeNode | None") -> None:
+    def __init__(self, key: "np.ndarray | bytes", namespace: tuple, parent: "TreeNode | None") -> None:
         self.id = next(_ids)
         self.key = key  # int64 token ids, a page multiple (empty for the root); see the property
         self.namespace = namespace
@@ -47,6 +55,8 @@ class TreeNode:
         self.host_lock_ref = 0
         self.hit_count = 0
         self.last_access = 0  # logical clock, not wall time: deterministic order, no ties
+        self.created = 0
+        self.priority = 0
         self.dev_children = 0  # children with value is not None: O(1) "device leaf" test
         self.host_children = 0  # children with host_value is not None
         self.deleted = False
@@ -55,6 +65,7 @@ class TreeNode:
         # The cache whose tree holds the node (inherited from the parent; the cache sets its
         # root's): an O(1) "does this node belong to this cache" test for handles.
         self.owner = None if parent is None else parent.owner
+        self.ext: dict | None = None
 
     @property
     def key(self) -> np.ndarray:

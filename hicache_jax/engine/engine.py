@@ -35,7 +35,7 @@ import numpy as np
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
 from ..cache import CacheRequest, HiRadixCache, RadixKey
-from ..cache.storage_controller import PrefetchOperation, StorageController
+from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
 from .config import EngineCacheConfig
 

@@ -170,14 +170,16 @@ class PageCodec:
         # Page-first shape of one component's slab for n pages (page axis moved first).
         self._slab = (one[:1] + one[2:]) if self.layer_first else one[1:]
 
-    def pack(self, ids: np.ndarray) -> np.ndarray:
-        """``uint8[n, page_bytes]`` copy of host pages ``ids``: one gather per component straight
-        into the result. Few large numpy calls on purpose: each call may drop and retake the
-        GIL, and under a Python-heavy writer thread (orbax) every retake can wait a whole
-        switch interval (5 ms), so a per-page loop here was measured 10-40x slower."""
+    def pack(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``uint8[n, page_bytes]`` copy of host pages ``ids`` (into ``out``, C-contiguous rows,
+        when given): one gather per component straight into the result. Few large numpy calls
+        on purpose: each call may drop and retake the GIL, and under a Python-heavy writer
+        thread (orbax) every retake can wait a whole switch interval (5 ms), so a per-page loop
+        here was measured 10-40x slower."""
         ids = np.asarray(ids, np.intp)
         n = len(ids)
-        out = np.empty((n, self.page_bytes), np.uint8)
+        if out is None:
+            out = np.empty((n, self.page_bytes), np.uint8)
         out3 = out.view(self.geom.container_dtype).reshape((n, len(self.geom.components)) + self._slab)
         for i, c in enumerate(self.geom.components):
             view = self.pool.component_view(c)

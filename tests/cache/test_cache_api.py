@@ -709,7 +709,7 @@ def test_sanity_check_reports_all_violations_at_once(backend_factory):
     node = prefill_insert(cache, oracle, seq(0, 12)).last_node
     cache.flush()
     node.lock_ref = 3  # corrupt: locked, counts not moved
-    cache.evictable_tokens += 1  # corrupt: count
+    cache.debug_view().inject_counter_error("evictable_tokens", 1)  # corrupt: count
     with pytest.raises(CacheInvariantError) as ei:
         cache.sanity_check(0)
     msg = str(ei.value)

@@ -16,7 +16,7 @@ def test_defaults_follow_upstream():
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     ({"write_policy": "write_around"}, ValueError, "write_policy"),
-    ({"eviction_policy": "fifo"}, ValueError, "eviction_policy"),
+    ({"eviction_policy": "slru"}, ValueError, "eviction_policy"),  # fifo, mru and priority are offered now
     ({"page_size": 0}, ValueError, "page_size"),
     ({"page_size": 1.0}, TypeError, "page_size"),
     ({"page_size": True}, TypeError, "page_size"),

@@ -78,7 +78,7 @@ class CacheMachine(RuleBasedStateMachine):
     def loading_pages(self):
         # A failed load's pages hold garbage until the cache acknowledges it (and copies them
         # again): its reader learns of it through the handle, as a forward pass would.
-        acking = {id(op.handle) for op in self.cache._loads}
+        acking = {id(h) for h in self.cache.debug_view().pending_load_handles()}
         self.loads = [(h, pg) for h, pg in self.loads
                       if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)]
         return set(np.concatenate([pg for _, pg in self.loads]).tolist()) if self.loads else set()
@@ -284,7 +284,7 @@ class CacheMachine(RuleBasedStateMachine):
         if bad == "short":
             call = lambda: self.cache.insert(key, m.device_indices[:0] if n else [0])  # noqa: E731
         elif bad == "owned":
-            others = np.setdiff1d(np.flatnonzero(self.cache._dev_owned), m.device_indices)
+            others = np.setdiff1d(np.flatnonzero(self.cache.debug_view().device_owned), m.device_indices)
             unalloc = np.flatnonzero(~alloc.is_allocated(np.arange(alloc.num_pages)))
             if n == have or others.size == 0 or unalloc.size < n - have - 1:
                 return

@@ -1,4 +1,4 @@
-"""The request helpers insert from the request's locked node (``_request_path``) instead of
+"""The request helpers insert from the request's locked node (``RequestHelpers.request_path``) instead of
 walking from the root. These tests pin that shortcut to the full walk: same tree, same
 pages, same locks, hits, access times, eviction order and metrics, for random request
 streams with shared prefixes, duplicate continuations, chunked inserts and evictions."""
@@ -34,7 +34,7 @@ def _state(cache: HiRadixCache) -> list:
 def _eviction_order(cache: HiRadixCache) -> list:
     """The order the device index would hand out its members (drains a copy of the heap)."""
     import heapq
-    heap = list(cache.device_lru._heap)
+    heap = cache.device_lru.heap_snapshot()
     heapq.heapify(heap)
     order = []
     while heap:
@@ -47,7 +47,7 @@ def _eviction_order(cache: HiRadixCache) -> list:
 
 def _run(cache, be, seed: int, page: int, full_walk: bool, monkeypatch) -> list:
     if full_walk:
-        monkeypatch.setattr(cache, "_request_path", lambda req, qb, n: (None, None, 0))
+        monkeypatch.setattr(cache.debug_view().requests, "request_path", lambda req, qb, n: (None, None, 0))
     rng = random.Random(seed)
     oracle = KVOracle(be)
     systems = [[rng.randrange(1, 50) for _ in range(3 * page)] for _ in range(2)]
@@ -122,15 +122,15 @@ def test_fast_path_is_taken_and_refused_when_the_request_disagrees(backend_facto
     req.extend(key, cache.alloc_device(6))
     oracle.write(key, req.device_pages)
     cache.cache_unfinished_req(req)
-    path, qb, depth = cache._request_path(req, key.token_bytes, 6)
+    path, qb, depth = cache.debug_view().requests.request_path(req, key.token_bytes, 6)
     assert depth == 6 and path[-1] is req.last_node and qb == key.token_bytes
     # A request whose count of tree pages disagrees with its node's depth walks from the root.
     req.cached_pages = 5
-    assert cache._request_path(req, key.token_bytes, 6) == (None, None, 0)
+    assert cache.debug_view().requests.request_path(req, key.token_bytes, 6) == (None, None, 0)
     req.cached_pages = 6
     # A key whose tokens differ from the locked path (the caller replaced req.key) walks too.
     other = RadixKey(np.arange(2, 8, dtype=np.int64))
-    assert cache._request_path(req, other.token_bytes, 6) == (None, None, 0)
+    assert cache.debug_view().requests.request_path(req, other.token_bytes, 6) == (None, None, 0)
     cache.cache_finished_req(req)
     cache.flush()
     cache.sanity_check(0)

@@ -17,7 +17,8 @@ import pytest
 
 from cache_harness import Backend, KVOracle, make_cache, numpy_backend_factory, prefill_insert, small_geom
 from hicache_jax.backends.numpy_backend import NumpyTransferEngine
-from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey, StorageController
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
+from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
 from hicache_jax.storage.memory import MemoryStorage
 

@@ -31,7 +31,7 @@ def _keys():
 
 def _setup(path):
     from cache_harness import make_cache, numpy_backend_factory
-    from hicache_jax.cache import StorageController
+    from hicache_jax.l3 import StorageController
     from hicache_jax.storage import StorageConfig
     cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=64, host_pages=128)
     cfg = StorageConfig(backend="file", path=path, prefetch_policy="wait_complete", prefetch_threshold_tokens=8)

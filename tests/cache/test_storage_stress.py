@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from cache_harness import KVOracle, make_cache
-from hicache_jax.cache import RadixKey, StorageController
+from hicache_jax.cache import RadixKey
+from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
 
 P = 2

@@ -89,7 +89,7 @@ def test_storage_controller_threads_are_niced():
     from hicache_jax import KVGeometry
     from hicache_jax.backends.numpy_backend import make_numpy_backend
     from hicache_jax.cache import HiCacheConfig, HiRadixCache
-    from hicache_jax.cache.storage_controller import StorageController
+    from hicache_jax.l3 import StorageController
     from hicache_jax.storage import StorageConfig
 
     geom = KVGeometry.mha(1, 1, 1, 2, "float32")

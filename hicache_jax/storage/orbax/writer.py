@@ -94,17 +94,9 @@ def _type_handler_registry():
 
 
 def pack_into(codec: PageCodec, ids: np.ndarray, out: np.ndarray) -> None:
-    """``codec.pack(ids)`` written into ``out`` (``uint8[n, page_bytes]``, C-contiguous rows)
-    instead of a new array: the same few large gathers, which release the GIL."""
-    n = len(ids)
-    comps = codec.geom.components
-    out3 = out.view(codec.geom.container_dtype).reshape((n, len(comps)) + codec._slab)
-    for i, c in enumerate(comps):
-        view = codec.pool.component_view(c)
-        if codec.layer_first:  # (L, pages, ...) gathered along axis 1 into (n, L, ...)
-            np.take(view, ids, axis=1, out=np.moveaxis(out3[:, i], 0, 1), mode="clip")
-        else:
-            np.take(view, ids, axis=0, out=out3[:, i], mode="clip")
+    """``codec.pack(ids)`` written into ``out`` (``uint8[n, page_bytes]``, C-contiguous rows,
+    an open segment's buffer) instead of a new array."""
+    codec.pack(ids, out)
 
 
 class SegmentBuffer:

@@ -96,8 +96,10 @@ Threading
     the scheduler except argument errors from the public methods. The three threads run
     ``StorageConfig.worker_nice`` below the scheduler's OS priority (``hicache_jax.workers``).
 
-Coupling: the controller uses the cache's internal ``_walk``, ``_host_lock``, ``_host_unlock``
-and ``_alloc_host`` (owner-thread helpers; keep their meaning when optimizing the tree).
+Coupling: the controller uses only the cache's public L3 surface (``backed_up_prefix``,
+``pin_host`` / ``unpin_host`` receipts, ``reserve_host_pages``, ``insert_host``, the
+``storage_hook`` slot) and reads nodes' public fields (``parent``, ``children``, ``size``,
+``key``, ``namespace``, ``host_value``, ``deleted``); it never changes a node.
 """
 
 from __future__ import annotations
@@ -111,12 +113,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..cache.components import FULL
+from ..cache.hiradix_cache import HiRadixCache
+from ..cache.locks import LockReceipt
+from ..cache.radix_key import RadixKey, as_radix_key
+from ..cache.tree_node import TreeNode
 from ..storage import HiCacheStorage, Namespace, PoolSpec, PoolTransfer, StorageConfig, create_storage, page_keys
 from ..workers import background_executor
-from .components import FULL
-from .hiradix_cache import HiRadixCache
-from .radix_key import RadixKey, as_radix_key
-from .tree_node import TreeNode
 
 log = logging.getLogger("hicache_jax.cache.storage")
 
@@ -173,10 +176,11 @@ class _Entry:
 
 
 class _BackupJob:
-    __slots__ = ("node", "entries", "keys", "ids", "ok", "t0", "done")
+    __slots__ = ("node", "entries", "keys", "ids", "ok", "t0", "done", "pin")
 
     def __init__(self, node, entries, keys, ids) -> None:
         self.node, self.entries, self.keys, self.ids = node, entries, keys, ids
+        self.pin: LockReceipt | None = None  # keeps the host pages until the storage copied them
         self.ok = np.zeros(len(ids), bool)
         self.t0 = time.perf_counter()
         self.done = threading.Event()
@@ -202,6 +206,7 @@ class PrefetchOperation:
         self._cond = threading.Condition()
         self._cancel = False
         self._anchor: TreeNode | None = None
+        self._anchor_pin: LockReceipt | None = None
         self._ns: dict[str, Namespace] = {}
         self._prev: dict[str, bytes] | None = None
         # Written by the query thread (under _cond):
@@ -427,7 +432,7 @@ class StorageController:
             e.state = _INFLIGHT
         job = _BackupJob(node, [e for _, e in chain], keys, ids)
         self._inflight_keys.update(keys[TARGET_POOL])
-        self.cache._host_lock(node)  # the host pages stay until the storage has copied them
+        job.pin = self.cache.pin_host(node)  # the host pages stay until the storage has copied them
         self._backups.add(job)
         self._writer.submit(self._run_backup, job)
 
@@ -479,8 +484,8 @@ class StorageController:
         while self._backup_done:
             job = self._backup_done.popleft()
             self._backups.discard(job)
-            if not job.node.deleted:
-                self.cache._host_unlock(job.node)
+            if job.pin is not None:
+                self.cache.unpin_host(job.pin)  # a no-op after a reset
             self._inflight_keys.difference_update(job.keys[TARGET_POOL])
             good = int(job.ok.sum())
             m.storage_backup_tokens += good * p
@@ -528,8 +533,7 @@ class StorageController:
             m.prefetch_skipped += 1
             return op
         self.poll()
-        segs, matched = cache._walk(key, n)
-        anchor = segs[-1][0] if segs else cache.root
+        anchor, matched, anchor_m = cache.backed_up_prefix(key)
         op.start, op.end = matched, n
         reason = ""
         if anchor is not cache.root and anchor.host_value is None:
@@ -550,9 +554,9 @@ class StorageController:
         if anchor is not cache.root:
             e = self._valid_entry(anchor)
             if e is not None:
-                k = segs[-1][1] // p  # pages of the anchor inside the match
+                k = anchor_m // p  # pages of the anchor inside the match
                 op._prev = {pool: d[k - 1] for pool, d in e.digests.items()}
-            cache._host_lock(anchor)  # keeps the prefix the prefetch continues
+            op._anchor_pin = cache.pin_host(anchor)  # keeps the prefix the prefetch continues
             op._anchor = anchor
         op.status = "querying"
         self._ops.add(op)
@@ -618,7 +622,7 @@ class StorageController:
         if hit * self.page_size < self.threshold:
             self._revoke(op, "storage hit below the threshold" if hit else "no storage hit", count=hit > 0)
             return
-        ids = self.cache._alloc_host(hit)
+        ids = self.cache.reserve_host_pages(hit)
         if ids is None:
             # Host eviction freed what it could (pages under a backup or an L3 write stay
             # locked): read the part of the prefix that fits rather than nothing, when that is
@@ -635,9 +639,8 @@ class StorageController:
 
     def _release_anchor(self, op: PrefetchOperation) -> None:
         if op._anchor is not None:
-            if not op._anchor.deleted:
-                self.cache._host_unlock(op._anchor)
-            op._anchor = None
+            self.cache.unpin_host(op._anchor_pin)  # a no-op after a reset
+            op._anchor = op._anchor_pin = None
 
     def _free(self, op: PrefetchOperation) -> None:
         if op._reserved.size:

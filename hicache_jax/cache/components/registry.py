@@ -1,21 +1,10 @@
-"""KV components of one cache: the target ("full") KV plus sidecars, and their transfers.
+"""The components of one cache: the full component, its sidecars and any stateful plug-ins.
 
-Pure Python; only integer page ids cross into the engines.
-
-A *component* is one KV pool pair (device pool + host pool) with its own transfer engine.
-
-* ``full``: the target model's KV. Its page ids are what the tree stores; its device
-  allocator is the one the scheduler allocates from; its host allocator is the one the
-  cache allocates backups from.
-* ``sidecar`` (e.g. the draft model's KV, upstream ``HiCacheDraftMode.SIDECAR``): follows
-  the full component's page ids 1:1 on both tiers, so it needs no per-node state and no
-  allocator of its own. Every backup and load of full pages issues the same copy on each
-  sidecar engine (full first, then sidecars, as upstream), and the transfer counts as done
-  only when all of them are.
-
-A component with its own index space and residency (sliding-window KV, upstream SWA) is
-the extension point: it would register here with its own device/host eviction indexes and
-per-node fields, without changing how the full component drives the tree.
+Pure Python, owner thread only. Validated against the full component at construction. A
+transfer issues one copy per component, full first, and returns one handle over all of them
+(``MultiTransferHandle`` / ``MultiLoadHandle``; the full component's own handle when it is
+alone). ``stateful`` is the tuple of components whose structural hooks the tree calls (empty
+for the full component and sidecars).
 """
 
 from __future__ import annotations
@@ -24,10 +13,11 @@ from typing import Mapping
 
 import numpy as np
 
-from ..allocator import PageAllocator
-from ..transfer import KVTransferEngine, LoadHandle, TransferHandle
-
-FULL = "full"
+from ...allocator import PageAllocator
+from ...transfer import KVTransferEngine, LoadHandle, TransferHandle
+from .base import KVComponent
+from .full import FULL, FullComponent
+from .sidecar import SidecarComponent
 
 
 class MultiLoadHandle(LoadHandle):
@@ -69,7 +59,8 @@ class ComponentRegistry:
     """The components of one cache, validated against the full component at construction."""
 
     def __init__(self, engine: KVTransferEngine, device_allocator: PageAllocator,
-                 sidecars: Mapping[str, KVTransferEngine] | None = None) -> None:
+                 sidecars: Mapping[str, KVTransferEngine] | None = None,
+                 plugins: "tuple[KVComponent, ...] | list[KVComponent]" = ()) -> None:
         if not isinstance(engine, KVTransferEngine):
             raise TypeError(f"engine: expected a KVTransferEngine, got {type(engine).__name__}")
         if not isinstance(device_allocator, PageAllocator):
@@ -80,39 +71,43 @@ class ComponentRegistry:
         sidecars = dict(sidecars or {})
         if FULL in sidecars:
             raise ValueError(f"sidecars: the name {FULL!r} is reserved for the target KV")
-        page = engine.geom.page_size
+        comps: dict[str, KVComponent] = {FULL: FullComponent(engine)}
         for name, side in sidecars.items():
             if not isinstance(side, KVTransferEngine):
                 raise TypeError(f"sidecars[{name!r}]: expected a KVTransferEngine, got {type(side).__name__}")
-            if side.geom.page_size != page:
-                raise ValueError(f"sidecars[{name!r}]: page_size {side.geom.page_size} != full page_size {page}")
-            if side.device_num_pages < engine.device_num_pages:
-                raise ValueError(f"sidecars[{name!r}]: {side.device_num_pages} device pages < full's "
-                                 f"{engine.device_num_pages} (sidecars share the full page ids)")
-            if side.host_pool.num_pages < engine.host_pool.num_pages:
-                raise ValueError(f"sidecars[{name!r}]: {side.host_pool.num_pages} host pages < full's "
-                                 f"{engine.host_pool.num_pages} (sidecars share the full page ids)")
-        self.engines: dict[str, KVTransferEngine] = {FULL: engine, **sidecars}
+            comps[name] = SidecarComponent(name, side, engine)
+        for comp in plugins:
+            if not isinstance(comp, KVComponent):
+                raise TypeError(f"components: expected KVComponent instances, got {type(comp).__name__}")
+            if comp.name in comps:
+                raise ValueError(f"components: the name {comp.name!r} is taken")
+            if comp.engine.geom.page_size != engine.geom.page_size:
+                raise ValueError(f"components[{comp.name!r}]: page_size {comp.engine.geom.page_size} != full "
+                                 f"page_size {engine.geom.page_size}")
+            comps[comp.name] = comp
+        self.components = comps
+        self.engines: dict[str, KVTransferEngine] = {n: c.engine for n, c in comps.items()}
+        self.stateful: tuple[KVComponent, ...] = tuple(c for c in comps.values() if c.stateful)
         self.device_allocator = device_allocator
         self.host_allocator: PageAllocator = engine.host_pool.allocator
-        self.page_size = page
+        self.page_size = engine.geom.page_size
         self.num_layers = engine.geom.num_layers
         self.bytes_per_page = sum(e.geom.bytes_per_page for e in self.engines.values())
-        self._single = len(self.engines) == 1
+        self._full = comps[FULL]
+        self._single = len(comps) == 1
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.engines)
+        return tuple(self.components)
 
     def backup(self, device_ids: np.ndarray, host_ids: np.ndarray) -> TransferHandle:
         """D2H copy on every component; the ids are the cache's own (``KVTransferEngine.backup_owned``)."""
-        # The cache's own page ids (see KVTransferEngine.backup_owned).
         if self._single:
-            return self.engines[FULL].backup_owned(device_ids, host_ids)
-        return MultiTransferHandle({n: e.backup_owned(device_ids, host_ids) for n, e in self.engines.items()})
+            return self._full.engine.backup_owned(device_ids, host_ids)
+        return MultiTransferHandle({n: c.backup(device_ids, host_ids) for n, c in self.components.items()})
 
     def load(self, host_ids: np.ndarray, device_ids: np.ndarray) -> LoadHandle:
         """H2D copy on every component; the ids are the cache's own (``KVTransferEngine.load_owned``)."""
         if self._single:
-            return self.engines[FULL].load_owned(host_ids, device_ids)
-        return MultiLoadHandle({n: e.load_owned(host_ids, device_ids) for n, e in self.engines.items()})
+            return self._full.engine.load_owned(host_ids, device_ids)
+        return MultiLoadHandle({n: c.load(host_ids, device_ids) for n, c in self.components.items()})

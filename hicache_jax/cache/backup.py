@@ -1,0 +1,109 @@
+"""Backups (device -> host): issue the copy of a node and its un-backed ancestors.
+
+Pure numpy, owner thread only. ``BackupIssuer.backup(node)`` collects the chain from
+``node`` up to its first backed-up ancestor (the anchor), allocates host pages for all of it
+(evicting host leaves if needed), issues one copy on every component (``components``) and
+marks the chain backed up at once, parent first, so backed-up nodes always form a prefix
+from the root. The write policy (``write_policy``) decides when to call it.
+
+Until its acknowledgement a backup holds a device and a host path lock on ``node``
+(``PendingOp.receipt``), so neither copy is freed mid-transfer. A copy the engine reports
+finished and successful as soon as it is issued (a synchronous engine), while no earlier
+backup waits, is acknowledged on the spot (``ack_now``): it takes no locks and never queues,
+and the L3 hook runs right away.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .evictor import Evictor
+from .locks import PathLocks
+from .metrics import CacheMetrics
+from .residency import Residency
+from .transfers import PendingOp, TransferLedger
+from .tree_node import TreeNode
+
+
+class BackupIssuer:
+    """Issues backups; see the module docstring."""
+
+    def __init__(self, residency: Residency, locks: PathLocks, ledger: TransferLedger, evictor: Evictor,
+                 metrics: CacheMetrics, page_size: int) -> None:
+        self.res = residency
+        self.locks = locks
+        self.ledger = ledger
+        self.evictor = evictor
+        self.metrics = metrics
+        self.page_size = page_size
+
+    def backup(self, node: TreeNode, ack_now: bool = True) -> PendingOp | None:
+        """Back up ``node`` and its un-backed ancestors, parent first, in one transfer.
+
+        Returns the op to acknowledge later (it holds a device and a host path lock on
+        ``node``), or None: no host room (``backup_failed_tokens``), or, with ``ack_now``,
+        a copy acknowledged when issued (see the module docstring)."""
+        res = self.res
+        chain = []
+        tokens = 0
+        n = node
+        while n.host_value is None:
+            chain.append(n)
+            tokens += n.size
+            n = n.parent
+        anchor = n
+        chain.reverse()
+        npages = tokens // self.page_size
+        # Host eviction must keep the backed-up path's copies (the prefix stays contiguous
+        # from the root). The only candidate on the path is the anchor's copy (host reclaim:
+        # an on-device node without backed-up children; every node above it has one), so the
+        # anchor alone is guarded meanwhile (a count, not just leaving the index: host
+        # eviction re-indexes a parent whose last backed-up child it removes).
+        guard = anchor is not res.root
+        if guard:
+            self.locks.guard_host_copy(anchor)
+        host_ids = self.evictor.alloc_host(npages)
+        if guard:
+            self.locks.unguard_host_copy(anchor)  # the refresh below (either way) re-indexes it
+        if host_ids is None:
+            res.refresh(anchor)
+            self.metrics.backup_failed_tokens += tokens
+            return None
+        dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
+        t0 = time.perf_counter()
+        ledger = self.ledger
+        handle = ledger.components.backup(dev_ids, host_ids)
+        # set_host for the whole chain at once: every chain node but the last has a backed-up
+        # child now, so only the last and the anchor can change index membership.
+        res.host_owned[host_ids] = True
+        res.host_tokens += tokens
+        off = 0
+        p = self.page_size
+        for c in chain:
+            k = c.size // p
+            c.host_value = host_ids[off:off + k]
+            c.parent.host_children += 1
+            off += k
+        m = self.metrics
+        m.backup_tokens += tokens
+        m.backup_bytes += npages * ledger.components.bytes_per_page
+        if ack_now and not ledger.writes and handle.done():
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - a failed copy: acknowledged (and retried) later
+                pass
+            else:
+                res.refresh(node)
+                res.refresh(anchor)
+                hook = ledger.storage_hook
+                if hook is not None:
+                    hook.on_backup_acked(node)  # L2 -> L3 write-through
+                m.backup_seconds += time.perf_counter() - t0
+                return None
+        # Until acknowledged: the device pages stay (device lock), and so do the new host
+        # copies and the anchor's (host lock; the chain joins no host index meanwhile).
+        receipt = self.locks.lock_both(node)
+        res.refresh(anchor)
+        return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0)

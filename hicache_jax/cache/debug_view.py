@@ -1,0 +1,98 @@
+"""A read-only view of one cache's internals, for invariant checks and tests (plus one
+fault-injection call for tests of ``sanity_check``).
+
+Pure numpy, owner thread only, O(1) to make. Everything it returns is a copy or an
+immutable value, except the nodes and eviction indexes themselves, which callers must not
+change. ``invariants.collect_violations`` reads the cache only through this view; tests that
+must look inside (the ownership bitmaps, the copies in flight, a request's fast path) use it
+instead of private attributes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .eviction_index import EvictionIndex
+from .tree_node import TreeNode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .hiradix_cache import HiRadixCache
+    from .locks import CallerLocks
+    from .requests import RequestHelpers
+    from .residency import Residency
+    from .transfers import TransferLedger
+    from .tree import RadixTree
+
+
+class CacheDebugView:
+    def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
+                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple) -> None:
+        self.cache = cache
+        self.config = cache.config
+        self.page_size = cache.page_size
+        self.device_allocator = cache.device_allocator
+        self.host_allocator = cache.host_allocator
+        self.components = stateful  # the stateful plug-in components (their ``check`` hooks)
+        self._tree, self._res, self._ledger = tree, residency, ledger
+        self._callers, self._requests = callers, requests
+
+    @property
+    def root(self) -> TreeNode:
+        return self._tree.root
+
+    def nodes(self) -> list[TreeNode]:
+        return self._tree.nodes()
+
+    @property
+    def indexes(self) -> tuple[EvictionIndex, EvictionIndex, EvictionIndex]:
+        """(device, host, reclaim) eviction indexes."""
+        res = self._res
+        return res.device_index, res.host_index, res.reclaim_index
+
+    @property
+    def counters(self) -> dict[str, int]:
+        res = self._res
+        return {"evictable_tokens": res.evictable_tokens, "protected_tokens": res.protected_tokens,
+                "host_tokens": res.host_tokens}
+
+    def inject_counter_error(self, name: str, delta: int) -> None:
+        """Fault injection for tests of ``sanity_check`` (the one thing here that writes):
+        shift one of ``counters`` by ``delta`` without the change it should reflect."""
+        if name not in ("evictable_tokens", "protected_tokens", "host_tokens"):
+            raise ValueError(f"name: expected one of the counters, got {name!r}")
+        setattr(self._res, name, getattr(self._res, name) + delta)
+
+    @property
+    def device_owned(self) -> np.ndarray:
+        """Copy of the device-page ownership bitmap (True: the tree's page)."""
+        return self._res.dev_owned.copy()
+
+    @property
+    def host_owned(self) -> np.ndarray:
+        return self._res.host_owned.copy()
+
+    def pending(self) -> list[tuple[str, TreeNode]]:
+        """The copies in flight, in queue order: ``("backup" | "load", node)``."""
+        return [("backup", op.node) for op in self._ledger.writes] + [("load", op.node) for op in self._ledger.loads]
+
+    def pending_load_handles(self) -> list:
+        """The handles of the load-backs in flight, in queue order."""
+        return [op.handle for op in self._ledger.loads]
+
+    @property
+    def caller_locks(self) -> int:
+        """Locks callers hold (``inc_lock_ref`` and the request helpers)."""
+        return self._callers.count()
+
+    def reserved_host_pages(self) -> np.ndarray:
+        """Host pages the attached L3 controller holds for prefetches (not the tree's)."""
+        hook = self._ledger.storage_hook
+        return np.zeros(0, np.int64) if hook is None else np.asarray(hook.reserved_host_pages(), np.int64)
+
+    @property
+    def requests(self) -> "RequestHelpers":
+        """The request helpers (tests call ``request_path`` on it, or patch it to force walks
+        from the root)."""
+        return self._requests

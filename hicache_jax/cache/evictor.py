@@ -1,0 +1,202 @@
+"""Eviction and allocation with eviction, on both tiers.
+
+Pure numpy, owner thread only. The order comes from the eviction indexes (``residency``,
+ordered by the configured strategy); this module decides what leaving a tier means:
+
+* device (``evict``): pop unlocked device leaves. A backed-up leaf is demoted to host-only
+  (a host eviction candidate from then on); otherwise it is deleted. Under write_back the
+  write policy first backs the leaf up, blocking (``before_evict``, set by
+  ``write_policy``); when the host has no room the leaf is dropped.
+* host (``evict_host``): host-only, host-unlocked leaves are deleted; then (``host_reclaim``)
+  the host copies of on-device nodes with no backed-up child are dropped.
+
+``alloc_device`` / ``alloc_host`` allocate, evicting when short. A device allocation that
+needed eviction takes the pages the eviction frees directly (no free and re-allocation):
+for the caller, or, with ``owned``, for the tree itself (a load-back's destination).
+Plug-in components with their own residency are told of every node leaving a tier
+(``on_evict`` hooks) when any is registered.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from .metrics import CacheMetrics
+from .residency import Residency
+from .tree import RadixTree
+from .tree_node import TreeNode
+
+
+class Evictor:
+    """Eviction on both tiers; see the module docstring."""
+
+    def __init__(self, tree: RadixTree, residency: Residency, metrics: CacheMetrics, page_size: int,
+                 write_back: bool) -> None:
+        self.tree = tree
+        self.res = residency
+        self.metrics = metrics
+        self.page_size = page_size
+        self.write_back = write_back
+        # write_back: back ``node`` up (blocking) before it leaves the device; set by the write policy.
+        self.before_evict: Callable[[TreeNode], None] | None = None
+        self.hooked: tuple = ()  # components with their own residency (``components``)
+
+    # ------------------------------------------------------------------ device
+    def evict(self, num_tokens: int, keep: int = 0) -> tuple[int, np.ndarray | None]:
+        """Free at least ``num_tokens`` device tokens if possible; returns ``(tokens freed,
+        kept pages)``. With ``keep``, up to that many of the pages taken off the tree (the
+        first ones evicted) are not freed: they stay allocated and marked as the tree's, and
+        come back as an int32 array (None if none) for the tree's own use or the caller's."""
+        t0 = time.perf_counter()
+        m = self.metrics
+        m.evict_calls += 1
+        res = self.res
+        freed = demoted = deleted = 0
+        free_ids = []
+        dm, hm, rm = res.dev_members, res.host_members, res.reclaim_members
+        before_evict = self.before_evict if self.write_back else None
+        hooked = self.hooked
+        dl = res.device_index
+        tree = self.tree
+        root = tree.root
+        nxt = None  # a parent that just became the next candidate (see below)
+        while freed < num_tokens:
+            if nxt is None:
+                node = dl.pop()
+                if node is None:
+                    break
+            else:
+                node, nxt = nxt, None
+            size = node.size
+            if node.host_value is None and before_evict is not None:
+                before_evict(node)  # write_back blocks on the copy, as upstream
+            if hooked:
+                for comp in hooked:
+                    comp.on_evict(node, "device")
+            # Inlined clear-device (+ unlink): the node left the device index when popped
+            # (write_back: the backup's unlock may have re-listed it).
+            assert node.lock_ref == 0, "evicting a locked node"
+            free_ids.append(node.value)
+            node.value = None
+            parent = node.parent
+            parent.dev_children -= 1
+            freed += size
+            if node in dm:
+                dl.set_member(node, False)
+            if node.host_value is None:
+                # Holds nothing now: it is in no index (never backed up), unlink it.
+                tree.unlink(node)
+                deleted += size
+            else:
+                # Host-only from now on: a host eviction candidate unless host-locked or a
+                # parent of host copies; no longer a reclaim candidate (not on the device).
+                if node.host_lock_ref == 0 and node.host_children == 0 and node not in hm:
+                    hm.add(node)  # inlined host_index.set_member(node, True)
+                    res.host_index.push(node)
+                if node in rm:
+                    res.reclaim_index.set_member(node, False)
+                demoted += size
+            # Inlined refresh(parent): only its device-leaf status can change (one device
+            # child fewer); the root is never in an index. A parent that would be popped next
+            # anyway (usually: a chain of one conversation's nodes shares its access time) is
+            # taken directly, skipping a heap push and pop; the eviction order is the same.
+            if parent.dev_children == 0 and parent.lock_ref == 0 and parent is not root and parent not in dm:
+                if freed < num_tokens and dl.precedes(parent):
+                    nxt = parent
+                else:
+                    dm.add(parent)  # inlined device_index.set_member(parent, True)
+                    dl.push(parent)
+        res.evictable_tokens -= freed  # every evicted node was unlocked: evictable
+        m.deleted_device_tokens += deleted
+        m.demoted_tokens += demoted
+        kept = None
+        if free_ids and keep:
+            ids = np.concatenate(free_ids) if len(free_ids) > 1 else free_ids[0]
+            kept = ids[:keep].copy()  # never a view of a former node's pages
+            if ids.shape[0] > keep:
+                res.free_device_pages([ids[keep:]])
+        elif free_ids:
+            res.free_device_pages(free_ids)
+        m.evicted_device_tokens += freed
+        m.eviction_seconds += time.perf_counter() - t0
+        return freed, kept
+
+    def alloc_device(self, num_pages: int, owned: bool) -> np.ndarray | None:
+        """``num_pages`` device pages, evicting if short: the caller's, or, with ``owned``, the
+        tree's own, already marked as the tree's. None (nothing allocated, the eviction done)
+        when the device has no room even after eviction."""
+        res = self.res
+        a = res.device_allocator
+        short = num_pages - a.available
+        if short <= 0:
+            ids = a.alloc(num_pages)
+            if owned:
+                res.dev_owned[ids] = True
+            return ids
+        _freed, kept = self.evict(short * self.page_size, keep=num_pages)
+        rest = num_pages - (0 if kept is None else kept.shape[0])
+        more = a.alloc(rest) if rest else None
+        if rest and more is None:
+            if kept is not None:  # still the tree's: free them as an eviction would have
+                res.free_device_pages([kept])
+            return None
+        if kept is not None and not owned:
+            res.dev_owned[kept] = False  # the caller's now (still allocated)
+        if more is not None and owned:
+            res.dev_owned[more] = True
+        if kept is None:
+            return more
+        return kept if more is None else np.concatenate([kept, more])
+
+    # ------------------------------------------------------------------ host
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` host pages if possible; returns pages freed."""
+        t0 = time.perf_counter()
+        m = self.metrics
+        m.evict_host_calls += 1
+        res = self.res
+        hooked = self.hooked
+        want = num_pages * self.page_size
+        freed = 0
+        free_ids = []
+        while freed < want:
+            node = res.host_index.pop()
+            if node is None:
+                break
+            if hooked:
+                for comp in hooked:
+                    comp.on_evict(node, "host")
+            free_ids.append(res.clear_host(node, owned=False))
+            freed += node.size
+            m.evicted_host_tokens += node.size
+            # Holds nothing now (host-only before): unlink it.
+            res.forget(node)
+            parent = node.parent
+            self.tree.unlink(node)
+            res.refresh(parent)
+        while freed < want:
+            node = res.reclaim_index.pop()
+            if node is None:
+                break
+            if hooked:
+                for comp in hooked:
+                    comp.on_evict(node, "host")
+            free_ids.append(res.clear_host(node, owned=False))
+            freed += node.size
+            m.reclaimed_host_tokens += node.size
+        if free_ids:
+            res.free_host_pages(free_ids)
+        m.host_eviction_seconds += time.perf_counter() - t0
+        return freed // self.page_size
+
+    def alloc_host(self, npages: int) -> np.ndarray | None:
+        """``npages`` host pages, evicting host leaves if short; None when there is no room."""
+        a = self.res.host_allocator
+        ids = a.alloc(npages)
+        if ids is None:
+            self.evict_host(npages - a.available)
+            ids = a.alloc(npages)
+        return ids

@@ -1,0 +1,209 @@
+"""Insertion: a key's whole pages into the tree, with device pages (``insert``) or, from L3,
+with host pages (``attach_host``).
+
+Pure numpy, owner thread only. The facade validates arguments; this module validates the
+pages against the tree (before anything changes) and applies the insert.
+
+Who frees duplicates: the tree. ``insert(key, pages)`` takes one page id per whole page of
+``key``. Where the tree already holds a page on the device for the same position, the
+caller's page is a duplicate and is freed (unless it *is* the tree's page, e.g. a prefix the
+caller got from ``match_prefix``). Where the tree holds the tokens on the host only, the
+caller's page revives the node on the device. Every page the tree would take or free is
+checked first: allocated, not already owned by the tree, no repeats.
+
+Statistics: the walked nodes, split parents and the new leaf get the access time, a hit
+(unless chunked) and the request's priority (the highest one wins); then the write policy
+sees the deepest node (``after_insert``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..allocator import ID_DTYPE, check_page_ids, count_nonzero, has_duplicates
+from .radix_key import RadixKey
+from .residency import Residency
+from .results import InsertResult
+from .tree import RadixTree
+from .tree_node import TreeNode
+from .write_policy import WritePolicyDriver
+
+
+class Inserter:
+    """Applies inserts; see the module docstring."""
+
+    def __init__(self, tree: RadixTree, residency: Residency, policy: WritePolicyDriver, page_size: int) -> None:
+        self.tree = tree
+        self.res = residency
+        self.policy = policy
+        self.page_size = page_size
+        self.hooked: tuple = ()  # components with their own residency (``components``)
+
+    def bad_pages(self, pages: np.ndarray) -> None:
+        """On a failed insert check, raise the full ``check_page_ids`` error first (duplicates),
+        so errors keep their precedence over the length / ownership / allocation checks."""
+        check_page_ids(pages, self.res.device_allocator.num_pages, "device_pages")
+
+    def insert(self, key: RadixKey, pages: np.ndarray, chunked: bool, path: list | None = None,
+               off0: int = 0, priority: int = 0) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
+        """Insert for page ids that passed ``check_page_ids`` without its duplicate test (a
+        private copy: the tree may keep slices of it). Also returns ``(dup_mask, tree_head)``:
+        where the caller's page was a duplicate (freed) among the first ``len(tree_head)``
+        pages and the tree's page ids there; ``(None, None)`` when the tree kept every page.
+
+        ``path`` / ``off0``: the request helpers' locked path (``requests``), the tree's
+        on-device nodes that already spell the first ``off0`` tokens with the caller's own
+        pages there. The walk then starts below them, ``pages`` covers only the tokens after
+        them, and ``dup_mask`` / ``tree_head`` are relative to that start. The path nodes are
+        touched (and hit) as a walk from the root would touch them."""
+        p = self.page_size
+        res = self.res
+        tree = self.tree
+        namespace, qb = key.namespace, key.token_bytes
+        n = len(key) - len(key) % p
+        if pages.shape[0] != (n - off0) // p:
+            self.bad_pages(pages)
+            raise ValueError(f"device_pages: expected {(n - off0) // p} page ids for {len(key)} tokens "
+                             f"(page_size {p}), got {pages.shape[0]}")
+        # segs: the walked nodes below the path (all of them without one); their pages
+        # are the caller's ``pages[:mp]``.
+        segs, matched = tree.walk(key, n, path[-1], off0) if path else tree.walk(key, n)
+        mp = (matched - off0) // p
+        # Validate every page the tree would take or free before changing anything: the
+        # caller's pages where they differ from the tree's along the matched path, and the
+        # new leaf's pages. The tree's page ids are -1 where only the host holds the tokens
+        # (there the caller's page is taken, reviving the node).
+        dup = dup_mask = tree_head = None
+        taken = tail = pages[mp:]
+        if segs:
+            vals = []
+            revive = False
+            for node, m, _off in segs:
+                v = node.value
+                if v is None:
+                    revive = True
+                    vals.append(np.full(m // p, -1, ID_DTYPE))
+                else:
+                    vals.append(v if m == node.size else v[:m // p])
+            tree_head = np.concatenate(vals) if len(vals) > 1 else vals[0]
+            head = pages[:mp]
+            mine = head != tree_head  # the caller's page (taken or freed), not the tree's
+            if count_nonzero(mine):
+                taken = np.concatenate([head[mine], tail])
+                dup_mask = (mine & (tree_head >= 0)) if revive else mine
+                if count_nonzero(dup_mask):
+                    dup = head[dup_mask]
+                else:
+                    dup_mask = None
+        if taken.shape[0]:
+            # No repeats in ``pages``: the rest are the tree's pages (distinct), and a taken page
+            # that repeats one of them is owned by the tree (caught just below).
+            if has_duplicates(taken):
+                self.bad_pages(pages)
+            owned = res.dev_owned[taken]
+            if count_nonzero(owned):
+                self.bad_pages(pages)
+                raise ValueError(f"device_pages: pages {taken[owned][:8].tolist()} are already owned by the cache "
+                                 f"at other positions")
+            held = res.device_allocator.allocated_mask(taken)
+            if count_nonzero(held) != taken.shape[0]:
+                self.bad_pages(pages)
+                raise ValueError(f"device_pages: pages {taken[~held][:8].tolist()} are not allocated (double free?)")
+
+        t = tree.tick()
+        hit = not chunked
+        root = tree.root
+        node = root
+        dm, hm, rm = res.dev_members, res.host_members, res.reclaim_members
+        dl, hl, rl = res.device_index, res.host_index, res.reclaim_index
+        hooked = self.hooked
+        if path:
+            # The request's path: device-locked, so in neither the device index (unlocked
+            # leaves) nor the host one (host-only nodes); whole nodes, nothing to split or revive.
+            for node in path:
+                node.last_access = t
+                if hit:
+                    node.hit_count += 1
+                if priority > node.priority:
+                    node.priority = priority
+                if node in rm:
+                    rl.push(node)
+        for node, m, off in segs:
+            if m < node.size:
+                node = tree.split(node, m)
+            if node.value is None:  # revive a host-only node (never a path node: those are locked)
+                res.set_device(node, pages[(off - off0) // p:(off - off0 + m) // p])
+                if hooked:
+                    for comp in hooked:
+                        comp.on_insert(node)
+            node.last_access = t  # inlined touch: re-order the node where it is listed
+            if hit:
+                node.hit_count += 1
+            if priority > node.priority:
+                node.priority = priority
+            if node in dm:
+                dl.push(node)
+            if node in hm:
+                hl.push(node)
+            if node in rm:
+                rl.push(node)
+        if matched < n:
+            leaf = tree.attach(node, qb[8 * matched:8 * n], namespace)
+            leaf.last_access = t
+            leaf.created = t
+            leaf.hit_count = int(hit)
+            leaf.priority = priority
+            # Inlined set_device(leaf, tail): the leaf (unlocked, not backed up) joins the
+            # device index; its parent, now with an on-device child, leaves it.
+            leaf.value = tail
+            res.dev_owned[tail] = True
+            res.evictable_tokens += leaf.size
+            node.dev_children += 1
+            dm.add(leaf)
+            dl.push(leaf)
+            if node in dm:
+                dl.set_member(node, False)
+            node = leaf
+            if hooked:
+                for comp in hooked:
+                    comp.on_insert(leaf)
+        if dup is not None:
+            res.device_allocator.free_owned(dup)  # checked above: distinct, allocated, not the tree's
+        if hit and node is not root:
+            self.policy.after_insert(node)
+        return InsertResult(matched, node), dup_mask, tree_head
+
+    def attach_host(self, key: RadixKey, ids: np.ndarray, start: int) -> tuple[int, TreeNode | None]:
+        """Attach host pages (allocated, not the tree's; ``ids[i]`` holds page
+        ``start // page_size + i`` of ``key``) as host-only nodes; returns (tokens attached,
+        leaf). The tree takes every page: it attaches the run that continues its backed-up
+        path from its end and frees the rest (pages it already holds, or pages that no longer
+        connect because the backed-up path now ends before ``start`` or a node that is not
+        backed up sits where they would go). The leaf is None when nothing was attached."""
+        p = self.page_size
+        res = self.res
+        tree = self.tree
+        end = start + ids.shape[0] * p
+        segs, matched = tree.walk(key, end)
+        root = tree.root
+        backed, last, last_m = 0, root, 0
+        for node, m, off in segs:
+            if node.host_value is None:
+                break
+            backed, last, last_m = off + m, node, m
+        if ids.size == 0 or backed < start or backed >= end or matched > backed:
+            if ids.size:
+                res.host_allocator.free(ids)
+            return 0, None
+        skip = (backed - start) // p
+        if last is not root and last_m < last.size:
+            last = tree.split(last, last_m)
+        leaf = tree.attach(last, key.token_bytes[8 * backed:8 * end], key.namespace)
+        leaf.last_access = leaf.created = tree.tick()
+        res.set_host(leaf, ids[skip:].copy())
+        if self.hooked:
+            for comp in self.hooked:
+                comp.on_insert(leaf)
+        if skip:
+            res.host_allocator.free(ids[:skip])
+        return end - backed, leaf

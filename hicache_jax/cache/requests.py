@@ -1,0 +1,155 @@
+"""Request helpers: ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``.
+
+Pure numpy, owner thread only. A ``CacheRequest``'s first ``cached_pages`` pages are the
+tree's, on the path to the node it holds a caller lock on (``last_node``). The helpers insert
+from that node: the path is checked against the request's tokens byte by byte (one memcmp
+per node, no child lookups) and only the pages after it are validated and compared with the
+tree's. A request whose node does not spell its first ``cached_pages`` pages is inserted by a
+walk from the root, as ``insert`` does. Either way the tree ends up identical (tested).
+
+Locks: the request's lock is one of the cache's caller locks (``locks.CallerLocks``), moved
+down the path as the request grows and released when it finishes. A request whose lock was
+released meanwhile (``dec_lock_ref(req.last_node)`` to abandon it) is refused before
+anything changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..allocator import check_page_ids
+from .insert import Inserter
+from .locks import CallerLocks
+from .radix_key import RadixKey
+from .request import CacheRequest
+from .residency import EMPTY_IDS, Residency
+from .results import LoadBackResult, MatchResult
+from .tree import RadixTree
+
+
+class RequestHelpers:
+    """The three request helpers; ``match`` and ``load_back`` are the facade's (validated,
+    counted) calls."""
+
+    def __init__(self, tree: RadixTree, residency: Residency, inserter: Inserter, callers: CallerLocks,
+                 match: Callable[[RadixKey], MatchResult], load_back: Callable[..., LoadBackResult | None],
+                 page_size: int) -> None:
+        self.tree = tree
+        self.res = residency
+        self.inserter = inserter
+        self.callers = callers
+        self.match = match
+        self.load_back = load_back
+        self.page_size = page_size
+
+    def begin(self, key: RadixKey, mem_quota: int | None, load_back: bool,
+              priority: int) -> tuple[CacheRequest, LoadBackResult | None]:
+        res = self.match(key)
+        pages, last = res.device_indices, res.last_device_node
+        lb = None
+        if load_back and res.host_hit_length:
+            lb = self.load_back(res.last_host_node, mem_quota)
+            if lb is not None:
+                pages = np.concatenate([pages, lb.device_pages])
+                last = lb.node
+        root = self.tree.root
+        if last is not root:
+            self.callers.take(last)
+        req = CacheRequest(key, self.page_size, pages, last if last is not root else None, pages.shape[0],
+                           priority)
+        return req, lb
+
+    def check(self, req: object) -> CacheRequest:
+        if not isinstance(req, CacheRequest):
+            raise TypeError(f"req: expected a CacheRequest, got {type(req).__name__}")
+        if req.page_size != self.page_size:
+            raise ValueError(f"req: page_size {req.page_size} != cache page_size {self.page_size}")
+        want = -(-len(req.key) // self.page_size)
+        if req.device_pages.shape[0] != want:
+            raise ValueError(f"req: {len(req.key)} tokens need {want} device pages, it holds "
+                             f"{req.device_pages.shape[0]}")
+        if isinstance(req.priority, bool) or not isinstance(req.priority, (int, np.integer)):
+            raise TypeError(f"req.priority: expected an int, got {type(req.priority).__name__}")
+        if req.last_node is not None:
+            self.tree.check_node(req.last_node, "req.last_node")
+            if not self.callers.holds(req.last_node):
+                raise ValueError(f"req.last_node: the request's lock on {req.last_node!r} was released")
+        return req
+
+    def request_path(self, req: CacheRequest, qb: bytes, n: int) -> tuple[list | None, bytes | None, int]:
+        """The nodes from the root to ``req.last_node``, when they spell the request's first
+        ``cached_pages`` pages (checked byte by byte against ``qb``, the bytes of at least
+        the request's first ``n`` tokens, its whole pages): the helpers then insert from
+        there, with ``qb`` and the path's length in tokens. ``(None, None, 0)`` when they do
+        not (the insert then walks from the root).
+
+        Their pages are the request's first ``cached_pages`` (``CacheRequest``'s contract: the
+        tree's pages, kept on the device by the request's lock), so only the pages after them
+        need checking, and the walk over them needs no child lookups."""
+        node = req.last_node
+        if node is None or node.lock_ref < 1 or node.namespace != req.key.namespace:
+            return None, None, 0
+        depth = req.cached_pages * self.page_size
+        if depth > n:
+            return None, None, 0
+        path = self.tree.path_bytes_match(node, qb, depth)
+        if path is None:
+            return None, None, 0
+        return path, qb, depth
+
+    def _insert(self, req: CacheRequest, chunked: bool):
+        """Insert of the request's whole pages; returns ``(result, dup_mask, tree_head, first
+        page dup_mask refers to)``."""
+        p = self.page_size
+        key = req.key
+        aligned = len(key) // p
+        n_dev = self.res.device_allocator.num_pages
+        path, _qb, depth = self.request_path(req, key.token_bytes, aligned * p)
+        if path is None:
+            pages = check_page_ids(req.device_pages[:aligned], n_dev, "device_pages", unique=False)
+            return self.inserter.insert(key, pages, chunked, priority=req.priority) + (0,)
+        pages = check_page_ids(req.device_pages[req.cached_pages:aligned], n_dev, "device_pages", unique=False)
+        return self.inserter.insert(key, pages, chunked, path, depth, req.priority) + (req.cached_pages,)
+
+    def unfinished(self, req: CacheRequest, chunked: bool) -> None:
+        p = self.page_size
+        aligned = req.key.token_ids.shape[0] // p
+        ins, dup_mask, tree_head, head0 = self._insert(req, chunked)
+        node = ins.last_node
+        root = self.tree.root
+        if node is not root:
+            # Everything just inserted is on the device: point the request at the tree's page
+            # ids along the path (they differ from its own only where its pages were duplicates).
+            if dup_mask is not None:
+                dev = req.device_pages.copy()
+                head = dev[head0:head0 + tree_head.shape[0]]
+                head[dup_mask] = tree_head[dup_mask]
+                req.device_pages = dev
+            if req.last_node is not None:
+                self.callers.move(req.last_node, node)
+            else:
+                self.callers.take(node)
+        elif req.last_node is not None:
+            self.callers.release(req.last_node)
+        req.last_node = node if node is not root else None
+        req.cached_pages = aligned
+
+    def finished(self, req: CacheRequest) -> None:
+        p = self.page_size
+        aligned = req.key.token_ids.shape[0] // p
+        tail = req.device_pages[aligned:]
+        res = self.res
+        if tail.size:
+            bad = tail[res.dev_owned[tail] | ~res.device_allocator.is_allocated(tail)]
+            if bad.size:
+                raise ValueError(f"req.device_pages: tail pages {bad.tolist()} are not the request's to free")
+        self._insert(req, False)
+        if tail.size:
+            res.device_allocator.free(tail)
+        if req.last_node is not None:
+            self.callers.release(req.last_node)
+        req.last_node = None
+        req.device_pages = EMPTY_IDS.copy()
+        req.cached_pages = 0

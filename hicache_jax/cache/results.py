@@ -1,0 +1,54 @@
+"""What the cache's public calls return: frozen dataclasses holding page ids and node handles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..transfer import LoadHandle
+from .tree_node import TreeNode
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What ``match_prefix`` found.
+
+    ``device_indices``: device page ids of the on-device prefix (a copy).
+    ``last_device_node``: deepest on-device node matched (the root if none); lock it to keep
+    ``device_indices`` valid. ``last_host_node``: deepest node matched on any tier.
+    ``host_hit_length``: tokens after the device prefix that exist on the host only; pass
+    ``last_host_node`` to ``load_back`` to bring them to the device.
+    """
+
+    device_indices: np.ndarray
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_length: int
+    page_size: int
+
+    @property
+    def device_hit_length(self) -> int:
+        return int(self.device_indices.shape[0]) * self.page_size
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    prefix_len: int  # tokens of the key that were already in the tree (either tier)
+    last_node: TreeNode  # the node ending at the last inserted page
+
+
+@dataclass(frozen=True)
+class LoadBackResult:
+    """A load-back in flight. ``device_pages`` continue the device prefix of the match."""
+
+    device_pages: np.ndarray
+    num_tokens: int
+    node: TreeNode
+    handle: LoadHandle
+
+    def layer_ready(self, layer: int) -> bool:
+        return self.handle.layer_done(layer)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        self.handle.wait_layer(layer, timeout)

@@ -1,0 +1,60 @@
+"""Write policies: when device KV is backed up to the host tier (upstream
+``--hicache-write-policy``, sglang ``hiradix_cache.py``).
+
+Pure Python, owner thread only. Hits are counted on insert only (walked nodes, split
+parents, the new leaf; not for chunked inserts); ``insert`` calls ``after_insert`` with the
+deepest inserted node.
+
+* ``write_through``: back a node up once it has 1 hit; ``write_through_selective``: once it
+  has 2. The deepest node on the inserted path that reached the threshold is backed up with
+  its un-backed ancestors in one transfer (contiguity from the root).
+* ``write_back``: no backup on insert; ``before_evict`` (installed into the evictor) backs a
+  leaf up right before it leaves the device, blocking on the copy, as upstream. When the
+  host has no room even after host eviction the leaf is dropped (``dropped_tokens``).
+"""
+
+from __future__ import annotations
+
+from .backup import BackupIssuer
+from .config import WritePolicy
+from .metrics import CacheMetrics
+from .transfers import TransferLedger
+from .tree import RadixTree
+from .tree_node import TreeNode
+
+
+class WritePolicyDriver:
+    """Decides backups by policy; ``BackupIssuer`` carries them out."""
+
+    def __init__(self, policy: WritePolicy, threshold: int | None, tree: RadixTree, backups: BackupIssuer,
+                 ledger: TransferLedger, metrics: CacheMetrics) -> None:
+        self.policy = policy
+        self.threshold = threshold if policy != WritePolicy.WRITE_BACK else None
+        self.tree = tree
+        self.backups = backups
+        self.ledger = ledger
+        self.metrics = metrics
+
+    def after_insert(self, node: TreeNode) -> None:
+        """An insert that counted hits ended at ``node`` (not the root)."""
+        threshold = self.threshold
+        if threshold is None:
+            return
+        # Deepest node on the path that reached the threshold; its backup carries the
+        # un-backed ancestors too (contiguity from the root).
+        root = self.tree.root
+        target = node
+        while target is not root and target.hit_count < threshold:
+            target = target.parent
+        if target is not root and target.host_value is None:
+            op = self.backups.backup(target)
+            if op is not None:
+                self.ledger.writes.append(op)
+
+    def before_evict(self, node: TreeNode) -> None:
+        """write_back: back up ``node`` (not backed up) before it leaves the device."""
+        op = self.backups.backup(node, ack_now=False)
+        if op is None:
+            self.metrics.dropped_tokens += node.size
+        else:
+            self.ledger.finish(op)

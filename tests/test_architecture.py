@@ -1,0 +1,172 @@
+"""The layering rules, checked on the source (pure Python, no JAX or torch needed).
+
+* ``pallas_kernels`` imports nothing from ``hicache_jax``: kernels never depend on the
+  manager that drives them.
+* The cache package (``hicache_jax/cache``, the tree and its residency, locks, transfers and
+  policies) is the only place that reads private attributes (``_name``) of the cache or of
+  its nodes: every other module (the L3 controller, the engine, benchmarks, npu_bridge, the
+  tests) goes through public attributes, the L3 surface or ``debug_view()``.
+* Library modules (``hicache_jax``, ``npu_bridge``, ``pallas_kernels``, ``benchmarks``) read
+  no private attribute of an object other than ``self``/``cls`` unless a class of the same
+  module defines that attribute (a module's own helper classes are its business).
+
+Each rule's checker is itself tested on a snippet that breaks it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE_PKG = ROOT / "hicache_jax" / "cache"
+LIBRARY = ("hicache_jax", "npu_bridge", "pallas_kernels", "benchmarks")
+# Private names of third-party modules that a library module must touch, with the reason.
+ALLOWED_FOREIGN = {
+    # benchmarks/upstream_tree_replay.py: upstream sglang's host pool pins memory with CUDA at
+    # import; the CPU baseline replaces that hook (it is upstream's module, not ours).
+    "_cuda_host_register",
+}
+
+
+def _py_files(*tops: str) -> list[Path]:
+    out = []
+    for top in tops:
+        out.extend(p for p in (ROOT / top).rglob("*.py") if ".venv" not in p.parts)
+    return sorted(out)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """Private names a module's classes define: ``self._x = ...``, ``__slots__`` entries,
+    class-level assignments and methods."""
+    names = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                if _private(node.attr):
+                    names.add(node.attr)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Name) and _private(t.id):
+                        names.add(t.id)
+                    if isinstance(t, ast.Name) and t.id == "__slots__" and node.value is not None:
+                        for elt in getattr(node.value, "elts", ()):
+                            if isinstance(elt, ast.Constant) and isinstance(elt.value, str) and _private(elt.value):
+                                names.add(elt.value)
+    return names
+
+
+def _foreign_private_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """``x._name`` where ``x`` is not ``self`` / ``cls`` / ``super()`` (line, source)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            out.append((node.lineno, node.attr, ast.unparse(node)))
+    return out
+
+
+def _cache_private_names() -> set[str]:
+    names = set()
+    for path in CACHE_PKG.rglob("*.py"):
+        names |= _defined_privates(ast.parse(path.read_text()))
+    return names
+
+
+def cache_private_violations(source: str, cache_names: set[str]) -> list[str]:
+    """Reads of the cache's (or its nodes') private attributes by a module outside the cache
+    package; a name the module's own classes define too is that module's business."""
+    tree = ast.parse(source)
+    own = _defined_privates(tree)
+    return [f"{line}: {text}" for line, attr, text in sorted(_foreign_private_reads(tree))
+            if attr in cache_names and attr not in own]
+
+
+def library_violations(source: str) -> list[str]:
+    tree = ast.parse(source)
+    own = _defined_privates(tree)
+    return [f"{line}: {text}" for line, attr, text in sorted(_foreign_private_reads(tree))
+            if attr not in own and attr not in ALLOWED_FOREIGN]
+
+
+def kernel_import_violations(source: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] == "hicache_jax"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "hicache_jax":
+            out.append(f"{node.lineno}: from {node.module} import ...")
+    return out
+
+
+# ---------------------------------------------------------------------------------- the rules
+def test_pallas_kernels_import_nothing_from_hicache_jax():
+    bad = {str(p.relative_to(ROOT)): v for p in _py_files("pallas_kernels")
+           if (v := kernel_import_violations(p.read_text()))}
+    assert not bad, f"pallas_kernels must not depend on hicache_jax: {bad}"
+
+
+def test_nothing_outside_the_cache_package_reads_cache_privates():
+    names = _cache_private_names()
+    assert {"_ledger", "_res", "_tree", "_lock_path"} <= names  # the scan sees the cache's privates
+    bad = {}
+    for p in _py_files(*LIBRARY, "tests"):
+        if CACHE_PKG in p.parents:
+            continue
+        v = cache_private_violations(p.read_text(), names)
+        if v:
+            bad[str(p.relative_to(ROOT))] = v
+    assert not bad, f"private attributes of the cache or its nodes read outside hicache_jax/cache: {bad}"
+
+
+def test_library_modules_read_no_other_modules_privates():
+    bad = {}
+    for p in _py_files(*LIBRARY):
+        v = library_violations(p.read_text())
+        if v:
+            bad[str(p.relative_to(ROOT))] = v
+    assert not bad, f"library modules reading another module's private attributes: {bad}"
+
+
+# ---------------------------------------------------------------------------------- the checkers
+def test_checkers_see_what_they_claim():
+    names = _cache_private_names()
+    # An L3-controller-like module reaching into the cache and into a node.
+    src = "def f(cache, node):\n    cache._ledger.writes\n    node.owner._tree\n    return self._x\n"
+    assert [v.split(": ")[1] for v in cache_private_violations(src, names)] == ["cache._ledger", "node.owner._tree"]
+    # A module's own class may use its own private attributes on other instances.
+    own = "class Op:\n    def __init__(self):\n        self._cond = 1\n\ndef g(op):\n    return op._cond\n"
+    assert library_violations(own) == []
+    assert library_violations("def g(op):\n    return op._cond\n") == ["2: op._cond"]
+    assert library_violations("def g(m):\n    m._cuda_host_register = None\n") == []
+    assert kernel_import_violations("from hicache_jax.allocator import check_page_ids\n") \
+        == ["1: from hicache_jax.allocator import ..."]
+    assert kernel_import_violations("import hicache_jax.cache as c\nimport numpy\n") == ["1: import hicache_jax.cache"]
+    assert kernel_import_violations("from .common import x\nimport jax\n") == []
+
+
+@pytest.mark.parametrize("module", ["hicache_jax.cache", "hicache_jax.l3"])
+def test_the_cache_never_imports_the_l3_driver(module):
+    """Dependencies point one way: l3 -> cache, never cache -> l3 (except the lazy
+    compatibility names in ``hicache_jax.cache.__init__``)."""
+    for p in CACHE_PKG.rglob("*.py"):
+        if p.name == "__init__.py" and p.parent == CACHE_PKG:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                assert not (node.level >= 2 and mod.startswith("l3")) and not mod.startswith("hicache_jax.l3"), p
