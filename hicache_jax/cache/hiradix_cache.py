@@ -76,7 +76,8 @@ Failed copies (``transfers``)
     A copy that fails is issued again up to ``config.transfer_retries`` times when
     acknowledged; then the cache stops: every call raises ``CacheFailedError`` until
     ``reset()``, which empties it (and forgets callers' locks: they must abandon their
-    requests).
+    requests). The refusal is installed when the latch closes (``_refuse_calls``), so the
+    public calls check nothing while it is open.
 
 Across processes (``agreement``)
     The number of copies acknowledged per pass goes through the ``agreement`` object (the
@@ -85,7 +86,6 @@ Across processes (``agreement``)
 
 from __future__ import annotations
 
-import functools
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -121,17 +121,12 @@ __all__ = ["CacheFailedError", "CacheInvariantError", "HiRadixCache", "InsertRes
            "MatchResult"]
 
 
-def _refused_after_failure(method):
-    """Public entry points raise the latched ``CacheFailedError`` before doing anything."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        failure = self._ledger.failure
-        if failure is not None:
-            raise failure
-        return method(self, *args, **kwargs)
-
-    return guarded
+# The public calls a closed failure latch refuses (see ``_refuse_calls``).
+_REFUSED_AFTER_FAILURE = (
+    "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
+    "loading_check", "check_events", "flush", "alloc_device", "evict", "evict_host", "load_back", "begin_request",
+    "cache_unfinished_req", "cache_finished_req",
+)
 
 
 def _check_priority(priority: object) -> int:
@@ -169,9 +164,11 @@ class HiRadixCache:
                                     config.host_reclaim)
         self._tree = tree = RadixTree(p, self, self._split_hook(res, stateful))
         res.adopt_root(tree.root)
+        self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
         self._locks = locks = PathLocks(res)
         self._callers = CallerLocks(locks)
-        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries, agreement)
+        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries, agreement,
+                                               self._refuse_calls)
         self._evictor = evictor = Evictor(tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK)
         backups = BackupIssuer(res, locks, ledger, evictor, m, p)
         self._policy = policy = WritePolicyDriver(config.write_policy, config.write_through_threshold, tree,
@@ -187,6 +184,21 @@ class HiRadixCache:
             evictor.hooked = self._inserter.hooked = self._lookup.hooked = stateful
             locks.hooked = stateful
 
+    def _refuse_calls(self, failure: CacheFailedError) -> None:
+        """The failure latch closed: until ``reset``, every public call in
+        ``_REFUSED_AFTER_FAILURE`` raises ``failure`` before doing anything. The refusal is an
+        instance attribute shadowing the method, so an open latch costs the calls nothing."""
+
+        def refuse(*_args, **_kwargs):
+            raise failure
+
+        for name in _REFUSED_AFTER_FAILURE:
+            setattr(self, name, refuse)
+
+    def _accept_calls(self) -> None:
+        for name in _REFUSED_AFTER_FAILURE:
+            self.__dict__.pop(name, None)
+
     @staticmethod
     def _split_hook(res: Residency, stateful: tuple):
         if not stateful:
@@ -200,10 +212,6 @@ class HiRadixCache:
         return split
 
     # ------------------------------------------------------------------ state, read-only
-    @property
-    def root(self) -> TreeNode:
-        return self._tree.root
-
     @property
     def evictable_tokens(self) -> int:
         """Tokens on the device that no lock protects."""
@@ -259,7 +267,6 @@ class HiRadixCache:
                               self._stateful)
 
     # ------------------------------------------------------------------ match
-    @_refused_after_failure
     def match_prefix(self, key: object) -> MatchResult:
         """Longest cached page-aligned prefix of ``key``; splits a node the match ends inside.
 
@@ -274,7 +281,6 @@ class HiRadixCache:
         m.host_hit_tokens += res.host_hit_length
         return res
 
-    @_refused_after_failure
     def peek_prefix(self, key: object) -> tuple[int, int]:
         """``(device tokens, host-only tokens)`` of the cached page-aligned prefix of ``key``.
 
@@ -284,7 +290,6 @@ class HiRadixCache:
         return self._lookup.peek(as_radix_key(key))
 
     # ------------------------------------------------------------------ insert
-    @_refused_after_failure
     def insert(self, key: object, device_pages: object, *, chunked: bool = False, priority: int = 0) -> InsertResult:
         """Insert ``key``'s whole pages with their device pages (one id per whole page).
 
@@ -297,7 +302,6 @@ class HiRadixCache:
         pages = check_page_ids(device_pages, self.device_allocator.num_pages, "device_pages", unique=False)
         return self._inserter.insert(key, pages, chunked, priority=priority)[0]  # pages: a private copy
 
-    @_refused_after_failure
     def insert_host(self, key: object, host_pages: object, start: int) -> tuple[int, TreeNode | None]:
         """Attach host pages (e.g. read from L3) as host-only nodes; returns (tokens attached, leaf).
 
@@ -322,7 +326,6 @@ class HiRadixCache:
         return self._inserter.attach_host(key, ids, start)
 
     # ------------------------------------------------------------------ locks
-    @_refused_after_failure
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors on the device tier. The root is a no-op."""
         self._tree.check_node(node)
@@ -331,7 +334,6 @@ class HiRadixCache:
         if node is not self._tree.root:
             self._callers.take(node)
 
-    @_refused_after_failure
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one ``inc_lock_ref(node)`` (or a request helper's lock on ``node``). Raises
         ValueError (no change) when no caller holds a lock taken on exactly this node."""
@@ -364,7 +366,7 @@ class HiRadixCache:
     def unpin_host(self, receipt: LockReceipt) -> None:
         """Release a ``pin_host`` receipt (a no-op once ``reset`` dropped its node)."""
         if not isinstance(receipt, LockReceipt) or receipt.device is not None:
-            raise TypeError(f"receipt: expected a pin_host receipt, got {receipt!r}")
+            raise TypeError(f"receipt: expected a pin_host receipt, got {type(receipt).__name__} {receipt!r}")
         self._locks.release(receipt)
 
     def reserve_host_pages(self, num_pages: int) -> np.ndarray | None:
@@ -374,7 +376,6 @@ class HiRadixCache:
         return self._evictor.alloc_host(check_int("num_pages", num_pages, 0))
 
     # ------------------------------------------------------------------ transfers
-    @_refused_after_failure
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
         n = self._ledger.ack_writes(block)
@@ -383,12 +384,10 @@ class HiRadixCache:
             hook.poll()
         return n
 
-    @_refused_after_failure
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
         return self._ledger.ack_loads(block)
 
-    @_refused_after_failure
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step)."""
         ledger = self._ledger
@@ -399,31 +398,26 @@ class HiRadixCache:
         if ledger.loads:
             self.loading_check()
 
-    @_refused_after_failure
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged."""
         self.writing_check(block=True)
         self.loading_check(block=True)
 
     # ------------------------------------------------------------------ eviction
-    @_refused_after_failure
     def alloc_device(self, num_pages: int) -> np.ndarray | None:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
         return self._evictor.alloc_device(check_int("num_pages", num_pages, 0), False)
 
-    @_refused_after_failure
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         return self._evictor.evict(check_int("num_tokens", num_tokens, 0))[0]
 
-    @_refused_after_failure
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
         pages = -(-check_int("num_tokens", num_tokens, 0) // self.page_size)
         return self._evictor.evict_host(pages) * self.page_size
 
     # ------------------------------------------------------------------ load-back (H2D)
-    @_refused_after_failure
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> LoadBackResult | None:
         """Load the host-only chain ending at ``node`` (a match's ``last_host_node``) to the device.
 
@@ -438,7 +432,6 @@ class HiRadixCache:
         return self._load_backs.load_back(node, mem_quota)
 
     # ------------------------------------------------------------------ request helpers
-    @_refused_after_failure
     def begin_request(self, key: object, mem_quota: int | None = None, load_back: bool = True,
                       priority: int = 0) -> tuple[CacheRequest, LoadBackResult | None]:
         """Match ``key``, load back its host continuation (if worth it), lock the device prefix.
@@ -448,7 +441,6 @@ class HiRadixCache:
         """
         return self._requests.begin(as_radix_key(key), mem_quota, load_back, _check_priority(priority))
 
-    @_refused_after_failure
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.
 
@@ -457,7 +449,6 @@ class HiRadixCache:
         """
         self._requests.unfinished(self._requests.check(req), chunked)
 
-    @_refused_after_failure
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
         self._requests.finished(self._requests.check(req))
@@ -477,6 +468,7 @@ class HiRadixCache:
                 raise RuntimeError(f"reset: callers still hold locks on {self._res.protected_tokens} device tokens")
         else:
             ledger.abandon()
+            self._accept_calls()
         if ledger.storage_hook is not None:
             ledger.storage_hook.on_reset()  # L3 backups still reading host pages finish first
         self._res.drop_all()
@@ -484,7 +476,8 @@ class HiRadixCache:
         self._callers.clear()
         for comp in self._stateful:
             comp.reset()
-        self._res.adopt_root(self._tree.new_root())
+        self.root = self._tree.new_root()
+        self._res.adopt_root(self.root)
 
     def all_nodes(self) -> list[TreeNode]:
         return self._tree.nodes()

@@ -141,9 +141,8 @@ class PathLocks:
             comp.on_release(receipt)
 
     @staticmethod
-    def _check(receipt: object) -> None:
-        if not isinstance(receipt, LockReceipt):
-            raise TypeError(f"receipt: expected a LockReceipt, got {type(receipt).__name__}")
+    def _check(receipt: LockReceipt) -> None:
+        # Receipts reach here from the cache's own modules; the facade type-checks callers'.
         if not receipt.live:
             raise ValueError(f"receipt: {receipt!r} was already released")
 

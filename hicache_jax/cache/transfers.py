@@ -13,15 +13,16 @@ backup while its locks still hold, release its receipt, count its time.
 
 Failed copies: a copy whose handle reports a failure is issued again from the same source
 pages into the same destination pages (both still locked) up to ``retries`` times. If it
-still fails, the latch closes: ``failure`` holds a ``CacheFailedError`` that every public
-call of the cache raises (``check``) until ``reset`` (``abandon``), so pages with undefined
-bytes are never served.
+still fails, the latch closes: ``failure`` holds a ``CacheFailedError``, ``on_failure`` tells
+the facade, which raises it from every public call until ``reset`` (``abandon``), so pages
+with undefined bytes are never served.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class TransferLedger:
     """The two queues of copies in flight and the failure latch; see the module docstring."""
 
     def __init__(self, components, metrics: CacheMetrics, locks: PathLocks, retries: int,
-                 agreement: Agreement) -> None:
+                 agreement: Agreement, on_failure: Callable[[CacheFailedError], None]) -> None:
         if not isinstance(agreement, Agreement):
             raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
         self.components = components  # looked up per copy: tests may swap its methods
@@ -61,12 +62,8 @@ class TransferLedger:
         self.writes: deque[PendingOp] = deque()
         self.loads: deque[PendingOp] = deque()
         self.failure: CacheFailedError | None = None
+        self.on_failure = on_failure  # the facade refuses its public calls from then on
         self.storage_hook = None  # a StorageController, when attached
-
-    def check(self) -> None:
-        """Raise the latched failure, if any (the first line of every public cache call)."""
-        if self.failure is not None:
-            raise self.failure
 
     # ------------------------------------------------------------------ acknowledgement
     def ack_writes(self, block: bool) -> int:
@@ -130,6 +127,7 @@ class TransferLedger:
         self.failure = CacheFailedError(
             f"a {what} of {op.tokens} tokens failed after {self.retries} retries ({error!r}); "
             f"the cache refuses every call until reset()")
+        self.on_failure(self.failure)
         raise self.failure from error
 
     # ------------------------------------------------------------------ reset
