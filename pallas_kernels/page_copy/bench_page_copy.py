@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .dispatch import PageCopier
+from .dispatch import PageCopier, PageCopyConfig
 
 _raw_copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # forces a read and a write of every byte
 
@@ -38,3 +38,73 @@ def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.n
         state["pools"] = new  # donated: keep the replacements
 
     return median_seconds(gather, reps), median_seconds(scatter, reps)
+
+
+def _median(run, reps: int) -> float:
+    import time
+    run()  # warm-up (compiles)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def compare_impls(impls, page_sizes, page_counts, orders, num_layers: int = 8, heads: int = 8, head_dim: int = 128,
+                  dtype="bfloat16", reps: int = 10, median_seconds=None) -> list[dict]:
+    """Gather / scatter GB/s of each implementation in ``impls`` and its ratio to a raw device copy.
+
+    One K (or V) component: ``num_layers`` pool layers of ``(pool pages, page, heads, head_dim)``;
+    gather moves every layer of ``n`` pages, scatter writes every layer back (one call per layer).
+    An implementation that fails (e.g. not supported here) gets its error instead of numbers.
+    """
+    median_seconds = median_seconds or _median
+    rows = []
+    rng = np.random.default_rng(0)
+    for page in page_sizes:
+        for n in page_counts:
+            pool_pages = max(2 * n, 64)
+            pools = [jnp.asarray(rng.integers(0, 2**16, (pool_pages, page, heads, head_dim), dtype=np.uint16))
+                     .view(dtype) for _ in range(num_layers)]
+            ids, dest = rng.permutation(pool_pages)[:n], rng.permutation(pool_pages)[:n]
+            nbytes = n * num_layers * page * heads * head_dim * jnp.dtype(dtype).itemsize
+            raw = raw_device_copy_seconds(nbytes, reps, median_seconds)
+            for order in orders:
+                for impl in impls:
+                    row = dict(impl=impl, page_size=page, pages=n, order=order, mib=nbytes / 2**20,
+                               raw_copy_gbps=nbytes / raw / 1e9)
+                    try:
+                        copier = PageCopier(PageCopyConfig(impl=impl, max_pages=pool_pages))
+                        row["impl"] = copier.impl + (" (interpret)" if copier.interpret else "")
+                        g, s = gather_scatter_seconds(copier, pools, ids, dest, order, reps, median_seconds)
+                        row.update(gather_gbps=nbytes / g / 1e9, scatter_gbps=nbytes / s / 1e9)
+                        row.update(gather_vs_raw=row["gather_gbps"] / row["raw_copy_gbps"],
+                                   scatter_vs_raw=row["scatter_gbps"] / row["raw_copy_gbps"])
+                    except Exception as e:  # noqa: BLE001 - reported per row
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    """``python -m pallas_kernels.page_copy.bench_page_copy``: compare implementations, print JSON lines."""
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description=compare_impls.__doc__)
+    p.add_argument("--impls", nargs="+", default=["xla", "mgpu", "gpu"])
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--page-counts", type=int, nargs="+", default=[16, 256, 1024])
+    p.add_argument("--orders", nargs="+", default=["nlp", "npl", "lnp"])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args(argv)
+    print(json.dumps({"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+                      "jax": jax.__version__}))
+    for r in compare_impls(a.impls, a.page_sizes, a.page_counts, a.orders, a.layers, reps=a.reps):
+        print(json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

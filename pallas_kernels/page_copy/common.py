@@ -39,6 +39,16 @@ def buffer_shape(order: str, nb: int, num_layers: int, page_shape: tuple[int, ..
     }[check_order(order)]
 
 
+def buffer_tile(ref, order: str, i, layer, rows, cols):
+    """The (rows, cols) tile of page position i / layer ``layer`` in a transfer-buffer ref viewed
+    with its per-token axes flattened: ``(.., page, cols)`` in ``order``."""
+    if order == "nlp":
+        return ref.at[i, layer, rows, cols]
+    if order == "npl":
+        return ref.at[i, rows, layer, cols]
+    return ref.at[layer, i, rows, cols]
+
+
 def default_buckets(max_pages: int) -> tuple[int, ...]:
     """Page-count buckets up to ``max_pages``: 1, 2, 4, 8, 16, then p and 1.5p per power of two.
 

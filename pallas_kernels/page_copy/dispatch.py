@@ -11,11 +11,14 @@
 * runs the kernel per shard under ``shard_map`` when the pool is sharded over a mesh axis
   (the KV-head axis), so sharded pools give the same bytes as unsharded ones.
 
-Implementations (``impl``): ``tpu`` (scalar-prefetch DMA), ``gpu`` (Triton), ``xla`` (the
-pure-JAX reference: take / donated ``.at[].set``). ``auto`` picks ``tpu`` on TPU, ``gpu`` on
-GPU and ``xla`` on CPU: interpreted kernels are a correctness tool there (10-100x slower than
-XLA's native gather/scatter); ask for ``tpu`` or ``gpu`` explicitly to run them interpreted. Upstream's io
-backend names are accepted too: ``kernel`` = ``auto``, ``direct`` = ``xla``.
+Implementations (``impl``): ``tpu`` (scalar-prefetch DMA), ``mgpu`` (Mosaic GPU, TMA through
+shared memory), ``gpu`` (Pallas Triton, deprecated by jax 0.11: kept until ``mgpu`` has replaced
+it on hardware), ``xla`` (the pure-JAX reference: take / donated ``.at[].set``). ``auto`` picks
+``tpu`` on TPU, ``xla`` on CPU (interpreted kernels are a correctness tool there, 10-100x slower
+than XLA's native gather/scatter; ask for a kernel explicitly to run it interpreted) and
+``AUTO_GPU_IMPL`` on GPU: whichever implementation was measured fastest on a GPU (see the note
+at ``AUTO_GPU_IMPL``). Upstream's io backend names are accepted too: ``kernel`` = ``auto``,
+``direct`` = ``xla``.
 
 Threading: call from the thread that owns the pool (JAX dispatch is asynchronous; the
 arrays returned are futures). Donation: ``scatter`` consumes the pool array passed in and
@@ -33,10 +36,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import gpu, reference, tpu
+from . import gpu, gpu_mgpu, reference, tpu
 from .common import bucket_for, buffer_shape, check_order, check_page_ids, default_buckets
 
-Impl = Literal["auto", "tpu", "gpu", "xla"]
+Impl = Literal["auto", "tpu", "mgpu", "gpu", "xla"]
+IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
+
+# What ``auto`` runs on a GPU: the implementation measured fastest there (``hicache-jax bench
+# transfer --compare-impls`` measures xla, mgpu and the Triton gpu side by side).
+#
+# Why XLA. Measured on one NVIDIA H100 80GB HBM3 (jax 0.11.2, 2026-11-25), 8 layers of
+# 1024 pages x 8 heads x 128 x bf16, npl order, executables called with device-resident ids:
+#   page 64 (1 GiB): gather xla 1094 / mgpu 1126 / triton 1043 GB/s, scatter 1032 / 1115 / 1074,
+#                    a raw device copy of the same bytes 1112: every one runs at copy speed;
+#   page 16:         gather 706 / 711 / 644, scatter 518 / 620 / 609 (raw copy 655);
+#   page 1:          gather 167 / 100 / 108, scatter 36 / 35 / 7 (raw copy 145).
+# Through ``PageCopier`` (host-side validation and id upload on every call) the same sweep over
+# page sizes 1 / 16 / 64, 16 / 256 / 1024 pages and all three orders showed no implementation
+# ahead across cases. With no kernel clearly faster anywhere and XLA fastest for 1-token
+# pages, XLA (no custom kernel to maintain) stays; ``mgpu`` is the kernel to pick explicitly,
+# and replaces the deprecated Triton ``gpu`` once Triton is gone.
+AUTO_GPU_IMPL = "xla"
 
 _CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _IO_BACKEND_ALIASES = {"kernel": "auto", "direct": "xla"}
@@ -72,9 +92,8 @@ class PageCopyConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "impl", _IO_BACKEND_ALIASES.get(self.impl, self.impl))
-        if self.impl not in ("auto", "tpu", "gpu", "xla"):
-            raise ValueError(f"impl: expected 'auto', 'tpu', 'gpu', 'xla' (or io backend 'kernel' / 'direct'), "
-                             f"got {self.impl!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS} (or io backend 'kernel' / 'direct'), got {self.impl!r}")
         if not isinstance(self.max_pages, int) or self.max_pages < 1:
             raise ValueError(f"max_pages: expected an int >= 1, got {self.max_pages!r}")
         if self.buckets is not None:
@@ -102,7 +121,8 @@ class PageCopier:
         platform = self.config.platform or jax.default_backend()
         impl = self.config.impl
         if impl == "auto":
-            impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "xla")
+            # ROCm: nothing measured there and Mosaic GPU is CUDA only, so XLA.
+            impl = {"tpu": "tpu", "gpu": AUTO_GPU_IMPL, "cuda": AUTO_GPU_IMPL}.get(platform, "xla")
         interpret = self.config.interpret
         if interpret is None:
             interpret = impl != "xla" and platform == "cpu"
@@ -136,7 +156,7 @@ class PageCopier:
         impl, interp = self._plan.impl, self._plan.interpret
         if impl == "xla":
             return reference.gather_layers, reference.scatter_layer
-        mod = tpu if impl == "tpu" else gpu
+        mod = {"tpu": tpu, "gpu": gpu, "mgpu": gpu_mgpu}[impl]
         g = lambda pools, ids, n, out, order: mod.gather_layers.__wrapped__(pools, ids, n, out, order, interp)
         s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(pool, ids, n, buf, layer, order,
                                                                                   interp)

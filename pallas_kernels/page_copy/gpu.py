@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from .common import buffer_shape, check_order
+from .common import buffer_shape, buffer_tile, check_order
 
 _MAX_BLOCK_ELEMS = 4096  # elements per program per layer: enough bytes in flight, few registers
 
@@ -37,15 +37,6 @@ def _blocks(page: int, cols: int) -> tuple[int, int]:
     cb = min(_pow2_at_least(cols), _MAX_BLOCK_ELEMS)
     tb = max(1, min(_pow2_at_least(page), _MAX_BLOCK_ELEMS // cb))
     return tb, cb
-
-
-def _tile(ref, order: str, i, layer, rows, cols):
-    """The (rows, cols) tile of page i / layer ``layer`` in a transfer buffer viewed (.., page, H*D)."""
-    if order == "nlp":
-        return ref.at[i, layer, rows, cols]
-    if order == "npl":
-        return ref.at[i, rows, layer, cols]
-    return ref.at[layer, i, rows, cols]
 
 
 def _mask(tb: int, cb: int, page: int, cols_total: int, live):
@@ -62,7 +53,7 @@ def _gather_kernel(order, num_layers, tb, cb, page, hd, n_ref, ids_ref, *refs):
     src = ids_ref[i]
     for l, p in enumerate(pools):
         v = plt.load(p.at[src, rows, cols], mask=mask)
-        plt.store(_tile(out_ref, order, i, jnp.int32(l), rows, cols), v, mask=mask)
+        plt.store(buffer_tile(out_ref, order, i, jnp.int32(l), rows, cols), v, mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("order", "interpret"), donate_argnums=(3,))
@@ -95,7 +86,7 @@ def _scatter_kernel(order, tb, cb, page, hd, n_ref, ids_ref, layer_ref, pool_in,
     i = pl.program_id(0)
     mask = _mask(tb, cb, page, hd, i < n_ref[0])
     rows, cols = pl.ds(pl.program_id(1) * tb, tb), pl.ds(pl.program_id(2) * cb, cb)
-    v = plt.load(_tile(buf_ref, order, i, layer_ref[0], rows, cols), mask=mask)
+    v = plt.load(buffer_tile(buf_ref, order, i, layer_ref[0], rows, cols), mask=mask)
     plt.store(pool_out.at[ids_ref[i], rows, cols], v, mask=mask)
 
 
