@@ -9,8 +9,12 @@ For every (page size, page count, host layout) it measures, in one process:
                                                           and vs a host memcpy of the same bytes
 * H2D     (``JaxTransferEngine.load``, K and V)         vs a raw H2D ``device_put`` of the same bytes
 
-Ratios are op GB/s / baseline GB/s of the same bytes. Prints a table, writes JSON.
-Usage: hicache-jax bench transfer [--quick] [--out PATH] [--impl auto|xla|tpu|gpu]
+Ratios are op GB/s / baseline GB/s of the same bytes. Prints a table, writes JSON; both name
+the page-copy implementation measured. On a GPU (or with ``--compare-impls``) a second table
+measures gather / scatter of every GPU implementation (``xla``, ``mgpu`` = Mosaic GPU, ``gpu`` =
+Pallas Triton) side by side, each with its ratio to a raw device copy of the same bytes: the
+numbers behind the dispatcher's ``auto`` choice.
+Usage: hicache-jax bench transfer [--quick] [--out PATH] [--impl auto|xla|tpu|mgpu|gpu] [--compare-impls]
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from .. import HostLayout, KVGeometry
 from ..backends.jax import JaxDevicePool, JaxTransferEngine, host_memory_kind
 from ..backends.jax.memory import pinned_host_pool
 from pallas_kernels.page_copy import PageCopyConfig
-from pallas_kernels.page_copy.bench_page_copy import gather_scatter_seconds, raw_device_copy_seconds
+from pallas_kernels.page_copy.bench_page_copy import compare_impls, gather_scatter_seconds, raw_device_copy_seconds
+from pallas_kernels.page_copy.dispatch import IMPLS
 
 
 def _progress(total: int):
@@ -110,16 +115,37 @@ def run(args) -> dict:
                 f"copy impl {impl}, backend {jax.default_backend()} (GB/s; x = ratio to raw copy of same bytes)",
                 ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
                  "D2H", "x raw D2H", "x memcpy", "H2D", "x raw H2D"], rows)
-    return {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl,
-            "host_pool_memory": getattr(host, "memory_kind", "numpy"),
-            "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+    payload = {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl,
+               "host_pool_memory": getattr(host, "memory_kind", "numpy"),
+               "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+    if args.compare_impls:
+        payload["impl_comparison"] = _compare(args)
+    return payload
+
+
+def _compare(args) -> list[dict]:
+    """Gather / scatter of each GPU implementation vs a raw device copy (one KV component)."""
+    orders = sorted({HostLayout(l).transfer_order for l in args.layouts})
+    rows = compare_impls(["xla", "mgpu", "gpu"], args.page_sizes, args.page_counts, orders, args.layers,
+                         args.heads, args.head_dim, args.dtype, args.reps, median_seconds)
+    table = [[r["impl"], r["page_size"], r["pages"], r["order"], r["mib"], r.get("gather_gbps", "-"),
+              r.get("gather_vs_raw", "-"), r.get("scatter_gbps", "-"), r.get("scatter_vs_raw", "-"),
+              r["raw_copy_gbps"], r.get("error", "")] for r in rows]
+    print_table(f"Page gather / scatter by implementation, backend {jax.default_backend()} "
+                f"(GB/s; x = ratio to a raw device copy of the same bytes)",
+                ["impl", "page", "pages", "order", "MiB", "gather", "x dev copy", "scatter", "x dev copy",
+                 "raw copy", "error"], table)
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small sweep (seconds), e.g. for smoke tests")
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "tpu", "gpu"],
-                   help="page-copy implementation (auto: Pallas on GPU/TPU, XLA on CPU; tpu/gpu on CPU = interpreted)")
+    p.add_argument("--impl", default="auto", choices=list(IMPLS),
+                   help="page-copy implementation (auto: the dispatcher's choice per platform; mgpu = Mosaic GPU, "
+                        "gpu = Pallas Triton; a kernel on CPU runs interpreted)")
+    p.add_argument("--compare-impls", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure xla / mgpu / gpu gather and scatter side by side (default: on a GPU)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -139,6 +165,8 @@ def main(argv=None) -> int:
     args.page_sizes = args.page_sizes or [1, 16, 64]
     args.page_counts = args.page_counts or ([16, 128] if jax.default_backend() == "cpu" else [16, 256, 1024])
     args.reps = args.reps or 5
+    if args.compare_impls is None:
+        args.compare_impls = jax.default_backend() == "gpu"
     payload = run(args)
     path = write_json(args.out, payload)
     print(f"JSON written to {path}")
