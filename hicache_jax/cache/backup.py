@@ -38,6 +38,7 @@ class BackupIssuer:
         self.evictor = evictor
         self.metrics = metrics
         self.page_size = page_size
+        self.hooked: tuple = ()  # components with their own residency (``components``)
 
     def backup(self, node: TreeNode, ack_now: bool = True) -> PendingOp | None:
         """Back up ``node`` and its un-backed ancestors, parent first, in one transfer.
@@ -74,18 +75,16 @@ class BackupIssuer:
         dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
         t0 = time.perf_counter()
         ledger = self.ledger
-        handle = ledger.components.backup(dev_ids, host_ids)
-        # set_host for the whole chain at once: every chain node but the last has a backed-up
-        # child now, so only the last and the anchor can change index membership.
-        res.host_owned[host_ids] = True
-        res.host_tokens += tokens
-        off = 0
-        p = self.page_size
-        for c in chain:
-            k = c.size // p
-            c.host_value = host_ids[off:off + k]
-            c.parent.host_children += 1
-            off += k
+        if self.hooked:
+            # Stateful components learn of the chain before any copy is issued (they may
+            # allocate their own host pages here); the marking below is the same either way.
+            self._mark(chain, host_ids, tokens)
+            for comp in self.hooked:
+                comp.on_backup(chain)
+            handle = ledger.components.backup(dev_ids, host_ids)
+        else:
+            handle = ledger.components.backup(dev_ids, host_ids)
+            self._mark(chain, host_ids, tokens)
         m = self.metrics
         m.backup_tokens += tokens
         m.backup_bytes += npages * ledger.components.bytes_per_page
@@ -107,3 +106,18 @@ class BackupIssuer:
         receipt = self.locks.lock_both(node)
         res.refresh(anchor)
         return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0)
+
+    def _mark(self, chain: list, host_ids: np.ndarray, tokens: int) -> None:
+        """set_host for the whole chain at once: every chain node but the last has a backed-up
+        child now, so only the last and the anchor can change index membership (the caller
+        refreshes both)."""
+        res = self.res
+        res.host_owned[host_ids] = True
+        res.host_tokens += tokens
+        off = 0
+        p = self.page_size
+        for c in chain:
+            k = c.size // p
+            c.host_value = host_ids[off:off + k]
+            c.parent.host_children += 1
+            off += k

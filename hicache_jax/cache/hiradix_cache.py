@@ -27,6 +27,7 @@ module                 job
 ``requests``           ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
 ``components``         the KV components (full, sidecars, stateful plug-ins) and their hooks
 ``debug_view``         a read-only view for invariant checks (``invariants``) and tests
+``results``, ``errors``  what the public calls return and raise; ``request``: ``CacheRequest``
 =====================  =======================================================================
 
 Contract
@@ -42,10 +43,11 @@ Who frees duplicates on insert
     ``cache_finished_req`` frees it, ``cache_unfinished_req`` leaves it with the request.
 
 What is locked when (``locks``)
-    * ``inc_lock_ref(node)`` / ``dec_lock_ref(node)``: a caller's device path lock (node up to
-      the root). A locked node is never evicted from the device; callers lock the
-      ``last_device_node`` of a match for as long as they use the matched pages.
-      ``dec_lock_ref`` releases only a lock a caller took on that very node (by
+    * ``inc_lock_ref(node)`` / ``dec_lock_ref(receipt or node)``: a caller's device path lock
+      (node up to the root). A locked node is never evicted from the device; callers lock
+      the ``last_device_node`` of a match for as long as they use the matched pages.
+      ``inc_lock_ref`` returns the lock's receipt; ``dec_lock_ref`` releases exactly that
+      receipt, or, given a node, one lock a caller took on that very node (by
       ``inc_lock_ref`` or a request helper): never a transfer's or the L3 controller's.
     * A backup (D2H) holds a device and a host path lock on its deepest node from issue
       until ``writing_check`` sees it done, so neither copy is freed mid-transfer. A backup
@@ -170,7 +172,7 @@ class HiRadixCache:
         self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries, agreement,
                                                self._refuse_calls)
         self._evictor = evictor = Evictor(tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK)
-        backups = BackupIssuer(res, locks, ledger, evictor, m, p)
+        self._backups = backups = BackupIssuer(res, locks, ledger, evictor, m, p)
         self._policy = policy = WritePolicyDriver(config.write_policy, config.write_through_threshold, tree,
                                                   backups, ledger, m)
         evictor.before_evict = policy.before_evict
@@ -180,9 +182,9 @@ class HiRadixCache:
         self._requests = RequestHelpers(tree, res, self._inserter, self._callers, self.match_prefix,
                                         self.load_back, p)
         self._stateful = stateful
-        if stateful:
-            evictor.hooked = self._inserter.hooked = self._lookup.hooked = stateful
-            locks.hooked = stateful
+        if stateful:  # their hooks run only then: the full component's paths check one tuple
+            for part in (evictor, backups, self._inserter, self._lookup, self._load_backs, locks):
+                part.hooked = stateful
 
     def _refuse_calls(self, failure: CacheFailedError) -> None:
         """The failure latch closed: until ``reset``, every public call in
@@ -326,17 +328,24 @@ class HiRadixCache:
         return self._inserter.attach_host(key, ids, start)
 
     # ------------------------------------------------------------------ locks
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """Lock ``node`` and its ancestors on the device tier. The root is a no-op."""
+    def inc_lock_ref(self, node: TreeNode) -> LockReceipt | None:
+        """Lock ``node`` and its ancestors on the device tier; returns the lock's receipt (None
+        for the root, which needs no lock)."""
         self._tree.check_node(node)
         if node.value is None:
             raise ValueError(f"node: {node!r} is not on the device; lock the last_device_node of a match")
         if node is not self._tree.root:
-            self._callers.take(node)
+            return self._callers.take(node)
+        return None
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        """Undo one ``inc_lock_ref(node)`` (or a request helper's lock on ``node``). Raises
-        ValueError (no change) when no caller holds a lock taken on exactly this node."""
+    def dec_lock_ref(self, node: "TreeNode | LockReceipt") -> None:
+        """Undo one caller lock: exactly the one a receipt from ``inc_lock_ref`` names, or,
+        given a node, one lock a caller took on exactly that node (``inc_lock_ref`` or a
+        request helper). Raises ValueError (no change) when there is no such lock: a caller
+        never releases a lock the cache took for itself (a transfer's, an L3 pin)."""
+        if isinstance(node, LockReceipt):
+            self._callers.release_receipt(node)
+            return
         self._tree.check_node(node)
         if node is not self._tree.root:
             self._callers.release(node)

@@ -37,6 +37,7 @@ class LoadBackIssuer:
         self.metrics = metrics
         self.page_size = page_size
         self.threshold = threshold
+        self.hooked: tuple = ()  # components with their own residency (``components``)
 
     def load_back(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:
         chain = []
@@ -87,6 +88,9 @@ class LoadBackIssuer:
             off += k
         receipt = locks.extend_to_loaded_chain(receipt, chain)
         res.refresh(anchor)
+        if self.hooked:
+            for comp in self.hooked:
+                comp.on_load(chain)
         ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt))
         m.load_back_calls += 1
         m.loaded_tokens += tokens

@@ -306,8 +306,10 @@ class CallerLocks:
         self.locks = locks
         self.by_node: dict[TreeNode, list[LockReceipt]] = {}
 
-    def take(self, node: TreeNode) -> None:
-        self.by_node.setdefault(node, []).append(self.locks.lock(node))
+    def take(self, node: TreeNode) -> LockReceipt:
+        receipt = self.locks.lock(node)
+        self.by_node.setdefault(node, []).append(receipt)
+        return receipt
 
     def holds(self, node: TreeNode) -> bool:
         return node in self.by_node
@@ -320,6 +322,16 @@ class CallerLocks:
         self.locks.release(held.pop())
         if not held:
             del self.by_node[node]
+
+    def release_receipt(self, receipt: LockReceipt) -> None:
+        """Release exactly this caller lock; ValueError (no change) if it is not a live one."""
+        held = self.by_node.get(receipt.device)
+        if not held or not any(r is receipt for r in held):
+            raise ValueError(f"receipt: {receipt!r} is not a live caller lock of this cache")
+        held.remove(receipt)
+        if not held:
+            del self.by_node[receipt.device]
+        self.locks.release(receipt)
 
     def move(self, old: TreeNode, new: TreeNode) -> None:
         """One caller lock on ``old`` becomes one on ``new`` (see ``PathLocks.move``)."""

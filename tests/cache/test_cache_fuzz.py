@@ -18,6 +18,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from cache_harness import KVOracle, numpy_backend_factory, small_geom
+from shadow_component import ShadowComponent
 from hicache_jax.cache import CacheFailedError, HiCacheConfig, HiRadixCache, RadixKey
 
 STEPS = {"n": 0}
@@ -49,7 +50,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        eviction=st.sampled_from(["lru", "lfu"]),
+        eviction=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]),
         page_size=st.sampled_from([1, 2, 3]),
         device_pages=st.integers(6, 20),
         host_pages=st.integers(3, 40),  # often smaller than the device pool
@@ -58,14 +59,19 @@ class CacheMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 1, 3, 10]),
         host_reclaim=st.booleans(),
         kind=st.sampled_from(["mha", "mla"]),
+        shadow=st.booleans(),  # a stateful plug-in component mirroring residency through its hooks
     )
     def setup(self, policy, eviction, page_size, device_pages, host_pages, layout, deferred, threshold,
-              host_reclaim, kind):
+              host_reclaim, kind, shadow):
         self.p = page_size
         self.be = self.backend_factory(small_geom(page_size, kind), device_pages, host_pages, layout, deferred)
         cfg = HiCacheConfig(page_size=page_size, write_policy=policy, eviction_policy=eviction,
                             load_back_threshold=threshold, host_reclaim=host_reclaim)
-        self.cache = HiRadixCache(cfg, self.be.engine, self.be.device.allocator)
+        plugins = []
+        if shadow:
+            side = numpy_backend_factory(small_geom(page_size, kind), device_pages, host_pages, layout)
+            plugins.append(ShadowComponent(side.engine))
+        self.cache = HiRadixCache(cfg, self.be.engine, self.be.device.allocator, components=plugins)
         self.oracle = KVOracle(self.be)
         self.reqs = []  # active CacheRequests
         self.locks = []  # nodes locked through the raw API
@@ -132,11 +138,11 @@ class CacheMachine(RuleBasedStateMachine):
                        st.lists(st.integers(0, 2), max_size=3)).filter(bool)
     ns = st.sampled_from([None, "b"])
 
-    @rule(toks=tokens, ns=ns, load=st.booleans(), quota=st.sampled_from([None, 4, 100]))
+    @rule(toks=tokens, ns=ns, load=st.booleans(), quota=st.sampled_from([None, 4, 100]), prio=st.integers(0, 3))
     @_survives_failure
-    def begin(self, toks, ns, load, quota):
+    def begin(self, toks, ns, load, quota, prio=0):
         key = self.key(toks, ns)
-        req, lb = self.cache.begin_request(key, mem_quota=quota, load_back=load)
+        req, lb = self.cache.begin_request(key, mem_quota=quota, load_back=load, priority=prio)
         self.track(lb)
         self.check_device(key, req.device_pages)
         need = -(-len(key) // self.p) - req.device_pages.shape[0]

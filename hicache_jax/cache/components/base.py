@@ -14,6 +14,9 @@ hook                       called when
 k)``                       pages (after the full component's split)
 ``on_insert(node)``        ``node`` gained pages on a tier: a new leaf, a revived host-only
                            node, attached L3 pages
+``on_backup(nodes)``       these nodes (root first) were just marked backed up; their copy is
+                           issued right after (``backup``, with the full component's ids)
+``on_load(nodes)``         these host-only nodes just got device pages (a load-back, issued)
 ``usable_device_nodes(     ``match`` found these on-device nodes, root first; returns how
 nodes)``                   many leading ones this component can serve
 ``on_lock(receipt)`` /     a path lock was taken / released (``locks.LockReceipt``)
@@ -63,6 +66,12 @@ class KVComponent:
         pass
 
     def on_insert(self, node) -> None:
+        pass
+
+    def on_backup(self, nodes: list) -> None:
+        pass
+
+    def on_load(self, nodes: list) -> None:
         pass
 
     def usable_device_nodes(self, nodes: list) -> int:

@@ -40,6 +40,15 @@ class MultiLoadHandle(LoadHandle):
         for h in self.handles.values():
             h.wait(timeout)
 
+    @property
+    def error(self) -> BaseException | None:
+        """The first component copy's failure, where its handle reports one (``error``)."""
+        for h in self.handles.values():
+            err = getattr(h, "error", None)
+            if err is not None:
+                return err
+        return None
+
 
 class MultiTransferHandle(TransferHandle):
     """One D2H backup across components."""
@@ -53,6 +62,15 @@ class MultiTransferHandle(TransferHandle):
     def wait(self, timeout: float | None = None) -> None:
         for h in self.handles.values():
             h.wait(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first component copy's failure, where its handle reports one (``error``)."""
+        for h in self.handles.values():
+            err = getattr(h, "error", None)
+            if err is not None:
+                return err
+        return None
 
 
 class ComponentRegistry:

@@ -1,4 +1,4 @@
-"""L3 controller (cache/storage_controller.py): backups L2 -> L3, prefetch L3 -> L2 -> L1.
+"""L3 controller (hicache_jax/l3/controller.py): backups L2 -> L3, prefetch L3 -> L2 -> L1.
 
 Backend-neutral over the cache's backend factory (numpy here; the torch env collects this
 file too) and parametrised over the storage backends importable here (memory, file, and

@@ -2,7 +2,7 @@
 a file-backed L3 and exits; process 2, a fresh cache pointed at the same directory, re-sends
 them and must get storage hits with bit-exact KV.
 
-Run as a script, this file is the child: ``python test_storage_restart.py write|read DIR``.
+Run as a script, this file is the child: ``python test_restart.py write|read DIR``.
 The writer saves the KV it computed (``expected.npz``); the reader compares its device pages
 with that, so the check does not depend on anything process-specific (e.g. ``hash``).
 """
@@ -18,6 +18,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+CACHE_TESTS = os.path.join(REPO, "tests", "cache")  # the cache harness
 P = 4
 
 
@@ -39,7 +40,7 @@ def _setup(path):
 
 
 def child(mode: str, path: str) -> dict:
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, CACHE_TESTS)
     from cache_harness import KVOracle, prefill_insert
     cache, be, ctl = _setup(path)
     keys = _keys()
