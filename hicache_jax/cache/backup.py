@@ -62,12 +62,14 @@ class BackupIssuer:
         # an on-device node without backed-up children; every node above it has one), so the
         # anchor alone is guarded meanwhile (a count, not just leaving the index: host
         # eviction re-indexes a parent whose last backed-up child it removes).
-        guard = anchor is not res.root
-        if guard:
-            self.locks.guard_host_copy(anchor)
-        host_ids = self.evictor.alloc_host(npages)
-        if guard:
-            self.locks.unguard_host_copy(anchor)  # the refresh below (either way) re-indexes it
+        host_ids = res.host_allocator.alloc(npages)
+        if host_ids is None:  # host eviction will run: guard the anchor's copy meanwhile
+            guard = anchor is not res.root
+            if guard:
+                self.locks.guard_host_copy(anchor)
+            host_ids = self.evictor.alloc_host(npages)
+            if guard:
+                self.locks.unguard_host_copy(anchor)  # the refresh below (either way) re-indexes it
         if host_ids is None:
             res.refresh(anchor)
             self.metrics.backup_failed_tokens += tokens

@@ -401,11 +401,11 @@ class HiRadixCache:
         """Poll both queues without blocking (call once per scheduler step)."""
         ledger = self._ledger
         if ledger.writes:
-            self.writing_check()
-        elif ledger.storage_hook is not None:
+            ledger.ack_writes(False)
+        if ledger.storage_hook is not None:
             ledger.storage_hook.poll()
         if ledger.loads:
-            self.loading_check()
+            ledger.ack_loads(False)
 
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged."""
