@@ -10,16 +10,42 @@ different namespaces never share a node: the root's children are keyed by
 
 Matching works in whole pages: ``aligned_len`` rounds down to a page multiple, and a child
 is found by the bytes of its first page (``page_key``).
+
+Token ids are in ``[0, 2**32)``, the range every tier can hold (L3 keys encode tokens as
+uint32): ``as_token_ids`` rejects others with ValueError naming the argument, and never wraps
+(a uint64 above 2**63, an int beyond int64).
+
+Tenant identity, one rule in every tier
+---------------------------------------
+``extra_key`` and ``cache_salt`` are identified by type and value, never by Python's ``==``
+(under which ``True == 1 == 1.0``). Each is canonicalised once, at construction
+(``canonical_namespace_value``), and ``RadixKey.namespace`` is the pair of canonical values;
+the tree (L1/L2) compares and hashes those, and L3 derives its key namespace from the same
+pair (``encode_namespace``, typed JSON). The accepted values and their identity:
+
+* ``None`` (the default namespace), ``str`` and ``bytes`` (``bytearray`` as ``bytes``): by
+  value; ``"1"``, ``b"1"`` and ``1`` are three tenants. These stay as they are.
+* ``bool`` (and ``numpy.bool_``), ``int`` (and numpy integers), ``float`` (and numpy
+  floats): tagged ``("b", v)``, ``("i", int(v))``, ``("f", repr(float(v)))``; so ``True``,
+  ``1`` and ``1.0`` are three tenants, ``numpy.int64(1)`` and ``1`` one, ``0.0`` and ``-0.0``
+  two, and every NaN one.
+* ``tuple`` of accepted values: ``("t", canonical items)``.
+
+Anything else (lists, dicts, sets, arbitrary objects) has no stable, process-independent
+encoding and is rejected with TypeError naming the argument when the key is built.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import numpy as np
 
 TOKEN_DTYPE = np.int64
+TOKEN_LIMIT = 1 << 32  # token ids are in [0, TOKEN_LIMIT)
+_U64 = np.uint64
 
 
 def as_token_ids(tokens: object, name: str = "token_ids") -> np.ndarray:
@@ -35,36 +61,99 @@ def as_token_ids(tokens: object, name: str = "token_ids") -> np.ndarray:
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
             bad = next(t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
             raise TypeError(f"{name}: expected integer token ids, got {type(bad).__name__} {bad!r}")
-        arr = np.asarray(tokens, dtype=TOKEN_DTYPE) if len(tokens) else np.zeros(0, TOKEN_DTYPE)
+        try:
+            arr = np.asarray(tokens, dtype=TOKEN_DTYPE) if len(tokens) else np.zeros(0, TOKEN_DTYPE)
+        except OverflowError:
+            bad = next(int(t) for t in tokens if not 0 <= t < TOKEN_LIMIT)
+            raise ValueError(f"{name}: token ids must be in [0, 2**32), got {bad}") from None
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {arr.shape}")
     if arr.dtype != TOKEN_DTYPE:
         if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
             raise TypeError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+        if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= TOKEN_LIMIT:  # before a cast could wrap
+            raise ValueError(f"{name}: token ids must be in [0, 2**32), got {int(arr.max())}")
         arr = arr.astype(TOKEN_DTYPE)
+    # One reduction: as uint64, a negative id is >= 2**63, so the max covers both bounds.
+    if arr.size and int(arr.view(_U64).max()) >= TOKEN_LIMIT:
+        bad = arr[(arr < 0) | (arr >= TOKEN_LIMIT)]
+        raise ValueError(f"{name}: token ids must be in [0, 2**32), got {bad[:4].tolist()}")
     return arr
+
+
+def canonical_namespace_value(value: object, name: str = "extra_key") -> Hashable:
+    """The canonical, type-aware identity of one namespace value (see the module docstring);
+    TypeError naming ``name`` for a value without a stable encoding."""
+    if value is None:
+        return None
+    t = type(value)
+    if t is str or t is bytes:
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return ("b", bool(value))
+    if isinstance(value, (int, np.integer)):
+        return ("i", int(value))
+    if isinstance(value, (float, np.floating)):
+        return ("f", float.__repr__(float(value)))
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, tuple):
+        return ("t", tuple(canonical_namespace_value(v, name) for v in value))
+    raise TypeError(f"{name}: expected None, a bool, int, float, str, bytes or a tuple of those (a typed, "
+                    f"process-stable tenant identity), got {type(value).__name__}")
+
+
+def _json_value(c: Hashable) -> object:
+    if c is None:
+        return None
+    if type(c) is str:
+        return {"s": c}
+    if type(c) is bytes:
+        return {"x": c.hex()}
+    tag, payload = c
+    if tag == "t":
+        return {"t": [_json_value(x) for x in payload]}
+    return {tag: payload}
+
+
+def encode_namespace(salt: str, namespace: tuple) -> str:
+    """Canonical, process-stable string of a ``RadixKey.namespace`` (canonical values) under a
+    storage ``salt``: ``""`` for no salt and the default namespace, otherwise typed JSON. The
+    L3 key namespace's ``extra_key`` field; the same identity the tree uses."""
+    if not salt and namespace[0] is None and namespace[1] is None:
+        return ""
+    return json.dumps([salt, [_json_value(c) for c in namespace]], sort_keys=True, separators=(",", ":"))
+
+
+DEFAULT_NAMESPACE = (None, None)
 
 
 @dataclass(frozen=True, eq=False)
 class RadixKey:
-    """Token ids (int64, read-only) plus the namespace they live in."""
+    """Token ids (int64 in ``[0, 2**32)``, read-only) plus the namespace they live in.
+
+    ``namespace`` is ``(canonical extra_key, canonical cache_salt)``: two keys share a tenant
+    exactly when their values are equal *and of the same kind* (``True``, ``1`` and ``1.0``
+    are three tenants; ``1`` and ``numpy.int64(1)`` one). The tree and L3 both use it (see
+    the module docstring for the accepted values); others raise TypeError here.
+    """
 
     token_ids: np.ndarray
     extra_key: Hashable = None
     cache_salt: Hashable = None
     token_bytes: bytes = field(init=False, repr=False)  # the ids' native int64 bytes
-    namespace: tuple = field(init=False, repr=False)  # (extra_key, cache_salt)
+    namespace: tuple = field(init=False, repr=False)  # canonical (extra_key, cache_salt)
 
     def __post_init__(self) -> None:
         data = as_token_ids(self.token_ids).tobytes()  # the one copy of the tokens
+        extra, salt = self.extra_key, self.cache_salt
+        ns = DEFAULT_NAMESPACE if extra is None and salt is None else (
+            canonical_namespace_value(extra, "extra_key"), canonical_namespace_value(salt, "cache_salt"))
         object.__setattr__(self, "token_bytes", data)
         object.__setattr__(self, "token_ids", np.frombuffer(data, TOKEN_DTYPE))
-        for name in ("extra_key", "cache_salt"):
-            try:
-                hash(getattr(self, name))
-            except TypeError:
-                raise TypeError(f"{name}: expected a hashable value, got {type(getattr(self, name)).__name__}") from None
-        object.__setattr__(self, "namespace", (self.extra_key, self.cache_salt))
+        object.__setattr__(self, "namespace", ns)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -78,7 +167,12 @@ def as_radix_key(key: object, name: str = "key") -> RadixKey:
     """Accept a RadixKey or a bare token sequence (default namespace)."""
     if isinstance(key, RadixKey):
         return key
-    return RadixKey(as_token_ids(key, name))
+    data = as_token_ids(key, name).tobytes()  # checked once, here, under the caller's name
+    out = object.__new__(RadixKey)
+    for attr, value in (("token_ids", np.frombuffer(data, TOKEN_DTYPE)), ("extra_key", None), ("cache_salt", None),
+                        ("token_bytes", data), ("namespace", DEFAULT_NAMESPACE)):
+        object.__setattr__(out, attr, value)
+    return out
 
 
 def aligned_len(n: int, page_size: int) -> int:
