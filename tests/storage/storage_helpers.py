@@ -82,6 +82,20 @@ def make_store(backend: str, path, pools: dict, specs=None, **cfg):
     return create_storage(StorageConfig(backend=backend, path=path, **cfg), pools, specs)
 
 
+def segment_dirs(path) -> list[str]:
+    """Committed orbax segment directories under store ``path``: by writer directory, then by
+    step number (``w####/{generation}_{step}``, or a bare step in old logs)."""
+    import glob
+    import re
+
+    out = []
+    for d in glob.glob(os.path.join(str(path), "segments-v1", "w*", "*")):
+        m = re.fullmatch(r"(?:g[0-9a-f]{16}_)?([0-9]+)", os.path.basename(d))
+        if m:
+            out.append((os.path.basename(os.path.dirname(d)), int(m.group(1)), d))
+    return [d for *_, d in sorted(out)]
+
+
 def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + os.path.dirname(os.path.abspath(__file__)) + os.pathsep + \

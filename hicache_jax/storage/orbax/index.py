@@ -7,6 +7,8 @@ harmless: either copy is right. A segment whose metadata cannot be read, or that
 check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
 only on a read-only store) and never indexed again by this process, so all its pages are
 misses from then on. A segment that vanished (evicted by any process) is simply forgotten.
+Segment names are never reused (``segment``: a generation per claim), so a name the index
+holds always denotes the bytes it was indexed from, or nothing (evicted since: a miss).
 
 Threading and locking: every method may be called from any thread. One lock guards the key
 maps, the segment table, the set of segments never to index again and the byte count; it is

@@ -3,7 +3,8 @@
 On disk (``{path}/segments-v1/``)::
 
     w0000/LOCK            flock'ed by the one live process writing into w0000 (``claim``)
-    w0000/{step}/default  one segment = one orbax CheckpointManager step (OCDBT + zarr3, no
+    w0000/{gen}_{step}/default
+                          one segment = one orbax CheckpointManager step (OCDBT + zarr3, no
                           compression); per pool present: ``{pool}.data uint8[S, page_bytes]``
                           (one zarr chunk per page: chunk_byte_size=page_bytes, shard_axes=(0,)),
                           ``{pool}.keys uint8[S, 32]`` and ``{pool}.crc uint32[S]``
@@ -11,9 +12,17 @@ On disk (``{path}/segments-v1/``)::
     quarantine/           segments that failed a check (moved aside, never read again)
     trash/                evicted segments on their way to deletion
 
-Orbax publishes a step by renaming its temp directory: a step directory named by a bare step
-number is complete (``is_committed_step``); anything else is ignored by readers. A process
-killed mid-save leaves only a temp directory.
+Segment names (``w0000/{gen}_{step}``) are never reused: ``gen`` (``new_generation``: ``g`` and
+16 random hex digits) is drawn afresh by every claim of a writer directory and is orbax's step
+prefix, and steps count up from 0 within one claim. A writer directory is reused by the next
+claimer once its owner is gone, and its step numbers restart, but under a new generation; so a
+process whose index still lists a segment that was evicted meanwhile finds its directory gone
+(a miss; ``refresh`` forgets it) and can never read another segment's bytes under that name.
+Bare step numbers (``w0000/{step}``, written before generations existed) are still read.
+
+Orbax publishes a step by renaming its temp directory: a step directory named by a step
+(``is_committed_step``) is complete; anything else is ignored by readers. A process killed
+mid-save leaves only a temp directory.
 
 Threading: a ``Segment`` is built by one thread (the index loading it, or the writer that
 saved it) before the index publishes it; after that its fields never change except ``locs``,
@@ -24,6 +33,7 @@ dicts, so either may win).
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,11 +42,22 @@ LOG_DIR = "segments-v1"
 QUARANTINE_DIR = "quarantine"
 TRASH_DIR = "trash"
 WRITER_DIR_RE = re.compile(r"w\d{4,}")
+_STEP_RE = re.compile(r"(?:g[0-9a-f]{16}_)?[0-9]+")  # the generation prefix is absent in old logs
 
 
 def is_committed_step(name: str) -> bool:
     """Whether ``name`` (an entry of a writer directory) is a step orbax finished saving."""
-    return name.isdigit()
+    return _STEP_RE.fullmatch(name) is not None
+
+
+def new_generation() -> str:
+    """A fresh step prefix for one claim of a writer directory (64 random bits)."""
+    return "g" + uuid.uuid4().hex[:16]
+
+
+def step_dir_name(generation: str, step: int) -> str:
+    """The directory orbax saves step ``step`` into under the step prefix ``generation``."""
+    return f"{generation}_{step}"
 
 
 def array_spec(seg_path: str, array: str) -> dict:
@@ -46,7 +67,7 @@ def array_spec(seg_path: str, array: str) -> dict:
 
 @dataclass
 class Segment:
-    name: str                      # "w0000/17": writer directory / step
+    name: str                      # "w0000/g0123456789abcdef_17": writer directory / step dir
     path: str                      # absolute step directory
     order: tuple                   # (commit time, name): eviction order, oldest first
     counts: dict[str, int]         # pool -> pages

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -62,7 +61,7 @@ from ..keys import keys_to_array
 from ..metrics import StorageMetrics
 from .claim import WriterClaim
 from .index import SegmentIndex
-from .segment import TRASH_DIR, Segment
+from .segment import TRASH_DIR, Segment, step_dir_name
 
 log = logging.getLogger("hicache_jax.storage")
 
@@ -344,11 +343,11 @@ class SegmentWriter:
             self._claim.path,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=None, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=False,
-                save_root_metadata=False, lightweight_initialize=True),
+                save_root_metadata=False, lightweight_initialize=True, step_prefix=self._claim.generation),
             item_handlers=ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
                                                       type_handler_registry=_type_handler_registry()))
-        steps = [int(m.group(1)) for n in os.listdir(self._claim.path) if (m := re.match(r"(\d+)", n))]
-        self._next_step = max(steps, default=-1) + 1
+        # Steps are saved as "{generation}_{step}": the generation is this claim's own, so step
+        # numbers start at 0 without ever reusing a segment name (see ``segment``).
 
     def _save(self, segment: list[SegmentBuffer]) -> None:
         tree, save_args = {}, {}
@@ -366,6 +365,8 @@ class SegmentWriter:
             del data
         step = self._next_step
         self._next_step += 1
+        step_dir = step_dir_name(self._claim.generation, step)
+        path = os.path.join(self._claim.path, step_dir)
         nbytes = sum(t["data"].nbytes for t in tree.values())
         t0 = time.perf_counter()
         try:
@@ -373,15 +374,16 @@ class SegmentWriter:
             self._mgr.wait_until_finished()
             if saved is False:
                 raise RuntimeError(f"orbax declined to save step {step}")
+            if not os.path.isdir(path):  # orbax named the step otherwise: readers would never see it
+                raise RuntimeError(f"step {step} was not saved as {path}")
         except Exception as e:
-            log.warning("L3 orbax: saving segment %s/%d (%d pages) failed: %r; pages dropped",
-                        self._claim.name, step, npages, e)
+            log.warning("L3 orbax: saving segment %s/%s (%d pages) failed: %r; pages dropped",
+                        self._claim.name, step_dir, npages, e)
             self.metrics.add(write_errors=1, pages_dropped=npages)
             self._cleanup_failed_step(step)
             return
         dt = time.perf_counter() - t0
-        path = os.path.join(self._claim.path, str(step))
-        name = f"{self._claim.name}/{step}"
+        name = f"{self._claim.name}/{step_dir}"
         seg = Segment(name, path, (time.time(), name), {b.pool: b.n for b in segment},
                       crcs={p: tree[p]["crc"] for p in tree},
                       keys={b.pool: list(b.keys) for b in segment}, nbytes=nbytes)
@@ -395,9 +397,10 @@ class SegmentWriter:
         # A failed save may leave a temp dir (or, if it failed after the rename, a step that
         # readers must not trust: we never indexed it, so remove it too).
         wdir = self._claim.path
+        step_dir = step_dir_name(self._claim.generation, step)
         try:
             for n in os.listdir(wdir):
-                if n == str(step) or n.startswith(f"{step}."):
+                if n == step_dir or n.startswith(f"{step_dir}."):
                     shutil.rmtree(os.path.join(wdir, n), ignore_errors=True)
         except OSError:
             pass

@@ -14,7 +14,7 @@ from hicache_jax.storage.orbax import ocdbt_direct
 from hicache_jax.storage.orbax.reader import host_pieces
 from hicache_jax.storage.orbax.writer import pack_into
 
-from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace
+from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace, segment_dirs
 
 LAYOUTS = list(HostLayout)
 
@@ -99,7 +99,7 @@ def test_failed_in_place_read_scrubs_only_that_host_page(tmp_path, batched):
     # is zero-filled (never left holding bytes that failed it), reported False and its
     # segment quarantined; host pages never read into keep their bytes.
     st, src, keys = _written(tmp_path)
-    seg = sorted(glob.glob(str(tmp_path / "segments-v1" / "w*" / "[0-9]*")))[0]  # pages 0-3
+    seg = segment_dirs(tmp_path)[0]  # pages 0-3
     f, off = _page_location(seg, st.codecs["target"].pack(np.array([1]))[0].tobytes())
     with open(f, "r+b") as fh:
         fh.seek(off + 1500)
@@ -132,7 +132,7 @@ def test_failed_in_place_read_scrubs_only_that_host_page(tmp_path, batched):
 
 def test_shard_index_damage_is_a_miss(tmp_path):
     st, src, keys = _written(tmp_path)
-    seg = sorted(glob.glob(str(tmp_path / "segments-v1" / "w*" / "[0-9]*")))[1]  # pages 4-7
+    seg = segment_dirs(tmp_path)[1]  # pages 4-7
     page = st.codecs["target"].pack(np.array([6]))[0]
     f, off = _page_location(seg, page.tobytes())
     with open(f, "r+b") as fh:  # the shard index right after the page: offset field

@@ -12,7 +12,7 @@ from hicache_jax.storage import PoolSpec, PoolTransfer
 from hicache_jax.storage.orbax import ocdbt_direct
 from hicache_jax.storage.orbax.reader import HandleCache
 
-from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace
+from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace, segment_dirs
 
 
 class _CountingOs:
@@ -59,7 +59,7 @@ def _written(tmp_path, n=8, seg=4, layout="page_first", geom=GEOM, **cfg):
 
 
 def _corrupt(tmp_path, st, page_id: int, seg_index: int) -> None:
-    seg = sorted(glob.glob(str(tmp_path / "segments-v1" / "w*" / "[0-9]*")))[seg_index]
+    seg = segment_dirs(tmp_path)[seg_index]
     page = st.codecs["target"].pack(np.array([page_id]))[0].tobytes()
     for f in glob.glob(os.path.join(seg, "**", "*"), recursive=True):
         if os.path.isfile(f):
@@ -123,7 +123,7 @@ def test_fault_mid_window_is_a_miss_and_releases_every_descriptor(tmp_path, fds,
 
 def test_truncated_file_mid_window_releases_every_descriptor(tmp_path, fds):
     st, src, keys = _written(tmp_path, n=8, seg=8, read_concurrency=4)  # one segment
-    seg = sorted(glob.glob(str(tmp_path / "segments-v1" / "w*" / "[0-9]*")))[0]
+    seg = segment_dirs(tmp_path)[0]
     page = st.codecs["target"].pack(np.array([5]))[0].tobytes()
     for f in glob.glob(os.path.join(seg, "**", "*"), recursive=True):
         if os.path.isfile(f) and page in open(f, "rb").read():

@@ -13,7 +13,8 @@ import pytest
 
 from hicache_jax import HostKVPool
 
-from storage_helpers import GEOM, assert_pages_equal, child_cmd, child_env, fill_random, keys_for, make_store
+from storage_helpers import (GEOM, assert_pages_equal, child_cmd, child_env, fill_random, keys_for, make_store,
+                             segment_dirs)
 from test_faults import _run_readonly
 
 
@@ -34,7 +35,7 @@ def _read_back(st, keys):
 
 
 def _seg_dirs(tmp_path):
-    return sorted(glob.glob(str(tmp_path / "segments-v1" / "w*" / "[0-9]*")))
+    return segment_dirs(tmp_path)
 
 
 def _page_location(seg_dir, page: bytes):
