@@ -11,7 +11,10 @@ temp file (ignored, and removed by the next ``FileStorage`` on that directory if
 minute), and two processes writing the same key replace equal bytes with equal bytes.
 
 Existence is checked on the file system (not an in-process index), so pages written by other
-processes are visible at once. Capacity: each process tracks the files it knows (scanned at
+processes are visible at once. Only a file inconsistent with itself (bad magic, key or CRC,
+a body that disagrees with its header) is quarantined; a sound page of another size (written
+by a store configured with another page size) is a miss counted as a read error, and stays:
+``batch_exists`` still reports it (existence reads no headers), ``batch_get`` misses it. Capacity: each process tracks the files it knows (scanned at
 start-up, oldest mtime first, plus its own writes) and deletes the oldest over the bound.
 
 Threading: reads of different keys run concurrently (a thread pool of ``read_concurrency``);
@@ -48,7 +51,11 @@ _STALE_TMP_S = 60.0
 
 
 class _Corrupt(Exception):
-    pass
+    """The file is inconsistent with itself: quarantined."""
+
+
+class _Mismatch(Exception):
+    """A sound file this store cannot use (written with another page size): a miss, left in place."""
 
 
 class FileStorage(HiCacheStorage):
@@ -113,8 +120,13 @@ class FileStorage(HiCacheStorage):
                 if len(head) != HEADER_BYTES:
                     raise _Corrupt(f"short header ({len(head)} bytes)")
                 magic, algo, _, _, crc, nbytes, fkey = _HEADER.unpack(head)
-                if magic != MAGIC or fkey != key or nbytes != pb:
-                    raise _Corrupt(f"bad header (magic={magic!r}, size={nbytes}, want {pb}, key match={fkey == key})")
+                if magic != MAGIC or fkey != key:
+                    raise _Corrupt(f"bad header (magic={magic!r}, key match={fkey == key})")
+                if nbytes != pb:  # another page size: corrupt only if the file disagrees with its header
+                    size = os.fstat(f.fileno()).st_size
+                    if size != HEADER_BYTES + nbytes:
+                        raise _Corrupt(f"{size - HEADER_BYTES} body bytes, header says {nbytes}")
+                    raise _Mismatch(f"{nbytes}-byte page, this store reads {pb}-byte pages")
                 page = np.empty(pb, np.uint8)
                 got = f.readinto(memoryview(page))
                 if got != pb or f.read(1):
@@ -123,6 +135,10 @@ class FileStorage(HiCacheStorage):
             return None  # never written, or evicted / quarantined by another process
         except _Corrupt as e:
             self._quarantine(path, str(e))
+            return None
+        except _Mismatch as e:  # a reader configured otherwise than the writer: never delete
+            log.warning("L3 file: %s: %s; a miss (left in place)", path, e)
+            self.metrics.add(read_errors=1)
             return None
         except OSError as e:
             log.warning("L3 file: reading %s failed: %r", path, e)

@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from hicache_jax import HostKVPool
+from hicache_jax import HostKVPool, KVGeometry
 
 from storage_helpers import GEOM, assert_pages_equal, child_cmd, child_env, fill_random, keys_for, make_store
 
@@ -37,11 +37,11 @@ def _read_back(st, keys):
     return st.batch_get(keys, range(len(keys))), dst
 
 
-@pytest.mark.parametrize("where", ["body", "header_key", "header_crc"])
+@pytest.mark.parametrize("where", ["body", "header_key", "header_crc", "header_size"])
 def test_file_flipped_byte_is_a_counted_miss(tmp_path, where):
     st, src, keys = _stored(tmp_path)
     path = _file_of(st, keys[1])
-    off = {"body": 64 + 1000, "header_key": 40, "header_crc": 12}[where]
+    off = {"body": 64 + 1000, "header_key": 40, "header_crc": 12, "header_size": 16}[where]
     with open(path, "r+b") as f:
         f.seek(off)
         b = f.read(1)
@@ -55,6 +55,29 @@ def test_file_flipped_byte_is_a_counted_miss(tmp_path, where):
     assert m["corrupt"] == 1 and m["quarantined"] == 1 and m["misses"] == 1
     assert not os.path.exists(path) and glob.glob(str(tmp_path / "pages-v1" / "quarantine" / "*.bad"))
     assert st.batch_exists(keys) == 1  # quarantined: gone from the store
+
+
+@pytest.mark.parametrize("integrity", ["full", "off"])
+def test_file_mismatched_page_size_reader_is_a_miss_not_a_quarantine(tmp_path, integrity):
+    # issue 21 point 3: a raw reader (same keys) configured with another page size
+    st, src, keys = _stored(tmp_path)
+    st.close()
+    files = sorted(glob.glob(str(tmp_path / "pages-v1" / "target" / "*" / "*.kv")))
+    assert len(files) == 4
+    other = KVGeometry.mha(2, 8, 2, 32, "bfloat16")  # twice GEOM's page size
+    bad = make_store("file", tmp_path, {"target": HostKVPool(other, 8, "page_first")}, integrity=integrity)
+    assert bad.batch_get(keys, range(4)) == [False] * 4
+    m = bad.metrics.snapshot()
+    assert m["hits"] == 0 and m["misses"] == 4 and m["corrupt"] == 0 and m["quarantined"] == 0
+    assert m["read_errors"] == 4  # counted, not silent
+    bad.close()
+    assert sorted(glob.glob(str(tmp_path / "pages-v1" / "target" / "*" / "*.kv"))) == files  # left in place
+    assert not glob.glob(str(tmp_path / "pages-v1" / "quarantine" / "*"))
+    good = make_store("file", tmp_path, {"target": HostKVPool(GEOM, 8, "page_first")})
+    flags, dst = _read_back(good, keys)
+    assert all(flags)
+    assert_pages_equal(src, range(4), dst, range(4))
+    good.close()
 
 
 def test_file_truncated_and_deleted(tmp_path):

@@ -7,11 +7,18 @@ harmless: either copy is right. A segment whose metadata cannot be read, or that
 check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
 only on a read-only store) and never indexed again by this process, so all its pages are
 misses from then on. A segment that vanished (evicted by any process) is simply forgotten.
+Quarantine is only for data proven corrupt (inconsistent with itself); a pool whose pages have
+another size than this process's (a reader configured otherwise than the writer) is not
+indexed: its keys miss (counted once per segment as a read error), and the segment stays on
+disk for the processes that can read it. A segment none of whose pools this process can read
+is remembered as foreign: never indexed, never counted against the capacity bound (so this
+process never evicts it), forgotten once it vanishes.
 Segment names are never reused (``segment``: a generation per claim), so a name the index
 holds always denotes the bytes it was indexed from, or nothing (evicted since: a miss).
 
 Threading and locking: every method may be called from any thread. One lock guards the key
-maps, the segment table, the set of segments never to index again and the byte count; it is
+maps, the segment table, the sets of segments never to index again and of foreign segments,
+and the byte count; it is
 a leaf (nothing else is locked while it is held) and never held across I/O: ``refresh`` lists
 and loads segments without it and publishes them under it. ``on_forget(name)`` runs after the
 lock is released. ``Segment`` objects handed out stay valid after their segment is forgotten
@@ -53,6 +60,7 @@ class SegmentIndex:
         self._slot_of: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self._page_bytes}
         self._segments: dict[str, Segment] = {}
         self._bad: set[str] = set()  # segment names never to index again in this process
+        self._foreign: set[str] = set()  # on disk, but no pool this process can read
         self._bytes = 0
         self._last_refresh = 0.0
 
@@ -183,7 +191,8 @@ class SegmentIndex:
         on_disk = self._list_committed()
         with self._lock:
             gone = [n for n in self._segments if n not in on_disk]
-            new = [n for n in on_disk if n not in self._segments and n not in self._bad]
+            self._foreign &= on_disk.keys()
+            new = [n for n in on_disk if n not in self._segments and n not in self._bad and n not in self._foreign]
         for n in gone:
             self.forget(n)
         # Issue every segment's key/CRC reads before waiting on any (start-up over many
@@ -193,7 +202,10 @@ class SegmentIndex:
         loaded.sort(key=lambda s: s.order)
         with self._lock:
             for seg in loaded:
-                self._add(seg)
+                if seg.counts:
+                    self._add(seg)
+                else:  # nothing here this process can read: leave it alone
+                    self._foreign.add(seg.name)
 
     def _list_committed(self) -> dict[str, str]:
         """name -> path of every committed segment on disk."""
@@ -221,7 +233,7 @@ class SegmentIndex:
             futs = {}
             for p in sorted(pools & set(self._page_bytes)):
                 futs[p] = [ts.open(array_spec(path, f"{p}.{a}"), open=True, read=True, context=self._ts_ctx)
-                           for a in ("keys", "crc")]
+                           for a in ("keys", "crc", "data")]
             return seg, futs
         except Exception as e:
             return e
@@ -231,12 +243,20 @@ class SegmentIndex:
             if isinstance(started, Exception):
                 raise started
             seg, futs = started
-            reads = {p: [f.result().read() for f in fs] for p, fs in futs.items()}
-            for p, (fk, fc) in reads.items():
+            opened = {p: [f.result() for f in fs] for p, fs in futs.items()}
+            reads = {p: (hk.read(), hc.read(), hd) for p, (hk, hc, hd) in opened.items()}
+            for p, (fk, fc, data) in reads.items():
                 keys, crcs = fk.result(), fc.result()
                 n = keys.shape[0]
                 if keys.shape != (n, KEY_BYTES) or keys.dtype != np.uint8 or crcs.shape != (n,):
                     raise ValueError(f"pool {p}: keys {keys.shape} / crc {crcs.shape} do not match")
+                if data.rank != 2 or data.dtype != ts.uint8 or data.shape[0] != n:
+                    raise ValueError(f"pool {p}: data {tuple(data.shape)} {data.dtype} for {n} keys")
+                if data.shape[1] != self._page_bytes[p]:  # written with other settings: not ours to judge
+                    log.warning("L3 orbax: segment %s: pool %s has %d-byte pages, this store %d; not indexed "
+                                "(left in place)", name, p, data.shape[1], self._page_bytes[p])
+                    self._metrics.add(read_errors=1)
+                    continue
                 seg.counts[p] = n
                 seg.keys[p] = [bytes(k) for k in keys]
                 seg.crcs[p] = np.asarray(crcs, np.uint32)

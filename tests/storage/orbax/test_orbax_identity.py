@@ -1,5 +1,6 @@
-"""Issue 21, points 1-2 for the orbax log: segment names are never reused, and stray entries in
-the store directory never turn writes off (needs orbax)."""
+"""Issue 21, points 1-3 for the orbax log: segment names are never reused, stray entries in the
+store directory never turn writes off, and a reader configured with another page size never
+quarantines a writer's valid segments (needs orbax)."""
 
 import glob
 import os
@@ -8,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hicache_jax import HostKVPool
+from hicache_jax import HostKVPool, KVGeometry
 from hicache_jax.storage.orbax.segment import is_committed_step
 
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store
@@ -136,3 +137,40 @@ def test_stray_entry_is_skipped_by_the_claim(tmp_path, stray):
     finally:
         st.close()
         holder.close()
+
+
+# ---- point 3: a reader with another page size never quarantines valid data -------------------------
+OTHER_GEOM = KVGeometry.mha(2, 8, 2, 32, "bfloat16")  # twice GEOM's page size
+
+
+@pytest.mark.parametrize("read_path", ["direct", "tensorstore"])
+@pytest.mark.parametrize("integrity", ["full", "off"])
+def test_mismatched_page_size_reader_is_a_miss_not_a_quarantine(tmp_path, read_path, integrity):
+    keys = keys_for(8, seed=4)
+    src = HostKVPool(GEOM, 8, "page_first")
+    fill_random(src, 4)
+    w = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, refresh_interval_s=0)
+    assert all(w.batch_set(keys, range(8))) and w.flush(60)
+    w.close()
+    segments = _committed(tmp_path)
+    assert len(segments) == 2
+    # a raw reader (same keys) configured with another page size, and a capacity bound that its
+    # own bytes could never justify evicting the writer's segments for
+    bad = make_store("orbax", tmp_path, {"target": HostKVPool(OTHER_GEOM, 8, "page_first")}, segment_pages=4,
+                     refresh_interval_s=0, read_path=read_path, integrity=integrity, capacity_bytes=1)
+    assert bad.batch_get(keys, range(8)) == [False] * 8
+    m = bad.metrics.snapshot()
+    assert m["hits"] == 0 and m["quarantined"] == 0 and m["corrupt"] == 0 and m["segments_evicted"] == 0
+    assert m["read_errors"] == 2  # counted once per segment, not silent
+    assert bad.batch_exists(keys) == 0  # unreadable with its settings: a miss
+    bad.refresh()
+    bad.close()
+    assert _committed(tmp_path) == segments  # left in place
+    assert not glob.glob(str(tmp_path / "segments-v1" / "quarantine" / "*"))
+    # a correctly configured reader still hits everything
+    dst = HostKVPool(GEOM, 8, "page_first")
+    good = make_store("orbax", tmp_path, {"target": dst}, segment_pages=4, refresh_interval_s=0,
+                      read_path=read_path)
+    assert all(good.batch_get(keys, range(8)))
+    assert_pages_equal(src, range(8), dst, range(8))
+    good.close()
