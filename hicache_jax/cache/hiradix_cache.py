@@ -131,6 +131,16 @@ _REFUSED_AFTER_FAILURE = (
 )
 
 
+def _check_flag(name: str, value: object) -> bool:
+    """A bool flag (``bool`` or ``numpy.bool_``); TypeError naming ``name`` otherwise (a flag
+    is never taken by truthiness: ``chunked=None`` or ``block="no"`` is a caller's bug)."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
 def _check_priority(priority: object) -> int:
     if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
         raise TypeError(f"priority: expected an int, got {type(priority).__name__}")
@@ -301,6 +311,9 @@ class HiRadixCache:
         """
         key = as_radix_key(key)
         priority = _check_priority(priority)
+        chunked = _check_flag("chunked", chunked)
+        if device_pages is None:
+            raise TypeError("device_pages: expected a sequence of device page ids, got None")
         pages = check_page_ids(device_pages, self.device_allocator.num_pages, "device_pages", unique=False)
         return self._inserter.insert(key, pages, chunked, priority=priority)[0]  # pages: a private copy
 
@@ -317,6 +330,8 @@ class HiRadixCache:
         key = as_radix_key(key)
         p = self.page_size
         start = check_int("start", start, 0)
+        if host_pages is None:
+            raise TypeError("host_pages: expected a sequence of host page ids, got None")
         ids = check_page_ids(host_pages, self.host_allocator.num_pages, "host_pages")
         end = start + ids.shape[0] * p
         if start % p or end > len(key):
@@ -387,7 +402,7 @@ class HiRadixCache:
     # ------------------------------------------------------------------ transfers
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
-        n = self._ledger.ack_writes(block)
+        n = self._ledger.ack_writes(_check_flag("block", block))
         hook = self._ledger.storage_hook
         if hook is not None:
             hook.poll()
@@ -395,7 +410,7 @@ class HiRadixCache:
 
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
-        return self._ledger.ack_loads(block)
+        return self._ledger.ack_loads(_check_flag("block", block))
 
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step)."""
@@ -447,8 +462,12 @@ class HiRadixCache:
 
         Returns the request (its ``device_pages`` = the cached prefix, owned by the tree) and
         the load-back in flight, if any. ``priority`` is kept in the request for its inserts.
+        Every argument is validated before the match changes anything (access times, counters).
         """
-        return self._requests.begin(as_radix_key(key), mem_quota, load_back, _check_priority(priority))
+        key = as_radix_key(key)
+        if mem_quota is not None:
+            mem_quota = check_int("mem_quota", mem_quota, 0)
+        return self._requests.begin(key, mem_quota, _check_flag("load_back", load_back), _check_priority(priority))
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.
@@ -456,7 +475,7 @@ class HiRadixCache:
         Duplicate pages are freed and replaced in ``req.device_pages`` by the tree's; the lock
         moves to the new deepest node. A trailing partial page stays with the request.
         """
-        self._requests.unfinished(self._requests.check(req), chunked)
+        self._requests.unfinished(self._requests.check(req), _check_flag("chunked", chunked))
 
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
@@ -523,6 +542,8 @@ class HiRadixCache:
         """
         from .invariants import collect_violations
 
+        if external_device_pages is not None:
+            external_device_pages = check_int("external_device_pages", external_device_pages, 0)
         errors = collect_violations(self.debug_view(), external_device_pages)
         if errors:
             raise CacheInvariantError(f"{len(errors)} cache invariant violation(s):\n  " + "\n  ".join(errors))

@@ -66,12 +66,23 @@ class RequestHelpers:
             raise TypeError(f"req: expected a CacheRequest, got {type(req).__name__}")
         if req.page_size != self.page_size:
             raise ValueError(f"req: page_size {req.page_size} != cache page_size {self.page_size}")
+        if not isinstance(req.key, RadixKey):
+            raise TypeError(f"req.key: expected a RadixKey, got {type(req.key).__name__}")
+        pages = req.device_pages
+        if not isinstance(pages, np.ndarray) or pages.ndim != 1 or pages.dtype.kind not in "iu":
+            raise TypeError(f"req.device_pages: expected a 1-D integer array of device page ids, got "
+                            f"{type(pages).__name__}{'' if not isinstance(pages, np.ndarray) else f' {pages.dtype}{pages.shape}'}")
         want = -(-len(req.key) // self.page_size)
-        if req.device_pages.shape[0] != want:
-            raise ValueError(f"req: {len(req.key)} tokens need {want} device pages, it holds "
-                             f"{req.device_pages.shape[0]}")
+        if pages.shape[0] != want:
+            raise ValueError(f"req: {len(req.key)} tokens need {want} device pages, it holds {pages.shape[0]}")
         if isinstance(req.priority, bool) or not isinstance(req.priority, (int, np.integer)):
             raise TypeError(f"req.priority: expected an int, got {type(req.priority).__name__}")
+        cached = req.cached_pages
+        if isinstance(cached, bool) or not isinstance(cached, (int, np.integer)):
+            raise TypeError(f"req.cached_pages: expected an int, got {type(cached).__name__}")
+        if not 0 <= cached <= len(req.key) // self.page_size:
+            raise ValueError(f"req.cached_pages: expected an int in [0, {len(req.key) // self.page_size}] (the "
+                             f"request's whole pages), got {cached}")
         if req.last_node is not None:
             self.tree.check_node(req.last_node, "req.last_node")
             if not self.callers.holds(req.last_node):
@@ -108,9 +119,9 @@ class RequestHelpers:
         n_dev = self.res.device_allocator.num_pages
         path, _qb, depth = self.request_path(req, key.token_bytes, aligned * p)
         if path is None:
-            pages = check_page_ids(req.device_pages[:aligned], n_dev, "device_pages", unique=False)
+            pages = check_page_ids(req.device_pages[:aligned], n_dev, "req.device_pages", unique=False)
             return self.inserter.insert(key, pages, chunked, priority=req.priority) + (0,)
-        pages = check_page_ids(req.device_pages[req.cached_pages:aligned], n_dev, "device_pages", unique=False)
+        pages = check_page_ids(req.device_pages[req.cached_pages:aligned], n_dev, "req.device_pages", unique=False)
         return self.inserter.insert(key, pages, chunked, path, depth, req.priority) + (req.cached_pages,)
 
     def unfinished(self, req: CacheRequest, chunked: bool) -> None:
@@ -142,6 +153,9 @@ class RequestHelpers:
         tail = req.device_pages[aligned:]
         res = self.res
         if tail.size:
+            n_dev = res.device_allocator.num_pages
+            if tail.min() < 0 or tail.max() >= n_dev:  # before indexing the bitmaps with them
+                raise ValueError(f"req.device_pages: tail page ids out of range [0, {n_dev}): {tail.tolist()}")
             bad = tail[res.dev_owned[tail] | ~res.device_allocator.is_allocated(tail)]
             if bad.size:
                 raise ValueError(f"req.device_pages: tail pages {bad.tolist()} are not the request's to free")

@@ -86,6 +86,17 @@ class ComponentRegistry:
         if device_allocator.num_pages != engine.device_num_pages:
             raise ValueError(f"device_allocator: {device_allocator.num_pages} pages, but the engine's device pool "
                              f"has {engine.device_num_pages}")
+        host_pool = getattr(engine, "host_pool", None)
+        if device_allocator is getattr(host_pool, "allocator", None):
+            raise ValueError("device_allocator: this is the engine's host pool's allocator; pass the device pool's")
+        own = getattr(getattr(engine, "device_pool", None), "allocator", None)
+        if isinstance(own, PageAllocator) and own is not device_allocator:
+            raise ValueError(f"device_allocator: expected the engine's device pool's allocator ({own!r}), got "
+                             f"another one ({device_allocator!r})")
+        if sidecars is not None and not isinstance(sidecars, Mapping):
+            raise TypeError(f"sidecars: expected a mapping of name -> KVTransferEngine, got {type(sidecars).__name__}")
+        if isinstance(plugins, (str, bytes, Mapping)) or not isinstance(plugins, (tuple, list)):
+            raise TypeError(f"components: expected a list or tuple of KVComponent, got {type(plugins).__name__}")
         sidecars = dict(sidecars or {})
         if FULL in sidecars:
             raise ValueError(f"sidecars: the name {FULL!r} is reserved for the target KV")
