@@ -130,7 +130,20 @@ def encode_namespace(salt: str, namespace: tuple) -> str:
 DEFAULT_NAMESPACE = (None, None)
 
 
-@dataclass(frozen=True, eq=False)
+_I64 = np.dtype(TOKEN_DTYPE)
+_MAX = np.maximum.reduce
+
+
+def _fast_token_ids(tokens: object, name: str) -> np.ndarray:
+    """``as_token_ids`` with the common case (a native 1-D int64 array in range) checked in
+    one reduction and no further calls; anything else takes the full path (convert or raise)."""
+    if type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.ndim == 1 and (
+            not tokens.shape[0] or _MAX(tokens.view(_U64)) < TOKEN_LIMIT):
+        return tokens
+    return as_token_ids(tokens, name)
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class RadixKey:
     """Token ids (int64 in ``[0, 2**32)``, read-only) plus the namespace they live in.
 
@@ -146,14 +159,17 @@ class RadixKey:
     token_bytes: bytes = field(init=False, repr=False)  # the ids' native int64 bytes
     namespace: tuple = field(init=False, repr=False)  # canonical (extra_key, cache_salt)
 
-    def __post_init__(self) -> None:
-        data = as_token_ids(self.token_ids).tobytes()  # the one copy of the tokens
-        extra, salt = self.extra_key, self.cache_salt
-        ns = DEFAULT_NAMESPACE if extra is None and salt is None else (
-            canonical_namespace_value(extra, "extra_key"), canonical_namespace_value(salt, "cache_salt"))
-        object.__setattr__(self, "token_bytes", data)
-        object.__setattr__(self, "token_ids", np.frombuffer(data, TOKEN_DTYPE))
-        object.__setattr__(self, "namespace", ns)
+    def __init__(self, token_ids: object, extra_key: Hashable = None, cache_salt: Hashable = None) -> None:
+        # Written straight into __dict__ (frozen: no __setattr__), once; keys are built per request.
+        data = _fast_token_ids(token_ids, "token_ids").tobytes()  # the one copy of the tokens
+        ns = DEFAULT_NAMESPACE if extra_key is None and cache_salt is None else (
+            canonical_namespace_value(extra_key, "extra_key"), canonical_namespace_value(cache_salt, "cache_salt"))
+        d = self.__dict__
+        d["token_ids"] = np.frombuffer(data, TOKEN_DTYPE)
+        d["extra_key"] = extra_key
+        d["cache_salt"] = cache_salt
+        d["token_bytes"] = data
+        d["namespace"] = ns
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -167,11 +183,13 @@ def as_radix_key(key: object, name: str = "key") -> RadixKey:
     """Accept a RadixKey or a bare token sequence (default namespace)."""
     if isinstance(key, RadixKey):
         return key
-    data = as_token_ids(key, name).tobytes()  # checked once, here, under the caller's name
+    data = _fast_token_ids(key, name).tobytes()  # checked once, here, under the caller's name
     out = object.__new__(RadixKey)
-    for attr, value in (("token_ids", np.frombuffer(data, TOKEN_DTYPE)), ("extra_key", None), ("cache_salt", None),
-                        ("token_bytes", data), ("namespace", DEFAULT_NAMESPACE)):
-        object.__setattr__(out, attr, value)
+    d = out.__dict__
+    d["token_ids"] = np.frombuffer(data, TOKEN_DTYPE)
+    d["extra_key"] = d["cache_salt"] = None
+    d["token_bytes"] = data
+    d["namespace"] = DEFAULT_NAMESPACE
     return out
 
 

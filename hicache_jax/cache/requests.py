@@ -62,31 +62,37 @@ class RequestHelpers:
         return req, lb
 
     def check(self, req: object) -> CacheRequest:
+        """``req`` as a well-formed request of this cache; TypeError/ValueError naming the bad
+        field otherwise (cheap: it runs on every request helper call)."""
         if not isinstance(req, CacheRequest):
             raise TypeError(f"req: expected a CacheRequest, got {type(req).__name__}")
-        if req.page_size != self.page_size:
-            raise ValueError(f"req: page_size {req.page_size} != cache page_size {self.page_size}")
-        if not isinstance(req.key, RadixKey):
-            raise TypeError(f"req.key: expected a RadixKey, got {type(req.key).__name__}")
+        p = self.page_size
+        if req.page_size != p:
+            raise ValueError(f"req: page_size {req.page_size} != cache page_size {p}")
+        key = req.key
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"req.key: expected a RadixKey, got {type(key).__name__}")
         pages = req.device_pages
-        if not isinstance(pages, np.ndarray) or pages.ndim != 1 or pages.dtype.kind not in "iu":
+        if type(pages) is not np.ndarray or pages.ndim != 1 or pages.dtype.kind not in "iu":
+            shape = f" {pages.dtype}{pages.shape}" if isinstance(pages, np.ndarray) else ""
             raise TypeError(f"req.device_pages: expected a 1-D integer array of device page ids, got "
-                            f"{type(pages).__name__}{'' if not isinstance(pages, np.ndarray) else f' {pages.dtype}{pages.shape}'}")
-        want = -(-len(req.key) // self.page_size)
-        if pages.shape[0] != want:
-            raise ValueError(f"req: {len(req.key)} tokens need {want} device pages, it holds {pages.shape[0]}")
-        if isinstance(req.priority, bool) or not isinstance(req.priority, (int, np.integer)):
-            raise TypeError(f"req.priority: expected an int, got {type(req.priority).__name__}")
-        cached = req.cached_pages
-        if isinstance(cached, bool) or not isinstance(cached, (int, np.integer)):
+                            f"{type(pages).__name__}{shape}")
+        n = key.token_ids.shape[0]
+        if pages.shape[0] != -(-n // p):
+            raise ValueError(f"req: {n} tokens need {-(-n // p)} device pages, it holds {pages.shape[0]}")
+        prio, cached = req.priority, req.cached_pages
+        if type(prio) is not int and (isinstance(prio, bool) or not isinstance(prio, np.integer)):
+            raise TypeError(f"req.priority: expected an int, got {type(prio).__name__}")
+        if type(cached) is not int and (isinstance(cached, bool) or not isinstance(cached, np.integer)):
             raise TypeError(f"req.cached_pages: expected an int, got {type(cached).__name__}")
-        if not 0 <= cached <= len(req.key) // self.page_size:
-            raise ValueError(f"req.cached_pages: expected an int in [0, {len(req.key) // self.page_size}] (the "
-                             f"request's whole pages), got {cached}")
-        if req.last_node is not None:
-            self.tree.check_node(req.last_node, "req.last_node")
-            if not self.callers.holds(req.last_node):
-                raise ValueError(f"req.last_node: the request's lock on {req.last_node!r} was released")
+        if cached < 0 or cached > n // p:
+            raise ValueError(f"req.cached_pages: expected an int in [0, {n // p}] (the request's whole pages), "
+                             f"got {cached}")
+        node = req.last_node
+        if node is not None:
+            self.tree.check_node(node, "req.last_node")
+            if not self.callers.holds(node):
+                raise ValueError(f"req.last_node: the request's lock on {node!r} was released")
         return req
 
     def request_path(self, req: CacheRequest, qb: bytes, n: int) -> tuple[list | None, bytes | None, int]:
