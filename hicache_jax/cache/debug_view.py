@@ -1,5 +1,6 @@
-"""A read-only view of one cache's internals, for invariant checks and tests (plus one
-fault-injection call for tests of ``sanity_check``).
+"""A read-only view of one cache's internals, for invariant checks and tests (plus two
+fault-injection calls for tests of ``sanity_check``: ``inject_*``; the eviction indexes have
+their own, ``EvictionIndex.inject_entry``).
 
 Pure numpy, owner thread only, O(1) to make. Everything it returns is a copy or an
 immutable value, except the nodes and eviction indexes themselves, which callers must not
@@ -63,6 +64,14 @@ class CacheDebugView:
         if name not in ("evictable_tokens", "protected_tokens", "host_tokens"):
             raise ValueError(f"name: expected one of the counters, got {name!r}")
         setattr(self._res, name, getattr(self._res, name) + delta)
+
+    def inject_ownership_error(self, tier: str, page: int) -> None:
+        """Fault injection for tests of ``sanity_check``: flip page ``page``'s bit in the
+        ``tier`` (``"device"`` / ``"host"``) ownership bitmap, nothing else."""
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
+        owned = self._res.dev_owned if tier == "device" else self._res.host_owned
+        owned[page] = not owned[page]
 
     @property
     def device_owned(self) -> np.ndarray:

@@ -124,6 +124,11 @@ class EvictionIndex:
         is live while its node is a member and its stamp is the node's (debugging, tests)."""
         return list(self._heap)
 
+    def inject_entry(self, entry: tuple) -> None:
+        """Fault injection for tests of ``check`` / ``sanity_check``: push a raw
+        ``(*key, stamp, node)`` entry onto the lazy heap, bypassing ``push``."""
+        heapq.heappush(self._heap, entry)
+
     def clear(self) -> None:
         for node in self.members:
             node.heap_stamp[self.slot] = 0
