@@ -2,7 +2,8 @@
 
 Imports with numpy alone. The default ``orbax`` backend (the ``orbax`` subpackage,
 ``OrbaxSegmentStorage``) needs the ``jax`` extra (orbax-checkpoint, tensorstore,
-google-crc32c) and is imported only when it is created; ``file`` and ``memory`` need nothing beyond numpy.
+google-crc32c) and is imported only when it is created; ``file`` and ``memory`` need nothing beyond numpy;
+``mooncake`` (a shared Mooncake Store) needs the ``mooncake`` extra, also imported only when created.
 
 Threading contracts are stated per module; in short, every backend's public methods may be
 called from several threads at once, and the orbax backend writes from one writer thread.
@@ -28,6 +29,9 @@ def create_storage(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSp
     if config.backend == "file":
         from .file import FileStorage
         return FileStorage(config, pools, specs)
+    if config.backend == "mooncake":
+        from .mooncake.store import MooncakeStorage
+        return MooncakeStorage(config, pools, specs)
     try:
         from .orbax import OrbaxSegmentStorage
     except ImportError as e:

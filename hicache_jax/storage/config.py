@@ -23,19 +23,46 @@ Threading: immutable; share freely.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from .._checks import check_int
 from ..workers import DEFAULT_WORKER_NICE, check_nice
 
-BACKENDS = ("orbax", "file", "memory")
+BACKENDS = ("orbax", "file", "memory", "mooncake")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 INTEGRITY_MODES = ("full", "sampled", "off")
 READ_PATHS = ("direct", "tensorstore")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # segment_pages=None: a segment holds about this many bytes of a pool's pages, within these bounds.
 AUTO_SEGMENT_BYTES = 64 << 20
 AUTO_SEGMENT_PAGES = (64, 256)
+
+
+def split_host_port(name: str, addr: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 as ``[addr]:port``) -> (host, port); ValueError naming ``name``."""
+    host, sep, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}: expected 'host:port' with a port in [1, 65535], got {addr!r}")
+    return host, int(port)
+
+
+def check_host(name: str, host: str) -> None:
+    """An IP address or a plausible DNS name; ValueError naming ``name``."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or len(host) > 253 or not all(
+            0 < len(l) < 64 and l[0] != "-" and l[-1] != "-" and all(c.isalnum() or c == "-" for c in l)
+            for l in labels):
+        raise ValueError(f"{name}: expected an IP address or a host name, got {host!r}")
 
 
 def _is_num(v: object) -> bool:
@@ -66,7 +93,8 @@ def _choice(name: str, v: object, choices: tuple[str, ...]) -> None:
 class StorageConfig:
     """L3 storage settings.
 
-    backend            ``orbax`` (segment log, default), ``file`` (one file per page) or ``memory``.
+    backend            ``orbax`` (segment log, default), ``file`` (one file per page), ``memory`` or
+                       ``mooncake`` (a Mooncake Store, shared by every engine using the same master).
     path               Store directory; required for ``orbax`` and ``file``.
     capacity_bytes     Bound on stored page bytes; 0 = unbounded. Eviction is oldest-first
                        (whole segments for ``orbax``).
@@ -89,6 +117,19 @@ class StorageConfig:
     write_buffer_bytes orbax: memory of reusable segment buffers kept between saves (pages are packed
                        straight into them; freshly allocated memory costs as much as the disk write on
                        some VMs). 0 = allocate every segment afresh.
+    mooncake_*         The ``mooncake`` backend (a Mooncake Store client, ``hicache_jax.storage.mooncake``):
+                       ``mooncake_master`` the master's RPC ``host:port`` and ``mooncake_metadata`` the
+                       transfer engine's HTTP metadata URL (``http://host:port/metadata``), both required;
+                       ``mooncake_local_hostname`` the address this client's transfer engine announces;
+                       ``mooncake_protocol`` ``tcp`` or ``rdma`` (``mooncake_device``: RDMA devices);
+                       ``mooncake_global_segment_bytes`` the memory this client lends the store (its
+                       pages live there: 0 lends none, for a client of a store other processes hold);
+                       ``mooncake_local_buffer_bytes`` the client's transfer buffer;
+                       ``mooncake_op_timeout_s`` the bound on every store call (exceeded: misses / failed
+                       sets); ``mooncake_connect_timeout_s`` the bound on connecting at construction;
+                       ``mooncake_retry_interval_s`` how long calls miss without touching the store after a
+                       fault before it is probed again. ``capacity_bytes`` must stay 0 (the store's capacity
+                       is the segments its clients lend; Mooncake evicts by itself).
     worker_nice        How much lower than the scheduler's the OS priority of the L3 threads is (the
                        controller's query / IO / backup threads, the segment writer and the read pool;
                        0..19, ``hicache_jax.workers``): storage work uses idle cores and yields to the
@@ -113,6 +154,16 @@ class StorageConfig:
     prefetch_timeout_per_ki_token_s: float = 0.25
     prefetch_timeout_max_s: float | None = None
     worker_nice: int = DEFAULT_WORKER_NICE
+    mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
+    mooncake_local_hostname: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_global_segment_bytes: int = 1 << 30
+    mooncake_local_buffer_bytes: int = 16 << 20
+    mooncake_op_timeout_s: float = 5.0
+    mooncake_connect_timeout_s: float = 10.0
+    mooncake_retry_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
@@ -143,9 +194,47 @@ class StorageConfig:
         _num("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s, 0.0)
         if self.prefetch_timeout_max_s is not None:
             _num("prefetch_timeout_max_s", self.prefetch_timeout_max_s, 0.0, lo_open=True)
+        self._check_mooncake()
         if self.segment_pages is not None and self.max_pending_pages < self.segment_pages:
             raise ValueError(f"max_pending_pages: expected >= segment_pages={self.segment_pages}, "
                              f"got {self.max_pending_pages}")
+
+    def _check_mooncake(self) -> None:
+        for name in ("mooncake_master", "mooncake_metadata"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"{name}: expected a str or None, got {type(v).__name__}")
+        if not isinstance(self.mooncake_local_hostname, str):
+            raise TypeError(f"mooncake_local_hostname: expected a str, got {type(self.mooncake_local_hostname).__name__}")
+        if not isinstance(self.mooncake_device, str):
+            raise TypeError(f"mooncake_device: expected a str, got {type(self.mooncake_device).__name__}")
+        _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
+        _int("mooncake_global_segment_bytes", self.mooncake_global_segment_bytes, 0)
+        _int("mooncake_local_buffer_bytes", self.mooncake_local_buffer_bytes, 1 << 20)
+        _num("mooncake_op_timeout_s", self.mooncake_op_timeout_s, 0.0, lo_open=True, hi=3600.0)
+        _num("mooncake_connect_timeout_s", self.mooncake_connect_timeout_s, 0.0, lo_open=True, hi=3600.0)
+        _num("mooncake_retry_interval_s", self.mooncake_retry_interval_s, 0.0, hi=3600.0)
+        if self.backend != "mooncake":
+            return
+        if not self.mooncake_master:
+            raise ValueError("mooncake_master: backend 'mooncake' needs the master's RPC address 'host:port'")
+        if not self.mooncake_metadata:
+            raise ValueError("mooncake_metadata: backend 'mooncake' needs the HTTP metadata server URL "
+                             "'http://host:port/metadata'")
+        host, port = split_host_port("mooncake_master", self.mooncake_master)
+        check_host("mooncake_master", host)
+        url = urlsplit(self.mooncake_metadata)
+        if url.scheme != "http" or not url.hostname or not url.path:
+            raise ValueError(f"mooncake_metadata: expected 'http://host:port/path', got {self.mooncake_metadata!r}")
+        try:
+            url.port
+        except ValueError:
+            raise ValueError(f"mooncake_metadata: bad port in {self.mooncake_metadata!r}") from None
+        check_host("mooncake_metadata", url.hostname)
+        check_host("mooncake_local_hostname", self.mooncake_local_hostname)
+        if self.capacity_bytes:
+            raise ValueError("capacity_bytes: the 'mooncake' store's capacity is the memory its clients lend "
+                             "(mooncake_global_segment_bytes) and Mooncake evicts by itself; leave it 0")
 
     def segment_pages_for(self, page_bytes: int) -> int:
         """Pages per orbax segment for a pool of ``page_bytes``-byte pages (``segment_pages``

@@ -1,0 +1,21 @@
+"""The ``mooncake`` L3 backend (a Mooncake Store client) and a local master for tests and benchmarks.
+
+``MooncakeStorage`` (``store``) needs the ``mooncake`` extra (``mooncake-transfer-engine-non-cuda``)
+and, on Debian, ``libibverbs1 librdmacm1 libnuma1``; it is imported only when created.
+``MooncakeMaster`` (``server``) starts a master and its HTTP metadata server on free loopback
+ports; ``unavailable_reason()`` says why one cannot run here.
+"""
+
+from __future__ import annotations
+
+from .server import MasterStartError, MooncakeMaster, free_port, unavailable_reason
+
+
+def __getattr__(name: str):
+    if name == "MooncakeStorage":
+        from .store import MooncakeStorage
+        return MooncakeStorage
+    raise AttributeError(name)
+
+
+__all__ = ["MasterStartError", "MooncakeMaster", "MooncakeStorage", "free_port", "unavailable_reason"]

@@ -1,0 +1,383 @@
+"""Start and stop a Mooncake master (and its HTTP metadata server) on free loopback ports.
+
+Used by the tests (a pytest fixture wraps it), the benchmarks and anyone who wants a local
+Mooncake Store without writing a launch script::
+
+    with MooncakeMaster() as m:
+        cfg = StorageConfig(backend="mooncake", mooncake_master=m.rpc_address,
+                            mooncake_metadata=m.metadata_url)
+
+or from a shell (runs until Ctrl-C, or ``--max-lifetime-s``)::
+
+    python -m hicache_jax.storage.mooncake.server
+
+Two processes: the wheel's ``mooncake_master`` binary (RPC and admin/metrics ports bound to
+``host``) and ``_metadata_server.py`` (the transfer engine's HTTP metadata store, bound to
+``host``; the master's built-in one binds every interface, so it is not used). Both stop by
+themselves: the master gets ``PR_SET_PDEATHSIG`` (SIGKILL when the thread that started it
+dies, so start it from a long-lived thread) and the metadata server exits when its parent
+does; ``stop()`` (and the context manager, and an ``atexit`` hook) stop them in the normal
+case. ``kill_master()`` / ``restart_master()`` are for fault tests: the metadata server keeps
+running and the master comes back on the same ports.
+
+``unavailable_reason()`` says why no master can start here (package not installed, Debian
+libraries missing) or None; tests skip with it.
+
+Threading: one ``MooncakeMaster`` belongs to one thread at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+
+__all__ = ["MooncakeMaster", "MasterStartError", "free_port", "master_binary", "unavailable_reason"]
+
+_METADATA_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_metadata_server.py")
+_PR_SET_PDEATHSIG = 1
+_reason_cache: list = []
+_live: "weakref.WeakSet[MooncakeMaster]" = weakref.WeakSet()
+
+
+class MasterStartError(RuntimeError):
+    """The master (or its metadata server) did not come up; the message has its log's tail."""
+
+
+def _mooncake_spec():
+    """The installed ``mooncake`` package's spec, or None (a directory named ``mooncake`` on
+    ``sys.path``, such as ``tests/storage/mooncake``, is a namespace package: not it)."""
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin in (None, "namespace") or not spec.submodule_search_locations:
+        return None
+    return spec
+
+
+def master_binary() -> str | None:
+    """Path of the ``mooncake_master`` binary shipped in the ``mooncake`` wheel, or None."""
+    spec = _mooncake_spec()
+    if spec is None:
+        return None
+    for d in spec.submodule_search_locations:
+        path = os.path.join(d, "mooncake_master")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why a Mooncake master cannot run here (None: it can). Cached per process."""
+    if _reason_cache:
+        return _reason_cache[0]
+    reason = None
+    binary = master_binary()
+    if _mooncake_spec() is None:
+        reason = ("the 'mooncake' extra is not installed in this environment "
+                  "(pip install 'hicache-jax[mooncake]'; wheels: mooncake-transfer-engine-non-cuda)")
+    elif binary is None:
+        reason = "the mooncake package has no mooncake_master binary"
+    else:
+        try:
+            if not os.access(binary, os.X_OK):
+                os.chmod(binary, os.stat(binary).st_mode | 0o111)
+            r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20)
+            if r.returncode != 0:
+                tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit status {r.returncode}"]
+                reason = f"mooncake_master does not run: {tail[0]} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+        except (OSError, subprocess.SubprocessError) as e:
+            reason = f"mooncake_master does not run: {e!r}"
+        if reason is None:
+            try:  # the client library needs the same shared libraries
+                import mooncake.store  # noqa: F401
+            except Exception as e:  # ImportError, OSError from the dynamic loader
+                reason = f"mooncake.store does not import: {e} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+    _reason_cache.append(reason)
+    return reason
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the usual bind-to-0 probe; callers retry on a race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # preexec_fn: runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:
+        pass
+    if os.getppid() == 1:  # the parent died before prctl
+        os._exit(1)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
+
+
+class MooncakeMaster:
+    """A Mooncake master plus HTTP metadata server on ``host`` (loopback by default).
+
+    ``lease_ttl_ms``: how long an object is protected from eviction after a put/get
+    (``--default_kv_lease_ttl``; Mooncake's default is 10000). ``eviction_high_watermark``:
+    fraction of the mounted segments' capacity at which the master evicts. ``client_ttl_s``:
+    how long a client that stopped heart-beating keeps its segments. ``extra_args`` go to the
+    master verbatim. Ports 0 pick free ones. ``start_timeout_s`` bounds each start.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", rpc_port: int = 0, metadata_port: int = 0,
+                 lease_ttl_ms: int = 10000, eviction_high_watermark: float = 0.9, client_ttl_s: int = 10,
+                 extra_args: tuple[str, ...] = (), start_timeout_s: float = 30.0, log_dir: str | None = None,
+                 max_lifetime_s: float = 0.0) -> None:
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host: expected an IP address string, got {host!r}")
+        for name, v in (("rpc_port", rpc_port), ("metadata_port", metadata_port), ("lease_ttl_ms", lease_ttl_ms),
+                        ("client_ttl_s", client_ttl_s)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (name.endswith("port") and v > 65535):
+                raise ValueError(f"{name}: expected a non-negative int{' <= 65535' if name.endswith('port') else ''}, "
+                                 f"got {v!r}")
+        if not (isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1):
+            raise ValueError(f"eviction_high_watermark: expected a number in (0, 1], got {eviction_high_watermark!r}")
+        self.host = host
+        self.rpc_port, self.metadata_port, self.admin_port = rpc_port, metadata_port, 0
+        self.lease_ttl_ms, self.eviction_high_watermark, self.client_ttl_s = lease_ttl_ms, eviction_high_watermark, client_ttl_s
+        self.extra_args = tuple(extra_args)
+        self.start_timeout_s = float(start_timeout_s)
+        self.max_lifetime_s = float(max_lifetime_s)
+        self._own_dir = log_dir is None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="hicache-mooncake-")
+        self.master_log = os.path.join(self.log_dir, "master.log")
+        self._master: subprocess.Popen | None = None
+        self._meta: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    # ---- addresses ---------------------------------------------------------------------------
+    @property
+    def rpc_address(self) -> str:
+        """``host:port`` of the master's RPC service (``master_server_addr`` of a client)."""
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """URL of the HTTP metadata server (``metadata_server`` of a client)."""
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    @property
+    def master_pid(self) -> int | None:
+        p = self._master
+        return p.pid if p is not None and p.poll() is None else None
+
+    def master_alive(self) -> bool:
+        return self._master is not None and self._master.poll() is None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "MooncakeMaster":
+        """Start the metadata server and the master; raises ``MasterStartError`` (with the
+        reason) if either is not listening within ``start_timeout_s``."""
+        reason = unavailable_reason()
+        if reason is not None:
+            raise MasterStartError(reason)
+        with self._lock:
+            _live.add(self)
+            if self._meta is None or self._meta.poll() is not None:
+                self._start_metadata()
+            if not self.master_alive():
+                self._start_master()
+        return self
+
+    def _start_metadata(self) -> None:
+        fixed = self.metadata_port != 0
+        for _ in range(1 if fixed else 3):
+            port = self.metadata_port or free_port(self.host)
+            cmd = [sys.executable, _METADATA_SCRIPT, "--host", self.host, "--port", str(port)]
+            if self.max_lifetime_s > 0:
+                cmd += ["--max-lifetime-s", str(self.max_lifetime_s)]
+            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, preexec_fn=_die_with_parent, close_fds=True)
+            line = self._read_ready(p)
+            if line.startswith("READY"):
+                self._meta, self.metadata_port = p, port
+                p.stdout.close()
+                return
+            p.kill()
+            p.wait()
+            err = line
+        raise MasterStartError(f"metadata server did not start on {self.host}: {err.strip()}")
+
+    def _read_ready(self, p: subprocess.Popen) -> str:
+        out: list[str] = []
+        t = threading.Thread(target=lambda: out.append(p.stdout.readline()), daemon=True)
+        t.start()
+        t.join(self.start_timeout_s)
+        if not out:
+            return "no READY line within the start timeout"
+        if not out[0].startswith("READY"):
+            rest = ""
+            try:
+                rest = p.communicate(timeout=2)[0] or ""
+            except subprocess.TimeoutExpired:
+                pass
+            return out[0] + rest
+        return out[0]
+
+    def _master_cmd(self) -> list[str]:
+        return [master_binary(), f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
+                f"--metrics_host={self.host}", f"--metrics_port={self.admin_port}",
+                "--enable_http_metadata_server=false", "--enable_metric_reporting=false",
+                f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+                f"--eviction_high_watermark_ratio={self.eviction_high_watermark}",
+                f"--client_ttl={self.client_ttl_s}", *self.extra_args]
+
+    def _start_master(self) -> None:
+        fixed = self.rpc_port != 0
+        err = ""
+        for _ in range(1 if fixed else 3):
+            if not fixed:
+                self.rpc_port = free_port(self.host)
+            if not self.admin_port:
+                self.admin_port = free_port(self.host)
+            with open(self.master_log, "ab") as log:
+                p = subprocess.Popen(self._master_cmd(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent, close_fds=True, cwd=self.log_dir)
+            deadline = time.monotonic() + self.start_timeout_s
+            while time.monotonic() < deadline and p.poll() is None:
+                if _listening(self.host, self.rpc_port) and _listening(self.host, self.admin_port):
+                    self._master = p
+                    return
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            err = f"exit status {p.returncode}" if p.returncode is not None else "timed out"
+            err += f"; log tail:\n{_tail(self.master_log)}"
+            if not fixed:
+                self.admin_port = 0
+        raise MasterStartError(f"mooncake_master did not start on {self.host}:{self.rpc_port}: {err}")
+
+    def kill_master(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the master process only (fault tests); the metadata server keeps running."""
+        with self._lock:
+            p, self._master = self._master, None
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def restart_master(self) -> None:
+        """Kill the master (if running) and start a fresh one on the same ports (an empty store)."""
+        self.kill_master()
+        with self._lock:
+            deadline = time.monotonic() + self.start_timeout_s
+            while True:  # the old sockets may linger for a moment
+                try:
+                    self._start_master_fixed()
+                    return
+                except MasterStartError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def _start_master_fixed(self) -> None:
+        saved = self.rpc_port
+        try:
+            self._start_master()
+        finally:
+            self.rpc_port = saved
+
+    def stop(self) -> None:
+        """Stop both processes (idempotent)."""
+        with self._lock:
+            procs = [p for p in (self._master, self._meta) if p is not None]
+            self._master = self._meta = None
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self._own_dir:
+            try:
+                for f in os.listdir(self.log_dir):
+                    os.unlink(os.path.join(self.log_dir, f))
+                os.rmdir(self.log_dir)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"MooncakeMaster(rpc={self.rpc_address}, metadata={self.metadata_url}, alive={self.master_alive()})"
+
+
+@atexit.register
+def _stop_all() -> None:
+    for m in list(_live):
+        try:
+            m.stop()
+        except Exception:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Run a Mooncake master + metadata server on loopback until Ctrl-C.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--rpc-port", type=int, default=0)
+    ap.add_argument("--metadata-port", type=int, default=0)
+    ap.add_argument("--lease-ttl-ms", type=int, default=10000)
+    ap.add_argument("--max-lifetime-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
+    args = ap.parse_args(argv)
+    m = MooncakeMaster(host=args.host, rpc_port=args.rpc_port, metadata_port=args.metadata_port,
+                       lease_ttl_ms=args.lease_ttl_ms, max_lifetime_s=args.max_lifetime_s)
+    with m:
+        print(f"mooncake_master={m.rpc_address} mooncake_metadata={m.metadata_url}", flush=True)
+        deadline = time.monotonic() + args.max_lifetime_s if args.max_lifetime_s > 0 else None
+        try:
+            while m.master_alive() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

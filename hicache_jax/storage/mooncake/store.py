@@ -1,0 +1,431 @@
+"""``mooncake`` L3 backend: pages in a Mooncake Store (``mooncake-transfer-engine-non-cuda``).
+
+Every engine whose client talks to the same master shares the pages: a page one process
+stores, another reads. Pages live in the memory the clients lend the store
+(``mooncake_global_segment_bytes`` each; a page lives in one client's segment and goes away
+with it, or when Mooncake evicts it for room once its lease ran out).
+
+Objects: one per page, named ``hcjx1/{pool}/{key hex}`` (the key already carries the
+namespace digest: model, dtype, layout, page size, TP, pool, salt). The value is a 64-byte
+header and then the page bytes (``PageCodec`` order)::
+
+    magic b"HCJXMC01" | algo u8 | 0 u8 | 0 u16 | crc u32 | page_bytes u64 | key 32 bytes | 8 zero bytes
+
+``crc`` is the CRC (``integrity``'s algorithm ``algo``) of ``key || page bytes``. A read is a
+hit only if the value is exactly ``64 + page_bytes`` long (Mooncake refuses a read into a
+buffer of another size), the header matches (magic, size, key) and, per ``config.integrity``,
+the CRC matches; anything else is a miss (counted ``corrupt``), the page is zero-filled and the
+object is removed so that the next write of that key stores it afresh (Mooncake keeps the first
+value put under a key; an overwritten or damaged one would otherwise shadow it).
+
+Zero copy: each pool's host array is registered with the client once; writes are
+``batch_put_from_multi_buffers`` straight from the host pages (one pointer per contiguous run
+of the page: one per component in the page-first layouts, one per component and layer in
+``layer_first``) after the header; reads are ``batch_get_into_multi_buffers`` straight into the
+host pages, verified there. The headers go through a small per-call buffer.
+
+Timeouts and faults: every store call runs on a worker thread and the caller waits at most
+``mooncake_op_timeout_s`` (the client's own RPC timeout, ``MC_RPC_TIMEOUT_MS``, is set to the
+same bound when it is not already set in the environment). A call that fails with an RPC
+error (master gone or hung), or that overruns the bound, is a miss / failed set, and for
+``mooncake_retry_interval_s`` afterwards every call misses without touching the store; then
+the client's health check decides whether it is tried again (the client reconnects to a
+restarted master by itself; a restarted master has lost the pages: misses). Residual risk,
+stated plainly: a read that overruns the bound is abandoned while the client may still be
+running it; if the client's own timeouts failed and the transfer completed later, it would
+write those keys' (verified-at-write) bytes into host pages the caller may have reused. The
+client's RPC timeout is set below the bound so that this needs a client bug.
+
+Construction checks the addresses (``StorageConfig``), then that the master's RPC port and
+the metadata URL answer within ``mooncake_connect_timeout_s``, then ``setup`` (bounded by the
+same timeout): a clear ``ConnectionError`` naming the setting that is wrong, before any page
+is touched.
+
+Threading: public calls may run concurrently (the client is thread-safe); the worker pool
+has ``read_concurrency`` threads; registration bookkeeping is under one lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from typing import Mapping, Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+
+try:  # optional, as in ``integrity``
+    import google_crc32c as _gcrc
+except ImportError:  # pragma: no cover - depends on the environment
+    _gcrc = None
+
+from ...host_layout import HostLayout
+from ...host_pool import HostKVPool
+from ...workers import background_executor
+from .. import integrity
+from ..base import HiCacheStorage, PoolSpec
+from ..config import StorageConfig, split_host_port
+
+log = logging.getLogger("hicache_jax.storage")
+
+MAGIC = b"HCJXMC01"
+_HEADER = struct.Struct("<8sBBHIQ32s8x")
+HEADER_BYTES = _HEADER.size
+assert HEADER_BYTES == 64
+KEY_PREFIX = "hcjx1"
+
+# Mooncake error codes (mooncake-store types.h) the backend tells apart.
+OBJECT_NOT_FOUND = -704
+_RPC_FAIL_MAX = -900  # -900 RPC_FAIL, -901 RPC_TIMEOUT, ...: the master is unreachable
+
+
+class _StoreDown(Exception):
+    """The store is in its retry interval after a fault: the call misses without trying."""
+
+
+def object_name(pool: str, key: bytes) -> str:
+    return f"{KEY_PREFIX}/{pool}/{key.hex()}"
+
+
+def _crc_parts(algo: int, key: bytes, parts: Sequence[np.ndarray]) -> int:
+    """``integrity.checksum(concatenation of parts, algo, key)`` without concatenating."""
+    if algo == integrity.ALGO_CRC32C:
+        crc = integrity.crc32c(b"", key)  # raises ChecksumUnavailable without google-crc32c
+        for p in parts:
+            crc = int(_gcrc.extend(crc, p))
+        return crc
+    if algo == integrity.ALGO_ZLIB_CRC32:
+        crc = zlib.crc32(key)
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        return crc & 0xFFFFFFFF
+    raise integrity.ChecksumUnavailable(f"unknown checksum algorithm id {algo}")
+
+
+def _probe_tcp(name: str, host: str, port: int, timeout: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"{name}: no Mooncake master reachable at {host}:{port} ({e.strerror or e!r}); "
+                              "start one (python -m hicache_jax.storage.mooncake.server) or fix the address") from e
+
+
+def _probe_http(name: str, url: str, timeout: float) -> None:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", f"{u.path}?key=hicache_jax_probe")
+        conn.getresponse().read()  # any HTTP answer (404 for an unknown key) means it serves
+    except (OSError, http.client.HTTPException) as e:
+        raise ConnectionError(f"{name}: no HTTP metadata server answering at {url} ({e!r})") from e
+    finally:
+        conn.close()
+
+
+class _PoolLayout:
+    """Where each page of one host pool lies in memory: contiguous runs, in page-byte order."""
+
+    def __init__(self, pool: HostKVPool) -> None:
+        self.pool = pool
+        self.array = pool.array
+        self.base = pool.array.ctypes.data
+        geom = pool.geom
+        comps = [pool.component_view(c) for c in geom.components]
+        self.layer_first = pool.layout is HostLayout.LAYER_FIRST
+        # Byte offset of component c's page 0 (run 0), the byte stride between pages, and the
+        # runs of one page: (offset from the page's start, size).
+        self.comp_base = [v.ctypes.data - self.base for v in comps]
+        v = comps[0]
+        if self.layer_first:  # (L, pages, ...): one run per layer
+            self.page_stride = v.strides[1]
+            run = v[0, 0].nbytes
+            self.runs = [(ci, layer * v.strides[0], run) for ci in range(len(comps)) for layer in range(v.shape[0])]
+        else:  # (pages, ...): the page is contiguous per component
+            self.page_stride = v.strides[0]
+            self.runs = [(ci, 0, v[0].nbytes) for ci in range(len(comps))]
+        self.sizes = [r[2] for r in self.runs]
+        self.page_bytes = sum(self.sizes)
+
+    def ptrs(self, host_id: int) -> list[int]:
+        b = self.base + host_id * self.page_stride
+        return [b + self.comp_base[ci] + off for ci, off, _ in self.runs]
+
+    def views(self, host_id: int) -> list[np.ndarray]:
+        """The page's runs as uint8 views of the host array (for CRCs and zero-filling)."""
+        flat = self.array.reshape(-1).view(np.uint8)
+        b = host_id * self.page_stride
+        return [flat[b + self.comp_base[ci] + off: b + self.comp_base[ci] + off + size]
+                for ci, off, size in self.runs]
+
+
+class MooncakeStorage(HiCacheStorage):
+    backend_name = "mooncake"
+
+    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
+                 specs: Sequence[PoolSpec] | None = None) -> None:
+        super().__init__(config, pools, specs)
+        if config.backend != "mooncake":
+            raise ValueError(f"config.backend: expected 'mooncake', got {config.backend!r}")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ImportError("the 'mooncake' L3 backend needs the Mooncake Store client "
+                              "(pip install 'hicache-jax[mooncake]', i.e. mooncake-transfer-engine-non-cuda; "
+                              "Debian: apt-get install libibverbs1 librdmacm1 libnuma1)") from e
+        self._timeout = float(config.mooncake_op_timeout_s)
+        self._retry = float(config.mooncake_retry_interval_s)
+        ct = float(config.mooncake_connect_timeout_s)
+        host, port = split_host_port("mooncake_master", config.mooncake_master)
+        _probe_tcp("mooncake_master", host, port, ct)
+        _probe_http("mooncake_metadata", config.mooncake_metadata, ct)
+        # The client reads its RPC timeouts from the environment when it is set up.
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(100, int(self._timeout * 1000 * 0.8))))
+        os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", str(max(100, int(min(ct, self._timeout) * 1000))))
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._registered: dict[int, int] = {}  # address -> bytes registered with the client
+        self._layouts: dict[str, _PoolLayout] = {}
+        self._executor = background_executor("l3-mooncake", config.worker_nice, config.read_concurrency)
+        store = MooncakeDistributedStore()
+        fut = self._executor.submit(store.setup, config.mooncake_local_hostname, config.mooncake_metadata,
+                                    config.mooncake_global_segment_bytes, config.mooncake_local_buffer_bytes,
+                                    config.mooncake_protocol, config.mooncake_device, config.mooncake_master)
+        try:
+            rc = fut.result(timeout=ct)
+        except cf.TimeoutError:
+            self._executor.shutdown(wait=False)
+            raise ConnectionError(f"mooncake_master: client setup against {config.mooncake_master} "
+                                  f"(metadata {config.mooncake_metadata}) did not finish within "
+                                  f"mooncake_connect_timeout_s={ct}") from None
+        except Exception:
+            self._executor.shutdown(wait=False)
+            raise
+        if rc != 0:
+            self._executor.shutdown(wait=False)
+            raise ConnectionError(f"mooncake_master: client setup against {config.mooncake_master} "
+                                  f"(metadata {config.mooncake_metadata}, local hostname "
+                                  f"{config.mooncake_local_hostname!r}, protocol {config.mooncake_protocol}) "
+                                  f"failed with code {rc}")
+        self._store = store
+        try:
+            for name in self.codecs:
+                self._layout(name)
+        except Exception:
+            self._close()
+            raise
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _layout(self, pool: str) -> _PoolLayout:
+        """The pool's layout, registering its host array with the client on first use (tests
+        may swap a codec's pool for another)."""
+        hp = self.codecs[pool].pool
+        lay = self._layouts.get(pool)
+        if lay is not None and lay.pool is hp:
+            return lay
+        lay = _PoolLayout(hp)
+        with self._lock:
+            if self._registered.get(lay.base, 0) < lay.array.nbytes:
+                rc = self._store.register_buffer(lay.base, lay.array.nbytes)
+                if rc != 0:
+                    log.warning("L3 mooncake: register_buffer(%s pool, %d bytes) returned %d; transfers "
+                                "may copy", pool, lay.array.nbytes, rc)
+                else:
+                    self._registered[lay.base] = lay.array.nbytes
+            self._layouts[pool] = lay
+        return lay
+
+    def _call(self, what: str, fn, *args):
+        """Run a client call on a worker within the op timeout; raises on a fault (after
+        starting the retry interval), ``_StoreDown`` inside one."""
+        now = time.monotonic()
+        if now < self._down_until:
+            raise _StoreDown(what)
+        if self._down_until and self._store.health_check() != 0:
+            self._down_until = now + self._retry
+            raise _StoreDown(what)
+        fut = self._executor.submit(fn, *args)
+        try:
+            return fut.result(timeout=self._timeout)
+        except cf.TimeoutError:
+            fut.cancel()
+            self._fault(f"{what} did not finish within mooncake_op_timeout_s={self._timeout}")
+            raise TimeoutError(f"L3 mooncake: {what} timed out") from None
+
+    def _fault(self, why: str) -> None:
+        log.warning("L3 mooncake: %s; missing for %.1fs", why, self._retry)
+        self._down_until = time.monotonic() + self._retry
+
+    def _rpc_codes(self, what: str, codes: Sequence[int]) -> None:
+        bad = [c for c in codes if c <= _RPC_FAIL_MAX]
+        if bad:
+            self._fault(f"{what}: master unreachable (code {bad[0]})")
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _contains(self, pool: str, keys: list[bytes]) -> list[bool]:
+        names = [object_name(pool, k) for k in keys]
+        try:
+            codes = list(self._call("batch_is_exist", self._store.batch_is_exist, names))
+        except _StoreDown:
+            return [False] * len(keys)
+        if len(codes) != len(keys):
+            raise RuntimeError(f"batch_is_exist returned {len(codes)} results for {len(keys)} keys")
+        if any(c < 0 for c in codes):
+            self.metrics.add(read_errors=1)
+            self._rpc_codes("batch_is_exist", codes)
+        return [c == 1 for c in codes]
+
+    def _check(self, pool: str, key: bytes, head: np.ndarray, parts: Sequence[np.ndarray], pb: int) -> bool:
+        """Whether a value read as ``head`` + ``parts`` is this key's page; counts what it checks."""
+        magic, algo, _, _, crc, nbytes, fkey = _HEADER.unpack(head.tobytes())
+        if magic != MAGIC or nbytes != pb or fkey != key:
+            log.warning("L3 mooncake: bad header for %s/%s (magic=%r, size=%d want %d, key match=%s)",
+                        pool, key.hex(), magic, nbytes, pb, fkey == key)
+            return False
+        mode = self.config.integrity
+        if mode == "full" or (mode == "sampled" and integrity.sample_hit(self.config.integrity_sample_rate)):
+            try:
+                ok = _crc_parts(algo, key, parts) == crc
+            except integrity.ChecksumUnavailable as e:
+                log.warning("L3 mooncake: cannot verify %s/%s: %s", pool, key.hex(), e)
+                self.metrics.add(read_errors=1)
+                return False
+            self.metrics.add(verified=1)
+            if not ok:
+                log.warning("L3 mooncake: CRC mismatch for %s/%s", pool, key.hex())
+                return False
+        return True
+
+    def _drop_bad(self, pool: str, names: list[str]) -> None:
+        """Count and remove objects that failed a check (so a later write stores the page afresh)."""
+        self.metrics.add(corrupt=len(names))
+        try:
+            codes = self._call("batch_remove", self._store.batch_remove, names, True)
+            self.metrics.add(quarantined=sum(1 for c in codes if c == 0))
+        except Exception as e:  # it stays a miss for every read until removed or evicted
+            log.warning("L3 mooncake: removing %d bad objects failed: %r", len(names), e)
+
+    def _get(self, pool: str, keys: list[bytes], bufs: list[list[np.ndarray]], ptrs: list[list[int]],
+             sizes: list[list[int]]) -> list[bool]:
+        """Read each key's value into its buffers (header first) and check it."""
+        names = [object_name(pool, k) for k in keys]
+        pb = self.codecs[pool].page_bytes
+        try:
+            codes = list(self._call("batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
+                                    names, ptrs, sizes))
+        except _StoreDown:
+            return [False] * len(keys)
+        if len(codes) != len(keys):
+            raise RuntimeError(f"batch_get_into_multi_buffers returned {len(codes)} results for {len(keys)} keys")
+        ok, bad = [False] * len(keys), []
+        errors = False
+        for i, c in enumerate(codes):
+            if c == HEADER_BYTES + pb:
+                ok[i] = self._check(pool, keys[i], bufs[i][0], bufs[i][1:], pb)
+                if not ok[i]:
+                    bad.append(names[i])
+            elif c == OBJECT_NOT_FOUND:
+                continue
+            elif c >= 0 or c in (-600, -800):  # a value of another size (-600: too big for the buffer)
+                log.warning("L3 mooncake: %s has the wrong size (code %d, want %d bytes)", names[i], c, HEADER_BYTES + pb)
+                bad.append(names[i])
+            else:
+                errors = True
+            if not ok[i]:
+                for b in bufs[i][1:]:  # a page not loaded keeps no bytes that failed a check
+                    b.fill(0)
+        if errors:
+            self.metrics.add(read_errors=1)
+            self._rpc_codes("batch_get_into_multi_buffers", codes)
+        if bad:
+            self._drop_bad(pool, bad)
+        return ok
+
+    def _read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], loaded: list[bool]) -> int:
+        lay = self._layout(pool)
+        heads = np.zeros((len(keys), HEADER_BYTES), np.uint8)
+        hp = heads.ctypes.data
+        bufs = [[heads[i]] + lay.views(int(h)) for i, h in enumerate(ids)]
+        ptrs = [[hp + i * HEADER_BYTES] + lay.ptrs(int(h)) for i, h in enumerate(ids)]
+        sizes = [[HEADER_BYTES] + lay.sizes] * len(keys)
+        for i, o in enumerate(self._get(pool, keys, bufs, ptrs, sizes)):
+            loaded[i] = o
+        return 0  # _check counts the pages it verified
+
+    def _reads_in_place(self) -> bool:
+        return True
+
+    def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        pb = self.codecs[pool].page_bytes
+        vals = np.empty((len(keys), HEADER_BYTES + pb), np.uint8)
+        vp, row = vals.ctypes.data, HEADER_BYTES + pb
+        bufs = [[vals[i, :HEADER_BYTES], vals[i, HEADER_BYTES:]] for i in range(len(keys))]
+        ptrs = [[vp + i * row, vp + i * row + HEADER_BYTES] for i in range(len(keys))]
+        ok = self._get(pool, keys, bufs, ptrs, [[HEADER_BYTES, pb]] * len(keys))
+        return [vals[i, HEADER_BYTES:] if o else None for i, o in enumerate(ok)]
+
+    def _put(self, pool: str, keys: list[bytes], parts: list[list[np.ndarray]], ptrs: list[list[int]],
+             sizes: list[int]) -> list[bool]:
+        t0 = time.perf_counter()
+        algo = integrity.DEFAULT_ALGO
+        pb = self.codecs[pool].page_bytes
+        heads = np.empty((len(keys), HEADER_BYTES), np.uint8)
+        for i, k in enumerate(keys):
+            heads[i] = np.frombuffer(_HEADER.pack(MAGIC, algo, 0, 0, _crc_parts(algo, k, parts[i]), pb, k), np.uint8)
+        hp = heads.ctypes.data
+        names = [object_name(pool, k) for k in keys]
+        all_ptrs = [[hp + i * HEADER_BYTES] + ptrs[i] for i in range(len(keys))]
+        all_sizes = [[HEADER_BYTES] + sizes] * len(keys)
+        try:
+            codes = list(self._call("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
+                                    names, all_ptrs, all_sizes))
+        except _StoreDown:
+            self.metrics.add(pages_dropped=len(keys))
+            return [False] * len(keys)
+        if len(codes) != len(keys):
+            raise RuntimeError(f"batch_put_from_multi_buffers returned {len(codes)} results for {len(keys)} keys")
+        ok = [c == 0 for c in codes]
+        n = sum(ok)
+        if n < len(keys):
+            log.warning("L3 mooncake: %d of %d puts failed (first code %d)", len(keys) - n, len(keys),
+                        next(c for c in codes if c != 0))
+            self.metrics.add(write_errors=1, pages_dropped=len(keys) - n)
+            self._rpc_codes("batch_put_from_multi_buffers", codes)
+        self.metrics.add(pages_written=n, bytes_written=n * pb, write_seconds=time.perf_counter() - t0)
+        return ok
+
+    def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
+        pages = np.ascontiguousarray(pages)
+        base, row = pages.ctypes.data, pages.strides[0]
+        return self._put(pool, keys, [[pages[i]] for i in range(len(keys))],
+                         [[base + i * row] for i in range(len(keys))], [pages.shape[1]])
+
+    def _write_from_host(self, pool: str, keys: list[bytes], ids: np.ndarray) -> list[bool]:
+        lay = self._layout(pool)
+        return self._put(pool, keys, [lay.views(int(h)) for h in ids], [lay.ptrs(int(h)) for h in ids], lay.sizes)
+
+    def _close(self) -> None:
+        store = getattr(self, "_store", None)
+        self._store = None
+        ex = getattr(self, "_executor", None)
+        if ex is not None:
+            ex.shutdown(wait=False, cancel_futures=True)
+        if store is None:
+            return
+        for addr in list(self._registered):
+            try:
+                store.unregister_buffer(addr)
+            except Exception:
+                pass
+        self._registered.clear()
+        try:
+            store.close()
+        except Exception as e:
+            log.warning("L3 mooncake: close failed: %r", e)
