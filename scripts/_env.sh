@@ -43,5 +43,25 @@ _ensure_venv() {  # $1 = dir, $2 = python version, rest = pip install arguments
   echo "$want" > "$dir/.hicache-stamp"
 }
 
-ensure_jax_env() { _ensure_venv .venv 3.12 -e ".[jax,dev,bench]"; }
+# The Debian libraries the mooncake wheel links against (libibverbs, librdmacm, libnuma).
+# Installed when missing and we are root; otherwise (or if apt fails) the Mooncake tests
+# skip and say why. Never fails the caller.
+ensure_mooncake_libs() {
+  local missing=() lib
+  command -v ldconfig >/dev/null 2>&1 || return 0
+  for lib in libibverbs.so.1:libibverbs1 librdmacm.so.1:librdmacm1 libnuma.so.1:libnuma1; do
+    ldconfig -p 2>/dev/null | grep -q "${lib%%:*} " || missing+=("${lib##*:}")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo ">> note: ${missing[*]} missing and not root (or no apt-get): the Mooncake tests will skip" >&2
+    return 0
+  fi
+  echo ">> installing ${missing[*]} (for the mooncake L3 backend) ..." >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } \
+    >/dev/null 2>&1 || echo ">> note: apt-get install ${missing[*]} failed: the Mooncake tests will skip" >&2
+  return 0
+}
+
+ensure_jax_env() { ensure_mooncake_libs; _ensure_venv .venv 3.12 -e ".[jax,dev,bench,mooncake]"; }
 ensure_torch_env() { _ensure_venv .venv-torch 3.11 "torch==2.13.0" -e ".[dev]"; }
