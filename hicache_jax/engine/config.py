@@ -12,6 +12,11 @@ from ..host_layout import HostLayout
 from ..host_pool import HostPoolConfig
 
 
+# The page-copy implementations ``pallas_kernels.page_copy`` accepts (its ``PageCopyConfig``;
+# checked here without importing JAX, and against the dispatcher in tests/jax_backend).
+COPY_IMPLS = ("auto", "xla", "tpu", "gpu", "mgpu", "kernel", "direct")
+
+
 @dataclass(frozen=True)
 class EngineCacheConfig:
     """How the engine caches KV.
@@ -49,6 +54,8 @@ class EngineCacheConfig:
         check_int("max_batch", self.max_batch, 1)
         check_int("prefill_chunk", self.prefill_chunk, 1)
         check_int("max_context", self.max_context, 2)
+        if self.copy_impl not in COPY_IMPLS:
+            raise ValueError(f"copy_impl: expected one of {list(COPY_IMPLS)}, got {self.copy_impl!r}")
         if not isinstance(self.host, HostPoolConfig):
             raise TypeError(f"host: expected a HostPoolConfig, got {type(self.host).__name__}")
         if self.storage is not None and not isinstance(self.storage, StorageConfig):

@@ -80,6 +80,27 @@ class OutOfDeviceMemory(RuntimeError):
     """A request cannot fit in the device pool even with everything evictable evicted."""
 
 
+# The latest arrival ``generate`` accepts (seconds after the call): the engine sleeps until
+# then, so an offset far in the future (or infinite) would hang the call.
+MAX_ARRIVAL_S = 24 * 3600.0
+
+
+def _check_arrivals(arrivals: object, n: int) -> list[float]:
+    if isinstance(arrivals, (str, bytes)) or not isinstance(arrivals, (list, tuple, np.ndarray)):
+        raise TypeError(f"arrivals: expected a list of seconds, got {type(arrivals).__name__}")
+    out = []
+    for a in arrivals:
+        if isinstance(a, bool) or not isinstance(a, (int, float, np.integer, np.floating)):
+            raise TypeError(f"arrivals: expected numbers (seconds), got {type(a).__name__} {a!r}")
+        a = float(a)
+        if not 0 <= a <= MAX_ARRIVAL_S:  # False for NaN too
+            raise ValueError(f"arrivals: each offset must be finite, in [0, {MAX_ARRIVAL_S:g}] seconds, got {a!r}")
+        out.append(a)
+    if len(out) != n:
+        raise ValueError(f"arrivals: expected one offset per prompt ({n}), got {len(out)}")
+    return out
+
+
 class Engine:
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None) -> None:
         if not isinstance(model_config, ModelConfig):
@@ -120,15 +141,22 @@ class Engine:
         inserted) - the baseline. ``arrivals``: per prompt, seconds after the call at which
         the request arrives (it is not admitted earlier; TTFT and latency count from it).
         """
+        # Everything is validated before anything runs: a bad prompt fails the call before any
+        # match touches the tree and before any other prompt is served (no lost results).
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(use_cache, bool):
+            raise TypeError(f"use_cache: expected a bool, got {type(use_cache).__name__}")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
         if arrivals is not None:
-            arrivals = [float(a) for a in arrivals]
-            if len(arrivals) != len(prompts) or any(not a >= 0 for a in arrivals):
-                raise ValueError("arrivals: expected one offset >= 0 (seconds) per prompt")
+            arrivals = _check_arrivals(arrivals, len(prompts))
         seqs = []
         now = time.perf_counter()
+        device_pages = self.cache_config.device_pages
         for i, p in enumerate(prompts):
+            if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple, np.ndarray)):
+                raise TypeError(f"prompts[{i}]: expected a list of int token ids, got {type(p).__name__}")
             arr = np.asarray(p)
             if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
                 raise ValueError(f"prompts[{i}]: expected a non-empty list of int token ids")
@@ -137,6 +165,10 @@ class Engine:
             if arr.size + max_new_tokens > self.cache_config.max_context:
                 raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new exceed max_context "
                                  f"{self.cache_config.max_context}")
+            need = self._pages_for(arr.size + max_new_tokens - 1)
+            if need > device_pages:
+                raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new need {need} device pages, "
+                                 f"the pool has {device_pages}")
             seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0)))
         waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
         removed_seen = -1
@@ -189,9 +221,13 @@ class Engine:
 
     def evict_host_cache(self) -> int:
         """Evict the device tier, then every unlocked host page (after L3 writes finished), so
-        the next requests can only hit storage. Returns host tokens evicted."""
+        the next requests can only hit storage. Returns host tokens evicted.
+
+        The device eviction can itself back nodes up (write_back), and their L3 writes pin the
+        host copies until stored: so the flush comes between the two evictions too."""
         self.flush()
         self.cache.evict(self.cache.evictable_tokens)
+        self.flush()
         return self.cache.evict_host(self.cache.host_tokens)
 
     def stats(self) -> dict:
