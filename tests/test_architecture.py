@@ -29,6 +29,9 @@ ALLOWED_FOREIGN = {
     # benchmarks/upstream_tree_replay.py: upstream sglang's host pool pins memory with CUDA at
     # import; the CPU baseline replaces that hook (it is upstream's module, not ours).
     "_cuda_host_register",
+    # os._exit: the standard library's documented immediate exit (a child process ending
+    # without running the parent's cleanup), private in name only.
+    "_exit",
 }
 
 

@@ -104,7 +104,6 @@ Coupling: the controller uses only the cache's public L3 surface (``backed_up_pr
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -116,7 +115,7 @@ import numpy as np
 from ..cache.components import FULL
 from ..cache.hiradix_cache import HiRadixCache
 from ..cache.locks import LockReceipt
-from ..cache.radix_key import RadixKey, as_radix_key
+from ..cache.radix_key import RadixKey, as_radix_key, encode_namespace
 from ..cache.tree_node import TreeNode
 from ..storage import HiCacheStorage, Namespace, PoolSpec, PoolTransfer, StorageConfig, create_storage, page_keys
 from ..workers import background_executor
@@ -126,35 +125,6 @@ log = logging.getLogger("hicache_jax.cache.storage")
 TARGET_POOL = "target"
 _NEW, _INFLIGHT, _STORED = 0, 1, 2
 _EMPTY = np.zeros(0, np.int64)
-
-
-def encode_namespace(salt: str, namespace: tuple) -> str:
-    """Canonical, process-stable string for the key namespace's ``extra_key`` field.
-
-    ``""`` for no salt and the default tree namespace; otherwise typed JSON, so ``1``, ``"1"``
-    and ``b"1"`` differ. Raises TypeError for values without a stable encoding.
-    """
-
-    def enc(v: object) -> object:
-        if v is None:
-            return None
-        if isinstance(v, bool):
-            return {"b": v}
-        if isinstance(v, (int, np.integer)):
-            return {"i": int(v)}
-        if isinstance(v, float):
-            return {"f": repr(v)}
-        if isinstance(v, str):
-            return {"s": v}
-        if isinstance(v, (bytes, bytearray)):
-            return {"x": bytes(v).hex()}
-        if isinstance(v, tuple):
-            return {"t": [enc(x) for x in v]}
-        raise TypeError(f"namespace value of type {type(v).__name__} has no stable encoding for L3 keys")
-
-    if not salt and all(x is None for x in namespace):
-        return ""
-    return json.dumps([salt, [enc(x) for x in namespace]], sort_keys=True, separators=(",", ":"))
 
 
 class _Entry:

@@ -562,18 +562,18 @@ def test_kv_dtype_isolation(backend_factory, tmp_path):
         c.close()
 
 
-def test_unsupported_namespace_values_skip_storage(backend_factory):
+def test_unsupported_namespace_values_are_refused_in_every_tier(backend_factory):
+    """Tenant identity is one typed rule in every tier (issue 21, point 4): a namespace value
+    without a stable encoding used to live in L1/L2 and silently skip L3; now no key can be
+    built with it, so no tier ever holds it."""
     cache, be, ctl = setup(backend_factory)
 
     class Opaque:
         pass
 
-    key = seq(0, 12, extra_key=Opaque())
-    prefill_insert(cache, KVOracle(be), key)
-    cache.flush()
-    ctl.flush()
-    assert cache.metrics.storage_backup_tokens == 0
-    assert ctl.prefetch(key).status == "skipped"
+    with pytest.raises(TypeError, match="extra_key"):
+        seq(0, 12, extra_key=Opaque())
+    assert cache.metrics.storage_backup_tokens == 0 and len(cache.all_nodes()) == 1
     cache.sanity_check(0)
     ctl.close()
 
