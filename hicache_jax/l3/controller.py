@@ -38,8 +38,9 @@ Pools and keys
     model id with the KV geometry folded in (kind, layers, heads, width), ``weights_revision``,
     KV dtype, page size, host layout, TP size/rank, pool name, and an ``extra_key`` that
     encodes the controller's ``salt`` and the RadixKey's ``extra_key``/``cache_salt`` (the tree's
-    namespace) canonically. Namespace values must be None, bool, int, float, str, bytes or
-    tuples of those; keys in other namespaces skip L3 (logged once). The controller keeps each
+    namespace) with ``radix_key.encode_namespace``: the tree's own typed identity, so two keys
+    share L3 pages exactly when they share tree nodes (a ``RadixKey`` with a namespace value
+    that has no stable encoding cannot be built). The controller keeps each
     tree node's page digests per pool, so a child chains from its parent's last digest; an
     entry outliving a split is trimmed to the lower part, and nodes without one are hashed.
 
