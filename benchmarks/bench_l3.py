@@ -49,8 +49,9 @@ On tmpfs (``--dir /dev/shm/...``) nothing can be dropped: that run shows softwar
 ``--backend mooncake``: the ``mooncake`` backend against a Mooncake master this process starts
 on loopback (``hicache_jax.storage.mooncake.MooncakeMaster``). Its raw baseline is the Mooncake
 client's own batch API on the same bytes in the same round: ``batch_put_from`` /
-``batch_get_into`` of whole pages from / into a registered buffer, through a second client of
-the same master (its own segment, like the backend's: both are local-segment transfers). The
+``batch_get_into`` of whole pages from / into a registered buffer, through the backend's own
+client (``MooncakeStorage.client``: the same segment, so both are local-segment transfers; a
+second client would get a random share of the objects placed in the other's segment). The
 backend adds a 64-byte header per page, a CRC-32C over the page on write and on read, the
 multi-buffer calls that go straight from / into host pages, and its bounded worker call.
 Per round (order alternating): write every page (fresh keys), then read every page into
@@ -398,7 +399,6 @@ def run(args) -> dict:
 def run_mooncake(args) -> dict:
     from hicache_jax.storage.mooncake import MooncakeMaster
     from hicache_jax.storage.mooncake.store import object_name
-    from mooncake.store import MooncakeDistributedStore
 
     geom = _geometry(args.page_mib)
     n = args.pages
@@ -409,16 +409,14 @@ def run_mooncake(args) -> dict:
     host.array[...] = rng.integers(1, 2**16, host.array.shape, dtype=np.uint16)
     dst = HostKVPool(geom, n, "page_first")
     ns = Namespace.from_geometry(geom, "page_first", model="bench-model", weights_revision="r0")
-    seg = max(256 << 20, 3 * total)  # a round's pages, with room for Mooncake's watermark
+    seg = max(256 << 20, 3 * total)  # a round's pages (backend's and raw), below Mooncake's watermark
     res: dict[str, list[float]] = {}
     load_before = os.getloadavg()
     with MooncakeMaster() as m:
         cfg = StorageConfig(backend="mooncake", mooncake_master=m.rpc_address, mooncake_metadata=m.metadata_url,
                             mooncake_global_segment_bytes=seg, mooncake_op_timeout_s=60.0, read_concurrency=4)
         st = create_storage(cfg, {"target": host})
-        raw = MooncakeDistributedStore()
-        if raw.setup("127.0.0.1", m.metadata_url, seg, 16 << 20, "tcp", "", m.rpc_address) != 0:
-            raise RuntimeError("raw Mooncake client setup failed")
+        raw = st.client
         src_bytes = host.array.reshape(n, -1).view(np.uint8)
         out = np.zeros_like(src_bytes)
         for a in (src_bytes, out):
@@ -480,7 +478,6 @@ def run_mooncake(args) -> dict:
         for r in range(args.rounds):
             one_round(r)
         metrics = st.metrics.snapshot()
-        raw.close()
         st.close()
     load_after = os.getloadavg()
     g = {k: gbps(total, statistics.median(v)) for k, v in res.items()}
@@ -503,7 +500,7 @@ def run_mooncake(args) -> dict:
         "ratios": {op: {"paired": paired(k, ref), "of_medians": g[k] / g[ref]} for op, k, ref in spec},
         "backend_metrics": metrics,
         "note": "raw = the Mooncake client's own batch_put_from / batch_get_into of the same page bytes "
-                "(registered buffers, a second client of the same master) in the same round",
+                "(registered buffers, the backend's own client and segment) in the same round",
     }
 
 

@@ -222,6 +222,12 @@ class MooncakeStorage(HiCacheStorage):
             self._close()
             raise
 
+    @property
+    def client(self):
+        """The underlying ``MooncakeDistributedStore`` (benchmarks use it as their raw baseline:
+        the same client and segment). None once closed."""
+        return self._store
+
     # ---- plumbing ----------------------------------------------------------------------------
     def _layout(self, pool: str) -> _PoolLayout:
         """The pool's layout, registering its host array with the client on first use (tests
