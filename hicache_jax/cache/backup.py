@@ -2,7 +2,8 @@
 
 Pure numpy, owner thread only. ``BackupIssuer.backup(node)`` collects the chain from
 ``node`` up to its first backed-up ancestor (the anchor), allocates host pages for all of it
-(evicting host leaves if needed), issues one copy on every component (``components``) and
+(evicting host leaves if needed; when even that leaves too little room, for the longest
+prefix of the chain that fits), issues one copy on every component (``components``) and
 marks the chain backed up at once, parent first, so backed-up nodes always form a prefix
 from the root. The write policy (``write_policy``) decides when to call it.
 
@@ -43,9 +44,12 @@ class BackupIssuer:
     def backup(self, node: TreeNode, ack_now: bool = True) -> PendingOp | None:
         """Back up ``node`` and its un-backed ancestors, parent first, in one transfer.
 
-        Returns the op to acknowledge later (it holds a device and a host path lock on
-        ``node``), or None: no host room (``backup_failed_tokens``), or, with ``ack_now``,
-        a copy acknowledged when issued (see the module docstring)."""
+        When the host has room (after host eviction) for only part of the chain, the longest
+        prefix of it that fits is backed up and the rest counted in ``backup_failed_tokens``
+        (the caller sees ``node.host_value`` still None). Returns the op to acknowledge later
+        (it holds a device and a host path lock on the deepest node backed up), or None: no
+        host room for even the chain's first node, or, with ``ack_now``, a copy acknowledged
+        when issued (see the module docstring)."""
         res = self.res
         chain = []
         tokens = 0
@@ -71,9 +75,25 @@ class BackupIssuer:
             if guard:
                 self.locks.unguard_host_copy(anchor)  # the refresh below (either way) re-indexes it
         if host_ids is None:
-            res.refresh(anchor)
-            self.metrics.backup_failed_tokens += tokens
-            return None
+            # Not all of it fits: back up the longest prefix of the chain that does, parent
+            # first (upstream backs each node up on its own, so it keeps the ancestors that
+            # fit and skips the rest); host eviction above already freed what it could.
+            room = res.host_allocator.available * self.page_size
+            fit = fit_tokens = 0
+            for c in chain:
+                if fit_tokens + c.size > room:
+                    break
+                fit += 1
+                fit_tokens += c.size
+            self.metrics.backup_failed_tokens += tokens - fit_tokens
+            if not fit:
+                res.refresh(anchor)
+                return None
+            chain = chain[:fit]
+            node = chain[-1]
+            tokens = fit_tokens
+            npages = tokens // self.page_size
+            host_ids = res.host_allocator.alloc(npages)
         dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
         t0 = time.perf_counter()
         ledger = self.ledger

@@ -54,7 +54,7 @@ class WritePolicyDriver:
     def before_evict(self, node: TreeNode) -> None:
         """write_back: back up ``node`` (not backed up) before it leaves the device."""
         op = self.backups.backup(node, ack_now=False)
-        if op is None:
-            self.metrics.dropped_tokens += node.size
-        else:
+        if op is not None:  # maybe only the un-backed ancestors that fit (``backup``)
             self.ledger.finish(op)
+        if node.host_value is None:
+            self.metrics.dropped_tokens += node.size

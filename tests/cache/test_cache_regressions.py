@@ -222,3 +222,60 @@ def test_backup_host_eviction_never_reclaims_its_anchor(backend_factory):
     assert cache.metrics.backup_failed_tokens == 13
     cache.sanity_check(0)
     oracle.check_host(seq(0, 4), a.host_value)
+
+
+# ---------------------------------------------------------------- a backup chain longer than the host's room
+def _long_chain_scenario(backend_factory, **cfg):
+    """B (30) and its answer (20) could not be backed up (the host is full of O's copy, on
+    the device); then O leaves the device (host-only: 64 evictable host tokens) and B +
+    answer + X (25) is inserted: 75 un-backed tokens against 64 of host room."""
+    cache, be = make_cache(backend_factory, device_pages=256, host_pages=64, host_reclaim=False, **cfg)
+    oracle = KVOracle(be)
+    o = prefill_insert(cache, oracle, seq(5000, 64)).last_node
+    cache.flush()
+    assert o.backuped and be.host.allocator.available == 0
+    b = prefill_insert(cache, oracle, seq(0, 30)).last_node
+    ans = prefill_insert(cache, oracle, seq(0, 50)).last_node
+    cache.flush()
+    assert not b.backuped and not ans.backuped and ans.parent is b
+    assert cache.evict(64) == 64 and o.evicted  # O: host-only now, evictable
+    return cache, be, oracle, b, ans
+
+
+def test_backup_chain_longer_than_host_room_backs_up_the_prefix_that_fits(backend_factory):
+    """Issue 21 point 15: upstream backs up B and the answer (parent first) and skips only
+    X; an all-or-nothing chain backup left the host empty with 75 un-backed device tokens."""
+    cache, be, oracle, b, ans = _long_chain_scenario(backend_factory)
+    failed = cache.metrics.backup_failed_tokens
+    x = prefill_insert(cache, oracle, seq(0, 75)).last_node
+    cache.flush()
+    assert x.parent is ans
+    assert b.backuped and ans.backuped and not x.backuped
+    assert cache.metrics.backup_failed_tokens - failed == 25
+    assert cache.host_tokens == 50
+    oracle.check_host(seq(0, 50), node_path_pages(cache, ans, host=True))
+    cache.sanity_check(0)
+    # X is backed up once there is room again (its next hit), under the backed-up answer.
+    cache.evict(10**6)
+    m = cache.match_prefix(seq(0, 75))
+    assert m.host_hit_length == 50
+    cache.sanity_check(0)
+
+
+def test_write_back_eviction_backs_up_the_ancestors_that_fit(backend_factory):
+    """The same under write_back: evicting X (its chain B + answer + X is 75 tokens, the
+    host's room 64) backs up B and the answer and drops only X."""
+    cache, be = make_cache(backend_factory, device_pages=256, host_pages=64, write_policy="write_back")
+    oracle = KVOracle(be)
+    o = prefill_insert(cache, oracle, seq(5000, 64)).last_node
+    b = prefill_insert(cache, oracle, seq(0, 30)).last_node
+    ans = prefill_insert(cache, oracle, seq(0, 50)).last_node
+    x = prefill_insert(cache, oracle, seq(0, 75)).last_node
+    cache.flush()
+    assert cache.evict(64) == 64 and o.evicted and o.backuped  # the host is full of O
+    dropped = cache.metrics.dropped_tokens
+    assert cache.evict(25) == 25 and x.deleted
+    assert b.backuped and ans.backuped and not ans.evicted
+    assert cache.metrics.dropped_tokens - dropped == 25
+    oracle.check_host(seq(0, 50), node_path_pages(cache, ans, host=True))
+    cache.sanity_check(0)
