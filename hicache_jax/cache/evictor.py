@@ -6,7 +6,9 @@ ordered by the configured strategy); this module decides what leaving a tier mea
 * device (``evict``): pop unlocked device leaves. A backed-up leaf is demoted to host-only
   (a host eviction candidate from then on); otherwise it is deleted. Under write_back the
   write policy first backs the leaf up, blocking (``before_evict``, set by
-  ``write_policy``); when the host has no room the leaf is dropped.
+  ``write_policy``); when the host has no room the leaf is dropped. The copies one eviction
+  staged stay off the host index until it ends, so a later backup of the same eviction
+  never evicts them to make room.
 * host (``evict_host``): host-only, host-unlocked leaves are deleted; then (``host_reclaim``)
   the host copies of on-device nodes with no backed-up child are dropped.
 
@@ -63,6 +65,7 @@ class Evictor:
         tree = self.tree
         root = tree.root
         nxt = None  # a parent that just became the next candidate (see below)
+        staged = []  # write_back: nodes this call backed up, guarded until it ends
         while freed < num_tokens:
             if nxt is None:
                 node = dl.pop()
@@ -73,6 +76,12 @@ class Evictor:
             size = node.size
             if node.host_value is None and before_evict is not None:
                 before_evict(node)  # write_back blocks on the copy, as upstream
+                if node.host_value is not None:
+                    # Staged by this eviction: its fresh host copy is no host eviction
+                    # candidate until the eviction ends (a later backup of this same call
+                    # must not evict it to make room; upstream demotes only at the end).
+                    node.host_lock_ref += 1
+                    staged.append(node)
             if hooked:
                 for comp in hooked:
                     comp.on_evict(node, "device")
@@ -109,6 +118,9 @@ class Evictor:
                 else:
                     dm.add(parent)  # inlined device_index.set_member(parent, True)
                     dl.push(parent)
+        for node in staged:  # now host eviction candidates (host-only leaves)
+            node.host_lock_ref -= 1
+            res.refresh(node)
         res.evictable_tokens -= freed  # every evicted node was unlocked: evictable
         m.deleted_device_tokens += deleted
         m.demoted_tokens += demoted

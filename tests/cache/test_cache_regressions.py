@@ -279,3 +279,21 @@ def test_write_back_eviction_backs_up_the_ancestors_that_fit(backend_factory):
     assert cache.metrics.dropped_tokens - dropped == 25
     oracle.check_host(seq(0, 50), node_path_pages(cache, ans, host=True))
     cache.sanity_check(0)
+
+
+# ---------------------------------------------------------------- write_back: one eviction's staged copies
+def test_write_back_eviction_keeps_the_copies_it_staged(backend_factory):
+    """Issue 21 point 16: one eviction backs up X1, then X2 with no host room left; evicting
+    X1's fresh copy to make room for X2 wastes X1's blocking copy. X2 is dropped instead."""
+    cache, be = make_cache(backend_factory, device_pages=64, host_pages=16, write_policy="write_back")
+    oracle = KVOracle(be)
+    x1 = prefill_insert(cache, oracle, seq(0, 16)).last_node
+    x2 = prefill_insert(cache, oracle, seq(100, 16)).last_node
+    cache.flush()
+    assert cache.evict(32) == 32
+    assert x1.evicted and x1.backuped and x2.deleted
+    assert cache.metrics.evicted_host_tokens == 0 and cache.metrics.backup_tokens == 16
+    assert cache.metrics.dropped_tokens == 16
+    assert x1 in cache.host_lru  # a host eviction candidate again once the eviction ended
+    oracle.check_host(seq(0, 16), x1.host_value)
+    cache.sanity_check(0)
