@@ -11,7 +11,6 @@ import pytest
 
 from hicache_jax.cache import RadixKey
 from hicache_jax.engine import Engine, EngineCacheConfig
-from hicache_jax.engine.engine import OutOfDeviceMemory
 from hicache_jax.host_pool import HostPoolConfig
 from hicache_jax.reference_model import ModelConfig
 from hicache_jax.storage.config import StorageConfig
@@ -123,7 +122,7 @@ def test_eviction_under_memory_pressure_keeps_tokens_exact():
 
 def test_prompt_that_cannot_fit_raises_clearly():
     engine = Engine(ModelConfig(num_layers=1, hidden=32, ffn=64), EngineCacheConfig(page_size=4, device_pages=4))
-    with pytest.raises(OutOfDeviceMemory, match="device pages"):
+    with pytest.raises(ValueError, match="device pages"):  # refused up front, before any match
         engine.generate([list(range(40))], 2)
 
 
