@@ -64,9 +64,10 @@ class HiCacheConfig:
       upstream value (1 for write_through, 2 for write_through_selective). Ignored by write_back.
     * ``load_back_threshold``: a host hit shorter than this many tokens is not loaded back
       (recomputing it is cheaper than a transfer); upstream uses 10 for every page size.
-    * ``host_reclaim``: when the host tier is full and no host-only leaf is left, drop the
-      host copy of an on-device node (it stays on device, no longer backed up). Without it a
-      host pool smaller than the device pool starves write-through (sglang #33862).
+    * ``host_reclaim``: when the host tier is full, drop host copies of on-device nodes
+      (they stay on device, no longer backed up), the most recently used first, before
+      host-only leaves (unless those are long off the device; ``evictor.evict_host``). Without
+      it a host pool smaller than the device pool starves write-through (sglang #33862).
     * ``transfer_retries``: a backup or load-back whose copy failed is issued again from its
       source (still locked) this many times when it is acknowledged. If it still fails, the
       cache stops: every call raises ``CacheFailedError`` until ``reset()``, so pages with

@@ -56,6 +56,10 @@ class EvictionIndex:
             entry = (node.last_access, stamp, node)
         elif kind == 2:
             entry = (node.hit_count, node.last_access, stamp, node)
+        elif kind == 3:  # ReversedStrategy: LRU and LFU backwards
+            entry = (-node.last_access, stamp, node)
+        elif kind == 4:
+            entry = (-node.hit_count, -node.last_access, stamp, node)
         else:
             entry = (*self.priority(node), stamp, node)
         heap = self._heap
@@ -97,6 +101,18 @@ class EvictionIndex:
                 return node
         return None
 
+    def peek(self) -> TreeNode | None:
+        """The member ``pop`` would return next, left in place (None when empty); drops the
+        stale entries off the heap's top on the way, as ``pop`` would."""
+        heap, members, slot = self._heap, self.members, self.slot
+        while heap:
+            top = heap[0]
+            node = top[-1]
+            if node in members and node.heap_stamp[slot] == top[-2]:
+                return node
+            heapq.heappop(heap)
+        return None
+
     def precedes(self, node: TreeNode) -> bool:
         """Whether ``node`` (not a member), if it joined now, would be the next ``pop``: its
         priority is below every member's (a tie goes to the member, whose stamp is older).
@@ -117,6 +133,10 @@ class EvictionIndex:
             return node.last_access < top[0]
         if kind == 2:
             return (node.hit_count, node.last_access) < top[:2]
+        if kind == 3:
+            return -node.last_access < top[0]
+        if kind == 4:
+            return (-node.hit_count, -node.last_access) < top[:2]
         return tuple(self.priority(node)) < top[:-2]
 
     def heap_snapshot(self) -> list[tuple]:

@@ -67,6 +67,24 @@ class PriorityStrategy(EvictionStrategy):
         return (node.priority, node.last_access)
 
 
+class ReversedStrategy(EvictionStrategy):
+    """``inner``'s order backwards: the node ``inner`` would evict last leaves first. The
+    host-reclaim index uses it (``residency``): the host copies of the on-device nodes that
+    device eviction demotes last are the least useful ones to keep."""
+
+    def __init__(self, inner: EvictionStrategy) -> None:
+        self.inner = inner
+        self.name = f"reversed_{inner.name}"
+        # 3 / 4: LRU / LFU backwards, built inline by the index like 1 / 2.
+        self.kind = inner.kind + 2 if inner.kind in (1, 2) else 0
+
+    def key(self, node: TreeNode) -> tuple:
+        return tuple(-k for k in self.inner.key(node))
+
+    def __repr__(self) -> str:
+        return f"ReversedStrategy({self.inner!r})"
+
+
 STRATEGIES: dict[EvictionPolicy, type[EvictionStrategy]] = {
     EvictionPolicy.LRU: LRUStrategy,
     EvictionPolicy.LFU: LFUStrategy,

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..allocator import ID_DTYPE, PageAllocator
 from .eviction_index import EvictionIndex
-from .eviction_policies import EvictionStrategy
+from .eviction_policies import EvictionStrategy, ReversedStrategy
 from .tree_node import TreeNode
 
 EMPTY_IDS = np.zeros(0, ID_DTYPE)
@@ -39,7 +39,9 @@ class Residency:
         # One index per tier rule; a node is in at most one of device/host (disjoint by rule).
         self.device_index = EvictionIndex("device_leaves", 0, strategy)
         self.host_index = EvictionIndex("host_leaves", 1, strategy)
-        self.reclaim_index = EvictionIndex("host_reclaimable", 2, strategy)
+        # Host reclaim drops the copies of the on-device nodes device eviction demotes last
+        # first: the host keeps the copies of the nodes about to leave the device.
+        self.reclaim_index = EvictionIndex("host_reclaimable", 2, ReversedStrategy(strategy))
         self.indexes = (self.device_index, self.host_index, self.reclaim_index)
         # The member sets, bound once: refresh and the walks test membership on every node.
         self.dev_members = self.device_index.members

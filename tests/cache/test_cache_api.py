@@ -275,7 +275,9 @@ def test_evict_host_skips_in_use_nodes(backend_factory):
     cache.sanity_check(0)
 
 
-def test_evict_host_removes_host_only_leaves_first(backend_factory):
+def test_evict_host_reclaims_on_device_copies_first(backend_factory):
+    """The host copy of an on-device node is redundant (the device holds it): it goes before
+    a host-only leaf that left the device recently (``evictor.evict_host``)."""
     cache, be = make_cache(backend_factory)
     oracle = KVOracle(be)
     a = prefill_insert(cache, oracle, seq(0, 4)).last_node
@@ -285,7 +287,9 @@ def test_evict_host_removes_host_only_leaves_first(backend_factory):
     cache.evict(4)  # a demoted
     assert a.evicted
     assert cache.evict_host(4) == 4
-    assert a.deleted and b.backuped
+    assert a.backuped and not b.backuped and not b.evicted
+    assert cache.evict_host(4) == 4  # then the host-only leaf
+    assert a.deleted
     cache.dec_lock_ref(b)
     cache.sanity_check(0)
 

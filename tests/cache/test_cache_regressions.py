@@ -182,12 +182,52 @@ def test_write_through_does_not_starve_when_host_smaller_than_device(backend_fac
     assert cache.metrics.backup_failed_tokens == 0
     assert cache.metrics.backup_tokens == 40 * 8
     assert cache.metrics.reclaimed_host_tokens > 0
-    # The most recent sequences are backed up and survive a device flush.
+    # The most recent sequence is backed up and survives a device flush.
     cache.evict(10**6)
-    for i in (38, 39):
-        m = cache.match_prefix(seq(1000 * i, 8))
-        assert m.host_hit_length == 8
-        oracle.check_host(seq(1000 * i, 8), m.last_host_node.host_value)
+    m = cache.match_prefix(seq(1000 * 39, 8))
+    assert m.host_hit_length == 8
+    oracle.check_host(seq(1000 * 39, 8), m.last_host_node.host_value)
+    cache.sanity_check(0)
+
+
+def test_host_reclaim_keeps_the_copies_of_the_nodes_about_to_leave_the_device(backend_factory):
+    """Issue 21 point 5: reclaiming the least recently used device nodes' copies dropped
+    exactly the ones device eviction demotes next, so a host smaller than the device served
+    almost nothing. The most recently used node's copy goes first now."""
+    cache, be = make_cache(backend_factory, device_pages=64, host_pages=16)
+    oracle = KVOracle(be)
+    a = prefill_insert(cache, oracle, seq(0, 8)).last_node
+    b = prefill_insert(cache, oracle, seq(100, 8)).last_node
+    cache.flush()
+    assert a.backuped and b.backuped and be.host.allocator.available == 0
+    c = prefill_insert(cache, oracle, seq(200, 8)).last_node  # reclaims B's copy, not A's
+    cache.flush()
+    assert a.backuped and not b.backuped and c.backuped
+    assert cache.evict(8) == 8 and a.evicted  # A leaves the device first: served by the host
+    m = cache.match_prefix(seq(0, 8))
+    assert m.host_hit_length == 8
+    oracle.check_host(seq(0, 8), m.last_host_node.host_value)
+    cache.sanity_check(0)
+
+
+def test_host_only_leaf_long_off_the_device_goes_before_a_copy(backend_factory):
+    """The other side of point 5's order: a host-only leaf does not stay forever. H left the
+    device long (100 clock ticks) before D1, the device's next victim, was used, and X (the
+    most recently used copy) leads D1 by a few: H goes, every copy stays."""
+    cache, be = make_cache(backend_factory, device_pages=64, host_pages=24)
+    oracle = KVOracle(be)
+    h = prefill_insert(cache, oracle, seq(0, 8)).last_node
+    cache.flush()
+    assert cache.evict(8) == 8 and h.evicted and h.backuped
+    for _ in range(100):
+        cache.match_prefix(seq(9000, 4))  # a miss: only the clock moves
+    d1 = prefill_insert(cache, oracle, seq(100, 8)).last_node
+    x = prefill_insert(cache, oracle, seq(200, 8)).last_node
+    cache.flush()
+    assert be.host.allocator.available == 0
+    y = prefill_insert(cache, oracle, seq(300, 8)).last_node
+    cache.flush()
+    assert h.deleted and d1.backuped and x.backuped and y.backuped
     cache.sanity_check(0)
 
 
