@@ -20,8 +20,13 @@ cross a page boundary. Finished requests are inserted into the tree (``cache_fin
 and their locks released. Transfer events are polled every step.
 
 Ordering: loads and model steps update the same per-layer pool arrays functionally (every
-step consumes the arrays the previous operation produced), so a prefill that reads loaded
-pages is ordered after the load by data dependence; handles only gate lock release.
+step consumes the arrays the previous operation produced), so with the JAX transfer engine a
+prefill that reads loaded pages is ordered after the load by data dependence. The engine does
+not rely on that: before the first step of a request with a load-back it waits for each layer
+of the load in order (``wait_layer``; the model step is one fused program over every layer,
+so it reads each layer only after all of them landed), which is what a backend whose layers
+land asynchronously needs. A load that failed is acknowledged there and then, so the cache
+retries it into the same pages before anything reads them (or latches ``CacheFailedError``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
-from ..cache import CacheRequest, HiRadixCache, RadixKey
+from ..cache import CacheRequest, HiRadixCache, LoadBackResult, RadixKey
 from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
 from .config import EngineCacheConfig
@@ -70,6 +75,7 @@ class _Seq:
     reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
     prefetch: PrefetchOperation | None = None
     storage_tokens: int = 0  # tokens attached from L3 by this request's prefetches so far
+    load: LoadBackResult | None = None  # the admission's load-back, until the prefill waited for it
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -324,6 +330,7 @@ class Engine:
             seq.prefetch = None
         # Match at most len-1 tokens: the last prompt token is always computed.
         req, lb = self.cache.begin_request(RadixKey(prompt[:-1]))
+        seq.load = lb  # the prefill waits for it, layer by layer
         hit = req.device_pages.shape[0] * self.page_size
         req.key = RadixKey(prompt[:hit])
         loaded = min(hit, loaded_before + (lb.num_tokens if lb is not None else 0))
@@ -343,6 +350,7 @@ class Engine:
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
+        self._wait_load(seq)
         start = sum(seq.cached.values())  # the cached prefix (from any tier) is not recomputed
         seq.computed = seq.prompt.shape[0] - start
         n = seq.prompt.shape[0]
@@ -354,6 +362,23 @@ class Engine:
             start = end
         seq.out.append(int(np.argmax(logits[0])))
         seq.ttft = time.perf_counter() - seq.arrival
+
+    def _wait_load(self, seq: _Seq) -> None:
+        """Wait for each layer of the request's load-back, in order, before a step reads it.
+
+        A layer already reported done is waited on too: that costs nothing and is where a
+        failed copy surfaces. Then the cache acknowledges the loads at once, retrying the
+        failed one into the same pages (nothing has read them yet), or latches
+        ``CacheFailedError`` (the engine recovers)."""
+        lb, seq.load = seq.load, None
+        if lb is None:
+            return
+        for layer in range(self.geom.num_layers):
+            try:
+                lb.wait_layer(layer)
+            except Exception:  # noqa: BLE001 - TransferError, or a backend's own error type
+                self.cache.loading_check(block=True)
+                return
 
     def _decode_step(self, running: list[_Seq]) -> None:
         for seq in running:

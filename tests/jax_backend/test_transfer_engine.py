@@ -194,3 +194,41 @@ def test_pinned_host_pool_roundtrip_and_staging_reuse(layout):
         for c in geom.components:
             np.testing.assert_array_equal(dev.read_pages_host(c, np.arange(10 + 3 * i, 13 + 3 * i)),
                                           data[c][:, i:i + 3])
+
+
+class _FakeArray:
+    """Stands in for a layer's pool array: ready only once the test says so."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name, self.ready = log, name, False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def is_deleted(self) -> bool:
+        return False
+
+    def block_until_ready(self):
+        self.log.append(self.name)
+        self.ready = True
+        return self
+
+
+def test_load_handle_readiness_is_per_layer():
+    """``JaxLoadHandle`` reports and waits for each layer on that layer's arrays only (a
+    handle that answered for every layer from layer 0's arrays, or waited for all at once,
+    would let a forward read layers that have not landed)."""
+    from hicache_jax.backends.jax.transfer import JaxLoadHandle
+
+    log = []
+    layers = [[_FakeArray(log, f"{c}{l}") for c in "kv"] for l in range(3)]
+    h = JaxLoadHandle(layers)
+    assert h.num_layers == 3 and not any(h.layer_done(l) for l in range(3)) and not h.done()
+    layers[1][0].ready = layers[1][1].ready = True  # layer 1 landed first
+    assert [h.layer_done(l) for l in range(3)] == [False, True, False]
+    layers[0][0].ready = True  # half of layer 0
+    assert not h.layer_done(0)
+    h.wait_layer(0)
+    assert log == ["k0", "v0"] and [h.layer_done(l) for l in range(3)] == [True, True, False]
+    h.wait_layer(2)
+    assert log == ["k0", "v0", "k2", "v2"] and h.done()
