@@ -27,10 +27,20 @@ of the load in order (``wait_layer``; the model step is one fused program over e
 so it reads each layer only after all of them landed), which is what a backend whose layers
 land asynchronously needs. A load that failed is acknowledged there and then, so the cache
 retries it into the same pages before anything reads them (or latches ``CacheFailedError``).
+
+Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
+engine recovers: every request it holds (running, or being admitted or finished) is
+abandoned - its own device pages freed, its state dropped -, the cache is ``reset()``, and
+the requests go back to the front of the queue in arrival order. Their prefixes then come
+back from L3 or are recomputed; greedy decoding is deterministic, so their tokens are those
+of an undisturbed run. Results already returned by finished requests are kept. Each recovery
+counts in ``metrics.cache_failures_recovered``; after ``MAX_FAILURES_WITHOUT_PROGRESS``
+failures in a row with no request finishing in between, the error is raised.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,10 +49,12 @@ import numpy as np
 
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
-from ..cache import CacheRequest, HiRadixCache, LoadBackResult, RadixKey
+from ..cache import CacheFailedError, CacheRequest, HiRadixCache, LoadBackResult, RadixKey
 from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
 from .config import EngineCacheConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +74,14 @@ class RequestResult:
 
 
 @dataclass
+class EngineMetrics:
+    """What the engine itself counts (the cache's counters are ``cache.metrics``)."""
+
+    cache_failures_recovered: int = 0  # CacheFailedError latched, cache reset, requests re-admitted
+    requests_readmitted: int = 0  # requests abandoned by those recoveries and queued again
+
+
+@dataclass(eq=False)
 class _Seq:
     index: int
     prompt: np.ndarray
@@ -77,6 +97,13 @@ class _Seq:
     storage_tokens: int = 0  # tokens attached from L3 by this request's prefetches so far
     load: LoadBackResult | None = None  # the admission's load-back, until the prefill waited for it
 
+    def abandon(self) -> None:
+        """Forget everything admission and serving produced (the request is queued again)."""
+        self.req, self.reserve, self.prefetch, self.load = None, None, None, None
+        self.out = []
+        self.cached = {"device": 0, "host": 0, "storage": 0}
+        self.ttft, self.computed, self.storage_tokens = 0.0, 0, 0
+
     @property
     def all_tokens(self) -> np.ndarray:
         return np.concatenate([self.prompt, np.asarray(self.out, np.int64)])
@@ -89,6 +116,9 @@ class OutOfDeviceMemory(RuntimeError):
 # The latest arrival ``generate`` accepts (seconds after the call): the engine sleeps until
 # then, so an offset far in the future (or infinite) would hang the call.
 MAX_ARRIVAL_S = 24 * 3600.0
+# Copy failures (each latching CacheFailedError) the engine recovers from in a row, with no
+# request finishing in between, before it gives up and raises the error.
+MAX_FAILURES_WITHOUT_PROGRESS = 3
 
 
 def _check_arrivals(arrivals: object, n: int) -> list[float]:
@@ -137,6 +167,7 @@ class Engine:
         # Instrumentation: called with "start" / "end" around every batched decode step (on the
         # scheduler thread, outside the timed work of the step itself); None = off.
         self.on_decode_step = None
+        self.metrics = EngineMetrics()
 
     # ---- public API ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
@@ -177,36 +208,94 @@ class Engine:
                                  f"the pool has {device_pages}")
             seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0)))
         waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
+        if self.cache.failure is not None:  # latched by an earlier call (flush, eviction...)
+            self._recover([], waiting)
         removed_seen = -1
+        failures = 0  # recoveries since a request last finished
         while waiting or running:
-            if use_cache and self.storage is not None:
-                removed_seen = self._start_prefetches(waiting, removed_seen)
-            if not running and waiting and waiting[0].arrival > time.perf_counter():
-                time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
-            while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
-                seq = waiting[0]
-                if not self._admit(seq, use_cache, have_running=bool(running)):
-                    break
-                waiting.popleft()
-                self._prefill(seq)
-                if use_cache:  # the prompt's pages become shareable (and backed up) right away
-                    self.cache.cache_unfinished_req(seq.req)
-                if len(seq.out) >= seq.max_new:
-                    done[seq.index] = self._finish(seq, use_cache)
-                else:
-                    running.append(seq)
-            if running:
-                hook = self.on_decode_step
-                if hook is not None:
-                    hook("start")
-                self._decode_step(running)
-                if hook is not None:
-                    hook("end")
-                for seq in [s for s in running if len(s.out) >= s.max_new]:
-                    running.remove(seq)
-                    done[seq.index] = self._finish(seq, use_cache)
-            self.cache.check_events()
+            try:
+                removed_seen, finished = self._schedule(waiting, running, done, use_cache, removed_seen)
+                failures = 0 if finished else failures
+            except CacheFailedError:
+                failures += 1
+                if failures > MAX_FAILURES_WITHOUT_PROGRESS:
+                    raise
+                queued = set(map(id, waiting))
+                # Running requests, and one that was being admitted, prefilled or finished.
+                self._recover([s for s in seqs if s.index not in done and id(s) not in queued], waiting)
+                running.clear()
+                removed_seen = -1
         return [done[i] for i in range(len(seqs))]
+
+    def _schedule(self, waiting: deque, running: list, done: dict, use_cache: bool,
+                  removed_seen: int) -> tuple[int, bool]:
+        """One scheduler round: prefetches, admissions (each prefilled at once), one batched
+        decode step, finished requests retired, transfer events polled. Returns the eviction
+        count seen by the prefetches and whether a request finished."""
+        n_done = len(done)
+        if use_cache and self.storage is not None:
+            removed_seen = self._start_prefetches(waiting, removed_seen)
+        if not running and waiting and waiting[0].arrival > time.perf_counter():
+            time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
+        while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
+            seq = waiting[0]
+            if not self._admit(seq, use_cache, have_running=bool(running)):
+                break
+            waiting.popleft()
+            self._prefill(seq)
+            if use_cache:  # the prompt's pages become shareable (and backed up) right away
+                self.cache.cache_unfinished_req(seq.req)
+            if len(seq.out) >= seq.max_new:
+                done[seq.index] = self._finish(seq, use_cache)
+            else:
+                running.append(seq)
+        if running:
+            hook = self.on_decode_step
+            if hook is not None:
+                hook("start")
+            self._decode_step(running)
+            if hook is not None:
+                hook("end")
+            for seq in [s for s in running if len(s.out) >= s.max_new]:
+                done[seq.index] = self._finish(seq, use_cache)
+                running.remove(seq)  # after the finish: a failed one is abandoned with the others
+        self.cache.check_events()
+        return removed_seen, len(done) > n_done
+
+    def _recover(self, lost: list[_Seq], waiting: deque) -> None:
+        """After ``CacheFailedError``: abandon ``lost`` (the requests holding pages or locks),
+        reset the cache, free the requests' own device pages and queue them again, first, in
+        arrival order. Waiting requests only lose their L3 prefetches (started again)."""
+        error = self.cache.failure
+        alloc = self.device_pool.allocator
+        own = []  # request-owned pages: after the tree's prefix, and the decode reserve
+        for s in lost:
+            if s.req is not None:
+                own.append(s.req.device_pages[s.req.cached_pages:])
+            if s.reserve is not None:
+                own.append(s.reserve)
+        self.cache.reset()  # frees every page the tree owned, drops every lock
+        if self.storage is not None:
+            for s in (*lost, *waiting):
+                if s.prefetch is not None:
+                    self.storage.cancel(s.prefetch)
+        # A page a torn insert had handed to the tree was freed by the reset: free only the
+        # rest. No request is left and the tree is empty, so nothing else may stay allocated.
+        ids = np.unique(np.concatenate(own)) if own else np.zeros(0, np.int64)
+        ids = ids[alloc.is_allocated(ids)] if ids.size else ids
+        alloc.free(ids)
+        if alloc.used:
+            left = np.flatnonzero(alloc.is_allocated(np.arange(alloc.num_pages)))
+            log.warning("engine: %d device pages still allocated after a cache reset (freed)", left.size)
+            alloc.free(left)
+        for s in waiting:
+            s.prefetch, s.storage_tokens = None, 0  # their attached L3 pages left with the tree
+        for s in sorted(lost, key=lambda s: (s.arrival, s.index), reverse=True):
+            s.abandon()
+            waiting.appendleft(s)
+        self.metrics.cache_failures_recovered += 1
+        self.metrics.requests_readmitted += len(lost)
+        log.warning("engine: recovered from %r: cache reset, %d requests queued again", error, len(lost))
 
     def warmup(self) -> None:
         """Compile every model-step shape now (prefill chunks and decode batch sizes), so
@@ -237,7 +326,8 @@ class Engine:
         return self.cache.evict_host(self.cache.host_tokens)
 
     def stats(self) -> dict:
-        return self.cache.stats()
+        """The cache's stats plus the engine's own counters (``metrics``)."""
+        return {**self.cache.stats(), **vars(self.metrics)}
 
     def flush(self) -> None:
         """Wait until every backup has reached its last tier (host, and storage if configured)."""
@@ -246,7 +336,10 @@ class Engine:
             self.storage.flush()
 
     def close(self) -> None:
-        """Finish every transfer (L3 writes included) and release workers."""
+        """Finish every transfer (L3 writes included) and release workers. A latched copy
+        failure resets the cache first (its copies are waited for, their errors ignored)."""
+        if self.cache.failure is not None:
+            self.cache.reset()
         self.cache.flush()
         if self.storage is not None:
             self.storage.close()
