@@ -58,6 +58,7 @@ IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
 # and replaces the deprecated Triton ``gpu`` once Triton is gone.
 AUTO_GPU_IMPL = "xla"
 
+_KERNEL_PLATFORMS = {"tpu": ("tpu",), "gpu": ("gpu", "cuda"), "mgpu": ("gpu", "cuda")}
 _CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _IO_BACKEND_ALIASES = {"kernel": "auto", "direct": "xla"}
 _GLOBAL_EXES: dict = {}
@@ -87,7 +88,7 @@ class PageCopyConfig:
     impl: Impl = "auto"
     max_pages: int = 4096
     buckets: tuple[int, ...] | None = None
-    interpret: bool | None = None  # None: interpret exactly when running on CPU
+    interpret: bool | None = None  # None: interpret exactly when not on the kernel's own platform
     platform: str | None = None  # None: jax.default_backend()
 
     def __post_init__(self) -> None:
@@ -125,7 +126,9 @@ class PageCopier:
             impl = {"tpu": "tpu", "gpu": AUTO_GPU_IMPL, "cuda": AUTO_GPU_IMPL}.get(platform, "xla")
         interpret = self.config.interpret
         if interpret is None:
-            interpret = impl != "xla" and platform == "cpu"
+            # A kernel compiles only for its own platform; anywhere else it runs interpreted
+            # (a TPU kernel asked for on a GPU, a GPU kernel on the CPU).
+            interpret = impl != "xla" and platform not in _KERNEL_PLATFORMS[impl]
         self.platform = platform
         if mesh is None and kv_axis is not None:
             raise ValueError("kv_axis: needs a mesh")
