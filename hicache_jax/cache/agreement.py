@@ -12,6 +12,13 @@ queue (``topic``: ``"backup"`` or ``"load"``). An implementation over ``jax.dist
 coordination-service key-value store plugs in here (see the open multi-process issue); it
 must be called by every rank at the same points with the same topics, which the ledger does:
 one call per acknowledgement pass, even when ``n`` is zero.
+
+For the multi-process issue (next step): ``HiRadixCache.check_events`` runs an
+acknowledgement pass only for a non-empty queue today; with several ranks it must run both
+passes unconditionally every scheduler step (a rank with an empty queue must still take part
+in the collective), and a blocking pass (``flush``) must agree too. Host-page allocation for
+backups and prefetches (``backup``, ``reserve_host_pages``) does not go through the
+agreement yet: it needs reserve -> agree -> commit or roll back.
 """
 
 from __future__ import annotations
