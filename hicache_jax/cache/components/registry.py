@@ -20,7 +20,29 @@ from .full import FULL, FullComponent
 from .sidecar import SidecarComponent
 
 
-class MultiLoadHandle(LoadHandle):
+class _CombinedHandle:
+    """One copy across components: done when every component's copy is."""
+
+    handles: dict
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles.values())
+
+    def wait(self, timeout: float | None = None) -> None:
+        for h in self.handles.values():
+            h.wait(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first component copy's failure, where its handle reports one (``error``)."""
+        for h in self.handles.values():
+            err = getattr(h, "error", None)
+            if err is not None:
+                return err
+        return None
+
+
+class MultiLoadHandle(_CombinedHandle, LoadHandle):
     """One H2D load across components; per-layer readiness of the full component by default."""
 
     def __init__(self, handles: Mapping[str, LoadHandle]) -> None:
@@ -33,44 +55,12 @@ class MultiLoadHandle(LoadHandle):
     def wait_layer(self, layer: int, timeout: float | None = None, component: str = FULL) -> None:
         self.handles[component].wait_layer(layer, timeout)
 
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles.values())
 
-    def wait(self, timeout: float | None = None) -> None:
-        for h in self.handles.values():
-            h.wait(timeout)
-
-    @property
-    def error(self) -> BaseException | None:
-        """The first component copy's failure, where its handle reports one (``error``)."""
-        for h in self.handles.values():
-            err = getattr(h, "error", None)
-            if err is not None:
-                return err
-        return None
-
-
-class MultiTransferHandle(TransferHandle):
+class MultiTransferHandle(_CombinedHandle, TransferHandle):
     """One D2H backup across components."""
 
     def __init__(self, handles: Mapping[str, TransferHandle]) -> None:
         self.handles = dict(handles)
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles.values())
-
-    def wait(self, timeout: float | None = None) -> None:
-        for h in self.handles.values():
-            h.wait(timeout)
-
-    @property
-    def error(self) -> BaseException | None:
-        """The first component copy's failure, where its handle reports one (``error``)."""
-        for h in self.handles.values():
-            err = getattr(h, "error", None)
-            if err is not None:
-                return err
-        return None
 
 
 class ComponentRegistry:
