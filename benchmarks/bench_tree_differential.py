@@ -1,0 +1,386 @@
+"""Differential replay: our HiRadixCache vs upstream sglang 0.5.18's, random branchy traces.
+
+Issue 21 point 17's benchmark. The REFERENCE 4.3 trace (``make_trace``) never evicts much and
+never branches, so the two trees' aggregate hit rates match on it exactly; this replays random
+traces that stress eviction through both trees in one process and reports the hit rates per
+tier side by side, for every configuration:
+
+    page size 1 and 16  x  host ratio 0.5 / 1 / 4  x  write_through / write_through_selective /
+    write_back  x  eviction lru / lfu                                    (36 configurations)
+
+Trace (``make_branchy_trace``, seeded): several tenants, each with its own shared system prompt;
+each request either continues one of the tenant's live conversations (history + new user turn),
+branches from an earlier turn of one (its history up to that turn + a new user turn: a new
+conversation sharing that prefix), or starts a new conversation on the tenant's system prompt.
+Turn and answer lengths are random (not page-aligned). The device pool is small (by default
+6,000 tokens against prompts of up to ~3,000), so most requests evict.
+
+Per request, both trees get the op order of the existing replays (``upstream_tree_replay.run``
+and ``bench_tree_multiturn.run``; the scheduler's): match -> load-back (if host hit) -> lock ->
+allocate the prompt's new tokens (evict when short) -> cache_unfinished_req -> allocate the
+output (evict when short) -> cache_finished_req -> poll transfer events. L1 = device-matched /
+prompt tokens, L2 = loaded-back / prompt tokens, summed over the trace.
+
+Why this file has its own replay loops: ``upstream_tree_replay.run`` and
+``bench_tree_multiturn.run`` fix page size 1, take no eviction policy, and upstream's reads its
+device size and host ratio from module constants. So this file reuses upstream's shims
+(``import_upstream``, ``init_process_group``, ``Req``) and our public cache API, and builds both
+trees itself with the configuration's page size, eviction policy and pool sizes:
+
+* upstream: ``MHATokenToKVPool`` (2 layers x 1 head x 8 dims, as the baseline replay), the
+  token allocator (page 1) or ``PagedTokenToKVPoolAllocator`` (page 16), ``CacheInitParams``
+  with ``eviction_policy``; host ratio through the patched ``hiradix_cache.get_memory`` (set per
+  build). With page 16 the harness allocates as the scheduler's ``alloc_extend`` /
+  ``alloc_decode`` do: the new prompt tokens in fresh pages, the output first fills the last
+  partial page, then fresh pages. Upstream's host pool is ``int(device * ratio) // page + 1``
+  pages.
+* ours: ``HiRadixCache`` over the numpy backend (manager geometry: one 8-wide bf16 latent with
+  the configuration's page size), ``HiCacheConfig(page_size, write_policy, eviction_policy)``
+  with defaults otherwise, device ``device_tokens // page`` pages and the same host page count
+  as upstream's.
+
+Also reported per configuration: the first request whose (L1, L2) hit differs between the
+trees (``first_divergence``) and how many requests differ. Hit rates only; no timing.
+
+    scripts/upstream_baseline_env.sh benchmarks/bench_tree_differential.py [--quick]
+        [--requests 2000] [--seeds 0,1] [--device-tokens 6000] [--out PATH]
+
+Writes ``benchmarks/results/tree_differential.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import itertools
+import os
+import random
+import sys
+import time
+import types
+from array import array
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import numpy as np  # noqa: E402
+
+from benchmarks import upstream_tree_replay as upstream  # noqa: E402  (sets SGLANG_USE_CPU_ENGINE)
+from hicache_jax import KVGeometry  # noqa: E402
+from hicache_jax.backends.numpy_backend import make_numpy_backend  # noqa: E402
+from hicache_jax.bench.report import machine_info, print_table, write_json  # noqa: E402
+from hicache_jax.cache import CacheRequest, HiCacheConfig, HiRadixCache, RadixKey  # noqa: E402
+
+POLICIES = ("write_through", "write_through_selective", "write_back")
+EVICTIONS = ("lru", "lfu")
+PAGE_SIZES = (1, 16)
+HOST_RATIOS = (0.5, 1.0, 4.0)
+TOL = 1e-9  # "ours >= upstream's" allows only float noise
+
+
+# --------------------------------------------------------------------------- trace
+
+
+def make_branchy_trace(requests: int, seed: int, tenants: int = 4, system_len: tuple = (200, 700),
+                       user_len: tuple = (20, 300), answer_len: tuple = (16, 160), max_prompt: int = 3000,
+                       p_new: float = 0.15, p_branch: float = 0.3, live: int = 12) -> list[dict]:
+    """Random multi-tenant, branching conversations (see the module docstring)."""
+    rng = random.Random(seed)
+    vocab = 32000
+    systems = [[rng.randint(1, vocab) for _ in range(rng.randint(*system_len))] for _ in range(tenants)]
+    # A conversation: tenant and the token history at each turn boundary (list of lengths).
+    convs: list[dict] = []
+    trace = []
+    for _ in range(requests):
+        tenant = rng.randrange(tenants)
+        mine = [c for c in convs if c["tenant"] == tenant]
+        r = rng.random()
+        if not mine or r < p_new:
+            conv = {"tenant": tenant, "tokens": list(systems[tenant]), "turns": [len(systems[tenant])]}
+            convs.append(conv)
+        elif r < p_new + p_branch:
+            src = rng.choice(mine)
+            cut = rng.choice(src["turns"])  # an earlier turn boundary (or the system prompt)
+            conv = {"tenant": tenant, "tokens": src["tokens"][:cut],
+                    "turns": [t for t in src["turns"] if t <= cut]}
+            convs.append(conv)
+        else:
+            conv = rng.choice(mine)
+        user = [rng.randint(1, vocab) for _ in range(rng.randint(*user_len))]
+        answer = [rng.randint(1, vocab) for _ in range(rng.randint(*answer_len))]
+        if len(conv["tokens"]) + len(user) > max_prompt:  # too long: restart on the system prompt
+            conv["tokens"] = list(systems[tenant])
+            conv["turns"] = [len(systems[tenant])]
+        prompt = conv["tokens"] + user
+        trace.append({"tenant": tenant, "prompt": np.array(prompt, np.int64),
+                      "output": np.array(answer, np.int64)})
+        conv["tokens"] = prompt + answer
+        conv["turns"].append(len(conv["tokens"]))
+        if len(convs) > live * tenants:  # forget the oldest conversations (they are never revisited)
+            convs.pop(0)
+    return trace
+
+
+# --------------------------------------------------------------------------- upstream
+
+
+def host_pages_for(device_tokens: int, ratio: float, page: int) -> int:
+    """Upstream's host pool size in pages: ``int(device * ratio) // page + 1``."""
+    return int(device_tokens * ratio) // page + 1
+
+
+def build_upstream(up, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
+                   max_context: int):
+    torch = up.torch
+    sys.modules["sglang.srt.mem_cache.hiradix_cache"].get_memory = (
+        lambda: types.SimpleNamespace(hicache_ratio=ratio))
+    kv = up.MHATokenToKVPool(size=device_tokens, page_size=page, dtype=torch.bfloat16, head_num=upstream.HEADS,
+                             head_dim=upstream.HEAD_DIM, layer_num=upstream.LAYERS, device="cpu",
+                             enable_memory_saver=False, enable_alt_stream=False)
+    if page == 1:
+        alloc = up.TokenToKVPoolAllocator(device_tokens, torch.bfloat16, "cpu", kv, need_sort=False)
+    else:
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+        alloc = PagedTokenToKVPoolAllocator(device_tokens, page, torch.bfloat16, "cpu", kv, need_sort=False)
+    req_pool = up.ReqToTokenPool(size=2, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+    params = up.CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc,
+                                page_size=page, tp_cache_group=torch.distributed.group.WORLD,
+                                eviction_policy=eviction)
+    server_args = types.SimpleNamespace(
+        hicache_size=0, hicache_mem_layout="layer_first", hicache_io_backend="direct",
+        hicache_write_policy=policy, hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
+        hicache_storage_prefetch_policy="best_effort", served_model_name="tree-differential",
+        extra_metric_labels=None)
+    cache = up.HiRadixCache(params, server_args)
+    return cache, alloc, req_pool
+
+
+def run_upstream(up, trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
+    torch = up.torch
+    max_context = max(len(r["prompt"]) + len(r["output"]) for r in trace) + 2 * page
+    cache, alloc, req_pool = build_upstream(up, policy, eviction, page, device_tokens, ratio, max_context)
+    host_size = cache.token_to_kv_pool_host.size
+    RadixKey_, MatchPrefixParams = up.RadixKey, up.MatchPrefixParams
+    InitLoadBackParams, EvictParams = up.InitLoadBackParams, up.EvictParams
+    per_req = []
+    prompt_tokens = l1 = l2 = 0
+    pool_idx = 1
+    evicting = set()  # requests that evicted on the device
+
+    def alloc_pages(n_tokens: int):
+        """``n_tokens`` rounded up to whole pages, evicting the shortfall first (as the scheduler)."""
+        need = -(-n_tokens // page) * page
+        if need == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        if alloc.available_size() < need:
+            evicting.add(len(per_req))
+            cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
+        ids = alloc.alloc(need)
+        if ids is None:
+            raise RuntimeError(f"upstream {policy}/{eviction}/p{page}/r{ratio}: out of device memory for {need}")
+        return ids
+
+    for rec in trace:
+        prompt = array("q", rec["prompt"].tolist())
+        output = array("q", rec["output"].tolist())
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey_(prompt)))
+        prefix, last = m.device_indices, m.last_device_node
+        loaded = 0
+        if m.host_hit_length > 0:
+            new, last = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                                host_hit_length=m.host_hit_length))
+            cache.ready_to_load_host_cache()
+            if len(new):
+                prefix = torch.cat([prefix, new])
+                loaded = len(new)
+        cache.inc_lock_ref(last)
+        n_prompt, n_prefix = len(prompt), len(prefix)
+        d1 = len(m.device_indices)
+        prompt_tokens += n_prompt
+        l1 += d1
+        l2 += loaded
+        per_req.append((d1, loaded))
+        req = upstream.Req(prompt, pool_idx, prefix, last)
+        # alloc_extend: the prompt's new tokens in fresh pages (the prefix is page-aligned).
+        fresh = alloc_pages(n_prompt - n_prefix)
+        req_pool.write((pool_idx, slice(0, n_prompt)), torch.cat([prefix, fresh[:n_prompt - n_prefix]]))
+        cache.cache_unfinished_req(req)
+        # alloc_decode: the output fills the last partial page, then fresh pages.
+        spare = fresh[n_prompt - n_prefix:]  # the rest of the prompt's partial last page (none if aligned)
+        n_out = len(output)
+        more = alloc_pages(max(0, n_out - len(spare)))
+        out_ids = torch.cat([spare, more])[:n_out]
+        req_pool.write((pool_idx, slice(n_prompt, n_prompt + n_out)), out_ids)
+        req.output_ids = output
+        cache.cache_finished_req(req, kv_len_to_handle=n_prompt + n_out)
+        cache.check_hicache_events()
+    atexit.unregister(cache.shutdown)
+    cache = alloc = req_pool = None
+    gc.collect()
+    return {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "prompt_tokens": prompt_tokens,
+            "host_pool_tokens": host_size, "per_req": per_req,
+            "evicting_requests": len(evicting)}
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
+    geom = KVGeometry.mla(1, page, 6, 2, "bfloat16")  # the manager mode's geometry, this page size
+    host_pages = host_pages_for(device_tokens, ratio, page)
+    device, _host, engine = make_numpy_backend(geom, device_tokens // page, host_pages)
+    cache = HiRadixCache(HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction),
+                         engine, device.allocator)
+    alloc = device.allocator
+    per_req = []
+    prompt_tokens = l1 = l2 = 0
+    evicting = set()  # requests that evicted on the device
+
+    def alloc_pages(n: int) -> np.ndarray:
+        if alloc.available < n:
+            evicting.add(len(per_req))
+            ids = cache.alloc_device(n)
+        else:
+            ids = alloc.alloc(n)
+        if ids is None:
+            raise RuntimeError(f"ours {policy}/{eviction}/p{page}/r{ratio}: out of device memory for {n} pages")
+        return ids
+
+    for rec in trace:
+        prompt, output = rec["prompt"], rec["output"]
+        key = RadixKey(prompt)
+        m = cache.match_prefix(key)
+        pages, last = m.device_indices, m.last_device_node
+        loaded = 0
+        if m.host_hit_length:
+            lb = cache.load_back(m.last_host_node)
+            if lb is not None:
+                lb.handle.wait()
+                pages = np.concatenate([pages, lb.device_pages])
+                last = lb.node
+                loaded = lb.num_tokens
+        if last is not cache.root:
+            cache.inc_lock_ref(last)
+        d1 = m.device_hit_length
+        prompt_tokens += prompt.shape[0]
+        l1 += d1
+        l2 += loaded
+        per_req.append((d1, loaded))
+        req = CacheRequest(key, page, pages, last if last is not cache.root else None, pages.shape[0])
+        n_prompt = prompt.shape[0]
+        req.extend(key, alloc_pages(-(-n_prompt // page) - pages.shape[0]))
+        cache.cache_unfinished_req(req)
+        full = np.concatenate([prompt, output])
+        req.extend(RadixKey(full), alloc_pages(-(-full.shape[0] // page) - req.device_pages.shape[0]))
+        cache.cache_finished_req(req)
+        cache.check_events()
+    cache.flush()
+    cache.sanity_check(0)
+    return {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "prompt_tokens": prompt_tokens,
+            "host_pool_tokens": host_pages * page, "per_req": per_req,
+            "evicting_requests": len(evicting)}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 12 configurations (host ratios 0.5 and 4, LRU), 300 requests, one seed")
+    ap.add_argument("--requests", type=int, default=None, help="requests per trace (default 2000; quick 300)")
+    ap.add_argument("--seeds", default=None,
+                    help="trace seeds, comma-separated, each a fresh trace (default 0,1; quick 0)")
+    ap.add_argument("--device-tokens", type=int, default=6000)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "tree_differential.json"))
+    args = ap.parse_args(argv)
+    n_req = args.requests or (300 if args.quick else 2000)
+    seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",") if s]
+    ratios = (0.5, 4.0) if args.quick else HOST_RATIOS
+    evictions = ("lru",) if args.quick else EVICTIONS
+    configs = list(itertools.product(PAGE_SIZES, ratios, POLICIES, evictions))
+
+    upstream.quiet_logs()
+    up = upstream.import_upstream()
+    up.torch.set_num_threads(1)
+    upstream.init_process_group(up.torch)
+    import logging
+
+    logging.getLogger("sglang.srt.mem_cache.pool_host").setLevel(logging.ERROR)  # "host pool smaller" warning
+    logging.getLogger("sglang.srt.mem_cache.hiradix_cache").setLevel(logging.ERROR)  # "dropped without backup"
+
+    traces = {s: make_branchy_trace(n_req, s) for s in seeds}
+    max_len = max(len(r["prompt"]) + len(r["output"]) for t in traces.values() for r in t)
+    if max_len + 64 > args.device_tokens:
+        ap.error(f"--device-tokens {args.device_tokens} too small for a {max_len}-token request")
+    t0 = time.perf_counter()
+    results, rows = [], []
+    total = len(configs) * len(seeds)
+    k = 0
+    for page, ratio, policy, eviction in configs:
+        agg = {"ours": [0, 0, 0], "upstream": [0, 0, 0]}  # L1 tokens, L2 tokens, prompt tokens
+        div_first, div_count = [], 0
+        ev = {"ours": 0, "upstream": 0}
+        for s in seeds:
+            k += 1
+            tr = traces[s]
+            o = run_ours(tr, policy, eviction, page, args.device_tokens, ratio)
+            u = run_upstream(up, tr, policy, eviction, page, args.device_tokens, ratio)
+            for side, r in (("ours", o), ("upstream", u)):
+                agg[side][0] += round(r["L1"] * r["prompt_tokens"])
+                agg[side][1] += round(r["L2"] * r["prompt_tokens"])
+                agg[side][2] += r["prompt_tokens"]
+                ev[side] += r["evicting_requests"]
+            diff = [i for i, (a, b) in enumerate(zip(o["per_req"], u["per_req"])) if a != b]
+            div_first.append(diff[0] if diff else None)
+            div_count += len(diff)
+            print(f"[{k}/{total} {time.perf_counter() - t0:6.1f}s] page {page:2d} ratio {ratio:g} {policy:24s} "
+                  f"{eviction} seed {s}: ours L1 {o['L1']:.4f} L2 {o['L2']:.4f} | upstream L1 {u['L1']:.4f} "
+                  f"L2 {u['L2']:.4f} | first divergence at request {diff[0] if diff else '-'}", flush=True)
+        ours = {"L1": agg["ours"][0] / agg["ours"][2], "L2": agg["ours"][1] / agg["ours"][2]}
+        ups = {"L1": agg["upstream"][0] / agg["upstream"][2], "L2": agg["upstream"][1] / agg["upstream"][2]}
+        ours["total"] = ours["L1"] + ours["L2"]
+        ups["total"] = ups["L1"] + ups["L2"]
+        ge = {t: ours[t] >= ups[t] - TOL for t in ("L1", "L2", "total")}
+        results.append({"page_size": page, "host_ratio": ratio, "write_policy": policy, "eviction": eviction,
+                        "hit_rate_ours": ours, "hit_rate_upstream": ups, "ours_ge_upstream": ge,
+                        "first_divergence": div_first, "diverging_requests": div_count,
+                        "evicting_requests": ev,
+                        "requests": n_req * len(seeds)})
+        rows.append([page, f"{ratio:g}", policy, eviction, f"{ours['L1']:.4f}", f"{ups['L1']:.4f}",
+                     "yes" if ge["L1"] else "NO", f"{ours['L2']:.4f}", f"{ups['L2']:.4f}",
+                     "yes" if ge["L2"] else "NO", f"{ours['total']:.4f}", f"{ups['total']:.4f}",
+                     "yes" if ge["total"] else "NO", ",".join("-" if d is None else str(d) for d in div_first),
+                     div_count, f"{ev['ours'] / (n_req * len(seeds)):.0%}/{ev['upstream'] / (n_req * len(seeds)):.0%}"])
+    seconds = time.perf_counter() - t0
+    print_table(f"Differential replay: ours vs upstream sglang {up.version} HiRadixCache "
+                f"({n_req} requests x {len(seeds)} seed(s), {args.device_tokens} device tokens)",
+                ["page", "host ratio", "write policy", "evict", "L1 ours", "L1 upstream", "L1 ours>=",
+                 "L2 ours", "L2 upstream", "L2 ours>=", "total ours", "total upstream", "total ours>=",
+                 "1st diverging req", "diverging reqs", "evicting reqs ours/up"], rows)
+    lower = [r for r in results if not (r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"])]
+    print(f"{len(results) - len(lower)}/{len(results)} configurations: ours >= upstream on both tiers"
+          + (f"; lower on some tier: " + "; ".join(
+              f"p{r['page_size']} r{r['host_ratio']:g} {r['write_policy']} {r['eviction']} "
+              f"({', '.join(t for t in ('L1', 'L2') if not r['ours_ge_upstream'][t])})" for r in lower)
+              if lower else ""))
+    doc = {"benchmark": "tree_differential", **machine_info(), "sglang": up.version, "torch": up.torch.__version__,
+           "quick": args.quick, "seconds": seconds,
+           "config": {"device_tokens": args.device_tokens, "requests_per_trace": n_req, "seeds": seeds,
+                      "page_sizes": list(PAGE_SIZES), "host_ratios": list(ratios), "write_policies": list(POLICIES),
+                      "evictions": list(evictions),
+                      "trace": "make_branchy_trace: 4 tenants (system prompts 200-700 tokens), new conversation "
+                               "p=0.15, branch from an earlier turn p=0.3, else continue; user turns 20-300, "
+                               "answers 16-160 tokens; prompts <= 3000 tokens",
+                      "upstream_kv": f"{upstream.LAYERS} layers x {upstream.HEADS} head x {upstream.HEAD_DIM} dims "
+                                     "bf16, K+V", "ours_kv": "1 layer, one 8-wide bf16 latent",
+                      "host_pool": "int(device_tokens * ratio) // page + 1 pages on both sides"},
+           "all_ge": not lower, "results": results}
+    print(f"wrote {write_json(args.out, doc)}  ({seconds:.0f} s)")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
