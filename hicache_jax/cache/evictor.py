@@ -208,29 +208,26 @@ class Evictor:
                 h = hl.peek()
                 if h is not None and h.last_access < boundary - HOST_ONLY_AGING * (node.last_access - boundary):
                     node = None
-            if node is not None:
+            host_only = node is None
+            if host_only:
+                node = hl.pop()
+                if node is None:
+                    break
+            else:
                 rl.pop()
-                if hooked:
-                    for comp in hooked:
-                        comp.on_evict(node, "host")
-                free_ids.append(res.clear_host(node, owned=False))
-                freed += node.size
-                m.reclaimed_host_tokens += node.size
-                continue
-            node = hl.pop()
-            if node is None:
-                break
             if hooked:
                 for comp in hooked:
                     comp.on_evict(node, "host")
             free_ids.append(res.clear_host(node, owned=False))
             freed += node.size
-            m.evicted_host_tokens += node.size
-            # Holds nothing now (host-only before): unlink it.
-            res.forget(node)
-            parent = node.parent
-            self.tree.unlink(node)
-            res.refresh(parent)
+            if host_only:  # holds nothing now: unlink it
+                m.evicted_host_tokens += node.size
+                res.forget(node)
+                parent = node.parent
+                self.tree.unlink(node)
+                res.refresh(parent)
+            else:  # still on the device, no longer backed up
+                m.reclaimed_host_tokens += node.size
         if free_ids:
             res.free_host_pages(free_ids)
         m.host_eviction_seconds += time.perf_counter() - t0

@@ -86,15 +86,6 @@ class Residency:
         if reclaim != (node in self.reclaim_members):
             self.reclaim_index.set_member(node, reclaim)
 
-    def reorder(self, node: TreeNode) -> None:
-        """The node's eviction key changed (access time, hits, priority): re-order it."""
-        if node in self.dev_members:
-            self.device_index.push(node)
-        if node in self.host_members:
-            self.host_index.push(node)
-        if node in self.reclaim_members:
-            self.reclaim_index.push(node)
-
     def forget(self, node: TreeNode) -> None:
         """The node leaves the tree: drop it from every index."""
         for index in self.indexes:
