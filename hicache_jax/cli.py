@@ -5,6 +5,7 @@
     hicache-jax bench ttft        # TTFT by serving tier and decode overhead of backups, as ratios
     hicache-jax bench restart     # write to L3, then a fresh process re-sends and hits L3
     hicache-jax bench transfer    # KV page-transfer benchmark (gather/scatter/D2H/H2D vs raw copies)
+    hicache-jax bench spec        # speculative decoding: accept length with the draft KV from L1 / L3
 
 Every benchmark prints a table, writes JSON (``--out``) and, for serving runs, a PNG beside it.
 """
@@ -16,7 +17,7 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .bench import serving
+    from .bench import serving, spec
 
     p = argparse.ArgumentParser(prog="hicache-jax", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--answer-len", type=int, default=4)
     rs.add_argument("--phase", choices=["both", "write", "read"], default="both", help=argparse.SUPPRESS)
     rs.set_defaults(fn=serving.restart)
+
+    sp = bench.add_parser("spec", help="speculative decoding: accept length, TPOT, E2E, TTFT with the draft KV "
+                                       "cold / from L1 / from L3 with and without draft backing")
+    spec.add_args(sp)
+    sp.set_defaults(fn=spec.run)
 
     tx = bench.add_parser("transfer", help="KV page transfers vs raw copies", add_help=False)
     tx.set_defaults(fn=None)
