@@ -2,8 +2,9 @@
 
 Upstream's experiment (sglang PR #21125) on the trained toy pair
 (``reference_model/spec_toy_pair.npz``, ``scripts/train_spec_pair.py``): a long repetitive
-prompt (a random pattern of ``--period`` distinct tokens, repeated to ``--prompt-len``) is
-served with greedy speculative decoding (``--k`` draft tokens) in four cases:
+prompt (a random pattern of ``--period`` tokens, by default the period the pair was trained
+on, repeated to ``--prompt-len``) is served with greedy speculative decoding (``--k`` draft
+tokens) in four cases:
 
 1. ``cold``: nothing cached;
 2. ``L1``: again, from the device tier;
@@ -47,12 +48,15 @@ CASES = ("cold", "L1", "L3 + draft", "L3, no draft")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=str(TOY_PAIR_PATH), help="target + draft pair (.npz)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--period", type=int, default=24, help="pattern length of the repetitive prompt")
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--period", type=int, default=None,
+                   help="pattern length of the repetitive prompt (default: the one the pair was trained on)")
+    p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--k", type=int, default=4, help="draft tokens per verify step")
     p.add_argument("--reps", type=int, default=3, help="prompts (patterns) per case")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--device-pages", type=int, default=None, help="L1 pages (default: 3 requests' worth)")
+    p.add_argument("--max-context", type=int, default=None, help="default: prompt + new tokens + 2k + a page")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--storage-backend", choices=["orbax", "file"], default="orbax")
     p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
@@ -61,7 +65,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _pattern_prompt(rng: np.random.Generator, vocab: int, period: int, length: int) -> list[int]:
-    return np.resize(rng.permutation(vocab)[:period], length).tolist()
+    return np.resize(rng.integers(0, vocab, period), length).tolist()
 
 
 def _say(msg: str) -> None:
@@ -83,12 +87,14 @@ def run(args) -> dict:
 def _run(args) -> dict:
     pair = load_pair(args.weights)
     cfg = pair.config
-    if not 1 <= args.period <= cfg.vocab_size:
-        raise SystemExit(f"--period: expected 1..{cfg.vocab_size} (distinct tokens of the vocabulary)")
+    if args.period is None:
+        args.period = int(pair.meta.get("periods", [32, 32])[-1])
+    if args.period < 1:
+        raise SystemExit(f"--period: expected >= 1, got {args.period}")
     page = args.page_size
-    max_context = args.prompt_len + args.new_tokens + 2 * args.k + page
-    pages_per_request = -(-max_context // page)
-    cache = EngineCacheConfig(page_size=page, device_pages=3 * pages_per_request, host=HostPoolConfig(ratio=4.0),
+    max_context = args.max_context or args.prompt_len + args.new_tokens + 2 * args.k + page
+    device_pages = args.device_pages or 3 * -(-max_context // page)
+    cache = EngineCacheConfig(page_size=page, device_pages=device_pages, host=HostPoolConfig(ratio=4.0),
                               max_batch=1, prefill_chunk=args.prefill_chunk, max_context=max_context,
                               storage=StorageConfig(backend=args.storage_backend, path=args.storage_dir,
                                                     prefetch_policy="wait_complete", prefetch_threshold_tokens=page))

@@ -35,7 +35,7 @@ from flax import nnx
 
 from ..kv_geometry import KVGeometry
 from .config import ModelConfig
-from .model import Block, RMSNorm, Transformer, _linear
+from .model import Block, RMSNorm, Transformer
 
 Pools = dict[str, list[jax.Array]]
 
@@ -50,13 +50,17 @@ def draft_kv_geometry(cfg: ModelConfig, page_size: int) -> KVGeometry:
     return draft_block_config(cfg).kv_geometry(page_size)
 
 
+def _fc(i: int, o: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(i, o, use_bias=False, rngs=rngs, kernel_init=nnx.initializers.normal(stddev=1.0 / i ** 0.5))
+
+
 class DraftHead(nnx.Module):
     """fc over [embedding ; target feature], one block, a final norm (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None) -> None:
         rngs = rngs or nnx.Rngs(cfg.seed + 1)
         self.cfg = cfg
-        self.fc = _linear(2 * cfg.hidden, cfg.hidden, rngs)
+        self.fc = _fc(2 * cfg.hidden, cfg.hidden, rngs)
         self.block = Block(cfg, rngs)
         self.norm = RMSNorm(cfg.hidden, rngs)
 

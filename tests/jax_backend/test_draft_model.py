@@ -46,8 +46,7 @@ def test_step_all_matches_the_dense_forward(attention):
     np.testing.assert_allclose(last[0], np.asarray(lg[0, -1]), rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("attention", ["mha", "mla"])
-@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("attention,page", [("mha", 1), ("mla", 4)])
 def test_draft_extend_and_chain_match_the_dense_draft(attention, page):
     cfg = ModelConfig(**{**CFG.__dict__, "attention": attention})
     runner = PagedRunner(cfg, page)
