@@ -41,6 +41,7 @@ from ..engine import Engine, EngineCacheConfig, SpecConfig
 from ..host_pool import HostPoolConfig
 from ..reference_model.weights import TOY_PAIR_PATH, load_pair
 from ..storage.config import StorageConfig
+from ..workers import DEFAULT_WORKER_NICE
 from .report import machine_info, print_table
 
 CASES = ("cold", "L1", "L3 + draft", "L3, no draft")
@@ -60,6 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--storage-backend", choices=["orbax", "file"], default="orbax")
     p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
+    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
+                   help="OS priority offset of the cache's D2H and L3 threads (0: the scheduler's; on a busy "
+                        "machine +19 starves the L3 reads and TTFT measures the queue)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/spec.json")
 
@@ -96,8 +100,10 @@ def _run(args) -> dict:
     device_pages = args.device_pages or 3 * -(-max_context // page)
     cache = EngineCacheConfig(page_size=page, device_pages=device_pages, host=HostPoolConfig(ratio=4.0),
                               max_batch=1, prefill_chunk=args.prefill_chunk, max_context=max_context,
+                              worker_nice=args.worker_nice,
                               storage=StorageConfig(backend=args.storage_backend, path=args.storage_dir,
-                                                    prefetch_policy="wait_complete", prefetch_threshold_tokens=page))
+                                                    prefetch_policy="wait_complete", prefetch_threshold_tokens=page,
+                                                    worker_nice=args.worker_nice))
     rng = np.random.default_rng(args.seed)
     prompts = [_pattern_prompt(rng, cfg.vocab_size, args.period, args.prompt_len) for _ in range(args.reps)]
     warm = [_pattern_prompt(rng, cfg.vocab_size, args.period, args.prompt_len) for _ in range(args.reps)]

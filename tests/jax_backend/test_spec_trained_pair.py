@@ -33,9 +33,10 @@ from hicache_jax.reference_model.weights import load_pair
 from hicache_jax.storage.config import StorageConfig
 
 PAGE, PROMPT_LEN, NEW, K, PROMPTS = 16, 192, 16, 4, 3
-# Measured with the checked-in pair (see the module docstring's setup): L1 hit 3.6-3.9,
-# without draft backing 1.4-1.8 per prompt. The bound leaves room for a retrained pair.
-NO_BACKING_MAX_RATIO = 0.7
+# Measured with the checked-in pair in this setup: the L1 hit and the restored L3 hit accept
+# every chain (5.0 = k + 1, per prompt), without draft backing 1.00 / 1.07 / 1.07 per prompt
+# (ratio ~0.21). Upstream's ratio was 3.07 / 6.94 = 0.44; the bound is 0.5.
+NO_BACKING_MAX_RATIO = 0.5
 
 
 def _prompt(rng: np.random.Generator, pair) -> list[int]:
@@ -85,7 +86,7 @@ def test_accept_length_survives_an_l3_restart_only_with_draft_backing(pair, tmp_
         assert [r.tokens for r in res] == [r.tokens for r in cold]
     mean = {name: float(np.mean([r.accept_length for r in res]))
             for name, res in (("cold", cold), ("l1", l1), ("restored", restored), ("stale", stale))}
-    assert mean["l1"] >= 2.5, mean  # the pair is trained: most proposals are accepted
+    assert mean["l1"] >= 4.0, mean  # the pair is trained: nearly every proposal is accepted
     assert [r.draft_proposals for r in restored] == [r.draft_proposals for r in l1]
     assert mean["restored"] >= 0.9 * mean["l1"], mean
     assert mean["stale"] <= NO_BACKING_MAX_RATIO * mean["l1"], mean
