@@ -26,7 +26,8 @@ dispatch to a pool is ``_attention``.
 
 Donation: the pool arrays passed in (both pools) are donated (updated in place) and must be
 replaced by the returned ones. Shapes are bucketed so steady-state serving reuses compiled steps:
-B to powers of two; T to ``token_buckets`` (then powers of two); the page-table width either fixed at ``max_pages_per_seq`` (one width: attention
+B to powers of two; T to 1 for decode (one token per sequence), else to ``token_buckets`` (then
+powers of two); the page-table width either fixed at ``max_pages_per_seq`` (one width: attention
 over a few padded keys is cheap next to the matmuls, and ``warmup`` can then compile every shape
 up front) or to powers of two.
 Threading: call from the thread that owns the pool.
@@ -248,10 +249,13 @@ class PagedRunner:
         return tables, first
 
     def _token_bucket(self, n: int, minimum: int = 1) -> int:
+        n = max(n, minimum)
+        if n == 1:  # decode: one token per sequence, no padded tokens (the shape warmup compiles)
+            return 1
         for t in self.token_buckets:
-            if t >= max(n, minimum):
+            if t >= n:
                 return t
-        return _bucket(max(n, minimum))
+        return _bucket(n)
 
     def warmup(self, pools: Pools, max_batch: int, max_new_tokens_per_step: int, *,
                swa_pools: Pools | None = None):
