@@ -338,6 +338,7 @@ def test_device_pool_and_transfer_engine_carry_the_swa_pool():
             swa_dev.set_layer(c, l, jnp.asarray(arr))
     b = run(toks[22:], 22, moved)
     np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, _dense_logits(runner.model, toks, _windows(cfg))[22], rtol=2e-4, atol=2e-4)
     eng.close()
 
 
