@@ -123,6 +123,9 @@ class SpecDecoder:
                  head: DraftHead | None = None) -> None:
         if not isinstance(config, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig, got {type(config).__name__}")
+        if model_config.is_hybrid:
+            raise ValueError(f"spec: speculative decoding over a hybrid model (sliding-window layers "
+                             f"{model_config.swa_layers}) is not supported")
         if model_config.vocab_size > MAX_SPEC_VOCAB:
             raise ValueError(f"spec: speculative decoding keys the tree by token pairs, which needs vocab_size "
                              f"<= {MAX_SPEC_VOCAB}, got {model_config.vocab_size}")
@@ -236,13 +239,18 @@ class SpecDecoder:
     def warmup(self, max_batch: int, chunk: int) -> None:
         """Compile the verify / prefill programs with every position's outputs, and the
         draft's extend + chain programs, for every shape serving uses."""
-        new = self.runner.warmup(self.target_pool.buffers, max_batch, chunk, all_positions=True,
-                                 decode_tokens=self.k + 1)
-        self._install(self.target_pool, new)
-        shapes = {(1, t, p) for t in self.runner.token_buckets if t <= chunk for p in (0, self.k)}
-        shapes |= {(1, self.runner.token_bucket(chunk), p) for p in (0, self.k)}
-        shapes |= {(self.runner.batch_bucket(b), self.runner.token_bucket(self.k + 1), self.k)
-                   for b in range(1, max_batch + 1)}
+        # Verify steps (k + 1 tokens), and one-token steps (a prompt's last chunk of one token).
+        for tokens in (self.k + 1, 1):
+            new = self.runner.warmup(self.target_pool.buffers, max_batch, chunk, all_positions=True,
+                                     decode_tokens=tokens)
+            self._install(self.target_pool, new)
+        # Draft: prefill chunks (extend only, or extend + proposals for the last one) and decode
+        # rounds (an extend of 1 .. k + 1 tokens, then the chain).
+        bucket = self.runner.token_bucket
+        shapes = {(1, bucket(t), p) for t in (*self.runner.token_buckets, 1) if t <= chunk for p in (0, self.k)}
+        shapes |= {(1, bucket(chunk), p) for p in (0, self.k)}
+        shapes |= {(self.runner.batch_bucket(b), bucket(t), self.k) for b in range(1, max_batch + 1)
+                   for t in (1, self.k + 1)}
         self._install(self.device_pool, self.draft.warmup(self.device_pool.buffers, sorted(shapes)))
 
     def close(self) -> None:

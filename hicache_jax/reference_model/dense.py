@@ -13,10 +13,14 @@ from .draft import DraftHead
 from .model import Block, Transformer
 
 
-def _dense_block(block: Block, x: jax.Array) -> jax.Array:
+def _dense_block(block: Block, x: jax.Array, window: int | None = None) -> jax.Array:
+    """One block, causal; ``window``: a sliding layer's window (``window`` module's convention:
+    position p sees [p - window + 1, p])."""
     b, t = x.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     causal = jnp.tril(jnp.ones((t, t), bool))
+    if window is not None:
+        causal = causal & ~jnp.tril(jnp.ones((t, t), bool), -window)
     mask = jnp.broadcast_to(causal, (b, t, t))
     kv_valid = jnp.ones((b, t), bool)
     h = block.norm1(x)
@@ -27,9 +31,11 @@ def _dense_block(block: Block, x: jax.Array) -> jax.Array:
 
 def target_forward(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens (B, T) -> (final normed hidden states f (B, T, H), logits (B, T, V))."""
+    cfg = model.cfg
     x = model.embed(tokens)
-    for block in model.blocks:
-        x = _dense_block(block, x)
+    for layer, block in enumerate(model.blocks):
+        sliding = cfg.pool_slot(layer)[0] == "swa"
+        x = _dense_block(block, x, cfg.sliding_window if sliding else None)
     f = model.norm(x)
     return f, model.lm_head(f)
 

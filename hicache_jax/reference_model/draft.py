@@ -41,8 +41,8 @@ Pools = dict[str, list[jax.Array]]
 
 
 def draft_block_config(cfg: ModelConfig) -> ModelConfig:
-    """The draft block's shape: the target's, with one layer."""
-    return replace(cfg, num_layers=1)
+    """The draft block's shape: the target's, with one full-attention layer."""
+    return replace(cfg, num_layers=1, layer_types=("full",), sliding_window=None, swa_as_full=False)
 
 
 def draft_kv_geometry(cfg: ModelConfig, page_size: int) -> KVGeometry:

@@ -46,6 +46,24 @@ def test_step_all_matches_the_dense_forward(attention):
     np.testing.assert_allclose(last[0], np.asarray(lg[0, -1]), rtol=2e-4, atol=2e-4)
 
 
+def test_step_all_on_a_hybrid_model_matches_the_dense_forward():
+    """Sliding-window layers: ``step_all`` over both pools, and the dense forward's banded mask."""
+    cfg = ModelConfig(**{**CFG.__dict__, "layer_types": "SF", "sliding_window": 6})
+    page = 4
+    runner = PagedRunner(cfg, page)
+    toks = np.random.default_rng(2).integers(0, cfg.vocab_size, 21)
+    table = np.arange(PAGES // 2)
+    swa_table = np.arange(PAGES // 2)[::-1].copy()
+    pools, swa = _pools(cfg.kv_geometry(page)), _pools(cfg.swa_kv_geometry(page))
+    _, _, pools, swa = runner.step_all(pools, [toks[:10].tolist()], [0], [table], swa_pools=swa,
+                                       swa_page_tables=[swa_table])
+    logits, hidden, _, _ = runner.step_all(pools, [toks[10:].tolist()], [10], [table], swa_pools=swa,
+                                           swa_page_tables=[swa_table])
+    f, lg = target_forward(runner.model, jnp.asarray(toks[None]))
+    np.testing.assert_allclose(hidden[0, :11], np.asarray(f[0, 10:]), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(logits[0, :11], np.asarray(lg[0, 10:]), rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("attention,page", [("mha", 1), ("mla", 4)])
 def test_draft_extend_and_chain_match_the_dense_draft(attention, page):
     cfg = ModelConfig(**{**CFG.__dict__, "attention": attention})
