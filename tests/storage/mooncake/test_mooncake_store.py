@@ -19,10 +19,11 @@ DTYPE_GEOMS = [KVGeometry.mha(2, 4, 2, 32, "bfloat16"), KVGeometry.mha(2, 4, 2, 
 
 @pytest.fixture(scope="module")
 def raw(master):
-    """A second, plain Mooncake client of the same master (another writer)."""
+    """A second, plain Mooncake client of the same master (another writer; lends no memory:
+    what it puts goes to the store node)."""
     from mooncake.store import MooncakeDistributedStore
     c = MooncakeDistributedStore()
-    assert c.setup("127.0.0.1", master.metadata_url, 16 << 20, 16 << 20, "tcp", "", master.rpc_address) == 0
+    assert c.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "", master.rpc_address) == 0
     yield c
     c.close()
 
