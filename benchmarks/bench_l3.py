@@ -46,20 +46,22 @@ dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages leave the cache
 needed). A fresh store object is opened for each read pass, so tensorstore holds no data.
 On tmpfs (``--dir /dev/shm/...``) nothing can be dropped: that run shows software cost only.
 
-``--backend mooncake``: the ``mooncake`` backend against a Mooncake master this process starts
+``--backend mooncake``: the ``mooncake`` backend against a Mooncake Store this process starts
 on loopback (``hicache_jax.storage.mooncake.MooncakeMaster``). Its raw baseline is the Mooncake
 client's own batch API on the same bytes in the same round: ``batch_put_from`` /
 ``batch_get_into`` of whole pages from / into a registered buffer, through the backend's own
-client (``MooncakeStorage.client``: the same segment, so both are local-segment transfers; a
-second client would get a random share of the objects placed in the other's segment). The
-backend adds a 64-byte header per page, a CRC-32C over the page on write and on read, the
+client (``MooncakeStorage.client``), so both place their objects alike. Placement
+(``--mooncake-placement``): ``node`` (default, the deployment ``MooncakeMaster`` sets up) puts
+every page in the store node's segment, another process (loopback TCP transfers); ``local``
+starts no node and the client lends the segment itself (memcpy transfers inside the process;
+its pages would vanish with it). The backend adds a 64-byte header per page, a CRC-32C over the page on write and on read, the
 multi-buffer calls that go straight from / into host pages, and its bounded worker call.
 Per round (order alternating): write every page (fresh keys), then read every page into
 host pages (one batched call of all pages, then one page per call). Ratios as above (paired
 per round, median).
 
 Usage: python -m benchmarks.bench_l3 [--quick] [--out PATH] [--dir DIR] [--pages N] [--page-mib M]
-                                     [--backend orbax|mooncake]
+                                     [--backend orbax|mooncake] [--mooncake-placement node|local]
 """
 
 from __future__ import annotations
@@ -412,9 +414,10 @@ def run_mooncake(args) -> dict:
     seg = max(256 << 20, 3 * total)  # a round's pages (backend's and raw), below Mooncake's watermark
     res: dict[str, list[float]] = {}
     load_before = os.getloadavg()
-    with MooncakeMaster() as m:
-        cfg = StorageConfig(backend="mooncake", mooncake_master=m.rpc_address, mooncake_metadata=m.metadata_url,
-                            mooncake_global_segment_bytes=seg, mooncake_op_timeout_s=60.0, read_concurrency=4)
+    local = args.mooncake_placement == "local"
+    with MooncakeMaster(store_node_bytes=0 if local else seg) as m:
+        cfg = m.storage_config(mooncake_global_segment_bytes=seg if local else 0, mooncake_op_timeout_s=60.0,
+                               read_concurrency=4)
         st = create_storage(cfg, {"target": host})
         raw = st.client
         src_bytes = host.array.reshape(n, -1).view(np.uint8)
@@ -488,19 +491,21 @@ def run_mooncake(args) -> dict:
     spec = [("write, one batch", "write_mooncake", "write_raw"), ("read, one batch", "read_mooncake", "read_raw"),
             ("read, one page per call", "read1_mooncake", "read1_raw")]
     rows = [(op, g[k], g[ref], paired(k, ref), g[k] / g[ref]) for op, k, ref in spec]
-    print_table(f"L3 mooncake: {n} pages x {pb / 2**20:.2f} MiB, {args.rounds} rounds, loopback master",
+    print_table(f"L3 mooncake: {n} pages x {pb / 2**20:.2f} MiB, {args.rounds} rounds, loopback master, "
+                f"pages in {'the client' if local else 'a store node'}",
                 ["op", "backend GB/s", "raw client GB/s", "ratio (paired)", "ratio of medians"], rows)
     return {
         "bench": "l3_mooncake",
         "machine": machine_info(),
         "config": {"pages": n, "page_bytes": pb, "rounds": args.rounds, "segment_bytes": seg,
+                   "placement": args.mooncake_placement,
                    "load_before": load_before, "load_after": load_after},
         "gbps": g,
         "seconds": res,
         "ratios": {op: {"paired": paired(k, ref), "of_medians": g[k] / g[ref]} for op, k, ref in spec},
         "backend_metrics": metrics,
         "note": "raw = the Mooncake client's own batch_put_from / batch_get_into of the same page bytes "
-                "(registered buffers, the backend's own client and segment) in the same round",
+                "(registered buffers, the backend's own client, the same placement) in the same round",
     }
 
 
@@ -519,12 +524,14 @@ def main(argv=None) -> dict:
     p.add_argument("--keep", action="store_true", help="keep the written stores")
     p.add_argument("--backend", choices=["orbax", "mooncake"], default="orbax",
                    help="orbax (and file) against raw file I/O, or mooncake against the raw Mooncake client")
+    p.add_argument("--mooncake-placement", choices=["node", "local"], default="node",
+                   help="mooncake: pages in a store node (default) or in the benchmark's own client")
     args = p.parse_args(argv)
     if args.quick:
         args.pages, args.page_mib, args.segment_pages, args.rounds, args.read_reps = 16, 0.25, 8, 1, 2
     if args.backend == "mooncake":
         if args.out == p.get_default("out"):
-            args.out = "benchmarks/results/l3_mooncake.json"
+            args.out = "benchmarks/results/l3_mooncake" + ("_local" if args.mooncake_placement == "local" else "") + ".json"
         payload = run_mooncake(args)
         print("wrote", write_json(args.out, payload))
         return payload

@@ -90,3 +90,26 @@ def test_bench_restart_on_mooncake(tmp_path, capsys):
     assert payload["config"]["storage_backend"] == "mooncake"
     assert "local Mooncake Store" in capsys.readouterr().out
     assert _children(names) == before  # the store it started is stopped
+
+
+@pytest.mark.parametrize("placement", ["node", "local"])
+def test_bench_l3_mooncake_quick(tmp_path, placement):
+    import subprocess
+    import sys
+
+    from storage_helpers import REPO, child_env
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no Mooncake master here: {reason}")
+    out = tmp_path / "l3.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_l3", "--backend", "mooncake", "--quick",
+                        "--mooncake-placement", placement, "--out", str(out)], cwd=REPO, env=child_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["placement"] == placement
+    for k in ("write_mooncake", "write_raw", "read_mooncake", "read_raw", "read1_mooncake", "read1_raw"):
+        assert data["gbps"][k] > 0
+    m = data["backend_metrics"]
+    assert m["corrupt"] == 0 and m["hits"] > 0 and m["hits"] == m["verified"]
