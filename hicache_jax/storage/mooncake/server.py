@@ -28,13 +28,14 @@ wrote them, a restarted engine hits them and a second engine (another process, i
 is served from them. Mooncake evicts from the node's segment by itself (lease, watermark).
 ``store_node_bytes=0`` starts no node; clients must then lend memory themselves.
 
-Processes die with their parent: the master and the node get ``PR_SET_PDEATHSIG`` (SIGKILL
-when the thread that started them exits: start them from a long-lived thread, e.g. the main
-one), and the metadata server exits when its parent does (polled every 0.2 s); ``stop()``
-(and the context manager, and an ``atexit`` hook) stop them in the normal case.
-``kill_master()`` / ``restart_master()`` / ``kill_store_node()`` are for fault tests: a
-restarted master comes back on the same ports, empty; the node re-mounts its segment with it
-by itself (its old objects are gone: the master forgot them).
+Processes die with their parent: all three get ``PR_SET_PDEATHSIG`` (SIGKILL when the thread
+that started them exits: start them from a long-lived thread, e.g. the main one), and the
+metadata server also exits when its parent does (polled every 0.2 s); ``stop()`` (and the
+context manager, and an ``atexit`` hook) stop them in the normal case. ``kill_master()`` /
+``restart_master()`` / ``kill_store_node()`` / ``start_store_node()`` are for fault tests: a
+restarted master comes back on the same ports, empty, and the node re-mounts its segment with
+it by itself (its old objects are gone: the master forgot them); a killed node's objects stay
+listed until the master gives up on it (``client_ttl_s``), and reads of them miss.
 
 Network exposure, stated plainly: master, metadata server and the node's own service port
 listen on ``host`` only, but every Mooncake client's transfer engine (the node's and each
