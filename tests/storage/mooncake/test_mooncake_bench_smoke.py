@@ -109,7 +109,8 @@ def test_bench_l3_mooncake_quick(tmp_path, placement):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["config"]["placement"] == placement
-    for k in ("write_mooncake", "write_raw", "read_mooncake", "read_raw", "read1_mooncake", "read1_raw"):
+    for k in ("write_mooncake", "write_raw", "write_rawm", "read_mooncake", "read_raw", "read_rawm", "read1_mooncake",
+              "read1_raw", "read1_rawm"):
         assert data["gbps"][k] > 0
     m = data["backend_metrics"]
     assert m["corrupt"] == 0 and m["hits"] > 0 and m["hits"] == m["verified"]
