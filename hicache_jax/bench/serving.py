@@ -16,6 +16,10 @@ in the same run (a no-cache pass, or a cold prefill), and results are reported a
 
 L3 lives in ``--storage-dir`` (default: a fresh temporary directory, removed afterwards) with
 the ``--storage-backend`` (default orbax); ``--storage-backend none`` runs L1 + L2 only.
+``--storage-backend mooncake`` uses the Mooncake Store at ``--mooncake-master`` /
+``--mooncake-metadata``, or by default starts a local one for the run (master, metadata
+server and a store node holding the pages, ``hicache_jax.storage.mooncake.MooncakeMaster``;
+engines lend it no memory) and stops it afterwards; ``restart``'s two processes share it.
 
 Compilation is excluded from every measurement: the engine is warmed up (``Engine.warmup``)
 and one throwaway request of each kind runs before the clock starts.
@@ -85,8 +89,13 @@ def model_config(args) -> ModelConfig:
 def storage_config(args) -> StorageConfig | None:
     if args.storage_backend == "none":
         return None
-    return StorageConfig(backend=args.storage_backend, path=args.storage_dir, prefetch_policy=args.prefetch_policy,
-                         prefetch_threshold_tokens=args.page_size, worker_nice=args.worker_nice)
+    common = dict(prefetch_policy=args.prefetch_policy, prefetch_threshold_tokens=args.page_size,
+                  worker_nice=args.worker_nice)
+    if args.storage_backend == "mooncake":
+        return StorageConfig(backend="mooncake", mooncake_master=args.mooncake_master,
+                             mooncake_metadata=args.mooncake_metadata,
+                             mooncake_global_segment_bytes=args.mooncake_segment_bytes, **common)
+    return StorageConfig(backend=args.storage_backend, path=args.storage_dir, **common)
 
 
 def build_engine(args, max_context: int) -> Engine:
@@ -100,21 +109,36 @@ def build_engine(args, max_context: int) -> Engine:
 
 
 class _StorageDir:
-    """``--storage-dir`` if given (kept), else a temporary directory removed at the end."""
+    """Where L3 lives for the run. Directory backends: ``--storage-dir`` if given (kept), else
+    a temporary directory removed at the end. ``mooncake``: the store at ``--mooncake-master``
+    if given, else a local one (master + store node) started here and stopped at the end."""
 
     def __init__(self, args) -> None:
-        self.args, self.tmp = args, None
+        self.args, self.tmp, self.store = args, None, None
 
     def __enter__(self):
-        if self.args.storage_backend != "none" and not self.args.storage_dir:
+        a = self.args
+        if a.storage_backend == "mooncake":
+            if not a.mooncake_master:
+                from ..storage.mooncake import MooncakeMaster
+
+                self.store = MooncakeMaster(store_node_bytes=a.mooncake_node_bytes).start()
+                print(f"[L3] local Mooncake Store: master {self.store.rpc_address}, store node "
+                      f"{a.mooncake_node_bytes / 2**30:.2f} GiB", flush=True)
+                a.mooncake_master, a.mooncake_metadata = self.store.rpc_address, self.store.metadata_url
+            return None
+        if a.storage_backend != "none" and not a.storage_dir:
             self.tmp = tempfile.mkdtemp(prefix="hicache-l3-")
-            self.args.storage_dir = self.tmp
-        return self.args.storage_dir
+            a.storage_dir = self.tmp
+        return a.storage_dir
 
     def __exit__(self, *exc) -> None:
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.args.storage_dir = None
+        if self.store is not None:
+            self.store.stop()
+            self.args.mooncake_master = self.args.mooncake_metadata = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,20 +474,21 @@ def _decode_overhead(engine: Engine, args, rng) -> dict:
 # restart
 def restart(args) -> dict:
     """Phase ``write`` and phase ``read`` run in separate processes over one storage directory."""
-    if args.storage_backend == "none":
-        raise SystemExit("restart: needs an L3 backend (--storage-backend orbax|file)")
+    if args.storage_backend in ("none", "memory"):
+        raise SystemExit("restart: needs an L3 that outlives a process (--storage-backend orbax|file|mooncake)")
     if args.phase != "both":
         return _restart_phase(args)
     with _StorageDir(args):
         phases = {}
         for phase in ("write", "read"):
             part = args.out.rsplit(".", 1)[0] + f".{phase}.json"
-            cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part,
-                   "--storage-dir", args.storage_dir]
+            cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part]
             for k in ("model", "attention", "page_size", "device_pages", "host_ratio", "write_policy", "max_batch",
-                      "prefill_chunk", "seed", "storage_backend", "prefetch_policy", "num_prompts", "prompt_len",
-                      "answer_len", "worker_nice"):
-                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+                      "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
+                      "prompt_len", "answer_len", "worker_nice", "mooncake_master", "mooncake_metadata",
+                      "mooncake_segment_bytes"):
+                if getattr(args, k) is not None:
+                    cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             print(f"[restart] phase {phase}: a new process (pid will differ) ...", flush=True)
             subprocess.run(cmd, check=True)
             with open(part) as f:
@@ -516,9 +541,16 @@ def add_common(p: argparse.ArgumentParser, out: str, model: str = "bench") -> No
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--storage-backend", choices=["orbax", "file", "memory", "none"], default="orbax",
+    p.add_argument("--storage-backend", choices=["orbax", "file", "memory", "mooncake", "none"], default="orbax",
                    help="L3 backend (none: L1 + L2 only)")
     p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
+    p.add_argument("--mooncake-master", default=None,
+                   help="mooncake: the master's host:port (default: start a local store for the run)")
+    p.add_argument("--mooncake-metadata", default=None, help="mooncake: the metadata URL (with --mooncake-master)")
+    p.add_argument("--mooncake-segment-bytes", type=int, default=0,
+                   help="mooncake: memory each engine lends the store (0: none, the store node holds the pages)")
+    p.add_argument("--mooncake-node-bytes", type=int, default=2 << 30,
+                   help="mooncake: memory of the local store's store node")
     p.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"], default="wait_complete")
     p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
                    help="OS priority offset of the cache's worker threads (0: same as the scheduler)")

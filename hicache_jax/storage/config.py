@@ -120,10 +120,12 @@ class StorageConfig:
     mooncake_*         The ``mooncake`` backend (a Mooncake Store client, ``hicache_jax.storage.mooncake``):
                        ``mooncake_master`` the master's RPC ``host:port`` and ``mooncake_metadata`` the
                        transfer engine's HTTP metadata URL (``http://host:port/metadata``), both required;
-                       ``mooncake_local_hostname`` the address this client's transfer engine announces;
+                       ``mooncake_local_hostname`` the address this client's transfer engine announces
+                       (it listens on every interface whatever this says: see ``mooncake.server``);
                        ``mooncake_protocol`` ``tcp`` or ``rdma`` (``mooncake_device``: RDMA devices);
                        ``mooncake_global_segment_bytes`` the memory this client lends the store (its
-                       pages live there: 0 lends none, for a client of a store other processes hold);
+                       pages live there and vanish with it: 0 lends none, for a client of a store whose
+                       memory a long-lived store node lends, as ``MooncakeMaster.storage_config()`` sets);
                        ``mooncake_local_buffer_bytes`` the client's transfer buffer;
                        ``mooncake_op_timeout_s`` the bound on every store call (exceeded: misses / failed
                        sets); ``mooncake_connect_timeout_s`` the bound on connecting at construction;
