@@ -121,9 +121,10 @@ class JaxTransferEngine(KVTransferEngine):
         padded[:h.size] = h  # padding reads host page 0; the scatter skips those positions
         per_layer: list[list[jax.Array]] = [[] for _ in range(self.geom.num_layers)]
         for c in self.geom.components:
+            layers = self.device_pool.layers(c)  # checked once (StaleDevicePoolError); updated in place below
             dev_buf = self._stage_h2d(c, padded)
             for layer in range(self.geom.num_layers):
-                new = self.copier.scatter(self.device_pool.layers(c)[layer], d, dev_buf, layer, self.order)
+                new = self.copier.scatter(layers[layer], d, dev_buf, layer, self.order)
                 self.device_pool.set_layer(c, layer, new)
                 per_layer[layer].append(new)
         return JaxLoadHandle(per_layer)
