@@ -105,7 +105,12 @@ class BackupIssuer:
                 comp.on_backup(chain)
             handle = ledger.components.backup(dev_ids, host_ids)
         else:
-            handle = ledger.components.backup(dev_ids, host_ids)
+            try:
+                handle = ledger.components.backup(dev_ids, host_ids)
+            except BaseException:  # the engine refused the copy: give the host pages back, then raise
+                res.host_allocator.free(host_ids)
+                res.refresh(anchor)
+                raise
             self._mark(chain, host_ids, tokens)
         m = self.metrics
         m.backup_tokens += tokens
