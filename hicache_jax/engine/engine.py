@@ -300,10 +300,8 @@ class Engine:
     def warmup(self) -> None:
         """Compile every model-step shape now (prefill chunks and decode batch sizes), so
         measured TTFTs contain no compilation. The cache contents are unchanged."""
-        new = self.runner.warmup(self.device_pool.buffers, self.cache_config.max_batch, self.cache_config.prefill_chunk)
-        for c, layers in new.items():
-            for l, arr in enumerate(layers):
-                self.device_pool.set_layer(c, l, arr)
+        cfg = self.cache_config
+        self.device_pool.apply(lambda pools: (None, self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk)))
 
     def evict_device_cache(self) -> int:
         """Evict every unlocked device page of the tree (backed-up nodes stay on the host).
@@ -434,12 +432,8 @@ class Engine:
         return req
 
     def _run(self, token_lists, starts, tables) -> np.ndarray:
-        pools = self.device_pool.buffers
-        logits, new = self.runner.step(pools, token_lists, starts, tables)
-        for c, layers in new.items():
-            for l, arr in enumerate(layers):
-                self.device_pool.set_layer(c, l, arr)
-        return logits
+        # The step donates the pool arrays; apply installs the ones it returns.
+        return self.device_pool.apply(self.runner.step, token_lists, starts, tables)
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
