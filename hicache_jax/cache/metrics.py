@@ -10,7 +10,7 @@ Names follow upstream's ``sglang:`` metrics (REFERENCE.md section 2.9) where one
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +53,7 @@ class CacheMetrics:
     # L3 (updated by an attached StorageController, on the owner thread)
     prefetch_calls: int = 0  # prefetches started (a storage lookup was queued)
     prefetch_skipped: int = 0  # not started: continuation under the threshold, host budget, closed
+    prefetch_skipped_by_reason: dict = field(default_factory=dict)  # the same, per PrefetchOperation.reason_code
     prefetch_revoked: int = 0  # started, then dropped: hit under the threshold, no host room, tree moved
     prefetch_timeouts: int = 0  # ``timeout`` policy: the deadline passed before the last page
     prefetch_truncated: int = 0  # the host could hold only the first part of the hit: that part was read

@@ -57,7 +57,8 @@ Prefetch (REFERENCE.md 2.6 flow; policies in ``storage.config``)
     ``prefetch(key)`` walks the tree read-only. It starts only when the match ends on a
     backed-up node (or the root), the continuation after it is >= the threshold
     (``max(prefetch_threshold_tokens, page_size)``) and prefetches in flight hold less than
-    ``max_inflight_fraction`` of the host pool. It host-locks the anchor node (the match's
+    ``max_inflight_fraction`` of the host pool. A skipped prefetch says why (``op.reason``,
+    ``op.reason_code``), counts in ``metrics.prefetch_skipped_by_reason`` and logs it (debug). It host-locks the anchor node (the match's
     deepest node) and queues a query on the query thread: hash the continuation's page keys
     and count consecutive storage hits in ``batch_pages`` batches, stopping at the first
     partial batch. On the owner thread (``poll``, ``prefetch_ready`` or ``finish_prefetch``) a
@@ -163,13 +164,19 @@ class PrefetchOperation:
     ``skipped`` (never started), ``querying`` (counting storage hits), ``loading`` (host pages
     reserved, reading), ``revoked`` (dropped; nothing attached), ``finished`` (after
     ``finish_prefetch``; ``storage_tokens`` is the result), ``closed`` (controller closed).
+
+    ``reason`` says in words why it was skipped or revoked; a skipped one also has
+    ``reason_code``: ``below_threshold`` (the continuation after what the tree holds is
+    shorter than ``StorageConfig.prefetch_threshold_tokens``), ``not_backed_up``,
+    ``host_budget``, ``namespace_unsupported`` or ``closed``.
     """
 
     def __init__(self, controller: "StorageController", key: RadixKey) -> None:
         self._ctrl = controller
         self.key = key
         self.status = "skipped"
-        self.reason = ""
+        self.reason = ""  # why it was skipped or revoked, in words (with the numbers)
+        self.reason_code = ""  # a skipped prefetch: the label of prefetch_skipped_total{reason}
         self.start = 0  # tokens of the key already backed up in the tree at prefetch time
         self.end = 0  # page-aligned end of the key
         self.storage_tokens = 0
@@ -289,6 +296,7 @@ class StorageController:
         self._io = background_executor("hicache-l3-io", nice)
         self._writer = background_executor("hicache-l3-backup", nice)
         self._closed = False
+        self._threshold_skip_logged = False
         cache.storage_hook = self
 
     # ------------------------------------------------------------------ keys
@@ -500,26 +508,27 @@ class StorageController:
         p = self.page_size
         n = len(key) - len(key) % p
         if self._closed:
-            op.status, op.reason = "closed", "controller closed"
-            m.prefetch_skipped += 1
+            op.status = "closed"
+            self._skip(op, "closed", "controller closed")
             return op
         self.poll()
         anchor, matched, anchor_m = cache.backed_up_prefix(key)
         op.start, op.end = matched, n
-        reason = ""
+        code = reason = ""
         if anchor is not cache.root and anchor.host_value is None:
-            reason = "the matched prefix is not backed up"
+            code, reason = "not_backed_up", "the matched prefix is not backed up"
         elif n - matched < self.threshold:
-            reason = "continuation below the threshold"
+            code = "below_threshold"
+            reason = (f"continuation below the threshold: {n - matched} tokens after the {matched} the tree "
+                      f"holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
         elif self._inflight_pages() >= self.max_inflight_fraction * cache.host_allocator.num_pages:
-            reason = "prefetches in flight hold the host budget"
+            code, reason = "host_budget", "prefetches in flight hold the host budget"
         else:
             ns = self._namespaces(key.namespace)
             if ns is None:
-                reason = "namespace not supported"
-        if reason:
-            op.reason = reason
-            m.prefetch_skipped += 1
+                code, reason = "namespace_unsupported", "namespace not supported"
+        if code:
+            self._skip(op, code, reason)
             return op
         op._ns = ns
         if anchor is not cache.root:
@@ -534,6 +543,21 @@ class StorageController:
         m.prefetch_calls += 1
         self._query.submit(self._run_query, op)
         return op
+
+    def _skip(self, op: PrefetchOperation, code: str, reason: str) -> None:
+        """``op`` never starts: record why (``op.reason_code`` / ``op.reason``), count it per
+        reason (``prefetch_skipped_by_reason``) and log it (debug; the first threshold skip
+        also at info, since it hides every storage hit of short prompts)."""
+        op.reason_code, op.reason = code, reason
+        m = self.cache.metrics
+        m.prefetch_skipped += 1
+        m.prefetch_skipped_by_reason[code] = m.prefetch_skipped_by_reason.get(code, 0) + 1
+        if code == "below_threshold" and not self._threshold_skip_logged:
+            self._threshold_skip_logged = True
+            log.info("L3: prefetch skipped: %s; shorter continuations never read L3 (further skips are "
+                     "logged at debug level)", reason)
+        else:
+            log.debug("L3: prefetch of %d tokens skipped: %s", op.requested_tokens, reason)
 
     def _run_query(self, op: PrefetchOperation) -> None:  # query thread
         keys: dict[str, list[bytes]] = {}
@@ -625,6 +649,7 @@ class StorageController:
         self._ops.discard(op)
         if count:
             self.cache.metrics.prefetch_revoked += 1
+        log.debug("L3: prefetch revoked: %s", reason)
         self._release_anchor(op)
 
     def _deadline(self, op: PrefetchOperation) -> float:

@@ -437,6 +437,26 @@ def test_threshold_skip_and_revoke(backend_factory):
     ctl.close()
 
 
+def test_threshold_skip_is_visible(backend_factory, caplog):
+    """A prefetch under the threshold says why (reason, reason_code), counts per reason and logs:
+    once at info, then at debug."""
+    import logging
+    cache, be, ctl = setup(backend_factory, prefetch_threshold_tokens=8)
+    m = cache.metrics
+    with caplog.at_level(logging.DEBUG, logger="hicache_jax.cache.storage"):
+        a = ctl.prefetch(seq(0, 6))
+        b = ctl.prefetch(seq(100, 7))
+    assert a.status == b.status == "skipped" and a.reason_code == b.reason_code == "below_threshold"
+    assert "6 tokens" in a.reason and "< 8" in a.reason and "prefetch_threshold_tokens" in a.reason
+    assert m.prefetch_skipped_by_reason == {"below_threshold": 2} and m.prefetch_skipped == 2
+    recs = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert [r.levelno for r in recs] == [logging.INFO, logging.DEBUG], [r.getMessage() for r in recs]
+    ctl.close()
+    closed = ctl.prefetch(seq(0, 20))
+    assert closed.status == "closed" and closed.reason_code == "closed"
+    assert m.prefetch_skipped_by_reason == {"below_threshold": 2, "closed": 1}
+
+
 def test_threshold_is_at_least_a_page(backend_factory):
     cache, be = make_cache(backend_factory, page_size=4)
     ctl = StorageController(cache, StorageConfig(backend="memory", prefetch_threshold_tokens=0), model="m")
