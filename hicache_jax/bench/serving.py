@@ -391,7 +391,7 @@ def _decode_overhead(engine: Engine, args, rng) -> dict:
         if e.cache.in_flight[0]:
             return True
         ctl = e.storage
-        return ctl is not None and (ctl.stats()["backups_in_flight"] > 0 or ctl.storage.writes_pending())
+        return ctl is not None and (ctl.stats()["storage_backups_in_flight"] > 0 or ctl.storage.writes_pending())
 
     def run(e: Engine, backups: bool) -> dict:
         prompts = [rng.integers(0, vocab, 64).tolist() for _ in range(n)]
