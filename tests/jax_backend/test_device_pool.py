@@ -119,3 +119,22 @@ def test_set_layer_refuses_a_deleted_array():
         pool.set_layer("k", 0, arr)
     with pytest.raises(ValueError, match="layer: expected an int"):
         pool.set_layer("k", 7, jnp.zeros((8,) + GEOM.page_shape, pool.dtype))
+
+
+def test_layers_stay_committed_after_a_load_so_steps_do_not_recompile():
+    """jit caches on committedness: a load's scatter output installed uncommitted made the next
+    model step compile again (seconds per request in the serving benchmark)."""
+    pool = JaxDevicePool(GEOM, 8)
+    host = HostKVPool(GEOM, 8, HostLayout.PAGE_FIRST)
+    engine = JaxTransferEngine(pool, host)
+    try:
+        engine.load(np.array([0, 1]), np.array([3, 4])).wait()
+        assert all(a.committed for c in GEOM.components for a in pool.buffers[c])
+        step = jax.jit(lambda pools: (None, pools), donate_argnums=(0,))
+        pool.apply(step)  # compiles once for committed inputs
+        size = step._cache_size()
+        engine.load(np.array([2]), np.array([5])).wait()
+        pool.apply(step)
+        assert step._cache_size() == size  # no second compilation after the load
+    finally:
+        engine.close()

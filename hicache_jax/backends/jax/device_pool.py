@@ -129,7 +129,12 @@ class JaxDevicePool:
         if array.is_deleted():
             raise ValueError(f"array: already deleted (donated to another step); install the output of the "
                              f"step that consumed layer {layer} of {component!r} instead")
-        self.buffers[component][layer] = array
+        self.buffers[component][layer] = self._committed(array)
+
+    def _committed(self, array: jax.Array) -> jax.Array:
+        # jit keys its cache on committedness: an uncommitted layer (a page-copy scatter can
+        # return one) would make the next model step compile again for that mix of inputs.
+        return array if array.committed else jax.device_put(array, self.sharding)
 
     def apply(self, step: Callable[..., tuple[Any, Mapping[str, list[jax.Array]]]], *args: Any, **kwargs: Any) -> Any:
         """Run ``step(buffers, *args, **kwargs) -> (result, new_buffers)`` and install ``new_buffers``.
@@ -162,7 +167,7 @@ class JaxDevicePool:
                     raise ValueError(f"{what}: layer {l} of {c!r}: expected {old.shape} {old.dtype}, got "
                                      f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')}")
         for c, layers in new.items():
-            self.buffers[c] = list(layers)
+            self.buffers[c] = [self._committed(a) for a in layers]
 
     def write_pages(self, page_ids: object, kv: Mapping[str, Any]) -> None:
         """Write whole pages: ``kv[component]`` is ``(L, n, page, H, D)`` (a device or host array

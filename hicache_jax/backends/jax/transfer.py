@@ -146,7 +146,7 @@ class JaxTransferEngine(KVTransferEngine):
             for layer in range(self.geom.num_layers):
                 new = self.copier.scatter(layers[layer], d, dev_buf, layer, self.order)
                 self.device_pool.set_layer(c, layer, new)
-                per_layer[layer].append(new)
+                per_layer[layer].append(layers[layer])  # the installed (committed) array
         return JaxLoadHandle(per_layer)
 
     def _stage_h2d(self, component: str, padded_ids: np.ndarray) -> jax.Array:
