@@ -118,7 +118,7 @@ def _drop_file(path: str) -> None:
 
 
 def _geometry(page_mib: float) -> KVGeometry:
-    # REFERENCE.md 6: page (2, 32, 16, 8, 128) bf16 = 2 MiB; scale layers for other sizes
+    # A realistic page: (2, 32, 16, 8, 128) bf16 = 2 MiB; scale layers for other sizes
     layers = max(1, int(round(32 * page_mib / 2)))
     return KVGeometry.mha(layers, 16, 8, 128, "bfloat16")
 

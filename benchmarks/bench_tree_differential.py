@@ -1,6 +1,6 @@
 """Differential replay: our HiRadixCache vs upstream sglang 0.5.18's, random branchy traces.
 
-Issue 21 point 17's benchmark. The REFERENCE 4.3 trace (``make_trace``) never evicts much and
+Issue 21 point 17's benchmark. The multiturn-64x10 trace (``bench_tree_multiturn.make_trace``) never evicts much and
 never branches, so the two trees' aggregate hit rates match on it exactly; this replays random
 traces that stress eviction through both trees in one process and reports the hit rates per
 tier side by side, for every configuration:

@@ -1,6 +1,7 @@
-"""Multi-turn replay through HiRadixCache (REFERENCE.md section 4.3 trace).
+"""Multi-turn replay through HiRadixCache on the multiturn-64x10 trace.
 
-64 clients x 10 rounds from random.Random(0): 4 system prompts of 1,024 tokens, each turn
+The multiturn-64x10 trace (``make_trace``; the trace the tree benchmarks and the comparison
+with upstream sglang replay): 64 clients x 10 rounds from random.Random(0): 4 system prompts of 1,024 tokens, each turn
 appends 256 user tokens, the answer is 128 tokens. Page size 1, 60k device tokens, host
 ratio 4. Per request, in upstream's order: match -> load-back (if any) -> lock -> alloc
 (``alloc_device``, which evicts when short) -> prefill writes KV -> insert prompt, re-match, move lock
@@ -53,7 +54,7 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 
 def make_trace(clients: int = 64, rounds: int = 10, system_len: int = 1024, user_len: int = 256,
                answer_len: int = 128, seed: int = 0) -> list[dict]:
-    """The REFERENCE 4.3 trace; draw order matters for reproducing its hit rates."""
+    """The multiturn-64x10 trace (module docstring); draw order matters for reproducing its hit rates."""
     rng = random.Random(seed)
     systems = [[rng.randint(1, 32000) for _ in range(system_len)] for _ in range(4)]
     history = [list(systems[c % 4]) for c in range(clients)]

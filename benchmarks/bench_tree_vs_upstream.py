@@ -3,15 +3,15 @@
 The tree-throughput goal is a multiple of upstream's req/s "on these machines", but the
 project VM's speed swings by up to ~1.7x between minutes (upstream's own tree measured
 600-1,100 req/s on it within one hour). So this benchmark measures both trees in one process,
-alternately: each round replays the REFERENCE 4.3 trace (``make_trace``) once through our tree
+alternately: each round replays the multiturn-64x10 trace (``bench_tree_multiturn.make_trace``) once through our tree
 (``bench_tree_multiturn.run``, manager mode) and once through upstream's ``HiRadixCache``
 (``upstream_tree_replay.run``, sglang 0.5.18), the order alternating per round, and reports
 the median over rounds of the per-round ratio ours / upstream (paired, so a drift in the
 machine's speed cancels) beside both trees' medians.
 
 Same work on both sides: page size 1, 60,000 device tokens, host ratio 4, the same per-request
-op order (see both replays' docstrings), hit rates checked equal. Upstream's KV is REFERENCE
-4.3's (MHA, 2 layers x 1 head x 8 dims, bf16, K and V: 64 B/token). Our tree runs twice per
+op order (see both replays' docstrings), hit rates checked equal. Upstream's KV is the
+multiturn-64x10 trace's (MHA, 2 layers x 1 head x 8 dims, bf16, K and V: 64 B/token). Our tree runs twice per
 round (``--ours-kv``): ``manager`` is ``bench_tree_multiturn``'s manager mode as issue 3 defines
 it (a tiny 1-layer KV, one 8-wide bf16 latent: 16 B/token), the goal's comparison; ``upstream``
 gives our tree upstream's KV geometry, so both move the same bytes (stricter: the numpy copies

@@ -1,4 +1,4 @@
-"""Same-run baseline: upstream SGLang's ``HiRadixCache`` replaying the REFERENCE 4.3 trace on CPU.
+"""Same-run baseline: upstream SGLang's ``HiRadixCache`` replaying the multiturn-64x10 trace on CPU.
 
 A *baseline only*. This VM's speed swings ~1.7x between runs, so absolute req/s are not
 comparable across runs; run this beside ``bench_tree_multiturn.py`` and report our tree's req/s
@@ -9,7 +9,7 @@ the installed wheel (sglang 0.5.18, ``sglang/srt/mem_cache/hiradix_cache.py``).
 What it measures
     The trace is ``make_trace()`` from ``bench_tree_multiturn.py`` (64 clients x 10 rounds,
     ``random.Random(0)``; 640 requests, 1,925,120 prompt tokens). Upstream's tree is built with
-    the REFERENCE configuration: MHA KV of 2 layers x 1 head x 8 dims (bf16, K and V), 60,000
+    the multiturn-64x10 trace's configuration: MHA KV of 2 layers x 1 head x 8 dims (bf16, K and V), 60,000
     device tokens, page size 1, host ratio 4 (upstream sizes the host pool to 240,001 tokens),
     io backend ``direct`` with the ``layer_first`` host layout, no L3. Per request, in the same
     order as ``run()`` in ``bench_tree_multiturn.py`` (and the scheduler):
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
     import_s = time.perf_counter() - t0
     up.torch.set_num_threads(args.threads)
     init_process_group(up.torch)
-    from benchmarks.bench_tree_multiturn import make_trace  # the REFERENCE 4.3 trace, not duplicated
+    from benchmarks.bench_tree_multiturn import make_trace  # the multiturn-64x10 trace, not duplicated
 
     trace = make_trace()
     # Repeats round-robin over the policies, so a drift in the machine's speed hits all alike.

@@ -63,5 +63,5 @@ ensure_mooncake_libs() {
   return 0
 }
 
-ensure_jax_env() { ensure_mooncake_libs; _ensure_venv .venv 3.12 -e ".[jax,dev,bench,mooncake]"; }
+ensure_jax_env() { ensure_mooncake_libs; _ensure_venv .venv 3.12 -e ".[jax,engine,storage,metrics,bench,dev,mooncake]"; }
 ensure_torch_env() { _ensure_venv .venv-torch 3.11 "torch==2.13.0" -e ".[dev]"; }

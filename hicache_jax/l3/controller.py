@@ -1,6 +1,6 @@
 """L3 controller: write-through backups host (L2) -> storage (L3), and prefetch storage -> host.
 
-Usage (REFERENCE.md 2.6; the engine's scheduler thread owns the cache and the controller)::
+Usage (upstream HiCache's L3 flow; the engine's scheduler thread owns the cache and the controller)::
 
     cache = HiRadixCache(HiCacheConfig(page_size=16, storage=StorageConfig(backend="file", path=d)),
                          engine, device_allocator, sidecars={"draft": draft_engine})
@@ -53,7 +53,7 @@ L3 backup (write-through from L2, no threshold)
     then drops the host lock at its next ``poll``. A node whose pages failed is retried on
     the next backup below it.
 
-Prefetch (REFERENCE.md 2.6 flow; policies in ``storage.config``)
+Prefetch (upstream HiCache's flow; policies in ``storage.config``)
     ``prefetch(key)`` walks the tree read-only. It starts only when the match ends on a
     backed-up node (or the root), the continuation after it is >= the threshold
     (``max(prefetch_threshold_tokens, page_size)``) and prefetches in flight hold less than
