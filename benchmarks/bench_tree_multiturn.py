@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--verify", action="store_true", help="check KV bytes of every hit")
     ap.add_argument("--check-every", type=int, default=0, help="sanity_check every N requests")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "tree_multiturn.json"))
+    ap.add_argument("--out", default=os.path.join("hicache-results", "tree_multiturn.json"),
+                    help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     policies = [p for p in args.policies.split(",") if p]
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {os.path.abspath(args.out)}")
     return results
 
 

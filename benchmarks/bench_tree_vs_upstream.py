@@ -47,7 +47,7 @@ from benchmarks import upstream_tree_replay as upstream  # noqa: E402  (sets SGL
 from benchmarks.bench_tree_multiturn import make_trace  # noqa: E402
 from benchmarks.bench_tree_multiturn import run as run_ours  # noqa: E402
 from hicache_jax import KVGeometry  # noqa: E402
-from hicache_jax.bench.report import machine_info, print_table, write_json  # noqa: E402
+from hicache_jax.bench.report import machine_info, print_table, results_path, write_json  # noqa: E402
 
 GOAL_RATIO = 5.0  # issue 3: >= 5x upstream's req/s (write_through, manager-bound)
 
@@ -78,13 +78,16 @@ def _same_hits(a: dict, b: dict) -> bool:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default="write_through")
+    ap.add_argument("--quick", action="store_true", help="2 paired rounds, no warm-up (a smoke run)")
     ap.add_argument("--rounds", type=int, default=9, help="paired rounds per policy")
     ap.add_argument("--ours-kv", default=",".join(KV_VARIANTS),
                     help="our tree's KV geometry: manager (issue 3's manager mode), upstream (upstream's)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed replays per tree first")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "tree_vs_upstream.json"))
+    ap.add_argument("--out", default=results_path("tree_vs_upstream"), help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = min(args.rounds, 2), 0
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         if p not in upstream.POLICIES:

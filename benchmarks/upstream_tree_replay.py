@@ -461,6 +461,7 @@ def run(up, trace, policy: str, check: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--quick", action="store_true", help="one timed replay, no warm-up (a smoke run)")
     ap.add_argument("--repeats", type=int, default=3, help="timed replays per policy (fresh cache each)")
     ap.add_argument("--check", action="store_true",
                     help="untimed: KV round-trip and tree-invariant checks after every request")
@@ -468,8 +469,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="untimed replays (of the first policy) before the timed ones; the first replay "
                          "in a process runs ~30%% slower")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "upstream_tree_replay.json"))
+    ap.add_argument("--out", default=os.path.join("hicache-results", "upstream_tree_replay.json"),
+                    help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 1, 0
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         if p not in POLICIES:
