@@ -35,7 +35,7 @@ _ensure_venv() {  # $1 = dir, $2 = python version, rest = pip install arguments
   if [ -z "$py" ]; then
     echo "error: Python $ver not found (tried python$ver, pyenv versions $ver.*)" >&2; return 1
   fi
-  echo ">> creating $1 with $py ($("$py" --version)) ..." >&2
+  echo ">> creating ${dir#$ROOT/} with $py ($("$py" --version)) ..." >&2
   rm -rf "$dir"
   "$py" -m venv "$dir"
   "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null
