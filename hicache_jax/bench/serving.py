@@ -207,6 +207,8 @@ def _summarize(rounds: list[_Round]) -> dict:
         "ttft_all_s": ttft,
         "ttft_by_round_s": [[x.ttft_s for x in r.results] for r in rounds],
         "ttft_by_tier": {t: [x.ttft_s for x in res if serving_tier(x) == t] for t in TIERS},
+        "service_all_s": [x.service_s for x in res],
+        "service_by_tier": {t: [x.service_s for x in res if serving_tier(x) == t] for t in TIERS},
         "per_request": [{"round": i, "prompt_len": x.prompt_len, "cached": x.cached_tokens, "ttft_s": x.ttft_s,
                          "queue_s": x.queue_s, "service_s": x.service_s, "prefill_tokens": x.prefill_tokens}
                         for i, r in enumerate(rounds) for x in r.results],
