@@ -83,6 +83,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from benchmarks._report import gbps, machine_info, median_seconds, print_table, write_json
+from hicache_jax.bench.report import results_path
 from hicache_jax import HostKVPool, KVGeometry
 from hicache_jax.storage import Namespace, PageCodec, StorageConfig, create_storage, page_keys
 from hicache_jax.storage import integrity
@@ -125,7 +126,7 @@ def _drop_file(path: str) -> None:
 
 
 def _geometry(page_mib: float) -> KVGeometry:
-    # REFERENCE.md 6: page (2, 32, 16, 8, 128) bf16 = 2 MiB; scale layers for other sizes
+    # A realistic page: (2, 32, 16, 8, 128) bf16 = 2 MiB; scale layers for other sizes
     layers = max(1, int(round(32 * page_mib / 2)))
     return KVGeometry.mha(layers, 16, 8, 128, "bfloat16")
 
@@ -542,7 +543,7 @@ def run_mooncake(args) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
-    p.add_argument("--out", default="benchmarks/results/l3.json")
+    p.add_argument("--out", default=results_path("l3"), help="JSON result (under the current directory)")
     p.add_argument("--dir", default=None, help="store directory (default: a fresh temp dir, removed after)")
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--page-mib", type=float, default=2.0)
@@ -557,11 +558,13 @@ def main(argv=None) -> dict:
     p.add_argument("--mooncake-placement", choices=["node", "local"], default="node",
                    help="mooncake: pages in a store node (default) or in the benchmark's own client")
     args = p.parse_args(argv)
+    print(f"[bench_l3] {args.backend}: {args.rounds} rounds x {args.read_reps} read passes; progress follows",
+          file=sys.stderr, flush=True)
     if args.quick:
         args.pages, args.page_mib, args.segment_pages, args.rounds, args.read_reps = 16, 0.25, 8, 1, 2
     if args.backend == "mooncake":
         if args.out == p.get_default("out"):
-            args.out = "benchmarks/results/l3_mooncake" + ("_local" if args.mooncake_placement == "local" else "") + ".json"
+            args.out = results_path("l3_mooncake" + ("_local" if args.mooncake_placement == "local" else ""))
         payload = run_mooncake(args)
         print("wrote", write_json(args.out, payload))
         return payload
