@@ -47,7 +47,7 @@ def test_bench_starts_a_store_uses_it_and_stops_it(capsys):
 
     names = ("mooncake_master", "mooncake_client")
     before = _children(names)
-    args = cli._parser().parse_args(["bench", "ttft", "--storage-backend", "mooncake",
+    args = cli.parser().parse_args(["bench", "ttft", "--storage-backend", "mooncake",
                                      "--mooncake-node-bytes", str(64 << 20)])
     src = HostKVPool(GEOM, 4, "page_first")
     fill_random(src, 31)
