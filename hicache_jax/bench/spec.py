@@ -18,83 +18,61 @@ then drops its L1/L2 contents, so in every case the pages a request gets last he
 prompt's KV, in both pools: the state of a server that has been serving (upstream's failure:
 reused slots, old draft content). Only the draft backing differs between cases 3 and 4.
 
-Per case: accept length (mean per verify step), TPOT ((E2E - TTFT) / (new tokens - 1)),
-end-to-end latency and TTFT, each the median over ``--reps`` prompts (accept length: the
-mean), the cached tokens per tier, and whether the tokens equal the cold run's. Ratios:
-restored (case 3) / L1 accept length, and case 4 / L1. A table, JSON (``--out``) and a PNG.
-The restart is a new engine in the same process (its pools and tree are new; only L3 is
-shared), not a new process: the compiled programs are reused, so the cases time only serving.
+Per case: accept length (mean per verify step, over the prompts), TPOT ((E2E - TTFT) / (new
+tokens - 1)), end-to-end latency and TTFT, each the median over ``--reps`` prompts, the cached
+tokens per tier, and whether the tokens equal the cold run's. Ratios: restored (case 3) / L1
+accept length, and case 4 / L1. A table, JSON (``--out``) and a PNG beside it.
+
+The restart is a new engine in the same process (new pools, tree and cache; only the L3
+directory is shared), not a new process: the compiled programs are reused, so the cases time
+serving, not compilation. ``hicache-jax bench restart`` covers the cross-process restart.
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
-import sys
 import tempfile
-import time
+from typing import TYPE_CHECKING
 
-import numpy as np
+from . import plots
+from .report import Progress, machine_info, print_table
 
-from ..engine import Engine, EngineCacheConfig, SpecConfig
-from ..host_pool import HostPoolConfig
-from ..reference_model.weights import TOY_PAIR_PATH, load_pair
-from ..storage.config import StorageConfig
-from ..workers import DEFAULT_WORKER_NICE
-from .report import machine_info, print_table
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
 
 CASES = ("cold", "L1", "L3 + draft", "L3, no draft")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", default=str(TOY_PAIR_PATH), help="target + draft pair (.npz)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--period", type=int, default=None,
-                   help="pattern length of the repetitive prompt (default: the one the pair was trained on)")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--k", type=int, default=4, help="draft tokens per verify step")
-    p.add_argument("--reps", type=int, default=3, help="prompts (patterns) per case")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--device-pages", type=int, default=None, help="L1 pages (default: 3 requests' worth)")
-    p.add_argument("--max-context", type=int, default=None, help="default: prompt + new tokens + 2k + a page")
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--storage-backend", choices=["orbax", "file"], default="orbax")
-    p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
-    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
-                   help="OS priority offset of the cache's D2H and L3 threads (0: the scheduler's; on a busy "
-                        "machine +19 starves the L3 reads and TTFT measures the queue)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/spec.json")
-
-
-def _pattern_prompt(rng: np.random.Generator, vocab: int, period: int, length: int) -> list[int]:
-    return np.resize(rng.integers(0, vocab, period), length).tolist()
-
-
-def _say(msg: str) -> None:
-    print(f"[spec] {msg}", file=sys.stderr, flush=True)
-
-
 def run(args) -> dict:
-    tmp = None
-    if not args.storage_dir:
-        tmp = args.storage_dir = tempfile.mkdtemp(prefix="hicache-spec-l3-")
-    try:
-        return _run(args)
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-            args.storage_dir = None
+    with Progress("spec") as progress:
+        tmp = None
+        if not args.storage_dir:
+            tmp = args.storage_dir = tempfile.mkdtemp(prefix="hicache-spec-l3-")
+        try:
+            return _run(args, progress)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+                args.storage_dir = None
 
 
-def _run(args) -> dict:
-    pair = load_pair(args.weights)
+def _run(args, progress: Progress) -> dict:
+    progress.phase("loading the toy pair (imports JAX)")
+    import numpy as np
+
+    from ..engine import Engine, EngineCacheConfig, SpecConfig
+    from ..host_pool import HostPoolConfig
+    from ..reference_model.weights import TOY_PAIR_PATH, load_pair
+    from ..storage.config import StorageConfig
+
+    pair = load_pair(TOY_PAIR_PATH if args.weights == "toy" else args.weights)
     cfg = pair.config
-    if args.period is None:
-        args.period = int(pair.meta.get("periods", [32, 32])[-1])
-    if args.period < 1:
-        raise SystemExit(f"--period: expected >= 1, got {args.period}")
+    period = args.period or int(pair.meta.get("periods", [32, 32])[-1])
+    for name, v, low in (("--period", period, 1), ("--prompt-len", args.prompt_len, 2), ("--k", args.k, 1),
+                         ("--new-tokens", args.new_tokens, 2), ("--reps", args.reps, 1)):
+        if v < low:
+            raise SystemExit(f"{name}: expected >= {low}, got {v}")
     page = args.page_size
     max_context = args.max_context or args.prompt_len + args.new_tokens + 2 * args.k + page
     device_pages = args.device_pages or 3 * -(-max_context // page)
@@ -105,10 +83,14 @@ def _run(args) -> dict:
                                                     prefetch_policy="wait_complete", prefetch_threshold_tokens=page,
                                                     worker_nice=args.worker_nice))
     rng = np.random.default_rng(args.seed)
-    prompts = [_pattern_prompt(rng, cfg.vocab_size, args.period, args.prompt_len) for _ in range(args.reps)]
-    warm = [_pattern_prompt(rng, cfg.vocab_size, args.period, args.prompt_len) for _ in range(args.reps)]
 
-    def engine(backing: bool, warm_prompt: list[int]) -> Engine:
+    def pattern_prompt() -> list[int]:
+        return np.resize(rng.integers(0, cfg.vocab_size, period), args.prompt_len).tolist()
+
+    prompts = [pattern_prompt() for _ in range(args.reps)]
+    warm = [pattern_prompt() for _ in range(args.reps)]
+
+    def engine(backing: bool, warm_prompt: list[int]) -> "Engine":
         e = Engine(cfg, cache, spec=SpecConfig(num_draft_tokens=args.k, draft_backing=backing), weights=pair)
         e.warmup()
         e.generate([warm_prompt], args.new_tokens)  # compiles the transfer paths; fills both pools
@@ -117,19 +99,20 @@ def _run(args) -> dict:
         return e
 
     results: dict[str, list] = {c: [] for c in CASES}
-    t0 = time.perf_counter()
+    progress.phase("serving (each engine compiles and warms up first)", 4 * args.reps)
     for r, prompt in enumerate(prompts):
-        _say(f"prompt {r + 1}/{args.reps}: cold and L1 (engine with draft backing) ...")
         e = engine(True, warm[r])
         results["cold"].append(e.generate([prompt], args.new_tokens)[0])
+        progress.advance(1, f"prompt {r + 1}: cold, accept length {results['cold'][-1].accept_length:.2f}")
         results["L1"].append(e.generate([prompt], args.new_tokens)[0])
+        progress.advance(1, f"prompt {r + 1}: L1, accept length {results['L1'][-1].accept_length:.2f}")
         e.close()  # every L3 write is on disk
         for case, backing in (("L3 + draft", True), ("L3, no draft", False)):
-            _say(f"prompt {r + 1}/{args.reps}: restart, {case} ...")
-            e = engine(backing, warm[r])
+            e = engine(backing, warm[r])  # the restart: new pools, tree and cache on the same L3
             results[case].append(e.generate([prompt], args.new_tokens)[0])
             e.close()
-    _say(f"done in {time.perf_counter() - t0:.0f} s")
+            progress.advance(1, f"prompt {r + 1}: restart, {case}, accept length "
+                                f"{results[case][-1].accept_length:.2f}")
 
     summary = {}
     for case, res in results.items():
@@ -139,6 +122,7 @@ def _run(args) -> dict:
             "accept_length_per_prompt": [x.accept_length for x in res],
             "tpot_s": statistics.median(tpot), "e2e_s": statistics.median(x.latency_s for x in res),
             "ttft_s": statistics.median(x.ttft_s for x in res),
+            "tpot_all_s": tpot, "e2e_all_s": [x.latency_s for x in res], "ttft_all_s": [x.ttft_s for x in res],
             "cached_tokens": {t: int(statistics.median(x.cached_tokens[t] for x in res))
                               for t in ("device", "host", "storage")},
             "same_tokens_as_cold": [x.tokens for x in res] == [x.tokens for x in results["cold"]],
@@ -148,45 +132,19 @@ def _run(args) -> dict:
     ratios = {"restored_over_l1": summary["L3 + draft"]["accept_length"] / l1,
               "no_draft_over_l1": summary["L3, no draft"]["accept_length"] / l1,
               "tpot_no_draft_over_restored": summary["L3, no draft"]["tpot_s"] / summary["L3 + draft"]["tpot_s"]}
+    config = (f"toy pair ({cfg.num_layers}-layer target, 1-block draft, vocab {cfg.vocab_size}), k={args.k}, "
+              f"{args.prompt_len}-token prompt of period {period}, {args.new_tokens} new tokens, page {page}, "
+              f"L3 {args.storage_backend}, median of {args.reps} prompt(s)")
     rows = [[c, s["cached_tokens"]["device"], s["cached_tokens"]["storage"], s["accept_length"], s["tpot_s"] * 1e3,
              s["e2e_s"] * 1e3, s["ttft_s"] * 1e3, s["same_tokens_as_cold"]] for c, s in summary.items()]
-    print_table(f"speculative decoding, k={args.k}: {args.prompt_len}-token repetitive prompt (period {args.period}), "
-                f"{args.new_tokens} new tokens, page {page}, L3 {args.storage_backend}, median of {args.reps}",
+    print_table(f"speculative decoding: {config}",
                 ["case", "L1 tokens", "L3 tokens", "accept length", "TPOT ms", "E2E ms", "TTFT ms", "same tokens"],
                 rows)
     print(f"accept length restored (L3 + draft) / L1 hit: {ratios['restored_over_l1']:.3f}; "
           f"without draft backing / L1 hit: {ratios['no_draft_over_l1']:.3f}; "
           f"TPOT without / with draft backing: x{ratios['tpot_no_draft_over_restored']:.2f}")
-    png = _plot(args.out.rsplit(".", 1)[0] + ".png", summary, args)
+    png = plots.spec_plot(args.out.rsplit(".", 1)[0] + ".png",
+                          "Speculative decoding: accept length and latency with the draft KV from each tier",
+                          config, summary, args.k)
     return {"benchmark": "spec", "machine": machine_info(), "config": vars(args), "weights_meta": pair.meta,
             "cases": summary, "ratios": ratios, "plot": png}
-
-
-def _plot(path: str, summary: dict, args) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    import os
-
-    cases = list(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    colors = ["#888888", "#4C72B0", "#55A868", "#C44E52"]
-    for ax, key, label, scale in ((axes[0], "accept_length", "accept length (tokens / verify step)", 1),
-                                  (axes[1], "tpot_s", "TPOT (ms)", 1e3), (axes[2], "ttft_s", "TTFT (ms)", 1e3)):
-        vals = [summary[c][key] * scale for c in cases]
-        ax.bar(range(len(cases)), vals, color=colors)
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels(cases, rotation=15)
-        ax.set_ylabel(label)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.2f}" if scale == 1 else f"{v:.0f}", ha="center", va="bottom")
-    axes[0].axhline(args.k + 1, ls=":", c="k", lw=0.8)
-    fig.suptitle(f"speculative decoding, k={args.k}, {args.prompt_len}-token repetitive prompt: draft KV per tier")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

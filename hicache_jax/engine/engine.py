@@ -40,9 +40,16 @@ failures in a row with no request finishing in between, the error is raised.
 Speculative decoding (``spec=SpecConfig(...)``): the prefill and the decode step are the
 ``SpecDecoder``'s (``hicache_jax.engine.speculative``: an EAGLE-style draft head whose KV pool
 is the cache's ``draft`` sidecar, verification of ``k`` chained proposals in one target step,
-the same tokens as plain greedy decoding). Its hooks here: the tree keys (token pairs, so a
-cached draft entry always saw the successor it was computed with), the pages a request
+the same tokens as plain greedy decoding). Its hooks here: the tree keys, the pages a request
 reserves, the prefill, the decode step and the per-request results.
+
+The last cached position (the rule): the draft's KV entry at position ``j`` is computed from
+token ``j + 1``, so with speculative decoding the tree is keyed by token *pairs* (position
+``j``'s key is ``(t_j, t_{j+1})``) and a request inserts only positions whose successor it has
+committed: a hit at ``j`` implies the successor the entry was computed with, on every tier
+and for every page size; the uncached tail (a partial page, or a page whose last successor
+differs) is recomputed in both models, as without speculation. A prompt of ``L`` tokens still
+matches at most ``L - 1`` positions; see the ``speculative`` module for what follows.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
 from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
-from .speculative import DRAFT_COMPONENT, SpecConfig, SpecDecoder, SpecState
+from .speculative import SpecConfig, SpecDecoder, SpecState
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +83,17 @@ class RequestResult:
     ttft_s: float
     latency_s: float
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
+    queue_s: float = 0.0  # arrival -> admission (waiting for a batch slot, device room or other prefills)
     # Speculative decoding (empty / None without it): accepted proposals + 1 per verify step,
     # their mean, and the k proposals each verify step checked.
     accept_lengths: list[int] = field(default_factory=list)
     accept_length: float | None = None
     draft_proposals: list[list[int]] = field(default_factory=list)
+
+    @property
+    def service_s(self) -> float:
+        """Admission -> first token: match, load-back and prefill (``ttft_s - queue_s``)."""
+        return self.ttft_s - self.queue_s
 
     @property
     def cached_total(self) -> int:
@@ -105,6 +118,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     ttft: float = 0.0
+    admitted: float = 0.0  # perf_counter() when the admission that succeeded started
     computed: int = 0
     reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
     prefetch: PrefetchOperation | None = None
@@ -186,15 +200,11 @@ class Engine:
         self.transfer.precompile()
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
                                   model=weights.target() if weights is not None else None)
-        self.spec = None
-        sidecars = None
-        if spec is not None:
-            self.spec = SpecDecoder(spec, model_config, self.runner, self.device_pool, host_pages,
-                                    cache_config.host.layout, self.transfer.copier.config, cache_config.worker_nice,
-                                    head=weights.draft() if weights is not None else None)
-            if spec.draft_backing:
-                sidecars = {DRAFT_COMPONENT: self.spec.transfer}
-        self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator, sidecars)
+        self.spec = None if spec is None else SpecDecoder(
+            spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
+            head=weights.draft() if weights is not None else None)
+        self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
+                                  self.spec.sidecars if self.spec is not None else None)
         self.storage = None
         if cache_config.storage is not None:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
@@ -280,8 +290,10 @@ class Engine:
             time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
         while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
             seq = waiting[0]
+            t_admit = time.perf_counter()
             if not self._admit(seq, use_cache, have_running=bool(running)):
                 break
+            seq.admitted = t_admit
             waiting.popleft()
             self._prefill(seq)
             if use_cache:  # the prompt's pages become shareable (and backed up) right away
@@ -344,13 +356,11 @@ class Engine:
     def warmup(self) -> None:
         """Compile every model-step shape now (prefill chunks and decode batch sizes), so
         measured TTFTs contain no compilation. The cache contents are unchanged."""
+        cfg = self.cache_config
         if self.spec is not None:
-            self.spec.warmup(self.cache_config.max_batch, self.cache_config.prefill_chunk)
+            self.spec.warmup(cfg.max_batch, cfg.prefill_chunk)
             return
-        new = self.runner.warmup(self.device_pool.buffers, self.cache_config.max_batch, self.cache_config.prefill_chunk)
-        for c, layers in new.items():
-            for l, arr in enumerate(layers):
-                self.device_pool.set_layer(c, l, arr)
+        self.device_pool.apply(lambda pools: (None, self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk)))
 
     def evict_device_cache(self) -> int:
         """Evict every unlocked device page of the tree (backed-up nodes stay on the host).
@@ -497,12 +507,8 @@ class Engine:
         return req
 
     def _run(self, token_lists, starts, tables) -> np.ndarray:
-        pools = self.device_pool.buffers
-        logits, new = self.runner.step(pools, token_lists, starts, tables)
-        for c, layers in new.items():
-            for l, arr in enumerate(layers):
-                self.device_pool.set_layer(c, l, arr)
-        return logits
+        # The step donates the pool arrays; apply installs the ones it returns.
+        return self.device_pool.apply(self.runner.step, token_lists, starts, tables)
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
@@ -540,6 +546,11 @@ class Engine:
             except Exception:  # noqa: BLE001 - TransferError, or a backend's own error type
                 self.cache.loading_check(block=True)
                 return
+        if self.spec is not None:
+            try:
+                self.spec.wait_load(lb)  # the draft pages of the same load
+            except Exception:  # noqa: BLE001
+                self.cache.loading_check(block=True)
 
     def _decode_step(self, running: list[_Seq]) -> None:
         for seq in running:
@@ -564,4 +575,5 @@ class Engine:
             self.device_pool.allocator.free(seq.reserve)
         spec = self.spec.finish(seq) if self.spec is not None else {}
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival, seq.computed, **spec)
+                             time.perf_counter() - seq.arrival, seq.computed, max(0.0, seq.admitted - seq.arrival),
+                             **spec)

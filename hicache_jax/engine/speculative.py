@@ -61,8 +61,9 @@ from .._checks import check_int
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
 from ..cache import RadixKey
-from ..reference_model import ModelConfig, PagedRunner
+from ..reference_model import PagedRunner
 from ..reference_model.draft import DraftHead, DraftRunner, draft_kv_geometry
+from .config import EngineCacheConfig
 from .spec_metrics import SpecMetrics
 
 DRAFT_COMPONENT = "draft"
@@ -118,11 +119,11 @@ def pair_key(tokens: np.ndarray, n: int, vocab: int) -> RadixKey:
 class SpecDecoder:
     """The draft pool and head, and the speculative prefill / decode round of the engine."""
 
-    def __init__(self, config: SpecConfig, model_config: ModelConfig, runner: PagedRunner,
-                 device_pool: JaxDevicePool, host_pages: int, host_layout, copy_config, worker_nice: int,
-                 head: DraftHead | None = None) -> None:
+    def __init__(self, config: SpecConfig, runner: PagedRunner, device_pool: JaxDevicePool,
+                 cache_config: EngineCacheConfig, host_pages: int, copy_config, head: DraftHead | None = None) -> None:
         if not isinstance(config, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig, got {type(config).__name__}")
+        model_config = runner.config
         if model_config.is_hybrid:
             raise ValueError(f"spec: speculative decoding over a hybrid model (sliding-window layers "
                              f"{model_config.swa_layers}) is not supported")
@@ -136,15 +137,29 @@ class SpecDecoder:
         self.target_pool = device_pool
         self.page_size = runner.page_size
         geom = draft_kv_geometry(model_config, self.page_size)
+        # Same page count as the target's pool, and no allocator of its own: page i of the
+        # draft pool belongs to whoever holds page i of the target's.
         self.device_pool = JaxDevicePool(geom, device_pool.num_pages)
         self.transfer = None
         if config.draft_backing:
-            host = pinned_host_pool(geom, host_pages, host_layout)
+            host = pinned_host_pool(geom, host_pages, cache_config.host.layout)
             self.transfer = JaxTransferEngine(self.device_pool, host, copy_config=copy_config,
-                                              worker_nice=worker_nice)
+                                              worker_nice=cache_config.worker_nice)
             self.transfer.precompile()
         self.draft = DraftRunner(runner, head)
         self.metrics = SpecMetrics(max_accept_length=self.k + 1)
+
+    @property
+    def sidecars(self) -> dict | None:
+        """The cache's sidecar engines: the draft pool's with draft backing, else none."""
+        return {DRAFT_COMPONENT: self.transfer} if self.transfer is not None else None
+
+    def wait_load(self, load) -> None:
+        """Wait for the draft pages of a load-back (``LoadBackResult``) before the draft reads
+        them (the engine waits for the target's layers; a JAX load is also ordered by data)."""
+        handles = getattr(load.handle, "handles", None)
+        if handles is not None and DRAFT_COMPONENT in handles:
+            handles[DRAFT_COMPONENT].wait_layer(0)
 
     # ---- keys and pages -------------------------------------------------------------------
     def key(self, tokens: np.ndarray, n: int) -> RadixKey:
@@ -167,20 +182,15 @@ class SpecDecoder:
         req.extend(self.key(tokens, n), pages)
 
     # ---- model steps ----------------------------------------------------------------------
-    def _install(self, pool: JaxDevicePool, new: dict) -> None:
-        for c, layers in new.items():
-            for layer, arr in enumerate(layers):
-                pool.set_layer(c, layer, arr)
-
+    # Both steps donate their pool's arrays; ``apply`` installs the ones they return.
     def _target(self, tokens, starts, tables):
-        logits, hidden, new = self.runner.step_all(self.target_pool.buffers, tokens, starts, tables)
-        self._install(self.target_pool, new)
-        return logits, hidden
+        def step(pools):
+            logits, hidden, new = self.runner.step_all(pools, tokens, starts, tables)
+            return (logits, hidden), new
+        return self.target_pool.apply(step)
 
     def _draft(self, next_tokens, features, starts, tables, num_proposals: int) -> np.ndarray:
-        out, new = self.draft.step(self.device_pool.buffers, next_tokens, features, starts, tables, num_proposals)
-        self._install(self.device_pool, new)
-        return out
+        return self.device_pool.apply(self.draft.step, next_tokens, features, starts, tables, num_proposals)
 
     def prefill(self, seq, start: int, chunk: int) -> int:
         """Prefill ``seq.prompt[start:]`` (target, then draft per chunk); returns the first
@@ -241,9 +251,8 @@ class SpecDecoder:
         draft's extend + chain programs, for every shape serving uses."""
         # Verify steps (k + 1 tokens), and one-token steps (a prompt's last chunk of one token).
         for tokens in (self.k + 1, 1):
-            new = self.runner.warmup(self.target_pool.buffers, max_batch, chunk, all_positions=True,
-                                     decode_tokens=tokens)
-            self._install(self.target_pool, new)
+            self.target_pool.apply(lambda pools: (None, self.runner.warmup(
+                pools, max_batch, chunk, all_positions=True, decode_tokens=tokens)))
         # Draft: prefill chunks (extend only, or extend + proposals for the last one) and decode
         # rounds (an extend of 1 .. k + 1 tokens, then the chain).
         bucket = self.runner.token_bucket
@@ -251,7 +260,7 @@ class SpecDecoder:
         shapes |= {(1, bucket(chunk), p) for p in (0, self.k)}
         shapes |= {(self.runner.batch_bucket(b), bucket(t), self.k) for b in range(1, max_batch + 1)
                    for t in (1, self.k + 1)}
-        self._install(self.device_pool, self.draft.warmup(self.device_pool.buffers, sorted(shapes)))
+        self.device_pool.apply(lambda pools: (None, self.draft.warmup(pools, sorted(shapes))))
 
     def close(self) -> None:
         if self.transfer is not None:

@@ -184,7 +184,7 @@ class _VerifyCounter:
 
 def test_accept_lengths_are_consistent_and_exported():
     prometheus_client = pytest.importorskip("prometheus_client")
-    from hicache_jax.engine.spec_metrics import register_prometheus
+    from hicache_jax.engine.spec_metrics import SPEC_FAMILY_NAMES, register_prometheus
 
     engine = Engine(MODEL, _config(16), spec=SpecConfig(num_draft_tokens=K))
     counter = _VerifyCounter(engine)
@@ -206,20 +206,31 @@ def test_accept_lengths_are_consistent_and_exported():
     stats = engine.stats()
     steps = [a for r in res for a in r.accept_lengths]
     assert stats["spec_verify_steps"] == len(steps)
-    assert stats["spec_accept_length_mean"] == pytest.approx(np.mean(steps))
-    assert stats["spec_accepted_draft_tokens"] == sum(steps) - len(steps)
-    assert stats["spec_request_accept_length_mean"] == pytest.approx(np.mean([r.accept_length for r in res]))
+    assert stats["spec_draft_tokens"] == K * len(steps)
+    assert stats["spec_accept_length"] == pytest.approx(np.mean(steps))
+    assert stats["spec_accepted_tokens"] == sum(steps) - len(steps)
+    hist = stats["spec_request_accept_length"]
+    assert hist["count"] == len(res) and hist["sum"] == pytest.approx(sum(r.accept_length for r in res))
+    assert hist["buckets"]["+Inf"] == len(res)
+    assert hist["buckets"]["1.0"] == sum(r.accept_length <= 1.0 for r in res)
     registry = prometheus_client.CollectorRegistry()
-    register_prometheus(engine.spec.metrics, registry)
-    assert registry.get_sample_value("hicache_spec_accept_length") == pytest.approx(np.mean(steps))
-    assert registry.get_sample_value("hicache_spec_verify_steps_total") == len(steps)
-    assert registry.get_sample_value("hicache_spec_request_accept_length_count") == len(res)
-    assert registry.get_sample_value("hicache_spec_request_accept_length_sum") == pytest.approx(
+    export = register_prometheus(engine.spec.metrics, registry, labels={"model": "toy"})
+    lab = {"model": "toy"}
+    assert registry.get_sample_value("hicache_spec_accept_length", lab) == pytest.approx(np.mean(steps))
+    assert registry.get_sample_value("hicache_spec_verify_steps_total", lab) == len(steps)
+    assert registry.get_sample_value("hicache_spec_accepted_tokens_total", lab) == sum(steps) - len(steps)
+    assert registry.get_sample_value("hicache_spec_request_accept_length_count", lab) == len(res)
+    assert registry.get_sample_value("hicache_spec_request_accept_length_sum", lab) == pytest.approx(
         sum(r.accept_length for r in res))
+    # Every family is exported under the name stats() uses.
+    exported = {m.name.removeprefix("hicache_") for m in registry.collect()}
+    assert exported == set(SPEC_FAMILY_NAMES) and set(SPEC_FAMILY_NAMES) <= set(stats)
+    export.unregister()
+    assert registry.get_sample_value("hicache_spec_accept_length", lab) is None
     engine.close()
     plain = Engine(MODEL, _config(16))
     r = plain.generate(prompts[:1], 3)[0]
-    assert r.accept_length is None and r.accept_lengths == [] and "spec_verify_steps" not in plain.stats()
+    assert r.accept_length is None and r.accept_lengths == [] and not set(SPEC_FAMILY_NAMES) & set(plain.stats())
     plain.close()
 
 
