@@ -7,9 +7,10 @@
   token for token, those of an L1 hit, and the draft pool's bytes for the prefix are the L1
   hit's, even with every free draft page poisoned first; with draft backing off the poison is
   what the draft reads, and its proposals differ (the tokens still do not).
-* The pair-key rule: two prompts that diverge right after a page boundary share one page
-  less than without speculation, and the draft entry the second one uses at the boundary is
-  the one computed with its own successor.
+* The pair-key rule, for page sizes 1 and 16 and prompts ending mid-page: a prompt that
+  leaves another at a page boundary shares one page less than without speculation (page 1:
+  one position less), one that leaves it inside a page shares as much; every draft and target
+  entry a hit reads is the one a cold run of the same prompt computes.
 * Accept lengths are consistent with the tokens and the verify steps counted at the model,
   and reach the engine stats and Prometheus.
 """
@@ -132,39 +133,55 @@ def test_draft_proposals_survive_l2_and_l3_round_trips(backing, tmp_path):
             assert all((got[0][c] == np.uint32(0x3F800000)).all() for c in got[0])
 
 
-def test_prefixes_diverging_at_a_page_boundary_share_one_page_less(tmp_path):
-    page = 16
+@pytest.mark.parametrize("page,split", [(16, 32), (16, 40), (1, 29)])
+def test_a_hit_reads_only_draft_entries_computed_with_its_own_successors(page, split):
+    """The pair-key rule for page sizes 1 and 16, prompts ending mid-page, and a second prompt
+    that leaves the first at a page boundary (16, 32), inside a page (16, 40) or anywhere
+    (page 1). The second prompt hits every position whose successor it shares and no other:
+    ``split - 1`` positions, page-aligned (a plain tree hits ``split``, page-aligned); and every
+    draft (and target) entry it reads is the one a cold run of the same prompt computes."""
     rng = np.random.default_rng(3)
-    base = rng.integers(0, MODEL.vocab_size, 32).tolist()
-    a = base + [1] + rng.integers(0, MODEL.vocab_size, 15).tolist()
-    b = base + [2] + rng.integers(0, MODEL.vocab_size, 15).tolist()
+    base = rng.integers(0, MODEL.vocab_size, split).tolist()
+    a = base + [1] + rng.integers(0, MODEL.vocab_size, 13).tolist()  # 14 past the split: ends mid-page
+    b = base + [2] + rng.integers(0, MODEL.vocab_size, 10).tolist()
     plain = Engine(MODEL, _config(page))
     plain.generate([a], 2)
-    assert plain.generate([b], 2)[0].cached_tokens["device"] == 32  # plain keys: both pages hit
+    assert plain.generate([b], 2)[0].cached_tokens["device"] == _aligned(split, page)
     plain.close()
     engine = Engine(MODEL, _config(page), spec=SpecConfig(num_draft_tokens=K))
     engine.generate([a], 2)
-    rb = engine.generate([b], 2)[0]
-    # Position 31's draft entry was computed with a's token 32: b may not use that page.
-    assert rb.cached_tokens["device"] == 16
-    a_pages = engine.cache.match_prefix(engine.spec.key(np.asarray(a), 32)).device_indices
-    b_pages = engine.cache.match_prefix(engine.spec.key(np.asarray(b), 32)).device_indices
-    assert a_pages[0] == b_pages[0] and a_pages[1] != b_pages[1]
-    pool = engine.spec.device_pool
-    entry = {n: {c: pool.read_pages_host(c, pages[1:2])[0, 0, page - 1] for c in pool.geom.components}
-             for n, pages in (("a", a_pages), ("b", b_pages))}
-    # The entry b reads at position 31 is the one a cold run of b computes (up to rounding:
-    # another chunk shape), and far from a's.
+    hit = engine.generate([b], 2)[0].cached_tokens["device"]
+    assert hit == _aligned(split - 1, page)
+    got = _pool_entries(engine, b, hit)
     cold = Engine(MODEL, _config(page), spec=SpecConfig(num_draft_tokens=K))
     cold.generate([b], 2)
-    c_pages = cold.cache.match_prefix(cold.spec.key(np.asarray(b), 32)).device_indices
-    cpool = cold.spec.device_pool
-    for c in pool.geom.components:
-        want = cpool.read_pages_host(c, c_pages[1:2])[0, 0, page - 1].view(np.float32)
-        np.testing.assert_allclose(entry["b"][c].view(np.float32), want, rtol=1e-4, atol=1e-5)
-        assert not np.allclose(entry["a"][c].view(np.float32), want, rtol=1e-2, atol=1e-3)
+    want = _pool_entries(cold, b, hit)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    # What a tree keyed by single tokens would have handed b at the boundary: a's last shared
+    # draft entry (computed with a's successor 1, not b's 2) - visibly another entry.
+    if split % page == 0:
+        theirs, own = _pool_entries(engine, a, split), _pool_entries(cold, b, split)
+        for c in engine.spec.device_pool.geom.components:
+            assert not np.allclose(theirs[f"draft/{c}"][split - 1], own[f"draft/{c}"][split - 1],
+                                   rtol=1e-2, atol=1e-3)
     for e in (engine, cold):
         e.close()
+
+
+def _pool_entries(engine: Engine, prompt: list[int], n: int) -> dict[str, np.ndarray]:
+    """The KV entries of positions [0, n) of ``prompt`` in both pools (the tree's pages for the
+    prompt's pair keys), as float32 (n, L, ...) per pool and component."""
+    table = engine.cache.match_prefix(engine.spec.key(np.asarray(prompt), n)).device_indices
+    assert table.size * engine.page_size >= n, f"the tree holds {table.size} pages, {n} positions asked"
+    pos = np.arange(n)
+    out = {}
+    for name, pool in (("target", engine.device_pool), ("draft", engine.spec.device_pool)):
+        for c in pool.geom.components:
+            pages = pool.read_pages_host(c, table)  # (L, pages, page, ...)
+            entries = pages[:, pos // engine.page_size, pos % engine.page_size]
+            out[f"{name}/{c}"] = np.moveaxis(entries, 1, 0).view(np.float32)
+    return out
 
 
 class _VerifyCounter:
