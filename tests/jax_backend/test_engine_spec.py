@@ -133,27 +133,29 @@ def test_draft_proposals_survive_l2_and_l3_round_trips(backing, tmp_path):
             assert all((got[0][c] == np.uint32(0x3F800000)).all() for c in got[0])
 
 
-@pytest.mark.parametrize("page,split", [(16, 32), (16, 40), (1, 29)])
-def test_a_hit_reads_only_draft_entries_computed_with_its_own_successors(page, split):
+@pytest.mark.parametrize("page,attention,split", [(16, "mha", 32), (16, "mha", 40), (1, "mla", 29)])
+def test_a_hit_reads_only_draft_entries_computed_with_its_own_successors(page, attention, split):
     """The pair-key rule for page sizes 1 and 16, prompts ending mid-page, and a second prompt
     that leaves the first at a page boundary (16, 32), inside a page (16, 40) or anywhere
     (page 1). The second prompt hits every position whose successor it shares and no other:
     ``split - 1`` positions, page-aligned (a plain tree hits ``split``, page-aligned); and every
-    draft (and target) entry it reads is the one a cold run of the same prompt computes."""
+    draft (and target) entry it reads is the one a cold run of the same prompt computes. (Each
+    page size runs the first test's model: compiled programs are shared.)"""
+    model = ModelConfig(**{**MODEL.__dict__, "attention": attention})
     rng = np.random.default_rng(3)
     base = rng.integers(0, MODEL.vocab_size, split).tolist()
     a = base + [1] + rng.integers(0, MODEL.vocab_size, 13).tolist()  # 14 past the split: ends mid-page
     b = base + [2] + rng.integers(0, MODEL.vocab_size, 10).tolist()
-    plain = Engine(MODEL, _config(page))
+    plain = Engine(model, _config(page))
     plain.generate([a], 2)
     assert plain.generate([b], 2)[0].cached_tokens["device"] == _aligned(split, page)
     plain.close()
-    engine = Engine(MODEL, _config(page), spec=SpecConfig(num_draft_tokens=K))
+    engine = Engine(model, _config(page), spec=SpecConfig(num_draft_tokens=K))
     engine.generate([a], 2)
     hit = engine.generate([b], 2)[0].cached_tokens["device"]
     assert hit == _aligned(split - 1, page)
     got = _pool_entries(engine, b, hit)
-    cold = Engine(MODEL, _config(page), spec=SpecConfig(num_draft_tokens=K))
+    cold = Engine(model, _config(page), spec=SpecConfig(num_draft_tokens=K))
     cold.generate([b], 2)
     want = _pool_entries(cold, b, hit)
     for name in want:
