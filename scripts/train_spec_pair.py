@@ -16,8 +16,11 @@ its KV over the prompt: what the cache must bring back with the target's.
 
 Each model trains on 128-token sequences first (it learns fastest there), then on 512-token
 ones (the copy then holds over long prompts). Fixed seeds throughout (data, initialisation):
-the same command writes the same weights on the same JAX version and CPU. About 8 minutes on
-the 2-vCPU project VM while other jobs ran (``meta.train_seconds`` in the file). At the end
+the same command writes the same weights on the same JAX version and CPU (re-run on JAX 0.12:
+every parameter bit-identical to the checked-in file). Cost: about 290 s of CPU time (206 s
+user + 80 s system for the default command, evaluation included); wall time depends on the
+load: 20 min on the shared 2-vCPU project VM at 23% of its CPU (``meta.train_seconds`` in the
+file: training only, on an earlier, busier run). At the end
 the script measures, through the paged reference engine with speculative decoding
 (``hicache_jax.engine``), the mean accept length on held-out 512-token prompts with the draft
 KV computed fresh, and stores the weights (float16, ~240 KB), the training settings and that
