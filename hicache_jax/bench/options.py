@@ -146,7 +146,7 @@ def spec_arguments(p: argparse.ArgumentParser) -> None:
                    help="pattern length of the repetitive prompt (0: the period the pair was trained on)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--k", type=int, default=4, help="draft tokens per verify step (chain drafting)")
-    p.add_argument("--reps", type=int, default=3, help="prompts (patterns) per case; times are medians over them")
+    p.add_argument("--reps", type=int, default=5, help="prompts (patterns) per case; times are medians over them")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=int, default=0, help="L1 pool size in pages (0: three requests' worth)")
     p.add_argument("--max-context", type=int, default=0,
