@@ -115,6 +115,13 @@ def test_cached_entries_are_those_of_a_cold_prefill(pair):
     engine = _engine(pair, None)
     r = engine.generate([first], 40)[0]
     assert max(r.accept_lengths) > 1 and min(r.accept_lengths) < K + 1, r.accept_lengths
+    # The engine's counters agree with the request's steps (with random weights nearly every
+    # proposal is rejected, so only here do accepted tokens get counted at all).
+    stats = engine.stats()
+    assert stats["spec_verify_steps"] == len(r.accept_lengths)
+    assert stats["spec_accepted_tokens"] == sum(r.accept_lengths) - len(r.accept_lengths) > 0
+    assert stats["spec_emitted_tokens"] == sum(r.accept_lengths) >= len(r.tokens) - 1
+    assert stats["spec_accept_length"] == pytest.approx(r.accept_length)
     follow = first + r.tokens + [5, 6, 7]  # the next turn re-sends the answer
     hit = engine.generate([follow], 2)[0].cached_tokens["device"]
     # Everything the first request committed (63 pairs: 3 whole pages).
