@@ -162,8 +162,8 @@ def test_storage_stress_with_a_draft_sidecar():
         assert sorted(s.ctl.pools) == ["draft", "target"]
         for k, v in list(m.items()) + list(s.stats.items()):
             totals[k] = totals.get(k, 0) + v
-    for event in ("storage_backup_tokens", "storage_hit_tokens", "loaded_tokens", "checked_pages",
-                  "evicted_host_tokens"):
+    for event in ("storage_backup_tokens", "prefetch_attached_tokens", "loaded_storage_tokens", "loaded_tokens",
+                  "checked_pages", "evicted_host_tokens"):
         assert totals[event] > 0, f"stress never produced {event}: {totals}"
 
 
