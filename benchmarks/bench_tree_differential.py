@@ -25,7 +25,10 @@ Why this file has its own replay loops: ``upstream_tree_replay.run`` and
 ``bench_tree_multiturn.run`` fix page size 1, take no eviction policy, and upstream's reads its
 device size and host ratio from module constants. So this file reuses upstream's shims
 (``import_upstream``, ``init_process_group``, ``Req``) and our public cache API, and builds both
-trees itself with the configuration's page size, eviction policy and pool sizes:
+trees itself with the configuration's page size, eviction policy and pool sizes. Each tree is
+driven one request at a time (``UpstreamReplay.step`` / ``OursReplay.step``), so
+``tree_divergence.py`` can replay both in lockstep and compare what they hold after every
+request (where a first divergence comes from):
 
 * upstream: ``MHATokenToKVPool`` (2 layers x 1 head x 8 dims, as the baseline replay), the
   token allocator (page 1) or ``PagedTokenToKVPoolAllocator`` (page 16), ``CacheInitParams``
@@ -157,98 +160,129 @@ def build_upstream(up, policy: str, eviction: str, page: int, device_tokens: int
     return cache, alloc, req_pool
 
 
-def run_upstream(up, trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
-    torch = up.torch
-    max_context = max(len(r["prompt"]) + len(r["output"]) for r in trace) + 2 * page
-    cache, alloc, req_pool = build_upstream(up, policy, eviction, page, device_tokens, ratio, max_context)
-    host_size = cache.token_to_kv_pool_host.size
-    RadixKey_, MatchPrefixParams = up.RadixKey, up.MatchPrefixParams
-    InitLoadBackParams, EvictParams = up.InitLoadBackParams, up.EvictParams
-    per_req = []
-    prompt_tokens = l1 = l2 = 0
-    pool_idx = 1
-    evicting = set()  # requests that evicted on the device
+def _page_ids(kb: bytes, page: int, parent_id: int) -> list[int]:
+    """Identities of a node's pages: each page's id hashes its tokens with the id of the page
+    before it, so a page's id names its whole prefix (the same in both trees, however each
+    splits its nodes)."""
+    pb = 8 * page
+    out = []
+    h = parent_id
+    for i in range(0, len(kb), pb):
+        h = hash((h, kb[i:i + pb]))
+        out.append(h)
+    return out
 
-    def alloc_pages(n_tokens: int):
+
+class UpstreamReplay:
+    """Upstream's tree, one request at a time (``step``); see the module docstring."""
+
+    def __init__(self, up, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
+                 max_context: int) -> None:
+        self.up, self.page = up, page
+        self.label = f"upstream {policy}/{eviction}/p{page}/r{ratio:g}"
+        self.cache, self.alloc, self.req_pool = build_upstream(up, policy, eviction, page, device_tokens, ratio,
+                                                               max_context)
+        self.host_size = self.cache.token_to_kv_pool_host.size
+        self.evicted = False  # the last step evicted on the device
+
+    def _alloc_pages(self, n_tokens: int):
         """``n_tokens`` rounded up to whole pages, evicting the shortfall first (as the scheduler)."""
+        torch, page, alloc = self.up.torch, self.page, self.alloc
         need = -(-n_tokens // page) * page
         if need == 0:
             return torch.zeros(0, dtype=torch.int64)
         if alloc.available_size() < need:
-            evicting.add(len(per_req))
-            cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
+            self.evicted = True
+            self.cache.evict(self.up.EvictParams(num_tokens=need - alloc.available_size()))
         ids = alloc.alloc(need)
         if ids is None:
-            raise RuntimeError(f"upstream {policy}/{eviction}/p{page}/r{ratio}: out of device memory for {need}")
+            raise RuntimeError(f"{self.label}: out of device memory for {need}")
         return ids
 
-    for rec in trace:
+    def step(self, rec: dict) -> tuple[int, int]:
+        """One request; returns (device-matched tokens, loaded-back tokens)."""
+        up, cache, req_pool = self.up, self.cache, self.req_pool
+        torch = up.torch
+        self.evicted = False
+        pool_idx = 1
         prompt = array("q", rec["prompt"].tolist())
         output = array("q", rec["output"].tolist())
-        m = cache.match_prefix(MatchPrefixParams(key=RadixKey_(prompt)))
+        m = cache.match_prefix(up.MatchPrefixParams(key=up.RadixKey(prompt)))
         prefix, last = m.device_indices, m.last_device_node
         loaded = 0
         if m.host_hit_length > 0:
-            new, last = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                host_hit_length=m.host_hit_length))
+            new, last = cache.init_load_back(up.InitLoadBackParams(best_match_node=m.best_match_node,
+                                                                   host_hit_length=m.host_hit_length))
             cache.ready_to_load_host_cache()
             if len(new):
                 prefix = torch.cat([prefix, new])
                 loaded = len(new)
         cache.inc_lock_ref(last)
         n_prompt, n_prefix = len(prompt), len(prefix)
-        d1 = len(m.device_indices)
-        prompt_tokens += n_prompt
-        l1 += d1
-        l2 += loaded
-        per_req.append((d1, loaded))
         req = upstream.Req(prompt, pool_idx, prefix, last)
         # alloc_extend: the prompt's new tokens in fresh pages (the prefix is page-aligned).
-        fresh = alloc_pages(n_prompt - n_prefix)
+        fresh = self._alloc_pages(n_prompt - n_prefix)
         req_pool.write((pool_idx, slice(0, n_prompt)), torch.cat([prefix, fresh[:n_prompt - n_prefix]]))
         cache.cache_unfinished_req(req)
         # alloc_decode: the output fills the last partial page, then fresh pages.
         spare = fresh[n_prompt - n_prefix:]  # the rest of the prompt's partial last page (none if aligned)
         n_out = len(output)
-        more = alloc_pages(max(0, n_out - len(spare)))
+        more = self._alloc_pages(max(0, n_out - len(spare)))
         out_ids = torch.cat([spare, more])[:n_out]
         req_pool.write((pool_idx, slice(n_prompt, n_prompt + n_out)), out_ids)
         req.output_ids = output
         cache.cache_finished_req(req, kv_len_to_handle=n_prompt + n_out)
         cache.check_hicache_events()
-    atexit.unregister(cache.shutdown)
-    cache = alloc = req_pool = None
-    gc.collect()
-    return {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "prompt_tokens": prompt_tokens,
-            "host_pool_tokens": host_size, "per_req": per_req,
-            "evicting_requests": len(evicting)}
+        return len(m.device_indices), loaded
+
+    def residency(self) -> tuple[set, set]:
+        """(page ids on the device, page ids on the host); see ``_page_ids``."""
+        dev, host = set(), set()
+        stack = [(c, 0) for c in self.cache.root_node.children.values()]
+        while stack:
+            n, pid = stack.pop()
+            ids = _page_ids(bytes(n.key.token_ids), self.page, pid)
+            if n.value is not None:
+                dev.update(ids)
+            if n.host_value is not None:
+                host.update(ids)
+            stack.extend((c, ids[-1]) for c in n.children.values())
+        return dev, host
+
+    def close(self) -> None:
+        atexit.unregister(self.cache.shutdown)  # upstream's atexit hook would keep every tree alive
+        self.cache = self.alloc = self.req_pool = None
+        gc.collect()
 
 
-# --------------------------------------------------------------------------- ours
+class OursReplay:
+    """Our tree, one request at a time (``step``); see the module docstring."""
 
+    def __init__(self, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> None:
+        geom = KVGeometry.mla(1, page, 6, 2, "bfloat16")  # the manager mode's geometry, this page size
+        self.page = page
+        self.label = f"ours {policy}/{eviction}/p{page}/r{ratio:g}"
+        self.host_pages = host_pages_for(device_tokens, ratio, page)
+        device, _host, engine = make_numpy_backend(geom, device_tokens // page, self.host_pages)
+        self.cache = HiRadixCache(HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction),
+                                  engine, device.allocator)
+        self.alloc = device.allocator
+        self.evicted = False
 
-def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
-    geom = KVGeometry.mla(1, page, 6, 2, "bfloat16")  # the manager mode's geometry, this page size
-    host_pages = host_pages_for(device_tokens, ratio, page)
-    device, _host, engine = make_numpy_backend(geom, device_tokens // page, host_pages)
-    cache = HiRadixCache(HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction),
-                         engine, device.allocator)
-    alloc = device.allocator
-    per_req = []
-    prompt_tokens = l1 = l2 = 0
-    evicting = set()  # requests that evicted on the device
-
-    def alloc_pages(n: int) -> np.ndarray:
-        if alloc.available < n:
-            evicting.add(len(per_req))
-            ids = cache.alloc_device(n)
+    def _alloc_pages(self, n: int) -> np.ndarray:
+        if self.alloc.available < n:
+            self.evicted = True
+            ids = self.cache.alloc_device(n)
         else:
-            ids = alloc.alloc(n)
+            ids = self.alloc.alloc(n)
         if ids is None:
-            raise RuntimeError(f"ours {policy}/{eviction}/p{page}/r{ratio}: out of device memory for {n} pages")
+            raise RuntimeError(f"{self.label}: out of device memory for {n} pages")
         return ids
 
-    for rec in trace:
+    def step(self, rec: dict) -> tuple[int, int]:
+        """One request; returns (device-matched tokens, loaded-back tokens)."""
+        cache, page = self.cache, self.page
+        self.evicted = False
         prompt, output = rec["prompt"], rec["output"]
         key = RadixKey(prompt)
         m = cache.match_prefix(key)
@@ -263,24 +297,68 @@ def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, r
                 loaded = lb.num_tokens
         if last is not cache.root:
             cache.inc_lock_ref(last)
-        d1 = m.device_hit_length
-        prompt_tokens += prompt.shape[0]
+        req = CacheRequest(key, page, pages, last if last is not cache.root else None, pages.shape[0])
+        n_prompt = prompt.shape[0]
+        req.extend(key, self._alloc_pages(-(-n_prompt // page) - pages.shape[0]))
+        cache.cache_unfinished_req(req)
+        full = np.concatenate([prompt, output])
+        req.extend(RadixKey(full), self._alloc_pages(-(-full.shape[0] // page) - req.device_pages.shape[0]))
+        cache.cache_finished_req(req)
+        cache.check_events()
+        return m.device_hit_length, loaded
+
+    def residency(self) -> tuple[set, set]:
+        """(page ids on the device, page ids on the host); see ``_page_ids``."""
+        dev, host = set(), set()
+        stack = [(c, 0) for c in self.cache.root.children.values()]
+        while stack:
+            n, pid = stack.pop()
+            ids = _page_ids(n.kb, self.page, pid)
+            if n.value is not None:
+                dev.update(ids)
+            if n.host_value is not None:
+                host.update(ids)
+            stack.extend((c, ids[-1]) for c in n.children.values())
+        return dev, host
+
+    def close(self) -> None:
+        self.cache.flush()
+        self.cache.sanity_check(0)
+
+
+def _replay(side, trace) -> dict:
+    per_req = []
+    prompt_tokens = l1 = l2 = 0
+    evicting = 0  # requests that evicted on the device
+    for rec in trace:
+        d1, loaded = side.step(rec)
+        prompt_tokens += rec["prompt"].shape[0]
         l1 += d1
         l2 += loaded
         per_req.append((d1, loaded))
-        req = CacheRequest(key, page, pages, last if last is not cache.root else None, pages.shape[0])
-        n_prompt = prompt.shape[0]
-        req.extend(key, alloc_pages(-(-n_prompt // page) - pages.shape[0]))
-        cache.cache_unfinished_req(req)
-        full = np.concatenate([prompt, output])
-        req.extend(RadixKey(full), alloc_pages(-(-full.shape[0] // page) - req.device_pages.shape[0]))
-        cache.cache_finished_req(req)
-        cache.check_events()
-    cache.flush()
-    cache.sanity_check(0)
+        evicting += side.evicted
     return {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "prompt_tokens": prompt_tokens,
-            "host_pool_tokens": host_pages * page, "per_req": per_req,
-            "evicting_requests": len(evicting)}
+            "per_req": per_req, "evicting_requests": evicting}
+
+
+def max_context_for(trace, page: int) -> int:
+    return max(len(r["prompt"]) + len(r["output"]) for r in trace) + 2 * page
+
+
+def run_upstream(up, trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
+    side = UpstreamReplay(up, policy, eviction, page, device_tokens, ratio, max_context_for(trace, page))
+    out = _replay(side, trace)
+    out["host_pool_tokens"] = side.host_size
+    side.close()
+    return out
+
+
+def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
+    side = OursReplay(policy, eviction, page, device_tokens, ratio)
+    out = _replay(side, trace)
+    out["host_pool_tokens"] = side.host_pages * page
+    side.close()
+    return out
 
 
 # --------------------------------------------------------------------------- main
