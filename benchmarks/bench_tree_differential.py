@@ -46,7 +46,7 @@ Also reported per configuration: the first request whose (L1, L2) hit differs be
 trees (``first_divergence``) and how many requests differ. Hit rates only; no timing.
 
     scripts/upstream_baseline_env.sh benchmarks/bench_tree_differential.py [--quick]
-        [--requests 2000] [--seeds 0,1] [--device-tokens 6000] [--out PATH]
+        [--requests 2000] [--seeds 0,1] [--device-tokens 6000] [--tree-decisions auto] [--out PATH]
 
 Writes ``benchmarks/results/tree_differential.json``.
 """
@@ -258,14 +258,15 @@ class UpstreamReplay:
 class OursReplay:
     """Our tree, one request at a time (``step``); see the module docstring."""
 
-    def __init__(self, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> None:
+    def __init__(self, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
+                 tree_decisions: str = "auto") -> None:
         geom = KVGeometry.mla(1, page, 6, 2, "bfloat16")  # the manager mode's geometry, this page size
         self.page = page
         self.label = f"ours {policy}/{eviction}/p{page}/r{ratio:g}"
         self.host_pages = host_pages_for(device_tokens, ratio, page)
         device, _host, engine = make_numpy_backend(geom, device_tokens // page, self.host_pages)
-        self.cache = HiRadixCache(HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction),
-                                  engine, device.allocator)
+        self.cache = HiRadixCache(HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction,
+                                                tree_decisions=tree_decisions), engine, device.allocator)
         self.alloc = device.allocator
         self.evicted = False
 
@@ -353,8 +354,9 @@ def run_upstream(up, trace, policy: str, eviction: str, page: int, device_tokens
     return out
 
 
-def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float) -> dict:
-    side = OursReplay(policy, eviction, page, device_tokens, ratio)
+def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
+             tree_decisions: str = "auto") -> dict:
+    side = OursReplay(policy, eviction, page, device_tokens, ratio, tree_decisions)
     out = _replay(side, trace)
     out["host_pool_tokens"] = side.host_pages * page
     side.close()
@@ -372,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", default=None,
                     help="trace seeds, comma-separated, each a fresh trace (default 0,1; quick 0)")
     ap.add_argument("--device-tokens", type=int, default=6000)
+    ap.add_argument("--tree-decisions", default="auto", choices=("auto", "upstream", "own"),
+                    help="our tree's HiCacheConfig.tree_decisions (README: Deviations of the tree from upstream)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "tree_differential.json"))
     args = ap.parse_args(argv)
     n_req = args.requests or (300 if args.quick else 2000)
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
         for s in seeds:
             k += 1
             tr = traces[s]
-            o = run_ours(tr, policy, eviction, page, args.device_tokens, ratio)
+            o = run_ours(tr, policy, eviction, page, args.device_tokens, ratio, args.tree_decisions)
             u = run_upstream(up, tr, policy, eviction, page, args.device_tokens, ratio)
             for side, r in (("ours", o), ("upstream", u)):
                 agg[side][0] += round(r["L1"] * r["prompt_tokens"])
@@ -433,8 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "yes" if ge["total"] else "NO", ",".join("-" if d is None else str(d) for d in div_first),
                      div_count, f"{ev['ours'] / (n_req * len(seeds)):.0%}/{ev['upstream'] / (n_req * len(seeds)):.0%}"])
     seconds = time.perf_counter() - t0
-    print_table(f"Differential replay: ours vs upstream sglang {up.version} HiRadixCache "
-                f"({n_req} requests x {len(seeds)} seed(s), {args.device_tokens} device tokens)",
+    print_table(f"Differential replay: ours (tree_decisions={args.tree_decisions}) vs upstream sglang "
+                f"{up.version} HiRadixCache ({n_req} requests x {len(seeds)} seed(s), {args.device_tokens} device "
+                f"tokens)",
                 ["page", "host ratio", "write policy", "evict", "L1 ours", "L1 upstream", "L1 ours>=",
                  "L2 ours", "L2 upstream", "L2 ours>=", "total ours", "total upstream", "total ours>=",
                  "1st diverging req", "diverging reqs", "evicting reqs ours/up"], rows)
@@ -447,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"benchmark": "tree_differential", **machine_info(), "sglang": up.version, "torch": up.torch.__version__,
            "quick": args.quick, "seconds": seconds,
            "config": {"device_tokens": args.device_tokens, "requests_per_trace": n_req, "seeds": seeds,
+                      "tree_decisions": args.tree_decisions,
                       "page_sizes": list(PAGE_SIZES), "host_ratios": list(ratios), "write_policies": list(POLICIES),
                       "evictions": list(evictions),
                       "trace": "make_branchy_trace: 4 tenants (system prompts 200-700 tokens), new conversation "

@@ -11,7 +11,7 @@ a differing page is shown as the trace request that first carried it and its tok
 
     scripts/upstream_baseline_env.sh benchmarks/tree_divergence.py --page 1 --ratio 4 \\
         --policy write_through_selective --eviction lru [--seed 0] [--requests 300] \\
-        [--context 3] [--all]
+        [--context 3] [--all] [--tree-decisions auto]
 
 Prints, for the first request after which the trees' contents differ (or every such request
 with ``--all``, up to ``--requests``) and ``--context`` requests before it: each tree's hit
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device-tokens", type=int, default=6000)
     ap.add_argument("--context", type=int, default=3, help="requests shown before the first divergence")
     ap.add_argument("--all", action="store_true", help="show every request after which the contents differ")
+    ap.add_argument("--tree-decisions", default="auto", choices=("auto", "upstream", "own"))
     args = ap.parse_args(argv)
 
     upstream.quiet_logs()
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trace = diff.make_branchy_trace(2000, args.seed)[:args.requests]
     page = args.page
-    ours = diff.OursReplay(args.policy, args.eviction, page, args.device_tokens, args.ratio)
+    ours = diff.OursReplay(args.policy, args.eviction, page, args.device_tokens, args.ratio, args.tree_decisions)
     ups = diff.UpstreamReplay(up, args.policy, args.eviction, page, args.device_tokens, args.ratio,
                               diff.max_context_for(trace, page))
     names = PageNames(page)
