@@ -6,7 +6,7 @@ keeps a page on a tier that the other dropped, and a hit shows it only when a la
 asks for that page. This tool replays one configuration's trace through both trees in
 lockstep (the benchmark's own ``OursReplay`` / ``UpstreamReplay``) and after every request
 compares what each tree holds, page by page, on each tier. A page is named by its whole
-prefix (``_page_ids``), so the comparison does not depend on how either tree split its nodes;
+prefix (``page_ids``), so the comparison does not depend on how either tree split its nodes;
 a differing page is shown as the trace request that first carried it and its token range.
 
     scripts/upstream_baseline_env.sh benchmarks/tree_divergence.py --page 1 --ratio 4 \\
@@ -45,7 +45,7 @@ class PageNames:
 
         toks = np.concatenate([rec["prompt"], rec["output"]]).astype(np.int64)
         n = len(toks) - len(toks) % self.page
-        ids = diff._page_ids(toks[:n].tobytes(), self.page, 0)
+        ids = diff.page_ids(toks[:n].tobytes(), self.page, 0)
         for k, pid in enumerate(ids):
             self.names.setdefault(pid, (i, k * self.page))
 

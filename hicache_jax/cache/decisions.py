@@ -50,7 +50,7 @@ from .config import HiCacheConfig, TreeDecisions, WritePolicy
 
 # ``tree_decisions="auto"`` under write_through(_selective): host eviction keeps upstream's
 # order once the host pool holds at least this many device pools. Point 5's aging order made
-# host ratios 0.5 / 1 / 2 serve (REFERENCE 4.3 trace, L2 0 / 0 / 0.184 -> 0.067 / 0.151 / 0.301);
+# host ratios 0.5 / 1 / 2 serve (multiturn-64x10 trace, L2 0 / 0 / 0.184 -> 0.067 / 0.151 / 0.301);
 # at ratio 4 it lost host hits to upstream's order on the differential benchmark (L2 -0.0004
 # to -0.0007, LFU up to -0.008).
 HOST_ONLY_FIRST_RATIO = 3
