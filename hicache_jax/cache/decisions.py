@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import HiCacheConfig, TreeDecisions, WritePolicy
+from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 
 # ``tree_decisions="auto"`` under write_through(_selective): host eviction keeps upstream's
 # order once the host pool holds at least this many device pools. Point 5's aging order made
@@ -71,13 +71,17 @@ class Decisions:
 def resolve(config: HiCacheConfig, device_pages: int, host_pages: int) -> Decisions:
     """The choices of a cache built with ``config`` over pools of these sizes (pages)."""
     write_back = config.write_policy == WritePolicy.WRITE_BACK
+    # Aging compares access times with the device's next victim's: an LRU notion. Under the
+    # other policies the device's next victim is not the least recently used node, so a
+    # fresh host-only leaf often looks aged and aging acts as upstream's order.
+    reclaim = AGING if config.eviction_policy == EvictionPolicy.LRU and not write_back else COPIES_FIRST
     mode = config.tree_decisions
     if mode == TreeDecisions.AUTO:
         if write_back:
             mode = TreeDecisions.OWN
         else:
             big = host_pages >= HOST_ONLY_FIRST_RATIO * device_pages
-            return Decisions(True, True, True, HOST_ONLY_FIRST if big else AGING)
+            return Decisions(True, True, True, HOST_ONLY_FIRST if big else reclaim)
     if mode == TreeDecisions.UPSTREAM:
         return Decisions(not write_back, True, True, HOST_ONLY_FIRST)
-    return Decisions(not write_back, False, False, COPIES_FIRST if write_back else AGING)
+    return Decisions(not write_back, False, False, reclaim)
