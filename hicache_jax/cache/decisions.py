@@ -27,19 +27,25 @@ Chosen by ``HiCacheConfig.tree_decisions`` (``"auto"``, ``"upstream"`` or ``"own
 * ``host_eviction_order`` (with ``host_reclaim``; ``evictor.evict_host``): ``"host_only_first"``
   evicts host-only leaves before dropping the copies of on-device nodes (upstream never drops
   those: where no host-only leaf can go it fails the backup, ours drops a copy);
-  ``"aging"`` drops copies first, the most recently used first, unless a host-only leaf aged
-  out (issue 21 point 5: what makes a host smaller than ~3 device pools serve at all);
-  ``"copies_first"`` always drops copies first (write_back: a dropped copy costs only a copy
-  when its node leaves the device, never a hit).
+  ``"aging"`` drops copies first, in the reverse of device eviction's order, unless a
+  host-only leaf aged out (issue 21 point 5: what makes a host smaller than ~3 device pools
+  serve at all); ``"copies_first"`` always drops copies first (write_back: a dropped copy
+  costs only a copy when its node leaves the device, never a hit). Aging compares a
+  host-only leaf's access time with the device's next victim's, which is the device's
+  eviction boundary only under LRU: under LFU (or MRU) the next victim is often fresh, most
+  host-only leaves look aged, and aging ends up close to ``host_only_first`` (write_through,
+  LFU, page 16, host ratio 1, seeds 2-7: L2 0.0138 aging, 0.0128 host-only first, 0.0308
+  copies first). So aging is taken under LRU only.
 
 ``"upstream"``: upstream's three (``host_only_first``). ``"own"``: ours (``copies_first``
-under write_back, ``aging`` otherwise). ``"auto"`` (the default), by what the benchmark
-showed per tier: write_back takes ``"own"`` (there every eviction is a blocking copy that
-takes host room, so evicting more than needed costs copies and host KV: ours is higher on
-both tiers); write_through(_selective) takes upstream's split stamp and batches, with
-``aging`` while the host pool is smaller than ``HOST_ONLY_FIRST_RATIO`` device pools and
-``host_only_first`` from there (a host that big holds a copy of the whole device and still
-two pools of demoted KV: dropping copies there lost host hits).
+under write_back or any eviction policy but LRU, ``aging`` under LRU write_through).
+``"auto"`` (the default), by what the benchmark showed per tier: write_back takes ``"own"``
+(there every eviction is a blocking copy that takes host room, so evicting more than needed
+costs copies and host KV: ours is higher on both tiers); write_through(_selective) takes
+upstream's split stamp and batches, with ``own``'s host eviction order while the host pool
+is smaller than ``HOST_ONLY_FIRST_RATIO`` device pools and ``host_only_first`` from there (a
+host that big holds a copy of the whole device and still two pools of demoted KV: dropping
+copies there lost host hits).
 """
 
 from __future__ import annotations
