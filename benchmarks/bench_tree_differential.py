@@ -65,6 +65,7 @@ import argparse
 import atexit
 import gc
 import itertools
+import json
 import os
 import random
 import sys
@@ -392,8 +393,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", default=None,
                     help="run the configurations whose name contains each '+'-separated part, e.g. "
                          "'p16/r1/+/lfu' (names: p<page>/r<ratio>/<write policy>/<eviction>)")
-    ap.add_argument("--out", default=results_path("tree_differential"), help="JSON result (under the current directory)")
+    ap.add_argument("--out", default=results_path("tree_differential"),
+                    help="JSON result (under the current directory); the PNG goes beside it")
+    ap.add_argument("--render", nargs="+", metavar="JSON", default=None,
+                    help="replay nothing: merge these results (runs split with --only) into --out, print the "
+                         "table and draw the PNG (needs no upstream sglang; matplotlib for the PNG)")
     args = ap.parse_args(argv)
+    if args.render:
+        return finish(merge(args.render), args.out)
     n_req = args.requests or (300 if args.quick else 2000)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2,3")).split(",") if s]
     ratios = (0.5, 4.0) if args.quick else HOST_RATIOS
@@ -417,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
     if max_len + 64 > args.device_tokens:
         ap.error(f"--device-tokens {args.device_tokens} too small for a {max_len}-token request")
     t0 = time.perf_counter()
-    results, rows = [], []
+    results = []
     total = len(configs) * len(seeds)
     print(f"[tree_differential] {total} replays of {n_req} requests, ours and upstream; a line after each",
           flush=True)
@@ -455,28 +462,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "first_divergence": div_first, "diverging_requests": div_count,
                         "evicting_requests": ev, "per_seed": per_seed,
                         "requests": n_req * len(seeds)})
-        rows.append([page, f"{ratio:g}", policy, eviction, f"{ours['L1']:.4f}", f"{ups['L1']:.4f}",
-                     "yes" if ge["L1"] else "NO", f"{ours['L2']:.4f}", f"{ups['L2']:.4f}",
-                     "yes" if ge["L2"] else "NO", f"{ours['total']:.4f}", f"{ups['total']:.4f}",
-                     "yes" if ge["total"] else "NO", ",".join("-" if d is None else str(d) for d in div_first),
-                     div_count, f"{ev['ours'] / (n_req * len(seeds)):.0%}/{ev['upstream'] / (n_req * len(seeds)):.0%}"])
     seconds = time.perf_counter() - t0
-    print_table(f"Differential replay: ours (tree_decisions={args.tree_decisions}) vs upstream sglang "
-                f"{up.version} HiRadixCache ({n_req} requests x {len(seeds)} seed(s), {args.device_tokens} device "
-                f"tokens)",
-                ["page", "host ratio", "write policy", "evict", "L1 ours", "L1 upstream", "L1 ours>=",
-                 "L2 ours", "L2 upstream", "L2 ours>=", "total ours", "total upstream", "total ours>=",
-                 "1st diverging req", "diverging reqs", "evicting reqs ours/up"], rows)
-    lower = [r for r in results if not (r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"])]
-    print(f"{len(results) - len(lower)}/{len(results)} configurations: ours >= upstream on both tiers"
-          + (f"; lower on some tier: " + "; ".join(
-              f"p{r['page_size']} r{r['host_ratio']:g} {r['write_policy']} {r['eviction']} "
-              f"({', '.join(t for t in ('L1', 'L2') if not r['ours_ge_upstream'][t])})" for r in lower)
-              if lower else ""))
     doc = {"benchmark": "tree_differential", **machine_info(), "sglang": up.version, "torch": up.torch.__version__,
            "quick": args.quick, "seconds": seconds,
            "config": {"device_tokens": args.device_tokens, "requests_per_trace": n_req, "seeds": seeds,
-                      "tree_decisions": args.tree_decisions,
+                      "tree_decisions": args.tree_decisions, "only": args.only,
                       "page_sizes": list(PAGE_SIZES), "host_ratios": list(ratios), "write_policies": list(POLICIES),
                       "evictions": list(evictions),
                       "trace": "make_branchy_trace: 4 tenants (system prompts 200-700 tokens), new conversation "
@@ -485,8 +475,146 @@ def main(argv: list[str] | None = None) -> dict:
                       "upstream_kv": f"{upstream.LAYERS} layers x {upstream.HEADS} head x {upstream.HEAD_DIM} dims "
                                      "bf16, K+V", "ours_kv": "1 layer, one 8-wide bf16 latent",
                       "host_pool": "int(device_tokens * ratio) // page + 1 pages on both sides"},
-           "all_ge": not lower, "results": results}
-    print(f"wrote {write_json(args.out, doc)}  ({seconds:.0f} s)")
+           "all_ge": all(r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"] for r in results),
+           "results": results}
+    return finish(doc, args.out)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _sort_key(r: dict) -> tuple:
+    return (r["page_size"], r["host_ratio"], POLICIES.index(r["write_policy"]), EVICTIONS.index(r["eviction"]))
+
+
+def report(doc: dict) -> list[dict]:
+    """Prints the table and the verdict line; returns the configurations lower on some tier."""
+    results = sorted(doc["results"], key=_sort_key)
+    c = doc["config"]
+    rows = []
+    for r in results:
+        o, u, ge = r["hit_rate_ours"], r["hit_rate_upstream"], r["ours_ge_upstream"]
+        n = r["requests"]
+        rows.append([r["page_size"], f"{r['host_ratio']:g}", r["write_policy"], r["eviction"],
+                     f"{o['L1']:.4f}", f"{u['L1']:.4f}", "yes" if ge["L1"] else "NO",
+                     f"{o['L2']:.4f}", f"{u['L2']:.4f}", "yes" if ge["L2"] else "NO",
+                     f"{o['total']:.4f}", f"{u['total']:.4f}", "yes" if ge["total"] else "NO",
+                     ",".join("-" if d is None else str(d) for d in r["first_divergence"]), r["diverging_requests"],
+                     f"{r['evicting_requests']['ours'] / n:.0%}/{r['evicting_requests']['upstream'] / n:.0%}"])
+    print_table(f"Differential replay: ours (tree_decisions={c['tree_decisions']}) vs upstream sglang "
+                f"{doc['sglang']} HiRadixCache ({c['requests_per_trace']} requests x {len(c['seeds'])} seed(s), "
+                f"{c['device_tokens']} device tokens)",
+                ["page", "host ratio", "write policy", "evict", "L1 ours", "L1 upstream", "L1 ours>=",
+                 "L2 ours", "L2 upstream", "L2 ours>=", "total ours", "total upstream", "total ours>=",
+                 "1st diverging req", "diverging reqs", "evicting reqs ours/up"], rows)
+    lower = [r for r in results if not (r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"])]
+    print(f"{len(results) - len(lower)}/{len(results)} configurations: ours >= upstream on both tiers"
+          + ("; lower on some tier: " + "; ".join(
+              f"p{r['page_size']} r{r['host_ratio']:g} {r['write_policy']} {r['eviction']} "
+              f"({', '.join(t for t in ('L1', 'L2') if not r['ours_ge_upstream'][t])})" for r in lower)
+              if lower else ""))
+    return lower
+
+
+def plot(doc: dict, path: str) -> str | None:
+    """Ours minus upstream per configuration and tier (bars: all seeds pooled; dots: each
+    seed), so a configuration where ours is lower is a bar below zero. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    results = sorted(doc["results"], key=_sort_key)
+    c = doc["config"]
+    labels = [f"p{r['page_size']} r{r['host_ratio']:g}\n"
+              f"{ {'write_through': 'wt', 'write_through_selective': 'wts', 'write_back': 'wb'}[r['write_policy']]}"
+              f" {r['eviction']}" for r in results]
+    x = np.arange(len(results))
+    fig, axes = plt.subplots(3, 1, figsize=(max(10.0, 0.55 * len(results) + 2), 11), sharex=True)
+    for ax, tier, name in zip(axes, ("L1", "L2", "total"), ("L1 (device)", "L2 (host, loaded back)", "L1 + L2")):
+        d = np.array([r["hit_rate_ours"][tier] - r["hit_rate_upstream"][tier] for r in results])
+        ax.bar(x, d, color=np.where(d >= -TOL, "#2ca02c", "#d62728"), alpha=0.6, width=0.7,
+               label="all seeds pooled")
+        for i, r in enumerate(results):
+            ps = r.get("per_seed", [])
+            vals = [s["ours"][tier] - s["upstream"][tier] if tier != "total" else
+                    (s["ours"]["L1"] + s["ours"]["L2"]) - (s["upstream"]["L1"] + s["upstream"]["L2"]) for s in ps]
+            ax.scatter(np.full(len(vals), i, float) + np.linspace(-0.2, 0.2, len(vals)) if len(vals) > 1
+                       else np.full(len(vals), i, float), vals, s=10, color="black", zorder=3,
+                       label="one seed" if i == 0 else None)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_ylabel(f"{name}\nhit rate, ours - upstream")
+        ax.grid(axis="y", alpha=0.25)
+        ax.legend(fontsize=8, loc="upper left")
+    for b in range(1, len(results)):  # separate the page sizes
+        if results[b]["page_size"] != results[b - 1]["page_size"]:
+            for ax in axes:
+                ax.axvline(b - 0.5, color="#888888", lw=1, ls="--")
+    axes[-1].set_xticks(x)
+    axes[-1].set_xticklabels(labels, fontsize=7, rotation=90)
+    lower = sum(not (r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"]) for r in results)
+    fig.suptitle(f"Hit rate per tier, our tree minus upstream sglang {doc['sglang']}'s HiRadixCache: "
+                 f"{len(results) - lower}/{len(results)} configurations not lower on either tier",
+                 fontsize=12, fontweight="bold")
+    fig.text(0.5, 0.955, f"random branchy traces, {c['requests_per_trace']} requests x seeds "
+             f"{','.join(map(str, c['seeds']))}, device {c['device_tokens']} tokens, host pool = ratio x device; "
+             f"ours with tree_decisions={c['tree_decisions']}; wt/wts/wb = write_through/_selective/write_back",
+             ha="center", fontsize=8.5, color="#444444")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.path.abspath(path)
+
+
+def finish(doc: dict, out: str) -> dict:
+    """Table, verdict, JSON at ``out`` and the PNG beside it (``.png``)."""
+    report(doc)
+    png = plot(doc, os.path.splitext(out)[0] + ".png")
+    doc["png"] = png
+    print(f"wrote {write_json(out, doc)}  ({doc['seconds']:.0f} s)")
+    if png:
+        print(f"wrote {png}")
+    else:
+        print(f"no PNG (matplotlib is not installed here); draw it with: .venv/bin/python "
+              f"benchmarks/bench_tree_differential.py --render {out}")
+    return doc
+
+
+def merge(paths: list[str]) -> dict:
+    """One result document from runs split with ``--only`` (same trace settings and tree
+    decisions; a configuration present in several files is an error)."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    keys = ("device_tokens", "requests_per_trace", "seeds", "tree_decisions")
+    first = docs[0]
+    for p, d in zip(paths, docs):
+        if d.get("benchmark") != "tree_differential":
+            raise ValueError(f"--render: {p} is not a tree_differential result")
+        diff = [k for k in keys if d["config"][k] != first["config"][k]]
+        if diff:
+            raise ValueError(f"--render: {p} differs from {paths[0]} in {', '.join(diff)}")
+    results, seen = [], set()
+    for p, d in zip(paths, docs):
+        for r in d["results"]:
+            name = config_name(r["page_size"], r["host_ratio"], r["write_policy"], r["eviction"])
+            if name in seen:
+                raise ValueError(f"--render: configuration {name} appears twice ({p})")
+            seen.add(name)
+            results.append(r)
+    doc = dict(first)
+    doc["config"] = dict(first["config"], only=None, host_ratios=sorted({r["host_ratio"] for r in results}),
+                         evictions=sorted({r["eviction"] for r in results}))
+    doc["merged_from"] = [{"path": p, "seconds": d["seconds"], "load_average_1_5_15": d.get("load_average_1_5_15")}
+                          for p, d in zip(paths, docs)]
+    doc["seconds"] = sum(d["seconds"] for d in docs)
+    doc["quick"] = any(d["quick"] for d in docs)
+    doc["results"] = sorted(results, key=_sort_key)
+    doc["all_ge"] = all(r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"] for r in results)
     return doc
 
 
