@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -81,3 +82,31 @@ def test_render_rejects_mismatched_or_overlapping_runs(tmp_path):
         with pytest.raises(ValueError, match=msg):
             bench.main(["--render", str(pa), str(pb), "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not os.path.exists(UPSTREAM_PY),
+                    reason="no .venv-upstream (upstream sglang 0.5.18 + torch CPU; scripts/upstream_baseline_env.sh "
+                           "builds it from the package index, which CI does not): the paired run is not possible "
+                           "here; our side is covered by test_cache_bench_smoke")
+def test_paired_run_bounded(tmp_path):
+    """A bounded run of both trees on one trace: 150 requests, page 16, host ratio 0.5 (where
+    upstream's host fills with copies of on-device nodes and serves almost nothing, issue 21
+    point 5) and 4, every write policy. Ours must not be lower on either tier, and both
+    trees must have been fed the same requests."""
+    out = tmp_path / "diff.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([UPSTREAM_PY, os.path.join(ROOT, "benchmarks", "bench_tree_differential.py"),
+                           "--requests", "150", "--seeds", "0", "--only", "p16/+/lru", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert len(doc["results"]) == 9  # 3 ratios x 3 write policies
+    for r in doc["results"]:
+        name = f"{r['write_policy']} r{r['host_ratio']:g}"
+        assert r["evicting_requests"]["ours"] > 50 and r["evicting_requests"]["upstream"] > 50, name
+        for tier in ("L1", "L2"):
+            assert r["hit_rate_ours"][tier] >= r["hit_rate_upstream"][tier] - 1e-9, (name, tier, r)
+        assert 0 < r["hit_rate_upstream"]["L1"] < 1 and r["per_seed"][0]["prompt_tokens"] > 150 * 200
+    small = [r for r in doc["results"] if r["host_ratio"] == 0.5 and r["write_policy"] == "write_through"][0]
+    assert small["hit_rate_ours"]["L2"] > 2 * small["hit_rate_upstream"]["L2"]
+    assert doc["all_ge"] is True
