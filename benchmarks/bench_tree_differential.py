@@ -55,8 +55,14 @@ which tree keeps more on the device, four mostly can.
     scripts/upstream_baseline_env.sh benchmarks/bench_tree_differential.py [--quick]
         [--requests 2000] [--seeds 0,1,2,3] [--device-tokens 6000] [--tree-decisions auto]
         [--only SUBSTRING] [--out PATH]
+    .venv/bin/python benchmarks/bench_tree_differential.py --render A.json [B.json ...] [--out PATH]
 
-Writes ``hicache-results/tree_differential.json`` (under the current directory).
+Writes ``hicache-results/tree_differential.json`` (under the current directory) and, where
+matplotlib is installed, ``tree_differential.png`` beside it: per configuration and tier, ours
+minus upstream (all seeds pooled, and each seed). The upstream venv has no matplotlib, and
+the full grid takes ~1.5 CPU hours (each replay pair 20-40 s), so the usual run is split with
+``--only`` over processes (e.g. ``--only p1/`` and ``--only p16/``) and merged, table and PNG,
+with ``--render`` in ``.venv``.
 """
 
 from __future__ import annotations
