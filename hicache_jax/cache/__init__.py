@@ -8,7 +8,7 @@ the map of the modules behind it. L3 (storage): ``hicache_jax.l3.StorageControll
 
 from .agreement import Agreement, SingleProcessAgreement
 from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, MultiTransferHandle
-from .config import EvictionPolicy, HiCacheConfig, WritePolicy
+from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 from .debug_view import CacheDebugView
 from .errors import CacheFailedError, CacheInvariantError
 from .eviction_index import EvictionIndex
@@ -25,8 +25,8 @@ __all__ = [
     "FULL", "Agreement", "CacheDebugView", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest",
     "ComponentRegistry", "EvictionIndex", "EvictionPolicy", "EvictionStrategy", "HiCacheConfig", "HiRadixCache",
     "InsertResult", "KVComponent", "LoadBackResult", "LockReceipt", "MatchResult", "MultiLoadHandle",
-    "MultiTransferHandle", "RadixKey", "SingleProcessAgreement", "TreeNode", "WritePolicy", "as_token_ids",
-    "register_prometheus",
+    "MultiTransferHandle", "RadixKey", "SingleProcessAgreement", "TreeDecisions", "TreeNode", "WritePolicy",
+    "as_token_ids", "register_prometheus",
 ]
 
 
