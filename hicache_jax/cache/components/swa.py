@@ -758,10 +758,13 @@ class SWAComponent(KVComponent):
         pages = None if req.component_pages is None else req.component_pages.get(self.name)
         if pages is None:
             return
-        keep_from = len(req.key) - self.window
+        # The window of the request's next pass, and that of its whole pages' end (what its
+        # next insert makes usable for later matches): keep both.
+        p = self.page_size
+        keep_from = (len(req.key) // p) * p - self.window
         if keep_from <= 0:
             return
-        out = min(keep_from // self.page_size, pages.shape[0])  # pages wholly before the window
+        out = min(keep_from // p, pages.shape[0])  # pages wholly before the window
         cached = req.cached_pages
         if out > cached:
             own = pages[cached:out]
