@@ -297,5 +297,5 @@ def test_disabling_any_check_fails_a_case(monkeypatch):
             m.setattr(swa_module.SWAComponent, "check", ns["check"])
             if not caught(collect_violations, swa_only=True):
                 uncaught.append(f"SWAComponent.check check #{i}")
-    assert n_checks == 43 + 22
+    assert n_checks == 43 + 23
     assert not uncaught, f"checks no case sees: {uncaught}"

@@ -89,6 +89,12 @@ def _any_hold(st):
     return next(iter(st.holders))
 
 
+def _drop_from_hold(st):
+    hold = _any_hold(st)
+    hold.states.remove(st)
+    st.holders.discard(hold)
+
+
 SWA_CASES = [
     ("root-holds-swa", lambda s: _set(s.root, ext={"swa": s.st(s.C)}),
      r"the root holds SWA pages or holds"),
@@ -113,6 +119,7 @@ SWA_CASES = [
      r"nodes in both the SWA device and host eviction lists"),
     ("counters", lambda s: _set(s.swa, evictable_tokens=s.swa.evictable_tokens + 2), r"SWA counts: evictable"),
     ("window-holds", lambda s: s.swa.on_lock(LockReceipt(s.C, None)), r"2 SWA window holds for 1 caller locks"),
+    ("window-hold-misses", lambda s: _drop_from_hold(s.st(s.B)), r"a window hold of a caller lock on .* misses SWA pages"),
     ("device-allocator", lambda s: _free_list_duplicate(s.swa.device_allocator), r"SWA device allocator: "),
     ("host-allocator", lambda s: _free_list_duplicate(s.swa.host_allocator), r"SWA host allocator: "),
     ("two-nodes", lambda s: _set(s.st(s.C), dev=s.st(s.B).dev.copy()), r"SWA device pages held by two nodes"),

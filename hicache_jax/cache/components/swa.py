@@ -30,12 +30,15 @@ Usable prefix (``usable_prefix``; upstream's SWA match validator, sglang #23391)
 Locks (per node ``holders``; one ``_Hold`` records exactly the states it incremented)
     * A caller's device lock (``inc_lock_ref``, a request's lock) also holds the SWA device
       pages of the window before its node's end (the nodes intersecting the last ``window``
-      tokens; tombstones hold nothing), not the whole path. Holds of the caller locks on one
-      node are interchangeable; a request whose window moved past the tree's part releases
-      its hold early (``slide_request``; the full lock stays) and the lock's later release
-      then releases an already-empty one first, so a lock never releases a hold somebody
-      else still needs, and a hold never decrements a node it did not increment (a
-      tombstone revived between acquire and release is not in it: sglang #36350's class).
+      tokens; tombstones hold nothing), not the whole path. A tombstone of that window that
+      gets SWA pages again while the lock lives (an insert recovers it, a load-back fills
+      it) joins the hold, recorded there: a release decrements exactly what its hold
+      incremented (never a lock it did not take: sglang #36350's class), and every hold on
+      one node holds the same nodes, so the caller locks on a node stay interchangeable (the
+      full locks are: ``dec_lock_ref(node)``). A request whose window moved past the tree's
+      part releases its hold early (``slide_request``; the full lock stays) and the node's
+      next release then releases an already-empty one first, so no release takes a hold
+      somebody still needs.
     * A backup holds the source SWA pages of its chain, a load-back the window it loads
       into, until the copy is acknowledged (``CopyPlan.done``). Their host pages are kept
       by the transfer's full host lock: SWA host eviction skips host-locked nodes.
@@ -148,6 +151,7 @@ class SWAMetrics:
     backup_tokens: int = 0  # SWA tokens copied to the host
     backup_failed_tokens: int = 0  # SWA tokens of backed-up nodes the SWA host pool had no room for
     loaded_tokens: int = 0  # SWA tokens loaded back (only window nodes)
+    load_no_room: int = 0  # load-backs skipped: no SWA device room for the window, or no window on any tier
     alloc_failures: int = 0  # alloc_device / alloc_host calls that found no room
     released_windows: int = 0  # window holds released early (slide_request)
     freed_request_pages: int = 0  # requests' own pages freed as their window slid
@@ -406,6 +410,22 @@ class SWAComponent(KVComponent):
         if not entry[0] and not entry[1]:
             del self._win[receipt.device]
 
+    def _join_window_holds(self, revived: list) -> None:
+        """``revived`` (states that just got SWA device pages) join the window holds of the
+        caller locks whose window they lie in (see Locks in the module docstring)."""
+        if not self._win or not revived:
+            return
+        rv = set(revived)
+        for x, entry in self._win.items():
+            if not entry[0]:
+                continue
+            for n in self._window(x):
+                st = self.state(n)
+                if st in rv:
+                    for hold in entry[0]:
+                        if hold not in st.holders:
+                            self._hold(st, hold)
+
     def release_window(self, node) -> bool:
         """Release one caller lock's window hold on ``node`` early (its full lock stays);
         False when none is left to release."""
@@ -558,6 +578,7 @@ class SWAComponent(KVComponent):
                 n = n.parent
             nodes.reverse()
             free = []
+            revived = []
             j = 0
             for node in nodes:
                 k = node.size // p
@@ -578,10 +599,12 @@ class SWAComponent(KVComponent):
                 st = self._make(node)
                 st.access = t
                 self._set_dev(st, c.astype(ID_DTYPE))
+                revived.append(st)
                 if node is last:
                     got_pages = True
             if free:
                 self._free_dev(np.concatenate(free) if len(free) > 1 else free[0])
+            self._join_window_holds(revived)
         if got_pages and last.size > self.window_pages * p:
             # Cap: locking the new end holds one window, not a whole chunked-prefill leaf.
             tree.split(last, last.size - self.window_pages * p)
@@ -688,6 +711,7 @@ class SWAComponent(KVComponent):
                 to_load.append(st)
             else:  # the window is not on any tier: loading cannot make this prefix usable
                 self._release(hold)
+                self.metrics.load_no_room += 1
                 raise NoRoom(f"{self.name}: the window before {node!r} is not on any tier")
         if not to_load:
             if not hold.states:
@@ -699,6 +723,7 @@ class SWAComponent(KVComponent):
         dev = self.alloc_device(npages)
         if dev is None:
             self._release(hold)
+            self.metrics.load_no_room += 1
             raise NoRoom(f"{self.name}: no device room for {npages} window pages")
         src = np.concatenate([st.host for st in to_load]) if len(to_load) > 1 else to_load[0].host
 
@@ -711,6 +736,7 @@ class SWAComponent(KVComponent):
                 st.access = t
                 self._set_dev(st, dev[off:off + k])
                 off += k
+            self._join_window_holds(to_load)
             self.metrics.loaded_tokens += npages * self.page_size
 
         def cancel() -> None:
@@ -872,6 +898,12 @@ class SWAComponent(KVComponent):
         windows = sum(len(e[0]) + e[1] for e in self._win.values())
         if view is not None and windows != view.caller_locks:
             errs.append(f"{windows} SWA window holds for {view.caller_locks} caller locks")
+        for x, entry in self._win.items():
+            need = {st for n in self._window(x) if (st := self.state(n)) is not None and st.dev is not None}
+            for hold in entry[0]:
+                if not need <= set(hold.states):
+                    errs.append(f"a window hold of a caller lock on {x!r} misses SWA pages of its window: "
+                                f"{[st.node for st in need - set(hold.states)][:4]}")
         reserved = np.zeros(0, np.int64) if view is None else view.reserved_host_pages(name)
         for tier, alloc, pages, owned, extra in (
                 ("device", self.device_allocator, dev_pages, self.dev_owned, external),
