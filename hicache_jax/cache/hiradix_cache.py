@@ -84,6 +84,39 @@ Failed copies (``transfers``)
 Across processes (``agreement``)
     The number of copies acknowledged per pass goes through the ``agreement`` object (the
     identity by default), so several ranks can release the same operations.
+
+Sliding-window (SWA) requests (``components.swa``; generic over components with their own page ids)
+    A hybrid model's sliding-window layers keep their KV in the ``SWAComponent``'s own pools
+    (``components=[SWAComponent(swa_engine, swa_engine.device_pool.allocator, window)]``).
+    Matches are usable only where the window before their end has SWA KV (see the
+    component); the call sequence of an engine (``tests/cache/swa_harness.py``'s
+    ``SWADriver`` runs it on the numpy backend):
+
+    1. admission: ``req, lb = begin_request(prompt[:-1])`` (match, load-back of the host /
+       L3 continuation: full pages and only the window's SWA pages, lock); wait for ``lb``'s
+       layers of both pools (``lb.handle.wait_layer(i)`` for the full layers,
+       ``lb.handle.wait_layer(j, component="swa")`` for the SWA ones); ``req.device_pages``
+       is the prefix's full page table, ``req.component_pages["swa"]`` its SWA page table
+       (the window's pages, -1 elsewhere); trim ``req.key`` to the prefix it holds.
+    2. each prefill chunk and each decode step: ``alloc_device(n)`` and
+       ``alloc_component("swa", n)`` for the new pages (each pool evicts by its own rules:
+       SWA allocation tombstones nodes or evicts unlocked leaves whole; on failure free what
+       was taken), ``req.extend(key, pages, {"swa": swa_pages})``, run the forward pass,
+       then ``slide_window(req)``: the request's own SWA pages wholly before the window
+       (of its next pass and of its whole pages' end) are freed and set to -1, and once the
+       window lies past the tree's part, its lock's hold on the tree's SWA pages goes (the
+       full lock stays). A chunk ends with ``cache_unfinished_req(req, chunked=True)``
+       (the tree takes or frees every SWA id the request passes; it re-reads the tree's
+       window ids into ``component_pages``).
+    3. finish: ``cache_finished_req(req)`` (inserts: out-of-window spans become tombstones,
+       the window leaf is capped at ``ceil(window / page_size)`` pages; frees the partial
+       tail page of both pools). Abort: free the request's own pages of both pools (entries
+       from ``cached_pages`` on, ids >= 0) and ``dec_lock_ref(req.last_node)``.
+
+    Raw calls take the same per-component ids: ``insert(..., component_pages=)``,
+    ``insert_host(..., component_pages=)`` (L3), ``reserve_component_host_pages``,
+    ``sanity_check(external, {"swa": n})``. With no such component registered every hook
+    stays off the full component's paths (one empty tuple).
 """
 
 from __future__ import annotations
@@ -301,7 +334,9 @@ class HiRadixCache:
         return res
 
     def peek_prefix(self, key: object) -> tuple[int, int]:
-        """``(device tokens, host-only tokens)`` of the cached page-aligned prefix of ``key``.
+        """``(device tokens, host-only tokens)`` of the cached page-aligned prefix of ``key``
+        (with stateful components: the usable device prefix and the continuation a load-back
+        would make usable, as ``match_prefix`` reports them).
 
         Read-only, unlike ``match_prefix``: no split, no access-time refresh, no metrics, so a
         scheduler may ask it about waiting requests as often as it likes.
@@ -557,9 +592,10 @@ class HiRadixCache:
     def slide_window(self, req: CacheRequest) -> None:
         """After a forward pass wrote the KV of all of ``req.key``'s tokens: components with
         a sliding window free the request's own pages that lie wholly before the window of
-        its next pass (``component_pages`` entries set to -1) and, once that window lies past
-        the tree's part (``cached_pages``), release the hold of the request's lock on the
-        tree's window pages (its full lock stays). A no-op without such components."""
+        its whole pages' end (so also before the window of its next pass; ``component_pages``
+        entries set to -1) and, once that window lies past the tree's part
+        (``cached_pages``), release the hold of the request's lock on the tree's window pages
+        (its full lock stays). A no-op without such components."""
         req = self._requests.check(req)
         for comp in self._requests.own:
             comp.slide_request(req)
