@@ -52,10 +52,15 @@ class MultiLoadHandle(_CombinedHandle, LoadHandle):
         self.num_layers = self.handles[FULL].num_layers
 
     def layer_done(self, layer: int, component: str = FULL) -> bool:
-        return self.handles[component].layer_done(layer)
+        """Whether ``component``'s copy of ``layer`` landed (True when this load moves none of
+        its pages, e.g. a window already on the device)."""
+        h = self.handles.get(component)
+        return True if h is None else h.layer_done(layer)
 
     def wait_layer(self, layer: int, timeout: float | None = None, component: str = FULL) -> None:
-        self.handles[component].wait_layer(layer, timeout)
+        h = self.handles.get(component)
+        if h is not None:
+            h.wait_layer(layer, timeout)
 
 
 class MultiTransferHandle(_CombinedHandle, TransferHandle):
