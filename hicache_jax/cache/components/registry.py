@@ -47,20 +47,26 @@ class _CombinedHandle:
 class MultiLoadHandle(_CombinedHandle, LoadHandle):
     """One H2D load across components; per-layer readiness of the full component by default."""
 
-    def __init__(self, handles: Mapping[str, LoadHandle]) -> None:
+    def __init__(self, handles: Mapping[str, LoadHandle], names: tuple | None = None) -> None:
         self.handles = dict(handles)
         self.num_layers = self.handles[FULL].num_layers
+        self.names = tuple(self.handles) if names is None else tuple(names)  # every component of the cache
 
     def layer_done(self, layer: int, component: str = FULL) -> bool:
         """Whether ``component``'s copy of ``layer`` landed (True when this load moves none of
         its pages, e.g. a window already on the device)."""
-        h = self.handles.get(component)
+        h = self._handle(component)
         return True if h is None else h.layer_done(layer)
 
     def wait_layer(self, layer: int, timeout: float | None = None, component: str = FULL) -> None:
-        h = self.handles.get(component)
+        h = self._handle(component)
         if h is not None:
             h.wait_layer(layer, timeout)
+
+    def _handle(self, component: str) -> LoadHandle | None:
+        if component not in self.names:
+            raise ValueError(f"component: expected one of {list(self.names)}, got {component!r}")
+        return self.handles.get(component)
 
 
 class MultiTransferHandle(_CombinedHandle, TransferHandle):
@@ -147,4 +153,4 @@ class ComponentRegistry:
             h = c.load(host_ids, device_ids, None if plans is None else plans.get(n))
             if h is not None:
                 handles[n] = h
-        return MultiLoadHandle(handles)
+        return MultiLoadHandle(handles, self.names)
