@@ -57,26 +57,15 @@ class CacheRequest:
         if self.device_pages.shape[0] + pages.shape[0] != want:
             raise ValueError(f"new_pages: {len(key)} tokens need {want} pages in all, the request has "
                              f"{self.device_pages.shape[0]} and got {pages.shape[0]} more")
-        extra = {}
-        if component_pages is not None:
-            if not isinstance(component_pages, dict):
-                raise TypeError(f"component_pages: expected a dict of name -> page ids, got "
-                                f"{type(component_pages).__name__}")
-            for name, ids in component_pages.items():
-                arr = _as_ids_or_none(ids, f"component_pages[{name!r}]")
-                if arr.shape[0] != pages.shape[0]:
-                    raise ValueError(f"component_pages[{name!r}]: expected {pages.shape[0]} ids (one per new page), "
-                                     f"got {arr.shape[0]}")
-                extra[name] = arr
-        have = self.component_pages or {}
-        for name in have:
-            if name not in extra:
-                raise ValueError(f"component_pages: the request tracks {name!r} pages; give one id per new page "
-                                 f"(-1 for none)")
+        if component_pages is None and self.component_pages is None:
+            self.key = key
+            self.device_pages = np.concatenate([self.device_pages, pages])
+            return
+        extra = self._component_extension(component_pages, pages.shape[0])
         self.key = key
         self.device_pages = np.concatenate([self.device_pages, pages])
         if extra:
-            old = dict(have)
+            old = dict(self.component_pages or {})
             n_old = self.device_pages.shape[0] - pages.shape[0]
             for name, arr in extra.items():
                 prev = old.get(name)
@@ -84,6 +73,25 @@ class CacheRequest:
                     prev = np.full(n_old, -1, ID_DTYPE)
                 old[name] = np.concatenate([prev, arr])
             self.component_pages = old
+
+    def _component_extension(self, component_pages: dict | None, n: int) -> dict:
+        """``extend``'s per-component ids, validated (nothing changed yet)."""
+        extra = {}
+        if component_pages is not None:
+            if not isinstance(component_pages, dict):
+                raise TypeError(f"component_pages: expected a dict of name -> page ids, got "
+                                f"{type(component_pages).__name__}")
+            for name, ids in component_pages.items():
+                arr = _as_ids_or_none(ids, f"component_pages[{name!r}]")
+                if arr.shape[0] != n:
+                    raise ValueError(f"component_pages[{name!r}]: expected {n} ids (one per new page), "
+                                     f"got {arr.shape[0]}")
+                extra[name] = arr
+        for name in self.component_pages or {}:
+            if name not in extra:
+                raise ValueError(f"component_pages: the request tracks {name!r} pages; give one id per new page "
+                                 f"(-1 for none)")
+        return extra
 
 
 def _as_ids_or_none(ids: object, name: str) -> np.ndarray:

@@ -192,21 +192,27 @@ def test_load_back_splits_the_window_top_and_loads_only_the_window():
     cache, drv, swa = setup(page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=30,
                             swa_host_pages=30)
     k = key(np.arange(20))
-    insert_with_swa(cache, drv, k)  # one node of 10 pages, SWA everywhere, backed up
+    insert_with_swa(cache, drv, k)  # SWA everywhere, backed up; the cap: [0, 14) + the leaf [14, 20)
     cache.flush()
     cache.evict(100)
-    m = cache.match_prefix(k)
-    assert m.device_hit_length == 0 and m.host_hit_length == 20
+    k10 = key(np.arange(10))  # a prefix that ends inside [0, 14): its window [5, 10) is pages 2..4
+    m = cache.match_prefix(k10)
+    assert m.device_hit_length == 0 and m.host_hit_length == 10
     lb = cache.load_back(m.last_host_node)
+    for layer in range(swa.engine.geom.num_layers):  # the SWA layers' readiness, per layer
+        lb.handle.wait_layer(layer, component="swa")
+        assert lb.handle.layer_done(layer, component="swa")
+    with pytest.raises(ValueError, match="component"):
+        lb.handle.layer_done(0, component="draft")
     lb.handle.wait()
     cache.flush()
-    # The window [15, 20) is pages 7..9: the node was split there; only they came back.
-    assert states(cache, swa, k) == [(14, False, True), (6, True, True)]
+    # The window's top node was split at the window's first page: only pages 2..4 came back.
+    assert states(cache, swa, k10) == [(4, False, True), (6, True, True)]
     assert swa.metrics.loaded_tokens == 6
-    drv.full.check_device(k, lb.device_pages)
-    pages = swa.request_pages(lb.node, 10)
-    assert (pages[7:] >= 0).all() and (pages[:7] < 0).all()
-    drv.sw.check_device(k, pages[7:], 7)
+    drv.full.check_device(k10, lb.device_pages)
+    pages = swa.request_pages(lb.node, 5)
+    assert (pages[2:] >= 0).all() and (pages[:2] < 0).all()
+    drv.sw.check_device(k10, pages[2:], 2)
     cache.sanity_check(0, {"swa": 0})
 
 
