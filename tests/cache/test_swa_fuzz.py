@@ -39,7 +39,7 @@ class SWAMachine(RuleBasedStateMachine):
         device_pages=st.integers(12, 32),
         host_pages=st.integers(4, 48),  # smaller and larger than the device pool
         swa_device_pages=st.integers(6, 20),
-        swa_host_pages=st.integers(2, 40),
+        swa_host_pages=st.integers(3, 40),
         deferred=st.booleans(),
         threshold=st.sampled_from([0, 1, 3, 10]),
         host_reclaim=st.booleans(),
@@ -57,6 +57,7 @@ class SWAMachine(RuleBasedStateMachine):
         self.drv = SWADriver(self.cache, self.full_be, self.swa_be, self.swa)
         self.reqs = []  # [req, target tokens, namespace]
         self.locks = []
+        self.done = []  # keys of finished requests (what load-backs bring back)
 
     # ------------------------------------------------------------------ helpers
     def key(self, toks, ns):
@@ -124,6 +125,7 @@ class SWAMachine(RuleBasedStateMachine):
             return
         final = self.drv.serve(self.key(toks, ns), chunk=chunk, out=out)
         if final is not None:
+            self.done.append(final)
             m = self.cache.match_prefix(final)
             assert m.device_hit_length == len(final) - len(final) % self.p
             self.check_path(final, m)
@@ -177,6 +179,8 @@ class SWAMachine(RuleBasedStateMachine):
         req = entry[0]
         key = req.key
         self.cache.cache_finished_req(req)
+        if len(key):
+            self.done.append(key)
         m = self.cache.match_prefix(key)
         assert m.device_hit_length == len(key) - len(key) % self.p
         self.check_path(key, m)
@@ -229,9 +233,18 @@ class SWAMachine(RuleBasedStateMachine):
         if got is not None:
             self.swa.host_allocator.free(got)
 
-    @rule(toks=tokens, ns=ns, quota=st.sampled_from([None, 3, 100]))
-    def load_back(self, toks, ns, quota):
+    @rule()
+    def drop_device(self):
+        """Everything unlocked leaves the device (host copies stay): what load-backs need."""
+        self.cache.flush()
+        self.cache.evict(self.cache.evictable_tokens)
+
+    @rule(toks=tokens, ns=ns, quota=st.sampled_from([None, 3, 100]), data=st.data())
+    def load_back(self, toks, ns, quota, data):
         key = self.key(toks, ns)
+        if self.done and data.draw(st.booleans()):  # a conversation served before
+            done = data.draw(st.sampled_from(self.done))
+            key = RadixKey(done.token_ids[:data.draw(st.integers(1, len(done)))], done.extra_key)
         m = self.cache.match_prefix(key)
         if m.host_hit_length:
             lb = self.cache.load_back(m.last_host_node, quota)
@@ -264,6 +277,7 @@ class SWAMachine(RuleBasedStateMachine):
     def reset(self, go):
         if not go:
             self.cache.reset()
+            self.done = []
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -310,7 +324,7 @@ def _run(examples, steps, min_total, fixed_seed=None):
         assert EVENTS.get(event, 0) > 0, f"fuzz never produced {event}: {EVENTS}"
 
 
-CI_RUN = dict(examples=300, steps=40, min_total=2000, fixed_seed=0)
+CI_RUN = dict(examples=250, steps=40, min_total=2000, fixed_seed=0)
 
 
 def test_swa_fuzz_ci():
