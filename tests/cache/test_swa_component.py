@@ -154,37 +154,43 @@ def test_decode_frees_the_requests_out_of_window_pages_and_its_window_hold():
 def test_swa_allocation_tombstones_internal_nodes_and_evicts_unlocked_leaves_whole():
     cache, drv, swa = setup(page_size=1, window=2, device_pages=40, host_pages=40, swa_device_pages=10,
                             swa_host_pages=10, write_policy="write_back")
-    insert_with_swa(cache, drv, key(np.arange(4)))
-    insert_with_swa(cache, drv, key(np.arange(4), [10, 11]))  # internal [0, 4), leaf [4, 6)
-    insert_with_swa(cache, drv, key([30, 31, 32]))  # another leaf
+    insert_with_swa(cache, drv, key(np.arange(4)))  # capped: [0, 2) + [2, 4)
+    leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node  # [4, 6)
+    other = insert_with_swa(cache, drv, key([30, 31, 32])).last_node  # [30] + [31, 32], used last
     assert swa.device_allocator.available == 1
-    got = cache.alloc_component("swa", 6)
-    assert got is not None
-    cache.device_allocator  # noqa: B018
+    got = cache.alloc_component("swa", 6)  # 5 short: the least recently used windows go
+    assert got is not None and got.size == 6
     swa.device_allocator.free(got)
     cache.sanity_check(0, {"swa": 0})
-    assert swa.metrics.leaf_evictions >= 1  # a leaf went whole (full pages too)...
-    assert cache.metrics.evicted_device_tokens > 0
-    # ...and what stays on the device without SWA is a tombstone that no match can end in.
-    for n in cache.all_nodes():
-        st = swa.state(n)
-        if n is not cache.root and n.value is not None and (st is None or st.dev is None):
-            assert n.children, "a device leaf left as a tombstone"
+    # The two internal nodes became tombstones (their full KV stays on the device); the
+    # unlocked leaf left the device whole (write_back: backed up first, now host-only).
+    assert swa.metrics.tombstoned_tokens == 4 and swa.metrics.leaf_evictions == 1
+    assert leaf.value is None and leaf.host_value is not None and swa.node_host_pages(leaf) is not None
+    inner = leaf.parent
+    assert inner.value is not None and swa.node_device_pages(inner) is None
+    assert other.value is not None and swa.node_device_pages(other) is not None
+    m = cache.match_prefix(key(np.arange(4), [10, 11]))
+    assert (m.device_hit_length, m.host_hit_length) == (0, 6)  # usable again through a load-back
 
 
 def test_host_swa_allocation_drops_host_leaves_whole_and_tombstones_the_rest():
     cache, drv, swa = setup(page_size=1, window=2, device_pages=40, host_pages=40, swa_device_pages=20,
                             swa_host_pages=6)
-    insert_with_swa(cache, drv, key(np.arange(4)))
-    insert_with_swa(cache, drv, key(np.arange(4), [10, 11]))
+    insert_with_swa(cache, drv, key(np.arange(4)))  # capped: [0, 2) + [2, 4)
+    leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node
     cache.flush()
-    cache.evict(100)  # everything host-only, SWA on host
+    cache.evict(100)  # everything host-only, SWA on host: 6 pages, the SWA host pool is full
     assert swa.host_allocator.available == 0
-    got = cache.reserve_component_host_pages("swa", 3)
-    assert got is not None
+    host_full = cache.host_allocator.available
+    got = cache.reserve_component_host_pages("swa", 6)
+    assert got is not None and got.size == 6
     swa.host_allocator.free(got)
     cache.sanity_check(0, {"swa": 0})
-    assert swa.metrics.host_leaf_evictions + swa.metrics.host_tombstoned_tokens > 0
+    # The two internal nodes keep their full host copies (host tombstones); the host-only
+    # leaf left whole, its full host pages with it.
+    assert swa.metrics.host_tombstoned_tokens == 4 and swa.metrics.host_leaf_evictions == 1
+    assert leaf.deleted and cache.host_allocator.available == host_full + 2
+    assert cache.peek_prefix(key(np.arange(4))) == (0, 0)  # no window on any tier: nothing usable
 
 
 # ---------------------------------------------------------------- L2
