@@ -401,7 +401,7 @@ class HiRadixCache:
                 raise ValueError(f"{what}: ids out of range [-1, {alloc.num_pages}) (-1: no page)")
             arr = arr.astype(np.int32)
             if tier == "host":
-                comp.check_host_pages(arr[arr >= 0], what)
+                comp.check_host_pages(arr, what)
             out[name] = arr
         return out
 

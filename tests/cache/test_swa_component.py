@@ -301,3 +301,25 @@ def test_request_component_pages_are_validated():
     with pytest.raises(ValueError, match="one id per new page"):
         r2, _ = cache.begin_request(key([5]))
         r2.extend(key([5, 6]), [3, 4])
+
+
+def test_bad_insert_host_component_pages_are_refused_before_any_change():
+    cache, drv, swa = setup(page_size=1, window=2, swa_host_pages=12)
+    host = cache.reserve_host_pages(3)
+    sw = cache.reserve_component_host_pages("swa", 2)
+    k = key([1, 2, 3])
+
+    def state():
+        return (cache.host_allocator.available, swa.host_allocator.available, len(cache.all_nodes()))
+
+    before = state()
+    for pages, match in (([sw[0], -1, sw[1]], "-1 .* before the first page id"),
+                         ([-1, sw[0], sw[0]], "duplicate"),
+                         ([-1, -1, 11], "free or owned"),
+                         ([-1, sw[0]], "expected 3 ids")):
+        with pytest.raises(ValueError, match=match):
+            cache.insert_host(k, host, 0, component_pages={"swa": pages})
+        assert state() == before
+    attached, leaf = cache.insert_host(k, host, 0, component_pages={"swa": [-1, sw[0], sw[1]]})
+    assert attached == 3 and swa.state(leaf).host.tolist() == sw.tolist() and len(leaf) == 2
+    cache.sanity_check(0, {"swa": 0})

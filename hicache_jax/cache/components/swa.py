@@ -770,8 +770,11 @@ class SWAComponent(KVComponent):
             bad = ids[self.dev_owned[ids] | ~self.device_allocator.allocated_mask(ids)]
             raise ValueError(f"{what}: pages {bad[:8].tolist()} are not the request's to free")
 
-    def check_host_pages(self, ids: np.ndarray, what: str) -> None:
-        """ValueError unless ``ids`` are distinct SWA host pages the caller holds (allocated, not the tree's)."""
+    def check_host_pages(self, pages: np.ndarray, what: str) -> None:
+        """ValueError unless ``pages`` (-1: none) are a run of -1 then distinct SWA host pages
+        the caller holds (allocated, not the tree's)."""
+        f = self._frontier(pages)
+        ids = pages[f:]
         if not ids.shape[0]:
             return
         if has_duplicates(ids):
