@@ -323,3 +323,14 @@ def test_bad_insert_host_component_pages_are_refused_before_any_change():
     attached, leaf = cache.insert_host(k, host, 0, component_pages={"swa": [-1, sw[0], sw[1]]})
     assert attached == 3 and swa.state(leaf).host.tolist() == sw.tolist() and len(leaf) == 2
     cache.sanity_check(0, {"swa": 0})
+
+
+def test_an_swa_component_on_the_full_engine_is_refused():
+    from cache_harness import numpy_backend_factory, small_geom
+
+    from hicache_jax.cache import HiCacheConfig, HiRadixCache
+
+    full = numpy_backend_factory(small_geom(2), 8, 8)
+    with pytest.raises(ValueError, match="its own pools"):
+        HiRadixCache(HiCacheConfig(page_size=2), full.engine, full.device.allocator,
+                     components=[SWAComponent(full.engine, full.device.allocator, 4)])

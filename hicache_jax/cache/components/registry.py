@@ -116,6 +116,9 @@ class ComponentRegistry:
             if comp.engine.geom.page_size != engine.geom.page_size:
                 raise ValueError(f"components[{comp.name!r}]: page_size {comp.engine.geom.page_size} != full "
                                  f"page_size {engine.geom.page_size}")
+            if comp.own_page_ids and (comp.engine is engine or getattr(comp.engine, "host_pool", None) is host_pool):
+                raise ValueError(f"components[{comp.name!r}]: a component with its own page ids needs its own pools, "
+                                 f"not the full component's engine")
             comps[comp.name] = comp
         self.components = comps
         self.engines: dict[str, KVTransferEngine] = {n: c.engine for n, c in comps.items()}
