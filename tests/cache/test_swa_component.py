@@ -65,6 +65,7 @@ def test_insert_makes_out_of_window_spans_tombstones_and_caps_the_window_leaf():
     # A match that ends inside the tombstone's window is not usable: its end is the boundary
     # of the last node whose window is covered (8 + 6 = 14 >= 5 + ...).
     assert cache.match_prefix(RadixKey(np.arange(10))).device_hit_length == 0  # [5, 10) crosses the tombstone
+    assert cache.match_prefix(RadixKey(np.arange(12))).device_hit_length == 0  # [7, 12): one token short
     assert cache.match_prefix(RadixKey(np.arange(14))).device_hit_length == 14
 
 
