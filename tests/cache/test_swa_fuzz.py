@@ -215,6 +215,29 @@ class SWAMachine(RuleBasedStateMachine):
         self.cache.inc_lock_ref(node)
         self.locks.append(node)
 
+    @precondition(lambda self: self.done)
+    @rule(data=st.data(), t=st.integers(40, 45))
+    def lock_and_revive(self, data, t):
+        """Lock a node whose window holds a device tombstone, then serve its prefix again: the
+        insert revives the tombstone inside the locked window (the hold must take it in)."""
+        done = data.draw(st.sampled_from(self.done))
+        node = self.cache.backed_up_prefix(done)[0]
+        path = []
+        while node is not self.cache.root:
+            path.append(node)
+            node = node.parent
+        depth = sum(len(n) for n in path)
+        for x in path:  # deepest first
+            n_pages = depth // self.p
+            if x.value is not None and (self.swa.request_pages(x, n_pages)[self.drv.window_first_page(depth):] < 0).any():
+                self.cache.inc_lock_ref(x)
+                self.locks.append(x)
+                final = self.drv.serve(RadixKey(np.r_[done.token_ids[:depth], t], done.extra_key))
+                if final is not None:
+                    self.done.append(final)
+                return
+            depth -= len(x)
+
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
     def unlock(self, data):
