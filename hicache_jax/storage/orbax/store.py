@@ -1,7 +1,7 @@
 """The default L3 backend: an orbax-managed segment log, read page by page (OCDBT byte ranges).
 
 Needs orbax-checkpoint, tensorstore and google-crc32c (the ``jax`` extra); imported lazily by
-``create_storage``. Design and measurements: REFERENCE.md section 6 and the modules this one
+``create_storage``. Design and measurements: the modules this one
 composes, each with one job:
 
 * ``segment``: the log's layout on disk and the table entry of one segment;
