@@ -109,7 +109,7 @@ Sliding-window (SWA) requests (``components.swa``; generic over components with 
        (the tree takes or frees every SWA id the request passes; it re-reads the tree's
        window ids into ``component_pages``).
     3. finish: ``cache_finished_req(req)`` (inserts: out-of-window spans become tombstones,
-       the window leaf is capped at ``ceil(window / page_size)`` pages; frees the partial
+       the window leaf is capped at ``window_pages`` pages; frees the partial
        tail page of both pools). Abort: free the request's own pages of both pools (entries
        from ``cached_pages`` on, ids >= 0) and ``dec_lock_ref(req.last_node)``.
 

@@ -35,7 +35,7 @@ Pools and keys
     sidecar (e.g. the draft model's KV, sharing the target's page ids) is ``ALL_PAGES``: a
     page is a storage hit only if every such pool has it, and ``get_multi`` reads every pool
     before it publishes anything, so a target page never lands without its draft. A component
-    with its own page ids and a window (``swa``: ``window_pages`` = ceil(window / page)) is
+    with its own page ids and a window (``swa``: ``window_pages`` = ceil((W - 1) / page)) is
     ``TRAILING_PAGES``: its pages are stored beside the target's under the same chained page
     keys (its own pool namespace), and only the ``window_pages`` before a hit's end must be
     stored (the storage's trailing-pages rule). Such a pool is queried, read and attached

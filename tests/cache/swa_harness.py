@@ -29,6 +29,7 @@ from cache_harness import Backend, KVOracle, numpy_backend_factory, small_geom
 
 from hicache_jax.cache import CacheRequest, HiCacheConfig, HiRadixCache, RadixKey
 from hicache_jax.cache.components import SWAComponent
+from hicache_jax.reference_model.window import swa_first_needed_page, swa_pages_needed
 
 
 class SaltedOracle(KVOracle):
@@ -70,7 +71,26 @@ class SWADriver:
 
     # ------------------------------------------------------------------ checks
     def window_first_page(self, n_tokens: int) -> int:
-        return max(0, (n_tokens - self.w) // self.p)
+        """The first page a step starting at ``n_tokens`` reads in the SWA layers: the model's
+        own arithmetic (``reference_model.window``), not the component's."""
+        return swa_first_needed_page(n_tokens, self.w, self.p)
+
+    def check_step_reads(self, req: CacheRequest, end: int, swa_busy: set | None = None) -> None:
+        """Before a step computes ``[len(req.key), end)``: every SWA page it reads below its
+        start (``swa_pages_needed``, the model's rule) is in the request's SWA page table and
+        holds that page's SWA KV, so what ``slide_window`` freed, the step never reads."""
+        start = len(req.key)
+        if not start:
+            return
+        sw = req.component_pages["swa"]
+        p = self.p
+        for i in swa_pages_needed(start, end, self.w, p):
+            if i * p >= start:
+                break
+            pg = int(sw[i])
+            assert pg >= 0, f"step [{start}, {end}) reads SWA page {i}, freed (W={self.w}, p={p}): {sw.tolist()}"
+            if swa_busy is None or pg not in swa_busy:
+                self.sw.check_device(req.key, np.array([pg]), i)
 
     def check_prefix(self, req: CacheRequest, busy: set | None = None, swa_busy: set | None = None) -> None:
         """The request's full pages hold its prefix's KV; its SWA pages cover the window before
@@ -117,6 +137,8 @@ class SWADriver:
         if got is None:
             return False
         full, sw = got
+        if req.component_pages is not None:
+            self.check_step_reads(req, len(key))
         start = len(req.key) // p  # the first page this pass writes (a partial one is rewritten)
         req.extend(key, full, {"swa": sw})
         self.full.write(key, req.device_pages[start:], start)

@@ -53,7 +53,7 @@ def insert_with_swa(cache, drv, k, frontier_page=0):
 
 # ---------------------------------------------------------------- insert
 def test_insert_makes_out_of_window_spans_tombstones_and_caps_the_window_leaf():
-    cache, drv, swa = setup(page_size=2, window=5, device_pages=40, swa_device_pages=20)  # window: 3 pages
+    cache, drv, swa = setup(page_size=2, window=6, device_pages=40, swa_device_pages=20)  # window: 3 pages
     k = key(np.arange(20))
     insert_with_swa(cache, drv, k, frontier_page=4)  # pages 0..3 out of the window, 4..9 in
     # [0, 8) a tombstone (nothing to back up either), [8, 14) SWA (the leaf's upper part after
@@ -62,15 +62,14 @@ def test_insert_makes_out_of_window_spans_tombstones_and_caps_the_window_leaf():
     cache.sanity_check(0, {"swa": 0})
     m = cache.match_prefix(k)
     assert m.device_hit_length == 20
-    # A match that ends inside the tombstone's window is not usable: its end is the boundary
-    # of the last node whose window is covered (8 + 6 = 14 >= 5 + ...).
+    # A match is usable only where the W - 1 = 5 tokens before its end have SWA KV.
     assert cache.match_prefix(RadixKey(np.arange(10))).device_hit_length == 0  # [5, 10) crosses the tombstone
     assert cache.match_prefix(RadixKey(np.arange(12))).device_hit_length == 0  # [7, 12): one token short
     assert cache.match_prefix(RadixKey(np.arange(14))).device_hit_length == 14
 
 
 def test_a_path_without_tombstones_is_usable_at_any_length():
-    cache, drv, swa = setup(page_size=2, window=7)
+    cache, drv, swa = setup(page_size=2, window=8)
     k = key(np.arange(12))
     insert_with_swa(cache, drv, k)
     for n in (2, 4, 6, 8, 12):
@@ -79,7 +78,7 @@ def test_a_path_without_tombstones_is_usable_at_any_length():
 
 
 def test_insert_over_a_tombstone_recovers_only_the_in_window_part_and_frees_duplicates():
-    cache, drv, swa = setup(page_size=2, window=3, device_pages=40, swa_device_pages=20)  # window: 2 pages
+    cache, drv, swa = setup(page_size=2, window=4, device_pages=40, swa_device_pages=20)  # window: 2 pages
     k = key(np.arange(12))
     insert_with_swa(cache, drv, k, frontier_page=4)  # [0, 8) tombstone, [8, 12) SWA
     assert cache.match_prefix(RadixKey(np.arange(8))).device_hit_length == 0
@@ -98,6 +97,31 @@ def test_insert_over_a_tombstone_recovers_only_the_in_window_part_and_frees_dupl
     pages = swa.request_pages(m.last_device_node, 6)
     drv.sw.check_device(k, pages[pages >= 0], int(np.flatnonzero(pages >= 0)[0]))
     cache.sanity_check(0, {"swa": 0})
+
+
+@pytest.mark.parametrize("page_size, window", [(1, 4), (2, 5), (3, 4), (4, 9)])
+def test_a_prefix_needs_exactly_the_w_minus_1_tokens_a_step_after_it_reads(page_size, window):
+    """The tree's rule is the model's (``reference_model.window``): a step after a prefix of
+    ``m`` tokens reads the SWA KV of ``[m - W + 1, m)``. SWA pages from there on make the
+    prefix usable (even when upstream's ``>= W`` rule would refuse it: with these pairs
+    ``W - 1`` is a page multiple); one page less does not."""
+    from hicache_jax.reference_model.window import swa_first_needed_page
+
+    p = page_size
+    m = 6 * p
+    first = swa_first_needed_page(m, window, p)  # the model's own arithmetic
+    assert (m - window) // p < first  # upstream's rule would also want page first - 1
+    for frontier, usable in ((first, True), (first + 1, False)):
+        cache, drv, swa = setup(page_size=p, window=window, device_pages=40, swa_device_pages=20)
+        k = key(np.arange(m))
+        insert_with_swa(cache, drv, k, frontier_page=frontier)
+        assert cache.match_prefix(k).device_hit_length == (m if usable else 0)
+        if usable:  # the engine's view: the request's SWA table has every page the step reads
+            req, _ = drv.admit(key(np.arange(m), [99]))
+            assert req.cached_pages * p == m
+            drv.check_prefix(req)
+            drv.abort(req)
+        cache.sanity_check(0, {"swa": 0})
 
 
 # ---------------------------------------------------------------- the request call sequence
@@ -121,7 +145,7 @@ def test_driver_serves_requests_with_windows_that_end_inside_a_page(page_size, w
     req, lb = drv.admit(key(k1.token_ids, [7, 8, 9]))
     assert lb is not None and req.cached_pages == len(k1) // page_size
     drv.check_prefix(req)
-    assert swa.metrics.loaded_tokens - loaded_before == swa.window_pages * page_size
+    assert swa.metrics.loaded_tokens - loaded_before == -(-(window - 1) // page_size) * page_size
     drv.abort(req)
     cache.flush()
     cache.sanity_check(0, {"swa": 0})
@@ -131,7 +155,7 @@ def test_driver_serves_requests_with_windows_that_end_inside_a_page(page_size, w
 
 
 def test_decode_frees_the_requests_out_of_window_pages_and_its_window_hold():
-    cache, drv, swa = setup(page_size=2, window=4, device_pages=60, swa_device_pages=30)
+    cache, drv, swa = setup(page_size=2, window=5, device_pages=60, swa_device_pages=30)
     drv.serve(RadixKey(np.arange(8)))
     req, _ = drv.admit(key(np.arange(8), [50]))
     assert req.cached_pages == 4 and swa.protected_tokens == 4  # the window [4, 8) is held
@@ -153,7 +177,7 @@ def test_decode_frees_the_requests_out_of_window_pages_and_its_window_hold():
 
 # ---------------------------------------------------------------- eviction
 def test_swa_allocation_tombstones_internal_nodes_and_evicts_unlocked_leaves_whole():
-    cache, drv, swa = setup(page_size=1, window=2, device_pages=40, host_pages=40, swa_device_pages=10,
+    cache, drv, swa = setup(page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=10,
                             swa_host_pages=10, write_policy="write_back")
     insert_with_swa(cache, drv, key(np.arange(4)))  # capped: [0, 2) + [2, 4)
     leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node  # [4, 6)
@@ -175,7 +199,7 @@ def test_swa_allocation_tombstones_internal_nodes_and_evicts_unlocked_leaves_who
 
 
 def test_host_swa_allocation_drops_host_leaves_whole_and_tombstones_the_rest():
-    cache, drv, swa = setup(page_size=1, window=2, device_pages=40, host_pages=40, swa_device_pages=20,
+    cache, drv, swa = setup(page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=20,
                             swa_host_pages=6)
     insert_with_swa(cache, drv, key(np.arange(4)))  # capped: [0, 2) + [2, 4)
     leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node
@@ -196,7 +220,7 @@ def test_host_swa_allocation_drops_host_leaves_whole_and_tombstones_the_rest():
 
 # ---------------------------------------------------------------- L2
 def test_load_back_splits_the_window_top_and_loads_only_the_window():
-    cache, drv, swa = setup(page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=30,
+    cache, drv, swa = setup(page_size=2, window=6, device_pages=60, host_pages=60, swa_device_pages=30,
                             swa_host_pages=30)
     k = key(np.arange(20))
     insert_with_swa(cache, drv, k)  # SWA everywhere, backed up; the cap: [0, 14) + the leaf [14, 20)
@@ -224,7 +248,7 @@ def test_load_back_splits_the_window_top_and_loads_only_the_window():
 
 
 def test_a_window_evicted_from_the_device_alone_comes_back_without_its_full_pages():
-    cache, drv, swa = setup(page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=10,
+    cache, drv, swa = setup(page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=10,
                             swa_host_pages=20)
     k = key(np.arange(6))
     insert_with_swa(cache, drv, k)
@@ -259,7 +283,7 @@ def test_a_window_evicted_from_the_device_alone_comes_back_without_its_full_page
     ([0.0, 1.0, 2.0], TypeError, "integer"),
 ])
 def test_bad_component_pages_are_refused_before_any_change(pages, exc, match):
-    cache, drv, swa = setup(page_size=1, window=2, swa_device_pages=12)
+    cache, drv, swa = setup(page_size=1, window=3, swa_device_pages=12)
     full = cache.alloc_device(3)
     sw = cache.alloc_component("swa", 3)
     before = (cache.device_allocator.available, swa.device_allocator.available, len(cache.all_nodes()))
@@ -292,7 +316,7 @@ def test_swa_component_construction_is_validated():
 
 
 def test_request_component_pages_are_validated():
-    cache, drv, swa = setup(page_size=1, window=2)
+    cache, drv, swa = setup(page_size=1, window=3)
     req = CacheRequest(key([1, 2]), 1, np.array([0, 1], np.int32), component_pages={"swa": np.array([0], np.int32)})
     with pytest.raises(ValueError, match="1 ids for 2 device pages"):
         cache.cache_finished_req(req)
@@ -305,7 +329,7 @@ def test_request_component_pages_are_validated():
 
 
 def test_bad_insert_host_component_pages_are_refused_before_any_change():
-    cache, drv, swa = setup(page_size=1, window=2, swa_host_pages=12)
+    cache, drv, swa = setup(page_size=1, window=3, swa_host_pages=12)
     host = cache.reserve_host_pages(3)
     sw = cache.reserve_component_host_pages("swa", 2)
     k = key([1, 2, 3])

@@ -35,7 +35,7 @@ class SWAMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         eviction=st.sampled_from(["lru", "lfu", "priority"]),
         page_size=st.sampled_from([1, 2, 3]),
-        window=st.integers(1, 8),
+        window=st.integers(1, 9),  # W = 1 and 2 both keep one token of context
         device_pages=st.integers(12, 32),
         host_pages=st.integers(4, 48),  # smaller and larger than the device pool
         swa_device_pages=st.integers(6, 20),

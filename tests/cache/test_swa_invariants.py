@@ -39,7 +39,7 @@ def _insert(cache, drv, k, frontier):
 
 
 def swa_scene(_factory=None):
-    cache, full, swa_be, swa = make_swa_cache(page_size=P, window=3, device_pages=32, host_pages=32,
+    cache, full, swa_be, swa = make_swa_cache(page_size=P, window=4, device_pages=32, host_pages=32,
                                               swa_device_pages=16, swa_host_pages=16)
     drv = SWADriver(cache, full, swa_be, swa)
     d = _insert(cache, drv, RadixKey(np.arange(100, 104)), 0)

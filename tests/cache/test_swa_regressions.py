@@ -90,7 +90,7 @@ class NoRecovery(SWAComponent):
 
 
 def crash1_chunked_prefill_keeps_the_prefix_usable(cls):
-    cache, drv, swa = build(cls, page_size=2, window=4, device_pages=60, host_pages=60, swa_device_pages=30,
+    cache, drv, swa = build(cls, page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=30,
                             swa_host_pages=30)
     first = drv.serve(RadixKey(np.arange(1, 17)), out=list(range(100, 112)))  # [16, 24) becomes a tombstone
     assert first is not None
@@ -139,7 +139,7 @@ class IncrementalLists(SWAComponent):
 
 
 def crash2_no_node_in_both_lists(cls):
-    cache, drv, swa = build(cls, page_size=2, window=4, device_pages=40, host_pages=40, swa_device_pages=8,
+    cache, drv, swa = build(cls, page_size=2, window=5, device_pages=40, host_pages=40, swa_device_pages=8,
                             swa_host_pages=20, write_policy="write_through_selective")
     base = np.arange(1, 13)
     for _ in range(2):  # selective: the second insert-hit backs the path up
@@ -191,7 +191,7 @@ class LeafIgnoresFullLock(SWAComponent):
 
 
 def crash3_decode_allocation_never_cascades_into_a_locked_node(cls):
-    cache, drv, swa = build(cls, page_size=2, window=4, device_pages=60, host_pages=60, swa_device_pages=4,
+    cache, drv, swa = build(cls, page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=4,
                             swa_host_pages=20)
     assert drv.serve(RadixKey(np.arange(1, 9))) is not None  # the tree: [0, 4) a tombstone, [4, 8) 2 SWA pages
     req, _ = drv.admit(RadixKey(np.r_[np.arange(1, 9), 40]))
@@ -243,7 +243,7 @@ class StaleMapping(SWAComponent):
 
 
 def leak1_a_tombstone_never_frees_a_live_page(cls):
-    cache, drv, swa = build(cls, page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=12,
+    cache, drv, swa = build(cls, page_size=1, window=5, device_pages=40, host_pages=40, swa_device_pages=12,
                             swa_host_pages=20)
     x = insert_with_frontier(cache, drv, RadixKey([1, 2, 3, 4]), 0)
     leaf = insert_with_frontier(cache, drv, RadixKey(np.arange(1, 11)), 4)  # x is internal; the leaf's window is its own
@@ -288,7 +288,7 @@ class NoJoin(SWAComponent):
 
 
 def leak2_a_release_never_takes_a_lock_it_did_not_take(cls):
-    cache, drv, swa = build(cls, page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=12,
+    cache, drv, swa = build(cls, page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=12,
                             swa_host_pages=20)
     k = RadixKey([1, 2, 3, 4, 5, 6])
     b = insert_with_frontier(cache, drv, k, 4)  # [0, 4) a tombstone, b = [4, 6)

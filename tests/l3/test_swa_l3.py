@@ -19,7 +19,7 @@ from hicache_jax.l3 import StorageController
 from hicache_jax.storage import PoolHitPolicy, PoolSpec, StorageConfig
 from hicache_jax.storage.memory import MemoryStorage
 
-P, W = 2, 5  # window pages: 3
+P, W = 2, 6  # SWA context W - 1 = 5 tokens: 3 window pages
 
 
 def scfg(backend="memory", path=None):

@@ -2,11 +2,22 @@
 
 Pure Python + numpy, owner thread only (the cache's). Hybrid models (gpt-oss, Gemma)
 interleave full-attention layers, whose KV every later token reads, with sliding-window
-layers, whose tokens read only the KV of the ``window`` positions before them. The tree
-keeps the full layers' KV as its full component; this component keeps the SWA layers' KV in
-its own, smaller, pools (its own ``KVTransferEngine``: device pool + device allocator, host
-pool + host allocator), so the device memory a request needs for those layers is bounded by
-the window.
+layers, whose tokens read only the KV of a window of positions. The tree keeps the full
+layers' KV as its full component; this component keeps the SWA layers' KV in its own,
+smaller, pools (its own ``KVTransferEngine``: device pool + device allocator, host pool +
+host allocator), so the device memory a request needs for those layers is bounded by the
+window.
+
+The window (``window`` = ``W``, the model's ``sliding_window``; the HF / gpt-oss convention of
+``reference_model.window``): the query at position ``p`` attends to ``[p - W + 1, p]``. A step
+that computes positions ``[m, e)`` after a cached prefix of ``m`` tokens therefore reads the
+SWA KV of the ``W - 1`` positions ``[m - W + 1, m)`` from the cache (and writes the rest
+itself). The tree keeps exactly that: ``context = W - 1`` tokens (at least 1) of SWA KV
+before a usable prefix's end. Upstream's validator (sglang #23391) asks for ``W`` tokens,
+one more than any step reads; the two rules differ only when ``(W - 1) % page_size == 0``
+(always with pages of one token), where the exact one keeps one page less per window and
+accepts prefixes whose run of SWA pages is exactly ``W - 1`` tokens long. "The window" below
+means those ``context`` tokens.
 
 State per node (``TreeNode.ext[name]``, a ``_SWAState``)
     ``dev`` / ``host``: this component's own page ids on each tier (one per page of the node,
@@ -21,7 +32,7 @@ State per node (``TreeNode.ext[name]``, a ``_SWAState``)
 Usable prefix (``usable_prefix``; upstream's SWA match validator, sglang #23391)
     A prefix ending at a node boundary is usable on a tier iff its full KV is there and
     either the path from the root has no SWA tombstone on that tier, or every node among the
-    last ``window`` tokens before its end has SWA KV on that tier. ``match_prefix`` returns
+    last ``context`` tokens before its end has SWA KV on that tier. ``match_prefix`` returns
     the deepest device-usable end (``last_device_node``, ``device_indices``) and the deepest
     end usable from some tier (``last_host_node``); the tokens between are the continuation
     a ``load_back`` makes usable (``host_hit_length``), whether their full KV is on the
@@ -29,7 +40,7 @@ Usable prefix (``usable_prefix``; upstream's SWA match validator, sglang #23391)
 
 Locks (per node ``holders``; one ``_Hold`` records exactly the states it incremented)
     * A caller's device lock (``inc_lock_ref``, a request's lock) also holds the SWA device
-      pages of the window before its node's end (the nodes intersecting the last ``window``
+      pages of the window before its node's end (the nodes intersecting the last ``context``
       tokens; tombstones hold nothing), not the whole path. A tombstone of that window that
       gets SWA pages again while the lock lives (an insert recovers it, a load-back fills
       it) joins the hold, recorded there: a release decrements exactly what its hold
@@ -64,7 +75,8 @@ Insert (``check_insert`` validates first; ``on_insert_span`` applies)
     has SWA device pages keeps them (the caller's are duplicates and freed); a tombstone (or
     a new leaf) gets the caller's pages for its in-window part only; a full value is never
     replaced (locked or not: the SWA ids live beside it). The deepest node, if it got pages,
-    is capped at ``ceil(window / page_size)`` pages (split), so locking it holds one window.
+    is capped at ``window_pages = ceil(context / page_size)`` pages (split), so locking it
+    holds one window.
 
 L2 (``on_backup``, ``before_load_back``, ``load_back_start``, ``prepare_load``)
     A backup (parent first, with the full pages) copies the SWA pages of its chain's nodes
@@ -77,7 +89,7 @@ L2 (``on_backup``, ``before_load_back``, ``load_back_start``, ``prepare_load``)
 L3 (``l3_trailing_pages``, ``node_host_pages``, ``alloc_host``, ``on_attach_host``)
     The L3 controller stores the SWA host pages beside the full pages under the same chained
     page keys in a pool of this component's name, with the trailing-pages hit rule (only the
-    ``ceil(window / page_size)`` pages before a hit's end must be stored) and attaches a
+    ``window_pages`` before a hit's end must be stored) and attaches a
     prefetched window all or nothing.
 
 Requests (``CacheRequest.component_pages[name]``: one id per started page, -1 where none)
@@ -161,9 +173,10 @@ class SWAComponent(KVComponent):
     """The sliding-window KV of a hybrid model; see the module docstring.
 
     ``engine``: the SWA pools' transfer engine (its device pool with ``device_allocator``,
-    its host pool with its own allocator; any sizes); ``window``: tokens of KV before a
-    position that the SWA layers read (the cache keeps at least that many per usable prefix:
-    give the model's window, or more).
+    its host pool with its own allocator; any sizes); ``window``: the model's sliding window
+    ``W`` in tokens (the query at ``p`` attends to ``[p - W + 1, p]``); the cache keeps the
+    ``context = W - 1`` tokens of SWA KV before a usable prefix's end (module docstring). A
+    larger ``window`` is safe (keeps more); a smaller one is not.
     """
 
     stateful = True
@@ -192,9 +205,12 @@ class SWAComponent(KVComponent):
         if host_pool.allocator.used or device_allocator.used:
             raise ValueError("engine: the SWA pools must start empty (the cache owns them)")
         self.window = int(window)
+        # Tokens of SWA KV before a prefix's end that the next step reads: W - 1 (its first
+        # query at position m reads [m - W + 1, m]); at least one token (W = 1 keeps a page).
+        self.context = max(1, self.window - 1)
         p = engine.geom.page_size
         self.page_size = p
-        self.window_pages = -(-self.window // p)  # ceil(window / page_size)
+        self.window_pages = -(-self.context // p)  # ceil((W - 1) / page_size)
         self.l3_trailing_pages = self.window_pages
         self.device_allocator = device_allocator
         self.host_allocator: PageAllocator = host_pool.allocator
@@ -326,11 +342,11 @@ class SWAComponent(KVComponent):
         hold.states = []
 
     def _window(self, node) -> list:
-        """The nodes intersecting the last ``window`` tokens before ``node``'s end, deepest first."""
+        """The nodes intersecting the last ``context`` tokens before ``node``'s end, deepest first."""
         out = []
         acc = 0
         root = self.tree.root
-        w = self.window
+        w = self.context
         while node is not root and acc < w:
             out.append(node)
             acc += node.size
@@ -355,7 +371,7 @@ class SWAComponent(KVComponent):
         self._refresh(up)
 
     def usable_prefix(self, nodes: list, sizes: list, n_dev: int, touch: bool) -> tuple[int, int]:
-        w = self.window
+        w = self.context
         run_dev = run_any = _INF  # tokens since the last tombstone on that tier (none yet: any length)
         k_dev = k_any = 0
         name = self.name
@@ -682,7 +698,7 @@ class SWAComponent(KVComponent):
         if st is None or st.dev is not None or st.host is None:
             return
         below = sum(n.size for n in win[:-1])
-        need = -(-(self.window - below) // self.page_size)  # pages of ``top`` inside the window
+        need = -(-(self.context - below) // self.page_size)  # pages of ``top`` inside the window
         k = top.size // self.page_size - need
         if k > 0:  # only the window's pages come back: split the rest off
             self.tree.split(top, k * self.page_size)
@@ -750,7 +766,7 @@ class SWAComponent(KVComponent):
         """The SWA ids a request locked at ``node`` (ending at page ``num_pages``) may read:
         the window's pages, -1 elsewhere."""
         out = np.full(num_pages, -1, ID_DTYPE)
-        first = max(0, (num_pages * self.page_size - self.window) // self.page_size)
+        first = max(0, (num_pages * self.page_size - self.context) // self.page_size)
         end = num_pages
         root = self.tree.root
         p = self.page_size
@@ -790,7 +806,7 @@ class SWAComponent(KVComponent):
         # The window of the request's next pass, and that of its whole pages' end (what its
         # next insert makes usable for later matches): keep both.
         p = self.page_size
-        keep_from = (len(req.key) // p) * p - self.window
+        keep_from = (len(req.key) // p) * p - self.context
         if keep_from <= 0:
             return
         out = min(keep_from // p, pages.shape[0])  # pages wholly before the window
@@ -822,6 +838,7 @@ class SWAComponent(KVComponent):
         p = self.page_size
         return {
             "window": self.window,
+            "context_tokens": self.context,
             "window_pages": self.window_pages,
             "device_total_pages": self.device_allocator.num_pages,
             "device_free_pages": self.device_allocator.available,
