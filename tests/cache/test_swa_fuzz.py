@@ -347,6 +347,7 @@ def _run(examples, steps, min_total, fixed_seed=None):
     run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         suppress_health_check=list(HealthCheck)))
+    print(f"\nSWA fuzz: {STEPS['n']} checked steps over {examples} examples")
     assert STEPS["n"] >= min_total, f"only {STEPS['n']} steps ran"
     for event in ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
                   "evicted_host_tokens", "dropped_tokens", "load_back_skipped", "swa_tombstoned_tokens",
