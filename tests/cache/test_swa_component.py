@@ -359,3 +359,20 @@ def test_an_swa_component_on_the_full_engine_is_refused():
     with pytest.raises(ValueError, match="its own pools"):
         HiRadixCache(HiCacheConfig(page_size=2), full.engine, full.device.allocator,
                      components=[SWAComponent(full.engine, full.device.allocator, 4)])
+
+
+def test_insert_whose_frontier_lies_inside_a_node_that_keeps_its_swa_pages_frees_only_duplicates():
+    """The caller's -1 entries (below its frontier) inside a node that has SWA device pages
+    are no pages: only its ids are duplicates to free (found by the slow fuzz run)."""
+    cache, drv, swa = setup(page_size=1, window=4, device_pages=40, swa_device_pages=30)
+    k = key(np.arange(10))
+    insert_with_swa(cache, drv, k)  # one node [0, 10) with SWA pages on every page
+    insert_with_swa(cache, drv, key(np.arange(10), [77]))  # a sibling splits nothing above 10
+    swa_free = swa.device_allocator.available
+    insert_with_swa(cache, drv, k, frontier_page=3)  # -1 for [0, 3), 7 duplicate ids for [3, 10)
+    assert swa.device_allocator.available == swa_free  # the 7 duplicates were freed, nothing else
+    m = cache.match_prefix(k)
+    assert m.device_hit_length == 10
+    pages = swa.request_pages(m.last_device_node, 10)
+    drv.sw.check_device(k, pages[pages >= 0], int(np.flatnonzero(pages >= 0)[0]))
+    cache.sanity_check(0, {"swa": 0})

@@ -604,7 +604,7 @@ class SWAComponent(KVComponent):
                     continue
                 st = self.state(node)
                 if st is not None and st.dev is not None:  # keeps its own: the caller's are duplicates
-                    dup = c != st.dev
+                    dup = (c >= 0) & (c != st.dev)  # (-1: below the caller's frontier, no page)
                     if dup.any():
                         free.append(c[dup])
                     continue
