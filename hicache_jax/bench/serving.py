@@ -355,7 +355,6 @@ def _multiturn(args, progress: Progress) -> dict:
     if swa_vs_full is not None:
         out["swa_as_full"] = summaries["hicache, SWA as full"]
         out["hybrid_vs_swa_as_full"] = swa_vs_full
-        out["same_tokens_swa_as_full"] = tokens["hicache, SWA as full"] == tokens["no cache"]
     return out
 
 

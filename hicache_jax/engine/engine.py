@@ -45,8 +45,9 @@ cache call sequence per request (``HiRadixCache``'s "Sliding-window (SWA) reques
    the load-back of both pools (``wait_layer(i)``, ``wait_layer(j, component="swa")``).
 3. after each step: ``slide_window(req)``: the request's own SWA pages wholly before the next
    step's window go back to the SWA pool (entries -1) and the lock's hold on the tree's window
-   pages is released once the window has moved past them. So a request never holds more than
-   ``swa_table_width(W, chunk)`` SWA pages (``swa_pages_needed``), however long it gets.
+   pages is released once the window has moved past all of them. So a request never holds
+   more than ``swa_table_width(W, chunk)`` SWA pages of its own plus one tree window
+   (``swa_pages_needed``), however long it gets.
 4. after the prefill ``cache_unfinished_req(req)`` (SWA pages out of the window are
    tombstones, the window's pages go to the tree); at the end ``cache_finished_req(req)``.
    Without the cache (``use_cache=False``) the request's remaining SWA pages are freed.
@@ -221,10 +222,14 @@ class Engine:
     @staticmethod
     def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig) -> int:
         """SWA device pages the running requests of a hybrid model can hold at once: one
-        prefilling (its chunk and the window before it) and ``max_batch - 1`` decoding."""
+        prefilling (its chunk and the window before it) and ``max_batch - 1`` decoding, each
+        also holding, until its window has moved past them, the tree's window pages its lock
+        holds (one window, ``ceil((W - 1) / page)`` pages: the tree holds whole nodes)."""
         w, p = model_config.sliding_window, cache_config.page_size
         chunk = min(cache_config.prefill_chunk, cache_config.max_context)
-        return swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * swa_table_width(w, 1, p)
+        tree_window = -(-max(1, w - 1) // p)
+        return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * swa_table_width(w, 1, p)
+                + cache_config.max_batch * tree_window)
 
     def _swa_component(self, host_pages: int):
         """The SWA pool, its host pool and transfer engine, and the cache component over them."""

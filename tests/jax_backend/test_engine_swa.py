@@ -179,9 +179,9 @@ def test_hybrid_engine_frees_swa_pages_as_the_window_slides(use_cache):
 
 def test_hybrid_engine_checks_the_swa_pool_size():
     cfg = EngineCacheConfig(page_size=4, device_pages=64, max_batch=2, prefill_chunk=16, max_context=64,
-                            swa_device_pages=8)
+                            swa_device_pages=29)
     need = Engine.swa_pages_needed(HYBRID_TINY, cfg)
-    assert need == swa_table_width(W, 16, 4) + swa_table_width(W, 1, 4)
+    assert need == swa_table_width(W, 16, 4) + swa_table_width(W, 1, 4) + 2 * 6  # + a tree window each
     with pytest.raises(ValueError, match="swa_device_pages"):
         Engine(HYBRID_TINY, cfg)
     with pytest.raises(ValueError, match="swa_device_pages"):

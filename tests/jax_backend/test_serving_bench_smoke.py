@@ -48,3 +48,30 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["same_tokens"] and payload["write"]["pid"] != payload["read"]["pid"]
         assert payload["read"]["cached"]["storage"] == 2 * 36  # each prompt's 39 tokens, page-aligned
         assert payload["write"]["cached"]["storage"] == 0
+
+
+def test_multiturn_hybrid_quick_smoke(tmp_path, capsys):
+    """``bench multiturn --model hybrid --quick``: the tiny hybrid preset with and without the
+    cache and with its sliding layers as full ones; peak pages per pool in the JSON."""
+    from hicache_jax.engine import Engine, EngineCacheConfig
+    from hicache_jax.reference_model import HYBRID_TINY
+
+    out = tmp_path / "r.json"
+    argv = ["bench", "multiturn", "--model", "hybrid", "--quick", "--clients", "2", "--rounds", "2",
+            "--prefill-chunk", "16", "--storage-backend", "file", "--out", str(out)]
+    assert cli.main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["config"]["model"] == "hybrid-tiny"
+    assert payload["same_tokens"]
+    hybrid, as_full, base = payload["hicache"], payload["swa_as_full"], payload["no_cache"]
+    cfg = payload["config"]
+    need = Engine.swa_pages_needed(HYBRID_TINY, EngineCacheConfig(
+        page_size=cfg["page_size"], max_batch=cfg["max_batch"], prefill_chunk=16, max_context=10_000))
+    for run in (hybrid, base):
+        assert 0 < run["peak_device_pages"]["swa"] <= need
+        assert run["peak_device_pages"]["full"] > 0
+    assert as_full["peak_device_pages"]["swa"] == 0 and as_full["device_pool_pages"]["swa"] == 0
+    # Round 2 re-sends the first turn: the hybrid engine hits it, so does the SWA-as-full one.
+    assert hybrid["cache_hit_rate"] > 0 and as_full["cache_hit_rate"] > 0 and base["cache_hit_rate"] == 0
+    assert payload["hybrid_vs_swa_as_full"]["peak_kv_bytes"] < 1  # the window saves device memory
+    assert "peak SWA pages" in capsys.readouterr().out
