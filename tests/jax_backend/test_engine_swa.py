@@ -17,6 +17,7 @@ import pytest
 
 from hicache_jax.cache import RadixKey
 from hicache_jax.engine import Engine, EngineCacheConfig
+from hicache_jax.host_pool import HostPoolConfig
 from hicache_jax.reference_model import HYBRID_TINY, swa_first_needed_page, swa_table_width
 from hicache_jax.storage.config import StorageConfig
 
@@ -186,3 +187,38 @@ def test_hybrid_engine_checks_the_swa_pool_size():
         Engine(HYBRID_TINY, cfg)
     with pytest.raises(ValueError, match="swa_device_pages"):
         EngineCacheConfig(swa_device_pages=1)
+
+
+@pytest.mark.slow
+def test_hybrid_engine_soak_under_heavy_eviction(tmp_path):
+    """Multi-turn conversations on small pools of both kinds (device and host evict all the
+    time, prefixes come back from every tier): every round's tokens equal the no-cache run's,
+    ``sanity_check`` holds after every round, and after ``reset()`` every allocator is full."""
+    l3 = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
+                       prefetch_threshold_tokens=4)
+    cfg = EngineCacheConfig(page_size=4, device_pages=72, max_batch=3, prefill_chunk=16, max_context=400,
+                            storage=l3, host=HostPoolConfig(ratio=1.0))
+    e = Engine(HYBRID_TINY, cfg)
+    try:
+        rng = np.random.default_rng(11)
+        hist = [rng.integers(0, HYBRID_TINY.vocab_size, int(n)).tolist() for n in rng.integers(20, 60, 6)]
+        tiers = {"device": 0, "host": 0, "storage": 0}
+        for _round in range(10):
+            want = e.generate(hist, 4, use_cache=False)
+            got = e.generate(hist, 4)
+            assert [r.tokens for r in got] == [r.tokens for r in want]
+            e.cache.sanity_check(0, {"swa": 0})
+            for r in got:
+                for t, n in r.cached_tokens.items():
+                    tiers[t] += n
+            hist = [h + r.tokens + rng.integers(0, HYBRID_TINY.vocab_size, int(rng.integers(3, 20))).tolist()
+                    for h, r in zip(hist, got)]
+        m, sm = e.cache.metrics, e.swa.metrics
+        assert all(tiers.values()), tiers
+        assert m.evicted_device_tokens and m.evicted_host_tokens and sm.tombstoned_tokens, (m, sm)
+        e.flush()
+        e.cache.reset()
+        for alloc in (e.device_pool.allocator, e.swa_pool.allocator, e.cache.host_allocator, e.swa.host_allocator):
+            assert alloc.available == alloc.num_pages, alloc
+    finally:
+        e.close()

@@ -75,3 +75,11 @@ def test_multiturn_hybrid_quick_smoke(tmp_path, capsys):
     assert hybrid["cache_hit_rate"] > 0 and as_full["cache_hit_rate"] > 0 and base["cache_hit_rate"] == 0
     assert payload["hybrid_vs_swa_as_full"]["peak_kv_bytes"] < 1  # the window saves device memory
     assert "peak SWA pages" in capsys.readouterr().out
+
+
+def test_model_preset_names_match_the_presets():
+    from hicache_jax.bench.options import MODEL_PRESET_NAMES
+    from hicache_jax.bench.serving import MODEL_PRESETS
+
+    assert set(MODEL_PRESET_NAMES) == set(MODEL_PRESETS)
+    assert MODEL_PRESETS["hybrid"].is_hybrid and MODEL_PRESETS["hybrid-tiny"].is_hybrid
