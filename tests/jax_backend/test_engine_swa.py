@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -196,23 +198,26 @@ def test_hybrid_engine_soak_under_heavy_eviction(tmp_path):
     ``sanity_check`` holds after every round, and after ``reset()`` every allocator is full."""
     l3 = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
                        prefetch_threshold_tokens=4)
-    cfg = EngineCacheConfig(page_size=4, device_pages=72, max_batch=3, prefill_chunk=16, max_context=400,
+    cfg = EngineCacheConfig(page_size=4, device_pages=64, max_batch=3, prefill_chunk=16, max_context=400,
                             storage=l3, host=HostPoolConfig(ratio=1.0))
+    # The smallest SWA pool the engine accepts: SWA allocation evicts (tombstones) all the time.
+    cfg = replace(cfg, swa_device_pages=Engine.swa_pages_needed(HYBRID_TINY, cfg))
     e = Engine(HYBRID_TINY, cfg)
     try:
         rng = np.random.default_rng(11)
-        hist = [rng.integers(0, HYBRID_TINY.vocab_size, int(n)).tolist() for n in rng.integers(20, 60, 6)]
+        hist = [rng.integers(0, HYBRID_TINY.vocab_size, int(n)).tolist() for n in rng.integers(20, 60, 8)]
         tiers = {"device": 0, "host": 0, "storage": 0}
-        for _round in range(10):
-            want = e.generate(hist, 4, use_cache=False)
-            got = e.generate(hist, 4)
+        for _round in range(14):  # 3 of the 8 conversations a round: some come back soon, some late
+            pick = sorted(rng.choice(len(hist), 3, replace=False).tolist())
+            prompts = [hist[i] for i in pick]
+            want = e.generate(prompts, 4, use_cache=False)
+            got = e.generate(prompts, 4)
             assert [r.tokens for r in got] == [r.tokens for r in want]
             e.cache.sanity_check(0, {"swa": 0})
-            for r in got:
+            for i, r in zip(pick, got):
                 for t, n in r.cached_tokens.items():
                     tiers[t] += n
-            hist = [h + r.tokens + rng.integers(0, HYBRID_TINY.vocab_size, int(rng.integers(3, 20))).tolist()
-                    for h, r in zip(hist, got)]
+                hist[i] = hist[i] + r.tokens + rng.integers(0, HYBRID_TINY.vocab_size, int(rng.integers(3, 20))).tolist()
         m, sm = e.cache.metrics, e.swa.metrics
         assert all(tiers.values()), tiers
         assert m.evicted_device_tokens and m.evicted_host_tokens and sm.tombstoned_tokens, (m, sm)
