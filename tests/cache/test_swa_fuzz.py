@@ -363,26 +363,35 @@ class SWAMachine(RuleBasedStateMachine):
             assert alloc.available == alloc.num_pages, alloc
 
 
-def _run(examples, steps, min_total, fixed_seed=None):
+REQUIRED_EVENTS = ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
+                   "evicted_host_tokens", "dropped_tokens", "load_back_skipped", "swa_tombstoned_tokens",
+                   "swa_leaf_evictions", "swa_host_tombstoned_tokens", "swa_host_leaf_evictions", "swa_backup_tokens",
+                   "swa_loaded_tokens", "swa_released_windows", "swa_freed_request_pages", "swa_alloc_failures",
+                   "swa_backup_failed_tokens")
+
+
+def _run(examples, steps, min_total, seeds=(None,)):
+    """Run the machine with each seed in turn (None: a random one) until every required event
+    happened; the runs' steps and events add up. (A fixed seed does not fix every run: the
+    order of transfer completions and of set iteration varies between processes.)"""
     STEPS["n"] = 0
     EVENTS.clear()
-    machine = SWAMachine
-    if fixed_seed is not None:
-        machine = seed(fixed_seed)(type("SWAMachine", (SWAMachine,), {}))
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
-    print(f"\nSWA fuzz: {STEPS['n']} checked steps over {examples} examples")
+    for fixed_seed in seeds:
+        machine = SWAMachine
+        if fixed_seed is not None:
+            machine = seed(fixed_seed)(type("SWAMachine", (SWAMachine,), {}))
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck)))
+        if all(EVENTS.get(event, 0) > 0 for event in REQUIRED_EVENTS):
+            break
+    print(f"\nSWA fuzz: {STEPS['n']} checked steps over {examples} examples per seed")
     assert STEPS["n"] >= min_total, f"only {STEPS['n']} steps ran"
-    for event in ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
-                  "evicted_host_tokens", "dropped_tokens", "load_back_skipped", "swa_tombstoned_tokens",
-                  "swa_leaf_evictions", "swa_host_tombstoned_tokens", "swa_host_leaf_evictions", "swa_backup_tokens",
-                  "swa_loaded_tokens", "swa_released_windows", "swa_freed_request_pages", "swa_alloc_failures",
-                  "swa_backup_failed_tokens"):
+    for event in REQUIRED_EVENTS:
         assert EVENTS.get(event, 0) > 0, f"fuzz never produced {event}: {EVENTS}"
 
 
-CI_RUN = dict(examples=250, steps=40, min_total=2000, fixed_seed=2)  # a seed whose run produces every event
+CI_RUN = dict(examples=250, steps=40, min_total=2000, seeds=(2, 1, 3))  # the next seed only if one misses an event
 
 
 def test_swa_fuzz_ci():
