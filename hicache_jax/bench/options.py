@@ -14,7 +14,9 @@ from ..storage.config import BACKENDS, PREFETCH_POLICIES
 from ..workers import DEFAULT_WORKER_NICE
 from .report import results_path
 
-MODEL_PRESET_NAMES = ("tiny", "bench")  # hicache_jax.bench.serving.MODEL_PRESETS
+MODEL_PRESET_NAMES = ("tiny", "bench", "hybrid-tiny", "hybrid")  # hicache_jax.bench.serving.MODEL_PRESETS
+# ``--quick`` with a full-size preset given on the command line takes its tiny shape of the same kind.
+QUICK_MODEL = {"hybrid": "hybrid-tiny"}
 # pallas_kernels.page_copy's implementations (its dispatcher's IMPLS; a test keeps them equal).
 COPY_IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
 
@@ -39,6 +41,8 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
     for k, v in QUICK.get(name, {}).items():
         if getattr(args, k) == parser.get_default(k):
             setattr(args, k, v)
+    if getattr(args, "model", None) in QUICK_MODEL:
+        args.model = QUICK_MODEL[args.model]
 
 
 def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, host_ratio: float = 4.0,
@@ -47,7 +51,9 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
     p.add_argument("--quick", action="store_true", help="small sizes (seconds to a minute), for a first look or CI")
     p.add_argument("--out", default=results_path(name),
                    help="JSON result (the PNG goes beside it); relative paths are under the current directory")
-    p.add_argument("--model", choices=MODEL_PRESET_NAMES, default="bench", help="reference model preset")
+    p.add_argument("--model", choices=MODEL_PRESET_NAMES, default="bench",
+                   help="reference model preset (hybrid: sliding-window layers in an SWA pool; --quick makes it "
+                        "hybrid-tiny)")
     p.add_argument("--attention", choices=["mha", "mla"], default="mha", help="per-head K/V or an MLA-style latent")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=int, default=device_pages, help="L1 (device) pool size in pages")

@@ -12,7 +12,12 @@ and returns the JSON payload (the CLI writes it to ``--out``) with a PNG beside 
   Two engines, one with the cache (L1 smaller than the working set, L2 smaller still, L3
   taking every backup) and one without, run alternate rounds of the same trace, so machine
   noise hits both alike. TTFT is split into queueing (arrival -> admission) and service
-  (admission -> first token: match, load-back, prefill).
+  (admission -> first token: match, load-back, prefill). Each run reports the peak device
+  pages per pool its running requests held (``Engine.metrics``). With a hybrid model
+  (``--model hybrid``: sliding-window layers in their own SWA pool) a third engine serves the
+  same trace with the cache and the sliding layers treated as full attention
+  (``swa_as_full``: same weights, every layer's KV in the full pool): the memory the window
+  saves is the difference of the peak KV bytes.
 * ``two-run``: upstream PR #12214's protocol: the same prompts (~3.5k tokens) twice; TTFT
   and input throughput of each run.
 * ``ttft``: a cold prefill of a 2k-token prompt vs the same prompt with 95% of its prefix
@@ -52,7 +57,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..host_pool import HostPoolConfig
-from ..reference_model import ModelConfig
+from ..reference_model import HYBRID_BENCH, HYBRID_TINY, ModelConfig
 from ..storage.config import StorageConfig
 from . import plots
 from .report import Progress, machine_info, print_table
@@ -67,6 +72,10 @@ MODEL_PRESETS = {
     # fast state (8 layers took 0.96-2.1 s there).
     "bench": ModelConfig(vocab_size=2048, num_layers=10, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
                          ffn=2048),
+    # Hybrid (alternating sliding-window and full layers, gpt-oss's pattern): the tiny and
+    # bench shapes with a window (24 and 128 tokens); ``--quick`` takes the tiny one.
+    "hybrid-tiny": HYBRID_TINY,
+    "hybrid": HYBRID_BENCH,
 }
 TIERS = ("cold", "device", "host", "storage")
 
@@ -102,7 +111,8 @@ def storage_config(args) -> StorageConfig | None:
     return StorageConfig(backend=args.storage_backend, path=args.storage_dir, **common)
 
 
-def build_engine(args, max_context: int, storage: bool = True, host_ratio: float | None = None) -> "Engine":
+def build_engine(args, max_context: int, storage: bool = True, host_ratio: float | None = None,
+                 model: ModelConfig | None = None) -> "Engine":
     from ..engine import Engine, EngineCacheConfig
 
     cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
@@ -110,7 +120,7 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
                               write_policy=args.write_policy, max_batch=args.max_batch,
                               prefill_chunk=args.prefill_chunk, max_context=max_context,
                               storage=storage_config(args) if storage else None, worker_nice=args.worker_nice)
-    engine = Engine(model_config(args), cache)
+    engine = Engine(model_config(args) if model is None else model, cache)
     engine.warmup()
     return engine
 
@@ -251,50 +261,73 @@ def _multiturn(args, progress: Progress) -> dict:
     progress.advance(1, "hicache engine ready")
     base_engine = build_engine(args, max_context, storage=False, host_ratio=4 / args.device_pages)  # unused: tiny host
     progress.advance(1, "no-cache engine ready")
-    vocab = cached_engine.model_config.vocab_size
+    # (name, engine, use_cache); a hybrid model also runs with its sliding layers as full ones.
+    runs = [("no cache", base_engine, False), ("hicache", cached_engine, True)]
+    model = cached_engine.model_config
+    if model.is_hybrid:
+        full_args = args
+        if args.storage_backend not in ("none", "mooncake"):  # its own L3 directory (its keys differ anyway)
+            full_args = argparse.Namespace(**{**vars(args), "storage_dir": os.path.join(args.storage_dir,
+                                                                                        "swa-as-full")})
+        runs.append(("hicache, SWA as full", build_engine(full_args, max_context,
+                                                          model=replace(model, swa_as_full=True)), True))
+        progress.advance(0, "SWA-as-full engine ready")
+    vocab = model.vocab_size
     # Throwaway conversations with other tokens: compile the transfer paths, warm the buffers.
     warm = argparse.Namespace(**{**vars(args), "clients": min(2, args.clients), "rounds": min(2, args.rounds),
                                  "request_rate": 0})
-    progress.phase("warm-up (untimed, other tokens)", 2 * warm.rounds)
-    for engine, use in ((cached_engine, True), (base_engine, False)):
+    progress.phase("warm-up (untimed, other tokens)", len(runs) * warm.rounds)
+    for _name, engine, use in runs:
         conv = _Conversations(warm, vocab, args.seed + 1000)
         for _ in range(warm.rounds):
             _serve_round(engine, conv, use)
             progress.advance(1)
-    cached_engine.flush()
-    cached_engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
-    cached_engine.cache.metrics.reset()
-    # The same trace through both engines, alternate rounds: the no-cache round first.
-    convs = {False: _Conversations(args, vocab, args.seed), True: _Conversations(args, vocab, args.seed)}
-    rounds: dict[bool, list[_Round]] = {False: [], True: []}
-    progress.phase(f"{args.clients} clients x {args.rounds} rounds, no cache / hicache alternating",
-                   2 * args.rounds)
+        engine.metrics.peak_device_pages = engine.metrics.peak_swa_device_pages = 0
+        if use:
+            engine.flush()
+            engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
+            engine.cache.metrics.reset()
+    # The same trace through every engine, alternate rounds: the no-cache round first.
+    convs = {name: _Conversations(args, vocab, args.seed) for name, _e, _u in runs}
+    rounds: dict[str, list[_Round]] = {name: [] for name, _e, _u in runs}
+    progress.phase(f"{args.clients} clients x {args.rounds} rounds, {' / '.join(rounds)} alternating",
+                   len(runs) * args.rounds)
     for r in range(args.rounds):
-        for use, engine in ((False, base_engine), (True, cached_engine)):
-            if not use:
-                cached_engine.flush()  # the cache's background copies never overlap a no-cache round
-            rnd = _serve_round(engine, convs[use], use)
-            rounds[use].append(rnd)
+        for name, engine, use in runs:
+            for _n, other, other_use in runs:
+                if other_use and other is not engine:
+                    other.flush()  # another engine's background copies never overlap this round
+            rnd = _serve_round(engine, convs[name], use)
+            rounds[name].append(rnd)
             med = statistics.median(x.ttft_s for x in rnd.results)
             hit = sum(x.cached_total for x in rnd.results) / sum(x.prompt_len for x in rnd.results)
-            progress.advance(1, f"round {r} {'hicache' if use else 'no cache'}: TTFT p50 {med * 1e3:,.0f} ms, "
-                                f"hit {hit:.0%}")
-    same = [x.tokens for rr in rounds[True] for x in rr.results] == [x.tokens for rr in rounds[False]
-                                                                      for x in rr.results]
+            progress.advance(1, f"round {r} {name}: TTFT p50 {med * 1e3:,.0f} ms, hit {hit:.0%}")
+    tokens = {name: [x.tokens for rr in rs for x in rr.results] for name, rs in rounds.items()}
+    same = tokens["hicache"] == tokens["no cache"]
     stats = cached_engine.stats()
-    cached_engine.close()
-    base_engine.close()
-    base, cached = _summarize(rounds[False]), _summarize(rounds[True])
+    summaries = {}
+    for name, engine, _use in runs:
+        s = summaries[name] = _summarize(rounds[name])
+        s["peak_device_pages"] = {"full": engine.metrics.peak_device_pages,
+                                  "swa": engine.metrics.peak_swa_device_pages}
+        s["peak_kv_bytes"] = (engine.metrics.peak_device_pages * engine.geom.bytes_per_page
+                              + engine.metrics.peak_swa_device_pages
+                              * (engine.swa_pool.geom.bytes_per_page if engine.hybrid else 0))
+        s["device_pool_pages"] = {"full": engine.device_pool.allocator.num_pages,
+                                  "swa": engine.swa_pool.allocator.num_pages if engine.hybrid else 0}
+        engine.close()
+    base, cached = summaries["no cache"], summaries["hicache"]
     rows = []
-    for name, s in (("no cache", base), ("hicache", cached)):
+    for name, s in summaries.items():
         rows.append([name, s["requests"], s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3, s["ttft_mean_s"] * 1e3,
                      s["queue_mean_s"] * 1e3, s["service_mean_s"] * 1e3, s["input_tok_per_s"], s["cache_hit_rate"],
                      s["hit_rate_by_tier"]["device"], s["hit_rate_by_tier"]["host"],
-                     s["hit_rate_by_tier"]["storage"]])
+                     s["hit_rate_by_tier"]["storage"], s["peak_device_pages"]["full"], s["peak_device_pages"]["swa"],
+                     s["peak_kv_bytes"] / 2**20])
     load = "closed loop" if args.request_rate <= 0 else f"{args.request_rate:g} req/s per round"
     print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}",
                 ["run", "reqs", "TTFT p50 ms", "p90", "mean", "queue mean", "service mean", "input tok/s",
-                 "hit rate", "L1", "L2", "L3"], rows)
+                 "hit rate", "L1", "L2", "L3", "peak full pages", "peak SWA pages", "peak KV MiB"], rows)
     ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
               "ttft_p50": cached["ttft_p50_s"] / base["ttft_p50_s"],
               "service_mean": cached["service_mean_s"] / base["service_mean_s"],
@@ -302,14 +335,27 @@ def _multiturn(args, progress: Progress) -> dict:
     print(f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
           f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
           f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
+    swa_vs_full = None
+    if "hicache, SWA as full" in summaries:
+        as_full = summaries["hicache, SWA as full"]
+        swa_vs_full = {"peak_kv_bytes": cached["peak_kv_bytes"] / as_full["peak_kv_bytes"],
+                       "ttft_mean": cached["ttft_mean_s"] / as_full["ttft_mean_s"],
+                       "input_throughput": cached["input_tok_per_s"] / as_full["input_tok_per_s"]}
+        print(f"hybrid / SWA as full (both with hicache): peak KV bytes of the running requests "
+              f"x{swa_vs_full['peak_kv_bytes']:.3f} ({cached['peak_kv_bytes'] / 2**20:.2f} vs "
+              f"{as_full['peak_kv_bytes'] / 2**20:.2f} MiB), TTFT mean x{swa_vs_full['ttft_mean']:.3f}, input "
+              f"throughput x{swa_vs_full['input_throughput']:.2f}")
     if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none":
         print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
     sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
                    f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
     png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached)
-    return {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-            "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same, "cache_stats": stats,
-            "plot": png}
+    out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
+           "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same, "cache_stats": stats, "plot": png}
+    if swa_vs_full is not None:
+        out["swa_as_full"] = summaries["hicache, SWA as full"]
+        out["hybrid_vs_swa_as_full"] = swa_vs_full
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,13 +99,22 @@ class BackupIssuer:
         dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
         t0 = time.perf_counter()
         ledger = self.ledger
+        plans = None
         if self.hooked:
             # Stateful components learn of the chain before any copy is issued (they may
-            # allocate their own host pages here); the marking below is the same either way.
+            # allocate their own host pages here and return their copy); the marking below
+            # is the same either way.
             self._mark(chain, host_ids, tokens)
             for comp in self.hooked:
-                comp.on_backup(chain)
-            handle = ledger.components.backup(dev_ids, host_ids)
+                plan = comp.on_backup(chain)
+                if plan is not None:
+                    if plans is None:
+                        plans = {}
+                    plans[comp.name] = plan
+            if plans is None:
+                handle = ledger.components.backup(dev_ids, host_ids)
+            else:
+                handle = ledger.components.backup(dev_ids, host_ids, plans)
         else:
             try:
                 handle = ledger.components.backup(dev_ids, host_ids)
@@ -123,6 +132,9 @@ class BackupIssuer:
             except Exception:  # noqa: BLE001 - a failed copy: acknowledged (and retried) later
                 pass
             else:
+                if plans is not None:
+                    for plan in plans.values():
+                        plan.done()
                 res.refresh(node)
                 res.refresh(anchor)
                 hook = ledger.storage_hook
@@ -137,7 +149,7 @@ class BackupIssuer:
         # copies and the anchor's (host lock; the chain joins no host index meanwhile).
         receipt = self.locks.lock_both(node)
         res.refresh(anchor)
-        return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0)
+        return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0, plans)
 
     def _mark(self, chain: list, host_ids: np.ndarray, tokens: int) -> None:
         """set_host for the whole chain at once: every chain node but the last has a backed-up

@@ -95,10 +95,16 @@ class CacheDebugView:
         """Locks callers hold (``inc_lock_ref`` and the request helpers)."""
         return self._callers.count()
 
-    def reserved_host_pages(self) -> np.ndarray:
-        """Host pages the attached L3 controller holds for prefetches (not the tree's)."""
+    def reserved_host_pages(self, component: str | None = None) -> np.ndarray:
+        """Host pages the attached L3 controller holds for prefetches (not the tree's): of the
+        full component, or of ``component`` (one with its own page ids)."""
         hook = self._ledger.storage_hook
-        return np.zeros(0, np.int64) if hook is None else np.asarray(hook.reserved_host_pages(), np.int64)
+        if hook is None:
+            return np.zeros(0, np.int64)
+        if component is None:
+            return np.asarray(hook.reserved_host_pages(), np.int64)
+        of = getattr(hook, "reserved_component_host_pages", None)
+        return np.zeros(0, np.int64) if of is None else np.asarray(of(component), np.int64)
 
     @property
     def requests(self) -> "RequestHelpers":

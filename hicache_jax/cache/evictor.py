@@ -181,6 +181,54 @@ class Evictor:
             return more
         return kept if more is None else np.concatenate([kept, more])
 
+    def evict_leaf(self, node: TreeNode) -> None:
+        """Evict one given unlocked device leaf (no device lock, no on-device child), as
+        ``evict`` would when it popped it: demoted to host-only if backed up (write_back backs
+        it up first), else deleted. For components whose own eviction picks a leaf (a
+        sliding-window pool short of pages evicts whole leaves, ``components.swa``); never on
+        the full component's hot paths."""
+        res = self.res
+        if node.lock_ref or node.dev_children or node.value is None or node is self.tree.root:
+            raise ValueError(f"node: {node!r} is not an unlocked device leaf")
+        m = self.metrics
+        if node.host_value is None and self.write_back and self.before_evict is not None:
+            self.before_evict(node)
+        for comp in self.hooked:
+            comp.on_evict(node, "device")
+        res.device_index.set_member(node, False)
+        ids = node.value
+        node.value = None
+        parent = node.parent
+        parent.dev_children -= 1
+        res.evictable_tokens -= node.size
+        if node.host_value is None:
+            res.forget(node)
+            self.tree.unlink(node)
+            m.deleted_device_tokens += node.size
+        else:
+            res.refresh(node)
+            m.demoted_tokens += node.size
+        res.refresh(parent)
+        res.free_device_pages([ids])
+        m.evicted_device_tokens += node.size
+
+    def drop_host_leaf(self, node: TreeNode) -> None:
+        """Delete one given host-only leaf (no host lock, no backed-up child), as ``evict_host``
+        would; for components' own host eviction, like ``evict_leaf``."""
+        res = self.res
+        if node.value is not None or node.host_value is None or node.host_lock_ref or node.host_children \
+                or node.children:
+            raise ValueError(f"node: {node!r} is not an unlocked host-only leaf")
+        for comp in self.hooked:
+            comp.on_evict(node, "host")
+        ids = res.clear_host(node, owned=False)
+        res.forget(node)
+        parent = node.parent
+        self.tree.unlink(node)
+        res.refresh(parent)
+        res.free_host_pages([ids])
+        self.metrics.evicted_host_tokens += node.size
+
     # ------------------------------------------------------------------ host
     def evict_host(self, num_pages: int) -> int:
         """Free at least ``num_pages`` host pages if possible; returns pages freed."""

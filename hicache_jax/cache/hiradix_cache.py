@@ -85,6 +85,39 @@ Failed copies (``transfers``)
 Across processes (``agreement``)
     The number of copies acknowledged per pass goes through the ``agreement`` object (the
     identity by default), so several ranks can release the same operations.
+
+Sliding-window (SWA) requests (``components.swa``; generic over components with their own page ids)
+    A hybrid model's sliding-window layers keep their KV in the ``SWAComponent``'s own pools
+    (``components=[SWAComponent(swa_engine, swa_engine.device_pool.allocator, window)]``).
+    Matches are usable only where the window before their end has SWA KV (see the
+    component); the call sequence of an engine (``tests/cache/swa_harness.py``'s
+    ``SWADriver`` runs it on the numpy backend):
+
+    1. admission: ``req, lb = begin_request(prompt[:-1])`` (match, load-back of the host /
+       L3 continuation: full pages and only the window's SWA pages, lock); wait for ``lb``'s
+       layers of both pools (``lb.handle.wait_layer(i)`` for the full layers,
+       ``lb.handle.wait_layer(j, component="swa")`` for the SWA ones); ``req.device_pages``
+       is the prefix's full page table, ``req.component_pages["swa"]`` its SWA page table
+       (the window's pages, -1 elsewhere); trim ``req.key`` to the prefix it holds.
+    2. each prefill chunk and each decode step: ``alloc_device(n)`` and
+       ``alloc_component("swa", n)`` for the new pages (each pool evicts by its own rules:
+       SWA allocation tombstones nodes or evicts unlocked leaves whole; on failure free what
+       was taken), ``req.extend(key, pages, {"swa": swa_pages})``, run the forward pass,
+       then ``slide_window(req)``: the request's own SWA pages wholly before the window
+       (of its next pass and of its whole pages' end) are freed and set to -1, and once the
+       window lies past the tree's part, its lock's hold on the tree's SWA pages goes (the
+       full lock stays). A chunk ends with ``cache_unfinished_req(req, chunked=True)``
+       (the tree takes or frees every SWA id the request passes; it re-reads the tree's
+       window ids into ``component_pages``).
+    3. finish: ``cache_finished_req(req)`` (inserts: out-of-window spans become tombstones,
+       the window leaf is capped at ``window_pages`` pages; frees the partial
+       tail page of both pools). Abort: free the request's own pages of both pools (entries
+       from ``cached_pages`` on, ids >= 0) and ``dec_lock_ref(req.last_node)``.
+
+    Raw calls take the same per-component ids: ``insert(..., component_pages=)``,
+    ``insert_host(..., component_pages=)`` (L3), ``reserve_component_host_pages``,
+    ``sanity_check(external, {"swa": n})``. With no such component registered every hook
+    stays off the full component's paths (one empty tuple).
 """
 
 from __future__ import annotations
@@ -98,7 +131,7 @@ from ..allocator import PageAllocator, check_page_ids
 from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
 from .backup import BackupIssuer
-from .components import ComponentRegistry, KVComponent
+from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
 from .decisions import resolve
@@ -129,7 +162,7 @@ __all__ = ["CacheFailedError", "CacheInvariantError", "HiRadixCache", "InsertRes
 _REFUSED_AFTER_FAILURE = (
     "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
     "loading_check", "check_events", "flush", "alloc_device", "evict", "evict_host", "load_back", "begin_request",
-    "cache_unfinished_req", "cache_finished_req",
+    "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages", "slide_window",
 )
 
 
@@ -201,6 +234,13 @@ class HiRadixCache:
         if stateful:  # their hooks run only then: the full component's paths check one tuple
             for part in (evictor, backups, self._inserter, self._lookup, self._load_backs, locks):
                 part.hooked = stateful
+            ctx = ComponentContext(config, tree, res, evictor, locks, ledger, m)
+            for comp in stateful:
+                comp.attach(ctx)
+        # Components with their own page ids (e.g. ``swa``), by name: the callers' per-component
+        # pages (``component_pages``) and allocations go to them.
+        self._own = {c.name: c for c in stateful if c.own_page_ids}
+        self._requests.own = tuple(self._own.values())
 
     def _refuse_calls(self, failure: CacheFailedError) -> None:
         """The failure latch closed: until ``reset``, every public call in
@@ -300,7 +340,9 @@ class HiRadixCache:
         return res
 
     def peek_prefix(self, key: object) -> tuple[int, int]:
-        """``(device tokens, host-only tokens)`` of the cached page-aligned prefix of ``key``.
+        """``(device tokens, host-only tokens)`` of the cached page-aligned prefix of ``key``
+        (with stateful components: the usable device prefix and the continuation a load-back
+        would make usable, as ``match_prefix`` reports them).
 
         Read-only, unlike ``match_prefix``: no split, no access-time refresh, no metrics, so a
         scheduler may ask it about waiting requests as often as it likes.
@@ -308,12 +350,17 @@ class HiRadixCache:
         return self._lookup.peek(as_radix_key(key))
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: object, device_pages: object, *, chunked: bool = False, priority: int = 0) -> InsertResult:
+    def insert(self, key: object, device_pages: object, *, chunked: bool = False, priority: int = 0,
+               component_pages: Mapping[str, object] | None = None) -> InsertResult:
         """Insert ``key``'s whole pages with their device pages (one id per whole page).
 
         The tree takes ownership of the pages it keeps and frees the caller's duplicates
         (see ``insert``'s module). ``chunked=True`` (a chunked-prefill insert) counts no hits.
         ``priority``: the request's eviction priority (``eviction_policy="priority"``).
+        ``component_pages``: per component with its own page ids (e.g. ``"swa"``), one of its
+        device page ids per page of ``device_pages``, -1 where the caller has none (for a
+        sliding window: -1 up to the caller's frontier, ids after it); the tree takes or frees
+        every one, like the full pages.
         """
         key = as_radix_key(key)
         priority = _check_priority(priority)
@@ -321,9 +368,51 @@ class HiRadixCache:
         if device_pages is None:
             raise TypeError("device_pages: expected a sequence of device page ids, got None")
         pages = check_page_ids(device_pages, self.device_allocator.num_pages, "device_pages", unique=False)
-        return self._inserter.insert(key, pages, chunked, priority=priority)[0]  # pages: a private copy
+        cp = None
+        if component_pages is not None:
+            cp = self._check_component_pages(component_pages, pages.shape[0], "device")
+        return self._inserter.insert(key, pages, chunked, priority=priority, comp_pages=cp)[0]  # a private copy
 
-    def insert_host(self, key: object, host_pages: object, start: int) -> tuple[int, TreeNode | None]:
+    def _own_component(self, name: object) -> KVComponent:
+        comp = self._own.get(name) if isinstance(name, str) else None
+        if comp is None:
+            raise ValueError(f"name: expected a component with its own page ids {sorted(self._own)}, got {name!r}")
+        return comp
+
+    def _check_component_pages(self, component_pages: object, n: int, tier: str) -> dict:
+        """Validated per-component ids (int32 copies, -1 = none), one per page of the call."""
+        if not isinstance(component_pages, Mapping):
+            raise TypeError(f"component_pages: expected a mapping of component name -> page ids, got "
+                            f"{type(component_pages).__name__}")
+        out = {}
+        for name, ids in component_pages.items():
+            comp = self._own.get(name) if isinstance(name, str) else None
+            if comp is None:
+                raise ValueError(f"component_pages: {name!r} is not a component with its own page ids "
+                                 f"{sorted(self._own)}")
+            what = f"component_pages[{name!r}]"
+            if ids is None:
+                raise TypeError(f"{what}: expected a sequence of page ids (-1: none), got None")
+            arr = np.array(ids, copy=True) if not isinstance(ids, np.ndarray) else ids.copy()
+            if arr.size == 0:
+                arr = np.zeros(0, np.int32)
+            if arr.dtype.kind not in "iu":
+                raise TypeError(f"{what}: expected integer page ids, got dtype {arr.dtype}")
+            if arr.ndim != 1:
+                raise ValueError(f"{what}: expected a 1-D sequence of page ids, got shape {arr.shape}")
+            if arr.shape[0] != n:
+                raise ValueError(f"{what}: expected {n} ids (one per page), got {arr.shape[0]}")
+            alloc = comp.device_allocator if tier == "device" else comp.host_allocator
+            if arr.size and (int(arr.min()) < -1 or int(arr.max()) >= alloc.num_pages):
+                raise ValueError(f"{what}: ids out of range [-1, {alloc.num_pages}) (-1: no page)")
+            arr = arr.astype(np.int32)
+            if tier == "host":
+                comp.check_host_pages(arr, what)
+            out[name] = arr
+        return out
+
+    def insert_host(self, key: object, host_pages: object, start: int,
+                    component_pages: Mapping[str, object] | None = None) -> tuple[int, TreeNode | None]:
         """Attach host pages (e.g. read from L3) as host-only nodes; returns (tokens attached, leaf).
 
         ``host_pages[i]`` (allocated from the host pool, not owned by the tree) holds page
@@ -331,7 +420,9 @@ class HiRadixCache:
         that continues the tree's backed-up path from its end and frees the rest (pages the tree
         already holds, or pages that no longer connect because the backed-up path now ends
         before ``start`` or a not-backed-up node sits where they would go). The leaf is None
-        when nothing was attached.
+        when nothing was attached. ``component_pages``: per component with its own page ids,
+        its host page ids aligned with ``host_pages`` (-1 where none; e.g. a prefetched sliding
+        window: the last pages), allocated from its host pool; the cache takes every one too.
         """
         key = as_radix_key(key)
         p = self.page_size
@@ -346,7 +437,10 @@ class HiRadixCache:
             bad = ids[self._res.host_owned[ids] | ~self.host_allocator.is_allocated(ids)]
             if bad.size:
                 raise ValueError(f"host_pages: {bad[:8].tolist()} are free or owned by the tree")
-        attached, leaf = self._inserter.attach_host(key, ids, start)
+        cp = None
+        if component_pages is not None:
+            cp = self._check_component_pages(component_pages, ids.shape[0], "host")
+        attached, leaf = self._inserter.attach_host(key, ids, start, cp)
         if leaf is not None:
             self._load_backs.from_storage(leaf)  # its load-back counts as cached_tokens{storage}
         return attached, leaf
@@ -408,6 +502,12 @@ class HiRadixCache:
         them until it hands them to ``insert_host`` or frees them."""
         return self._evictor.alloc_host(check_int("num_pages", num_pages, 0))
 
+    def reserve_component_host_pages(self, name: str, num_pages: int) -> np.ndarray | None:
+        """``reserve_host_pages`` from the host pool of the component ``name`` (one with its
+        own page ids), evicting with that component's own host eviction if short."""
+        comp = self._own_component(name)
+        return comp.alloc_host(check_int("num_pages", num_pages, 0))
+
     # ------------------------------------------------------------------ transfers
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
@@ -440,6 +540,14 @@ class HiRadixCache:
     def alloc_device(self, num_pages: int) -> np.ndarray | None:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
         return self._evictor.alloc_device(check_int("num_pages", num_pages, 0), False)
+
+    def alloc_component(self, name: str, num_pages: int) -> np.ndarray | None:
+        """Allocate device pages of the component ``name`` (one with its own page ids, e.g.
+        ``"swa"``) for the caller, evicting by that component's own rules when short (a
+        sliding window: unlocked leaves whole, other nodes' SWA pages only, leaving
+        tombstones); None (nothing allocated) when there is no room even then."""
+        comp = self._own_component(name)
+        return comp.alloc_device(check_int("num_pages", num_pages, 0))
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
@@ -490,6 +598,17 @@ class HiRadixCache:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
         self._requests.finished(self._requests.check(req))
 
+    def slide_window(self, req: CacheRequest) -> None:
+        """After a forward pass wrote the KV of all of ``req.key``'s tokens: components with
+        a sliding window free the request's own pages that lie wholly before the window of
+        its whole pages' end (so also before the window of its next pass; ``component_pages``
+        entries set to -1) and, once that window lies past the tree's part
+        (``cached_pages``), release the hold of the request's lock on the tree's window pages
+        (its full lock stays). A no-op without such components."""
+        req = self._requests.check(req)
+        for comp in self._requests.own:
+            comp.slide_request(req)
+
     # ------------------------------------------------------------------ reset / stats / checks
     def reset(self) -> None:
         """Drop everything: wait for transfers, free every page the tree owns.
@@ -528,9 +647,14 @@ class HiRadixCache:
         writes, loads = self._ledger.in_flight
         dev_pages, host_pages = self.device_allocator.num_pages, self.host_allocator.num_pages
         pools = {}
-        for name, eng in self.components.engines.items():
-            pools[("device", name)] = dev_pages * eng.geom.bytes_per_page
-            pools[("host", name)] = host_pages * eng.geom.bytes_per_page
+        for name, comp in self.components.components.items():
+            bpp = comp.engine.geom.bytes_per_page
+            if comp.own_page_ids:  # its own pools (e.g. a sliding window's, smaller)
+                pools[("device", name)] = comp.device_allocator.num_pages * bpp
+                pools[("host", name)] = comp.host_allocator.num_pages * bpp
+            else:
+                pools[("device", name)] = dev_pages * bpp
+                pools[("host", name)] = host_pages * bpp
         return {
             "device_capacity_tokens": dev_pages * p,
             "device_free_tokens": self.device_allocator.available * p,
@@ -560,18 +684,29 @@ class HiRadixCache:
         out["device_tree_tokens"] = out["device_used_tokens"]
         out["host_tree_tokens"] = out["host_used_tokens"]
         out["hit_rate"] = out["cache_hit_rate"]
+        if self._stateful:
+            out["components"] = {c.name: c.stats() for c in self._stateful}
         return out
 
-    def sanity_check(self, external_device_pages: int | None = None) -> None:
+    def sanity_check(self, external_device_pages: int | None = None,
+                     external_pages: Mapping[str, int] | None = None) -> None:
         """Verify every invariant; gathers all violations, then raises CacheInvariantError once.
 
         ``external_device_pages``: device pages the caller holds outside the tree (allocated,
         not yet inserted). When given, also checks free + tree + external == total.
+        ``external_pages``: the same per component with its own page ids (name -> its device
+        pages the caller holds), for that component's pool identity.
         """
         from .invariants import collect_violations
 
         if external_device_pages is not None:
             external_device_pages = check_int("external_device_pages", external_device_pages, 0)
-        errors = collect_violations(self.debug_view(), external_device_pages)
+        if external_pages is not None:
+            if not isinstance(external_pages, Mapping):
+                raise TypeError(f"external_pages: expected a mapping of component name -> pages, got "
+                                f"{type(external_pages).__name__}")
+            external_pages = {self._own_component(k).name: check_int(f"external_pages[{k!r}]", v, 0)
+                              for k, v in external_pages.items()}
+        errors = collect_violations(self.debug_view(), external_device_pages, external_pages)
         if errors:
             raise CacheInvariantError(f"{len(errors)} cache invariant violation(s):\n  " + "\n  ".join(errors))

@@ -51,7 +51,8 @@ class Inserter:
         check_page_ids(pages, self.res.device_allocator.num_pages, "device_pages")
 
     def insert(self, key: RadixKey, pages: np.ndarray, chunked: bool, path: list | None = None,
-               off0: int = 0, priority: int = 0) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
+               off0: int = 0, priority: int = 0,
+               comp_pages: dict | None = None) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
         """Insert for page ids that passed ``check_page_ids`` without its duplicate test (a
         private copy: the tree may keep slices of it). Also returns ``(dup_mask, tree_head)``:
         where the caller's page was a duplicate (freed) among the first ``len(tree_head)``
@@ -61,7 +62,12 @@ class Inserter:
         on-device nodes that already spell the first ``off0`` tokens with the caller's own
         pages there. The walk then starts below them, ``pages`` covers only the tokens after
         them, and ``dup_mask`` / ``tree_head`` are relative to that start. The path nodes are
-        touched (and hit) as a walk from the root would touch them."""
+        touched (and hit) as a walk from the root would touch them.
+
+        ``comp_pages``: the pages of components with their own page ids (by name; one id per
+        page of ``pages``, -1 where the caller has none), handed to their ``check_insert``
+        (before anything changes) and ``on_insert_span`` (before the write policy runs) hooks:
+        the component takes or frees every id that is not -1."""
         p = self.page_size
         res = self.res
         tree = self.tree
@@ -116,13 +122,16 @@ class Inserter:
                 self.bad_pages(pages)
                 raise ValueError(f"device_pages: pages {taken[~held][:8].tolist()} are not allocated (double free?)")
 
+        hooked = self.hooked
+        if hooked:
+            for comp in hooked:
+                comp.check_insert(segs, off0, None if comp_pages is None else comp_pages.get(comp.name))
         t = tree.tick()
         hit = self.count_hits and not chunked
         root = tree.root
         node = root
         dm, hm, rm = res.dev_members, res.host_members, res.reclaim_members
         dl, hl, rl = res.device_index, res.host_index, res.reclaim_index
-        hooked = self.hooked
         if path:
             # The request's path: device-locked, so in neither the device index (unlocked
             # leaves) nor the host one (host-only nodes); whole nodes, nothing to split or revive.
@@ -179,17 +188,24 @@ class Inserter:
                     comp.on_insert(leaf)
         if dup is not None:
             res.device_allocator.free_owned(dup)  # checked above: distinct, allocated, not the tree's
+        if hooked and node is not root:
+            for comp in hooked:
+                comp.on_insert_span(node, n - off0, None if comp_pages is None else comp_pages.get(comp.name))
         if hit and node is not root:
             self.policy.after_insert(node)
         return InsertResult(matched, node), dup_mask, tree_head
 
-    def attach_host(self, key: RadixKey, ids: np.ndarray, start: int) -> tuple[int, TreeNode | None]:
+    def attach_host(self, key: RadixKey, ids: np.ndarray, start: int,
+                    comp_pages: dict | None = None) -> tuple[int, TreeNode | None]:
         """Attach host pages (allocated, not the tree's; ``ids[i]`` holds page
         ``start // page_size + i`` of ``key``) as host-only nodes; returns (tokens attached,
         leaf). The tree takes every page: it attaches the run that continues its backed-up
         path from its end and frees the rest (pages it already holds, or pages that no longer
         connect because the backed-up path now ends before ``start`` or a node that is not
-        backed up sits where they would go). The leaf is None when nothing was attached."""
+        backed up sits where they would go). The leaf is None when nothing was attached.
+        ``comp_pages``: host pages of components with their own ids (by name, aligned with
+        ``ids``, -1 where none), handed to their ``on_attach_host`` hook, which keeps or frees
+        each one."""
         p = self.page_size
         res = self.res
         tree = self.tree
@@ -204,6 +220,9 @@ class Inserter:
         if ids.size == 0 or backed < start or backed >= end or matched > backed:
             if ids.size:
                 res.host_allocator.free(ids)
+            if self.hooked:
+                for comp in self.hooked:
+                    comp.on_attach_host(None, None if comp_pages is None else comp_pages.get(comp.name), 0)
             return 0, None
         skip = (backed - start) // p
         if last is not root and last_m < last.size:
@@ -214,6 +233,7 @@ class Inserter:
         if self.hooked:
             for comp in self.hooked:
                 comp.on_insert(leaf)
+                comp.on_attach_host(leaf, None if comp_pages is None else comp_pages.get(comp.name), skip)
         if skip:
             res.host_allocator.free(ids[:skip])
         return end - backed, leaf

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .debug_view import CacheDebugView
 
 
-def collect_violations(view: "CacheDebugView", external_device_pages: int | None = None) -> list[str]:
+def collect_violations(view: "CacheDebugView", external_device_pages: int | None = None,
+                       external_pages: dict | None = None) -> list[str]:
     errs: list[str] = []
     cache = view.cache  # only to test node ownership
     root = view.root
@@ -190,5 +191,6 @@ def collect_violations(view: "CacheDebugView", external_device_pages: int | None
 
     # ---- plug-in components -------------------------------------------------------------------
     for comp in view.components:
-        errs.extend(f"{comp.name}: {e}" for e in comp.check(nodes))
+        ext = None if external_pages is None else external_pages.get(comp.name)
+        errs.extend(f"{comp.name}: {e}" for e in comp.check(nodes, view, ext))
     return errs

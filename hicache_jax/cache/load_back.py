@@ -12,6 +12,14 @@ it, and a forward pass must wait on the handle (per layer) before reading the pa
 Locks: the anchor (device) and the chain (host) are locked while eviction makes room; from
 issue until the acknowledgement the receipt holds a device and a host path lock on ``node``.
 
+Stateful components (``components``; only when one is registered) take part: they may split
+nodes first (``before_load_back``: e.g. a sliding window loads only the pages of its window),
+move the start of the continuation up (``load_back_start``: on-device nodes whose own pages a
+component must load count as part of the load-back, and their device pages lead the
+result's ``device_pages``), and add their own copies (``prepare_load``, all or nothing: a
+component without room skips the whole load-back, nothing changed). A load-back may then
+have an empty full chain (only a component's pages move).
+
 Storage origin: nodes an L3 prefetch attached (``insert_host``) are remembered until their
 first load-back, whose tokens then count in ``loaded_storage_tokens`` as well (the metric
 ``cached_tokens{cache_source="storage"}``; the rest of ``loaded_tokens`` is the host source).
@@ -23,10 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .components import NoRoom
 from .evictor import Evictor
 from .locks import PathLocks
 from .metrics import CacheMetrics
-from .residency import Residency
+from .residency import EMPTY_IDS, Residency
 from .results import LoadBackResult
 from .transfers import PendingOp, TransferLedger
 from .tree_node import TreeNode
@@ -59,6 +68,8 @@ class LoadBackIssuer:
             self._prune_at = max(1024, 2 * len(origin))
 
     def load_back(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:
+        if self.hooked:
+            return self._load_back_hooked(node, mem_quota)
         chain = []
         tokens = 0
         n = node
@@ -107,9 +118,6 @@ class LoadBackIssuer:
             off += k
         receipt = locks.extend_to_loaded_chain(receipt, chain)
         res.refresh(anchor)
-        if self.hooked:
-            for comp in self.hooked:
-                comp.on_load(chain)
         ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt))
         m.load_back_calls += 1
         m.loaded_tokens += tokens
@@ -121,3 +129,111 @@ class LoadBackIssuer:
                     m.loaded_storage_tokens += c.size
         m.loaded_bytes += npages * ledger.components.bytes_per_page
         return LoadBackResult(dev.copy(), tokens, node, handle)
+
+    def _load_back_hooked(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:
+        """``load_back`` with stateful components (see the module docstring)."""
+        hooked = self.hooked
+        for comp in hooked:
+            comp.before_load_back(node)
+        chain = []
+        tokens = 0
+        n = node
+        while n.value is None:
+            chain.append(n)
+            tokens += n.size
+            n = n.parent
+        anchor = n
+        starts = {comp.load_back_start(node, anchor) for comp in hooked}
+        start = anchor
+        between = []  # on-device nodes below ``start`` down to the anchor, deepest first
+        if starts != {anchor}:
+            root = anchor
+            while root.parent is not None:
+                root = root.parent
+            n = anchor
+            walked = []
+            while True:  # the shallowest start wins
+                if n in starts:
+                    start = n
+                    between = list(walked)
+                if n is root:
+                    break
+                walked.append(n)
+                n = n.parent
+        m = self.metrics
+        if not chain and start is anchor:
+            return None
+        between.reverse()
+        total = tokens + sum(b.size for b in between)
+        if total < self.threshold or (mem_quota is not None and tokens > mem_quota):
+            m.load_back_skipped += 1
+            return None
+        chain.reverse()
+        npages = tokens // self.page_size
+        locks = self.locks
+        res = self.res
+        receipt = locks.lock_both(node, anchor)
+        dev = self.evictor.alloc_device(npages, True) if npages else EMPTY_IDS
+        if dev is None:
+            locks.release(receipt)
+            m.load_back_skipped += 1
+            return None
+        plans: dict = {}
+        try:
+            for comp in hooked:
+                plan = comp.prepare_load(node, chain)
+                if plan is not None:
+                    plans[comp.name] = plan
+        except NoRoom:
+            for plan in plans.values():
+                plan.cancel()
+            if npages:
+                res.free_device_pages([dev])
+            locks.release(receipt)
+            m.load_back_skipped += 1
+            return None
+        if not chain:
+            host_ids = EMPTY_IDS
+        else:
+            host_ids = np.concatenate([c.host_value for c in chain]) if len(chain) > 1 else chain[0].host_value
+        ledger = self.ledger
+        try:
+            handle = ledger.components.load(host_ids, dev, plans or None)
+        except BaseException:  # the engine refused the copy: give everything back, then raise
+            for plan in plans.values():
+                plan.cancel()
+            if npages:
+                res.free_device_pages([dev])
+            locks.release(receipt)
+            raise
+        if chain:  # as in ``load_back``
+            res.protected_tokens += tokens
+            off = 0
+            p = self.page_size
+            for c in chain:
+                k = c.size // p
+                c.value = dev[off:off + k]
+                c.parent.dev_children += 1
+                off += k
+            receipt = locks.extend_to_loaded_chain(receipt, chain)
+            res.refresh(anchor)
+        for plan in plans.values():
+            plan.commit()
+        if chain:
+            for comp in hooked:
+                comp.on_load(chain)
+        ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt, plans=plans or None))
+        m.load_back_calls += 1
+        m.loaded_tokens += total
+        origin = self.storage_origin
+        if origin:
+            for c in chain:
+                if c in origin:
+                    origin.discard(c)
+                    m.loaded_storage_tokens += c.size
+        m.loaded_bytes += npages * ledger.components.bytes_per_page
+        pages = [b.value for b in between]
+        if npages:
+            pages.append(dev)
+        device_pages = np.concatenate(pages) if len(pages) > 1 else pages[0].copy()
+        return LoadBackResult(device_pages, total, node, handle)

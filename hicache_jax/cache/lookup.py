@@ -4,8 +4,10 @@ Pure numpy, owner thread only. A match never counts a hit (upstream: hits are co
 insert only). A match that ends inside a node splits it; whether the unmatched remainder
 gets the access time too is ``decisions.stamp_split_remainder``. It returns the on-device prefix's page ids, the deepest on-device node, the
 deepest node on any tier and the host-only continuation's length. Components with their
-own residency may shorten the usable device prefix (``usable_device_nodes`` hook: e.g. a
-sliding-window component needs the window before the end on the device too).
+own residency may shorten both (``usable_prefix`` hook: e.g. a sliding-window component
+needs the window before the end on the device for a device hit, and on some tier for a
+loadable one); the continuation then counts the on-device nodes past the usable device
+prefix too (a load-back brings their component pages).
 """
 
 from __future__ import annotations
@@ -61,16 +63,8 @@ class Lookup:
             else:
                 host_len += m
             last = node
-        if self.hooked and dev_nodes:
-            k = len(dev_nodes)
-            for comp in self.hooked:
-                k = min(k, comp.usable_device_nodes(dev_nodes))
-            if k < len(dev_nodes):
-                # Only the usable prefix is a hit; what lies past it needs that component's
-                # own load path (not a plain host hit), so the match ends there.
-                dev_nodes = dev_nodes[:k]
-                last_dev = last = dev_nodes[-1] if dev_nodes else tree.root
-                host_len = 0
+        if self.hooked and segs:
+            dev_nodes, last_dev, last, host_len = self._usable(last, dev_nodes)
         if not dev_nodes:
             dev = EMPTY_IDS.copy()
         elif len(dev_nodes) == 1:
@@ -79,9 +73,39 @@ class Lookup:
             dev = np.concatenate([x.value for x in dev_nodes])
         return MatchResult(dev, last_dev, last, host_len, self.page_size)
 
+    def _usable(self, last, dev_nodes: list):
+        """Ask the stateful components how much of the matched path they can serve: the
+        device prefix ends at the deepest node every one can serve from the device, the match
+        (``last_host_node``) at the deepest one every one can serve from some tier, and the
+        tokens between are what a load-back makes usable (``host_hit_length``)."""
+        root = self.tree.root
+        nodes = []
+        n = last
+        while n is not root:
+            nodes.append(n)
+            n = n.parent
+        nodes.reverse()
+        sizes = [x.size for x in nodes]
+        k_dev, k_any = len(dev_nodes), len(nodes)
+        for comp in self.hooked:
+            a, b = comp.usable_prefix(nodes, sizes, len(dev_nodes), True)
+            k_dev, k_any = min(k_dev, a), min(k_any, b)
+        last_dev = nodes[k_dev - 1] if k_dev else root
+        last = nodes[k_any - 1] if k_any else root
+        return dev_nodes[:k_dev], last_dev, last, sum(sizes[k_dev:k_any])
+
     def peek(self, key: RadixKey) -> tuple[int, int]:
         tokens = key.token_ids
         segs, _ = self.tree.walk(key, tokens.shape[0] - tokens.shape[0] % self.page_size)
+        if self.hooked and segs:
+            nodes = [x[0] for x in segs]
+            sizes = [x[1] for x in segs]
+            n_dev = sum(1 for x in nodes if x.value is not None)
+            k_dev, k_any = n_dev, len(nodes)
+            for comp in self.hooked:
+                a, b = comp.usable_prefix(nodes, sizes, n_dev, False)
+                k_dev, k_any = min(k_dev, a), min(k_any, b)
+            return sum(sizes[:k_dev]), sum(sizes[k_dev:k_any])
         device = host = 0
         for node, m, _off in segs:
             if node.value is not None:

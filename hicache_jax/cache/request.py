@@ -5,6 +5,11 @@ the tokens so far, one device page per started page, the node locked on the requ
 behalf (one of the cache's caller locks on that node), how many leading pages belong to the tree (the rest belong to the request), and the request's
 eviction priority (``eviction_policy="priority"``: a node keeps the highest priority that
 inserted through it; larger survives longer).
+
+With a component that keeps its own page ids (e.g. ``swa``), ``component_pages[name]`` holds
+that component's ids the same way: one per started page, -1 where the request holds none
+(pages out of its sliding window). The first ``cached_pages`` entries are the tree's (only
+those the request's lock holds: its window), the rest the request's own.
 """
 
 from __future__ import annotations
@@ -29,10 +34,15 @@ class CacheRequest:
     last_node: TreeNode | None = None  # holds one device lock while not None
     cached_pages: int = 0
     priority: int = 0
+    # Components with their own page ids: name -> one id per started page, -1 where none.
+    component_pages: dict | None = None
 
-    def extend(self, key: object, new_pages: object) -> None:
+    def extend(self, key: object, new_pages: object, component_pages: dict | None = None) -> None:
         """Grow the request to ``key`` (which must start with the current tokens), adding
-        ``new_pages`` (freshly allocated device pages) so there is one page per started page.
+        ``new_pages`` (freshly allocated device pages) so there is one page per started page,
+        and, per component with its own page ids, as many of its ids (-1 where none; a
+        component the request tracks must be given, an untracked one starts at -1 for the
+        pages it had).
 
         Validates before changing anything.
         """
@@ -47,5 +57,46 @@ class CacheRequest:
         if self.device_pages.shape[0] + pages.shape[0] != want:
             raise ValueError(f"new_pages: {len(key)} tokens need {want} pages in all, the request has "
                              f"{self.device_pages.shape[0]} and got {pages.shape[0]} more")
+        if component_pages is None and self.component_pages is None:
+            self.key = key
+            self.device_pages = np.concatenate([self.device_pages, pages])
+            return
+        extra = self._component_extension(component_pages, pages.shape[0])
         self.key = key
         self.device_pages = np.concatenate([self.device_pages, pages])
+        if extra:
+            old = dict(self.component_pages or {})
+            n_old = self.device_pages.shape[0] - pages.shape[0]
+            for name, arr in extra.items():
+                prev = old.get(name)
+                if prev is None:
+                    prev = np.full(n_old, -1, ID_DTYPE)
+                old[name] = np.concatenate([prev, arr])
+            self.component_pages = old
+
+    def _component_extension(self, component_pages: dict | None, n: int) -> dict:
+        """``extend``'s per-component ids, validated (nothing changed yet)."""
+        extra = {}
+        if component_pages is not None:
+            if not isinstance(component_pages, dict):
+                raise TypeError(f"component_pages: expected a dict of name -> page ids, got "
+                                f"{type(component_pages).__name__}")
+            for name, ids in component_pages.items():
+                arr = _as_ids_or_none(ids, f"component_pages[{name!r}]")
+                if arr.shape[0] != n:
+                    raise ValueError(f"component_pages[{name!r}]: expected {n} ids (one per new page), "
+                                     f"got {arr.shape[0]}")
+                extra[name] = arr
+        for name in self.component_pages or {}:
+            if name not in extra:
+                raise ValueError(f"component_pages: the request tracks {name!r} pages; give one id per new page "
+                                 f"(-1 for none)")
+        return extra
+
+
+def _as_ids_or_none(ids: object, name: str) -> np.ndarray:
+    """Page ids that may be -1 (none): an int32 copy; TypeError / ValueError naming ``name``."""
+    arr = as_page_ids(ids, name)
+    if arr.size and int(arr.min()) < -1:
+        raise ValueError(f"{name}: ids must be >= -1 (-1: no page), got {int(arr.min())}")
+    return arr

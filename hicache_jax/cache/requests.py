@@ -11,6 +11,12 @@ Locks: the request's lock is one of the cache's caller locks (``locks.CallerLock
 down the path as the request grows and released when it finishes. A request whose lock was
 released meanwhile (``dec_lock_ref(req.last_node)`` to abandon it) is refused before
 anything changes.
+
+Components with their own page ids (``own``, set by the facade; e.g. ``swa``): the request
+carries their ids in ``component_pages``. Its inserts hand them to the tree with the full
+pages (taken or freed, each one); after ``begin`` and each insert the tree's part is re-read
+from the request's node (``request_pages``: the ids its lock holds, -1 elsewhere);
+``finished`` frees the partial tail page's ids with the full one.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class RequestHelpers:
         self.match = match
         self.load_back = load_back
         self.page_size = page_size
+        self.own: tuple = ()  # stateful components with their own page ids (the facade sets them)
 
     def begin(self, key: RadixKey, mem_quota: int | None, load_back: bool,
               priority: int) -> tuple[CacheRequest, LoadBackResult | None]:
@@ -59,6 +66,8 @@ class RequestHelpers:
             self.callers.take(last)
         req = CacheRequest(key, self.page_size, pages, last if last is not root else None, pages.shape[0],
                            priority)
+        if self.own:
+            req.component_pages = {c.name: c.request_pages(last, pages.shape[0]) for c in self.own}
         return req, lb
 
     def check(self, req: object) -> CacheRequest:
@@ -93,7 +102,38 @@ class RequestHelpers:
             self.tree.check_node(node, "req.last_node")
             if not self.callers.holds(node):
                 raise ValueError(f"req.last_node: the request's lock on {node!r} was released")
+        cp = req.component_pages
+        if cp is not None:
+            self._check_component_pages(cp, pages.shape[0])
         return req
+
+    def _check_component_pages(self, cp: object, n: int) -> None:
+        if not isinstance(cp, dict):
+            raise TypeError(f"req.component_pages: expected a dict of name -> page ids or None, got "
+                            f"{type(cp).__name__}")
+        known = {c.name: c for c in self.own}
+        for name, arr in cp.items():
+            comp = known.get(name)
+            if comp is None:
+                raise ValueError(f"req.component_pages: {name!r} is not a component with its own page ids "
+                                 f"(those: {sorted(known)})")
+            if type(arr) is not np.ndarray or arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise TypeError(f"req.component_pages[{name!r}]: expected a 1-D integer array")
+            if arr.shape[0] != n:
+                raise ValueError(f"req.component_pages[{name!r}]: {arr.shape[0]} ids for {n} device pages")
+            if arr.shape[0] and (int(arr.min()) < -1 or int(arr.max()) >= comp.device_allocator.num_pages):
+                raise ValueError(f"req.component_pages[{name!r}]: ids out of range [-1, "
+                                 f"{comp.device_allocator.num_pages})")
+
+    def _component_pages(self, req: CacheRequest) -> dict:
+        """The request's ids per own-id component (-1 arrays for one it does not track yet)."""
+        cp = dict(req.component_pages or {})
+        n = req.device_pages.shape[0]
+        for c in self.own:
+            if c.name not in cp:
+                cp[c.name] = np.full(n, -1, np.int32)
+        req.component_pages = cp
+        return cp
 
     def request_path(self, req: CacheRequest, qb: bytes, n: int) -> tuple[list | None, bytes | None, int]:
         """The nodes from the root to ``req.last_node``, when they spell the request's first
@@ -124,11 +164,26 @@ class RequestHelpers:
         aligned = len(key) // p
         n_dev = self.res.device_allocator.num_pages
         path, _qb, depth = self.request_path(req, key.token_bytes, aligned * p)
+        start = 0 if path is None else req.cached_pages
+        cp = None
+        if self.own:
+            cp = {name: arr[start:aligned] for name, arr in self._component_pages(req).items()}
         if path is None:
             pages = check_page_ids(req.device_pages[:aligned], n_dev, "req.device_pages", unique=False)
-            return self.inserter.insert(key, pages, chunked, priority=req.priority) + (0,)
+            return self.inserter.insert(key, pages, chunked, priority=req.priority, comp_pages=cp) + (0,)
         pages = check_page_ids(req.device_pages[req.cached_pages:aligned], n_dev, "req.device_pages", unique=False)
-        return self.inserter.insert(key, pages, chunked, path, depth, req.priority) + (req.cached_pages,)
+        return self.inserter.insert(key, pages, chunked, path, depth, req.priority, cp) + (req.cached_pages,)
+
+    def _reread_component_pages(self, req: CacheRequest, node, aligned: int) -> None:
+        """After an insert: the tree's part of the request's own-id component pages are the
+        ids its lock on ``node`` holds (-1 elsewhere); the rest stays the request's."""
+        if not self.own:
+            return
+        cp = self._component_pages(req)
+        for c in self.own:
+            arr = cp[c.name].copy()
+            arr[:aligned] = c.request_pages(node, aligned) if aligned else arr[:0]
+            cp[c.name] = arr
 
     def unfinished(self, req: CacheRequest, chunked: bool) -> None:
         p = self.page_size
@@ -152,6 +207,8 @@ class RequestHelpers:
             self.callers.release(req.last_node)
         req.last_node = node if node is not root else None
         req.cached_pages = aligned
+        if self.own:
+            self._reread_component_pages(req, node, aligned)
 
     def finished(self, req: CacheRequest) -> None:
         p = self.page_size
@@ -165,11 +222,24 @@ class RequestHelpers:
             bad = tail[res.dev_owned[tail] | ~res.device_allocator.is_allocated(tail)]
             if bad.size:
                 raise ValueError(f"req.device_pages: tail pages {bad.tolist()} are not the request's to free")
+        comp_tails = []
+        if self.own:
+            cp = self._component_pages(req)
+            for c in self.own:
+                t = cp[c.name][aligned:]
+                t = t[t >= 0].astype(np.intp)
+                c.check_free(t, f"req.component_pages[{c.name!r}]")
+                comp_tails.append((c, t))
         self._insert(req, False)
         if tail.size:
             res.device_allocator.free(tail)
+        for c, t in comp_tails:
+            if t.size:
+                c.device_allocator.free(t)
         if req.last_node is not None:
             self.callers.release(req.last_node)
         req.last_node = None
         req.device_pages = EMPTY_IDS.copy()
         req.cached_pages = 0
+        if req.component_pages is not None:
+            req.component_pages = {name: EMPTY_IDS.copy() for name in req.component_pages}

@@ -18,7 +18,10 @@ class MatchResult:
     ``last_device_node``: deepest on-device node matched (the root if none); lock it to keep
     ``device_indices`` valid. ``last_host_node``: deepest node matched on any tier.
     ``host_hit_length``: tokens after the device prefix that exist on the host only; pass
-    ``last_host_node`` to ``load_back`` to bring them to the device.
+    ``last_host_node`` to ``load_back`` to bring them to the device. With stateful components
+    (e.g. a sliding window) both ends are where every component can serve the prefix (on the
+    device, and from some tier), and ``host_hit_length`` counts the tokens between, whose full
+    pages may already be on the device (a load-back then moves only the component's pages).
     """
 
     device_indices: np.ndarray
@@ -40,7 +43,9 @@ class InsertResult:
 
 @dataclass(frozen=True)
 class LoadBackResult:
-    """A load-back in flight. ``device_pages`` continue the device prefix of the match."""
+    """A load-back in flight. ``device_pages`` continue the device prefix of the match
+    (``num_tokens`` of it). ``handle``: per-layer readiness of the full component; with other
+    components a ``MultiLoadHandle`` (``wait_layer(i, component=name)`` for theirs)."""
 
     device_pages: np.ndarray
     num_tokens: int

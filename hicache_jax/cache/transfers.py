@@ -37,14 +37,17 @@ from .tree_node import TreeNode
 class PendingOp:
     """One copy waiting for its acknowledgement."""
 
-    __slots__ = ("node", "handle", "tokens", "t0", "src", "dst", "load", "receipt")
+    __slots__ = ("node", "handle", "tokens", "t0", "src", "dst", "load", "receipt", "plans")
 
     def __init__(self, node: TreeNode, handle: TransferHandle, tokens: int, src: np.ndarray, dst: np.ndarray,
-                 load: bool, receipt: LockReceipt, t0: float | None = None) -> None:
+                 load: bool, receipt: LockReceipt, t0: float | None = None, plans: dict | None = None) -> None:
         self.node, self.handle, self.tokens = node, handle, tokens
         self.t0 = time.perf_counter() if t0 is None else t0
         self.src, self.dst, self.load = src, dst, load  # page ids, to issue the copy again
         self.receipt = receipt
+        # The copies of components with their own page ids (``components.CopyPlan`` by name;
+        # None without any): issued again with the op, ``done()`` when it is acknowledged.
+        self.plans = plans
 
 
 class TransferLedger:
@@ -94,6 +97,9 @@ class TransferLedger:
             if not op.load and self.storage_hook is not None:
                 self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
         finally:
+            if op.plans:
+                for plan in op.plans.values():
+                    plan.done()
             self.locks.release(op.receipt)
         # Issue -> completion as the handle stamped it; the acknowledgement time where it has no
         # stamp (or a retry finished the copy).
@@ -121,7 +127,8 @@ class TransferLedger:
         for _ in range(self.retries):
             m.transfer_retries += 1
             try:
-                (self.components.load if op.load else self.components.backup)(op.src, op.dst).wait()
+                copy = self.components.load if op.load else self.components.backup
+                (copy(op.src, op.dst) if op.plans is None else copy(op.src, op.dst, op.plans)).wait()
                 return False
             except Exception as e:  # noqa: BLE001
                 error = e

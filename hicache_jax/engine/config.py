@@ -33,6 +33,11 @@ class EngineCacheConfig:
     * ``worker_nice``: how much lower than the scheduler's the OS priority of the D2H copy
       worker is (0..19; ``hicache_jax.workers``). The L3 threads take theirs from
       ``storage.worker_nice``.
+    * ``swa_device_pages``: hybrid models only: the SWA pool's size in pages (its L2 pool
+      has the same ratio to it as the full pool's host pool to ``device_pages``). None: the
+      pages the running requests can need at once (``Engine.swa_pages_needed``) plus a
+      quarter of ``device_pages`` for cached windows. Ignored for a model without
+      sliding-window layers.
     """
 
     page_size: int = 16
@@ -46,6 +51,7 @@ class EngineCacheConfig:
     max_context: int = 4096
     storage: StorageConfig | None = None
     worker_nice: int = DEFAULT_WORKER_NICE
+    swa_device_pages: int | None = None
 
     def __post_init__(self) -> None:
         check_nice(self.worker_nice)
@@ -54,6 +60,8 @@ class EngineCacheConfig:
         check_int("max_batch", self.max_batch, 1)
         check_int("prefill_chunk", self.prefill_chunk, 1)
         check_int("max_context", self.max_context, 2)
+        if self.swa_device_pages is not None:
+            check_int("swa_device_pages", self.swa_device_pages, 2)
         if self.copy_impl not in COPY_IMPLS:
             raise ValueError(f"copy_impl: expected one of {list(COPY_IMPLS)}, got {self.copy_impl!r}")
         if not isinstance(self.host, HostPoolConfig):

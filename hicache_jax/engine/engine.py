@@ -28,6 +28,35 @@ so it reads each layer only after all of them landed), which is what a backend w
 land asynchronously needs. A load that failed is acknowledged there and then, so the cache
 retries it into the same pages before anything reads them (or latches ``CacheFailedError``).
 
+Hybrid models (``ModelConfig.is_hybrid``: sliding-window layers): the SWA layers' KV lives in
+its own device pool (``swa_pool``, ``swa_device_pages`` pages) with its own host pool and
+transfer engine, registered in the cache as an ``SWAComponent`` (window ``sliding_window``). The
+cache call sequence per request (``HiRadixCache``'s "Sliding-window (SWA) requests"):
+
+1. admission: ``begin_request(prompt[:-1])`` matches a prefix usable for the window (its full
+   pages and the SWA pages of the ``W - 1`` tokens before its end), loads back its host / L3
+   continuation (full pages and only the window's SWA pages) and locks it (the lock holds only
+   the window's SWA pages). The full pages of the whole request are reserved then, as for any
+   model; SWA pages are not: they are allocated step by step.
+2. before each prefill chunk and each decode step that starts a page: ``alloc_component("swa",
+   n)`` (evicts SWA by the component's rules: tombstones, unlocked leaves whole; if short, the
+   engine flushes in-flight copies, whose holds pin SWA pages, and retries) and
+   ``req.extend(key, full_pages, {"swa": swa_pages})``; the prefill waits for every layer of
+   the load-back of both pools (``wait_layer(i)``, ``wait_layer(j, component="swa")``).
+3. after each step: ``slide_window(req)``: the request's own SWA pages wholly before the next
+   step's window go back to the SWA pool (entries -1) and the lock's hold on the tree's window
+   pages is released once the window has moved past all of them. So a request never holds
+   more than ``swa_table_width(W, chunk)`` SWA pages of its own plus one tree window
+   (``swa_pages_needed``), however long it gets.
+4. after the prefill ``cache_unfinished_req(req)`` (SWA pages out of the window are
+   tombstones, the window's pages go to the tree); at the end ``cache_finished_req(req)``.
+   Without the cache (``use_cache=False``) the request's remaining SWA pages are freed.
+
+``metrics.peak_device_pages`` / ``peak_swa_device_pages``: the most distinct pages of each pool
+the requests being served referenced at once (their page tables, the tree's pages among them,
+and the full pool's decode reserve), sampled before every model step: the memory serving needs,
+whatever the cache keeps besides.
+
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
 abandoned - its own device pages freed, its state dropped -, the cache is ``reset()``, and
@@ -61,11 +90,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..allocator import ID_DTYPE
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
 from ..cache import CacheFailedError, CacheRequest, HiRadixCache, LoadBackResult, RadixKey
+from ..cache.components import SWAComponent
 from ..l3 import PrefetchOperation, StorageController
-from ..reference_model import ModelConfig, PagedRunner
+from ..reference_model import ModelConfig, PagedRunner, swa_table_width
 from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
 from .speculative import SpecConfig, SpecDecoder, SpecState
@@ -106,6 +137,10 @@ class EngineMetrics:
 
     cache_failures_recovered: int = 0  # CacheFailedError latched, cache reset, requests re-admitted
     requests_readmitted: int = 0  # requests abandoned by those recoveries and queued again
+    # Most pages of each device pool held at once by running requests (not evictable by the
+    # cache), sampled before every model step; the SWA pool's is 0 for a non-hybrid model.
+    peak_device_pages: int = 0
+    peak_swa_device_pages: int = 0
 
 
 @dataclass(eq=False)
@@ -203,8 +238,16 @@ class Engine:
         self.spec = None if spec is None else SpecDecoder(
             spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
             head=weights.draft() if weights is not None else None)
+        self.hybrid = model_config.is_hybrid
+        self.swa_pool = self.swa_transfer = self.swa = None
+        components = []
+        if self.hybrid:
+            if self.spec is not None:
+                raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model is not supported")
+            self.swa_pool, self.swa_transfer, self.swa = self._swa_component(host_pages)
+            components.append(self.swa)
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
-                                  self.spec.sidecars if self.spec is not None else None)
+                                  self.spec.sidecars if self.spec is not None else None, components=components)
         self.storage = None
         if cache_config.storage is not None:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
@@ -217,6 +260,38 @@ class Engine:
         # scheduler thread, outside the timed work of the step itself); None = off.
         self.on_decode_step = None
         self.metrics = EngineMetrics()
+        self._serving: list[_Seq] = []  # the scheduler's running list (peak sampling only)
+
+    @staticmethod
+    def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig) -> int:
+        """SWA device pages the running requests of a hybrid model can hold at once: one
+        prefilling (its chunk and the window before it) and ``max_batch - 1`` decoding, each
+        also holding, until its window has moved past them, the tree's window pages its lock
+        holds (one window, ``ceil((W - 1) / page)`` pages: the tree holds whole nodes)."""
+        w, p = model_config.sliding_window, cache_config.page_size
+        chunk = min(cache_config.prefill_chunk, cache_config.max_context)
+        tree_window = -(-max(1, w - 1) // p)
+        return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * swa_table_width(w, 1, p)
+                + cache_config.max_batch * tree_window)
+
+    def _swa_component(self, host_pages: int):
+        """The SWA pool, its host pool and transfer engine, and the cache component over them."""
+        from pallas_kernels.page_copy import PageCopyConfig
+
+        cfg, model = self.cache_config, self.model_config
+        need = self.swa_pages_needed(model, cfg)
+        pages = cfg.swa_device_pages if cfg.swa_device_pages is not None else need + cfg.device_pages // 4
+        if pages < need:
+            raise ValueError(f"swa_device_pages: {pages} pages; {cfg.max_batch} running requests with window "
+                             f"{model.sliding_window} and prefill chunks of {cfg.prefill_chunk} tokens can hold "
+                             f"{need} at once")
+        geom = model.swa_kv_geometry(cfg.page_size)
+        pool = JaxDevicePool(geom, pages)
+        host = pinned_host_pool(geom, max(1, host_pages * pages // cfg.device_pages), cfg.host.layout)
+        transfer = JaxTransferEngine(pool, host, copy_config=PageCopyConfig(impl=cfg.copy_impl, max_pages=pages),
+                                     worker_nice=cfg.worker_nice)
+        transfer.precompile()
+        return pool, transfer, SWAComponent(transfer, pool.allocator, model.sliding_window)
 
     # ---- public API ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
@@ -284,6 +359,7 @@ class Engine:
         decode step, finished requests retired, transfer events polled. Returns the eviction
         count seen by the prefetches and whether a request finished."""
         n_done = len(done)
+        self._serving = running
         if use_cache and self.storage is not None:
             removed_seen = self._start_prefetches(waiting, removed_seen)
         if not running and waiting and waiting[0].arrival > time.perf_counter():
@@ -325,9 +401,13 @@ class Engine:
         error = self.cache.failure
         alloc = self.device_pool.allocator
         own = []  # request-owned pages: after the tree's prefix, and the decode reserve
+        swa_own = []  # the requests' own SWA pages (after the tree's prefix, ids >= 0)
         for s in lost:
             if s.req is not None:
                 own.append(s.req.device_pages[s.req.cached_pages:])
+                if self.hybrid and s.req.component_pages:
+                    ids = s.req.component_pages["swa"][s.req.cached_pages:]
+                    swa_own.append(ids[ids >= 0])
             if s.reserve is not None:
                 own.append(s.reserve)
         self.cache.reset()  # frees every page the tree owned, drops every lock
@@ -344,6 +424,15 @@ class Engine:
             left = np.flatnonzero(alloc.is_allocated(np.arange(alloc.num_pages)))
             log.warning("engine: %d device pages still allocated after a cache reset (freed)", left.size)
             alloc.free(left)
+        if self.hybrid:
+            swa = self.swa_pool.allocator
+            ids = np.unique(np.concatenate(swa_own)) if swa_own else np.zeros(0, np.int64)
+            ids = ids[swa.is_allocated(ids)] if ids.size else ids
+            swa.free(ids)
+            if swa.used:
+                left = np.flatnonzero(swa.is_allocated(np.arange(swa.num_pages)))
+                log.warning("engine: %d SWA pages still allocated after a cache reset (freed)", left.size)
+                swa.free(left)
         for s in waiting:
             s.prefetch, s.storage_tokens = None, 0  # their attached L3 pages left with the tree
         for s in sorted(lost, key=lambda s: (s.arrival, s.index), reverse=True):
@@ -360,7 +449,16 @@ class Engine:
         if self.spec is not None:
             self.spec.warmup(cfg.max_batch, cfg.prefill_chunk)
             return
-        self.device_pool.apply(lambda pools: (None, self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk)))
+        if not self.hybrid:
+            self.device_pool.apply(lambda pools: (None, self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk)))
+            return
+
+        def both(pools):
+            def swa(swa_pools):
+                pools2, swa2 = self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk, swa_pools=swa_pools)
+                return pools2, swa2
+            return None, self.swa_pool.apply(swa)
+        self.device_pool.apply(both)
 
     def evict_device_cache(self) -> int:
         """Evict every unlocked device page of the tree (backed-up nodes stay on the host).
@@ -403,6 +501,8 @@ class Engine:
         if self.storage is not None:
             self.storage.close()
         self.transfer.close()
+        if self.swa_transfer is not None:
+            self.swa_transfer.close()
         if self.spec is not None:
             self.spec.close()
 
@@ -478,12 +578,15 @@ class Engine:
                                         f"{total - req.device_pages.shape[0]} free device pages; "
                                         f"{self.device_pool.allocator.available} free after eviction")
             return False
+        seq.req = req
+        if self.hybrid:  # the prefill extends the request chunk by chunk, with SWA pages
+            seq.reserve = pages
+            return True
         prompt_pages = 0  # with speculative decoding the key grows as the draft KV becomes final
         if self.spec is None:
             prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
             req.extend(RadixKey(prompt), pages[:prompt_pages])
         seq.reserve = pages[prompt_pages:]
-        seq.req = req
         return True
 
     def _match(self, seq: _Seq, loaded_before: int) -> CacheRequest:
@@ -506,9 +609,54 @@ class Engine:
         seq.cached = {"device": hit - loaded, "host": loaded - storage, "storage": storage}
         return req
 
-    def _run(self, token_lists, starts, tables) -> np.ndarray:
+    def _run(self, token_lists, starts, seqs: list[_Seq]) -> np.ndarray:
         # The step donates the pool arrays; apply installs the ones it returns.
-        return self.device_pool.apply(self.runner.step, token_lists, starts, tables)
+        self._sample_peaks(seqs)
+        reqs = [s.req for s in seqs]
+        tables = [r.device_pages for r in reqs]
+        if not self.hybrid:
+            return self.device_pool.apply(self.runner.step, token_lists, starts, tables)
+        swa_tables = [r.component_pages["swa"] for r in reqs]
+
+        def both(pools):
+            def swa(swa_pools):
+                logits, new, new_swa = self.runner.step(pools, token_lists, starts, tables, swa_pools=swa_pools,
+                                                        swa_page_tables=swa_tables)
+                return (logits, new), new_swa
+            return self.swa_pool.apply(swa)
+        return self.device_pool.apply(both)
+
+    def _sample_peaks(self, stepping: list[_Seq]) -> None:
+        seqs = {id(s): s for s in (*self._serving, *stepping) if s.req is not None}.values()
+        reqs = [s.req for s in seqs]
+        full = [r.device_pages for r in reqs] + [s.reserve for s in seqs if s.reserve is not None]
+        m = self.metrics
+        m.peak_device_pages = max(m.peak_device_pages, np.unique(np.concatenate(full)).size)
+        if self.hybrid:
+            swa = np.concatenate([r.component_pages["swa"] for r in reqs])
+            m.peak_swa_device_pages = max(m.peak_swa_device_pages, np.unique(swa[swa >= 0]).size)
+
+    def _grow(self, seq: _Seq, tokens: np.ndarray) -> None:
+        """Hybrid models: extend the request to ``tokens``, with full pages from its reserve
+        and new SWA pages, before the step that writes their KV."""
+        req = seq.req
+        need = self._pages_for(tokens.shape[0]) - req.device_pages.shape[0]
+        pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
+        swa = self.cache.alloc_component("swa", need)
+        if swa is None:
+            # Copies in flight hold SWA pages (a backup its source, a load-back its window):
+            # wait for them; what the running requests hold fits (``swa_pages_needed``).
+            self.cache.flush()
+            swa = self.cache.alloc_component("swa", need)
+            if swa is None:
+                raise OutOfDeviceMemory(f"SWA pool: {need} pages wanted, {self.swa_pool.allocator.available} "
+                                        f"free after eviction")
+        req.extend(RadixKey(tokens), pages, {"swa": swa})
+
+    def _slide(self, reqs) -> None:
+        if self.hybrid:
+            for req in reqs:
+                self.cache.slide_window(req)
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
@@ -525,7 +673,10 @@ class Engine:
         logits = None
         while start < n:
             end = min(n, start + chunk)
-            logits = self._run([seq.prompt[start:end].tolist()], [start], [req.device_pages])
+            if self.hybrid:
+                self._grow(seq, seq.prompt[:end])
+            logits = self._run([seq.prompt[start:end].tolist()], [start], [seq])
+            self._slide([req])
             start = end
         seq.out.append(int(np.argmax(logits[0])))
         seq.ttft = time.perf_counter() - seq.arrival
@@ -540,9 +691,15 @@ class Engine:
         lb, seq.load = seq.load, None
         if lb is None:
             return
-        for layer in range(self.geom.num_layers):
+        layers = [(i, None) for i in range(self.geom.num_layers)]
+        if self.hybrid:
+            layers += [(j, "swa") for j in range(self.swa_pool.geom.num_layers)]
+        for layer, component in layers:
             try:
-                lb.wait_layer(layer)
+                if component is None:
+                    lb.wait_layer(layer)
+                else:
+                    lb.handle.wait_layer(layer, component=component)
             except Exception:  # noqa: BLE001 - TransferError, or a backend's own error type
                 self.cache.loading_check(block=True)
                 return
@@ -555,13 +712,17 @@ class Engine:
     def _decode_step(self, running: list[_Seq]) -> None:
         for seq in running:
             req = seq.req
+            if self.hybrid:
+                self._grow(seq, seq.all_tokens)
+                continue
             total = seq.prompt.shape[0] + len(seq.out)  # the newest token enters the KV now
             need = self._pages_for(total) - req.device_pages.shape[0]
             pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
             req.extend(RadixKey(seq.all_tokens), pages)
         logits = self._run([[s.out[-1]] for s in running],
                            [s.prompt.shape[0] + len(s.out) - 1 for s in running],
-                           [s.req.device_pages for s in running])
+                           running)
+        self._slide([s.req for s in running])
         for seq, lg in zip(running, logits):
             seq.out.append(int(np.argmax(lg)))
 
@@ -571,6 +732,9 @@ class Engine:
             self.cache.cache_finished_req(req)
         else:
             self.device_pool.allocator.free(req.device_pages)
+            if self.hybrid and req.component_pages:
+                ids = req.component_pages["swa"]
+                self.swa_pool.allocator.free(ids[ids >= 0])
         if seq.reserve is not None and seq.reserve.size:
             self.device_pool.allocator.free(seq.reserve)
         spec = self.spec.finish(seq) if self.spec is not None else {}

@@ -30,10 +30,19 @@ must be set. ``storage`` injects a ready ``HiCacheStorage`` built over the cache
 and closes it in ``close``.
 
 Pools and keys
-    The target KV (component ``full``) is the storage pool ``target``; every sidecar (e.g. the
-    draft model's KV, sharing the target's page ids) is a pool of its own name. Every pool is
-    ``ALL_PAGES``: a page is a storage hit only if every pool has it, and ``get_multi`` reads
-    every pool before it publishes anything, so a target page never lands without its draft.
+    The target KV (component ``full``) is the storage pool ``target``; every other component
+    is a pool of its own name. A component's hit policy is its ``l3_trailing_pages``: a
+    sidecar (e.g. the draft model's KV, sharing the target's page ids) is ``ALL_PAGES``: a
+    page is a storage hit only if every such pool has it, and ``get_multi`` reads every pool
+    before it publishes anything, so a target page never lands without its draft. A component
+    with its own page ids and a window (``swa``: ``window_pages`` = ceil((W - 1) / page)) is
+    ``TRAILING_PAGES``: its pages are stored beside the target's under the same chained page
+    keys (its own pool namespace), and only the ``window_pages`` before a hit's end must be
+    stored (the storage's trailing-pages rule). Such a pool is queried, read and attached
+    after the target's pages: a prefetch's pages count as arrived only once the window before
+    their end has arrived too (all of a window or nothing: a short read of the window attaches
+    nothing of the prefetch), and a prefetch from a mid-tree anchor needs the whole window
+    from storage (the tree's own pages above the anchor are not searched for it).
     Page keys are SHA-256 chains (``storage.keys``) seeded with a per-pool ``Namespace`` of: the
     model id with the KV geometry folded in (kind, layers, heads, width), ``weights_revision``,
     KV dtype, page size, host layout, TP size/rank, pool name, and an ``extra_key`` that
@@ -48,8 +57,10 @@ L3 backup (write-through from L2, no threshold)
     Each acknowledged D2H backup calls ``on_backup_acked(node)``: the controller collects the
     nodes from ``node`` up to the first one already stored or in flight, takes a host lock on
     ``node`` (the pages stay in the host pool), and queues one job on the backup thread, which
-    calls ``batch_set`` per pool (sidecars first, then the target; the storage skips keys it
-    already holds). ``batch_set`` copies the pages out before returning; the owner thread
+    calls ``batch_set`` per pool (the other pools first, then the target; the storage skips
+    keys it already holds). A trailing-pages pool stores the host pages its component holds
+    for those nodes (``node_host_pages``; a host tombstone stores none); a failed page of it
+    fails the job (retried later like a failed target page). ``batch_set`` copies the pages out before returning; the owner thread
     then drops the host lock at its next ``poll``. A node whose pages failed is retried on
     the next backup below it.
 
@@ -122,7 +133,8 @@ from ..cache.hiradix_cache import HiRadixCache
 from ..cache.locks import LockReceipt
 from ..cache.radix_key import RadixKey, as_radix_key, encode_namespace
 from ..cache.tree_node import TreeNode
-from ..storage import HiCacheStorage, Namespace, PoolSpec, PoolTransfer, StorageConfig, create_storage, page_keys
+from ..storage import (HiCacheStorage, Namespace, PoolHitPolicy, PoolSpec, PoolTransfer, StorageConfig, consecutive,
+                       create_storage, page_keys)
 from ..workers import background_executor
 
 log = logging.getLogger("hicache_jax.cache.storage")
@@ -153,10 +165,10 @@ class _Entry:
 class _BackupJob:
     __slots__ = ("node", "entries", "keys", "ids", "ok", "t0", "t_done", "done", "pin")
 
-    def __init__(self, node, entries, keys, ids) -> None:
-        self.node, self.entries, self.keys, self.ids = node, entries, keys, ids
+    def __init__(self, node, entries, keys: dict, ids: dict) -> None:
+        self.node, self.entries, self.keys, self.ids = node, entries, keys, ids  # per pool
         self.pin: LockReceipt | None = None  # keeps the host pages until the storage copied them
-        self.ok = np.zeros(len(ids), bool)
+        self.ok = np.zeros(len(ids[TARGET_POOL]), bool)  # per target page
         self.t0 = time.perf_counter()
         self.t_done = 0.0  # set by the backup thread when the storage has the pages
         self.done = threading.Event()
@@ -197,6 +209,11 @@ class PrefetchOperation:
         # Owner thread:
         self._ids = _EMPTY  # host pages allocated for the hit
         self._reserved = _EMPTY  # the part of _ids the controller still owns
+        # Trailing-pages pools: host pages of their component for the window (pool -> ids),
+        # and the part the controller still owns.
+        self._side_ids: dict[str, np.ndarray] = {}
+        self._side_reserved: dict[str, np.ndarray] = {}
+        self._side_used: dict[str, int] = {}  # IO thread: window pages read per pool
         self._finalized = False
         # IO thread (under _cond):
         self._done_pages = 0
@@ -257,6 +274,7 @@ class StorageController:
         self.threshold = max(storage_config.prefetch_threshold_tokens, self.page_size)
         self.salt = salt
         engines = cache.components.engines
+        comps = cache.components.components
         pool_names = {}
         for comp in engines:
             name = TARGET_POOL if comp == FULL else comp
@@ -264,7 +282,16 @@ class StorageController:
                 raise ValueError(f"cache: sidecar {comp!r} clashes with the storage pool name {TARGET_POOL!r}")
             pool_names[comp] = name
         self.pools = {pool_names[c]: engines[c].host_pool for c in engines}
-        # Sidecars (draft) first, the target last: its pages are written only after theirs.
+        # Components whose pages are stored for the window before a hit's end only: pool ->
+        # (component, window pages).
+        self._trailing = {pool_names[c]: (comps[c], comps[c].l3_trailing_pages) for c in engines
+                          if comps[c].l3_trailing_pages is not None}
+        for pool, (comp, _wp) in self._trailing.items():
+            if not comp.own_page_ids:
+                raise ValueError(f"cache: component {comp.name!r} has a trailing-pages L3 policy but shares the "
+                                 f"full page ids")
+        self._all_pools = [n for n in self.pools if n not in self._trailing]
+        # The other pools (draft, swa) first, the target last: its pages are written only after theirs.
         self._order = [n for n in self.pools if n != TARGET_POOL] + [TARGET_POOL]
         # Namespace template per pool: model identity with the KV geometry folded in.
         self._ns_base = {}
@@ -274,8 +301,9 @@ class StorageController:
             self._ns_base[pool_names[comp]] = Namespace.from_geometry(
                 g, eng.host_pool.layout, model=ident, weights_revision=weights_revision, pool=pool_names[comp],
                 tp_size=tp_size, tp_rank=tp_rank)  # validates model / revision / TP
+        specs = [PoolSpec(n, PoolHitPolicy.TRAILING_PAGES, self._trailing[n][1]) if n in self._trailing
+                 else PoolSpec(n) for n in self.pools]
         if storage is None:
-            specs = [PoolSpec(n) for n in self.pools]
             self.storage = create_storage(storage_config, self.pools, specs)
             self._owns_storage = True
         else:
@@ -285,6 +313,10 @@ class StorageController:
                                                              for n, p in self.pools.items()):
                 raise ValueError(f"storage: must be built over this cache's host pools {sorted(self.pools)}, "
                                  f"got pools {sorted(storage.codecs)}")
+            for spec in specs:
+                if storage.specs[spec.name] != spec:
+                    raise ValueError(f"storage: pool {spec.name!r} must have the spec {spec}, got "
+                                     f"{storage.specs[spec.name]}")
             self.storage = storage
             self._owns_storage = False
         self._ns_cache: dict[tuple, dict[str, Namespace] | None] = {}
@@ -407,14 +439,24 @@ class StorageController:
             return
         chain.reverse()
         ids = np.concatenate([n.host_value for n, _ in chain]).astype(np.int64)
-        keys = {pool: [k for _, e in chain for k in e.digests[pool]] for pool in self.pools}
+        keys = {pool: [k for _, e in chain for k in e.digests[pool]] for pool in self._all_pools}
         keep = np.array([k not in self._inflight_keys for k in keys[TARGET_POOL]], bool)
         if not keep.all():
             ids = ids[keep]
             keys = {pool: [k for k, f in zip(ks, keep) if f] for pool, ks in keys.items()}
+        ids_by_pool = {pool: ids for pool in self._all_pools}
+        for pool, (comp, _wp) in self._trailing.items():  # the component's own host pages, where it has them
+            tk, ti = [], []
+            for n, e in chain:
+                h = comp.node_host_pages(n)
+                if h is not None:
+                    tk.extend(e.digests[pool])
+                    ti.append(h)
+            keys[pool] = tk
+            ids_by_pool[pool] = np.concatenate(ti).astype(np.int64) if ti else _EMPTY
         for _, e in chain:
             e.state = _INFLIGHT
-        job = _BackupJob(node, [e for _, e in chain], keys, ids)
+        job = _BackupJob(node, [e for _, e in chain], keys, ids_by_pool)
         self._inflight_keys.update(keys[TARGET_POOL])
         job.pin = self.cache.pin_host(node)  # the host pages stay until the storage has copied them
         self._backups.add(job)
@@ -448,16 +490,26 @@ class StorageController:
         parts += [op._reserved for op in self._draining if op._reserved.size]
         return np.concatenate(parts) if parts else _EMPTY
 
+    def reserved_component_host_pages(self, component: str) -> np.ndarray:
+        """``reserved_host_pages`` of a trailing-pages pool's component (its own host pool)."""
+        parts = [op._side_reserved[component] for op in (*self._ops, *self._draining)
+                 if op._side_reserved.get(component, _EMPTY).size]
+        return np.concatenate(parts) if parts else _EMPTY
+
     # ------------------------------------------------------------------ backups
     def _run_backup(self, job: _BackupJob) -> None:  # backup thread
         try:
-            ok = np.ones(len(job.ids), bool)
-            if len(job.ids):
+            ok = np.ones(len(job.ids[TARGET_POOL]), bool)
+            if len(job.ids[TARGET_POOL]):
                 for pool in self._order:
-                    ok &= np.asarray(self.storage.batch_set(job.keys[pool], job.ids, pool), bool)
+                    if pool in self._trailing:
+                        if len(job.ids[pool]) and not all(self.storage.batch_set(job.keys[pool], job.ids[pool], pool)):
+                            ok[:] = False  # a window page missing: the job is retried
+                        continue
+                    ok &= np.asarray(self.storage.batch_set(job.keys[pool], job.ids[pool], pool), bool)
             job.ok = ok
         except Exception:
-            log.exception("L3: backup of %d pages failed", len(job.ids))
+            log.exception("L3: backup of %d pages failed", len(job.ids[TARGET_POOL]))
         finally:
             job.t_done = time.perf_counter()
             self._backup_done.append(job)
@@ -580,10 +632,16 @@ class StorageController:
                 if op._cancel:
                     break
                 e = min(n, s + self.batch_pages)
-                r = self.storage.exists_multi([PoolTransfer(pool, ks[s:e]) for pool, ks in keys.items()])
+                r = self.storage.exists_multi([PoolTransfer(pool, keys[pool][s:e]) for pool in self._all_pools])
                 hit += r.hit_pages
                 if r.hit_pages < e - s:
                     break
+            if self._trailing and hit and not op._cancel:
+                # The largest hit whose trailing windows are stored too (the storage's rule);
+                # from a mid-tree anchor the whole window must come from storage.
+                hit = self.storage.exists_multi([PoolTransfer(pool, ks[:hit]) for pool, ks in keys.items()]).hit_pages
+                if op.start and hit < max(wp for _c, wp in self._trailing.values()):
+                    hit = 0
         except Exception:
             log.exception("L3: prefetch query failed")
             hit = 0
@@ -595,17 +653,27 @@ class StorageController:
     def _run_io(self, op: PrefetchOperation) -> None:  # IO thread
         try:
             ids, n = op._ids, op._ids.size
+            trailing = bool(op._side_ids)
+            total = 0
             for s in range(0, n, self.batch_pages):
                 if op._cancel:
                     break
                 e = min(n, s + self.batch_pages)
-                r = self.storage.get_multi([PoolTransfer(pool, ks[s:e], ids[s:e]) for pool, ks in op._keys.items()])
+                r = self.storage.get_multi([PoolTransfer(pool, op._keys[pool][s:e], ids[s:e])
+                                            for pool in self._all_pools])
                 got = min(max(int(r.hit_pages), 0), e - s)
-                with op._cond:
-                    op._done_pages += got
-                    op._cond.notify_all()
+                total += got
+                if not trailing:
+                    with op._cond:
+                        op._done_pages += got
+                        op._cond.notify_all()
                 if got < e - s:
                     break
+            if trailing:
+                done = self._read_windows(op, total)
+                with op._cond:
+                    op._done_pages = done
+                    op._cond.notify_all()
         except Exception:
             log.exception("L3: prefetch read failed")
         finally:
@@ -613,6 +681,27 @@ class StorageController:
                 op._io_finished = True
                 op._t_done = time.perf_counter()
                 op._cond.notify_all()
+
+    def _read_windows(self, op: PrefetchOperation, done: int) -> int:  # IO thread
+        """Read each trailing-pages pool's window before ``done`` into its reserved host pages:
+        ``done`` when every window arrived whole, else 0 (nothing of the prefetch counts)."""
+        if not done or op._cancel:
+            return 0
+        used = {}
+        for pool, sid in op._side_ids.items():
+            wp = self._trailing[pool][1]
+            if op.start and done < wp:
+                return 0
+            lo = max(0, done - wp)
+            cnt = done - lo
+            if cnt > sid.size:
+                return 0
+            flags = self.storage.batch_get(op._keys[pool][lo:done], sid[:cnt].tolist(), pool)
+            if consecutive(flags) < cnt:
+                return 0  # a short window: all of it or nothing
+            used[pool] = cnt
+        op._side_used = used
+        return done
 
     def _advance(self, op: PrefetchOperation) -> None:
         """Owner thread: a finished query becomes a revoke or a read into reserved host pages."""
@@ -636,7 +725,19 @@ class StorageController:
                 return
             ids = self.cache.host_allocator.alloc(fit)  # hit_tokens still says what storage had
             self.cache.metrics.prefetch_truncated += 1
+        side = {}
+        for pool, (comp, wp) in self._trailing.items():
+            sid = self.cache.reserve_component_host_pages(comp.name, min(wp, ids.size))
+            if sid is None:
+                self.cache.host_allocator.free(ids)
+                for taken_pool, taken in side.items():
+                    self._trailing[taken_pool][0].host_allocator.free(taken)
+                self._revoke(op, f"no {comp.name} host memory for the window")
+                return
+            side[pool] = sid.astype(np.int64)
         op._ids = op._reserved = ids.astype(np.int64)
+        op._side_ids = side
+        op._side_reserved = {self._trailing[pool][0].name: sid for pool, sid in side.items()}
         op.status = "loading"
         self._io.submit(self._run_io, op)
 
@@ -649,6 +750,10 @@ class StorageController:
         if op._reserved.size:
             self.cache.host_allocator.free(op._reserved)
             op._reserved = _EMPTY
+        for name, sid in op._side_reserved.items():
+            if sid.size:
+                self.cache.components.components[name].host_allocator.free(sid)
+        op._side_reserved = {}
 
     def _revoke(self, op: PrefetchOperation, reason: str, count: bool = True) -> None:
         with op._cond:
@@ -736,7 +841,20 @@ class StorageController:
         if op.status == "loading":
             got, rest = op._ids[:done], op._ids[done:]
             op._reserved = rest
-            if rest.size:
+            side_pages = None
+            if op._side_ids:  # the windows that arrived go with the pages (done > 0 only then)
+                side_pages = {}
+                keep_side = {}
+                for pool, sid in op._side_ids.items():
+                    name = self._trailing[pool][0].name
+                    cnt = op._side_used.get(pool, 0) if done else 0
+                    arr = np.full(done, -1, np.int64)
+                    if cnt:
+                        arr[done - cnt:] = sid[:cnt]
+                    side_pages[name] = arr
+                    keep_side[name] = sid[cnt:]
+                op._side_reserved = keep_side
+            if rest.size or any(x.size for x in op._side_reserved.values()):
                 if io_finished:
                     self._free(op)
                 else:
@@ -744,10 +862,13 @@ class StorageController:
             if done * self.page_size < self.threshold:
                 if done:
                     self.cache.host_allocator.free(got)
+                    for name, arr in (side_pages or {}).items():
+                        if (arr >= 0).any():
+                            self.cache.components.components[name].host_allocator.free(arr[arr >= 0])
                 self.cache.metrics.prefetch_revoked += 1
                 op.status, op.reason = "revoked", "arrived below the threshold"
             else:
-                attached, leaf = self.cache.insert_host(op.key, got, op.start)
+                attached, leaf = self.cache.insert_host(op.key, got, op.start, side_pages)
                 if leaf is not None:
                     k = attached // self.page_size
                     e = _Entry({pool: ks[done - k:done] for pool, ks in op._keys.items()})

@@ -82,7 +82,7 @@ class ShadowComponent(KVComponent):
         self._count("reset")
         self.live_receipts.clear()
 
-    def check(self, nodes: list) -> list[str]:
+    def check(self, nodes: list, view=None, external=None) -> list[str]:
         errs = list(self.errors)
         for node in nodes:
             if node.parent is None:  # the root

@@ -251,18 +251,24 @@ def _mutants(source: str, call: str):
 
 
 def test_disabling_any_check_fails_a_case(monkeypatch):
-    """Mutation test of this file: switch off each check of ``collect_violations`` (each
-    ``errs.append``) and of ``EvictionIndex.check`` (each ``errors.append``) in turn; some
-    case must then miss its message. So every check has a case that sees it, and a new check
-    without one fails here."""
+    """Mutation test of this file and ``test_swa_invariants.py``: switch off each check of
+    ``collect_violations`` (each ``errs.append``), of ``EvictionIndex.check`` (each
+    ``errors.append``) and of the SWA component's ``check`` (each ``errs.append``) in turn;
+    some case must then miss its message. So every check has a case that sees it, and a new
+    check without one fails here."""
     import inspect
     import textwrap
 
-    from hicache_jax.cache import eviction_index, invariants
+    from test_swa_invariants import SWA_CASES, swa_detected
 
-    def caught(collect) -> bool:
-        return any(not _detected(numpy_backend_factory, scene, corrupt, message, collect)[0]
-                   for scene, (_case, corrupt, message) in ALL_CASES)
+    from hicache_jax.cache import eviction_index, invariants
+    from hicache_jax.cache.components import swa as swa_module
+
+    def caught(collect, swa_only=False) -> bool:
+        if not swa_only and any(not _detected(numpy_backend_factory, scene, corrupt, message, collect)[0]
+                                for scene, (_case, corrupt, message) in ALL_CASES):
+            return True
+        return any(not swa_detected(corrupt, message, collect)[0] for _case, corrupt, message in SWA_CASES)
 
     src = inspect.getsource(invariants)
     uncaught = []
@@ -282,5 +288,14 @@ def test_disabling_any_check_fails_a_case(monkeypatch):
             m.setattr(eviction_index.EvictionIndex, "check", ns["check"])
             if not caught(collect_violations):
                 uncaught.append(f"EvictionIndex.check check #{i}")
-    assert n_checks == 43
+    method = textwrap.dedent(inspect.getsource(swa_module.SWAComponent.check))
+    for i, mutant in _mutants(method, "errs.append("):
+        n_checks += 1
+        ns = dict(vars(swa_module))
+        exec(compile(mutant, swa_module.__file__, "exec"), ns)
+        with monkeypatch.context() as m:
+            m.setattr(swa_module.SWAComponent, "check", ns["check"])
+            if not caught(collect_violations, swa_only=True):
+                uncaught.append(f"SWAComponent.check check #{i}")
+    assert n_checks == 43 + 23
     assert not uncaught, f"checks no case sees: {uncaught}"

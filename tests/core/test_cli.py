@@ -63,3 +63,16 @@ def test_copy_impls_match_the_dispatcher():
     from pallas_kernels.page_copy.dispatch import IMPLS
 
     assert tuple(COPY_IMPLS) == tuple(IMPLS)
+
+
+def test_quick_takes_the_tiny_shape_of_a_hybrid_preset():
+    import argparse
+
+    from hicache_jax.bench import options
+
+    for given, want in ((["--model", "hybrid"], "hybrid-tiny"), ([], "tiny"), (["--model", "hybrid-tiny"], "hybrid-tiny")):
+        p = argparse.ArgumentParser()
+        options.multiturn_arguments(p)
+        args = p.parse_args(["--quick", *given])
+        options.apply_quick(p, args, "multiturn")
+        assert args.model == want, given

@@ -71,3 +71,38 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "accept length restored" in captured.out and f"JSON written to {out}" in captured.out
     assert "[spec" in captured.err
+
+
+def test_multiturn_hybrid_quick_smoke(tmp_path, capsys):
+    """``bench multiturn --model hybrid --quick``: the tiny hybrid preset with and without the
+    cache and with its sliding layers as full ones; peak pages per pool in the JSON."""
+    from hicache_jax.engine import Engine, EngineCacheConfig
+    from hicache_jax.reference_model import HYBRID_TINY
+
+    out = tmp_path / "r.json"
+    argv = ["bench", "multiturn", "--model", "hybrid", "--quick", "--clients", "2", "--rounds", "2",
+            "--prefill-chunk", "16", "--storage-backend", "file", "--out", str(out)]
+    assert cli.main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["config"]["model"] == "hybrid-tiny"
+    assert payload["same_tokens"]
+    hybrid, as_full, base = payload["hicache"], payload["swa_as_full"], payload["no_cache"]
+    cfg = payload["config"]
+    need = Engine.swa_pages_needed(HYBRID_TINY, EngineCacheConfig(
+        page_size=cfg["page_size"], max_batch=cfg["max_batch"], prefill_chunk=16, max_context=10_000))
+    for run in (hybrid, base):
+        assert 0 < run["peak_device_pages"]["swa"] <= need
+        assert run["peak_device_pages"]["full"] > 0
+    assert as_full["peak_device_pages"]["swa"] == 0 and as_full["device_pool_pages"]["swa"] == 0
+    # Round 2 re-sends the first turn: the hybrid engine hits it, so does the SWA-as-full one.
+    assert hybrid["cache_hit_rate"] > 0 and as_full["cache_hit_rate"] > 0 and base["cache_hit_rate"] == 0
+    assert payload["hybrid_vs_swa_as_full"]["peak_kv_bytes"] < 1  # the window saves device memory
+    assert "peak SWA pages" in capsys.readouterr().out
+
+
+def test_model_preset_names_match_the_presets():
+    from hicache_jax.bench.options import MODEL_PRESET_NAMES
+    from hicache_jax.bench.serving import MODEL_PRESETS
+
+    assert set(MODEL_PRESET_NAMES) == set(MODEL_PRESETS)
+    assert MODEL_PRESETS["hybrid"].is_hybrid and MODEL_PRESETS["hybrid-tiny"].is_hybrid

@@ -4,7 +4,9 @@ Pure Python, owner thread only. Validated against the full component at construc
 transfer issues one copy per component, full first, and returns one handle over all of them
 (``MultiTransferHandle`` / ``MultiLoadHandle``; the full component's own handle when it is
 alone). ``stateful`` is the tuple of components whose structural hooks the tree calls (empty
-for the full component and sidecars).
+for the full component and sidecars). A component with its own page ids copies only what
+its ``CopyPlan`` names (``plans``, keyed by component name) and is left out of
+``bytes_per_page`` (its pages are not one per full page; it counts its own).
 """
 
 from __future__ import annotations
@@ -51,15 +53,26 @@ class _CombinedHandle:
 class MultiLoadHandle(_CombinedHandle, LoadHandle):
     """One H2D load across components; per-layer readiness of the full component by default."""
 
-    def __init__(self, handles: Mapping[str, LoadHandle]) -> None:
+    def __init__(self, handles: Mapping[str, LoadHandle], names: tuple | None = None) -> None:
         self.handles = dict(handles)
         self.num_layers = self.handles[FULL].num_layers
+        self.names = tuple(self.handles) if names is None else tuple(names)  # every component of the cache
 
     def layer_done(self, layer: int, component: str = FULL) -> bool:
-        return self.handles[component].layer_done(layer)
+        """Whether ``component``'s copy of ``layer`` landed (True when this load moves none of
+        its pages, e.g. a window already on the device)."""
+        h = self._handle(component)
+        return True if h is None else h.layer_done(layer)
 
     def wait_layer(self, layer: int, timeout: float | None = None, component: str = FULL) -> None:
-        self.handles[component].wait_layer(layer, timeout)
+        h = self._handle(component)
+        if h is not None:
+            h.wait_layer(layer, timeout)
+
+    def _handle(self, component: str) -> LoadHandle | None:
+        if component not in self.names:
+            raise ValueError(f"component: expected one of {list(self.names)}, got {component!r}")
+        return self.handles.get(component)
 
 
 class MultiTransferHandle(_CombinedHandle, TransferHandle):
@@ -109,6 +122,9 @@ class ComponentRegistry:
             if comp.engine.geom.page_size != engine.geom.page_size:
                 raise ValueError(f"components[{comp.name!r}]: page_size {comp.engine.geom.page_size} != full "
                                  f"page_size {engine.geom.page_size}")
+            if comp.own_page_ids and (comp.engine is engine or getattr(comp.engine, "host_pool", None) is host_pool):
+                raise ValueError(f"components[{comp.name!r}]: a component with its own page ids needs its own pools, "
+                                 f"not the full component's engine")
             comps[comp.name] = comp
         self.components = comps
         self.engines: dict[str, KVTransferEngine] = {n: c.engine for n, c in comps.items()}
@@ -117,7 +133,7 @@ class ComponentRegistry:
         self.host_allocator: PageAllocator = engine.host_pool.allocator
         self.page_size = engine.geom.page_size
         self.num_layers = engine.geom.num_layers
-        self.bytes_per_page = sum(e.geom.bytes_per_page for e in self.engines.values())
+        self.bytes_per_page = sum(c.engine.geom.bytes_per_page for c in comps.values() if not c.own_page_ids)
         self._full = comps[FULL]
         self._single = len(comps) == 1
 
@@ -125,14 +141,25 @@ class ComponentRegistry:
     def names(self) -> tuple[str, ...]:
         return tuple(self.components)
 
-    def backup(self, device_ids: np.ndarray, host_ids: np.ndarray) -> TransferHandle:
-        """D2H copy on every component; the ids are the cache's own (``KVTransferEngine.backup_owned``)."""
+    def backup(self, device_ids: np.ndarray, host_ids: np.ndarray, plans: dict | None = None) -> TransferHandle:
+        """D2H copy on every component; the ids are the cache's own (``KVTransferEngine.backup_owned``).
+        ``plans``: the copies of components with their own page ids, by name."""
         if self._single:
             return self._full.engine.backup_owned(device_ids, host_ids)
-        return MultiTransferHandle({n: c.backup(device_ids, host_ids) for n, c in self.components.items()})
+        handles = {}
+        for n, c in self.components.items():
+            h = c.backup(device_ids, host_ids, None if plans is None else plans.get(n))
+            if h is not None:
+                handles[n] = h
+        return MultiTransferHandle(handles)
 
-    def load(self, host_ids: np.ndarray, device_ids: np.ndarray) -> LoadHandle:
+    def load(self, host_ids: np.ndarray, device_ids: np.ndarray, plans: dict | None = None) -> LoadHandle:
         """H2D copy on every component; the ids are the cache's own (``KVTransferEngine.load_owned``)."""
         if self._single:
             return self._full.engine.load_owned(host_ids, device_ids)
-        return MultiLoadHandle({n: c.load(host_ids, device_ids) for n, c in self.components.items()})
+        handles = {}
+        for n, c in self.components.items():
+            h = c.load(host_ids, device_ids, None if plans is None else plans.get(n))
+            if h is not None:
+                handles[n] = h
+        return MultiLoadHandle(handles, self.names)
