@@ -90,6 +90,14 @@ class CacheDebugView:
         """The handles of the load-backs in flight, in queue order."""
         return [op.handle for op in self._ledger.loads]
 
+    def digest(self, pages: bool = False) -> str:
+        """Hex digest of the tree's structure and residency per node, the clock, the counters
+        and the copies in flight (``digest.state_digest``): equal across ranks whose trees
+        made the same decisions. ``pages=True`` also folds in the page ids."""
+        from .digest import state_digest
+
+        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages)
+
     @property
     def caller_locks(self) -> int:
         """Locks callers hold (``inc_lock_ref`` and the request helpers)."""
