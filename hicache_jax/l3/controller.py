@@ -564,6 +564,8 @@ class StorageController:
             while self._backups:
                 next(iter(self._backups)).done.wait(0.01)
                 self.cache.agree_step()
+            if self.markers and self.tp_rank == 0:
+                self._writer.submit(lambda: None).result()  # the markers queued before it are written
             return bool(self.storage.flush(timeout))
         if not self._wait_backups(timeout):
             return False

@@ -130,7 +130,8 @@ def run_trace(cache, be, ctl=None, *, divergence: set[str] = frozenset(), steps:
     cache.flush()
     digests.append(cache.debug_view().digest())
     cache.sanity_check(0)
-    return {"digests": digests, "served": served, "fired": fired}
+    return {"digests": digests, "served": served, "fired": fired,
+            "storage_tokens": cache.metrics.storage_hit_tokens, "host_tokens_loaded": cache.metrics.loaded_tokens}
 
 
 def _serve(cache, oracle: KVOracle, key: RadixKey) -> int:
