@@ -29,13 +29,33 @@ from collections import deque
 
 import numpy as np
 
-from hicache_jax.cache import RadixKey
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
 
-from cache_harness import KVOracle
+from cache_harness import KVOracle, numpy_backend_factory, small_geom
 
 SEED = 20260518
 SLOW_STEPS = 3
 DIVERGENCES = ("alloc_fail", "slow_d2h", "short_read", "missing_page")
+
+
+P = 2
+
+
+def rank_cache(agreement, *, storage_dir=None, device_pages=160, host_pages=96, policy="write_through",
+               deferred=True, retries=2, kind="mha"):
+    """One rank's cache (numpy engine, deferred copies) and, with ``storage_dir``, its L3
+    controller over a file store every rank shares."""
+    be = numpy_backend_factory(small_geom(P, kind), device_pages, host_pages, "page_first", deferred)
+    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy,
+                                       transfer_retries=retries), be.engine, be.device.allocator, agreement=agreement)
+    ctl = None
+    if storage_dir is not None:
+        from hicache_jax.l3 import StorageController
+        from hicache_jax.storage import StorageConfig
+
+        ctl = StorageController(cache, StorageConfig(backend="file", path=str(storage_dir),
+                                                     prefetch_threshold_tokens=P), model="rank-trace")
+    return cache, be, ctl
 
 
 def inject(cache, ctl, divergence: set[str]) -> dict:

@@ -17,30 +17,14 @@ import numpy as np
 import pytest
 from cache_harness import KVOracle, numpy_backend_factory, prefill_insert, small_geom
 from rank_threads import ThreadGroup, run_ranks
-from rank_trace import DIVERGENCES, run_trace
+from rank_trace import DIVERGENCES, P, rank_cache, run_trace
 
 from hicache_jax.cache import (Agreement, CacheFailedError, HiCacheConfig, HiRadixCache, NoExchangeAgreement,
                                RadixKey, RankDivergenceError, SingleProcessAgreement)
-from hicache_jax.l3 import StorageController
-from hicache_jax.storage import StorageConfig
-
-P = 2
 
 
 def seq(start, n):
     return RadixKey(np.arange(start, start + n, dtype=np.int64))
-
-
-def rank_cache(agreement, *, storage_dir=None, device_pages=160, host_pages=96, policy="write_through",
-               deferred=True, retries=2):
-    be = numpy_backend_factory(small_geom(P), device_pages, host_pages, "page_first", deferred)
-    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy,
-                                       transfer_retries=retries), be.engine, be.device.allocator, agreement=agreement)
-    ctl = None
-    if storage_dir is not None:
-        ctl = StorageController(cache, StorageConfig(backend="file", path=str(storage_dir),
-                                                     prefetch_threshold_tokens=P), model="rank-trace")
-    return cache, be, ctl
 
 
 # ---------------------------------------------------------------------------------------------- one process
