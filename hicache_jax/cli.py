@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--turn-len", type=int, default=96)
     mt.add_argument("--answer-len", type=int, default=16)
     mt.add_argument("--request-rate", type=float, default=8.0, help="requests per second (0: all at once)")
+    mt.add_argument("--num-processes", type=int, default=1,
+                    help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each "
+                         "holding its KV heads; hicache_jax.engine.multiprocess)")
+    mt.add_argument("--agreement", choices=["kv", "device"], default="kv",
+                    help="how the ranks agree once per step: the coordination service's key-value store "
+                         "or device collectives")
     mt.set_defaults(fn=serving.multiturn)
 
     tr = bench.add_parser("two-run", help="the same prompts twice (upstream PR #12214's protocol)")

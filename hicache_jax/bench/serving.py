@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import Engine, EngineCacheConfig
+from ..engine import Engine, EngineCacheConfig, multiprocess
 from ..host_pool import HostPoolConfig
 from ..reference_model import ModelConfig
 from ..storage.config import StorageConfig
@@ -94,7 +94,10 @@ def build_engine(args, max_context: int) -> Engine:
                               host=HostPoolConfig(ratio=args.host_ratio), write_policy=args.write_policy,
                               max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, max_context=max_context,
                               storage=storage_config(args), worker_nice=args.worker_nice)
-    engine = Engine(model_config(args), cache)
+    ranks = None
+    if multiprocess.in_rank():  # one of --num-processes ranks (engine.multiprocess)
+        ranks = multiprocess.rank_context(getattr(args, "agreement", "kv"))
+    engine = Engine(model_config(args), cache, ranks=ranks)
     engine.warmup()
     return engine
 
@@ -203,6 +206,9 @@ def _plot(path: str, title: str, by_tier: dict, per_round: list[float] | None) -
 
 
 def multiturn(args) -> dict:
+    if getattr(args, "num_processes", 1) > 1 and not multiprocess.in_rank():
+        return multiprocess.launch_bench(args, "multiturn")
+    multiprocess.rank_out(args)
     with _StorageDir(args):
         return _multiturn(args)
 
@@ -216,11 +222,14 @@ def _multiturn(args) -> dict:
     _run_multiturn(engine, warm, True, "warm-up")
     engine.flush()
     engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
-    base = _summarize(_run_multiturn(engine, args, False, "no cache"))
+    base_rounds = _run_multiturn(engine, args, False, "no cache")
+    base = _summarize(base_rounds)
     cached_rounds = _run_multiturn(engine, args, True, "hicache")
     cached = _summarize(cached_rounds)
     stats = engine.stats()
     engine.close()
+    tokens = [x.tokens for r in cached_rounds for x in r.results]
+    same_as_no_cache = tokens == [x.tokens for r in base_rounds for x in r.results]
     rows = []
     for name, s in (("no cache", base), ("hicache", cached)):
         rows.append([name, s["requests"], s["ttft_mean_s"] * 1e3, s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3,
@@ -237,10 +246,14 @@ def _multiturn(args) -> dict:
               "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"]}
     print(f"hicache / no-cache: TTFT mean x{ratios['ttft_mean']:.3f}, p50 x{ratios['ttft_p50']:.3f}, "
           f"input throughput x{ratios['input_throughput']:.2f}")
+    print(f"tokens with the cache equal the no-cache run's: {same_as_no_cache}")
     png = _plot(args.out.rsplit(".", 1)[0] + ".png", "multi-turn (hicache)", cached["ttft_by_tier"],
                 cached["hit_rate_per_round"])
-    return {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-            "hicache": cached, "ratios_vs_no_cache": ratios, "cache_stats": stats, "plot": png}
+    payload = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
+               "hicache": cached, "ratios_vs_no_cache": ratios, "cache_stats": stats,
+               "same_tokens_as_no_cache": same_as_no_cache, "plot": png}
+    multiprocess.report_rank(engine, payload, tokens)
+    return payload
 
 
 # ---------------------------------------------------------------------------------------------

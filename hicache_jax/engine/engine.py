@@ -28,6 +28,12 @@ so it reads each layer only after all of them landed), which is what a backend w
 land asynchronously needs. A load that failed is acknowledged there and then, so the cache
 retries it into the same pages before anything reads them (or latches ``CacheFailedError``).
 
+Several processes (``ranks``: a ``multiprocess.RankContext``): the engine is one tensor-parallel
+rank. Its device pool is sharded over the ranks' mesh on the KV-head axis, its host pool holds
+its own heads, the model's weights are replicated, and the cache agrees with the other ranks
+once per step; arrivals are admitted by the agreed clock and a waited load-back is always
+acknowledged through the agreement (``multiprocess``). Every rank gives the same tokens.
+
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
 abandoned - its own device pages freed, its state dropped -, the cache is ``reset()``, and
@@ -53,6 +59,7 @@ from ..cache import CacheFailedError, CacheRequest, HiRadixCache, LoadBackResult
 from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
 from .config import EngineCacheConfig
+from .multiprocess import AgreedClock
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +145,8 @@ def _check_arrivals(arrivals: object, n: int) -> list[float]:
 
 
 class Engine:
-    def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
+                 ranks=None) -> None:
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config: expected a ModelConfig, got {type(model_config).__name__}")
         cache_config = cache_config or EngineCacheConfig()
@@ -149,20 +157,27 @@ class Engine:
         self.model_config, self.cache_config = model_config, cache_config
         page = cache_config.page_size
         self.geom = model_config.kv_geometry(page)
-        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages)
-        host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)
-        self.host_pool = pinned_host_pool(self.geom, host_pages, cache_config.host.layout)
+        self.ranks = ranks
+        mesh = None if ranks is None else ranks.mesh
+        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages, mesh=mesh)
+        host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)  # equal on every rank
+        self.host_pool = pinned_host_pool(self.device_pool.local_geom, host_pages, cache_config.host.layout,
+                                          device=self.device_pool.local_device)
         self.transfer = JaxTransferEngine(
             self.device_pool, self.host_pool,
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
             worker_nice=cache_config.worker_nice)
         self.transfer.precompile()
-        self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator)
+        self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
+                                  agreement=None if ranks is None else ranks.agreement)
+        self._clock = None if ranks is None else AgreedClock(self.cache)
         self.storage = None
         if cache_config.storage is not None:
             # The model id seeds every L3 key: another model, seed or shape never hits.
             self.storage = StorageController(self.cache, model=f"hicache-jax-reference:{model_config!r}")
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page))
+        if ranks is not None:
+            self.runner.state = ranks.replicate(self.runner.state)
         self.page_size = page
         # Instrumentation: called with "start" / "end" around every batched decode step (on the
         # scheduler thread, outside the timed work of the step itself); None = off.
@@ -189,7 +204,7 @@ class Engine:
         if arrivals is not None:
             arrivals = _check_arrivals(arrivals, len(prompts))
         seqs = []
-        now = time.perf_counter()
+        now = time.perf_counter() if self._clock is None else self._clock.restart()
         device_pages = self.cache_config.device_pages
         for i, p in enumerate(prompts):
             if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple, np.ndarray)):
@@ -235,9 +250,9 @@ class Engine:
         n_done = len(done)
         if use_cache and self.storage is not None:
             removed_seen = self._start_prefetches(waiting, removed_seen)
-        if not running and waiting and waiting[0].arrival > time.perf_counter():
-            time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
-        while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
+        if not running and waiting and waiting[0].arrival > self._now():
+            time.sleep(max(0.0, waiting[0].arrival - time.perf_counter()))  # idle until the next arrival
+        while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= self._now():
             seq = waiting[0]
             if not self._admit(seq, use_cache, have_running=bool(running)):
                 break
@@ -261,6 +276,11 @@ class Engine:
                 running.remove(seq)  # after the finish: a failed one is abandoned with the others
         self.cache.check_events()
         return removed_seen, len(done) > n_done
+
+    def _now(self) -> float:
+        """The clock arrivals are admitted by: this process's, or with several ranks the
+        agreed one (``multiprocess.AgreedClock``), which only moves at agreement steps."""
+        return time.perf_counter() if self._clock is None else self._clock.now()
 
     def _recover(self, lost: list[_Seq], waiting: deque) -> None:
         """After ``CacheFailedError``: abandon ``lost`` (the requests holding pages or locks),
@@ -357,7 +377,7 @@ class Engine:
         tree only after something left a tier. Returns the eviction count it has seen."""
         m = self.cache.metrics
         removed = m.evicted_device_tokens + m.evicted_host_tokens
-        now = time.perf_counter()
+        now = self._now()
         for seq in waiting:
             if seq.arrival > now:
                 break
@@ -472,6 +492,8 @@ class Engine:
             except Exception:  # noqa: BLE001 - TransferError, or a backend's own error type
                 self.cache.loading_check(block=True)
                 return
+        if self.ranks is not None:  # every rank acknowledges: a failure on one is seen by all
+            self.cache.loading_check(block=True)
 
     def _decode_step(self, running: list[_Seq]) -> None:
         for seq in running:
