@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class CacheDebugView:
     def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
-                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple) -> None:
+                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -38,6 +38,7 @@ class CacheDebugView:
         self.components = stateful  # the stateful plug-in components (their ``check`` hooks)
         self._tree, self._res, self._ledger = tree, residency, ledger
         self._callers, self._requests = callers, requests
+        self._evictor = evictor
 
     @property
     def root(self) -> TreeNode:
@@ -72,6 +73,18 @@ class CacheDebugView:
             raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
         owned = self._res.dev_owned if tier == "device" else self._res.host_owned
         owned[page] = not owned[page]
+
+    @property
+    def reservations(self) -> tuple[int, int]:
+        """Several ranks: (host pages this rank's failed reservations still count, backup
+        reservations waiting for their agreement); both 0 outside a step."""
+        backups = self.cache._agreed_backups
+        return self._evictor.phantom_pages, 0 if backups is None else len(backups.pending)
+
+    def inject_phantom_pages(self, n: int) -> None:
+        """Fault injection for tests of ``sanity_check``: a reservation left counting ``n``
+        phantom host pages after its step."""
+        self._evictor.phantom_pages += n
 
     @property
     def device_owned(self) -> np.ndarray:

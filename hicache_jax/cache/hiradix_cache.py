@@ -316,7 +316,7 @@ class HiRadixCache:
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
-                              self._stateful)
+                              self._stateful, self._evictor)
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: object) -> MatchResult:
@@ -471,7 +471,7 @@ class HiRadixCache:
         block = _check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[0]
-            self._step(block)
+            self._step(writes=block)
             return before - self._ledger.in_flight[0]
         n = self._ledger.ack_writes(block)
         hook = self._ledger.storage_hook
@@ -485,7 +485,7 @@ class HiRadixCache:
         block = _check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[1]
-            self._step(block)
+            self._step(loads=block)
             return before - self._ledger.in_flight[1]
         return self._ledger.ack_loads(block)
 
@@ -493,7 +493,7 @@ class HiRadixCache:
         """Poll both queues without blocking (call once per scheduler step). With several
         ranks: one agreement step, every call, even with nothing in flight."""
         if self.agreed:
-            self._step(False)
+            self._step()
             return
         ledger = self._ledger
         if ledger.writes:
@@ -509,16 +509,23 @@ class HiRadixCache:
         process: ``check_events`` (``block``: ``flush``)."""
         block = _check_flag("block", block)
         if self.agreed:
-            self._step(block)
+            self._step(block, block)
         elif block:
             self.flush()
         else:
             self.check_events()
 
-    def _step(self, block: bool) -> None:
-        self._steps.step(block)
-        if self._ledger.failure is not None:  # latched on every rank at this step
-            raise self._ledger.failure
+    def _step(self, writes: bool = False, loads: bool = False) -> None:
+        """One agreement step; ``writes`` / ``loads``: wait for this rank's copies of that
+        queue first (a blocking acknowledgement)."""
+        ledger = self._ledger
+        ledger.block_writes, ledger.block_loads = writes, loads
+        try:
+            self._steps.step()
+        finally:
+            ledger.block_writes = ledger.block_loads = False
+        if ledger.failure is not None:  # latched on every rank at this step
+            raise ledger.failure
 
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged (with several ranks: and every
@@ -526,7 +533,7 @@ class HiRadixCache:
         if self.agreed:
             ledger, backups = self._ledger, self._agreed_backups
             while ledger.writes or ledger.loads or not backups.idle:  # agreed state: same on every rank
-                self._step(True)
+                self._step(True, True)
             return
         self.writing_check(block=True)
         self.loading_check(block=True)
@@ -621,7 +628,9 @@ class HiRadixCache:
         res = self._res
         cached = m.device_hit_tokens + m.loaded_tokens
         writes, loads = self._ledger.in_flight
-        return {
+        extra = {"agreement": {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}} \
+            if self.agreed else {}
+        return {**extra,
             "write_policy": self.write_policy.value,
             "eviction_policy": self.config.eviction_policy.value,
             "page_size": self.page_size,

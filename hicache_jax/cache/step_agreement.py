@@ -67,7 +67,6 @@ class StepAgreement:
         self.steps = 0  # step() calls
         self.exchanges = 0  # agree_min calls (steps and exchange())
         self.seconds = 0.0  # in agree_min
-        self.block = False  # set during a blocking step: participants wait for their local work
         self._in_step = False
 
     def add(self, participant) -> None:
@@ -109,12 +108,11 @@ class StepAgreement:
             raise RankDivergenceError(f"the trees' digests differ across ranks at exchange {self.exchanges}")
         return out[_HEADER:_HEADER + len(body)]
 
-    def step(self, block: bool = False) -> None:
+    def step(self) -> None:
         """One agreement over every participant (see the module docstring)."""
         if self._in_step:
             raise RuntimeError("step: already inside a step (a participant called back into the cache)")
         self._in_step = True
-        self.block = block
         try:
             parts = list(self.participants)
             for p in parts:
@@ -133,7 +131,6 @@ class StepAgreement:
                 off += n
         finally:
             self._in_step = False
-            self.block = False
 
     def exchange(self, values: list[int]) -> np.ndarray:
         """Agree on a few values outside a step (MIN each; see the module docstring)."""

@@ -68,6 +68,7 @@ class TransferLedger:
         self.on_failure = on_failure  # the facade refuses its public calls from then on
         self.storage_hook = None  # a StorageController, when attached
         self.steps = None  # the cache's StepAgreement, with several ranks (``report`` / ``apply``)
+        self.block_writes = self.block_loads = False  # a blocking step waits for this rank's copies
         self._local_failure: tuple[PendingOp, BaseException] | None = None  # this rank's, not yet agreed
 
     # ------------------------------------------------------------------ acknowledgement
@@ -141,9 +142,8 @@ class TransferLedger:
     def report(self, out: list[int]) -> None:
         """Per queue, the head ops finished and successful on this rank; then -1 if a copy
         failed for good here (a MAX: any rank's failure latches every rank)."""
-        block = self.steps.block
-        out.append(self._succeeded_head(self.writes, block))
-        out.append(self._succeeded_head(self.loads, block))
+        out.append(self._succeeded_head(self.writes, self.block_writes))
+        out.append(self._succeeded_head(self.loads, self.block_loads))
         out.append(-1 if self._local_failure is not None else 0)
 
     def _succeeded_head(self, queue: deque, block: bool) -> int:
