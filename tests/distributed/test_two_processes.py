@@ -66,3 +66,8 @@ def test_the_launcher_kills_every_rank_at_its_deadline(tmp_path):
     with pytest.raises(RanksFailed, match="outlived 2 s"):
         launch_local([sys.executable, "-c", "import time; time.sleep(600)"], 2, timeout_s=2)
     assert time.monotonic() - t0 < 30
+
+
+def test_both_agreements_give_the_min_clean_up_and_run_on_worker_threads():
+    results = launch_local([sys.executable, str(HERE / "agreement_rank.py")], 2, timeout_s=240, cwd=str(ROOT))
+    assert [r.output.strip().splitlines()[-1] for r in results] == ["ok 0", "ok 1"]
