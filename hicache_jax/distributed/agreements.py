@@ -6,12 +6,13 @@ Both reduce a fixed-shape int64 vector with MIN over the processes that called
 module imports with numpy alone.
 
 ``KVStoreAgreement`` (the coordination service, a CPU-side gRPC channel)
-    Call ``c``: set ``{name}/{c}/{rank}`` to the vector's bytes, wait at barrier
-    ``{name}/b/{c}`` (bounded by ``timeout_s``: a rank that never arrives raises
-    ``AgreementError`` on the others instead of hanging them), read the directory
-    ``{name}/{c}/`` and take the MIN. Passing barrier ``c`` means every rank finished call
-    ``c - 1``, so each rank then deletes its own key of that call: the store holds at most two
-    calls' keys per rank. Barriers with different ids are independent, so instances with
+    Call ``c``: set ``{name}/{block}/{c}/{rank}`` (``block = c // 64``) to the vector's bytes,
+    wait at barrier ``{name}/b/{c}`` (bounded by ``timeout_s``: a rank that never arrives
+    raises ``AgreementError`` on the others instead of hanging them), read the directory
+    ``{name}/{block}/{c}/`` and take the MIN: three round trips. Passing barrier ``c`` means
+    every rank finished call ``c - 1``, so at the first call of a block rank 0 deletes the
+    previous block's directory (one more round trip per 64 calls): the store holds at most
+    two blocks of keys. Barriers with different ids are independent, so instances with
     different ``name``s may run on different threads at once (the coordination service
     allows that from any thread); one instance belongs to one thread, and every rank's
     instance of a name must be called the same number of times.
@@ -33,6 +34,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..cache.agreement import Agreement, AgreementError
+
+_BLOCK = 64  # KVStoreAgreement: calls per key directory (deleted as a whole)
 
 
 def _global_state():
@@ -74,27 +77,29 @@ class KVStoreAgreement(Agreement):
         c = self.calls
         self.calls += 1
         cl, name = self.client, self.name
-        cl.key_value_set_bytes(f"{name}/{c}/{self.rank}", vec.tobytes())
+        block = c // _BLOCK
+        cl.key_value_set_bytes(f"{name}/{block}/{c}/{self.rank}", vec.tobytes())
         try:
             cl.wait_at_barrier(f"{name}/b/{c}", int(self.timeout_s * 1000))
         except Exception as e:  # the runtime raises its own error types (XlaRuntimeError)
             raise AgreementError(f"rank {self.rank}: agreement {name!r} call {c}: the barrier did not complete "
                                  f"within {self.timeout_s:g} s ({e})") from e
-        entries = cl.key_value_dir_get_bytes(f"{name}/{c}/")
+        entries = cl.key_value_dir_get_bytes(f"{name}/{block}/{c}/")
         if len(entries) != self.num_processes:
             raise AgreementError(f"agreement {name!r} call {c}: {len(entries)} ranks' values, expected "
                                  f"{self.num_processes}")
         rows = [np.frombuffer(b, dtype="<i8") for _, b in entries]
         if any(r.shape != vec.shape for r in rows):
             raise AgreementError(f"agreement {name!r} call {c}: ranks sent shapes {sorted({r.shape for r in rows})}")
-        if c:
-            cl.key_value_delete(f"{name}/{c - 1}/{self.rank}")  # every rank is past call c - 1
+        if block and c % _BLOCK == 0 and self.rank == 0:
+            cl.key_value_delete(f"{name}/{block - 1}")  # every rank is past call c - 1: the whole block
         return np.minimum.reduce(rows).astype(np.int64)
 
     def close(self) -> None:
-        if self.calls:
+        """Delete this instance's keys (rank 0; call after the last agreement of every rank)."""
+        if self.calls and self.rank == 0:
             try:
-                self.client.key_value_delete(f"{self.name}/{self.calls - 1}/{self.rank}")
+                self.client.key_value_delete(self.name)
             except Exception:  # noqa: BLE001 - the service may be gone at shutdown
                 pass
 
