@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class CacheDebugView:
     def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
-                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None) -> None:
+                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None,
+                 agreed_backups=None) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -39,6 +40,7 @@ class CacheDebugView:
         self._tree, self._res, self._ledger = tree, residency, ledger
         self._callers, self._requests = callers, requests
         self._evictor = evictor
+        self._agreed_backups = agreed_backups  # several ranks' backup reservations, or None
 
     @property
     def root(self) -> TreeNode:
@@ -78,7 +80,7 @@ class CacheDebugView:
     def reservations(self) -> tuple[int, int]:
         """Several ranks: (host pages this rank's failed reservations still count, backup
         reservations waiting for their agreement); both 0 outside a step."""
-        backups = self.cache._agreed_backups
+        backups = self._agreed_backups
         return self._evictor.phantom_pages, 0 if backups is None else len(backups.pending)
 
     def inject_phantom_pages(self, n: int) -> None:

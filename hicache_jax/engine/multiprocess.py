@@ -52,7 +52,6 @@ class RankContext:
     num_processes: int
     mesh: object  # jax.sharding.Mesh over every process's device, axis "tp"
     agreement: Agreement
-    kv_axis: str = "tp"
 
     def replicate(self, tree):
         """Put ``tree`` (a model's weights) on every rank's device, replicated."""
