@@ -1,6 +1,6 @@
 """Differential replay: our HiRadixCache vs upstream sglang 0.5.18's, random branchy traces.
 
-Issue 21 point 17's benchmark. The REFERENCE 4.3 trace (``make_trace``) never evicts much and
+Issue 21 point 17's benchmark. The multiturn-64x10 trace (``bench_tree_multiturn.make_trace``) never evicts much and
 never branches, so the two trees' aggregate hit rates match on it exactly; this replays random
 traces that stress eviction through both trees in one process and reports the hit rates per
 tier side by side, for every configuration:
@@ -69,7 +69,7 @@ import numpy as np  # noqa: E402
 from benchmarks import upstream_tree_replay as upstream  # noqa: E402  (sets SGLANG_USE_CPU_ENGINE)
 from hicache_jax import KVGeometry  # noqa: E402
 from hicache_jax.backends.numpy_backend import make_numpy_backend  # noqa: E402
-from hicache_jax.bench.report import machine_info, print_table, write_json  # noqa: E402
+from hicache_jax.bench.report import machine_info, print_table, results_path, write_json  # noqa: E402
 from hicache_jax.cache import CacheRequest, HiCacheConfig, HiRadixCache, RadixKey  # noqa: E402
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", default=None,
                     help="trace seeds, comma-separated, each a fresh trace (default 0,1; quick 0)")
     ap.add_argument("--device-tokens", type=int, default=6000)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "tree_differential.json"))
+    ap.add_argument("--out", default=results_path("tree_differential"), help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
     n_req = args.requests or (300 if args.quick else 2000)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",") if s]
@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     results, rows = [], []
     total = len(configs) * len(seeds)
+    print(f"[tree_differential] {total} replays of {n_req} requests, ours and upstream; a line after each",
+          flush=True)
     k = 0
     for page, ratio, policy, eviction in configs:
         agg = {"ours": [0, 0, 0], "upstream": [0, 0, 0]}  # L1 tokens, L2 tokens, prompt tokens

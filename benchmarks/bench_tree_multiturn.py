@@ -1,6 +1,7 @@
-"""Multi-turn replay through HiRadixCache (REFERENCE.md section 4.3 trace).
+"""Multi-turn replay through HiRadixCache on the multiturn-64x10 trace.
 
-64 clients x 10 rounds from random.Random(0): 4 system prompts of 1,024 tokens, each turn
+The multiturn-64x10 trace (``make_trace``; the trace the tree benchmarks and the comparison
+with upstream sglang replay): 64 clients x 10 rounds from random.Random(0): 4 system prompts of 1,024 tokens, each turn
 appends 256 user tokens, the answer is 128 tokens. Page size 1, 60k device tokens, host
 ratio 4. Per request, in upstream's order: match -> load-back (if any) -> lock -> alloc
 (``alloc_device``, which evicts when short) -> prefill writes KV -> insert prompt, re-match, move lock
@@ -53,7 +54,7 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 
 def make_trace(clients: int = 64, rounds: int = 10, system_len: int = 1024, user_len: int = 256,
                answer_len: int = 128, seed: int = 0) -> list[dict]:
-    """The REFERENCE 4.3 trace; draw order matters for reproducing its hit rates."""
+    """The multiturn-64x10 trace (module docstring); draw order matters for reproducing its hit rates."""
     rng = random.Random(seed)
     systems = [[rng.randint(1, 32000) for _ in range(system_len)] for _ in range(4)]
     history = [list(systems[c % 4]) for c in range(clients)]
@@ -292,8 +293,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--verify", action="store_true", help="check KV bytes of every hit")
     ap.add_argument("--check-every", type=int, default=0, help="sanity_check every N requests")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "tree_multiturn.json"))
+    ap.add_argument("--out", default=os.path.join("hicache-results", "tree_multiturn.json"),
+                    help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     policies = [p for p in args.policies.split(",") if p]
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {os.path.abspath(args.out)}")
     return results
 
 

@@ -3,15 +3,15 @@
 The tree-throughput goal is a multiple of upstream's req/s "on these machines", but the
 project VM's speed swings by up to ~1.7x between minutes (upstream's own tree measured
 600-1,100 req/s on it within one hour). So this benchmark measures both trees in one process,
-alternately: each round replays the REFERENCE 4.3 trace (``make_trace``) once through our tree
+alternately: each round replays the multiturn-64x10 trace (``bench_tree_multiturn.make_trace``) once through our tree
 (``bench_tree_multiturn.run``, manager mode) and once through upstream's ``HiRadixCache``
 (``upstream_tree_replay.run``, sglang 0.5.18), the order alternating per round, and reports
 the median over rounds of the per-round ratio ours / upstream (paired, so a drift in the
 machine's speed cancels) beside both trees' medians.
 
 Same work on both sides: page size 1, 60,000 device tokens, host ratio 4, the same per-request
-op order (see both replays' docstrings), hit rates checked equal. Upstream's KV is REFERENCE
-4.3's (MHA, 2 layers x 1 head x 8 dims, bf16, K and V: 64 B/token). Our tree runs twice per
+op order (see both replays' docstrings), hit rates checked equal. Upstream's KV is the
+multiturn-64x10 trace's (MHA, 2 layers x 1 head x 8 dims, bf16, K and V: 64 B/token). Our tree runs twice per
 round (``--ours-kv``): ``manager`` is ``bench_tree_multiturn``'s manager mode as issue 3 defines
 it (a tiny 1-layer KV, one 8-wide bf16 latent: 16 B/token), the goal's comparison; ``upstream``
 gives our tree upstream's KV geometry, so both move the same bytes (stricter: the numpy copies
@@ -47,7 +47,7 @@ from benchmarks import upstream_tree_replay as upstream  # noqa: E402  (sets SGL
 from benchmarks.bench_tree_multiturn import make_trace  # noqa: E402
 from benchmarks.bench_tree_multiturn import run as run_ours  # noqa: E402
 from hicache_jax import KVGeometry  # noqa: E402
-from hicache_jax.bench.report import machine_info, print_table, write_json  # noqa: E402
+from hicache_jax.bench.report import machine_info, print_table, results_path, write_json  # noqa: E402
 
 GOAL_RATIO = 5.0  # issue 3: >= 5x upstream's req/s (write_through, manager-bound)
 
@@ -78,13 +78,16 @@ def _same_hits(a: dict, b: dict) -> bool:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default="write_through")
+    ap.add_argument("--quick", action="store_true", help="2 paired rounds, no warm-up (a smoke run)")
     ap.add_argument("--rounds", type=int, default=9, help="paired rounds per policy")
     ap.add_argument("--ours-kv", default=",".join(KV_VARIANTS),
                     help="our tree's KV geometry: manager (issue 3's manager mode), upstream (upstream's)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed replays per tree first")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "tree_vs_upstream.json"))
+    ap.add_argument("--out", default=results_path("tree_vs_upstream"), help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = min(args.rounds, 2), 0
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         if p not in upstream.POLICIES:

@@ -1,4 +1,4 @@
-"""Same-run baseline: upstream SGLang's ``HiRadixCache`` replaying the REFERENCE 4.3 trace on CPU.
+"""Same-run baseline: upstream SGLang's ``HiRadixCache`` replaying the multiturn-64x10 trace on CPU.
 
 A *baseline only*. This VM's speed swings ~1.7x between runs, so absolute req/s are not
 comparable across runs; run this beside ``bench_tree_multiturn.py`` and report our tree's req/s
@@ -9,7 +9,7 @@ the installed wheel (sglang 0.5.18, ``sglang/srt/mem_cache/hiradix_cache.py``).
 What it measures
     The trace is ``make_trace()`` from ``bench_tree_multiturn.py`` (64 clients x 10 rounds,
     ``random.Random(0)``; 640 requests, 1,925,120 prompt tokens). Upstream's tree is built with
-    the REFERENCE configuration: MHA KV of 2 layers x 1 head x 8 dims (bf16, K and V), 60,000
+    the multiturn-64x10 trace's configuration: MHA KV of 2 layers x 1 head x 8 dims (bf16, K and V), 60,000
     device tokens, page size 1, host ratio 4 (upstream sizes the host pool to 240,001 tokens),
     io backend ``direct`` with the ``layer_first`` host layout, no L3. Per request, in the same
     order as ``run()`` in ``bench_tree_multiturn.py`` (and the scheduler):
@@ -461,6 +461,7 @@ def run(up, trace, policy: str, check: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--quick", action="store_true", help="one timed replay, no warm-up (a smoke run)")
     ap.add_argument("--repeats", type=int, default=3, help="timed replays per policy (fresh cache each)")
     ap.add_argument("--check", action="store_true",
                     help="untimed: KV round-trip and tree-invariant checks after every request")
@@ -468,8 +469,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="untimed replays (of the first policy) before the timed ones; the first replay "
                          "in a process runs ~30%% slower")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "upstream_tree_replay.json"))
+    ap.add_argument("--out", default=os.path.join("hicache-results", "upstream_tree_replay.json"),
+                    help="JSON result (under the current directory)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 1, 0
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         if p not in POLICIES:
@@ -481,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
     import_s = time.perf_counter() - t0
     up.torch.set_num_threads(args.threads)
     init_process_group(up.torch)
-    from benchmarks.bench_tree_multiturn import make_trace  # the REFERENCE 4.3 trace, not duplicated
+    from benchmarks.bench_tree_multiturn import make_trace  # the multiturn-64x10 trace, not duplicated
 
     trace = make_trace()
     # Repeats round-robin over the policies, so a drift in the machine's speed hits all alike.

@@ -1,6 +1,6 @@
 """Host (L2) pool memory layouts.
 
-Pure numpy. Shapes follow upstream HiCache (REFERENCE.md section 2.4); ``size`` is in tokens,
+Pure numpy. Shapes follow upstream HiCache (sglang's --hicache-mem-layout); ``size`` is in tokens,
 ``page_num`` in pages, ``d`` = kv_lora_rank + rope dim for MLA.
 
 =====================  ===============================  ==============================

@@ -13,6 +13,10 @@ an engine only moves bytes.
 
 Handles: ``done()`` polls without blocking; ``wait()`` blocks and re-raises a failure as
 ``TransferError``. Handles are completed in any order; the manager polls them.
+``completed_at`` is the ``time.perf_counter()`` at which the copy finished, stamped by
+whoever saw it finish first (a worker's completion callback, the engine, or the first
+``wait``/poll that found it done), or None while unknown: the cache's duration histograms
+measure issue -> completion with it, not issue -> the caller's next poll.
 
 Threading: ``backup``/``load`` are called from the owner thread (the one that owns the
 device pool: with JAX, the thread that donates the pool to the model step). Handles may be
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
@@ -40,6 +45,12 @@ class TransferError(RuntimeError):
 
 class TransferHandle(ABC):
     """A transfer in flight."""
+
+    @property
+    def completed_at(self) -> float | None:
+        """``time.perf_counter()`` when the copy finished, or None (not finished, or the engine
+        does not stamp it: the cache then takes the time it acknowledged the copy)."""
+        return None
 
     @abstractmethod
     def done(self) -> bool:
@@ -72,10 +83,17 @@ class LoadHandle(TransferHandle):
 
 
 class CompletedHandle(LoadHandle):
-    """A transfer that finished synchronously (e.g. zero pages)."""
+    """A transfer that finished synchronously (e.g. zero pages). ``completed_at`` is its
+    creation time (an engine may share one instance: the cache ignores a stamp older than
+    the copy's issue)."""
 
     def __init__(self, num_layers: int = 1) -> None:
         self.num_layers = num_layers
+        self._t_done = time.perf_counter()
+
+    @property
+    def completed_at(self) -> float | None:
+        return self._t_done
 
     def layer_done(self, layer: int) -> bool:
         return True
@@ -95,6 +113,15 @@ class FutureHandle(TransferHandle):
 
     def __init__(self, future: cf.Future) -> None:
         self._future = future
+        self._t_done: float | None = None
+        future.add_done_callback(self._stamp)  # runs on the worker as the job ends
+
+    def _stamp(self, _future: cf.Future) -> None:
+        self._t_done = time.perf_counter()
+
+    @property
+    def completed_at(self) -> float | None:
+        return self._t_done
 
     def done(self) -> bool:
         return self._future.done()

@@ -5,7 +5,7 @@ turns a failure into a ``MissingDependencyError`` that names the package, why it
 how to get it, instead of a bare ``ModuleNotFoundError`` from deep inside a backend.
 
 torch_npu: never ``torch_npu.contrib.transfer_to_npu`` (it patches ``torch.cuda`` globally).
-Without CANN, importing torch_npu fails on missing Ascend libraries (REFERENCE.md 7.2); that
+Without CANN, importing torch_npu fails on missing Ascend libraries (torch_npu's own packaging: it links against CANN at import); that
 error is reported with its cause.
 """
 

@@ -1,6 +1,6 @@
 """The Ascend KV transfer op (sgl-kernel-npu ``transfer_kv_dim_exchange``): binding and CPU reference.
 
-Facts (REFERENCE.md 7.1; pinned wrapper's keyword names):
+Facts (upstream sglang's NPU host pools and the pinned wrapper's keyword names):
 ``transfer_kv_dim_exchange(device_indices, host_indices, device_k, host_k, device_v, host_v,
 device_index_k=None, host_index_k=None, page_size=128, direction=H2D|D2H, flags=FAST2D)``.
 Device tensors are ``(L, P_dev, page, H, w)``, host tensors ``(P_host, L, page, H, w)``; the
@@ -15,7 +15,7 @@ a signature we cannot satisfy by keyword is reported (``OpSignatureError``) and 
 falls back to a torch copy (or raises when the op was explicitly requested).
 
 ``transfer_kv_dim_exchange_reference`` is a torch implementation with the op's semantics and
-keyword names, for CPU tests (REFERENCE.md 7.5 tier 1). It is stricter than the kernel: the
+keyword names, for CPU tests (the CPU tier of the test tiers, README "Tests and tiers"). It is stricter than the kernel: the
 kernel does not bounds-check page ids, validate contiguity, or check that the tokens after
 the first of each page belong to it; the reference raises on all of these (``strict=False``
 reproduces the kernel's first-token-only reading of the indices).

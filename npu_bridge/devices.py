@@ -1,7 +1,7 @@
 """Device handling through torch's device-module abstraction (``torch.get_device_module``).
 
 One code path serves ``npu``, ``cuda`` and ``cpu``. On ``cpu`` the module is ``torch.cpu``,
-whose streams and argument-less events exist but do nothing (REFERENCE.md 7.3), so anything
+whose streams and argument-less events exist but do nothing (torch 2.13's CPU device module), so anything
 that must really be ordered on CPU is ordered by threads instead (see ``transfer``).
 Gated on ``device.type != "cpu"``: pinned memory, ``record_stream``, timing events.
 

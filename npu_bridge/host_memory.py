@@ -8,7 +8,7 @@ tensor made with ``torch.from_numpy`` over the same bytes may not report itself 
 
 Pinning: requested with ``pin_memory=True`` iff ``device.type != "cpu"`` (a CPU-only torch
 raises on it). On NPU, torch_npu serves it with ``aclrtMallocHost`` through a caching host
-allocator that may **round the size up to a power of two** (REFERENCE.md 7.1, unverified on
+allocator that may **round the size up to a power of two** (as upstream sglang's NPU host pools assume; unverified on
 hardware): a 100 GB pool can reserve 128 GB. ``pool.pinned_bytes_upper_bound`` states that
 bound and a warning is logged when rounding could waste more than a quarter;
 ``PYTORCH_NPU_ALLOC_CONF=pinned_max_round_threshold_mb:<n>`` caps the rounding. Size the pool

@@ -1,6 +1,6 @@
 """The Ascend MLA host layout ``page_first_kv_split`` as a host pool (numpy only, no torch).
 
-Upstream's NPU MLA host pool keeps the latent's two parts in separate arrays (REFERENCE.md
+Upstream's NPU MLA host pool keeps the latent's two parts in separate arrays (upstream sglang's
 2.4 / 7.1): ``k`` ``(page_num, L, page, 1, kv_lora_rank)`` and ``v`` ``(page_num, L, page, 1,
 rope)``, so the Ascend op can move both with one call, one 2-D copy per page per tensor.
 (Upstream also has index_k / scale arrays for NSA indexers; this geometry has none.)

@@ -20,7 +20,7 @@ thread waits for the event and scatters into the host pool, so ``backup`` never 
 torch-impl loads gather host pages into pinned staging on the owner thread, then one
 non-blocking H2D and one ``index_copy_`` per layer.
 
-Ordering, CPU: streams and events of ``torch.cpu`` are no-ops (REFERENCE.md 7.3), so each
+Ordering, CPU: streams and events of ``torch.cpu`` are no-ops (torch 2.13's CPU device module), so each
 direction runs on its own worker thread (``SerialWorker``) that plays the stream; per-layer
 readiness is a ``threading.Event`` per layer.
 

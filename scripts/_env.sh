@@ -35,7 +35,7 @@ _ensure_venv() {  # $1 = dir, $2 = python version, rest = pip install arguments
   if [ -z "$py" ]; then
     echo "error: Python $ver not found (tried python$ver, pyenv versions $ver.*)" >&2; return 1
   fi
-  echo ">> creating $1 with $py ($("$py" --version)) ..." >&2
+  echo ">> creating ${dir#$ROOT/} with $py ($("$py" --version)) ..." >&2
   rm -rf "$dir"
   "$py" -m venv "$dir"
   "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null
@@ -63,5 +63,5 @@ ensure_mooncake_libs() {
   return 0
 }
 
-ensure_jax_env() { ensure_mooncake_libs; _ensure_venv .venv 3.12 -e ".[jax,dev,bench,mooncake]"; }
+ensure_jax_env() { ensure_mooncake_libs; _ensure_venv .venv 3.12 -e ".[jax,engine,storage,metrics,bench,dev,mooncake]"; }
 ensure_torch_env() { _ensure_venv .venv-torch 3.11 "torch==2.13.0" -e ".[dev]"; }

@@ -18,6 +18,8 @@ Threading: single-threaded; everything runs on the caller's thread.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..allocator import PageAllocator, check_page_ids
@@ -60,11 +62,17 @@ class _DeferredHandle(LoadHandle):
         self._engine, self._run, self.num_layers = engine, run, num_layers
         self.completed = False
         self.error: BaseException | None = None
+        self._t_done: float | None = None
+
+    @property
+    def completed_at(self) -> float | None:
+        return self._t_done
 
     def complete(self) -> None:
         if not self.completed:
             self.completed = True
             self._run()
+            self._t_done = time.perf_counter()
 
     def layer_done(self, layer: int) -> bool:
         return self.completed

@@ -1,4 +1,7 @@
-"""Shared benchmark plumbing: timing, the printed table and the JSON file."""
+"""Shared benchmark plumbing: timing, progress, the printed table, where results go, the JSON file.
+
+Pure Python (JAX is imported only by ``machine_info``, when it is already loaded).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,76 @@ import json
 import os
 import platform
 import statistics
+import sys
+import threading
 import time
 from typing import Callable, Sequence
+
+# Where every benchmark writes by default: this folder of the current directory.
+RESULTS_DIR = "hicache-results"
+
+
+def results_path(name: str) -> str:
+    """The default ``--out`` of a benchmark: ``./hicache-results/<name>.json``."""
+    return os.path.join(RESULTS_DIR, f"{name}.json")
+
+
+class Progress:
+    """Progress lines on stderr, at least every ``interval`` seconds while a benchmark runs.
+
+    ``phase(text, total)`` starts a phase (printed at once); ``advance(n)`` counts its steps; a
+    heartbeat thread repeats the current phase with its count and elapsed time whenever
+    nothing was printed for ``interval`` seconds (so a long compile or a slow round is never
+    silent). ``note(text)`` prints a line. Use as a context manager (stops the heartbeat).
+    """
+
+    def __init__(self, name: str, interval: float = 4.0, stream=None) -> None:
+        self.name, self.interval = name, interval
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.perf_counter()
+        self._text, self._done, self._total = "starting", 0, None
+        self._last = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hicache-bench-progress", daemon=True)
+        self._thread.start()
+
+    def _line(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(f"[{self.name} {time.perf_counter() - self.t0:6.1f}s] {text}\n")
+            self.stream.flush()
+            self._last = time.perf_counter()
+
+    def _status(self) -> str:
+        if self._total:
+            return f"{self._text}: {self._done}/{self._total}"
+        return self._text
+
+    def phase(self, text: str, total: int | None = None) -> None:
+        self._text, self._done, self._total = text, 0, total
+        self._line(self._status())
+
+    def advance(self, n: int = 1, detail: str = "") -> None:
+        self._done += n
+        self._line(self._status() + (f" ({detail})" if detail else ""))
+
+    def note(self, text: str) -> None:
+        self._line(text)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.5):
+            if time.perf_counter() - self._last >= self.interval:
+                self._line(f"... {self._status()}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def median_seconds(run: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -58,6 +129,12 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
 def machine_info() -> dict:
     info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "node": platform.node()}
+    try:
+        info["load_average_1_5_15"] = list(os.getloadavg())
+    except OSError:  # pragma: no cover
+        pass
+    if "jax" not in sys.modules:
+        return info
     try:
         import jax
         info.update(jax=jax.__version__, backend=jax.default_backend(),

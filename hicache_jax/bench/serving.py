@@ -1,29 +1,44 @@
-"""Serving benchmarks on the reference engine: multi-turn, two-run, TTFT-by-tier.
+"""Serving benchmarks on the reference engine: multi-turn, two-run, TTFT-by-tier, restart.
 
-Each benchmark prints a readable table, writes JSON and draws a PNG. Baselines are measured
-in the same run (a no-cache pass, or a cold prefill), and results are reported as ratios.
+Each benchmark prints progress (``report.Progress``: at least every few seconds), a table,
+and returns the JSON payload (the CLI writes it to ``--out``) with a PNG beside it
+(``plots``). Baselines are measured in the same run, and results are reported as ratios.
 
-* ``multiturn``: clients x rounds; each round appends the previous answer and a new question
-  to every client's history; Poisson arrivals at ``--request-rate``. Run once with the cache
-  and once without (the baseline); TTFT percentiles, throughput and hit rate per round.
+* ``multiturn`` (the main job): clients x rounds; each round appends the previous answer and
+  a new question to every client's history. Closed loop by default: a round's turns are sent
+  when every answer of the previous round is back, and the engine serves at most
+  ``--max-batch`` at once (upstream bench_multiturn's max-parallel bound), so the load is
+  what the machine sustains; ``--request-rate`` > 0 spreads each round's arrivals (Poisson).
+  Two engines, one with the cache (L1 smaller than the working set, L2 smaller still, L3
+  taking every backup) and one without, run alternate rounds of the same trace, so machine
+  noise hits both alike. TTFT is split into queueing (arrival -> admission) and service
+  (admission -> first token: match, load-back, prefill).
 * ``two-run``: upstream PR #12214's protocol: the same prompts (~3.5k tokens) twice; TTFT
   and input throughput of each run.
-* ``ttft``: the issue's goals in one run: a cold 2k-token prefill vs the same prompt with
-  >= 90% of its prefix cached on L1, on L2 (after forcing device eviction) and on L3 (after
-  evicting L1 and L2), and the decode step time while write-through backups run vs without.
+* ``ttft``: a cold prefill of a 2k-token prompt vs the same prompt with 95% of its prefix
+  cached on L1, on L2 (after forcing device eviction) and on L3 (after evicting L1 and L2);
+  rounds measure every tier once each, in rotating order, and the medians over rounds are
+  compared (the table says in how many rounds L1 < L2 < L3 < cold held). Then the decode
+  step time while write-through backups run vs without.
 * ``restart``: one process writes prompts through L1/L2 to L3 and exits; a fresh process
   pointed at the same directory re-sends them and hits L3 (upstream's reproduction).
 
 L3 lives in ``--storage-dir`` (default: a fresh temporary directory, removed afterwards) with
 the ``--storage-backend`` (default orbax); ``--storage-backend none`` runs L1 + L2 only.
+``--storage-backend mooncake`` uses the Mooncake Store at ``--mooncake-master`` /
+``--mooncake-metadata``, or by default starts a local one for the run (master, metadata
+server and a store node holding the pages, ``hicache_jax.storage.mooncake.MooncakeMaster``;
+engines lend it no memory) and stops it afterwards; ``restart``'s two processes share it.
 
 Compilation is excluded from every measurement: the engine is warmed up (``Engine.warmup``)
-and one throwaway request of each kind runs before the clock starts.
+and one throwaway request of each kind runs before the clock starts. JAX and the engine are
+imported when a benchmark runs, not when this module is (``hicache-jax --help`` stays fast).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -32,16 +47,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..engine import Engine, EngineCacheConfig, multiprocess
 from ..host_pool import HostPoolConfig
 from ..reference_model import ModelConfig
 from ..storage.config import StorageConfig
-from ..workers import DEFAULT_WORKER_NICE
-from .report import machine_info, print_table, write_json
+from . import plots, ranks
+from .report import Progress, machine_info, print_table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
 
 MODEL_PRESETS = {
     # Small enough for tests and smoke runs.
@@ -52,14 +70,6 @@ MODEL_PRESETS = {
                          ffn=2048),
 }
 TIERS = ("cold", "device", "host", "storage")
-
-
-def _progress(total: int, desc: str):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
-    except ImportError:  # pragma: no cover
-        return None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -77,7 +87,6 @@ def serving_tier(result) -> str:
 def model_config(args) -> ModelConfig:
     cfg = MODEL_PRESETS[args.model]
     if args.attention != cfg.attention:
-        from dataclasses import replace
         cfg = replace(cfg, attention=args.attention)
     return cfg
 
@@ -85,39 +94,76 @@ def model_config(args) -> ModelConfig:
 def storage_config(args) -> StorageConfig | None:
     if args.storage_backend == "none":
         return None
-    return StorageConfig(backend=args.storage_backend, path=args.storage_dir, prefetch_policy=args.prefetch_policy,
-                         prefetch_threshold_tokens=args.page_size, worker_nice=args.worker_nice)
+    common = dict(prefetch_policy=args.prefetch_policy, prefetch_threshold_tokens=args.page_size,
+                  worker_nice=args.worker_nice)
+    if args.storage_backend == "mooncake":
+        return StorageConfig(backend="mooncake", mooncake_master=args.mooncake_master,
+                             mooncake_metadata=args.mooncake_metadata,
+                             mooncake_global_segment_bytes=args.mooncake_segment_bytes, **common)
+    return StorageConfig(backend=args.storage_backend, path=args.storage_dir, **common)
 
 
-def build_engine(args, max_context: int) -> Engine:
+def build_engine(args, max_context: int, storage: bool = True, host_ratio: float | None = None) -> "Engine":
+    from ..engine import Engine, EngineCacheConfig
+
     cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
-                              host=HostPoolConfig(ratio=args.host_ratio), write_policy=args.write_policy,
-                              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, max_context=max_context,
-                              storage=storage_config(args), worker_nice=args.worker_nice)
-    ranks = None
-    if multiprocess.in_rank():  # one of --num-processes ranks (engine.multiprocess)
-        ranks = multiprocess.rank_context(getattr(args, "agreement", "kv"))
-    engine = Engine(model_config(args), cache, ranks=ranks)
+                              host=HostPoolConfig(ratio=args.host_ratio if host_ratio is None else host_ratio),
+                              write_policy=args.write_policy, max_batch=args.max_batch,
+                              prefill_chunk=args.prefill_chunk, max_context=max_context,
+                              storage=storage_config(args) if storage else None, worker_nice=args.worker_nice)
+    engine = Engine(model_config(args), cache, ranks=ranks.rank_context(args))  # a rank of --num-processes
     engine.warmup()
     return engine
 
 
+def describe(args, *extra: str) -> str:
+    """The configuration line under every figure's title."""
+    l3 = "no L3" if args.storage_backend == "none" else f"L3 {args.storage_backend}"
+    parts = [f"model {args.model} ({args.attention})", f"page {args.page_size}",
+             f"L1 {args.device_pages} pages", f"L2 x{args.host_ratio:g}", l3, args.write_policy,
+             f"max batch {args.max_batch}", *extra, f"{os.cpu_count()} CPUs"]
+    try:
+        parts.append(f"load {os.getloadavg()[0]:.1f}")
+    except OSError:  # pragma: no cover
+        pass
+    return ", ".join(parts)
+
+
+def _png(args) -> str:
+    return os.path.splitext(args.out)[0] + ".png"
+
+
 class _StorageDir:
-    """``--storage-dir`` if given (kept), else a temporary directory removed at the end."""
+    """Where L3 lives for the run. Directory backends: ``--storage-dir`` if given (kept), else
+    a temporary directory removed at the end. ``mooncake``: the store at ``--mooncake-master``
+    if given, else a local one (master + store node) started here and stopped at the end."""
 
     def __init__(self, args) -> None:
-        self.args, self.tmp = args, None
+        self.args, self.tmp, self.store = args, None, None
 
     def __enter__(self):
-        if self.args.storage_backend != "none" and not self.args.storage_dir:
+        a = self.args
+        if a.storage_backend == "mooncake":
+            if not a.mooncake_master:
+                from ..storage.mooncake import MooncakeMaster
+
+                self.store = MooncakeMaster(store_node_bytes=a.mooncake_node_bytes).start()
+                print(f"[L3] local Mooncake Store: master {self.store.rpc_address}, store node "
+                      f"{a.mooncake_node_bytes / 2**30:.2f} GiB", flush=True)
+                a.mooncake_master, a.mooncake_metadata = self.store.rpc_address, self.store.metadata_url
+            return None
+        if a.storage_backend != "none" and not a.storage_dir:
             self.tmp = tempfile.mkdtemp(prefix="hicache-l3-")
-            self.args.storage_dir = self.tmp
-        return self.args.storage_dir
+            a.storage_dir = self.tmp
+        return a.storage_dir
 
     def __exit__(self, *exc) -> None:
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.args.storage_dir = None
+        if self.store is not None:
+            self.store.stop()
+            self.args.mooncake_master = self.args.mooncake_metadata = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,39 +174,54 @@ class _Round:
     seconds: float
 
 
-def _run_multiturn(engine: Engine, args, use_cache: bool, label: str) -> list[_Round]:
-    rng = np.random.default_rng(args.seed)
-    vocab = engine.model_config.vocab_size
-    histories = [rng.integers(0, vocab, args.first_len).tolist() for _ in range(args.clients)]
-    rounds, bar = [], _progress(args.clients * args.rounds, label)
-    for r in range(args.rounds):
-        if r:
-            for h in histories:
-                h.extend(rng.integers(0, vocab, args.turn_len).tolist())
-        gaps = rng.exponential(1.0 / args.request_rate, args.clients) if args.request_rate > 0 else np.zeros(
-            args.clients)
-        arrivals = np.cumsum(gaps) - gaps[0]
-        t0 = time.perf_counter()
-        results = engine.generate([list(h) for h in histories], args.answer_len, use_cache=use_cache,
-                                  arrivals=arrivals.tolist())
-        rounds.append(_Round(results, time.perf_counter() - t0))
-        for h, res in zip(histories, results):
+class _Conversations:
+    """The clients' histories: every round appends the previous answer and a new question."""
+
+    def __init__(self, args, vocab: int, seed: int) -> None:
+        self.args = args
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.histories = [self.rng.integers(0, vocab, args.first_len).tolist() for _ in range(args.clients)]
+        self.round = 0
+
+    def prompts(self) -> tuple[list[list[int]], list[float]]:
+        a = self.args
+        if self.round:
+            for h in self.histories:
+                h.extend(self.rng.integers(0, self.vocab, a.turn_len).tolist())
+        self.round += 1
+        if a.request_rate > 0:
+            gaps = self.rng.exponential(1.0 / a.request_rate, a.clients)
+            arrivals = (np.cumsum(gaps) - gaps[0]).tolist()
+        else:
+            arrivals = [0.0] * a.clients
+        return [list(h) for h in self.histories], arrivals
+
+    def answered(self, results: list) -> None:
+        for h, res in zip(self.histories, results):
             h.extend(res.tokens)
-        if bar is not None:
-            bar.update(args.clients)
-    if bar is not None:
-        bar.close()
-    return rounds
+
+
+def _serve_round(engine: "Engine", conv: _Conversations, use_cache: bool) -> _Round:
+    prompts, arrivals = conv.prompts()
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, conv.args.answer_len, use_cache=use_cache, arrivals=arrivals)
+    r = _Round(results, time.perf_counter() - t0)
+    conv.answered(results)
+    return r
 
 
 def _summarize(rounds: list[_Round]) -> dict:
     res = [x for r in rounds for x in r.results]
     ttft = [x.ttft_s for x in res]
     prompt = sum(x.prompt_len for x in res)
-    out = {
+    return {
         "requests": len(res),
         "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
         "ttft_p99_s": _pct(ttft, 99), "ttft_max_s": max(ttft),
+        "queue_mean_s": statistics.fmean(x.queue_s for x in res), "queue_p50_s": _pct([x.queue_s for x in res], 50),
+        "service_mean_s": statistics.fmean(x.service_s for x in res),
+        "service_p50_s": _pct([x.service_s for x in res], 50),
         "latency_mean_s": statistics.fmean(x.latency_s for x in res),
         "duration_s": sum(r.seconds for r in rounds),
         "input_tok_per_s": prompt / sum(r.seconds for r in rounds),
@@ -168,105 +229,110 @@ def _summarize(rounds: list[_Round]) -> dict:
         "hit_rate_by_tier": {t: sum(x.cached_tokens[t] for x in res) / prompt for t in ("device", "host", "storage")},
         "hit_rate_per_round": [sum(x.cached_total for x in r.results) / sum(x.prompt_len for x in r.results)
                                for r in rounds],
+        "ttft_all_s": ttft,
+        "ttft_by_round_s": [[x.ttft_s for x in r.results] for r in rounds],
         "ttft_by_tier": {t: [x.ttft_s for x in res if serving_tier(x) == t] for t in TIERS},
+        "service_all_s": [x.service_s for x in res],
+        "service_by_tier": {t: [x.service_s for x in res if serving_tier(x) == t] for t in TIERS},
         "per_request": [{"round": i, "prompt_len": x.prompt_len, "cached": x.cached_tokens, "ttft_s": x.ttft_s,
-                         "prefill_tokens": x.prefill_tokens} for i, r in enumerate(rounds) for x in r.results],
+                         "queue_s": x.queue_s, "service_s": x.service_s, "prefill_tokens": x.prefill_tokens}
+                        for i, r in enumerate(rounds) for x in r.results],
     }
-    return out
-
-
-def _plot(path: str, title: str, by_tier: dict, per_round: list[float] | None) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    ncols = 2 if per_round is not None else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4))
-    axes = np.atleast_1d(axes)
-    data = [(t, [v * 1e3 for v in by_tier.get(t, [])]) for t in TIERS if by_tier.get(t)]
-    if data:
-        axes[0].boxplot([d for _, d in data], tick_labels=[f"{t}\n(n={len(d)})" for t, d in data])
-    axes[0].set_ylabel("TTFT (ms)")
-    axes[0].set_title("TTFT by the tier that served the prefix")
-    if per_round is not None:
-        axes[1].plot(range(len(per_round)), per_round, marker="o")
-        axes[1].set_xlabel("round")
-        axes[1].set_xticks(range(len(per_round)))
-        axes[1].set_ylabel("cache hit rate")
-        axes[1].set_ylim(0, 1)
-        axes[1].set_title("hit rate per round")
-    fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # results/ is not in the repo
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def multiturn(args) -> dict:
-    if getattr(args, "num_processes", 1) > 1 and not multiprocess.in_rank():
-        return multiprocess.launch_bench(args, "multiturn")
-    multiprocess.rank_out(args)
-    with _StorageDir(args):
-        return _multiturn(args)
+    if ranks.wants_ranks(args):  # --num-processes N: N ranks serve it (bench.ranks)
+        with _StorageDir(args):
+            return ranks.launch(args, "multiturn")
+    ranks.rank_out(args)
+    with Progress("multiturn") as progress, _StorageDir(args):
+        return _multiturn(args, progress)
 
 
-def _multiturn(args) -> dict:
+def _multiturn(args, progress: Progress) -> dict:
     max_context = args.first_len + args.rounds * (args.turn_len + args.answer_len) + 16
-    engine = build_engine(args, max_context)
-    # Throwaway pass with other tokens: compiles the transfer paths and warms the pinned buffers.
+    progress.phase(f"building and compiling two engines (model {args.model}; the first build imports JAX)", 2)
+    cached_engine = build_engine(args, max_context)
+    progress.advance(1, "hicache engine ready")
+    base_engine = build_engine(args, max_context, storage=False, host_ratio=4 / args.device_pages)  # unused: tiny host
+    progress.advance(1, "no-cache engine ready")
+    vocab = cached_engine.model_config.vocab_size
+    # Throwaway conversations with other tokens: compile the transfer paths, warm the buffers.
     warm = argparse.Namespace(**{**vars(args), "clients": min(2, args.clients), "rounds": min(2, args.rounds),
-                                 "seed": args.seed + 1000, "request_rate": 0})
-    _run_multiturn(engine, warm, True, "warm-up")
-    engine.flush()
-    engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
-    base_rounds = _run_multiturn(engine, args, False, "no cache")
-    base = _summarize(base_rounds)
-    cached_rounds = _run_multiturn(engine, args, True, "hicache")
-    cached = _summarize(cached_rounds)
-    stats = engine.stats()
-    engine.close()
-    tokens = [x.tokens for r in cached_rounds for x in r.results]
-    same_as_no_cache = tokens == [x.tokens for r in base_rounds for x in r.results]
+                                 "request_rate": 0})
+    progress.phase("warm-up (untimed, other tokens)", 2 * warm.rounds)
+    for engine, use in ((cached_engine, True), (base_engine, False)):
+        conv = _Conversations(warm, vocab, args.seed + 1000)
+        for _ in range(warm.rounds):
+            _serve_round(engine, conv, use)
+            progress.advance(1)
+    cached_engine.flush()
+    cached_engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
+    cached_engine.cache.metrics.reset()
+    # The same trace through both engines, alternate rounds: the no-cache round first.
+    convs = {False: _Conversations(args, vocab, args.seed), True: _Conversations(args, vocab, args.seed)}
+    rounds: dict[bool, list[_Round]] = {False: [], True: []}
+    progress.phase(f"{args.clients} clients x {args.rounds} rounds, no cache / hicache alternating",
+                   2 * args.rounds)
+    for r in range(args.rounds):
+        for use, engine in ((False, base_engine), (True, cached_engine)):
+            if not use:
+                cached_engine.flush()  # the cache's background copies never overlap a no-cache round
+            rnd = _serve_round(engine, convs[use], use)
+            rounds[use].append(rnd)
+            med = statistics.median(x.ttft_s for x in rnd.results)
+            hit = sum(x.cached_total for x in rnd.results) / sum(x.prompt_len for x in rnd.results)
+            progress.advance(1, f"round {r} {'hicache' if use else 'no cache'}: TTFT p50 {med * 1e3:,.0f} ms, "
+                                f"hit {hit:.0%}")
+    tokens = [x.tokens for rr in rounds[True] for x in rr.results]
+    same = tokens == [x.tokens for rr in rounds[False] for x in rr.results]
+    stats = cached_engine.stats()
+    cached_engine.close()
+    base_engine.close()
+    base, cached = _summarize(rounds[False]), _summarize(rounds[True])
     rows = []
     for name, s in (("no cache", base), ("hicache", cached)):
-        rows.append([name, s["requests"], s["ttft_mean_s"] * 1e3, s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3,
-                     s["ttft_p99_s"] * 1e3, s["input_tok_per_s"], s["cache_hit_rate"],
+        rows.append([name, s["requests"], s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3, s["ttft_mean_s"] * 1e3,
+                     s["queue_mean_s"] * 1e3, s["service_mean_s"] * 1e3, s["input_tok_per_s"], s["cache_hit_rate"],
                      s["hit_rate_by_tier"]["device"], s["hit_rate_by_tier"]["host"],
                      s["hit_rate_by_tier"]["storage"]])
-    print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, model {args.model}, "
-                f"page {args.page_size}, {args.write_policy}, {args.request_rate} req/s, "
-                f"L1 {args.device_pages} pages, L2 x{args.host_ratio}, L3 {args.storage_backend}",
-                ["run", "reqs", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "hit rate", "L1", "L2", "L3"],
-                rows)
+    load = "closed loop" if args.request_rate <= 0 else f"{args.request_rate:g} req/s per round"
+    print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}",
+                ["run", "reqs", "TTFT p50 ms", "p90", "mean", "queue mean", "service mean", "input tok/s",
+                 "hit rate", "L1", "L2", "L3"], rows)
     ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
               "ttft_p50": cached["ttft_p50_s"] / base["ttft_p50_s"],
+              "service_mean": cached["service_mean_s"] / base["service_mean_s"],
               "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"]}
-    print(f"hicache / no-cache: TTFT mean x{ratios['ttft_mean']:.3f}, p50 x{ratios['ttft_p50']:.3f}, "
-          f"input throughput x{ratios['input_throughput']:.2f}")
-    print(f"tokens with the cache equal the no-cache run's: {same_as_no_cache}")
-    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "multi-turn (hicache)", cached["ttft_by_tier"],
-                cached["hit_rate_per_round"])
+    print(f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
+          f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
+          f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
+    if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none":
+        print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
+    sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
+                   f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
+    png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached)
     payload = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-               "hicache": cached, "ratios_vs_no_cache": ratios, "cache_stats": stats,
-               "same_tokens_as_no_cache": same_as_no_cache, "plot": png}
-    multiprocess.report_rank(engine, payload, tokens)
+               "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
+               "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), "cache_stats": stats,
+               "plot": png}
+    ranks.report_rank(cached_engine.cache, payload, tokens)
     return payload
 
 
 # ---------------------------------------------------------------------------------------------
 # two-run
 def two_run(args) -> dict:
-    with _StorageDir(args):
-        return _two_run(args)
+    with Progress("two-run") as progress, _StorageDir(args):
+        return _two_run(args, progress)
 
 
-def _two_run(args) -> dict:
+def _two_run(args, progress: Progress) -> dict:
     rng = np.random.default_rng(args.seed)
+    progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
+    progress.phase("warm-up (untimed, other tokens)")
     warm = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(2)]
     engine.generate(warm, args.answer_len)
     engine.generate(warm, args.answer_len)
@@ -274,44 +340,48 @@ def _two_run(args) -> dict:
     engine.cache.reset()
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
     runs = []
+    progress.phase(f"{args.num_prompts} prompts x {args.prompt_len} tokens, twice", 2 * len(prompts))
     for i in range(2):
-        bar = _progress(len(prompts), f"run {i + 1}")
         t0 = time.perf_counter()
-        res = engine.generate(prompts, args.answer_len)
+        res = []
+        for prompt in prompts:  # one at a time: progress per request, TTFT without queueing
+            res += engine.generate([prompt], args.answer_len)
+            progress.advance(1, f"run {i + 1}: TTFT {res[-1].ttft_s * 1e3:,.0f} ms ({serving_tier(res[-1])})")
         runs.append((res, time.perf_counter() - t0))
-        if bar is not None:
-            bar.update(len(prompts))
-            bar.close()
     engine.close()
     rows, out = [], []
     for i, (res, secs) in enumerate(runs):
         ttft = [r.ttft_s for r in res]
         tier = {t: sum(serving_tier(r) == t for r in res) for t in TIERS}
-        d = {"run": i + 1, "ttft_mean_s": statistics.fmean(ttft), "duration_s": secs,
+        d = {"run": i + 1, "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 50), "duration_s": secs,
              "input_tok_per_s": sum(r.prompt_len for r in res) / secs, "requests_by_tier": tier,
              "same_tokens_as_run1": [r.tokens for r in res] == [r.tokens for r in runs[0][0]]}
         out.append(d)
-        rows.append([i + 1, d["ttft_mean_s"] * 1e3, secs, d["input_tok_per_s"], tier["cold"], tier["device"],
-                     tier["host"], tier["storage"], d["same_tokens_as_run1"]])
-    print_table(f"two-run: {args.num_prompts} prompts x {args.prompt_len} tokens, model {args.model}",
-                ["run", "TTFT mean ms", "duration s", "input tok/s", "cold", "L1", "L2", "L3", "same tokens"], rows)
+        rows.append([i + 1, d["ttft_p50_s"] * 1e3, d["ttft_mean_s"] * 1e3, secs, d["input_tok_per_s"], tier["cold"],
+                     tier["device"], tier["host"], tier["storage"], d["same_tokens_as_run1"]])
+    print_table(f"two-run: {args.num_prompts} prompts x {args.prompt_len} tokens, {describe(args)}",
+                ["run", "TTFT p50 ms", "mean", "duration s", "input tok/s", "cold", "L1", "L2", "L3", "same tokens"],
+                rows)
     delta = out[1]["ttft_mean_s"] / out[0]["ttft_mean_s"] - 1
-    print(f"TTFT run2 vs run1: {delta * 100:+.1f}%")
-    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "two-run",
-                {t: [r.ttft_s for r in runs[0][0] + runs[1][0] if serving_tier(r) == t] for t in TIERS}, None)
+    print(f"TTFT run 2 vs run 1 (no cache hit): {delta * 100:+.1f}%")
+    png = plots.tiers_plot(_png(args), "Two runs of the same prompts: TTFT of run 2 vs run 1",
+                           describe(args, f"{args.num_prompts} prompts x {args.prompt_len} tokens"),
+                           [("run 1: cold (no cache hit)", [r.ttft_s for r in runs[0][0]]),
+                            ("run 2: served by the cache", [r.ttft_s for r in runs[1][0]])])
     return {"benchmark": "two-run", "machine": machine_info(), "config": vars(args), "runs": out,
             "ttft_change": delta, "plot": png}
 
 
 # ---------------------------------------------------------------------------------------------
-# ttft goals
+# ttft by tier
 def ttft(args) -> dict:
-    with _StorageDir(args):
-        return _ttft(args)
+    with Progress("ttft") as progress, _StorageDir(args):
+        return _ttft(args, progress)
 
 
-def _ttft(args) -> dict:
+def _ttft(args, progress: Progress) -> dict:
     rng = np.random.default_rng(args.seed)
+    progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
     keep = int(args.prompt_len * args.reuse)
@@ -320,38 +390,51 @@ def _ttft(args) -> dict:
         return base[:keep] + rng.integers(0, vocab, args.prompt_len - keep).tolist()
 
     def one(prompt, **kw):
-        return engine.generate([prompt], 1, **kw)[0]
+        return engine.generate([prompt], args.answer_len, **kw)[0]
 
-    def measure(kind: str) -> list:
-        out = []
-        for _ in range(args.reps):
-            base = rng.integers(0, vocab, args.prompt_len).tolist()
-            if kind == "cold":
-                out.append(one(base, use_cache=False))
-                continue
-            one(base)  # populate the cache (not timed)
-            engine.flush()
-            if kind == "host":
-                engine.evict_device_cache()
-            elif kind == "storage":
-                engine.evict_host_cache()
-            out.append(one(variant(base)))
-        return out
+    def measure(kind: str):
+        base = rng.integers(0, vocab, args.prompt_len).tolist()
+        if kind == "cold":
+            return one(base, use_cache=False)
+        one(base)  # populate the cache (not timed)
+        engine.flush()
+        if kind == "host":
+            engine.evict_device_cache()
+        elif kind == "storage":
+            engine.evict_host_cache()
+        return one(variant(base))
 
     kinds = ("cold", "device", "host") + (("storage",) if engine.storage is not None else ())
-    for kind in kinds:  # warm-up: compile and fault in every path once
+    progress.phase("warm-up: every tier once (untimed)", len(kinds))
+    for kind in kinds:  # compile and fault in every path once
         measure(kind)
-    results = {k: measure(k) for k in kinds}
+        progress.advance(1, kind)
+    # Rounds: every tier once per round, in rotating order, so load swings hit all tiers alike.
+    results: dict[str, list] = {k: [] for k in kinds}
+    progress.phase(f"{args.reps} rounds x {len(kinds)} tiers", args.reps * len(kinds))
+    for r in range(args.reps):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            res = measure(kind)
+            results[kind].append(res)
+            progress.advance(1, f"round {r}: {kind} {res.ttft_s * 1e3:,.0f} ms")
     engine.cache.reset()
-    # Decode step time with and without write-through backups in flight.
-    decode = _decode_overhead(engine, args, rng)
+    progress.phase("decode step with vs without write-through backups", 2 * args.decode_reps + 2)
+    decode = _decode_overhead(engine, args, rng, progress)
     engine.close()
     med = {k: statistics.median(r.ttft_s for r in v) for k, v in results.items()}
-    rows = [[k, statistics.median(r.cached_total for r in v), statistics.median(r.cached_tokens[k] for r in v)
-             if k != "cold" else 0, med[k] * 1e3, med[k] / med["cold"]] for k, v in results.items()]
-    print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, model {args.model} "
-                f"(median of {args.reps})", ["served by", "cached tokens", "from that tier", "TTFT ms", "x cold"], rows)
-    r = decode["with_rounds"]
+    order = [k for k in ("device", "host", "storage", "cold") if k in kinds]
+    held = sum(all(results[a][i].ttft_s < results[b][i].ttft_s for a, b in zip(order, order[1:]))
+               for i in range(args.reps))
+    rows = [[k, statistics.median(r.cached_total for r in v),
+             statistics.median(r.cached_tokens[k] for r in v) if k != "cold" else 0,
+             med[k] * 1e3, _pct([r.ttft_s for r in v], 25) * 1e3, _pct([r.ttft_s for r in v], 75) * 1e3,
+             min(r.ttft_s for r in v) * 1e3, med[k] / med["cold"]] for k, v in results.items()]
+    print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, {args.reps} rounds, "
+                f"{describe(args)}", ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75",
+                                      "min", "x cold"], rows)
+    ordered = all(med[a] < med[b] for a, b in zip(order, order[1:]))
+    print(f"ordering {' < '.join(order)}: medians {'in' if ordered else 'NOT in'} that order; "
+          f"held within {held}/{args.reps} rounds")
     if decode["ratio"] is None:
         print("decode: no decode step overlapped a backup (they all finished before the decode); "
               "raise --prompt-len or --decode-steps")
@@ -360,6 +443,7 @@ def _ttft(args) -> dict:
               f"{decode['with_backups_s'] * 1e3:.1f} ms vs {decode['without_backups_s'] * 1e3:.1f} ms with none: "
               f"x{decode['ratio']:.3f} ({decode['overlapping_steps']} overlapping steps in {args.decode_reps} "
               f"interleaved rounds; all {decode['steps_per_round']} steps: x{decode['all_steps_ratio']:.3f})")
+    r = decode["with_rounds"]
     print(f"  backups: {statistics.median(x['host_tokens_acked_by_decode_end'] for x in r):.0f} tokens on the host "
           f"and {statistics.median(x['l3_pages_committed_by_decode_end'] for x in r):.0f} of "
           f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by the decode's end, "
@@ -369,14 +453,20 @@ def _ttft(args) -> dict:
              "l3_over_cold": med["storage"] / med["cold"] if "storage" in med else None, "l3_goal": 0.15,
              "decode_ratio": decode["ratio"], "decode_goal": 1.05}
     print("goals: " + ", ".join(f"{k}={v:.3f}" for k, v in goals.items() if isinstance(v, float)))
-    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "TTFT by tier",
-                {("cold" if k == "cold" else k): [r.ttft_s for r in v] for k, v in results.items()}, None)
+    sub = describe(args, f"{args.prompt_len}-token prompts, {args.reuse:.0%} of the prefix cached",
+                   f"{args.reps} rounds (tiers in rotating order)")
+    png = plots.tiers_plot(_png(args), f"TTFT of a {args.reuse:.0%}-cached prompt by the tier that served it, "
+                                       f"vs a cold prefill",
+                           sub, [(plots.TIER_NAMES[k], [x.ttft_s for x in results[k]]) for k in ("cold", *order[:-1])])
     return {"benchmark": "ttft", "machine": machine_info(), "config": vars(args),
-            "median_ttft_s": med, "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
+            "median_ttft_s": med, "ttft_s": {k: [x.ttft_s for x in v] for k, v in results.items()},
+            "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
+            "ordering": {"tiers": order, "held_rounds": held, "rounds": args.reps,
+                         "medians_ordered": ordered},
             "decode": decode, "goals": goals, "plot": png}
 
 
-def _decode_overhead(engine: Engine, args, rng) -> dict:
+def _decode_overhead(engine: "Engine", args, rng, progress: Progress) -> dict:
     """Decode step time of a full batch while write-through backups run vs with none.
 
     "With": ``engine`` (write_through, L3 as configured): a long prompt is prefilled just
@@ -397,16 +487,16 @@ def _decode_overhead(engine: Engine, args, rng) -> dict:
     vocab = engine.model_config.vocab_size
     n, steps = engine.cache_config.max_batch, args.decode_steps
 
-    def l3_pages(e: Engine) -> int:
+    def l3_pages(e: "Engine") -> int:
         return e.storage.storage.metrics.snapshot()["pages_written"] if e.storage is not None else 0
 
-    def busy(e: Engine) -> bool:
+    def busy(e: "Engine") -> bool:
         if e.cache.in_flight[0]:
             return True
         ctl = e.storage
-        return ctl is not None and (ctl.stats()["backups_in_flight"] > 0 or ctl.storage.writes_pending())
+        return ctl is not None and (ctl.stats()["storage_backups_in_flight"] > 0 or ctl.storage.writes_pending())
 
-    def run(e: Engine, backups: bool) -> dict:
+    def run(e: "Engine", backups: bool) -> dict:
         prompts = [rng.integers(0, vocab, 64).tolist() for _ in range(n)]
         e.flush()
         b0, w0 = e.cache.metrics.backup_tokens, l3_pages(e)
@@ -435,10 +525,12 @@ def _decode_overhead(engine: Engine, args, rng) -> dict:
                 "l3_pages_committed_total": l3_pages(e) - w0, "drain_after_decode_s": time.perf_counter() - t1}
 
     run(engine, True), run(engine, False)  # warm-up
+    progress.advance(2, "warm-up")
     with_r, without_r = [], []
-    for _ in range(args.decode_reps):
+    for i in range(args.decode_reps):
         with_r.append(run(engine, True))
         without_r.append(run(engine, False))
+        progress.advance(2, f"round {i}")
     over_with, over_without = [], []
     for w, q in zip(with_r, without_r):
         for i, o in enumerate(w["overlapping"]):
@@ -463,21 +555,22 @@ def _decode_overhead(engine: Engine, args, rng) -> dict:
 # restart
 def restart(args) -> dict:
     """Phase ``write`` and phase ``read`` run in separate processes over one storage directory."""
-    if args.storage_backend == "none":
-        raise SystemExit("restart: needs an L3 backend (--storage-backend orbax|file)")
+    if args.storage_backend in ("none", "memory"):
+        raise SystemExit("restart: needs an L3 that outlives a process (--storage-backend orbax|file|mooncake)")
     if args.phase != "both":
         return _restart_phase(args)
     with _StorageDir(args):
         phases = {}
         for phase in ("write", "read"):
             part = args.out.rsplit(".", 1)[0] + f".{phase}.json"
-            cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part,
-                   "--storage-dir", args.storage_dir]
+            cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part]
             for k in ("model", "attention", "page_size", "device_pages", "host_ratio", "write_policy", "max_batch",
-                      "prefill_chunk", "seed", "storage_backend", "prefetch_policy", "num_prompts", "prompt_len",
-                      "answer_len", "worker_nice"):
-                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-            print(f"[restart] phase {phase}: a new process (pid will differ) ...", flush=True)
+                      "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
+                      "prompt_len", "answer_len", "worker_nice", "mooncake_master", "mooncake_metadata",
+                      "mooncake_segment_bytes"):
+                if getattr(args, k) is not None:
+                    cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            print(f"[restart] phase {phase}: a new process (pid will differ) ...", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True)
             with open(part) as f:
                 phases[phase] = json.load(f)
@@ -490,15 +583,25 @@ def restart(args) -> dict:
     same = w["tokens"] == r["tokens"]
     ratio = r["ttft_mean_s"] / w["ttft_mean_s"]
     print(f"same tokens: {same}; TTFT after restart x{ratio:.3f} of the cold run")
-    png = _plot(args.out.rsplit(".", 1)[0] + ".png", "restart",
-                {"cold": w["ttft_s"], "storage": r["ttft_s"]}, None)
+    png = plots.tiers_plot(_png(args), "After a restart: TTFT of prompts served from L3 vs their cold first run",
+                           describe(args, f"{args.num_prompts} prompts x {args.prompt_len} tokens",
+                                    "two processes, one L3 directory"),
+                           [("cold: process 1 (no cache hit)", w["ttft_s"]), ("storage: process 2 (L3 hits)",
+                                                                             r["ttft_s"])])
     return {"benchmark": "restart", "machine": machine_info(), "config": vars(args), "write": w, "read": r,
             "same_tokens": same, "ttft_ratio": ratio, "plot": png}
 
 
 def _restart_phase(args) -> dict:
+    with Progress(f"restart/{args.phase}") as progress:
+        return _restart_phase_run(args, progress)
+
+
+def _restart_phase_run(args, progress: Progress) -> dict:
     rng = np.random.default_rng(args.seed)
+    progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
+    progress.phase("warm-up (untimed, other tokens)")
     vocab = engine.model_config.vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
     if args.phase == "write":  # compile the cold path with other tokens, then the measured cold run
@@ -510,40 +613,13 @@ def _restart_phase(args) -> dict:
         engine.generate(other, args.answer_len)
         engine.flush()
         engine.cache.reset()
-    res = engine.generate(prompts, args.answer_len)
+    progress.phase(f"{args.num_prompts} prompts x {args.prompt_len} tokens", args.num_prompts)
+    res = []
+    for prompt in prompts:  # one at a time: progress per request, TTFT without queueing
+        res += engine.generate([prompt], args.answer_len)
+        progress.advance(1, f"TTFT {res[-1].ttft_s * 1e3:,.0f} ms ({serving_tier(res[-1])})")
+    progress.phase("flushing L3 and closing" if args.phase == "write" else "closing")
     engine.close()  # the write phase's L3 pages are all on disk when the process exits
     return {"pid": os.getpid(), "phase": args.phase, "tokens": [r.tokens for r in res],
             "ttft_s": [r.ttft_s for r in res], "ttft_mean_s": statistics.fmean(r.ttft_s for r in res),
             "cached": {t: sum(r.cached_tokens[t] for r in res) for t in ("device", "host", "storage")}}
-
-
-# ---------------------------------------------------------------------------------------------
-def add_common(p: argparse.ArgumentParser, out: str, model: str = "bench") -> None:
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=model)
-    p.add_argument("--attention", choices=["mha", "mla"], default="mha")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--device-pages", type=int, default=1024)
-    p.add_argument("--host-ratio", type=float, default=4.0)
-    p.add_argument("--write-policy", default="write_through",
-                   choices=["write_through", "write_through_selective", "write_back"])
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--storage-backend", choices=["orbax", "file", "memory", "none"], default="orbax",
-                   help="L3 backend (none: L1 + L2 only)")
-    p.add_argument("--storage-dir", default=None, help="L3 directory (default: a fresh temporary one)")
-    p.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"], default="wait_complete")
-    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
-                   help="OS priority offset of the cache's worker threads (0: same as the scheduler)")
-    p.add_argument("--out", default=out)
-
-
-def run_and_save(fn, args) -> int:
-    payload = fn(args)
-    path = write_json(args.out, payload)
-    if getattr(args, "phase", "both") != "both":
-        return 0  # a restart phase: the parent process reports
-    print(f"JSON written to {path}")
-    if payload.get("plot"):
-        print(f"plot written to {payload['plot']}")
-    return 0

@@ -15,6 +15,7 @@ measures gather / scatter of every GPU implementation (``xla``, ``mgpu`` = Mosai
 Pallas Triton) side by side, each with its ratio to a raw device copy of the same bytes: the
 numbers behind the dispatcher's ``auto`` choice.
 Usage: hicache-jax bench transfer [--quick] [--out PATH] [--impl auto|xla|tpu|mgpu|gpu] [--compare-impls]
+(options: ``hicache_jax.bench.options.transfer_arguments``).
 """
 
 from __future__ import annotations
@@ -26,21 +27,13 @@ import sys
 import jax
 import numpy as np
 
-from .report import gbps, machine_info, median_seconds, print_table, write_json
+from . import options
+from .report import Progress, gbps, machine_info, median_seconds, print_table, write_json
 from .. import HostLayout, KVGeometry
 from ..backends.jax import JaxDevicePool, JaxTransferEngine, host_memory_kind
 from ..backends.jax.memory import pinned_host_pool
 from pallas_kernels.page_copy import PageCopyConfig
 from pallas_kernels.page_copy.bench_page_copy import compare_impls, gather_scatter_seconds, raw_device_copy_seconds
-from pallas_kernels.page_copy.dispatch import IMPLS
-
-
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc="transfer bench", unit="case", file=sys.stderr)
-    except ImportError:  # pragma: no cover
-        return None
 
 
 def _raw_d2h_seconds(nbytes: int, reps: int) -> tuple[float, float]:
@@ -65,10 +58,19 @@ def _raw_h2d_seconds(nbytes: int, reps: int) -> float:
 
 
 def run(args) -> dict:
+    with Progress("transfer") as progress:
+        return _run(args, progress)
+
+
+def _run(args, progress: Progress) -> dict:
+    if args.page_counts is None:
+        args.page_counts = [16, 128] if jax.default_backend() == "cpu" else [16, 256, 1024]
+    if args.compare_impls is None:
+        args.compare_impls = jax.default_backend() == "gpu"
     geom_kw = dict(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
     cases = list(itertools.product(args.page_sizes, args.page_counts, args.layouts))
     rows, results = [], []
-    bar = _progress(len(cases))
+    progress.phase("cases (page size x pages x layout; the first compiles)", len(cases))
     for page, n, layout in cases:
         geom = KVGeometry.mha(page_size=page, **geom_kw)
         device_pages = max(2 * n, 64)
@@ -106,10 +108,7 @@ def run(args) -> dict:
         rows.append([page, n, layout, r["mib_per_component"], r["gather_gbps"], r["gather_vs_raw"],
                      r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], r["d2h_vs_memcpy"],
                      r["h2d_gbps"], r["h2d_vs_raw"]])
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        progress.advance(1, f"page {page}, {n} pages, {layout}")
     impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
     print_table(f"KV page transfers: {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}, "
                 f"copy impl {impl}, backend {jax.default_backend()} (GB/s; x = ratio to raw copy of same bytes)",
@@ -119,6 +118,7 @@ def run(args) -> dict:
                "host_pool_memory": getattr(host, "memory_kind", "numpy"),
                "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
     if args.compare_impls:
+        progress.phase("comparing gather / scatter implementations")
         payload["impl_comparison"] = _compare(args)
     return payload
 
@@ -139,37 +139,13 @@ def _compare(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """``python -m benchmarks.bench_transfer`` / tests: the same options as ``hicache-jax bench transfer``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a small sweep (seconds), e.g. for smoke tests")
-    p.add_argument("--impl", default="auto", choices=list(IMPLS),
-                   help="page-copy implementation (auto: the dispatcher's choice per platform; mgpu = Mosaic GPU, "
-                        "gpu = Pallas Triton; a kernel on CPU runs interpreted)")
-    p.add_argument("--compare-impls", action=argparse.BooleanOptionalAction, default=None,
-                   help="also measure xla / mgpu / gpu gather and scatter side by side (default: on a GPU)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--page-sizes", type=int, nargs="+", default=None, help="tokens per page (default: 1 16 64)")
-    p.add_argument("--page-counts", type=int, nargs="+", default=None,
-                   help="pages per transfer (default: 16 128 on CPU; 16 256 1024 on GPU/TPU, >= 64 MiB moves)")
-    p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout])
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per op (median; default 5)")
-    p.add_argument("--out", default="benchmarks/results/transfer.json")
+    options.transfer_arguments(p)
     args = p.parse_args(argv)
-    if args.quick:  # small shapes; explicit sizes / counts / reps still win
-        args.layers, args.heads, args.head_dim = 2, 2, 64
-        args.page_sizes = args.page_sizes or [1, 16]
-        args.page_counts = args.page_counts or [8, 64]
-        args.reps = args.reps or 2
-    args.page_sizes = args.page_sizes or [1, 16, 64]
-    args.page_counts = args.page_counts or ([16, 128] if jax.default_backend() == "cpu" else [16, 256, 1024])
-    args.reps = args.reps or 5
-    if args.compare_impls is None:
-        args.compare_impls = jax.default_backend() == "gpu"
+    options.apply_quick(p, args, "transfer")
     payload = run(args)
-    path = write_json(args.out, payload)
-    print(f"JSON written to {path}")
+    print(f"JSON written to {write_json(args.out, payload)}")
     return 0
 
 

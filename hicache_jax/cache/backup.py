@@ -114,7 +114,12 @@ class BackupIssuer:
                 comp.on_backup(chain)
             handle = ledger.components.backup(dev_ids, host_ids)
         else:
-            handle = ledger.components.backup(dev_ids, host_ids)
+            try:
+                handle = ledger.components.backup(dev_ids, host_ids)
+            except BaseException:  # the engine refused the copy: give the host pages back, then raise
+                res.host_allocator.free(host_ids)
+                res.refresh(anchor)
+                raise
             self._mark(chain, host_ids, tokens)
         m = self.metrics
         m.backup_tokens += tokens
@@ -130,7 +135,10 @@ class BackupIssuer:
                 hook = ledger.storage_hook
                 if hook is not None:
                     hook.on_backup_acked(node)  # L2 -> L3 write-through
-                m.backup_seconds += time.perf_counter() - t0
+                done = handle.completed_at
+                if done is None or done < t0:  # no stamp, or an engine's shared completed handle
+                    done = time.perf_counter()
+                m.backup_duration_seconds.observe(done - t0)
                 return None
         # Until acknowledged: the device pages stay (device lock), and so do the new host
         # copies and the anchor's (host lock; the chain joins no host index meanwhile).

@@ -1,6 +1,6 @@
 """Configuration of the hierarchical radix cache: a frozen dataclass validated at construction.
 
-Pure Python. Names and defaults follow upstream HiCache flags (REFERENCE.md section 2.9):
+Pure Python. Names and defaults follow upstream HiCache flags (sglang's --hicache-* server arguments):
 ``--hicache-write-policy`` -> ``write_policy``, ``--radix-eviction-policy`` -> ``eviction_policy``.
 """
 
@@ -45,7 +45,7 @@ class EvictionPolicy(str, Enum):
             raise ValueError(f"eviction_policy: expected one of {[m.value for m in cls]}, got {value!r}") from None
 
 
-# Upstream thresholds: hits needed before a node is backed up (REFERENCE 2.3).
+# Upstream thresholds: hits needed before a node is backed up (sglang's HiRadixCache write policies).
 _DEFAULT_WRITE_THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
                             WritePolicy.WRITE_BACK: None}
 

@@ -36,7 +36,7 @@ from .tree_node import TreeNode
 
 # Host eviction (``evict_host``): a host-only leaf goes before a host copy of an on-device node
 # once it is older than the device's eviction boundary by this many times the copy's lead over
-# it (see there). Measured on the REFERENCE 4.3 trace (bench_tree_multiturn, write_through,
+# it (see there). Measured on the multiturn-64x10 trace (bench_tree_multiturn, write_through,
 # L2 at host ratios 0.5/1/2): 1 -> 0.026/0.069/0.184, 4 -> 0.067/0.151/0.301, 8 -> 0.082/
 # 0.188/0.368 (reclaiming least recently used copies after host-only leaves: 0/0/0.184).
 # 4 is the largest tried that keeps the trace's hit rates at host ratio 4 upstream's

@@ -127,7 +127,7 @@ from .insert import Inserter
 from .load_back import LoadBackIssuer
 from .locks import CallerLocks, LockReceipt, PathLocks
 from .lookup import Lookup
-from .metrics import CacheMetrics
+from .metrics import CacheMetrics, family_values
 from .radix_key import as_radix_key
 from .request import CacheRequest
 from .requests import RequestHelpers
@@ -330,7 +330,7 @@ class HiRadixCache:
         m.match_calls += 1
         m.match_tokens += len(key) - len(key) % self.page_size
         m.device_hit_tokens += res.device_hit_length
-        m.host_hit_tokens += res.host_hit_length
+        m.host_match_tokens += res.host_hit_length
         return res
 
     def peek_prefix(self, key: object) -> tuple[int, int]:
@@ -380,7 +380,10 @@ class HiRadixCache:
             bad = ids[self._res.host_owned[ids] | ~self.host_allocator.is_allocated(ids)]
             if bad.size:
                 raise ValueError(f"host_pages: {bad[:8].tolist()} are free or owned by the tree")
-        return self._inserter.attach_host(key, ids, start)
+        attached, leaf = self._inserter.attach_host(key, ids, start)
+        if leaf is not None:
+            self._load_backs.from_storage(leaf)  # its load-back counts as cached_tokens{storage}
+        return attached, leaf
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> LockReceipt | None:
@@ -613,6 +616,7 @@ class HiRadixCache:
         self._res.drop_all()
         self._tree.mark_all_deleted()
         self._callers.clear()
+        self._load_backs.storage_origin.clear()
         if self._agreed_backups is not None:
             self._agreed_backups.clear()
         for comp in self._stateful:
@@ -623,31 +627,49 @@ class HiRadixCache:
     def all_nodes(self) -> list[TreeNode]:
         return self._tree.nodes()
 
-    def stats(self) -> dict:
-        m = self.metrics
+    def gauges(self) -> dict:
+        """Current occupancy: capacity / free / used per tier, KV bytes per (tier, pool), copies
+        in flight, tree size. Cheap (no tree walk); read by ``stats()`` and the Prometheus export."""
         res = self._res
-        cached = m.device_hit_tokens + m.loaded_tokens
+        p = self.page_size
         writes, loads = self._ledger.in_flight
-        extra = {"agreement": {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}} \
-            if self.agreed else {}
-        return {**extra,
+        dev_pages, host_pages = self.device_allocator.num_pages, self.host_allocator.num_pages
+        pools = {}
+        for name, eng in self.components.engines.items():
+            pools[("device", name)] = dev_pages * eng.geom.bytes_per_page
+            pools[("host", name)] = host_pages * eng.geom.bytes_per_page
+        return {
+            "device_capacity_tokens": dev_pages * p,
+            "device_free_tokens": self.device_allocator.available * p,
+            "device_used_tokens": res.evictable_tokens + res.protected_tokens,
+            "device_evictable_tokens": res.evictable_tokens,
+            "device_protected_tokens": res.protected_tokens,
+            "host_capacity_tokens": host_pages * p,
+            "host_free_tokens": self.host_allocator.available * p,
+            "host_used_tokens": res.host_tokens,
+            "pool_capacity_bytes": pools,
+            "backups_in_flight": writes,
+            "load_backs_in_flight": loads,
+        }
+
+    def stats(self) -> dict:
+        """The configuration and every metric family (``metrics.FAMILIES``: the names the
+        Prometheus export and the README use), L3's included while a storage controller is
+        attached. A few pre-issue-20 keys remain as aliases (``device_tree_tokens``,
+        ``host_tree_tokens``, ``hit_rate``)."""
+        out = {
             "write_policy": self.write_policy.value,
             "eviction_policy": self.config.eviction_policy.value,
             "page_size": self.page_size,
             "nodes": len(self.all_nodes()) - 1,
-            "device_tree_tokens": res.evictable_tokens + res.protected_tokens,
-            "device_evictable_tokens": res.evictable_tokens,
-            "device_protected_tokens": res.protected_tokens,
-            "device_free_tokens": self.device_allocator.available * self.page_size,
-            "device_total_tokens": self.device_allocator.num_pages * self.page_size,
-            "host_tree_tokens": res.host_tokens,
-            "host_free_tokens": self.host_allocator.available * self.page_size,
-            "host_total_tokens": self.host_allocator.num_pages * self.page_size,
-            "backups_in_flight": writes,
-            "loads_in_flight": loads,
-            "hit_rate": cached / m.match_tokens if m.match_tokens else 0.0,
-            "metrics": m.as_dict(),
         }
+        out.update(family_values(self))
+        out["device_tree_tokens"] = out["device_used_tokens"]
+        out["host_tree_tokens"] = out["host_used_tokens"]
+        out["hit_rate"] = out["cache_hit_rate"]
+        if self.agreed:  # several ranks: the per-step agreement's exchanges and time
+            out["agreement"] = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
+        return out
 
     def sanity_check(self, external_device_pages: int | None = None) -> None:
         """Verify every invariant; gathers all violations, then raises CacheInvariantError once.

@@ -10,6 +10,12 @@ it, and a forward pass must wait on the handle (per layer) before reading the pa
 
 Locks: the anchor (device) and the chain (host) are locked while eviction makes room; from
 issue until the acknowledgement the receipt holds a device and a host path lock on ``node``.
+
+Storage origin: nodes an L3 prefetch attached (``insert_host``) are remembered until their
+first load-back, whose tokens then count in ``loaded_storage_tokens`` as well (the metric
+``cached_tokens{cache_source="storage"}``; the rest of ``loaded_tokens`` is the host source).
+The set is empty without L3, so the check costs one truth test per load-back. A split of
+such a node before its load-back leaves the upper part counted as a host hit.
 """
 
 from __future__ import annotations
@@ -38,6 +44,17 @@ class LoadBackIssuer:
         self.page_size = page_size
         self.threshold = threshold
         self.hooked: tuple = ()  # components with their own residency (``components``)
+        self.storage_origin: set[TreeNode] = set()  # attached by an L3 prefetch, not loaded since
+        self._prune_at = 1024
+
+    def from_storage(self, node: TreeNode) -> None:
+        """``node``'s host pages came from L3 (``insert_host``): its first load-back counts as a
+        storage hit."""
+        origin = self.storage_origin
+        origin.add(node)
+        if len(origin) > self._prune_at:  # nodes evicted before any load-back
+            origin.difference_update([n for n in origin if n.deleted or n.value is not None])
+            self._prune_at = max(1024, 2 * len(origin))
 
     def load_back(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:
         chain = []
@@ -94,5 +111,11 @@ class LoadBackIssuer:
         ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt))
         m.load_back_calls += 1
         m.loaded_tokens += tokens
+        origin = self.storage_origin
+        if origin:
+            for c in chain:
+                if c in origin:
+                    origin.discard(c)
+                    m.loaded_storage_tokens += c.size
         m.loaded_bytes += npages * ledger.components.bytes_per_page
         return LoadBackResult(dev.copy(), tokens, node, handle)

@@ -1,20 +1,78 @@
-"""Cache metrics: plain counters updated by the cache, optional Prometheus export.
+"""Cache metrics: the counters and histograms the cache updates, the gauges read at scrape
+time, ``stats()`` and the Prometheus export, under one naming scheme.
 
-Pure Python. ``CacheMetrics`` is a dataclass of monotonically increasing counters (tokens,
-bytes, seconds, calls); ``HiRadixCache.stats()`` adds the current gauges. Export to
-Prometheus with ``register_prometheus(cache)``: prometheus_client is imported only then,
-and values are read at scrape time by a custom collector (no per-operation overhead).
+Pure Python (prometheus_client is imported only by ``register_prometheus``).
 
-Names follow upstream's ``sglang:`` metrics (REFERENCE.md section 2.9) where one exists.
+Naming: every metric is a *family* in ``FAMILIES`` (the single source of truth), named for
+what it counts with its unit last: ``_tokens``, ``_pages``, ``_bytes``, ``_seconds``, or a
+count of events (``_calls``, ``_errors``, ``_retries``, ...). The same name is
+
+* the key in ``HiRadixCache.stats()`` (a number; a ``{label value: number}`` dict for a
+  labelled family; ``{"count", "sum", "buckets"}`` for a histogram);
+* the Prometheus family ``<prefix>_<name>`` (prefix ``hicache``; counters get ``_total``);
+* the row of the README's metrics table (``tests/cache/test_metrics_export.py`` checks that
+  the README lists every family).
+
+Upstream sglang's names are kept where one exists (``cached_tokens{cache_source}``,
+``cache_hit_rate``, ``host_used_tokens``, ``load_back_duration_seconds``,
+``load_back_tokens``, ``backup_tokens``, ``dropped_tokens{reason}``, ``prefetched_tokens``;
+upstream's ``backuped_tokens`` is ``storage_backup_tokens`` here).
+
+``CacheMetrics`` holds the raw counters (field names are the code's; ``FAMILIES`` maps each
+to its family): monotonic counts updated on the owner thread, and ``Histogram`` s of copy
+durations measured from issue to *completion* (the handle's or worker's stamp,
+``TransferHandle.completed_at``), not to the caller's next poll.
+
+``cached_tokens{cache_source}`` is non-overlapping: ``device`` (matched on the device),
+``host`` (loaded back from host copies), ``storage`` (loaded back from pages an L3 prefetch
+attached, never on the device since); the three sum to every cached prompt token.
+
+Several caches in one process (draft and target, several ranks or models) share a registry:
+``register_prometheus(cache, labels={"cache": "draft", "rank": "0", "model": "m"})`` adds the
+labels to every sample of that cache; caches registered on one registry and prefix must use
+the same label names and distinct values.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+import bisect
+import threading
+import weakref
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from .hiradix_cache import HiRadixCache
+
+# Upper bounds (seconds) of the duration histograms' buckets: 100 us .. 30 s, then +Inf.
+DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Histogram:
+    """Counts of observations per bucket (``DURATION_BUCKETS_S`` upper bounds, then +Inf), their
+    sum and count. Owner thread only."""
+
+    counts: list = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS_S) + 1))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(DURATION_BUCKETS_S, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, observations <= le)`` per bucket, Prometheus style (``le`` "+Inf" last)."""
+        out, total = [], 0
+        for le, n in zip([*map(repr, DURATION_BUCKETS_S), "+Inf"], self.counts):
+            total += n
+            out.append((le, total))
+        return out
+
+    def as_stats(self) -> dict:
+        return {"count": self.count, "sum": self.sum, "buckets": dict(self.cumulative())}
 
 
 @dataclass
@@ -23,18 +81,19 @@ class CacheMetrics:
     match_calls: int = 0
     match_tokens: int = 0  # page-aligned tokens asked for
     device_hit_tokens: int = 0  # served from the device tier
-    host_hit_tokens: int = 0  # host-only continuation reported by match (loadable)
+    host_match_tokens: int = 0  # host-only continuation reported by match (loadable)
     # load-back (H2D)
     load_back_calls: int = 0
     load_back_skipped: int = 0  # under the threshold, over the quota or no device memory
     loaded_tokens: int = 0
+    loaded_storage_tokens: int = 0  # the part of loaded_tokens that an L3 prefetch had attached
     loaded_bytes: int = 0
-    load_back_seconds: float = 0.0  # issue -> acknowledged, summed
+    load_back_duration_seconds: Histogram = field(default_factory=Histogram)  # issue -> completed
     # backup (D2H)
     backup_tokens: int = 0
     backup_bytes: int = 0
     backup_failed_tokens: int = 0  # no host memory even after host eviction
-    backup_seconds: float = 0.0  # issue -> acknowledged, summed
+    backup_duration_seconds: Histogram = field(default_factory=Histogram)  # issue -> completed
     # failed copies (either direction)
     transfer_retries: int = 0  # failed copies issued again
     transfer_failures: int = 0  # copies that still failed after every retry (the cache stopped)
@@ -53,98 +112,354 @@ class CacheMetrics:
     # L3 (updated by an attached StorageController, on the owner thread)
     prefetch_calls: int = 0  # prefetches started (a storage lookup was queued)
     prefetch_skipped: int = 0  # not started: continuation under the threshold, host budget, closed
+    prefetch_skipped_by_reason: dict = field(default_factory=dict)  # the same, per PrefetchOperation.reason_code
     prefetch_revoked: int = 0  # started, then dropped: hit under the threshold, no host room, tree moved
     prefetch_timeouts: int = 0  # ``timeout`` policy: the deadline passed before the last page
     prefetch_truncated: int = 0  # the host could hold only the first part of the hit: that part was read
     prefetched_tokens: int = 0  # tokens read from storage into host pages
-    storage_hit_tokens: int = 0  # prefetched tokens attached to the tree (finish_prefetch's result)
-    prefetch_seconds: float = 0.0  # prefetch start -> finish_prefetch, summed
+    prefetch_attached_tokens: int = 0  # prefetched tokens attached to the tree (finish_prefetch's result)
+    # prefetch start -> its storage reads ended (or it was revoked / cut short)
+    prefetch_duration_seconds: Histogram = field(default_factory=Histogram)
     storage_backup_tokens: int = 0  # tokens written host -> storage
     storage_backup_bytes: int = 0
     storage_backup_failed_tokens: int = 0  # the storage refused or failed them
-    storage_backup_seconds: float = 0.0  # queued -> stored, summed
+    storage_backup_duration_seconds: Histogram = field(default_factory=Histogram)  # queued -> stored
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    # Backward-compatible read-only aliases (names before issue 20).
+    host_hit_tokens = property(lambda self: self.host_match_tokens)
+    storage_hit_tokens = property(lambda self: self.prefetch_attached_tokens)
+    load_back_seconds = property(lambda self: self.load_back_duration_seconds.sum)
+    backup_seconds = property(lambda self: self.backup_duration_seconds.sum)
+    prefetch_seconds = property(lambda self: self.prefetch_duration_seconds.sum)
+    storage_backup_seconds = property(lambda self: self.storage_backup_duration_seconds.sum)
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters as one flat dict of numbers: each histogram as ``<name>_count`` and
+        ``<name>_sum``; the per-reason breakdowns are left out (``stats()`` has them)."""
+        out: dict[str, float] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Histogram):
+                out[f.name + "_count"], out[f.name + "_sum"] = v.count, v.sum
+            elif not isinstance(v, dict):
+                out[f.name] = v
+        return out
 
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, type(getattr(self, f.name))())
 
 
-# (metric name, help, CacheMetrics field, label values) for counters.
-_COUNTERS = [
-    ("cached_tokens", "Prompt tokens served from a cache tier", "device_hit_tokens", {"cache_source": "device"}),
-    ("cached_tokens", "Prompt tokens served from a cache tier", "loaded_tokens", {"cache_source": "host"}),
-    ("match_tokens", "Page-aligned tokens looked up by match_prefix", "match_tokens", {}),
-    ("load_back_tokens", "Tokens loaded host -> device", "loaded_tokens", {}),
-    ("load_back_bytes", "KV bytes loaded host -> device", "loaded_bytes", {}),
-    ("backup_tokens", "Tokens backed up device -> host", "backup_tokens", {}),
-    ("backup_bytes", "KV bytes backed up device -> host", "backup_bytes", {}),
-    ("backup_failed_tokens", "Tokens not backed up for lack of host memory", "backup_failed_tokens", {}),
-    ("evicted_tokens", "Tokens evicted from a tier", "evicted_device_tokens", {"tier": "device"}),
-    ("evicted_tokens", "Tokens evicted from a tier", "evicted_host_tokens", {"tier": "host"}),
-    ("dropped_tokens", "Tokens dropped instead of backed up", "dropped_tokens", {"reason": "host_pressure"}),
-    ("transfer_retries", "Failed KV copies issued again", "transfer_retries", {}),
-    ("transfer_failures", "KV copies that failed after every retry", "transfer_failures", {}),
-    ("eviction_duration_seconds", "Time spent in device eviction", "eviction_seconds", {}),
-    ("load_back_duration_seconds", "Load-back time, issue to acknowledgement", "load_back_seconds", {}),
-    ("backup_duration_seconds", "Backup time, issue to acknowledgement", "backup_seconds", {}),
-    # L3. Storage hits reach the device through a host load-back, so the host source above
-    # includes them; storage_hit_tokens is the part of it that came from L3.
-    ("cached_tokens", "Prompt tokens served from a cache tier", "storage_hit_tokens", {"cache_source": "storage"}),
-    ("prefetched_tokens", "Tokens read from L3 storage into host pages", "prefetched_tokens", {}),
-    ("prefetch_revoked", "Prefetches dropped after they started", "prefetch_revoked", {}),
-    ("prefetch_timeouts", "Prefetches cut short by the timeout policy", "prefetch_timeouts", {}),
-    ("prefetch_truncated", "Prefetches cut to the host memory free for them", "prefetch_truncated", {}),
-    ("prefetch_duration_seconds", "Prefetch time, start to finish_prefetch", "prefetch_seconds", {}),
-    ("storage_backup_tokens", "Tokens backed up host -> L3 storage", "storage_backup_tokens", {}),
-    ("storage_backup_bytes", "KV bytes backed up host -> L3 storage", "storage_backup_bytes", {}),
-    ("storage_backup_failed_tokens", "Tokens L3 storage refused or failed", "storage_backup_failed_tokens", {}),
-    ("storage_backup_duration_seconds", "L3 backup time, queued to stored", "storage_backup_seconds", {}),
-]
+# ---------------------------------------------------------------------------------------------
+# The families. Each: (name, kind, help, label names, value). ``value(ctx)`` returns a number,
+# a {label value(s): number} dict (a tuple key for several labels), a Histogram, or None when
+# the family does not apply (the L3 families without a storage controller).
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str  # counter | gauge | histogram
+    help: str
+    labels: tuple[str, ...]
+    value: Callable[["_Context"], Any]
 
 
+class _Context:
+    """What the families read, gathered once per scrape / ``stats()`` call."""
+
+    def __init__(self, cache: "HiRadixCache") -> None:
+        self.m = cache.metrics
+        self.g = cache.gauges()
+        hook = cache.storage_hook
+        self.l3 = hook.stats() if hook is not None else None
+
+
+def _m(attr: str) -> Callable[[_Context], Any]:
+    return lambda c: getattr(c.m, attr)
+
+
+def _g(key: str) -> Callable[[_Context], Any]:
+    return lambda c: c.g[key]
+
+
+def _l3(key: str) -> Callable[[_Context], Any]:
+    return lambda c: None if c.l3 is None else c.l3[key]
+
+
+def _cached(c: _Context) -> dict:
+    m = c.m
+    return {"device": m.device_hit_tokens, "host": m.loaded_tokens - m.loaded_storage_tokens,
+            "storage": m.loaded_storage_tokens}
+
+
+def _hit_rate(c: _Context) -> float:
+    m = c.m
+    return (m.device_hit_tokens + m.loaded_tokens) / m.match_tokens if m.match_tokens else 0.0
+
+
+def _in_flight(c: _Context) -> dict:
+    out = {"backup": c.g["backups_in_flight"], "load_back": c.g["load_backs_in_flight"]}
+    if c.l3 is not None:
+        out["prefetch"] = c.l3["prefetches_in_flight"]
+        out["storage_backup"] = c.l3["storage_backups_in_flight"]
+    return out
+
+
+C, G, H = "counter", "gauge", "histogram"
+FAMILIES: tuple[Family, ...] = (
+    # ---- hits
+    Family("cached_tokens", C, "Prompt tokens served from each cache tier; the sources do not overlap "
+           "(storage: loaded back from pages an L3 prefetch attached)", ("cache_source",), _cached),
+    Family("cache_hit_rate", G, "Cached / looked-up prompt tokens since start", (), _hit_rate),
+    Family("match_calls", C, "match_prefix calls", (), _m("match_calls")),
+    Family("match_tokens", C, "Page-aligned prompt tokens looked up by match_prefix", (), _m("match_tokens")),
+    Family("host_match_tokens", C, "Host-only tokens match_prefix found after the device hit (loadable)", (),
+           _m("host_match_tokens")),
+    # ---- load-back (host -> device)
+    Family("load_back_calls", C, "Load-backs issued", (), _m("load_back_calls")),
+    Family("load_back_skipped", C, "Load-backs not issued (under the threshold, over the quota, no device room)",
+           (), _m("load_back_skipped")),
+    Family("load_back_tokens", C, "Tokens loaded host -> device", (), _m("loaded_tokens")),
+    Family("load_back_bytes", C, "KV bytes loaded host -> device", (), _m("loaded_bytes")),
+    Family("load_back_duration_seconds", H, "Load-back duration, issue to the copy's completion", (),
+           _m("load_back_duration_seconds")),
+    # ---- backup (device -> host)
+    Family("backup_tokens", C, "Tokens backed up device -> host", (), _m("backup_tokens")),
+    Family("backup_bytes", C, "KV bytes backed up device -> host", (), _m("backup_bytes")),
+    Family("backup_failed_tokens", C, "Tokens not backed up for lack of host memory", (),
+           _m("backup_failed_tokens")),
+    Family("backup_duration_seconds", H, "Backup duration, issue to the copy's completion", (),
+           _m("backup_duration_seconds")),
+    Family("transfer_retries", C, "Failed KV copies issued again", (), _m("transfer_retries")),
+    Family("transfer_failures", C, "KV copies that failed after every retry (the cache stopped)", (),
+           _m("transfer_failures")),
+    # ---- eviction
+    Family("evict_calls", C, "Device evictions", (), _m("evict_calls")),
+    Family("evicted_tokens", C, "Tokens evicted from a tier", ("tier",),
+           lambda c: {"device": c.m.evicted_device_tokens, "host": c.m.evicted_host_tokens}),
+    Family("demoted_tokens", C, "Evicted device tokens that stayed on the host", (), _m("demoted_tokens")),
+    Family("deleted_device_tokens", C, "Evicted device tokens that left the cache", (), _m("deleted_device_tokens")),
+    Family("dropped_tokens", C, "Tokens dropped instead of backed up", ("reason",),
+           lambda c: {"host_pressure": c.m.dropped_tokens}),
+    Family("eviction_seconds", C, "Time spent in device eviction", (), _m("eviction_seconds")),
+    Family("evict_host_calls", C, "Host evictions", (), _m("evict_host_calls")),
+    Family("reclaimed_host_tokens", C, "Host copies of on-device tokens dropped by host eviction", (),
+           _m("reclaimed_host_tokens")),
+    Family("host_eviction_seconds", C, "Time spent in host eviction", (), _m("host_eviction_seconds")),
+    # ---- capacity and occupancy (gauges)
+    Family("device_capacity_tokens", G, "Tokens the device pool holds", (), _g("device_capacity_tokens")),
+    Family("device_free_tokens", G, "Free device pool tokens", (), _g("device_free_tokens")),
+    Family("device_used_tokens", G, "Device tokens held by the tree", (), _g("device_used_tokens")),
+    Family("device_evictable_tokens", G, "Device tokens of the tree no lock protects", (),
+           _g("device_evictable_tokens")),
+    Family("device_protected_tokens", G, "Device tokens of the tree under a lock", (), _g("device_protected_tokens")),
+    Family("host_capacity_tokens", G, "Tokens the host pool holds", (), _g("host_capacity_tokens")),
+    Family("host_free_tokens", G, "Free host pool tokens", (), _g("host_free_tokens")),
+    Family("host_used_tokens", G, "Host tokens held by the tree", (), _g("host_used_tokens")),
+    Family("pool_capacity_bytes", G, "KV bytes of each pool (tier x KV component)", ("tier", "pool"),
+           _g("pool_capacity_bytes")),
+    Family("in_flight_operations", G, "Copies and L3 operations issued and not yet acknowledged",
+           ("operation",), _in_flight),
+    # ---- L3, cache side (an attached StorageController updates these)
+    Family("prefetch_calls", C, "L3 prefetches started", (), _m("prefetch_calls")),
+    Family("prefetch_skipped", C, "L3 prefetches not started, by reason (below_threshold: see "
+           "StorageConfig.prefetch_threshold_tokens)", ("reason",), _m("prefetch_skipped_by_reason")),
+    Family("prefetch_revoked", C, "L3 prefetches dropped after they started", (), _m("prefetch_revoked")),
+    Family("prefetch_timeouts", C, "L3 prefetches cut short by the timeout policy", (), _m("prefetch_timeouts")),
+    Family("prefetch_truncated", C, "L3 prefetches cut to the host memory free for them", (),
+           _m("prefetch_truncated")),
+    Family("prefetched_tokens", C, "Tokens read from L3 storage into host pages", (), _m("prefetched_tokens")),
+    Family("prefetch_attached_tokens", C, "Prefetched tokens attached to the tree", (),
+           _m("prefetch_attached_tokens")),
+    Family("prefetch_duration_seconds", H, "L3 prefetch duration, start to its last read", (),
+           _m("prefetch_duration_seconds")),
+    Family("storage_backup_tokens", C, "Tokens written host -> L3 storage", (), _m("storage_backup_tokens")),
+    Family("storage_backup_bytes", C, "KV bytes written host -> L3 storage", (), _m("storage_backup_bytes")),
+    Family("storage_backup_failed_tokens", C, "Tokens L3 storage refused or failed", (),
+           _m("storage_backup_failed_tokens")),
+    Family("storage_backup_duration_seconds", H, "L3 backup duration, queued to stored", (),
+           _m("storage_backup_duration_seconds")),
+    # ---- L3 store (``controller.stats()``; absent without a storage controller)
+    Family("storage_capacity_bytes", G, "Configured L3 capacity (0: unbounded)", (), _l3("storage_capacity_bytes")),
+    Family("storage_writes_pending", G, "1 while the L3 store has accepted writes not yet durable", (),
+           _l3("storage_writes_pending")),
+    Family("prefetch_reserved_host_pages", G, "Host pages reserved for prefetches in flight", (),
+           _l3("prefetch_reserved_host_pages")),
+    Family("storage_read_hit_pages", C, "Pages the L3 store found and returned", (), _l3("storage_read_hit_pages")),
+    Family("storage_read_miss_pages", C, "Pages asked of the L3 store and not returned (absent, corrupt, "
+           "unreadable)", (), _l3("storage_read_miss_pages")),
+    Family("storage_corrupt_pages", C, "L3 pages that failed a check (CRC, length, header)", (),
+           _l3("storage_corrupt_pages")),
+    Family("storage_read_errors", C, "L3 reads that raised (I/O errors, vanished files)", (),
+           _l3("storage_read_errors")),
+    Family("storage_quarantined_files", C, "L3 segments / files moved aside after a failed check", (),
+           _l3("storage_quarantined_files")),
+    Family("storage_verified_pages", C, "L3 pages whose checksum was verified", (), _l3("storage_verified_pages")),
+    Family("storage_read_bytes", C, "Bytes read from the L3 store", (), _l3("storage_read_bytes")),
+    Family("storage_read_seconds", C, "Time in L3 reads", (), _l3("storage_read_seconds")),
+    Family("storage_written_pages", C, "Pages the L3 store committed", (), _l3("storage_written_pages")),
+    Family("storage_written_bytes", C, "Bytes the L3 store committed", (), _l3("storage_written_bytes")),
+    Family("storage_write_seconds", C, "Time in L3 commits", (), _l3("storage_write_seconds")),
+    Family("storage_write_errors", C, "Failed L3 commits (disk full, read-only, ...)", (),
+           _l3("storage_write_errors")),
+    Family("storage_dropped_pages", C, "Pages offered to the L3 store and never committed", (),
+           _l3("storage_dropped_pages")),
+    Family("storage_duplicate_pages", C, "Pages not written because the L3 store held or was writing them", (),
+           _l3("storage_duplicate_pages")),
+    Family("storage_evicted_pages", C, "Pages the L3 store evicted for capacity", (), _l3("storage_evicted_pages")),
+)
+FAMILY_NAMES = tuple(f.name for f in FAMILIES)
+
+
+def family_values(cache: "HiRadixCache") -> dict[str, Any]:
+    """Every family that applies, by name: a number, a {label value: number} dict, or a
+    histogram as ``{"count", "sum", "buckets"}`` (what ``stats()`` returns)."""
+    ctx = _Context(cache)
+    out = {}
+    for f in FAMILIES:
+        v = f.value(ctx)
+        if v is None:
+            continue
+        if isinstance(v, Histogram):
+            v = v.as_stats()
+        elif isinstance(v, dict):
+            v = {(k if isinstance(k, str) else "/".join(k)): x for k, x in v.items()}
+        out[f.name] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus
 class _Collector:
-    """Reads a cache's metrics and gauges at scrape time."""
+    """One per (registry, prefix): every registered cache's families, with its labels."""
 
-    def __init__(self, cache: "HiRadixCache", prefix: str) -> None:
-        self.cache = cache
+    def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        self.label_names: tuple[str, ...] | None = None
+        self.caches: list[tuple["HiRadixCache", tuple[str, ...]]] = []
+        self.lock = threading.Lock()
+
+    def add(self, cache: "HiRadixCache", labels: Mapping[str, str]) -> None:
+        names, values = tuple(labels), tuple(labels.values())
+        with self.lock:
+            if self.label_names is not None and names != self.label_names:
+                raise ValueError(f"labels: caches exported with prefix {self.prefix!r} on one registry must use "
+                                 f"the same label names {list(self.label_names)}, got {list(names)}")
+            for other, vals in self.caches:
+                if other is cache:
+                    raise ValueError("cache: already registered on this registry with this prefix")
+                if vals == values:
+                    raise ValueError(f"labels: another cache is registered with {dict(labels) or 'no labels'}; give "
+                                     f"each cache distinct labels, e.g. labels={{'cache': 'draft', 'rank': '0', "
+                                     f"'model': 'name'}}")
+            self.label_names = names
+            self.caches.append((cache, values))
+
+    def remove(self, cache: "HiRadixCache") -> bool:
+        with self.lock:
+            self.caches = [(c, v) for c, v in self.caches if c is not cache]
+            if not self.caches:
+                self.label_names = None
+            return not self.caches
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        m = self.cache.metrics
-        families: dict[str, CounterMetricFamily] = {}
-        for name, help_text, field, labels in _COUNTERS:
-            fam = families.get(name)
-            if fam is None:
-                fam = families[name] = CounterMetricFamily(f"{self.prefix}_{name}", help_text,
-                                                           labels=sorted(labels))
-            fam.add_metric([labels[k] for k in sorted(labels)], getattr(m, field))
-        yield from families.values()
-        s = self.cache.stats()
-        hit = GaugeMetricFamily(f"{self.prefix}_cache_hit_rate", "Cached / looked-up tokens since start")
-        hit.add_metric([], s["hit_rate"])
-        yield hit
-        for tier in ("device", "host"):
-            g = GaugeMetricFamily(f"{self.prefix}_{tier}_used_tokens", f"Tokens held by the tree on the {tier} tier")
-            g.add_metric([], s[f"{tier}_tree_tokens"])
-            yield g
+        with self.lock:
+            caches = list(self.caches)
+            const = self.label_names or ()
+        if not caches:
+            return
+        fams: dict[str, Any] = {}
+        for cache, const_vals in caches:
+            ctx = _Context(cache)
+            for f in FAMILIES:
+                v = f.value(ctx)
+                if v is None:
+                    continue
+                name = f"{self.prefix}_{f.name}"
+                fam = fams.get(f.name)
+                if fam is None:
+                    labels = [*const, *f.labels]
+                    cls = {C: CounterMetricFamily, G: GaugeMetricFamily, H: HistogramMetricFamily}[f.kind]
+                    fam = fams[f.name] = cls(name, f.help, labels=labels)
+                if f.kind == H:
+                    fam.add_metric(list(const_vals), v.cumulative(), v.sum)
+                elif f.labels:
+                    for k, x in v.items():
+                        fam.add_metric([*const_vals, *((k,) if isinstance(k, str) else k)], x)
+                else:
+                    fam.add_metric(list(const_vals), v)
+        yield from fams.values()
+
+    def describe(self):
+        return []  # families appear as caches register; names are checked per cache in ``add``
 
 
-def register_prometheus(cache: "HiRadixCache", registry: Any = None, prefix: str = "hicache") -> Any:
-    """Export ``cache``'s metrics through prometheus_client; returns the collector.
+_COLLECTORS: "weakref.WeakKeyDictionary[Any, dict[str, _Collector]]" = weakref.WeakKeyDictionary()
+_COLLECTORS_LOCK = threading.Lock()
 
-    ``registry`` defaults to prometheus_client's global REGISTRY. Raises ImportError with a
-    hint when prometheus_client is not installed.
+
+class PrometheusExport:
+    """What ``register_prometheus`` returns: ``unregister()`` stops exporting the cache."""
+
+    def __init__(self, registry: Any, collector: _Collector, cache: "HiRadixCache") -> None:
+        self.registry, self.collector, self.cache = registry, collector, cache
+
+    def unregister(self) -> None:
+        with _COLLECTORS_LOCK:
+            if self.collector.remove(self.cache):
+                self.registry.unregister(self.collector)
+                _COLLECTORS.get(self.registry, {}).pop(self.collector.prefix, None)
+
+
+def _check_labels(labels: object) -> dict[str, str]:
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise TypeError(f"labels: expected a dict of label name -> value, got {type(labels).__name__}")
+    out = {}
+    for k, v in labels.items():
+        if not isinstance(k, str) or not k.isidentifier() or k.startswith("__"):
+            raise ValueError(f"labels: {k!r} is not a valid Prometheus label name")
+        if k in ("cache_source", "tier", "pool", "reason", "operation", "le"):
+            raise ValueError(f"labels: {k!r} is a label of the cache's own families; pick another name")
+        out[k] = str(v)
+    return out
+
+
+def register_prometheus(cache: "HiRadixCache", registry: Any = None, prefix: str = "hicache",
+                        labels: Mapping[str, object] | None = None) -> PrometheusExport:
+    """Export ``cache``'s families (``FAMILIES``) through prometheus_client; values are read at
+    scrape time (no per-operation cost). Returns a ``PrometheusExport`` (``unregister()``).
+
+    ``registry`` defaults to prometheus_client's global REGISTRY. ``labels`` (e.g.
+    ``{"cache": "target", "rank": "0", "model": "llama-3-8b"}``) are added to every sample of
+    this cache, so several caches share one registry; on one registry and prefix they must
+    use the same label names with distinct values (ValueError otherwise, naming the fix).
+    The L3 families appear while a ``StorageController`` is attached. Raises ImportError with
+    a hint when prometheus_client is not installed.
     """
     try:
         import prometheus_client
     except ImportError as e:
         raise ImportError("register_prometheus needs the prometheus_client package "
-                          "(pip install prometheus_client)") from e
-    collector = _Collector(cache, prefix)
-    (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
-    return collector
+                          "(pip install 'hicache-jax[metrics]' or prometheus_client)") from e
+    if not isinstance(prefix, str) or not prefix.isidentifier():
+        raise ValueError(f"prefix: expected a Prometheus name prefix (letters, digits, _), got {prefix!r}")
+    labels = _check_labels(labels)
+    registry = registry if registry is not None else prometheus_client.REGISTRY
+    with _COLLECTORS_LOCK:
+        per_registry = _COLLECTORS.setdefault(registry, {})
+        collector = per_registry.get(prefix)
+        new = collector is None
+        if new:
+            collector = _Collector(prefix)
+        collector.add(cache, labels)
+        if new:
+            try:
+                registry.register(collector)
+            except Exception:
+                collector.remove(cache)
+                raise
+            per_registry[prefix] = collector
+    return PrometheusExport(registry, collector, cache)

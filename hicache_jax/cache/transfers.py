@@ -95,19 +95,22 @@ class TransferLedger:
         """Acknowledge ``op``: wait for it (retrying a failed copy), run the L3 hook of a
         backup while its locks still hold, release its locks, count its time."""
         try:
-            self._wait(op)
+            first_try = self._wait(op)
             if not op.load and self.storage_hook is not None:
                 self.storage_hook.on_backup_acked(op.node)  # L2 -> L3 write-through
         finally:
             self.locks.release(op.receipt)
+        # Issue -> completion as the handle stamped it; the acknowledgement time where it has no
+        # stamp (or a retry finished the copy).
+        done = op.handle.completed_at if first_try else None
+        if done is None or done < op.t0:
+            done = time.perf_counter()
         m = self.metrics
-        if op.load:
-            m.load_back_seconds += time.perf_counter() - op.t0
-        else:
-            m.backup_seconds += time.perf_counter() - op.t0
+        (m.load_back_duration_seconds if op.load else m.backup_duration_seconds).observe(done - op.t0)
 
-    def _wait(self, op: PendingOp) -> None:
-        """Wait for ``op``'s copy; a failed one is issued again from its source.
+    def _wait(self, op: PendingOp) -> bool:
+        """Wait for ``op``'s copy; a failed one is issued again from its source. True when the
+        first copy succeeded (False: a retry did).
 
         Both ends of the copy are locked until the op is released (after this returns), so
         a retry copies the same bytes into the same pages, and nothing read the destination
@@ -116,7 +119,7 @@ class TransferLedger:
         """
         try:
             op.handle.wait()
-            return
+            return True
         except Exception as e:  # noqa: BLE001 - an engine may raise its own error types
             error = e
         m = self.metrics
@@ -124,7 +127,7 @@ class TransferLedger:
             m.transfer_retries += 1
             try:
                 (self.components.load if op.load else self.components.backup)(op.src, op.dst).wait()
-                return
+                return False
             except Exception as e:  # noqa: BLE001
                 error = e
         m.transfer_failures += 1

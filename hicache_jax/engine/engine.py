@@ -74,6 +74,12 @@ class RequestResult:
     ttft_s: float
     latency_s: float
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
+    queue_s: float = 0.0  # arrival -> admission (waiting for a batch slot, device room or other prefills)
+
+    @property
+    def service_s(self) -> float:
+        """Admission -> first token: match, load-back and prefill (``ttft_s - queue_s``)."""
+        return self.ttft_s - self.queue_s
 
     @property
     def cached_total(self) -> int:
@@ -98,6 +104,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     ttft: float = 0.0
+    admitted: float = 0.0  # perf_counter() when the admission that succeeded started
     computed: int = 0
     reserve: np.ndarray | None = None  # device pages allocated at admission for the decode steps
     prefetch: PrefetchOperation | None = None
@@ -254,8 +261,10 @@ class Engine:
             time.sleep(max(0.0, waiting[0].arrival - time.perf_counter()))  # idle until the next arrival
         while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= self._now():
             seq = waiting[0]
+            t_admit = time.perf_counter()
             if not self._admit(seq, use_cache, have_running=bool(running)):
                 break
+            seq.admitted = t_admit
             waiting.popleft()
             self._prefill(seq)
             if use_cache:  # the prompt's pages become shareable (and backed up) right away
@@ -320,10 +329,8 @@ class Engine:
     def warmup(self) -> None:
         """Compile every model-step shape now (prefill chunks and decode batch sizes), so
         measured TTFTs contain no compilation. The cache contents are unchanged."""
-        new = self.runner.warmup(self.device_pool.buffers, self.cache_config.max_batch, self.cache_config.prefill_chunk)
-        for c, layers in new.items():
-            for l, arr in enumerate(layers):
-                self.device_pool.set_layer(c, l, arr)
+        cfg = self.cache_config
+        self.device_pool.apply(lambda pools: (None, self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk)))
 
     def evict_device_cache(self) -> int:
         """Evict every unlocked device page of the tree (backed-up nodes stay on the host).
@@ -454,12 +461,8 @@ class Engine:
         return req
 
     def _run(self, token_lists, starts, tables) -> np.ndarray:
-        pools = self.device_pool.buffers
-        logits, new = self.runner.step(pools, token_lists, starts, tables)
-        for c, layers in new.items():
-            for l, arr in enumerate(layers):
-                self.device_pool.set_layer(c, l, arr)
-        return logits
+        # The step donates the pool arrays; apply installs the ones it returns.
+        return self.device_pool.apply(self.runner.step, token_lists, starts, tables)
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
@@ -517,4 +520,4 @@ class Engine:
         if seq.reserve is not None and seq.reserve.size:
             self.device_pool.allocator.free(seq.reserve)
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival, seq.computed)
+                             time.perf_counter() - seq.arrival, seq.computed, max(0.0, seq.admitted - seq.arrival))

@@ -21,27 +21,18 @@ Rank divergence the engine itself would cause is removed at the source: a load-b
 fails on one rank is acknowledged by every rank (``loading_check(block=True)`` after each
 waited load-back), so a retry or a latched failure happens on all of them at the same step.
 
-``launch_bench(args, fn_name)`` runs a serving benchmark in ``args.num_processes`` ranks
-(``hicache-jax bench multiturn --num-processes 2``): every rank runs the same workload; rank 0
-prints and writes the report; the parent checks that every rank produced the same tokens.
+``hicache-jax bench multiturn --num-processes N`` runs the benchmark this way
+(``hicache_jax.bench.ranks``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..cache import Agreement, HiRadixCache
-
-RANK_ENV = "HICACHE_RANK"
-RANK_OUT_ENV = "HICACHE_RANK_OUT"
 
 
 @dataclass
@@ -109,77 +100,3 @@ class AgreedClock:
 
     def apply(self, agreed) -> None:
         self.elapsed = max(self.elapsed, int(agreed[0]) / 1e6)
-
-
-# ---------------------------------------------------------------------------------------------- the benchmark
-def launch_bench(args, fn_name: str, timeout_s: float = 3600.0) -> dict:
-    """Run ``hicache_jax.bench.serving.<fn_name>`` in ``args.num_processes`` ranks (see the
-    module docstring). Returns rank 0's report plus ``ranks``: per rank whether its tokens
-    equal rank 0's."""
-    from ..distributed import launch_local
-
-    n = args.num_processes
-    tmp = tempfile.mkdtemp(prefix="hicache-ranks-")
-    storage_dir = args.storage_dir
-    made_storage = False
-    if args.storage_backend != "none" and not storage_dir:
-        storage_dir = os.path.join(tmp, "l3")  # every rank shares one store
-        made_storage = True
-    try:
-        argv = [sys.executable, "-m", "hicache_jax.cli", "bench", fn_name.replace("_", "-"),
-                *_argv_of(args, storage_dir)]
-        env = {**os.environ, RANK_OUT_ENV: tmp}
-        print(f"starting {n} ranks (jax.distributed on the CPU, agreement {args.agreement})", file=sys.stderr)
-        results = launch_local(argv, n, timeout_s, env=env)
-        print(results[0].output, end="")
-        reports = []
-        for r in range(n):
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                reports.append(json.load(f))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if made_storage:
-            args.storage_dir = None
-    payload = reports[0]["payload"]
-    same = [rep["tokens"] == reports[0]["tokens"] for rep in reports]
-    payload["ranks"] = {"num_processes": n, "agreement": args.agreement, "same_tokens_as_rank0": same,
-                        "agreement_steps": [rep["agreement"] for rep in reports]}
-    print(f"{n} ranks: tokens identical on every rank: {all(same)}; agreement "
-          f"{args.agreement}: {reports[0]['agreement']['exchanges']} exchanges, "
-          f"{reports[0]['agreement']['seconds'] * 1e3:.0f} ms in all on rank 0")
-    return payload
-
-
-def _argv_of(args, storage_dir: str | None) -> list[str]:
-    out = []
-    for k, v in vars(args).items():
-        if k in ("num_processes", "storage_dir") or v is None:
-            continue
-        out += [f"--{k.replace('_', '-')}", str(v)]
-    if storage_dir:
-        out += ["--storage-dir", storage_dir]
-    return out
-
-
-def in_rank() -> bool:
-    """Whether this process is a launched rank."""
-    return RANK_ENV in os.environ
-
-
-def rank_out(args) -> None:
-    """In a launched rank other than 0: write reports and plots beside the parent's files,
-    not over rank 0's ``--out``."""
-    if in_rank() and int(os.environ[RANK_ENV]) != 0 and os.environ.get(RANK_OUT_ENV):
-        args.out = os.path.join(os.environ[RANK_OUT_ENV], f"rank{os.environ[RANK_ENV]}-report.json")
-
-
-def report_rank(engine, payload: dict, tokens: list) -> None:
-    """In a launched rank: hand the parent this rank's report, its tokens and its agreement
-    counts (``HICACHE_RANK_OUT``)."""
-    out = os.environ.get(RANK_OUT_ENV)
-    if not out or not in_rank():
-        return
-    rank = int(os.environ[RANK_ENV])
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"payload": payload if rank == 0 else None, "tokens": tokens,
-                   "agreement": engine.cache.step_agreement.stats()}, f, default=str)

@@ -1,6 +1,6 @@
 """L3 controller: write-through backups host (L2) -> storage (L3), and prefetch storage -> host.
 
-Usage (REFERENCE.md 2.6; the engine's scheduler thread owns the cache and the controller)::
+Usage (upstream HiCache's L3 flow; the engine's scheduler thread owns the cache and the controller)::
 
     cache = HiRadixCache(HiCacheConfig(page_size=16, storage=StorageConfig(backend="file", path=d)),
                          engine, device_allocator, sidecars={"draft": draft_engine})
@@ -53,11 +53,12 @@ L3 backup (write-through from L2, no threshold)
     then drops the host lock at its next ``poll``. A node whose pages failed is retried on
     the next backup below it.
 
-Prefetch (REFERENCE.md 2.6 flow; policies in ``storage.config``)
+Prefetch (upstream HiCache's flow; policies in ``storage.config``)
     ``prefetch(key)`` walks the tree read-only. It starts only when the match ends on a
     backed-up node (or the root), the continuation after it is >= the threshold
     (``max(prefetch_threshold_tokens, page_size)``) and prefetches in flight hold less than
-    ``max_inflight_fraction`` of the host pool. It host-locks the anchor node (the match's
+    ``max_inflight_fraction`` of the host pool. A skipped prefetch says why (``op.reason``,
+    ``op.reason_code``), counts in ``metrics.prefetch_skipped_by_reason`` and logs it (debug). It host-locks the anchor node (the match's
     deepest node) and queues a query on the query thread: hash the continuation's page keys
     and count consecutive storage hits in ``batch_pages`` batches, stopping at the first
     partial batch. On the owner thread (``poll``, ``prefetch_ready`` or ``finish_prefetch``) a
@@ -78,12 +79,15 @@ Prefetch (REFERENCE.md 2.6 flow; policies in ``storage.config``)
 Counting
     ``finish_prefetch`` returns the tokens attached from storage (now host-only nodes). They
     reach the device through ``begin_request``'s load-back (subject to its
-    ``load_back_threshold`` and device room, like any host hit), so ``metrics.loaded_tokens``
-    (the host source) includes them. An engine reporting per tier uses device = the match's
-    device hit, storage = min(this result, the load-back's ``num_tokens``), host = the
-    load-back's ``num_tokens`` - storage. Counters live in ``cache.metrics`` (``prefetch_*``,
-    ``storage_hit_tokens``, ``storage_backup_*``; exported by ``register_prometheus``); the
-    store's own counters are ``controller.storage.metrics``.
+    ``load_back_threshold`` and device room, like any host hit); the cache remembers which
+    nodes came from L3, so their load-back counts as ``cached_tokens{cache_source="storage"}``
+    and not as a host hit (``metrics.loaded_storage_tokens``). An engine reporting per request
+    uses device = the match's device hit, storage = min(this result, the load-back's
+    ``num_tokens``), host = the load-back's ``num_tokens`` - storage. Counters live in
+    ``cache.metrics`` (``prefetch_*``, ``prefetch_attached_tokens``, ``storage_backup_*``);
+    ``stats()`` reports the store's counters (``controller.storage.metrics``) under the cache's
+    metric family names (``storage_read_hit_pages``, ...); ``register_prometheus(cache)``
+    exports both.
 
 Threading
     Every public method, and every hook the cache calls (``on_backup_acked``, ``poll``,
@@ -116,10 +120,14 @@ agreement)
     own keys (the namespace holds ``tp_rank``), and a page group becomes visible only when
     every rank's shard is written: after the ranks agree that a backup job succeeded
     everywhere, rank 0 writes a commit marker per page (pool ``commit``: rank-independent keys,
-    a one-byte page). Queries require the marker and the rank's own shard; the hit is still
-    MIN-reduced (a shard can vanish on one rank). A replicated pool (MLA latent KV: the same
-    bytes on every rank) uses rank-independent keys and is written by rank 0 only, so it needs
-    no marker (upstream ``backup_skip``); with only replicated pools nothing is marked.
+    a one-byte page). Each rank's query asks for its own shard, rank 0's for the marker too:
+    the hit is MIN-reduced, so every rank's agreed hit stops at the first page lacking a marker
+    or any rank's shard (a shard can vanish on one rank), and a store that buffers writes per
+    process (orbax) needs no other process's pending pages. A replicated pool (MLA latent KV:
+    the same bytes on every rank) uses rank-independent keys and is written by rank 0 only, so
+    it needs no marker (upstream ``backup_skip``); with only replicated pools nothing is
+    marked. The other ranks read rank 0's replicated pages, so with a per-process buffering
+    store they hit once rank 0's writer has saved them (``flush_interval_s``).
 
 Coupling: the controller uses only the cache's public L3 surface (``backed_up_prefix``,
 ``pin_host`` / ``unpin_host`` receipts, ``reserve_host_pages``, ``insert_host``, the
@@ -177,13 +185,14 @@ class _Entry:
 
 
 class _BackupJob:
-    __slots__ = ("node", "entries", "keys", "ids", "ok", "t0", "done", "pin")
+    __slots__ = ("node", "entries", "keys", "ids", "ok", "t0", "t_done", "done", "pin")
 
     def __init__(self, node, entries, keys, ids) -> None:
         self.node, self.entries, self.keys, self.ids = node, entries, keys, ids
         self.pin: LockReceipt | None = None  # keeps the host pages until the storage copied them
         self.ok = np.zeros(len(ids), bool)
         self.t0 = time.perf_counter()
+        self.t_done = 0.0  # set by the backup thread when the storage has the pages
         self.done = threading.Event()
 
 
@@ -193,13 +202,19 @@ class PrefetchOperation:
     ``skipped`` (never started), ``querying`` (counting storage hits), ``loading`` (host pages
     reserved, reading), ``revoked`` (dropped; nothing attached), ``finished`` (after
     ``finish_prefetch``; ``storage_tokens`` is the result), ``closed`` (controller closed).
+
+    ``reason`` says in words why it was skipped or revoked; a skipped one also has
+    ``reason_code``: ``below_threshold`` (the continuation after what the tree holds is
+    shorter than ``StorageConfig.prefetch_threshold_tokens``), ``not_backed_up``,
+    ``host_budget``, ``namespace_unsupported`` or ``closed``.
     """
 
     def __init__(self, controller: "StorageController", key: RadixKey) -> None:
         self._ctrl = controller
         self.key = key
         self.status = "skipped"
-        self.reason = ""
+        self.reason = ""  # why it was skipped or revoked, in words (with the numbers)
+        self.reason_code = ""  # a skipped prefetch: the label of prefetch_skipped_total{reason}
         self.start = 0  # tokens of the key already backed up in the tree at prefetch time
         self.end = 0  # page-aligned end of the key
         self.storage_tokens = 0
@@ -226,6 +241,7 @@ class PrefetchOperation:
         self._agreed_finished = False
         self._agreed_late = False
         self._reservation: tuple[int, np.ndarray | None] | None = None
+        self._t_done: float | None = None  # query or IO thread: when its last storage call ended
 
     @property
     def requested_tokens(self) -> int:
@@ -347,6 +363,7 @@ class StorageController:
         self._step_ops: list[PrefetchOperation] = []
         self._step_jobs: list[_BackupJob] = []
         self._step_drain: list[PrefetchOperation] = []
+        self._threshold_skip_logged = False
         cache.storage_hook = self
         if self._agreed:
             cache.step_agreement.add(self)
@@ -513,6 +530,7 @@ class StorageController:
         except Exception:
             log.exception("L3: backup of %d pages failed", len(job.ids))
         finally:
+            job.t_done = time.perf_counter()
             if not self._agreed:  # several ranks: reaped in agreed order instead
                 self._backup_done.append(job)
             job.done.set()
@@ -538,7 +556,7 @@ class StorageController:
         m.storage_backup_tokens += good * p
         m.storage_backup_bytes += good * self.cache.components.bytes_per_page
         m.storage_backup_failed_tokens += (len(job.ok) - good) * p
-        m.storage_backup_seconds += time.perf_counter() - job.t0
+        m.storage_backup_duration_seconds.observe(job.t_done - job.t0)
         if stored is None:
             stored = good == len(job.ok)
         state = _STORED if stored else _NEW
@@ -587,26 +605,27 @@ class StorageController:
         p = self.page_size
         n = len(key) - len(key) % p
         if self._closed:
-            op.status, op.reason = "closed", "controller closed"
-            m.prefetch_skipped += 1
+            op.status = "closed"
+            self._skip(op, "closed", "controller closed")
             return op
         self.poll()
         anchor, matched, anchor_m = cache.backed_up_prefix(key)
         op.start, op.end = matched, n
-        reason = ""
+        code = reason = ""
         if anchor is not cache.root and anchor.host_value is None:
-            reason = "the matched prefix is not backed up"
+            code, reason = "not_backed_up", "the matched prefix is not backed up"
         elif n - matched < self.threshold:
-            reason = "continuation below the threshold"
+            code = "below_threshold"
+            reason = (f"continuation below the threshold: {n - matched} tokens after the {matched} the tree "
+                      f"holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
         elif self._inflight_pages() >= self.max_inflight_fraction * cache.host_allocator.num_pages:
-            reason = "prefetches in flight hold the host budget"
+            code, reason = "host_budget", "prefetches in flight hold the host budget"
         else:
             ns = self._namespaces(key.namespace)
             if ns is None:
-                reason = "namespace not supported"
-        if reason:
-            op.reason = reason
-            m.prefetch_skipped += 1
+                code, reason = "namespace_unsupported", "namespace not supported"
+        if code:
+            self._skip(op, code, reason)
             return op
         op._ns = ns
         if anchor is not cache.root:
@@ -622,6 +641,21 @@ class StorageController:
         self._query.submit(self._run_query, op)
         return op
 
+    def _skip(self, op: PrefetchOperation, code: str, reason: str) -> None:
+        """``op`` never starts: record why (``op.reason_code`` / ``op.reason``), count it per
+        reason (``prefetch_skipped_by_reason``) and log it (debug; the first threshold skip
+        also at info, since it hides every storage hit of short prompts)."""
+        op.reason_code, op.reason = code, reason
+        m = self.cache.metrics
+        m.prefetch_skipped += 1
+        m.prefetch_skipped_by_reason[code] = m.prefetch_skipped_by_reason.get(code, 0) + 1
+        if code == "below_threshold" and not self._threshold_skip_logged:
+            self._threshold_skip_logged = True
+            log.info("L3: prefetch skipped: %s; shorter continuations never read L3 (further skips are "
+                     "logged at debug level)", reason)
+        else:
+            log.debug("L3: prefetch of %d tokens skipped: %s", op.requested_tokens, reason)
+
     def _run_query(self, op: PrefetchOperation) -> None:  # query thread
         keys: dict[str, list[bytes]] = {}
         hit = 0
@@ -633,11 +667,14 @@ class StorageController:
                     prev = page_keys(ns, toks[:op.start])[-1]
                 keys[pool] = page_keys(ns, toks[op.start:op.end], prev)
             n = len(keys[TARGET_POOL])
+            # Several ranks: rank 0 alone checks the commit markers (it wrote them, so it sees
+            # them at once even in a store that buffers per process); the hit is MIN-reduced.
+            asked = [p for p in keys if p != COMMIT_POOL or self.tp_rank == 0]
             for s in range(0, n, self.batch_pages):
                 if op._cancel:
                     break
                 e = min(n, s + self.batch_pages)
-                r = self.storage.exists_multi([PoolTransfer(pool, ks[s:e]) for pool, ks in keys.items()])
+                r = self.storage.exists_multi([PoolTransfer(pool, keys[pool][s:e]) for pool in asked])
                 hit += r.hit_pages
                 if r.hit_pages < e - s:
                     break
@@ -646,6 +683,7 @@ class StorageController:
             hit = 0
         with op._cond:
             op._keys, op._hit_pages = keys, hit
+            op._t_done = time.perf_counter()
             op._cond.notify_all()
 
     def _run_io(self, op: PrefetchOperation) -> None:  # IO thread
@@ -668,6 +706,7 @@ class StorageController:
         finally:
             with op._cond:
                 op._io_finished = True
+                op._t_done = time.perf_counter()
                 op._cond.notify_all()
 
     def _advance(self, op: PrefetchOperation) -> None:
@@ -713,6 +752,7 @@ class StorageController:
         self._ops.pop(op, None)
         if count:
             self.cache.metrics.prefetch_revoked += 1
+        log.debug("L3: prefetch revoked: %s", reason)
         self._release_anchor(op)
 
     def _deadline(self, op: PrefetchOperation) -> float:
@@ -788,6 +828,8 @@ class StorageController:
             op._cancel = True
             done = op._done_pages if op.status == "loading" else 0
             io_finished = op._io_finished
+            # Completion: the last storage call's end; now, if the policy cut the op short.
+            t_end = op._t_done if (io_finished or op.status == "revoked") and op._t_done is not None else None
         if timed_out:
             self.cache.metrics.prefetch_timeouts += 1
         self._ops.pop(op, None)
@@ -820,14 +862,17 @@ class StorageController:
         elif op.status == "querying":  # nothing was reserved yet
             op.status, op.reason = "revoked", "stopped before the storage answered"
         self._release_anchor(op)
-        self._account(op, attached)
+        self._account(op, attached, t_end)
         return attached
 
-    def _account(self, op: PrefetchOperation, attached: int) -> None:
+    def _account(self, op: PrefetchOperation, attached: int, t_end: float | None = None) -> None:
         op.storage_tokens = attached
         m = self.cache.metrics
-        m.storage_hit_tokens += attached
-        m.prefetch_seconds += time.perf_counter() - op.t0
+        m.prefetch_attached_tokens += attached
+        if t_end is None:
+            with op._cond:
+                t_end = op._t_done
+        m.prefetch_duration_seconds.observe((t_end if t_end is not None else time.perf_counter()) - op.t0)
 
     def cancel(self, op: PrefetchOperation) -> None:
         """Drop a prefetch whose request will not be scheduled (frees everything it holds)."""
@@ -903,7 +948,7 @@ class StorageController:
                     op.reason = "the tree no longer connects"
                 op.status = "finished"
             m.prefetched_tokens += done * self.page_size
-        else:  # querying: nothing reserved outside a step
+        elif op.status == "querying":  # nothing reserved outside a step (best_effort, or a timeout)
             op.status, op.reason = "revoked", "stopped before the ranks agreed on the storage hit"
         self._release_anchor(op)
         self._account(op, attached)
@@ -1011,16 +1056,35 @@ class StorageController:
             log.exception("L3: writing %d commit markers failed", len(keys))
 
     # ------------------------------------------------------------------ lifecycle
+    # The store's counters (``storage.metrics``) under the cache's metric family names
+    # (``hicache_jax.cache.metrics.FAMILIES``): one naming scheme, pages counted as pages.
+    _STORE_FAMILIES = {
+        "hits": "storage_read_hit_pages", "misses": "storage_read_miss_pages", "corrupt": "storage_corrupt_pages",
+        "read_errors": "storage_read_errors", "quarantined": "storage_quarantined_files",
+        "verified": "storage_verified_pages", "bytes_read": "storage_read_bytes", "read_seconds": "storage_read_seconds",
+        "pages_written": "storage_written_pages", "bytes_written": "storage_written_bytes",
+        "write_seconds": "storage_write_seconds", "write_errors": "storage_write_errors",
+        "pages_dropped": "storage_dropped_pages", "sets_skipped": "storage_duplicate_pages",
+        "pages_evicted": "storage_evicted_pages",
+    }
+
     def stats(self) -> dict:
-        return {
+        """Configuration, operations in flight and the store's counters, named as the cache's
+        metric families (``cache.stats()`` includes them while the controller is attached)."""
+        snap = self.storage.metrics.snapshot()
+        out = {
             "backend": self.storage.backend_name,
             "prefetch_policy": self.config.prefetch_policy,
-            "threshold_tokens": self.threshold,
+            "prefetch_threshold_tokens": self.threshold,
             "prefetches_in_flight": len(self._ops),
-            "prefetch_pages_reserved": int(self.reserved_host_pages().size),
-            "backups_in_flight": len(self._backups),
-            "storage": self.storage.metrics.snapshot(),
+            "prefetch_reserved_host_pages": int(self.reserved_host_pages().size),
+            "storage_backups_in_flight": len(self._backups),
+            "storage_writes_pending": int(bool(self.storage.writes_pending())),
+            "storage_capacity_bytes": self.config.capacity_bytes,
         }
+        for k, name in self._STORE_FAMILIES.items():
+            out[name] = snap.get(k, 0)
+        return out
 
     def close(self) -> None:
         """Acknowledge pending D2H backups, cancel prefetches, flush every L3 write, close the

@@ -1,4 +1,12 @@
-"""Reference model configuration (validated at construction)."""
+"""Reference model configuration (validated at construction).
+
+Hybrid models: ``layer_types`` names each layer ``"full"`` (causal attention over the whole
+prefix) or ``"sliding"`` (attention over the last ``sliding_window`` positions, the current one
+included: see ``window``). The two kinds keep their KV in two pools: the full layers in the
+pool of ``kv_geometry(page)``, the sliding layers in an SWA pool of ``swa_kv_geometry(page)``,
+with its own page ids. ``swa_as_full=True`` keeps the same layers and weights but runs every
+layer as full attention with its KV in the full pool: the "SWA as full" memory baseline.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,42 @@ from typing import Literal
 
 from ..kv_geometry import KVGeometry
 
+LayerType = Literal["full", "sliding"]
+_PATTERN_CHARS = {"F": "full", "S": "sliding"}
+
+
+def _layer_types(value: object, num_layers: int) -> tuple[str, ...]:
+    """Normalize ``layer_types`` (a tuple of per-layer kinds or an 'F'/'S' pattern) to a tuple."""
+    if isinstance(value, str):
+        if not value or set(value) - set(_PATTERN_CHARS):
+            raise ValueError(f"layer_types: a pattern string must be made of 'F' (full) and 'S' (sliding), "
+                             f"got {value!r}")
+        if len(value) > num_layers:
+            raise ValueError(f"layer_types: pattern {value!r} is longer than num_layers {num_layers}")
+        return tuple(_PATTERN_CHARS[value[i % len(value)]] for i in range(num_layers))
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"layer_types: expected a tuple of 'full'/'sliding' or an 'F'/'S' pattern string, "
+                        f"got {type(value).__name__}")
+    if len(value) != num_layers:
+        raise ValueError(f"layer_types: expected {num_layers} entries (num_layers), got {len(value)}")
+    for i, kind in enumerate(value):
+        if kind not in ("full", "sliding"):
+            raise ValueError(f"layer_types[{i}]: expected 'full' or 'sliding', got {kind!r}")
+    return tuple(value)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the reference transformer. ``attention='mla'`` stores one latent KV per token
-    (width ``kv_lora_rank + qk_rope_head_dim``) instead of per-head K and V."""
+    (width ``kv_lora_rank + qk_rope_head_dim``) instead of per-head K and V.
+
+    ``layer_types``: per layer ``"full"`` or ``"sliding"``, as a tuple of ``num_layers`` entries
+    or a pattern string of ``'F'``/``'S'`` repeated to ``num_layers`` (``"SF"``: alternating,
+    sliding first, as gpt-oss; ``"SSSSSF"``: Gemma 3's five sliding to one full). Stored as
+    the tuple. At least one layer must be full (the full pool keys the prefix cache).
+    ``sliding_window``: the window ``W`` in tokens, required exactly when a layer slides.
+    ``swa_as_full``: run the sliding layers as full attention (same weights, KV in the full pool).
+    """
 
     vocab_size: int = 512
     num_layers: int = 2
@@ -28,6 +67,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     kv_dtype: str = "float32"
     seed: int = 0
+    layer_types: tuple[LayerType, ...] | str = "F"
+    sliding_window: int | None = None
+    swa_as_full: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn",
@@ -44,9 +86,73 @@ class ModelConfig:
         if self.head_dim % 2 or self.qk_rope_head_dim % 2:
             raise ValueError("head_dim and qk_rope_head_dim: expected even sizes (rotary embedding)")
         KVGeometry.mha(1, 1, 1, 1, self.kv_dtype)  # validates kv_dtype
+        types = _layer_types(self.layer_types, self.num_layers)
+        object.__setattr__(self, "layer_types", types)
+        if "full" not in types:
+            raise ValueError(f"layer_types: expected at least one 'full' layer (the full pool keys the prefix "
+                             f"cache), got {types}")
+        sliding = "sliding" in types
+        if self.sliding_window is None:
+            if sliding:
+                raise ValueError("sliding_window: required (the window in tokens) when layer_types has a "
+                                 "'sliding' layer")
+        elif isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int):
+            raise TypeError(f"sliding_window: expected an int or None, got {type(self.sliding_window).__name__}")
+        elif not sliding:
+            raise ValueError(f"sliding_window: {self.sliding_window} given but layer_types has no 'sliding' layer")
+        elif self.sliding_window < 1:
+            raise ValueError(f"sliding_window: expected >= 1, got {self.sliding_window}")
+        if not isinstance(self.swa_as_full, bool):
+            raise TypeError(f"swa_as_full: expected a bool, got {type(self.swa_as_full).__name__}")
+
+    # ---- which layer keeps its KV where ---------------------------------------------------
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        """Layers that attend over the sliding window and keep KV in the SWA pool (none when
+        ``swa_as_full``)."""
+        if self.swa_as_full:
+            return ()
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Layers that attend over the whole prefix and keep KV in the full pool."""
+        swa = set(self.swa_layers)
+        return tuple(i for i in range(self.num_layers) if i not in swa)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layer uses the SWA pool (the step then needs SWA pools and tables)."""
+        return bool(self.swa_layers)
+
+    def pool_slot(self, layer: int) -> tuple[str, int]:
+        """``("full" | "swa", index)``: the pool a layer's KV lives in and its layer index there."""
+        swa = self.swa_layers
+        if layer in swa:
+            return "swa", swa.index(layer)
+        return "full", self.full_layers.index(layer)
+
+    # ---- geometries -------------------------------------------------------------------------
+    def _geometry(self, num_layers: int, page_size: int) -> KVGeometry:
+        if self.attention == "mha":
+            return KVGeometry.mha(num_layers, page_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        return KVGeometry.mla(num_layers, page_size, self.kv_lora_rank, self.qk_rope_head_dim, self.kv_dtype)
 
     def kv_geometry(self, page_size: int) -> KVGeometry:
-        """The paged-KV geometry this model writes."""
-        if self.attention == "mha":
-            return KVGeometry.mha(self.num_layers, page_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
-        return KVGeometry.mla(self.num_layers, page_size, self.kv_lora_rank, self.qk_rope_head_dim, self.kv_dtype)
+        """The paged-KV geometry of the full pool: the full-attention layers only (every layer
+        for a non-hybrid model or with ``swa_as_full``)."""
+        return self._geometry(len(self.full_layers), page_size)
+
+    def swa_kv_geometry(self, page_size: int) -> KVGeometry | None:
+        """The paged-KV geometry of the SWA pool (the sliding layers only); None when no layer
+        uses it."""
+        return self._geometry(len(self.swa_layers), page_size) if self.is_hybrid else None
+
+
+# Hybrid presets (alternating sliding / full layers as gpt-oss, whose window is 128 tokens).
+# HYBRID_TINY: tests and smoke runs. HYBRID_BENCH: the serving benchmark's "bench" shape (sized
+# for a 2-core CPU) with half its layers sliding.
+HYBRID_TINY = ModelConfig(vocab_size=512, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                          ffn=128, layer_types="SF", sliding_window=24)
+HYBRID_BENCH = ModelConfig(vocab_size=2048, num_layers=10, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                           ffn=2048, layer_types="SF", sliding_window=128)

@@ -5,15 +5,37 @@ pool at ``(page_table[pos // page], pos % page)``, attends over every cached pos
 ``kv_len`` (causal), and returns the logits of each sequence's last new token plus the
 updated pool arrays.
 
-Donation: the pool arrays passed in are donated (updated in place) and must be replaced by
-the returned ones. Shapes are bucketed so steady-state serving reuses compiled steps: B to
-powers of two, T to ``token_buckets`` (then powers of two), and the page-table width either
-fixed at ``max_pages_per_seq`` (one width: attention over a few padded keys is cheap next to
-the matmuls, and ``warmup`` can then compile every shape up front) or to powers of two.
+Hybrid models (``ModelConfig.is_hybrid``) have a second pool, the SWA pool, for their
+sliding-window layers, with its own page ids and per sequence its own page table, indexed by
+logical page like the full one (entry j: the SWA page holding positions ``[j*page, (j+1)*page)``).
+A sliding layer with window ``W`` lets position ``p`` attend to ``[p - W + 1, p]`` (``window``
+states the convention); a step computing ``[s, e)`` therefore reads SWA positions
+``[s - W + 1, e)``, i.e. the logical pages ``window.swa_pages_needed(s, e, W, page)``. Only
+those entries of an SWA table must be valid SWA page ids; the entries below are never copied
+to the device (a freed page's id, a sentinel such as -1, anything). The runner copies the
+needed entries into a narrow device table of ``window.swa_table_width(W, T, page)`` columns
+(column j = logical page ``first + j``), so the SWA layers gather and attend over at most
+``W - 1 + T`` positions (plus page rounding), never over the whole context: SWA compute per
+step and SWA pool pages per request are bounded by the window. That width is a function of the
+token bucket T, so each compiled (B, T) shape has exactly one SWA width and a hybrid model
+compiles no more steps than a full one. (The alternative, SWA tables as wide as the full ones
+with out-of-window entries masked, bounds pool memory just as well but gathers and attends over
+the whole context in every SWA layer and puts stale ids on the device.) The full pool and its
+tables work exactly as for a non-hybrid model, whose compiled step is unchanged. The per-layer
+dispatch to a pool is ``_attention``.
+
+Donation: the pool arrays passed in (both pools) are donated (updated in place) and must be
+replaced by the returned ones. Shapes are bucketed so steady-state serving reuses compiled steps:
+B to powers of two; T to 1 for decode (one token per sequence), else to ``token_buckets`` (then
+powers of two); the page-table width either fixed at ``max_pages_per_seq`` (one width: attention
+over a few padded keys is cheap next to the matmuls, and ``warmup`` can then compile every shape
+up front) or to powers of two.
 Threading: call from the thread that owns the pool.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +44,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .model import Transformer
+from .window import swa_pages_needed, swa_table_width
 
 Pools = dict[str, list[jax.Array]]
 
@@ -30,12 +53,18 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens):
-    model = nnx.merge(graphdef, state)
-    b, t = tokens.shape
-    any_pool = next(iter(pools.values()))[0]
-    num_pages, page = any_pool.shape[:2]
-    x = model.embed(tokens)
+class _PoolView(NamedTuple):
+    """One pool as a step sees it: where the new tokens' KV goes and which slots each query reads."""
+
+    tables: jax.Array  # (B, M) pool pages gathered per sequence
+    slot_page: jax.Array  # (B, T) pool page of each new token (num_pages for padding: dropped)
+    slot_off: jax.Array  # (B, T)
+    kv_valid: jax.Array  # (B, S = M * page) gathered slots holding KV this step may read
+    mask: jax.Array  # (B, T, S) slots each query attends to
+
+
+def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int) -> _PoolView:
+    """Full attention: table column j is logical page j; causal over ``[0, kv_len)``."""
     # New tokens' slots; padding tokens go to an out-of-range page and are dropped.
     slot_page = jnp.take_along_axis(page_tables, positions // page, axis=1)
     slot_page = jnp.where(valid, slot_page, num_pages)
@@ -44,27 +73,80 @@ def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_table
     kpos = jnp.arange(s)
     kv_valid = kpos[None, :] < kv_lens[:, None]  # (B, S)
     mask = (kpos[None, None, :] <= positions[:, :, None]) & kv_valid[:, None, :]
-    new_pools: Pools = {c: [] for c in pools}
+    return _PoolView(page_tables, slot_page, slot_off, kv_valid, mask)
+
+
+def _window_view(tables, first_page, positions, valid, kv_lens, num_pages: int, page: int,
+                 window: int) -> _PoolView:
+    """Sliding window: table column j is logical page ``first_page + j``; query p sees
+    ``[p - window + 1, p]``. Slots below the first query's window (the head of the first page)
+    are invalid like those at or past ``kv_len``, so their values never reach the output."""
+    slot_page = jnp.take_along_axis(tables, positions // page - first_page[:, None], axis=1)
+    slot_page = jnp.where(valid, slot_page, num_pages)
+    slot_off = positions % page
+    kpos = first_page[:, None] * page + jnp.arange(tables.shape[1] * page)[None, :]  # (B, S)
+    kv_valid = (kpos < kv_lens[:, None]) & (kpos > positions[:, :1] - window)
+    q = positions[:, :, None]
+    mask = (kpos[:, None, :] <= q) & (kpos[:, None, :] > q - window) & kv_valid[:, None, :]
+    return _PoolView(tables, slot_page, slot_off, kv_valid, mask)
+
+
+def _attention(block, h, positions, pools: Pools, layer: int, view: _PoolView) -> jax.Array:
+    """One layer's attention over one pool: write the new tokens' KV at their slots (replacing
+    ``pools[c][layer]``), gather the view's pages, attend."""
+    b = h.shape[0]
+    s = view.kv_valid.shape[1]
+    kv_all = {}
+    for c, entries in block.attn.project_kv(h, positions).items():
+        old = pools[c][layer]
+        pool = old.at[view.slot_page, view.slot_off].set(entries.astype(old.dtype), mode="drop")
+        pools[c][layer] = pool
+        gathered = pool[view.tables]  # (B, M, page, H, W)
+        kv_all[c] = gathered.reshape((b, s) + gathered.shape[3:]).astype(jnp.float32)
+    return block.attn.attend(h, positions, kv_all, view.kv_valid, view.mask)
+
+
+def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens,
+             swa_pools: Pools | None = None, swa_tables=None, swa_first=None):
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    any_pool = next(iter(pools.values()))[0]
+    num_pages, page = any_pool.shape[:2]
+    x = model.embed(tokens)
+    views = {"full": _full_view(page_tables, positions, valid, kv_lens, num_pages, page)}
+    new = {"full": {c: list(layers) for c, layers in pools.items()}}
+    if swa_pools is not None:
+        swa_pages = next(iter(swa_pools.values()))[0].shape[0]
+        views["swa"] = _window_view(swa_tables, swa_first, positions, valid, kv_lens, swa_pages, page,
+                                    cfg.sliding_window)
+        new["swa"] = {c: list(layers) for c, layers in swa_pools.items()}
     for layer, block in enumerate(model.blocks):
         h = block.norm1(x)
-        new_kv = block.attn.project_kv(h, positions)
-        kv_all = {}
-        for c, entries in new_kv.items():
-            pool = pools[c][layer].at[slot_page, slot_off].set(entries.astype(any_pool.dtype), mode="drop")
-            new_pools[c].append(pool)
-            gathered = pool[page_tables]  # (B, M, page, H, W)
-            kv_all[c] = gathered.reshape((b, s) + gathered.shape[3:]).astype(jnp.float32)
-        x = x + block.attn.attend(h, positions, kv_all, kv_valid, mask)
+        kind, index = cfg.pool_slot(layer)
+        x = x + _attention(block, h, positions, new[kind], index, views[kind])
         x = x + block.mlp(block.norm2(x))
     last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     logits = model.lm_head(model.norm(x_last))
-    return logits, new_pools
+    if swa_pools is None:
+        return logits, new["full"]
+    return logits, new["full"], new["swa"]
 
 
 # One jitted step for every runner: equal configs give equal graphdefs (a static argument),
-# so engines built for the same model reuse each other's compiled steps.
-_STEP = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,))
+# so engines built for the same model reuse each other's compiled steps. Both pools are donated.
+_STEP = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2, 8))
+
+
+def _check_pools(name: str, pools: object, components: tuple[str, ...], num_layers: int) -> int:
+    """Number of pages of a pool dict ``{component: [array per layer]}``; ValueError if its
+    components or layer count are not the geometry's."""
+    if not isinstance(pools, dict) or set(pools) != set(components) or \
+            any(len(layers) != num_layers for layers in pools.values()):
+        got = {c: len(v) for c, v in pools.items()} if isinstance(pools, dict) else type(pools).__name__
+        raise ValueError(f"{name}: expected {{component: list of {num_layers} layer arrays}} for components "
+                         f"{components}, got {got}")
+    return int(next(iter(pools.values()))[0].shape[0])
 
 
 class PagedRunner:
@@ -80,16 +162,33 @@ class PagedRunner:
         self.graphdef, self.state = nnx.split(self.model)
         self._step = _STEP
 
+    def swa_table_width(self, t_bucket: int) -> int:
+        """Columns of the device SWA table for a step of token bucket ``t_bucket``."""
+        return swa_table_width(self.config.sliding_window, t_bucket, self.page_size)
+
     def step(self, pools: Pools, tokens: list[list[int]], starts: list[int], page_tables: list[np.ndarray],
-             min_t: int = 1) -> tuple[np.ndarray, Pools]:
+             min_t: int = 1, *, swa_pools: Pools | None = None, swa_page_tables: list | None = None):
         """Run B sequences: sequence i adds ``tokens[i]`` at positions ``starts[i]...``.
 
-        ``page_tables[i]`` lists the pool pages of sequence i, covering every position up to
-        ``starts[i] + len(tokens[i])``. Returns (logits (B, vocab) as numpy, new pools).
+        ``page_tables[i]`` lists the (full) pool pages of sequence i, covering every position up
+        to ``starts[i] + len(tokens[i])``. Returns (logits (B, vocab) as numpy, new pools).
+
+        Hybrid models also take ``swa_pools`` (the SWA pool's arrays, donated) and
+        ``swa_page_tables[i]``: sequence i's SWA pages by logical page, at least
+        ``ceil(end / page)`` entries long, where only the entries of
+        ``swa_pages_needed(starts[i], end, W, page)`` are read (they must be SWA pool page ids);
+        and return (logits, new pools, new SWA pools).
         """
         b = len(tokens)
         if not (b == len(starts) == len(page_tables)) or b == 0:
             raise ValueError("tokens, starts, page_tables: expected equal, non-zero lengths")
+        hybrid = self.config.is_hybrid
+        if hybrid and (swa_pools is None or swa_page_tables is None):
+            raise ValueError("swa_pools, swa_page_tables: required, the model has sliding-window layers "
+                             f"{self.config.swa_layers}")
+        if not hybrid and (swa_pools is not None or swa_page_tables is not None):
+            raise ValueError("swa_pools, swa_page_tables: expected None, the model has no sliding-window layer "
+                             "in the SWA pool")
         bb = _bucket(b)
         tb = self._token_bucket(max(len(x) for x in tokens), min_t)
         widest = max(len(p) for p in page_tables)
@@ -111,28 +210,77 @@ class PagedRunner:
             pos[i, n:] = st + n - 1
             pt[i, :len(table)] = table
             kv_lens[i] = st + n
-        logits, new_pools = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens)
-        return np.asarray(logits[:b]), new_pools
+        if not hybrid:
+            logits, new_pools = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens)
+            return np.asarray(logits[:b]), new_pools
+        swa_tables, swa_first = self._swa_tables(swa_pools, swa_page_tables, tokens, starts, bb, tb)
+        self._check_full_pools(pools)
+        logits, new_pools, new_swa = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens,
+                                                swa_pools, swa_tables, swa_first)
+        return np.asarray(logits[:b]), new_pools, new_swa
+
+    def _check_full_pools(self, pools: Pools) -> None:
+        g = self.config.kv_geometry(self.page_size)
+        _check_pools("pools", pools, g.components, g.num_layers)
+
+    def _swa_tables(self, swa_pools: Pools, swa_page_tables: list, tokens, starts, bb: int, tb: int):
+        """The narrow device SWA tables (bb, swa_table_width(tb)) and each row's first logical page."""
+        g = self.config.swa_kv_geometry(self.page_size)
+        num_pages = _check_pools("swa_pools", swa_pools, g.components, g.num_layers)
+        if len(swa_page_tables) != len(tokens):
+            raise ValueError(f"swa_page_tables: expected {len(tokens)} tables (one per sequence), "
+                             f"got {len(swa_page_tables)}")
+        window, page = self.config.sliding_window, self.page_size
+        tables = np.zeros((bb, self.swa_table_width(tb)), np.int32)
+        first = np.zeros(bb, np.int32)
+        for i, (ts, st, table) in enumerate(zip(tokens, starts, swa_page_tables)):
+            end = st + len(ts)
+            need = swa_pages_needed(st, end, window, page)
+            if len(table) < need.stop:
+                raise ValueError(f"swa_page_tables[{i}]: {len(table)} entries do not reach logical page "
+                                 f"{need.stop - 1} (positions up to {end - 1})")
+            ids = np.asarray(table[need.start:need.stop])
+            if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= num_pages)):
+                raise ValueError(f"swa_page_tables[{i}]: logical pages {need.start}..{need.stop - 1} (positions "
+                                 f"[{max(0, st - window + 1)}, {end}) of the window) must be SWA pool page ids "
+                                 f"in [0, {num_pages}), got {ids.tolist()}")
+            tables[i, :ids.size] = ids
+            first[i] = need.start
+        return tables, first
 
     def _token_bucket(self, n: int, minimum: int = 1) -> int:
+        n = max(n, minimum)
+        if n == 1:  # decode: one token per sequence, no padded tokens (the shape warmup compiles)
+            return 1
         for t in self.token_buckets:
-            if t >= max(n, minimum):
+            if t >= n:
                 return t
-        return _bucket(max(n, minimum))
+        return _bucket(n)
 
-    def warmup(self, pools: Pools, max_batch: int, max_new_tokens_per_step: int) -> Pools:
-        """Compile every (B, T) shape serving will use (needs ``max_pages_per_seq``); returns the pools.
+    def warmup(self, pools: Pools, max_batch: int, max_new_tokens_per_step: int, *,
+               swa_pools: Pools | None = None):
+        """Compile every (B, T) shape serving will use (needs ``max_pages_per_seq``); returns the
+        pools, or (pools, SWA pools) for a hybrid model (which must pass ``swa_pools``).
 
         Runs steps whose tokens are all padding, so no KV is written: the pools come back with
         the same content (as new arrays: they were donated).
         """
         if self.max_pages_per_seq is None:
             raise ValueError("warmup: needs a fixed max_pages_per_seq")
+        hybrid = self.config.is_hybrid
+        if hybrid != (swa_pools is not None):
+            raise ValueError("swa_pools: required exactly when the model has sliding-window layers "
+                             f"(it has {self.config.swa_layers or 'none'})")
         shapes = {(1, self._token_bucket(t)) for t in self.token_buckets if t <= max_new_tokens_per_step}
         shapes.add((1, self._token_bucket(max_new_tokens_per_step)))
         shapes |= {(_bucket(b), 1) for b in range(1, max_batch + 1)}
         for bb, tb in sorted(shapes):
             zeros = np.zeros((bb, tb), np.int32)
-            _, pools = self._step(self.graphdef, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
-                                  np.zeros((bb, self.max_pages_per_seq), np.int32), np.ones(bb, np.int32))
-        return pools
+            args = (self.graphdef, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
+                    np.zeros((bb, self.max_pages_per_seq), np.int32), np.ones(bb, np.int32))
+            if not hybrid:
+                _, pools = self._step(*args)
+                continue
+            _, pools, swa_pools = self._step(*args, swa_pools, np.zeros((bb, self.swa_table_width(tb)), np.int32),
+                                             np.zeros(bb, np.int32))
+        return (pools, swa_pools) if hybrid else pools

@@ -31,7 +31,7 @@ in the host layout's transfer order with the page axis first, concatenated: ``ui
 The layout is part of the key namespace (``keys.Namespace.layout``), so a reader with another
 layout never sees these bytes.
 
-Pools and hit policies (REFERENCE.md 2.7/2.8): a request's pages exist in several pools (e.g.
+Pools and hit policies (as upstream's HiCache storage and its unified components, sglang #23391 and #21125): a request's pages exist in several pools (e.g.
 ``target``, ``draft``, ``swa``), each a ``HostKVPool`` with its own keys (its own namespace).
 
 * ``ALL_PAGES``: every page in ``[0, hit)`` must be stored.

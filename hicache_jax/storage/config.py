@@ -9,8 +9,9 @@ Prefetch fields are read by the controller (not by the backends):
     - ``best_effort``: the prefetch stops whenever the scheduler asks; whatever is loaded is used.
     - ``wait_complete``: the request waits until every hit page has been read.
     - ``timeout`` (default): like ``wait_complete`` but gives up after ``prefetch_timeout(tokens)``.
-* ``prefetch_threshold_tokens``: below this many hit tokens a prefetch is not worth it and is
-  revoked (upstream: ``max(256, page_size)``; the controller applies the max with the page size).
+* ``prefetch_threshold_tokens``: a continuation shorter than this is not prefetched (skipped,
+  with ``reason_code="below_threshold"``), and a storage hit shorter than it is revoked
+  (upstream: ``max(256, page_size)``; the controller applies the max with the page size).
 * Timeout formula (seconds) for a prefetch of ``tokens`` tokens::
 
       timeout = base_s + per_ki_token_s * tokens / 1024,   capped at max_s when max_s is not None
@@ -120,16 +121,30 @@ class StorageConfig:
     mooncake_*         The ``mooncake`` backend (a Mooncake Store client, ``hicache_jax.storage.mooncake``):
                        ``mooncake_master`` the master's RPC ``host:port`` and ``mooncake_metadata`` the
                        transfer engine's HTTP metadata URL (``http://host:port/metadata``), both required;
-                       ``mooncake_local_hostname`` the address this client's transfer engine announces;
+                       ``mooncake_local_hostname`` the address this client's transfer engine announces
+                       (it listens on every interface whatever this says: see ``mooncake.server``);
                        ``mooncake_protocol`` ``tcp`` or ``rdma`` (``mooncake_device``: RDMA devices);
                        ``mooncake_global_segment_bytes`` the memory this client lends the store (its
-                       pages live there: 0 lends none, for a client of a store other processes hold);
+                       pages live there and vanish with it: 0 lends none, for a client of a store whose
+                       memory a long-lived store node lends, as ``MooncakeMaster.storage_config()`` sets);
                        ``mooncake_local_buffer_bytes`` the client's transfer buffer;
                        ``mooncake_op_timeout_s`` the bound on every store call (exceeded: misses / failed
                        sets); ``mooncake_connect_timeout_s`` the bound on connecting at construction;
                        ``mooncake_retry_interval_s`` how long calls miss without touching the store after a
                        fault before it is probed again. ``capacity_bytes`` must stay 0 (the store's capacity
                        is the segments its clients lend; Mooncake evicts by itself).
+    prefetch_policy    How long admission waits for a prefetch (module docstring): ``timeout`` (default),
+                       ``wait_complete`` or ``best_effort``.
+    prefetch_threshold_tokens
+                       The shortest L3 read worth doing, in tokens (default 256, upstream's; the controller
+                       uses ``max(this, page_size)``). A prefetch whose continuation after what the tree
+                       already holds is shorter is skipped before any storage lookup, and a storage hit
+                       shorter than it is revoked. Short prompts (a restart with ~100-token prompts)
+                       therefore never hit L3 at the default: lower it to a page or two for them. Skips are
+                       visible: ``PrefetchOperation.reason`` / ``reason_code`` (``below_threshold``),
+                       ``metrics.prefetch_skipped_by_reason`` (Prometheus ``prefetch_skipped_total{reason}``)
+                       and a log line (info the first time, then debug).
+    prefetch_timeout_* The ``timeout`` policy's formula (module docstring).
     worker_nice        How much lower than the scheduler's the OS priority of the L3 threads is (the
                        controller's query / IO / backup threads, the segment writer and the read pool;
                        0..19, ``hicache_jax.workers``): storage work uses idle cores and yields to the

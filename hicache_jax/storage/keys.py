@@ -11,7 +11,7 @@ Scheme (format version 1)::
 
 ``d_i`` (32 raw bytes) is the key of page ``i``; ``d_i.hex()`` is its printable form.
 Unlike upstream (whose first page has no prior digest and whose chain ignores model, dtype,
-layout and salt; REFERENCE.md 2.7), every key here depends on the whole namespace, so a
+layout and salt, as upstream's storage keys), every key here depends on the whole namespace, so a
 bf16 page can never answer for an fp8 one, nor one model's KV for another's.
 
 Token width: uint32 little-endian (4 bytes per token), as upstream. Every vocabulary in use

@@ -702,9 +702,9 @@ def test_stats_report_tiers(backend_factory):
     prefill_insert(cache, oracle, seq(0, 12))
     cache.flush()
     s = cache.stats()
-    assert s["device_tree_tokens"] == 12 and s["host_tree_tokens"] == 12
-    assert s["device_free_tokens"] + 12 == s["device_total_tokens"]
-    assert s["metrics"]["backup_tokens"] == 12
+    assert s["device_used_tokens"] == 12 and s["host_used_tokens"] == 12
+    assert s["device_free_tokens"] + 12 == s["device_capacity_tokens"]
+    assert s["backup_tokens"] == 12
 
 
 def test_sanity_check_reports_all_violations_at_once(backend_factory):

@@ -23,7 +23,7 @@ def test_bench_tree_multiturn_quick(tmp_path):
         assert r["ops"]["match"]["count"] == 24 and r["ops"]["insert"]["count"] == 48
     # The quick trace still exercises the host tier (loads happen) under every policy.
     assert all(r["hit_rate"]["L2"] > 0 and r["bytes"]["loaded"] > 0 for r in doc["results"])
-    # The trace generator is the REFERENCE 4.3 one: round r prompts are 1280 + 384 r tokens.
+    # The trace generator is the multiturn-64x10 trace's (benchmarks/bench_tree_multiturn.make_trace): round r prompts are 1280 + 384 r tokens.
     trace = bench.make_trace(clients=2, rounds=2)
     assert [len(t["prompt"]) for t in trace] == [1280, 1280, 1664, 1664]
 

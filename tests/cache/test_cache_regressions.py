@@ -1,4 +1,4 @@
-"""Regression tests for upstream failure modes (REFERENCE.md section 3.2) that apply here."""
+"""Regression tests for upstream failure modes (sglang issues and PRs, each cited by number below) that apply here."""
 
 import numpy as np
 

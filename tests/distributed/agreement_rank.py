@@ -1,10 +1,12 @@
 """One rank of the agreement tests (``test_two_processes``): both implementations give the MIN
 over ranks of fixed-shape int64 vectors (64-bit values included), the key-value store is
 cleaned as it goes, instances on two worker threads run at once, and ranks sending different
-shapes raise instead of misreading. Prints "ok"."""
+shapes raise instead of misreading; the orbax L3 backend refuses a multi-process run (it would
+write host arrays from process 0 only). Prints "ok"."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 
 import numpy as np
@@ -58,6 +60,18 @@ def main() -> None:
         assert "shapes" in str(e)
     else:
         raise AssertionError("different shapes were not refused")
+    from hicache_jax.host_pool import HostKVPool
+    from hicache_jax.kv_geometry import KVGeometry
+    from hicache_jax.storage import StorageConfig, create_storage
+
+    pool = HostKVPool(KVGeometry.mha(1, 2, 1, 4, "float32"), 4)
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            create_storage(StorageConfig(backend="orbax", path=d), {"target": pool})
+        except ValueError as e:
+            assert "several jax.distributed processes" in str(e), e
+        else:
+            raise AssertionError("the orbax backend accepted a multi-process run")
     print("ok", rank)
 
 

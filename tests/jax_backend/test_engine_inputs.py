@@ -99,3 +99,14 @@ def test_evict_host_cache_under_write_back_leaves_nothing_on_the_host(tmp_path):
     r = eng.generate([prompt], 2)[0]
     assert r.cached_tokens["host"] == 0 and r.cached_tokens["storage"] > 0
     eng.close()
+
+
+def test_ttft_splits_into_queueing_and_service(engine):
+    """max_batch 2, three prompts at once: the third waits for a slot (the first two decode 6
+    steps), so its queueing time is most of its TTFT; the first is admitted at once."""
+    rng = np.random.default_rng(5)
+    res = engine.generate([rng.integers(0, 500, 20).tolist() for _ in range(3)], 6, use_cache=False)
+    for r in res:
+        assert r.queue_s >= 0 and r.service_s > 0 and r.queue_s + r.service_s == pytest.approx(r.ttft_s)
+    assert res[0].queue_s < 0.5 * res[0].ttft_s
+    assert res[2].queue_s > res[0].queue_s and res[2].queue_s > res[2].service_s

@@ -249,7 +249,7 @@ def test_backup_keeps_host_pages_until_the_storage_copied_them(backend_factory):
     prefill_insert(cache, oracle, seq(0, 10))
     cache.writing_check(block=True)
     node = cache.match_prefix(seq(0, 10)).last_host_node
-    assert node.host_lock_ref == 1 and ctl.stats()["backups_in_flight"] == 1
+    assert node.host_lock_ref == 1 and ctl.stats()["storage_backups_in_flight"] == 1
     cache.evict(10)
     assert cache.evict_host(10) == 0  # the L3 job still reads these host pages
     cache.sanity_check(0)
@@ -336,7 +336,7 @@ def test_best_effort_takes_what_arrived(backend_factory):
     op = ctl.prefetch(key)
     _wait_for(lambda: op.hit_tokens is not None)
     cache.check_events()  # the owner thread reserves host pages and starts the reads
-    assert op.status == "loading" and ctl.stats()["prefetch_pages_reserved"] == 16
+    assert op.status == "loading" and ctl.stats()["prefetch_reserved_host_pages"] == 16
     store.reads.release(1)  # one batch may arrive
     _wait_for(lambda: op.loaded_tokens == 8)
     assert ctl.prefetch_ready(op)  # best_effort is always ready
@@ -350,7 +350,7 @@ def test_best_effort_takes_what_arrived(backend_factory):
     prefill_insert(cache, oracle, other)
     cache.flush()
     store.reads.release(1000)
-    _wait_for(lambda: (cache.check_events(), ctl.stats()["prefetch_pages_reserved"] == 0)[1])
+    _wait_for(lambda: (cache.check_events(), ctl.stats()["prefetch_reserved_host_pages"] == 0)[1])
     _wait_for(lambda: op._io_finished)
     cache.sanity_check()
     cache.evict(cache.evictable_tokens)
@@ -365,7 +365,7 @@ def test_best_effort_before_the_storage_answered_gets_nothing(backend_factory):
     op = ctl.prefetch(seq(0, 32))
     assert ctl.finish_prefetch(op) == 0  # nothing arrived yet (the reads are gated)
     store.reads.release(1000)
-    _wait_for(lambda: (cache.check_events(), ctl.stats()["prefetch_pages_reserved"] == 0)[1])
+    _wait_for(lambda: (cache.check_events(), ctl.stats()["prefetch_reserved_host_pages"] == 0)[1])
     cache.sanity_check(0)
     assert cache.host_tokens == 0
     ctl.close()
@@ -399,7 +399,7 @@ def test_timeout_stops_at_the_deadline(backend_factory):
     assert time.perf_counter() - op.t0 >= 0.3 and time.perf_counter() - t0 < 2.0
     assert cache.metrics.prefetch_timeouts == 1
     store.reads.release(1000)
-    _wait_for(lambda: (cache.check_events(), ctl.stats()["prefetch_pages_reserved"] == 0)[1])
+    _wait_for(lambda: (cache.check_events(), ctl.stats()["prefetch_reserved_host_pages"] == 0)[1])
     fetch_and_check(cache, ctl, oracle, seq(0, 16), 0)
     ctl.close()
 
@@ -435,6 +435,26 @@ def test_threshold_skip_and_revoke(backend_factory):
     cache.sanity_check(0)
     assert cache.host_allocator.available == cache.host_allocator.num_pages
     ctl.close()
+
+
+def test_threshold_skip_is_visible(backend_factory, caplog):
+    """A prefetch under the threshold says why (reason, reason_code), counts per reason and logs:
+    once at info, then at debug."""
+    import logging
+    cache, be, ctl = setup(backend_factory, prefetch_threshold_tokens=8)
+    m = cache.metrics
+    with caplog.at_level(logging.DEBUG, logger="hicache_jax.cache.storage"):
+        a = ctl.prefetch(seq(0, 6))
+        b = ctl.prefetch(seq(100, 7))
+    assert a.status == b.status == "skipped" and a.reason_code == b.reason_code == "below_threshold"
+    assert "6 tokens" in a.reason and "< 8" in a.reason and "prefetch_threshold_tokens" in a.reason
+    assert m.prefetch_skipped_by_reason == {"below_threshold": 2} and m.prefetch_skipped == 2
+    recs = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert [r.levelno for r in recs] == [logging.INFO, logging.DEBUG], [r.getMessage() for r in recs]
+    ctl.close()
+    closed = ctl.prefetch(seq(0, 20))
+    assert closed.status == "closed" and closed.reason_code == "closed"
+    assert m.prefetch_skipped_by_reason == {"below_threshold": 2, "closed": 1}
 
 
 def test_threshold_is_at_least_a_page(backend_factory):
@@ -767,5 +787,13 @@ def test_storage_metrics_are_exported(backend_factory):
     assert get("hc_cached_tokens_total", {"cache_source": "storage"}) == 12
     assert get("hc_prefetched_tokens_total") == 12 and get("hc_storage_backup_tokens_total") == 12
     assert get("hc_storage_backup_bytes_total") == 6 * be.geom.bytes_per_page
-    assert get("hc_prefetch_duration_seconds_total") > 0 and get("hc_prefetch_revoked_total") == 0
+    assert get("hc_prefetch_duration_seconds_count") == 1 and get("hc_prefetch_duration_seconds_sum") > 0
+    assert get("hc_prefetch_revoked_total") == 0
+    # The sources do not overlap: the 12 tokens that came back from L3 are not host hits too.
+    assert get("hc_cached_tokens_total", {"cache_source": "host"}) == 0
+    # The store's own counters, in pages, under the same naming scheme as cache.stats().
+    assert get("hc_storage_read_hit_pages_total") == 6 == ctl.stats()["storage_read_hit_pages"]
+    assert get("hc_storage_written_pages_total") == 6 and get("hc_storage_corrupt_pages_total") == 0
+    assert cache.stats()["storage_read_hit_pages"] == 6
+    assert get("hc_in_flight_operations", {"operation": "prefetch"}) == 0
     ctl.close()

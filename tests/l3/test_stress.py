@@ -132,13 +132,14 @@ def test_storage_stress_ci(backend_factory, policy):
     for seed in range(3):
         s, m = run(backend_factory, seed, policy, steps=250)
         for k, v in list(m.items()) + list(s.stats.items()):
-            totals[k] = totals.get(k, 0) + v
+            if isinstance(v, (int, float)):  # counters (not the histograms / per-reason dicts)
+                totals[k] = totals.get(k, 0) + v
     # The run must exercise the L3 paths, not pass trivially.
     for event in ("storage_backup_tokens", "prefetch_calls", "prefetch_skipped", "prefetch_revoked", "admitted",
                   "checked_pages", "evicted_host_tokens", "resets"):
         assert totals[event] > 0, f"stress never produced {event}: {totals}"
     if policy != "best_effort":
-        assert totals["storage_hit_tokens"] > 0, totals
+        assert totals["prefetch_attached_tokens"] > 0, totals
 
 
 @pytest.mark.slow
@@ -149,7 +150,7 @@ def test_storage_stress_slow(backend_factory, backend, tmp_path):
         policy = ("best_effort", "wait_complete", "timeout")[seed % 3]
         _, m = run(backend_factory, 100 + seed, policy, steps=2000, backend=backend,
                    path=str(tmp_path / f"s{seed}") if backend == "file" else None)
-        hits += m["storage_hit_tokens"]
+        hits += m["prefetch_attached_tokens"]
     assert hits > 0
 
 

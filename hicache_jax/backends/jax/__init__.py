@@ -3,8 +3,8 @@
 Importing this module imports JAX; ``hicache_jax`` itself never does.
 """
 
-from .device_pool import JaxDevicePool
+from .device_pool import JaxDevicePool, StaleDevicePoolError
 from .memory import host_memory_kind
 from .transfer import JaxTransferEngine
 
-__all__ = ["JaxDevicePool", "JaxTransferEngine", "host_memory_kind"]
+__all__ = ["JaxDevicePool", "JaxTransferEngine", "StaleDevicePoolError", "host_memory_kind"]

@@ -11,13 +11,27 @@ own heads of every page (``local_geom``: the geometry of that share, which is wh
 pool holds), and every computation on the pool runs on all processes in the same order.
 
 Donation contract: a step that updates a layer (the model writing new KV, or a load)
-consumes the old array and must store the returned one with ``set_layer``. Only the owner
-thread touches ``buffers``.
+consumes the old array and must store the returned one. Two helpers do that for the caller:
+
+* ``apply(step, *args)``: calls ``step(buffers, *args) -> (result, new_buffers)`` (a jitted
+  model step that donates ``buffers`` and writes KV wherever it likes) and installs every
+  returned layer array before it returns ``result``;
+* ``write_pages(page_ids, kv)``: writes whole pages of KV (device arrays ``(L, n, page, H,
+  D)`` per component) with one jitted, donating scatter, and installs the result.
+
+``set_layer`` remains for callers that manage donation themselves. A layer array that was
+donated and never replaced is caught where it would be used (``layers``, hence every backup
+and load, ``apply``, ``write_pages``, ``check``): ``StaleDevicePoolError`` names the layer and
+the fix, instead of JAX's "Array has been deleted" from deep inside a later transfer.
+
+Threading: only the owner thread touches ``buffers`` (the thread that runs the model steps
+and calls the cache).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +40,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ...allocator import PageAllocator, check_page_ids
 from ...kv_geometry import KVGeometry
+
+class StaleDevicePoolError(RuntimeError):
+    """A pool layer array was donated to a step and the step's output was never installed."""
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _scatter_pages(layers: list[jax.Array], ids: jax.Array, values: jax.Array) -> list[jax.Array]:
+    # values: (L, n, page, H, D). Padded ids point past the pool: mode="drop" skips them.
+    return [a.at[ids].set(values[l].astype(a.dtype), mode="drop") for l, a in enumerate(layers)]
+
+
+_SCATTER = jax.jit(_scatter_pages, donate_argnums=(0,))
 
 
 class JaxDevicePool:
@@ -89,21 +118,117 @@ class JaxDevicePool:
         return sum(a.nbytes for layers in self.buffers.values() for a in layers)
 
     def layers(self, component: str) -> list[jax.Array]:
+        """The component's layer arrays (checked: none of them donated and left stale)."""
         try:
-            return self.buffers[component]
+            layers = self.buffers[component]
         except KeyError:
             raise ValueError(f"component: expected one of {self.geom.components}, got {component!r}") from None
+        for layer, a in enumerate(layers):
+            if a.is_deleted():
+                raise self._stale(component, layer)
+        return layers
+
+    @staticmethod
+    def _stale(component: str, layer: int) -> StaleDevicePoolError:
+        return StaleDevicePoolError(
+            f"device pool: layer {layer} of component {component!r} was donated to a jitted step and the "
+            f"step's output was never installed, so the pool holds a deleted array. Run KV-writing steps "
+            f"through JaxDevicePool.apply(step, ...) (or write_pages), which install the outputs, or call "
+            f"set_layer(component, layer, new_array) for every layer the step returned")
+
+    def check(self) -> None:
+        """Raise ``StaleDevicePoolError`` if any layer array was donated and not replaced."""
+        for c in self.buffers:
+            self.layers(c)
 
     def set_layer(self, component: str, layer: int, array: jax.Array) -> None:
         """Install the array that replaced a donated layer."""
-        old = self.layers(component)[layer]
+        try:
+            old = self.buffers[component][layer]
+        except KeyError:
+            raise ValueError(f"component: expected one of {self.geom.components}, got {component!r}") from None
+        except (IndexError, TypeError):
+            raise ValueError(f"layer: expected an int in [0, {self.geom.num_layers}), got {layer!r}") from None
+        if not isinstance(array, jax.Array):
+            raise TypeError(f"array: expected a jax.Array, got {type(array).__name__}")
         if array.shape != old.shape or array.dtype != old.dtype:
             raise ValueError(f"array: expected {old.shape} {old.dtype}, got {array.shape} {array.dtype}")
-        self.buffers[component][layer] = array
+        if array.is_deleted():
+            raise ValueError(f"array: already deleted (donated to another step); install the output of the "
+                             f"step that consumed layer {layer} of {component!r} instead")
+        self.buffers[component][layer] = self._committed(array)
+
+    def _committed(self, array: jax.Array) -> jax.Array:
+        # jit keys its cache on committedness: an uncommitted layer (a page-copy scatter can
+        # return one) would make the next model step compile again for that mix of inputs.
+        return array if array.committed else jax.device_put(array, self.sharding)
+
+    def apply(self, step: Callable[..., tuple[Any, Mapping[str, list[jax.Array]]]], *args: Any, **kwargs: Any) -> Any:
+        """Run ``step(buffers, *args, **kwargs) -> (result, new_buffers)`` and install ``new_buffers``.
+
+        ``step`` is typically a ``jax.jit`` with ``donate_argnums`` on ``buffers`` (a dict
+        component -> list of layer arrays, as ``buffers``); it must return, for every
+        component and layer, the array that replaces the one it was given. Returns ``result``.
+        The new arrays are checked (same components, layer count, shape and dtype) before
+        any is installed; if ``step`` raises, or returns something else after it consumed
+        the pool, the pool is left stale and every later use raises ``StaleDevicePoolError``.
+        """
+        self.check()
+        out = step(self.buffers, *args, **kwargs)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"step: expected it to return (result, new_buffers), got {type(out).__name__}")
+        result, new = out
+        self._install(new, "step")
+        return result
+
+    def _install(self, new: object, what: str) -> None:
+        if not isinstance(new, Mapping) or set(new) != set(self.buffers):
+            got = sorted(new) if isinstance(new, Mapping) else type(new).__name__
+            raise ValueError(f"{what}: expected new buffers for components {sorted(self.buffers)}, got {got}")
+        for c, layers in new.items():
+            if len(layers) != self.geom.num_layers:
+                raise ValueError(f"{what}: expected {self.geom.num_layers} layers for {c!r}, got {len(layers)}")
+            for l, a in enumerate(layers):
+                old = self.buffers[c][l]
+                if not isinstance(a, jax.Array) or a.shape != old.shape or a.dtype != old.dtype:
+                    raise ValueError(f"{what}: layer {l} of {c!r}: expected {old.shape} {old.dtype}, got "
+                                     f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')}")
+        for c, layers in new.items():
+            self.buffers[c] = [self._committed(a) for a in layers]
+
+    def write_pages(self, page_ids: object, kv: Mapping[str, Any]) -> None:
+        """Write whole pages: ``kv[component]`` is ``(L, n, page, H, D)`` (a device or host array
+        of any float dtype; cast to the pool's) for the ``n`` pages ``page_ids``.
+
+        One jitted scatter over every layer of a component, donating the old arrays and
+        installing the new ones. The page count is padded to a power of two (the padding is
+        dropped), so a few compiled shapes serve every call.
+        """
+        ids = check_page_ids(page_ids, self.num_pages, "page_ids")
+        if not isinstance(kv, Mapping) or set(kv) != set(self.geom.components):
+            got = sorted(kv) if isinstance(kv, Mapping) else type(kv).__name__
+            raise ValueError(f"kv: expected arrays for components {list(self.geom.components)}, got {got}")
+        want = (self.geom.num_layers, ids.size) + self.geom.page_shape
+        for c, v in kv.items():
+            if tuple(getattr(v, "shape", ())) != want:
+                raise ValueError(f"kv[{c!r}]: expected shape {want} (layers, pages, page, heads, dim), "
+                                 f"got {getattr(v, 'shape', type(v).__name__)}")
+        self.check()
+        if not ids.size:
+            return
+        nb = _bucket(ids.size)
+        padded = np.full(nb, self.num_pages, np.int32)  # out of range: dropped
+        padded[:ids.size] = ids
+        for c, v in kv.items():
+            v = jnp.asarray(v)
+            if nb != ids.size:
+                v = jnp.pad(v, [(0, 0), (0, nb - ids.size)] + [(0, 0)] * (v.ndim - 2))
+            self.buffers[c] = list(_SCATTER(self.buffers[c], padded, v))
 
     # ---- host-side helpers (tests, debugging, the reference engine) -----------------------
     def write_pages_host(self, component: str, device_ids: object, pages: np.ndarray) -> None:
-        """Write ``pages`` ``(L, n, page, H, D)`` (any dtype of the KV's width) into pages ``device_ids``."""
+        """Write raw bits ``pages`` ``(L, n, page, H, D)`` (any dtype of the KV's width, viewed
+        as the pool's) into pages ``device_ids``."""
         ids = check_page_ids(device_ids, self.num_pages, "device_ids")
         pages = np.asarray(pages).view(self.dtype)
         for l, arr in enumerate(self.layers(component)):

@@ -26,7 +26,7 @@ from ...kv_geometry import KVGeometry
 def host_memory_kind(device: jax.Device | None = None) -> str | None:
     """The best host memory kind a device can address: 'pinned_host', 'unpinned_host' or None.
 
-    'unpinned_host' is never chosen on TPU: it corrupts bf16 there (REFERENCE.md 5.1).
+    'unpinned_host' is never chosen on TPU: it corrupts bf16 there (seen by sglang-jax, the JAX port without L3).
     """
     device = device or jax.local_devices()[0]
     try:

@@ -31,6 +31,8 @@ manager has reserved for this backup; it runs ``worker_nice`` above the owner's 
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
@@ -61,11 +63,20 @@ def local_numpy(arr: jax.Array) -> np.ndarray:
 
 
 class JaxLoadHandle(LoadHandle):
-    """Per-layer readiness of an H2D load: layer l is done when its pool arrays are ready."""
+    """Per-layer readiness of an H2D load: layer l is done when its pool arrays are ready.
+
+    ``completed_at`` is stamped by the first ``wait_layer`` / ``layer_done`` / ``done`` that
+    finds the last layer landed (JAX offers no completion callback): exact when the caller
+    waits for the load before its step reads it, as the reference engine does."""
 
     def __init__(self, per_layer: list[list[jax.Array]]) -> None:
         self._per_layer = per_layer
         self.num_layers = len(per_layer)
+        self._t_done: float | None = None
+
+    @property
+    def completed_at(self) -> float | None:
+        return self._t_done
 
     @staticmethod
     def _ready(a: jax.Array) -> bool:
@@ -73,12 +84,21 @@ class JaxLoadHandle(LoadHandle):
         return a.is_deleted() or a.is_ready()
 
     def layer_done(self, layer: int) -> bool:
-        return all(self._ready(a) for a in self._per_layer[layer])
+        ok = all(self._ready(a) for a in self._per_layer[layer])
+        if ok and self._t_done is None and layer == self.num_layers - 1 and \
+                all(self._ready(a) for arrays in self._per_layer for a in arrays):
+            self._t_done = time.perf_counter()
+        return ok
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         for a in self._per_layer[layer]:
             if not a.is_deleted():
                 a.block_until_ready()
+        if self._t_done is None and layer == self.num_layers - 1:
+            self.layer_done(layer)  # stamps completed_at once every layer has landed
+
+    def done(self) -> bool:
+        return all(self.layer_done(l) for l in range(self.num_layers))
 
 
 class JaxTransferEngine(KVTransferEngine):
@@ -144,11 +164,12 @@ class JaxTransferEngine(KVTransferEngine):
         padded[:h.size] = h  # padding reads host page 0; the scatter skips those positions
         per_layer: list[list[jax.Array]] = [[] for _ in range(self.geom.num_layers)]
         for c in self.geom.components:
+            layers = self.device_pool.layers(c)  # checked once (StaleDevicePoolError); updated in place below
             dev_buf = self._stage_h2d(c, padded)
             for layer in range(self.geom.num_layers):
-                new = self.copier.scatter(self.device_pool.layers(c)[layer], d, dev_buf, layer, self.order)
+                new = self.copier.scatter(layers[layer], d, dev_buf, layer, self.order)
                 self.device_pool.set_layer(c, layer, new)
-                per_layer[layer].append(new)
+                per_layer[layer].append(layers[layer])  # the installed (committed) array
         return JaxLoadHandle(per_layer)
 
     def _stage_h2d(self, component: str, padded_ids: np.ndarray) -> jax.Array:

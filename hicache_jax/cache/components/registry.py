@@ -33,6 +33,12 @@ class _CombinedHandle:
             h.wait(timeout)
 
     @property
+    def completed_at(self) -> float | None:
+        """When the last component's copy finished (None while any is unknown)."""
+        stamps = [getattr(h, "completed_at", None) for h in self.handles.values()]
+        return None if None in stamps else max(stamps)
+
+    @property
     def error(self) -> BaseException | None:
         """The first component copy's failure, where its handle reports one (``error``)."""
         for h in self.handles.values():

@@ -2,13 +2,14 @@
 
 ``MooncakeStorage`` (``store``) needs the ``mooncake`` extra (``mooncake-transfer-engine-non-cuda``)
 and, on Debian, ``libibverbs1 librdmacm1 libnuma1``; it is imported only when created.
-``MooncakeMaster`` (``server``) starts a master and its HTTP metadata server on free loopback
-ports; ``unavailable_reason()`` says why one cannot run here.
+``MooncakeMaster`` (``server``) starts a local store on free loopback ports: a master, its HTTP
+metadata server and a store node (a long-lived client lending the memory the pages live in, so
+they outlive the engines that wrote them); ``unavailable_reason()`` says why one cannot run here.
 """
 
 from __future__ import annotations
 
-from .server import MasterStartError, MooncakeMaster, free_port, unavailable_reason
+from .server import DEFAULT_STORE_NODE_BYTES, MasterStartError, MooncakeMaster, free_port, unavailable_reason
 
 
 def __getattr__(name: str):
@@ -18,4 +19,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["MasterStartError", "MooncakeMaster", "MooncakeStorage", "free_port", "unavailable_reason"]
+__all__ = ["DEFAULT_STORE_NODE_BYTES", "MasterStartError", "MooncakeMaster", "MooncakeStorage", "free_port",
+           "unavailable_reason"]

@@ -1,26 +1,60 @@
-"""Start and stop a Mooncake master (and its HTTP metadata server) on free loopback ports.
+"""Start and stop a local Mooncake Store: a master, its HTTP metadata server and a store node.
 
-Used by the tests (a pytest fixture wraps it), the benchmarks and anyone who wants a local
+Used by the tests (pytest fixtures wrap it), the benchmarks and anyone who wants a local
 Mooncake Store without writing a launch script::
 
     with MooncakeMaster() as m:
-        cfg = StorageConfig(backend="mooncake", mooncake_master=m.rpc_address,
-                            mooncake_metadata=m.metadata_url)
+        cfg = m.storage_config()  # StorageConfig(backend="mooncake", ...) for this store
 
-or from a shell (runs until Ctrl-C, or ``--max-lifetime-s``)::
+or from a shell (runs until Ctrl-C, or ``--max-lifetime-s``; prints the settings to use)::
 
-    python -m hicache_jax.storage.mooncake.server
+    python -m hicache_jax.storage.mooncake.server [--store-node-bytes 1073741824]
 
-Two processes: the wheel's ``mooncake_master`` binary (RPC and admin/metrics ports bound to
-``host``) and ``_metadata_server.py`` (the transfer engine's HTTP metadata store, bound to
-``host``; the master's built-in one binds every interface, so it is not used). Both stop by
-themselves: the master gets ``PR_SET_PDEATHSIG`` (SIGKILL when the thread that started it
-dies, so start it from a long-lived thread) and the metadata server exits when its parent
-does; ``stop()`` (and the context manager, and an ``atexit`` hook) stop them in the normal
-case. ``kill_master()`` / ``restart_master()`` are for fault tests: the metadata server keeps
-running and the master comes back on the same ports.
+Three processes, all on ``host`` (loopback by default) and free ports:
 
-``unavailable_reason()`` says why no master can start here (package not installed, Debian
+* the wheel's ``mooncake_master`` binary: the object index (RPC and admin/metrics ports);
+* ``_metadata_server.py``: the transfer engine's HTTP metadata store (the master's built-in
+  one binds every interface whatever it is told, so it is not used);
+* the store node (``store_node_bytes`` > 0, the default): the wheel's ``mooncake_client``
+  binary, a long-lived Mooncake client that lends ``store_node_bytes`` of its memory to the
+  store (its "global segment") and does nothing else.
+
+Why a store node. A Mooncake object lives in the memory of one client's global segment,
+and the master drops a segment's objects when its client goes away: pages an engine's own
+client lends memory for vanish when that engine exits (measured). With a store node, engines
+lend nothing (``mooncake_global_segment_bytes=0``, which ``storage_config()`` sets): every
+put lands in the node's segment (the only one mounted), so the pages outlive the engine that
+wrote them, a restarted engine hits them and a second engine (another process, its own L1/L2)
+is served from them. Mooncake evicts from the node's segment by itself (lease, watermark).
+``store_node_bytes=0`` starts no node; clients must then lend memory themselves.
+
+Processes die with their parent: all three get ``PR_SET_PDEATHSIG`` (SIGKILL when the thread
+that started them exits: start them from a long-lived thread, e.g. the main one), and the
+metadata server also exits when its parent does (polled every 0.2 s); ``stop()`` (and the
+context manager, and an ``atexit`` hook) stop them in the normal case. ``kill_master()`` /
+``restart_master()`` / ``kill_store_node()`` / ``start_store_node()`` are for fault tests: a
+restarted master comes back on the same ports, empty, and the node re-mounts its segment with
+it by itself (its old objects are gone: the master forgot them); a killed node's objects stay
+listed until the master gives up on it (``client_ttl_s``), and reads of them miss.
+
+Network exposure, stated plainly: master, metadata server and the node's own service port
+listen on ``host`` only, but every Mooncake client's transfer engine (the node's and each
+engine's) listens on all interfaces: its handshake port (0.0.0.0) and its TCP data port
+(``[::]``, dual stack). The TCP data port serves reads and writes of any address its peer
+names in the process that owns it, unauthenticated. Tried, with
+mooncake-transfer-engine-non-cuda 0.3.13.post1 (``ss -ltnp`` after ``setup``):
+``MC_TCP_BIND_ADDRESS=127.0.0.1`` (changes only the address announced in the metadata),
+``MC_USE_IPV6=0`` (no change), ``MC_LEGACY_RPC_PORT_BINDING=1`` (binds the handshake on the
+``local_hostname`` port, still on every interface, and ``setup`` then failed: port in use),
+``local_hostname="127.0.0.1"`` (announced address only) and ``mooncake_client --host=127.0.0.1``
+(binds its own service port only). Upstream's sources bind those two sockets to
+``INADDR_ANY`` / ``tcp::v6()`` with no setting. What does work is choosing where those two
+ports come from: ``MC_MIN_RPC_PORT`` / ``MC_MAX_RPC_PORT`` (with 20000 / 20100 both landed in
+that range), so a firewall rule can cover them. On a shared network, firewall that range or run
+the engines in a network namespace; the tests and benchmarks here do neither (a machine whose
+other users are trusted).
+
+``unavailable_reason()`` says why no store can start here (package not installed, Debian
 libraries missing) or None; tests skip with it.
 
 Threading: one ``MooncakeMaster`` belongs to one thread at a time.
@@ -41,7 +75,8 @@ import threading
 import time
 import weakref
 
-__all__ = ["MooncakeMaster", "MasterStartError", "free_port", "master_binary", "unavailable_reason"]
+__all__ = ["DEFAULT_STORE_NODE_BYTES", "MooncakeMaster", "MasterStartError", "free_port", "master_binary",
+           "store_node_binary", "unavailable_reason"]
 
 _METADATA_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_metadata_server.py")
 _PR_SET_PDEATHSIG = 1
@@ -65,16 +100,30 @@ def _mooncake_spec():
     return spec
 
 
-def master_binary() -> str | None:
-    """Path of the ``mooncake_master`` binary shipped in the ``mooncake`` wheel, or None."""
+def _wheel_binary(name: str) -> str | None:
     spec = _mooncake_spec()
     if spec is None:
         return None
     for d in spec.submodule_search_locations:
-        path = os.path.join(d, "mooncake_master")
+        path = os.path.join(d, name)
         if os.path.isfile(path):
             return path
     return None
+
+
+def master_binary() -> str | None:
+    """Path of the ``mooncake_master`` binary shipped in the ``mooncake`` wheel, or None."""
+    return _wheel_binary("mooncake_master")
+
+
+def store_node_binary() -> str | None:
+    """Path of the ``mooncake_client`` binary (the store node) shipped in the wheel, or None."""
+    return _wheel_binary("mooncake_client")
+
+
+def _ensure_executable(path: str) -> None:
+    if not os.access(path, os.X_OK):
+        os.chmod(path, os.stat(path).st_mode | 0o111)
 
 
 def unavailable_reason() -> str | None:
@@ -90,8 +139,7 @@ def unavailable_reason() -> str | None:
         reason = "the mooncake package has no mooncake_master binary"
     else:
         try:
-            if not os.access(binary, os.X_OK):
-                os.chmod(binary, os.stat(binary).st_mode | 0o111)
+            _ensure_executable(binary)
             r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20)
             if r.returncode != 0:
                 tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit status {r.returncode}"]
@@ -114,14 +162,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # preexec_fn: runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:
-        pass
-    if os.getppid() == 1:  # the parent died before prctl
-        os._exit(1)
+try:  # looked up here, not in the child: a dlopen between fork and exec can deadlock
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _prctl = None
+
+
+def _die_with_parent(parent: int) -> "callable":
+    """A ``preexec_fn`` (runs in the child between fork and exec): SIGKILL the child when
+    the thread that started it exits; exit at once if the parent already has."""
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl
+            os._exit(1)
+    return preexec
 
 
 def _listening(host: str, port: int) -> bool:
@@ -143,8 +198,12 @@ def _tail(path: str, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
+DEFAULT_STORE_NODE_BYTES = 1 << 30
+
+
 class MooncakeMaster:
-    """A Mooncake master plus HTTP metadata server on ``host`` (loopback by default).
+    """A local Mooncake Store on ``host`` (loopback by default): master, HTTP metadata server
+    and (``store_node_bytes`` > 0) a store node lending that much memory.
 
     ``lease_ttl_ms``: how long an object is protected from eviction after a put/get
     (``--default_kv_lease_ttl``; Mooncake's default is 10000). ``eviction_high_watermark``:
@@ -155,28 +214,34 @@ class MooncakeMaster:
 
     def __init__(self, *, host: str = "127.0.0.1", rpc_port: int = 0, metadata_port: int = 0,
                  lease_ttl_ms: int = 10000, eviction_high_watermark: float = 0.9, client_ttl_s: int = 10,
-                 extra_args: tuple[str, ...] = (), start_timeout_s: float = 30.0, log_dir: str | None = None,
-                 max_lifetime_s: float = 0.0) -> None:
+                 store_node_bytes: int = DEFAULT_STORE_NODE_BYTES, extra_args: tuple[str, ...] = (),
+                 start_timeout_s: float = 30.0, log_dir: str | None = None, max_lifetime_s: float = 0.0) -> None:
         if not isinstance(host, str) or not host:
             raise ValueError(f"host: expected an IP address string, got {host!r}")
         for name, v in (("rpc_port", rpc_port), ("metadata_port", metadata_port), ("lease_ttl_ms", lease_ttl_ms),
-                        ("client_ttl_s", client_ttl_s)):
+                        ("client_ttl_s", client_ttl_s), ("store_node_bytes", store_node_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (name.endswith("port") and v > 65535):
                 raise ValueError(f"{name}: expected a non-negative int{' <= 65535' if name.endswith('port') else ''}, "
                                  f"got {v!r}")
+        if 0 < store_node_bytes < (1 << 20):
+            raise ValueError(f"store_node_bytes: expected 0 (no store node) or at least 1 MiB, got {store_node_bytes}")
         if not (isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1):
             raise ValueError(f"eviction_high_watermark: expected a number in (0, 1], got {eviction_high_watermark!r}")
         self.host = host
         self.rpc_port, self.metadata_port, self.admin_port = rpc_port, metadata_port, 0
         self.lease_ttl_ms, self.eviction_high_watermark, self.client_ttl_s = lease_ttl_ms, eviction_high_watermark, client_ttl_s
+        self.store_node_bytes = store_node_bytes
+        self.store_node_port = 0
         self.extra_args = tuple(extra_args)
         self.start_timeout_s = float(start_timeout_s)
         self.max_lifetime_s = float(max_lifetime_s)
         self._own_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hicache-mooncake-")
         self.master_log = os.path.join(self.log_dir, "master.log")
+        self.store_node_log = os.path.join(self.log_dir, "store_node.log")
         self._master: subprocess.Popen | None = None
         self._meta: subprocess.Popen | None = None
+        self._node: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     # ---- addresses ---------------------------------------------------------------------------
@@ -198,6 +263,31 @@ class MooncakeMaster:
     def master_alive(self) -> bool:
         return self._master is not None and self._master.poll() is None
 
+    @property
+    def metadata_pid(self) -> int | None:
+        p = self._meta
+        return p.pid if p is not None and p.poll() is None else None
+
+    @property
+    def store_node_pid(self) -> int | None:
+        p = self._node
+        return p.pid if p is not None and p.poll() is None else None
+
+    def store_node_alive(self) -> bool:
+        return self._node is not None and self._node.poll() is None
+
+    def storage_config(self, **overrides):
+        """A ``StorageConfig(backend="mooncake")`` for this store: its addresses and, with a
+        store node, ``mooncake_global_segment_bytes=0`` (the engine lends no memory: its pages
+        go to the node and outlive it). ``overrides`` are further ``StorageConfig`` fields."""
+        from ..config import StorageConfig
+
+        kw = {"mooncake_master": self.rpc_address, "mooncake_metadata": self.metadata_url}
+        if self.store_node_bytes:
+            kw["mooncake_global_segment_bytes"] = 0
+        kw.update(overrides)
+        return StorageConfig(backend="mooncake", **kw)
+
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "MooncakeMaster":
         """Start the metadata server and the master; raises ``MasterStartError`` (with the
@@ -211,6 +301,8 @@ class MooncakeMaster:
                 self._start_metadata()
             if not self.master_alive():
                 self._start_master()
+            if self.store_node_bytes and not self.store_node_alive():
+                self._start_node()
         return self
 
     def _start_metadata(self) -> None:
@@ -221,7 +313,7 @@ class MooncakeMaster:
             if self.max_lifetime_s > 0:
                 cmd += ["--max-lifetime-s", str(self.max_lifetime_s)]
             p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, preexec_fn=_die_with_parent, close_fds=True)
+                                 text=True, preexec_fn=_die_with_parent(os.getpid()), close_fds=True)
             line = self._read_ready(p)
             if line.startswith("READY"):
                 self._meta, self.metadata_port = p, port
@@ -266,7 +358,7 @@ class MooncakeMaster:
                 self.admin_port = free_port(self.host)
             with open(self.master_log, "ab") as log:
                 p = subprocess.Popen(self._master_cmd(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent, close_fds=True, cwd=self.log_dir)
+                                     preexec_fn=_die_with_parent(os.getpid()), close_fds=True, cwd=self.log_dir)
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and p.poll() is None:
                 if _listening(self.host, self.rpc_port) and _listening(self.host, self.admin_port):
@@ -282,20 +374,59 @@ class MooncakeMaster:
                 self.admin_port = 0
         raise MasterStartError(f"mooncake_master did not start on {self.host}:{self.rpc_port}: {err}")
 
+    def _node_cmd(self) -> list[str]:
+        return [store_node_binary(), f"--host={self.host}", f"--port={self.store_node_port}",
+                f"--global_segment_size={self.store_node_bytes}", "--local_buffer_size=0",
+                f"--master_server_address={self.rpc_address}", f"--metadata_server={self.metadata_url}",
+                "--protocol=tcp", "--enable_http_server=false"]
+
+    def _start_node(self) -> None:
+        """Start the store node; it listens on its service port once its segment is mounted."""
+        binary = store_node_binary()
+        if binary is None:
+            raise MasterStartError("the mooncake package has no mooncake_client binary (the store node); "
+                                   "use store_node_bytes=0 and let the clients lend memory")
+        _ensure_executable(binary)
+        err = ""
+        for _ in range(3):
+            self.store_node_port = free_port(self.host)
+            with open(self.store_node_log, "ab") as log:
+                p = subprocess.Popen(self._node_cmd(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent(os.getpid()), close_fds=True, cwd=self.log_dir)
+            deadline = time.monotonic() + self.start_timeout_s
+            while time.monotonic() < deadline and p.poll() is None:
+                if _listening(self.host, self.store_node_port):
+                    self._node = p
+                    return
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            err = (f"exit status {p.returncode}" if p.returncode is not None else "timed out")
+            err += f"; log tail:\n{_tail(self.store_node_log)}"
+        raise MasterStartError(f"the store node (mooncake_client, {self.store_node_bytes} bytes) did not start: {err}")
+
+    def kill_store_node(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the store node (fault tests): its segment, and every page in it, goes away."""
+        with self._lock:
+            p, self._node = self._node, None
+        _kill(p, sig)
+
+    def start_store_node(self) -> None:
+        """Start a store node again after ``kill_store_node`` (a fresh, empty segment)."""
+        with self._lock:
+            if self.store_node_bytes and not self.store_node_alive():
+                self._start_node()
+
     def kill_master(self, sig: int = signal.SIGKILL) -> None:
         """Kill the master process only (fault tests); the metadata server keeps running."""
         with self._lock:
             p, self._master = self._master, None
-        if p is not None and p.poll() is None:
-            p.send_signal(sig)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _kill(p, sig)
 
     def restart_master(self) -> None:
-        """Kill the master (if running) and start a fresh one on the same ports (an empty store)."""
+        """Kill the master (if running) and start a fresh one on the same ports (an empty store;
+        the store node, if any, re-mounts its segment with it by itself)."""
         self.kill_master()
         with self._lock:
             deadline = time.monotonic() + self.start_timeout_s
@@ -316,10 +447,11 @@ class MooncakeMaster:
             self.rpc_port = saved
 
     def stop(self) -> None:
-        """Stop both processes (idempotent)."""
+        """Stop every process (idempotent): the store node first, then the master, then the
+        metadata server."""
         with self._lock:
-            procs = [p for p in (self._master, self._meta) if p is not None]
-            self._master = self._meta = None
+            procs = [p for p in (self._node, self._master, self._meta) if p is not None]
+            self._node = self._master = self._meta = None
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -344,7 +476,18 @@ class MooncakeMaster:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"MooncakeMaster(rpc={self.rpc_address}, metadata={self.metadata_url}, alive={self.master_alive()})"
+        return (f"MooncakeMaster(rpc={self.rpc_address}, metadata={self.metadata_url}, alive={self.master_alive()}, "
+                f"store_node_bytes={self.store_node_bytes}, node_alive={self.store_node_alive()})")
+
+
+def _kill(p: subprocess.Popen | None, sig: int) -> None:
+    if p is not None and p.poll() is None:
+        p.send_signal(sig)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @atexit.register
@@ -359,17 +502,23 @@ def _stop_all() -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Run a Mooncake master + metadata server on loopback until Ctrl-C.")
+    ap = argparse.ArgumentParser(description="Run a local Mooncake Store (master, metadata server, store node) "
+                                             "on loopback until Ctrl-C.")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--rpc-port", type=int, default=0)
     ap.add_argument("--metadata-port", type=int, default=0)
     ap.add_argument("--lease-ttl-ms", type=int, default=10000)
+    ap.add_argument("--store-node-bytes", type=int, default=DEFAULT_STORE_NODE_BYTES,
+                    help="memory the store node lends the store (0: no store node; engines must lend their own)")
     ap.add_argument("--max-lifetime-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
     args = ap.parse_args(argv)
     m = MooncakeMaster(host=args.host, rpc_port=args.rpc_port, metadata_port=args.metadata_port,
-                       lease_ttl_ms=args.lease_ttl_ms, max_lifetime_s=args.max_lifetime_s)
+                       lease_ttl_ms=args.lease_ttl_ms, store_node_bytes=args.store_node_bytes,
+                       max_lifetime_s=args.max_lifetime_s)
     with m:
-        print(f"mooncake_master={m.rpc_address} mooncake_metadata={m.metadata_url}", flush=True)
+        seg = 0 if m.store_node_bytes else "<bytes this engine lends>"
+        print(f"StorageConfig(backend='mooncake', mooncake_master='{m.rpc_address}', "
+              f"mooncake_metadata='{m.metadata_url}', mooncake_global_segment_bytes={seg})", flush=True)
         deadline = time.monotonic() + args.max_lifetime_s if args.max_lifetime_s > 0 else None
         try:
             while m.master_alive() and (deadline is None or time.monotonic() < deadline):

@@ -1,9 +1,13 @@
 """``mooncake`` L3 backend: pages in a Mooncake Store (``mooncake-transfer-engine-non-cuda``).
 
 Every engine whose client talks to the same master shares the pages: a page one process
-stores, another reads. Pages live in the memory the clients lend the store
-(``mooncake_global_segment_bytes`` each; a page lives in one client's segment and goes away
-with it, or when Mooncake evicts it for room once its lease ran out).
+stores, another reads. A page lives in the memory one Mooncake client lends the store (its
+global segment) and goes away with that client, or when Mooncake evicts it for room once its
+lease ran out. So the deployment that survives engine restarts is a long-lived store node
+lending the memory (``MooncakeMaster`` starts one: the wheel's ``mooncake_client``) with
+engines lending none (``mooncake_global_segment_bytes=0``): every put then lands in the node.
+An engine that lends memory itself (the default, 1 GiB) may get its own pages placed there,
+lost when it exits.
 
 Objects: one per page, named ``hcjx1/{pool}/{key hex}`` (the key already carries the
 namespace digest: model, dtype, layout, page size, TP, pool, salt). The value is a 64-byte
@@ -16,7 +20,12 @@ hit only if the value is exactly ``64 + page_bytes`` long (Mooncake refuses a re
 buffer of another size), the header matches (magic, size, key) and, per ``config.integrity``,
 the CRC matches; anything else is a miss (counted ``corrupt``), the page is zero-filled and the
 object is removed so that the next write of that key stores it afresh (Mooncake keeps the first
-value put under a key; an overwritten or damaged one would otherwise shadow it).
+value put under a key; an overwritten or damaged one would otherwise shadow it). The client
+answers both "value shorter than the buffers" and "segment unreachable" (its owner died) with
+``TRANSFER_FAIL``; the object's size tells them apart: a short value is ``corrupt``, an
+unreachable one a read error (a miss; the object is left alone). Until the master notices a
+dead segment's owner (its ``client_ttl``), its objects still exist: writes of those keys are
+skipped as stored and reads of them miss.
 
 Zero copy: each pool's host array is registered with the client once; writes are
 ``batch_put_from_multi_buffers`` straight from the host pages (one pointer per contiguous run
@@ -83,6 +92,8 @@ KEY_PREFIX = "hcjx1"
 
 # Mooncake error codes (mooncake-store types.h) the backend tells apart.
 OBJECT_NOT_FOUND = -704
+INVALID_PARAMS = -600  # a read: the value does not fit the buffers (too long)
+TRANSFER_FAIL = -800  # a read: the value is shorter than the buffers, or its owner is unreachable
 _RPC_FAIL_MAX = -900  # -900 RPC_FAIL, -901 RPC_TIMEOUT, ...: the master is unreachable
 
 
@@ -330,7 +341,7 @@ class MooncakeStorage(HiCacheStorage):
             return [False] * len(keys)
         if len(codes) != len(keys):
             raise RuntimeError(f"batch_get_into_multi_buffers returned {len(codes)} results for {len(keys)} keys")
-        ok, bad = [False] * len(keys), []
+        ok, bad, failed = [False] * len(keys), [], []
         errors = False
         for i, c in enumerate(codes):
             if c == HEADER_BYTES + pb:
@@ -339,20 +350,38 @@ class MooncakeStorage(HiCacheStorage):
                     bad.append(names[i])
             elif c == OBJECT_NOT_FOUND:
                 continue
-            elif c >= 0 or c in (-600, -800):  # a value of another size (-600: too big for the buffer)
+            elif c >= 0 or c == INVALID_PARAMS:  # a value of another size (too long for the buffers)
                 log.warning("L3 mooncake: %s has the wrong size (code %d, want %d bytes)", names[i], c, HEADER_BYTES + pb)
                 bad.append(names[i])
+            elif c == TRANSFER_FAIL:  # too short, or the segment holding it is unreachable: see below
+                failed.append(i)
             else:
                 errors = True
             if not ok[i]:
                 for b in bufs[i][1:]:  # a page not loaded keeps no bytes that failed a check
                     b.fill(0)
+        if failed:
+            bad += self._short_values(pool, [names[i] for i in failed], HEADER_BYTES + pb)
+            errors = errors or len(bad) < len(failed)
         if errors:
             self.metrics.add(read_errors=1)
             self._rpc_codes("batch_get_into_multi_buffers", codes)
         if bad:
             self._drop_bad(pool, bad)
         return ok
+
+    def _short_values(self, pool: str, names: list[str], want: int) -> list[str]:
+        """Of reads that failed with ``TRANSFER_FAIL``, the objects whose size is not ``want``
+        (a damaged value: drop it). The others are transfer errors (the segment's owner is
+        unreachable, e.g. a store node died): misses, but the objects stay, they may be fine."""
+        try:
+            sizes = self._call("get_size", lambda: [self._store.get_size(n) for n in names])
+        except Exception:  # cannot tell: treat as transfer errors (misses; nothing removed)
+            return []
+        short = [n for n, size in zip(names, sizes) if size >= 0 and size != want]
+        for n in short:
+            log.warning("L3 mooncake: %s has the wrong size (want %d bytes)", n, want)
+        return short
 
     def _read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], loaded: list[bool]) -> int:
         lay = self._layout(pool)

@@ -6,19 +6,23 @@ import contextlib
 
 import pytest
 
-from hicache_jax.storage import PageCodec, StorageConfig, StorageMetrics, create_storage
+from hicache_jax.storage import PageCodec, StorageConfig, StorageMetrics, create_storage  # noqa: F401
 from hicache_jax.storage.mooncake import MasterStartError, MooncakeMaster, unavailable_reason
 
 # Every store call in these tests is bounded by this (and the client's RPC timeout with it).
 OP_TIMEOUT_S = 1.5
+# What a client lends when the master has no store node (store_node_bytes=0).
 SEGMENT_BYTES = 32 << 20
+# The store node's segment in these tests (the default deployment: engines lend nothing).
+NODE_BYTES = 128 << 20
 
 
 def start_master(**kw) -> MooncakeMaster:
-    """A started master, or a skip with the reason none can run here."""
+    """A started master (and store node), or a skip with the reason none can run here."""
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"no Mooncake master here: {reason}")
+    kw.setdefault("store_node_bytes", NODE_BYTES)
     try:
         return MooncakeMaster(**kw).start()
     except MasterStartError as e:
@@ -26,13 +30,14 @@ def start_master(**kw) -> MooncakeMaster:
 
 
 def mc_config(master: MooncakeMaster, **kw) -> StorageConfig:
-    kw.setdefault("mooncake_global_segment_bytes", SEGMENT_BYTES)
+    """The test clients' settings: the helper's (``storage_config``: the client lends no
+    memory when the master has a store node), with short timeouts."""
+    if not master.store_node_bytes:
+        kw.setdefault("mooncake_global_segment_bytes", SEGMENT_BYTES)
     kw.setdefault("mooncake_op_timeout_s", OP_TIMEOUT_S)
     kw.setdefault("mooncake_connect_timeout_s", 10.0)
     kw.setdefault("mooncake_retry_interval_s", 0.5)
-    kw.setdefault("mooncake_master", master.rpc_address)
-    kw.setdefault("mooncake_metadata", master.metadata_url)
-    return StorageConfig(backend="mooncake", **kw)
+    return master.storage_config(**kw)
 
 
 _stores: dict = {}

@@ -170,13 +170,14 @@ def test_master_restarted_misses_cleanly_then_reconnects(own_master):
 BIG = KVGeometry.mha(4, 16, 8, 128, "bfloat16")  # 256 KiB pages
 
 
-@pytest.mark.parametrize("own_master", [{"lease_ttl_ms": 50, "eviction_high_watermark": 0.5}], indirect=True)
+@pytest.mark.parametrize("own_master", [{"lease_ttl_ms": 50, "eviction_high_watermark": 0.5,
+                                         "store_node_bytes": 16 << 20}], indirect=True)
 def test_pages_evicted_by_mooncake_are_misses(own_master):
-    n = 96  # 24 MiB of pages into a 16 MiB segment
+    n = 96  # 24 MiB of pages into the store node's 16 MiB segment
     src = HostKVPool(BIG, n, "page_first")
     fill_random(src, 4)
     keys = keys_for(n, seed=8, ns=namespace(BIG), page_size=BIG.page_size)
-    with mc_store(own_master, {"target": src}, fresh=True, mooncake_global_segment_bytes=16 << 20) as st:
+    with mc_store(own_master, {"target": src}, fresh=True) as st:
         stored = []
         for i in range(0, n, 8):
             stored += st.batch_set(keys[i:i + 8], list(range(i, i + 8)))

@@ -19,32 +19,44 @@ DTYPE_GEOMS = [KVGeometry.mha(2, 4, 2, 32, "bfloat16"), KVGeometry.mha(2, 4, 2, 
 
 @pytest.fixture(scope="module")
 def raw(master):
-    """A second, plain Mooncake client of the same master (another writer)."""
+    """A second, plain Mooncake client of the same master (another writer; lends no memory:
+    what it puts goes to the store node)."""
     from mooncake.store import MooncakeDistributedStore
     c = MooncakeDistributedStore()
-    assert c.setup("127.0.0.1", master.metadata_url, 16 << 20, 16 << 20, "tcp", "", master.rpc_address) == 0
+    assert c.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "", master.rpc_address) == 0
     yield c
     c.close()
 
 
+POOLS = ("target", "draft", "swa")
+
+
 @pytest.mark.parametrize("gi", range(len(DTYPE_GEOMS)), ids=[g.dtype for g in DTYPE_GEOMS])
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda l: l.value)
-def test_roundtrip_bit_exact_every_dtype_and_layout(master, gi, layout):
+def test_roundtrip_bit_exact_every_pool_dtype_and_layout(master, gi, layout):
     geom = DTYPE_GEOMS[gi]
-    src = HostKVPool(geom, 12, layout)
-    fill_random(src, seed=gi)
-    keys = keys_for(6, seed=100 + gi, ns=namespace(geom, layout.value))
-    with mc_store(master, {"target": src}) as st:
-        assert st.batch_exists(keys) == 0
-        assert st.batch_set(keys, [3, 7, 1, 0, 11, 5]) == [True] * 6
-        assert st.batch_exists(keys) == 6
-        dst = HostKVPool(geom, 12, layout)
-        st.codecs["target"].pool = dst  # read into a different, zeroed pool
-        assert st.batch_get(keys, [0, 1, 2, 3, 4, 5]) == [True] * 6
-        assert_pages_equal(src, [3, 7, 1, 0, 11, 5], dst, [0, 1, 2, 3, 4, 5])
-        assert not dst.read_pages(geom.components[0], [6, 7, 8]).any()  # nothing else touched
+    src = {p: HostKVPool(geom, 12, layout) for p in POOLS}
+    for i, pool in enumerate(src.values()):
+        fill_random(pool, seed=10 * gi + i)
+    ns = namespace(geom, layout.value)
+    keys = {p: keys_for(6, seed=100 + gi, ns=ns.for_pool(p)) for p in POOLS}
+    ids, out_ids = [3, 7, 1, 0, 11, 5], [0, 1, 2, 3, 4, 5]
+    specs = [PoolSpec("target"), PoolSpec("draft"), PoolSpec("swa")]
+    with mc_store(master, src, specs) as st:
+        assert st.exists_multi([PoolTransfer(p, keys[p]) for p in POOLS]).hit_pages == 0
+        res = st.set_multi([PoolTransfer(p, keys[p], ids) for p in POOLS])
+        assert all(v == [True] * 6 for v in res.values()), res
+        assert st.exists_multi([PoolTransfer(p, keys[p]) for p in POOLS]).hit_pages == 6
+        dst = {p: HostKVPool(geom, 12, layout) for p in POOLS}
+        for p in POOLS:
+            st.codecs[p].pool = dst[p]  # read into different, zeroed pools
+        hit = st.get_multi([PoolTransfer(p, keys[p], out_ids) for p in POOLS])
+        assert hit.hit_pages == 6 and hit.pool_hits == {p: 6 for p in POOLS}
+        for p in POOLS:  # each pool's own bytes (the pools hold different random data)
+            assert_pages_equal(src[p], ids, dst[p], out_ids)
+            assert not dst[p].read_pages(geom.components[0], [6, 7, 8]).any()  # nothing else touched
         m = st.metrics.snapshot()
-        assert (m["hits"], m["corrupt"], m["verified"], m["pages_written"]) == (6, 0, 6, 6)
+        assert (m["hits"], m["corrupt"], m["verified"], m["pages_written"]) == (18, 0, 18, 18)
 
 
 def test_pages_are_shared_between_clients(master):

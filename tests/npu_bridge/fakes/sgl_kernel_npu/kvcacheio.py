@@ -1,7 +1,7 @@
 """FAKE sgl_kernel_npu.kvcacheio (mocked-contract tier).
 
 ``transfer_kv_dim_exchange`` has the signature picked by env FAKE_OP_VARIANT (the skew seen
-across versions, REFERENCE.md 7.1), records every call (positional vs keyword arguments,
+across sgl_kernel_npu versions), records every call (positional vs keyword arguments,
 current stream, index devices) and moves pages with its own minimal copy: first token of each
 page, all layers at once, V skipped when empty.
 """

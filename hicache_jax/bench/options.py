@@ -1,0 +1,140 @@
+"""Command-line options of every benchmark, without importing JAX (so ``--help`` is instant).
+
+Each benchmark has ``<name>_arguments(parser)`` here and a ``run(args) -> dict`` function in the
+module ``cli.py`` names (imported only when it runs). ``QUICK`` holds each benchmark's
+``--quick`` sizes: they replace the defaults, never a value given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..host_layout import HostLayout
+from ..storage.config import BACKENDS, PREFETCH_POLICIES
+from ..workers import DEFAULT_WORKER_NICE
+from .report import results_path
+
+MODEL_PRESET_NAMES = ("tiny", "bench")  # hicache_jax.bench.serving.MODEL_PRESETS
+# pallas_kernels.page_copy's implementations (its dispatcher's IMPLS; a test keeps them equal).
+COPY_IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
+
+# Per benchmark: what --quick changes (applied to options left at their default).
+QUICK: dict[str, dict[str, object]] = {
+    "multiturn": dict(model="tiny", clients=4, rounds=3, first_len=96, turn_len=32, answer_len=4, page_size=8,
+                      device_pages=48, host_ratio=1.0, max_batch=2),
+    "two-run": dict(model="tiny", num_prompts=3, prompt_len=256, device_pages=128),
+    "ttft": dict(model="tiny", prompt_len=256, reps=3, decode_steps=4, decode_reps=2, device_pages=128),
+    "restart": dict(model="tiny", num_prompts=2, prompt_len=128, device_pages=64),
+    "transfer": dict(layers=2, heads=2, head_dim=64, page_sizes=[1, 16], page_counts=[8, 64], reps=2),
+}
+
+
+def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
+    """``--quick``: every option still at its default takes the benchmark's quick value."""
+    if not getattr(args, "quick", False):
+        return
+    for k, v in QUICK.get(name, {}).items():
+        if getattr(args, k) == parser.get_default(k):
+            setattr(args, k, v)
+
+
+def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, host_ratio: float = 4.0,
+            max_batch: int = 8) -> None:
+    """Options every serving benchmark shares (the reference model and engine, the cache, L3)."""
+    p.add_argument("--quick", action="store_true", help="small sizes (seconds to a minute), for a first look or CI")
+    p.add_argument("--out", default=results_path(name),
+                   help="JSON result (the PNG goes beside it); relative paths are under the current directory")
+    p.add_argument("--model", choices=MODEL_PRESET_NAMES, default="bench", help="reference model preset")
+    p.add_argument("--attention", choices=["mha", "mla"], default="mha", help="per-head K/V or an MLA-style latent")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=int, default=device_pages, help="L1 (device) pool size in pages")
+    p.add_argument("--host-ratio", type=float, default=host_ratio, help="L2 (host) pool size / L1 pool size")
+    p.add_argument("--write-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"], help="when L1 pages are backed up to L2")
+    p.add_argument("--max-batch", type=int, default=max_batch,
+                   help="requests the engine serves at once (the max-parallel bound)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--storage-backend", choices=[*BACKENDS, "none"], default="orbax",
+                   help="L3 backend (none: L1 + L2 only)")
+    p.add_argument("--storage-dir", default=None,
+                   help="L3 directory (default %(default)s: a fresh temporary one, removed after)")
+    p.add_argument("--mooncake-master", default=None,
+                   help="mooncake: the master's host:port (default: start a local store for the run)")
+    p.add_argument("--mooncake-metadata", default=None, help="mooncake: the metadata URL (with --mooncake-master)")
+    p.add_argument("--mooncake-segment-bytes", type=int, default=0,
+                   help="mooncake: memory each engine lends the store (0: none, the store node holds the pages)")
+    p.add_argument("--mooncake-node-bytes", type=int, default=2 << 30,
+                   help="mooncake: memory of the local store's store node")
+    p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES), default="wait_complete",
+                   help="how long admission waits for an L3 prefetch")
+    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
+                   help="OS priority offset of the cache's worker threads (0: same as the scheduler)")
+
+
+def multiturn_arguments(p: argparse.ArgumentParser) -> None:
+    # L1 holds about two thirds of the clients' histories and L2 a bit less than all of them, so
+    # prefixes come back from L1, L2 and L3 (orbax in a temporary directory takes every backup).
+    _common(p, "multiturn", device_pages=320, host_ratio=1.0, max_batch=4)
+    p.add_argument("--clients", type=int, default=8, help="conversations")
+    p.add_argument("--rounds", type=int, default=4, help="turns per conversation")
+    p.add_argument("--first-len", type=int, default=512, help="tokens of each conversation's first prompt")
+    p.add_argument("--turn-len", type=int, default=96, help="tokens each later turn appends (after the answer)")
+    p.add_argument("--answer-len", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--request-rate", type=float, default=0.0,
+                   help="0: closed loop (a client sends its next turn when its answer is back; at most "
+                        "--max-batch served at once); > 0: Poisson arrivals per round at this many req/s")
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each rank "
+                        "holding its share of the KV heads; every rank's tokens are checked against rank 0's; "
+                        "L3 orbax is replaced by file)")
+    p.add_argument("--agreement", choices=["kv", "device"], default="kv",
+                   help="with --num-processes > 1: how the ranks agree once per scheduler step (kv: the "
+                        "coordination service's key-value store; device: process_allgather)")
+    p.add_argument("--rank-timeout", type=float, default=3600.0,
+                   help="with --num-processes > 1: seconds before every rank still running is killed")
+
+
+def two_run_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "two_run")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run")
+    p.add_argument("--prompt-len", type=int, default=3584, help="tokens per prompt")
+    p.add_argument("--answer-len", type=int, default=1, help="tokens generated per prompt")
+
+
+def ttft_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "ttft")
+    p.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt")
+    p.add_argument("--reuse", type=float, default=0.95, help="fraction of the prompt that is a cached prefix")
+    p.add_argument("--reps", type=int, default=9,
+                   help="rounds; each measures every tier once, in rotating order (medians over rounds)")
+    p.add_argument("--answer-len", type=int, default=1, help="tokens generated per prompt")
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per round of the decode test")
+    p.add_argument("--decode-reps", type=int, default=10, help="interleaved with/without rounds of the decode test")
+
+
+def restart_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "restart")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts written, then re-sent after the restart")
+    p.add_argument("--prompt-len", type=int, default=1024, help="tokens per prompt")
+    p.add_argument("--answer-len", type=int, default=4, help="tokens generated per prompt")
+    p.add_argument("--phase", choices=["both", "write", "read"], default="both", help=argparse.SUPPRESS)
+
+
+def transfer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a small sweep (seconds), e.g. for smoke tests")
+    p.add_argument("--out", default=results_path("transfer"), help="JSON result")
+    p.add_argument("--impl", default="auto", choices=list(COPY_IMPLS),
+                   help="page-copy implementation (auto: the dispatcher's choice per platform; mgpu = Mosaic GPU, "
+                        "gpu = Pallas Triton; a kernel on CPU runs interpreted)")
+    p.add_argument("--compare-impls", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure xla / mgpu / gpu gather and scatter side by side (default: on a GPU)")
+    p.add_argument("--layers", type=int, default=8, help="KV layers")
+    p.add_argument("--heads", type=int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument("--dtype", default="bfloat16", help="KV dtype")
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64], help="tokens per page")
+    p.add_argument("--page-counts", type=int, nargs="+", default=None,
+                   help="pages per transfer (default: 16 128 on CPU; 16 256 1024 on GPU/TPU, >= 64 MiB moves)")
+    p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per op (median)")

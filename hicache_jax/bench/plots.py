@@ -1,0 +1,124 @@
+"""The benchmarks' PNGs (matplotlib, optional: without it no PNG is drawn and the JSON says so).
+
+Every figure: one title (what it shows), the configuration as the subtitle, TTFT on a log
+axis (cached and cold requests differ by orders of magnitude), and the no-cache baseline
+beside the cached run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+COLORS = {"no cache": "#7f7f7f", "cold": "#7f7f7f", "device": "#2ca02c", "host": "#1f77b4", "storage": "#9467bd",
+          "hicache": "#d62728", "queue": "#ff7f0e", "service": "#1f77b4"}
+TIER_NAMES = {"cold": "cold (prefilled)", "device": "L1 device hit", "host": "L2 host hit", "storage": "L3 storage hit"}
+
+
+def _plt():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
+def _save(fig, plt, path: str, title: str, subtitle: str) -> str:
+    fig.suptitle(title, fontsize=13, fontweight="bold", y=0.995)
+    fig.text(0.5, 0.935, subtitle, ha="center", va="top", fontsize=8.5, color="#444444", wrap=True)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.path.abspath(path)
+
+
+def _boxes(ax, groups: Sequence[tuple[str, Sequence[float]]], ylabel: str = "TTFT (ms, log scale)") -> None:
+    """Boxes of seconds (drawn in ms) per group, points on top, median labelled, log y."""
+    groups = [(label, [v * 1e3 for v in vals]) for label, vals in groups if len(vals)]
+    if not groups:
+        ax.text(0.5, 0.5, "no requests", ha="center", transform=ax.transAxes)
+        return
+    data = [v for _, v in groups]
+    bp = ax.boxplot(data, tick_labels=[f"{label}\n(n={len(v)})" for label, v in groups], patch_artist=True,
+                    widths=0.55, showfliers=False)
+    for patch, (label, _) in zip(bp["boxes"], groups):
+        key = next((k for k in COLORS if label.startswith(k) or k in label), None)
+        patch.set_facecolor(COLORS.get(key, "#cccccc"))
+        patch.set_alpha(0.45)
+    rng = np.random.default_rng(0)
+    for i, v in enumerate(data, 1):
+        ax.scatter(i + rng.uniform(-0.12, 0.12, len(v)), v, s=9, color="black", alpha=0.5, zorder=3)
+        med = float(np.median(v))
+        ax.annotate(f"{med:,.0f} ms" if med >= 10 else f"{med:.2g} ms", (i + 0.3, med), fontsize=8,
+                    va="center")
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", which="both", alpha=0.25)
+
+
+def tiers_plot(path: str, title: str, subtitle: str, groups: Sequence[tuple[str, Sequence[float]]]) -> str | None:
+    """One panel: TTFT boxes per group (the baseline first), log scale."""
+    plt = _plt()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    _boxes(ax, groups)
+    ax.set_title("TTFT by the tier that served the prompt's prefix", fontsize=10)
+    return _save(fig, plt, path, title, subtitle)
+
+
+def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dict) -> str | None:
+    """Three panels: TTFT per round (no cache vs hicache, median and p25-p75), where TTFT goes
+    (mean queueing + service), and service time by serving tier beside the no-cache requests."""
+    plt = _plt()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.4), gridspec_kw={"width_ratios": [1.1, 0.8, 1.3]})
+    ax = axes[0]
+    for name, s in (("no cache", base), ("hicache", cached)):
+        rounds = s["ttft_by_round_s"]
+        x = np.arange(len(rounds))
+        med = np.array([np.median(r) for r in rounds]) * 1e3
+        lo = np.array([np.percentile(r, 25) for r in rounds]) * 1e3
+        hi = np.array([np.percentile(r, 75) for r in rounds]) * 1e3
+        ax.plot(x, med, marker="o", color=COLORS[name], label=f"{name} (median, p25-p75)")
+        ax.fill_between(x, lo, hi, color=COLORS[name], alpha=0.15)
+    hit = cached["hit_rate_per_round"]
+    ax.set_xticks(range(len(hit)))
+    ax.set_xticklabels([f"{i}\nhit {h:.0%}" for i, h in enumerate(hit)])
+    ax.set_xlabel("round (hicache hit rate)")
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, log scale)")
+    ax.grid(axis="y", which="both", alpha=0.25)
+    ax.legend(fontsize=8)
+    ax.set_title("TTFT per round", fontsize=10)
+
+    ax = axes[1]
+    names = ["no cache", "hicache"]
+    q = [base["queue_mean_s"] * 1e3, cached["queue_mean_s"] * 1e3]
+    sv = [base["service_mean_s"] * 1e3, cached["service_mean_s"] * 1e3]
+    ax.bar(names, sv, color=COLORS["service"], alpha=0.7, label="service (match, load-back, prefill)")
+    ax.bar(names, q, bottom=sv, color=COLORS["queue"], alpha=0.7, label="queueing (waiting for admission)")
+    for i in range(2):
+        ax.text(i, q[i] + sv[i], f"{q[i] + sv[i]:,.0f} ms", ha="center", va="bottom", fontsize=9)
+    ratio = (q[1] + sv[1]) / (q[0] + sv[0]) if q[0] + sv[0] else float("nan")
+    ax.set_title(f"Mean TTFT = queueing + service (hicache x{ratio:.2f})", fontsize=10)
+    ax.set_ylabel("ms")
+    ax.set_ylim(0, 1.45 * max(q[0] + sv[0], q[1] + sv[1]))
+    ax.legend(fontsize=8, loc="upper center")
+
+    ax = axes[2]
+    # Service time (admission -> first token) isolates what the cache changes: queueing depends
+    # on the other requests in flight.
+    groups = [("no cache", base["service_all_s"])]
+    groups += [(TIER_NAMES[t], cached["service_by_tier"][t]) for t in ("cold", "device", "host", "storage")]
+    _boxes(ax, groups, ylabel="service time (ms, log scale)")
+    ax.set_title("Service time (admission -> first token) by the tier that served most of the prefix",
+                 fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    return _save(fig, plt, path, title, subtitle)
