@@ -1,7 +1,7 @@
 """Cost of one agreement per scheduler step, per implementation, with N local processes.
 
-    python -m benchmarks.bench_agreement [--processes 2] [--rounds 7] [--calls 200]
-        [--out benchmarks/results/agreement.json]
+    python -m benchmarks.bench_agreement [--processes 2] [--rounds 7] [--calls 200] [--quick]
+        [--out hicache-results/agreement.json]
 
 The parent starts ``--processes`` ranks on this machine (``jax.distributed`` on the CPU, gloo
 collectives; ``hicache_jax.distributed.launch_local``). Every rank then measures, in
@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hicache_jax.bench.report import machine_info, print_table, write_json  # noqa: E402
+from hicache_jax.bench.report import machine_info, print_table, results_path, write_json  # noqa: E402
 
 IMPLS = ("single", "kv", "device", "device-unguarded", "step(kv)")
 
@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--calls", type=int, default=200, help="agreements per implementation per round")
     p.add_argument("--width", type=int, default=0, help="int64s per vector (0: the cache's StepAgreement width)")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--out", default="benchmarks/results/agreement.json")
+    p.add_argument("--quick", action="store_true", help="3 rounds x 50 calls (seconds), for a first look")
+    p.add_argument("--out", default=results_path("agreement"), help="JSON result (under the current directory)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls = min(args.rounds, 3), min(args.calls, 50)
     if "HICACHE_RANK" in os.environ:
         from hicache_jax.distributed import run_rank
 
