@@ -127,3 +127,42 @@ def test_a_replicated_mla_pool_is_written_by_rank_0_only_and_read_by_every_rank(
     assert got0 == got1 == 8
     assert sets0 == [4] and sets1 == []  # rank 1 never writes the shared pages
     assert len(files(tmp_path, "target")) == 4 and not files(tmp_path, "commit")
+
+
+def test_a_page_missing_on_one_rank_sizes_every_ranks_host_eviction_alike(tmp_path):
+    """The hit is agreed (MIN) before host pages are reserved for it: rank 1 sees only 3 of a
+    prefix's 8 stored pages, so both ranks reserve 3 and evict the same host leaves for them
+    (a rank reserving for its own hit would evict more, and the trees would differ)."""
+    group = ThreadGroup(2, timeout=60)
+    a = seq(0, 16)  # 8 pages
+
+    def rank(r):
+        cache, be, ctl = rank_setup(group.agreement(r), tmp_path)
+        oracle = KVOracle(be)
+        store_then_drop(cache, ctl, oracle, a)
+        for i in range(16):  # fill the host with 16 host-only leaves of 4 pages each
+            prefill_insert(cache, oracle, seq(1000 + 100 * i, 8))
+            cache.flush()
+            cache.evict(cache.evictable_tokens)
+        assert ctl.flush()
+        assert cache.host_allocator.available == 0
+        if r == 1:
+            exists_multi = ctl.storage.exists_multi
+
+            def missing(transfers):
+                res = exists_multi(transfers)
+                return type(res)(min(res.hit_pages, 3), {k: min(v, 3) for k, v in res.pool_hits.items()})
+
+            ctl.storage.exists_multi = missing
+        before = cache.metrics.evicted_host_tokens
+        got = ctl.finish_prefetch(ctl.prefetch(a))
+        evicted = cache.metrics.evicted_host_tokens - before
+        digest = cache.debug_view().digest()
+        cache.sanity_check(0)
+        ctl.close()
+        return got, evicted, digest
+
+    (got0, ev0, d0), (got1, ev1, d1) = run_ranks(group, rank)
+    assert got0 == got1 == 3 * P
+    assert ev0 == ev1 == 4 * P  # one 4-page leaf made room for the 3 agreed pages, on both ranks
+    assert d0 == d1
