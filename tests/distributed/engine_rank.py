@@ -7,8 +7,10 @@ The reference engine (tiny model, KV heads sharded over the ranks) serves a mult
 workload with L3 (file) between rounds: the host and device tiers are dropped before the last
 round, so its prefixes come back from storage. With DIVERGE=all, rank 1 alone: fails every
 third host allocation, finishes its D2H copies ``SLOW`` steps late, reads one page short of
-every storage read and sees every query's seventh page missing (mild enough that the last
-round still hits L3 on every rank). A participant of the step
+every storage read, sees every query's seventh page missing (mild enough that the last
+round still hits L3 on every rank), and starts every round ``LATE_S`` after rank 0: rank 0
+then waits at its first exchange, so its own clock runs ``LATE_S`` ahead of rank 1's and,
+read directly, would admit the staggered arrivals (``ARRIVALS``) steps before rank 1 does. A participant of the step
 agreement records the tree's digest at every step (and ``check_digest`` makes every exchange
 compare the ranks' digests). Writes OUT_DIR/<rank or single>.json: tokens per request,
 digests, tiers served, what fired.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -31,6 +34,8 @@ MODEL = ModelConfig(vocab_size=256, num_layers=2, hidden=32, num_heads=4, num_kv
 PAGE = 4
 CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 3, 24, 8, 4
 SLOW = 3
+LATE_S = 0.6
+ARRIVALS = [0.0, 0.3, 0.6]  # seconds; a prefill step of this model takes a few ms
 
 
 class Recorder:
@@ -107,7 +112,7 @@ def diverge(engine, rec: Recorder, fired: dict) -> None:
     store.get_multi, store.exists_multi = short, missing
 
 
-def workload(engine) -> tuple[list, list]:
+def workload(engine, late_s: float = 0.0, fired: dict | None = None) -> tuple[list, list]:
     rng = np.random.default_rng(7)
     hist = [rng.integers(0, MODEL.vocab_size, FIRST).tolist() for _ in range(CLIENTS)]
     tokens, tiers = [], []
@@ -117,7 +122,10 @@ def workload(engine) -> tuple[list, list]:
                 h.extend(rng.integers(0, MODEL.vocab_size, TURN).tolist())
         if r == ROUNDS - 1:
             engine.evict_host_cache()  # the last round's prefixes come back from L3
-        res = engine.generate([list(h) for h in hist], ANSWER, arrivals=[0.0, 0.02, 0.04])
+        if late_s:
+            time.sleep(late_s)
+            fired["late_start"] += 1
+        res = engine.generate([list(h) for h in hist], ANSWER, arrivals=ARRIVALS)
         for h, x in zip(hist, res):
             h.extend(x.tokens)
             tokens.append(x.tokens)
@@ -138,13 +146,15 @@ def main() -> None:
                             storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE))
     engine = Engine(MODEL, cfg, ranks=ranks)
     rec = Recorder(engine.cache)
-    fired = {k: 0 for k in ("alloc_fail", "slow_d2h", "short_read", "missing_page")}
+    fired = {k: 0 for k in ("alloc_fail", "slow_d2h", "short_read", "missing_page", "late_start")}
+    late = 0.0
     if ranks is not None:
         engine.cache.step_agreement.add(rec)
         engine.cache.step_agreement.check_digest = True
         if div == "all" and ranks.rank == 1:
             diverge(engine, rec, fired)
-    tokens, tiers = workload(engine)
+            late = LATE_S
+    tokens, tiers = workload(engine, late, fired)
     metrics = {k: v for k, v in engine.cache.metrics.as_dict().items() if "prefetch" in k or "storage" in k}
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
