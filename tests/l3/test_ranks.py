@@ -26,8 +26,10 @@ def rank_setup(agreement, path, kind="mha"):
     be = numpy_backend_factory(small_geom(P, kind), 64, 64, "page_first", False)
     cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
                          agreement=agreement)
-    ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=P),
-                            model="ranks")
+    # wait_complete: these tests are about which pages are visible, not about a deadline (a 1 s
+    # prefetch timeout can pass on a loaded machine, and the agreed hit is then 0 on every rank)
+    ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=P,
+                                                 prefetch_policy="wait_complete"), model="ranks")
     return cache, be, ctl
 
 
