@@ -6,12 +6,13 @@ pool is written by rank 0 alone under keys every rank shares."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 from cache_harness import KVOracle, numpy_backend_factory, prefill_insert, small_geom
 from rank_threads import ThreadGroup, run_ranks
 
-from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement, RadixKey
 from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
 
@@ -22,14 +23,15 @@ def seq(start, n):
     return RadixKey(np.arange(start, start + n, dtype=np.int64))
 
 
-def rank_setup(agreement, path, kind="mha"):
+def rank_setup(agreement, path, kind="mha", **storage):
     be = numpy_backend_factory(small_geom(P, kind), 64, 64, "page_first", False)
     cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
                          agreement=agreement)
-    # wait_complete: these tests are about which pages are visible, not about a deadline (a 1 s
-    # prefetch timeout can pass on a loaded machine, and the agreed hit is then 0 on every rank)
+    # wait_complete by default: these tests are about which pages are visible, not about a
+    # deadline (a 1 s prefetch timeout can pass on a loaded machine; the agreed hit is then 0)
+    storage = {"prefetch_policy": "wait_complete", **storage}
     ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=P,
-                                                 prefetch_policy="wait_complete"), model="ranks")
+                                                 **storage), model="ranks")
     return cache, be, ctl
 
 
@@ -168,3 +170,50 @@ def test_a_page_missing_on_one_rank_sizes_every_ranks_host_eviction_alike(tmp_pa
     assert got0 == got1 == 3 * P
     assert ev0 == ev1 == 4 * P  # one 4-page leaf made room for the 3 agreed pages, on both ranks
     assert d0 == d1
+
+
+def _deadline_on_one_rank(tmp_path, make_agreement):
+    """Both ranks prefetch a stored 8-page prefix under the ``timeout`` policy; rank 1's
+    deadline has already passed (its timeout is 0 s, as if its clock ran ahead) and its reads
+    are slow, while rank 0 has 60 s and reads at once."""
+    group = ThreadGroup(2, timeout=60)
+    a = seq(0, 16)
+
+    def rank(r):
+        late = {"prefetch_timeout_base_s": 0.0, "prefetch_timeout_per_ki_token_s": 0.0} if r == 1 else \
+            {"prefetch_timeout_base_s": 60.0}
+        cache, be, ctl = rank_setup(make_agreement(group, r), tmp_path, prefetch_policy="timeout", **late)
+        store_then_drop(cache, ctl, KVOracle(be), a)
+        if r == 1:
+            get_multi = ctl.storage.get_multi
+
+            def slow(transfers):
+                time.sleep(0.3)
+                return get_multi(transfers)
+
+            ctl.storage.get_multi = slow
+        got = ctl.finish_prefetch(ctl.prefetch(a))
+        cache.flush()
+        ctl.flush()
+        timeouts = cache.metrics.prefetch_timeouts
+        digest = cache.debug_view().digest()
+        cache.sanity_check(0)
+        ctl.close()
+        return got, timeouts, digest
+
+    return run_ranks(group, rank)
+
+
+def test_a_deadline_passed_on_one_rank_stops_the_prefetch_on_every_rank(tmp_path):
+    """"A prefetch that may terminate" is agreed (a MAX): rank 1's deadline stops rank 0's
+    prefetch at the same step, with the same pages attached."""
+    (got0, t0, d0), (got1, t1, d1) = _deadline_on_one_rank(tmp_path, lambda g, r: g.agreement(r))
+    assert t0 == t1 == 1
+    assert got0 == got1 < 8 * P
+    assert d0 == d1
+
+
+def test_without_the_exchange_only_the_late_rank_stops(tmp_path):
+    (got0, t0, d0), (got1, t1, d1) = _deadline_on_one_rank(tmp_path, lambda g, r: NoExchangeAgreement(r, 2))
+    assert (t0, t1) == (0, 1) and got0 == 8 * P > got1
+    assert d0 != d1
