@@ -5,6 +5,7 @@
     hicache-jax bench ttft        # TTFT by serving tier (L1 / L2 / L3 / cold); decode overhead of backups
     hicache-jax bench restart     # write to L3, then a fresh process re-sends and hits L3
     hicache-jax bench transfer    # KV page transfers (gather/scatter/D2H/H2D) vs raw copies
+    hicache-jax bench spec        # speculative decoding: accept length with the draft KV cold / from L1 / L3
 
 Every benchmark prints progress (at least every few seconds), a table, and writes JSON to
 ``--out`` (default ``./hicache-results/<name>.json``) with a PNG beside it; ``--quick`` runs
@@ -42,6 +43,9 @@ BENCHMARKS = (
               options.restart_arguments, "hicache_jax.bench.serving:restart"),
     Benchmark("transfer", "KV page transfers vs raw copies of the same bytes",
               options.transfer_arguments, "hicache_jax.bench.transfer:run"),
+    Benchmark("spec", "speculative decoding on the trained toy pair: accept length, TPOT, E2E, TTFT with the "
+                      "draft KV cold / from L1 / from L3 after a restart with and without draft backing",
+              options.spec_arguments, "hicache_jax.bench.spec:run"),
 )
 
 

@@ -26,6 +26,9 @@ QUICK: dict[str, dict[str, object]] = {
     "ttft": dict(model="tiny", prompt_len=256, reps=3, decode_steps=4, decode_reps=2, device_pages=128),
     "restart": dict(model="tiny", num_prompts=2, prompt_len=128, device_pages=64),
     "transfer": dict(layers=2, heads=2, head_dim=64, page_sizes=[1, 16], page_counts=[8, 64], reps=2),
+    # The engine shapes of tests/jax_backend/test_spec_trained_pair.py (compiled programs shared).
+    "spec": dict(prompt_len=192, reps=1, device_pages=64, max_context=256, prefill_chunk=256,
+                 storage_backend="file"),
 }
 
 
@@ -138,3 +141,31 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
                    help="pages per transfer (default: 16 128 on CPU; 16 256 1024 on GPU/TPU, >= 64 MiB moves)")
     p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per op (median)")
+
+
+def spec_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="one prompt of 192 tokens, file L3 (about a minute), for CI")
+    p.add_argument("--out", default=results_path("spec"),
+                   help="JSON result (the PNG goes beside it); relative paths are under the current directory")
+    p.add_argument("--weights", default="toy",
+                   help="target + draft pair (.npz written by scripts/train_spec_pair.py); toy: the package's "
+                        "trained toy pair")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens per repetitive prompt")
+    p.add_argument("--period", type=int, default=0,
+                   help="pattern length of the repetitive prompt (0: the period the pair was trained on)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per verify step (chain drafting)")
+    p.add_argument("--reps", type=int, default=5, help="prompts (patterns) per case; times are medians over them")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=int, default=0, help="L1 pool size in pages (0: three requests' worth)")
+    p.add_argument("--max-context", type=int, default=0,
+                   help="tokens per request (0: prompt + new tokens + 2k + a page)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--storage-backend", choices=["orbax", "file"], default="orbax",
+                   help="L3 backend (a directory: the restarted engine reads what the first one wrote)")
+    p.add_argument("--storage-dir", default=None,
+                   help="L3 directory (default %(default)s: a fresh temporary one, removed after)")
+    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
+                   help="OS priority offset of the cache's D2H and L3 threads (0: the scheduler's; on a busy "
+                        "machine +19 starves the L3 reads and TTFT measures the queue)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random patterns")

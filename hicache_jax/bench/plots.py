@@ -122,3 +122,54 @@ def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dic
                  fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
     return _save(fig, plt, path, title, subtitle)
+
+
+def spec_plot(path: str, title: str, subtitle: str, summary: dict, k: int) -> str | None:
+    """``bench spec``: accept length per case (linear, k + 1 marked), then TPOT, E2E and TTFT
+    per case (ms; a log scale where the values span a decade or more, as a cold prefill and an
+    L1 hit of a large model do); points are the prompts, bars their medians."""
+    plt = _plt()
+    if plt is None:
+        return None
+    cases = list(summary)
+    colors = [COLORS["cold"], COLORS["device"], COLORS["storage"], COLORS["hicache"]]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 5.4))
+    x = np.arange(len(cases))
+    ax = axes[0]
+    vals = [summary[c]["accept_length"] for c in cases]
+    ax.bar(x, vals, color=colors, alpha=0.7)
+    for i, c in enumerate(cases):
+        pts = summary[c]["accept_length_per_prompt"]
+        ax.scatter(np.full(len(pts), i), pts, s=10, color="black", zorder=3)
+        ax.annotate(f"{vals[i]:.2f}", (i, vals[i]), ha="center", va="bottom", fontsize=8)
+    ax.axhline(k + 1, ls=":", c="k", lw=0.8)
+    ax.text(len(cases) - 0.5, k + 1, f"k + 1 = {k + 1}", ha="right", va="bottom", fontsize=7)
+    ax.set_ylim(0, k + 1.6)
+    ax.set_ylabel("accept length (tokens per verify step)")
+    ax.set_title("Accept length", fontsize=10)
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for ax, key, label in ((axes[1], "tpot", "TPOT"), (axes[2], "e2e", "E2E latency"), (axes[3], "ttft", "TTFT")):
+        med = [summary[c][f"{key}_s"] * 1e3 for c in cases]
+        ax.bar(x, med, color=colors, alpha=0.7)
+        for i, c in enumerate(cases):
+            pts = [v * 1e3 for v in summary[c][f"{key}_all_s"]]
+            ax.scatter(np.full(len(pts), i + 0.18), pts, s=10, color="black", zorder=3)
+            ax.annotate(f"{med[i]:,.0f}" if med[i] >= 10 else f"{med[i]:.2g}", (i - 0.18, med[i]), ha="center",
+                        va="bottom", fontsize=8)
+        every = [v * 1e3 for c in cases for v in summary[c][f"{key}_all_s"]]
+        if max(every) >= 10 * min(every):  # spans a decade or more: log scale
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
+            ax.set_ylabel(f"{label} (ms, log scale; bar: median, dots: prompts)")
+        else:
+            ax.set_ylim(0, max(every) * 1.15)
+            ax.set_ylabel(f"{label} (ms; bar: median, dots: prompts)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", which="both", alpha=0.25)
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(cases, rotation=15, fontsize=8)
+    return _save(fig, plt, path, title, subtitle)

@@ -42,6 +42,20 @@ back from L3 or are recomputed; greedy decoding is deterministic, so their token
 of an undisturbed run. Results already returned by finished requests are kept. Each recovery
 counts in ``metrics.cache_failures_recovered``; after ``MAX_FAILURES_WITHOUT_PROGRESS``
 failures in a row with no request finishing in between, the error is raised.
+
+Speculative decoding (``spec=SpecConfig(...)``): the prefill and the decode step are the
+``SpecDecoder``'s (``hicache_jax.engine.speculative``: an EAGLE-style draft head whose KV pool
+is the cache's ``draft`` sidecar, verification of ``k`` chained proposals in one target step,
+the same tokens as plain greedy decoding). Its hooks here: the tree keys, the pages a request
+reserves, the prefill, the decode step and the per-request results.
+
+The last cached position (the rule): the draft's KV entry at position ``j`` is computed from
+token ``j + 1``, so with speculative decoding the tree is keyed by token *pairs* (position
+``j``'s key is ``(t_j, t_{j+1})``) and a request inserts only positions whose successor it has
+committed: a hit at ``j`` implies the successor the entry was computed with, on every tier
+and for every page size; the uncached tail (a partial page, or a page whose last successor
+differs) is recomputed in both models, as without speculation. A prompt of ``L`` tokens still
+matches at most ``L - 1`` positions; see the ``speculative`` module for what follows.
 """
 
 from __future__ import annotations
@@ -58,8 +72,10 @@ from ..backends.jax.memory import pinned_host_pool
 from ..cache import CacheFailedError, CacheRequest, HiRadixCache, LoadBackResult, RadixKey
 from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner
+from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
 from .multiprocess import AgreedClock
+from .speculative import SpecConfig, SpecDecoder, SpecState
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +91,11 @@ class RequestResult:
     latency_s: float
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
     queue_s: float = 0.0  # arrival -> admission (waiting for a batch slot, device room or other prefills)
+    # Speculative decoding (empty / None without it): accepted proposals + 1 per verify step,
+    # their mean, and the k proposals each verify step checked.
+    accept_lengths: list[int] = field(default_factory=list)
+    accept_length: float | None = None
+    draft_proposals: list[list[int]] = field(default_factory=list)
 
     @property
     def service_s(self) -> float:
@@ -110,10 +131,11 @@ class _Seq:
     prefetch: PrefetchOperation | None = None
     storage_tokens: int = 0  # tokens attached from L3 by this request's prefetches so far
     load: LoadBackResult | None = None  # the admission's load-back, until the prefill waited for it
+    spec: SpecState | None = None  # speculative decoding only
 
     def abandon(self) -> None:
         """Forget everything admission and serving produced (the request is queued again)."""
-        self.req, self.reserve, self.prefetch, self.load = None, None, None, None
+        self.req, self.reserve, self.prefetch, self.load, self.spec = None, None, None, None, None
         self.out = []
         self.cached = {"device": 0, "host": 0, "storage": 0}
         self.ttft, self.computed, self.storage_tokens = 0.0, 0, 0
@@ -152,13 +174,27 @@ def _check_arrivals(arrivals: object, n: int) -> list[float]:
 
 
 class Engine:
+    """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
+    trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
+    None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
+    run as one of N tensor-parallel ranks (None: one process; not with ``spec``)."""
+
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
-                 ranks=None) -> None:
+                 spec: SpecConfig | None = None, weights: PairWeights | None = None, ranks=None) -> None:
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config: expected a ModelConfig, got {type(model_config).__name__}")
         cache_config = cache_config or EngineCacheConfig()
         if not isinstance(cache_config, EngineCacheConfig):
             raise TypeError(f"cache_config: expected an EngineCacheConfig, got {type(cache_config).__name__}")
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec: expected a SpecConfig or None, got {type(spec).__name__}")
+        if spec is not None and ranks is not None:  # the draft pool is not sharded over the ranks
+            raise ValueError("spec: speculative decoding runs in one process only (ranks is set)")
+        if weights is not None:
+            if not isinstance(weights, PairWeights):
+                raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")
+            if weights.config != model_config:
+                raise ValueError(f"weights: trained for {weights.config}, not for model_config {model_config}")
         from pallas_kernels.page_copy import PageCopyConfig
 
         self.model_config, self.cache_config = model_config, cache_config
@@ -175,16 +211,24 @@ class Engine:
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
             worker_nice=cache_config.worker_nice)
         self.transfer.precompile()
+        self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
+                                  model=weights.target() if weights is not None else None)
+        if ranks is not None:
+            self.runner.state = ranks.replicate(self.runner.state)
+        self.spec = None if spec is None else SpecDecoder(
+            spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
+            head=weights.draft() if weights is not None else None)
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
+                                  self.spec.sidecars if self.spec is not None else None,
                                   agreement=None if ranks is None else ranks.agreement)
         self._clock = None if ranks is None else AgreedClock(self.cache)
         self.storage = None
         if cache_config.storage is not None:
-            # The model id seeds every L3 key: another model, seed or shape never hits.
-            self.storage = StorageController(self.cache, model=f"hicache-jax-reference:{model_config!r}")
-        self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page))
-        if ranks is not None:
-            self.runner.state = ranks.replicate(self.runner.state)
+            # The model id seeds every L3 key: another model, seed, shape or weights never hits;
+            # a speculative engine's tree keys are token pairs, so its pages are apart too.
+            model_id = f"hicache-jax-reference:{model_config!r}" + (":pair-keys" if spec is not None else "")
+            self.storage = StorageController(self.cache, model=model_id,
+                                             weights_revision=weights.digest if weights is not None else "")
         self.page_size = page
         # Instrumentation: called with "start" / "end" around every batched decode step (on the
         # scheduler thread, outside the timed work of the step itself); None = off.
@@ -213,6 +257,7 @@ class Engine:
         seqs = []
         now = time.perf_counter() if self._clock is None else self._clock.restart()
         device_pages = self.cache_config.device_pages
+        extra = self._extra_positions
         for i, p in enumerate(prompts):
             if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple, np.ndarray)):
                 raise TypeError(f"prompts[{i}]: expected a list of int token ids, got {type(p).__name__}")
@@ -221,10 +266,11 @@ class Engine:
                 raise ValueError(f"prompts[{i}]: expected a non-empty list of int token ids")
             if arr.min() < 0 or arr.max() >= self.model_config.vocab_size:
                 raise ValueError(f"prompts[{i}]: token ids must be in [0, {self.model_config.vocab_size})")
-            if arr.size + max_new_tokens > self.cache_config.max_context:
-                raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new exceed max_context "
+            if arr.size + max_new_tokens + extra > self.cache_config.max_context:
+                spec = f" + {extra} written ahead by speculative decoding" if extra else ""
+                raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new{spec} exceed max_context "
                                  f"{self.cache_config.max_context}")
-            need = self._pages_for(arr.size + max_new_tokens - 1)
+            need = self._pages_for(arr.size + max_new_tokens - 1 + extra)
             if need > device_pages:
                 raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new need {need} device pages, "
                                  f"the pool has {device_pages}")
@@ -277,7 +323,10 @@ class Engine:
             hook = self.on_decode_step
             if hook is not None:
                 hook("start")
-            self._decode_step(running)
+            if self.spec is not None:
+                self.spec.decode_round(running)
+            else:
+                self._decode_step(running)
             if hook is not None:
                 hook("end")
             for seq in [s for s in running if len(s.out) >= s.max_new]:
@@ -330,6 +379,9 @@ class Engine:
         """Compile every model-step shape now (prefill chunks and decode batch sizes), so
         measured TTFTs contain no compilation. The cache contents are unchanged."""
         cfg = self.cache_config
+        if self.spec is not None:
+            self.spec.warmup(cfg.max_batch, cfg.prefill_chunk)
+            return
         self.device_pool.apply(lambda pools: (None, self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk)))
 
     def evict_device_cache(self) -> int:
@@ -353,8 +405,10 @@ class Engine:
         return self.cache.evict_host(self.cache.host_tokens)
 
     def stats(self) -> dict:
-        """The cache's stats plus the engine's own counters (``metrics``)."""
-        return {**self.cache.stats(), **vars(self.metrics)}
+        """The cache's stats plus the engine's own counters (``metrics``) and, with speculative
+        decoding, its counters and mean accept lengths (``spec_*``)."""
+        spec = self.spec.metrics.stats() if self.spec is not None else {}
+        return {**self.cache.stats(), **vars(self.metrics), **spec}
 
     def flush(self) -> None:
         """Wait until every backup has reached its last tier (host, and storage if configured)."""
@@ -371,10 +425,22 @@ class Engine:
         if self.storage is not None:
             self.storage.close()
         self.transfer.close()
+        if self.spec is not None:
+            self.spec.close()
 
     # ---- scheduling steps ----------------------------------------------------------------
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
+
+    @property
+    def _extra_positions(self) -> int:
+        """KV positions a request writes past ``prompt + max_new - 1`` (speculative decoding)."""
+        return self.spec.config.extra_positions if self.spec is not None else 0
+
+    def _key(self, tokens: np.ndarray, n: int) -> RadixKey:
+        """The tree key of the first ``n`` positions of ``tokens`` (token pairs with
+        speculative decoding: ``speculative`` module docstring)."""
+        return RadixKey(tokens[:n]) if self.spec is None else self.spec.key(tokens, n)
 
     def _start_prefetches(self, waiting: deque, removed_seen: int) -> int:
         """Arrived requests start their L3 prefetch right away. A waiting request whose
@@ -390,7 +456,7 @@ class Engine:
                 break
             op = seq.prefetch
             if op is None:
-                seq.prefetch = self.storage.prefetch(RadixKey(seq.prompt[:-1]))
+                seq.prefetch = self.storage.prefetch(self._key(seq.prompt, seq.prompt.shape[0] - 1))
             elif removed != removed_seen and op.status in ("skipped", "revoked") and \
                     sum(self.cache.peek_prefix(op.key)) < op.start:
                 self.storage.cancel(op)
@@ -402,11 +468,11 @@ class Engine:
         p = self.page_size
         # Every page the request will write (prompt + max_new - 1 tokens of KV) is allocated
         # now, so a running request never runs out of device memory mid-decode.
-        total = self._pages_for(prompt.shape[0] + seq.max_new - 1)
+        total = self._pages_for(prompt.shape[0] + seq.max_new - 1 + self._extra_positions)
         if use_cache:
             # Whatever its prefix's tier, the request needs device pages for everything after
             # its on-device prefix (a host or L3 hit is loaded into new pages).
-            on_device, _ = self.cache.peek_prefix(RadixKey(prompt[:-1]))
+            on_device, _ = self.cache.peek_prefix(self._key(prompt, prompt.shape[0] - 1))
             if total - on_device // p > self.device_pool.allocator.available + self.cache.evictable_tokens // p:
                 if have_running:
                     return False  # wait for room; an L3 prefetch keeps running meanwhile
@@ -415,7 +481,7 @@ class Engine:
                 self.cache.flush()
             req = self._match(seq, 0)
         else:
-            req = CacheRequest(RadixKey(prompt[:0]), p)
+            req = CacheRequest(self._key(prompt, 0), p)
         pages = self.cache.alloc_device(total - req.device_pages.shape[0])
         if pages is None and not have_running:
             # Rare after the flush above (the request's own prefix counted as evictable there).
@@ -434,8 +500,10 @@ class Engine:
                                         f"{total - req.device_pages.shape[0]} free device pages; "
                                         f"{self.device_pool.allocator.available} free after eviction")
             return False
-        prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
-        req.extend(RadixKey(prompt), pages[:prompt_pages])
+        prompt_pages = 0  # with speculative decoding the key grows as the draft KV becomes final
+        if self.spec is None:
+            prompt_pages = self._pages_for(prompt.shape[0]) - req.device_pages.shape[0]
+            req.extend(RadixKey(prompt), pages[:prompt_pages])
         seq.reserve = pages[prompt_pages:]
         seq.req = req
         return True
@@ -449,10 +517,10 @@ class Engine:
             seq.storage_tokens += self.storage.finish_prefetch(seq.prefetch)
             seq.prefetch = None
         # Match at most len-1 tokens: the last prompt token is always computed.
-        req, lb = self.cache.begin_request(RadixKey(prompt[:-1]))
+        req, lb = self.cache.begin_request(self._key(prompt, prompt.shape[0] - 1))
         seq.load = lb  # the prefill waits for it, layer by layer
         hit = req.device_pages.shape[0] * self.page_size
-        req.key = RadixKey(prompt[:hit])
+        req.key = self._key(prompt, hit)
         loaded = min(hit, loaded_before + (lb.num_tokens if lb is not None else 0))
         # Pages attached from L3 (by this or an earlier, failed admission attempt) are the tail
         # of the host-only chain the load-back brings in.
@@ -469,6 +537,11 @@ class Engine:
         self._wait_load(seq)
         start = sum(seq.cached.values())  # the cached prefix (from any tier) is not recomputed
         seq.computed = seq.prompt.shape[0] - start
+        if self.spec is not None:
+            seq.out.append(self.spec.prefill(seq, start, self.cache_config.prefill_chunk))
+            self.spec.sync_key(seq)
+            seq.ttft = time.perf_counter() - seq.arrival
+            return
         n = seq.prompt.shape[0]
         chunk = self.cache_config.prefill_chunk
         logits = None
@@ -495,6 +568,12 @@ class Engine:
             except Exception:  # noqa: BLE001 - TransferError, or a backend's own error type
                 self.cache.loading_check(block=True)
                 return
+        if self.spec is not None:
+            try:
+                self.spec.wait_load(lb)  # the draft pages of the same load
+            except Exception:  # noqa: BLE001
+                self.cache.loading_check(block=True)
+                return
         if self.ranks is not None:  # every rank acknowledges: a failure on one is seen by all
             self.cache.loading_check(block=True)
 
@@ -519,5 +598,7 @@ class Engine:
             self.device_pool.allocator.free(req.device_pages)
         if seq.reserve is not None and seq.reserve.size:
             self.device_pool.allocator.free(seq.reserve)
+        spec = self.spec.finish(seq) if self.spec is not None else {}
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival, seq.computed, max(0.0, seq.admitted - seq.arrival))
+                             time.perf_counter() - seq.arrival, seq.computed, max(0.0, seq.admitted - seq.arrival),
+                             **spec)

@@ -3,7 +3,9 @@
 ``PagedRunner.step`` takes B sequences with up to T new tokens each, writes their KV into the
 pool at ``(page_table[pos // page], pos % page)``, attends over every cached position below
 ``kv_len`` (causal), and returns the logits of each sequence's last new token plus the
-updated pool arrays.
+updated pool arrays. ``PagedRunner.step_all`` is the same step returning the logits and the
+final (normed) hidden states of every new position, which speculative decoding needs (the
+verification of all draft tokens at once, and the draft head's input features).
 
 Hybrid models (``ModelConfig.is_hybrid``) have a second pool, the SWA pool, for their
 sliding-window layers, with its own page ids and per sequence its own page table, indexed by
@@ -107,7 +109,7 @@ def _attention(block, h, positions, pools: Pools, layer: int, view: _PoolView) -
 
 
 def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens,
-             swa_pools: Pools | None = None, swa_tables=None, swa_first=None):
+             swa_pools: Pools | None = None, swa_tables=None, swa_first=None, all_positions: bool = False):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     any_pool = next(iter(pools.values()))[0]
@@ -125,17 +127,21 @@ def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_table
         kind, index = cfg.pool_slot(layer)
         x = x + _attention(block, h, positions, new[kind], index, views[kind])
         x = x + block.mlp(block.norm2(x))
-    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
-    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    logits = model.lm_head(model.norm(x_last))
+    if all_positions:  # logits and final hidden states of every position
+        hidden = model.norm(x)
+        out = (model.lm_head(hidden), hidden)
+    else:
+        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+        out = model.lm_head(model.norm(x_last))
     if swa_pools is None:
-        return logits, new["full"]
-    return logits, new["full"], new["swa"]
+        return out, new["full"]
+    return out, new["full"], new["swa"]
 
 
 # One jitted step for every runner: equal configs give equal graphdefs (a static argument),
 # so engines built for the same model reuse each other's compiled steps. Both pools are donated.
-_STEP = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2, 8))
+_STEP = jax.jit(_forward, static_argnums=(0,), static_argnames=("all_positions",), donate_argnums=(2, 8))
 
 
 def _check_pools(name: str, pools: object, components: tuple[str, ...], num_layers: int) -> int:
@@ -153,12 +159,16 @@ class PagedRunner:
     """Holds the model's weights and its jitted, pool-donating step."""
 
     def __init__(self, config: ModelConfig, page_size: int, max_pages_per_seq: int | None = None,
-                 token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)) -> None:
+                 token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024),
+                 model: Transformer | None = None) -> None:
+        """``model``: the weights to run (default: built from ``config.seed``)."""
         self.config = config
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.token_buckets = tuple(sorted(token_buckets))
-        self.model = Transformer(config)
+        if model is not None and model.cfg != config:
+            raise ValueError(f"model: built for {model.cfg}, not for config {config}")
+        self.model = model if model is not None else Transformer(config)
         self.graphdef, self.state = nnx.split(self.model)
         self._step = _STEP
 
@@ -179,6 +189,34 @@ class PagedRunner:
         ``swa_pages_needed(starts[i], end, W, page)`` are read (they must be SWA pool page ids);
         and return (logits, new pools, new SWA pools).
         """
+        out, *new = self._run(pools, tokens, starts, page_tables, min_t, swa_pools, swa_page_tables, False)
+        return (np.asarray(out[:len(tokens)]), *new)
+
+    def step_all(self, pools: Pools, tokens: list[list[int]], starts: list[int], page_tables: list[np.ndarray],
+                 min_t: int = 1, *, swa_pools: Pools | None = None, swa_page_tables: list | None = None):
+        """``step``, returning every new position's logits ``(B, T, vocab)`` and final (normed)
+        hidden state ``(B, T, hidden)`` as numpy (T: the bucketed token count; rows past a
+        sequence's own tokens are padding), then the new pools (and SWA pools)."""
+        (logits, hidden), *new = self._run(pools, tokens, starts, page_tables, min_t, swa_pools, swa_page_tables,
+                                           True)
+        b = len(tokens)
+        return (np.asarray(logits[:b]), np.asarray(hidden[:b]), *new)
+
+    def batch_bucket(self, b: int) -> int:
+        return _bucket(b)
+
+    def token_bucket(self, n: int, minimum: int = 1) -> int:
+        return self._token_bucket(n, minimum)
+
+    def table_width(self, page_tables: list[np.ndarray]) -> int:
+        """The page-table width a step over ``page_tables`` uses (validated)."""
+        widest = max(len(p) for p in page_tables)
+        if self.max_pages_per_seq is not None and widest > self.max_pages_per_seq:
+            raise ValueError(f"page_tables: {widest} pages exceed max_pages_per_seq {self.max_pages_per_seq}")
+        return self.max_pages_per_seq or _bucket(widest)
+
+    def _run(self, pools, tokens, starts, page_tables, min_t, swa_pools, swa_page_tables, all_positions):
+        """``step``'s work: the jitted step's raw outputs (device arrays)."""
         b = len(tokens)
         if not (b == len(starts) == len(page_tables)) or b == 0:
             raise ValueError("tokens, starts, page_tables: expected equal, non-zero lengths")
@@ -191,10 +229,7 @@ class PagedRunner:
                              "in the SWA pool")
         bb = _bucket(b)
         tb = self._token_bucket(max(len(x) for x in tokens), min_t)
-        widest = max(len(p) for p in page_tables)
-        if self.max_pages_per_seq is not None and widest > self.max_pages_per_seq:
-            raise ValueError(f"page_tables: {widest} pages exceed max_pages_per_seq {self.max_pages_per_seq}")
-        mb = self.max_pages_per_seq or _bucket(widest)
+        mb = self.table_width(page_tables)
         tok = np.zeros((bb, tb), np.int32)
         pos = np.zeros((bb, tb), np.int32)
         val = np.zeros((bb, tb), bool)
@@ -211,13 +246,12 @@ class PagedRunner:
             pt[i, :len(table)] = table
             kv_lens[i] = st + n
         if not hybrid:
-            logits, new_pools = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens)
-            return np.asarray(logits[:b]), new_pools
+            return self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens,
+                              all_positions=all_positions)
         swa_tables, swa_first = self._swa_tables(swa_pools, swa_page_tables, tokens, starts, bb, tb)
         self._check_full_pools(pools)
-        logits, new_pools, new_swa = self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens,
-                                                swa_pools, swa_tables, swa_first)
-        return np.asarray(logits[:b]), new_pools, new_swa
+        return self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens, swa_pools, swa_tables,
+                          swa_first, all_positions=all_positions)
 
     def _check_full_pools(self, pools: Pools) -> None:
         g = self.config.kv_geometry(self.page_size)
@@ -258,9 +292,12 @@ class PagedRunner:
         return _bucket(n)
 
     def warmup(self, pools: Pools, max_batch: int, max_new_tokens_per_step: int, *,
-               swa_pools: Pools | None = None):
+               swa_pools: Pools | None = None, all_positions: bool = False, decode_tokens: int = 1):
         """Compile every (B, T) shape serving will use (needs ``max_pages_per_seq``); returns the
         pools, or (pools, SWA pools) for a hybrid model (which must pass ``swa_pools``).
+
+        ``all_positions``: compile ``step_all``'s program instead of ``step``'s; ``decode_tokens``:
+        new tokens per sequence in a batched decode step (speculative verification: k + 1).
 
         Runs steps whose tokens are all padding, so no KV is written: the pools come back with
         the same content (as new arrays: they were donated).
@@ -273,14 +310,14 @@ class PagedRunner:
                              f"(it has {self.config.swa_layers or 'none'})")
         shapes = {(1, self._token_bucket(t)) for t in self.token_buckets if t <= max_new_tokens_per_step}
         shapes.add((1, self._token_bucket(max_new_tokens_per_step)))
-        shapes |= {(_bucket(b), 1) for b in range(1, max_batch + 1)}
+        shapes |= {(_bucket(b), self._token_bucket(decode_tokens)) for b in range(1, max_batch + 1)}
         for bb, tb in sorted(shapes):
             zeros = np.zeros((bb, tb), np.int32)
             args = (self.graphdef, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
                     np.zeros((bb, self.max_pages_per_seq), np.int32), np.ones(bb, np.int32))
             if not hybrid:
-                _, pools = self._step(*args)
+                _, pools = self._step(*args, all_positions=all_positions)
                 continue
             _, pools, swa_pools = self._step(*args, swa_pools, np.zeros((bb, self.swa_table_width(tb)), np.int32),
-                                             np.zeros(bb, np.int32))
+                                             np.zeros(bb, np.int32), all_positions=all_positions)
         return (pools, swa_pools) if hybrid else pools

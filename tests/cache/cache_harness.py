@@ -60,9 +60,9 @@ def make_cache(factory: BackendFactory, *, page_size: int = 1, device_pages: int
     return cache, be
 
 
-def _prefix_hashes(namespace: tuple, tokens: np.ndarray) -> np.ndarray:
+def _prefix_hashes(namespace: tuple, tokens: np.ndarray, salt: int = 0) -> np.ndarray:
     """h[i] identifies (namespace, tokens[:i+1]): KV at a position depends on the whole prefix."""
-    h = (hash(namespace) & 0xFFFFFFFF) ^ 0x9E3779B9
+    h = (hash(namespace) & 0xFFFFFFFF) ^ 0x9E3779B9 ^ salt
     out = np.empty(len(tokens), np.uint64)
     for i, t in enumerate(tokens.tolist()):
         h = (h * 1000003 + int(t) + 1) & 0xFFFFFFFF
@@ -71,11 +71,15 @@ def _prefix_hashes(namespace: tuple, tokens: np.ndarray) -> np.ndarray:
 
 
 class KVOracle:
-    """Deterministic KV content per (namespace, prefix): the shadow model of the fuzz tests."""
+    """Deterministic KV content per (namespace, prefix): the shadow model of the fuzz tests.
 
-    def __init__(self, be: Backend) -> None:
+    ``salt``: another model's KV for the same prefixes (a draft sidecar's pool differs from
+    the target's, so bytes landing in the wrong pool show)."""
+
+    def __init__(self, be: Backend, salt: int = 0) -> None:
         self.be = be
         self.geom = be.geom
+        self.salt = salt
 
     def pages(self, key: RadixKey, first_page: int, npages: int) -> dict[str, np.ndarray]:
         """Expected content (L, n, page, H, D) of pages [first_page, first_page + npages) of key."""
@@ -83,7 +87,7 @@ class KVOracle:
         p = g.page_size
         toks = key.token_ids[:(first_page + npages) * p]
         h = np.zeros((first_page + npages) * p, np.uint64)  # a partial last page is zero-padded
-        h[:len(toks)] = _prefix_hashes(key.namespace, toks)
+        h[:len(toks)] = _prefix_hashes(key.namespace, toks, self.salt)
         h = h[first_page * p:].reshape(npages, p)
         L, H, D = g.num_layers, g.heads, g.width
         lay = np.arange(L, dtype=np.uint64).reshape(L, 1, 1, 1, 1) * np.uint64(7919)

@@ -6,6 +6,13 @@ deferred engine, with injected copy failures (garbage in the destination; retrie
 cache stops and is reset). After every step: ``sanity_check`` (with the request-held page count, so a
 leak is caught). The shadow model: KV at a position is a function of (namespace, prefix),
 so every device hit and every settled host copy must hold exactly those bytes.
+
+Half the machines register a draft sidecar (another geometry, its own oracle with other
+bytes, upstream's SIDECAR draft KV): every check covers the draft pool too, so a draft page
+that stays behind, lands at another id or is skipped by one transfer fails the step where
+it shows. The draft engine is never deferred and never injected with failures: its copies
+land when issued, the target's when the machine completes them, so the acknowledgement must
+wait for the slower one.
 """
 
 import functools
@@ -60,9 +67,10 @@ class CacheMachine(RuleBasedStateMachine):
         host_reclaim=st.booleans(),
         kind=st.sampled_from(["mha", "mla"]),
         shadow=st.booleans(),  # a stateful plug-in component mirroring residency through its hooks
+        draft=st.booleans(),  # a draft-KV sidecar following the target's page ids
     )
     def setup(self, policy, eviction, page_size, device_pages, host_pages, layout, deferred, threshold,
-              host_reclaim, kind, shadow):
+              host_reclaim, kind, shadow, draft):
         self.p = page_size
         self.be = self.backend_factory(small_geom(page_size, kind), device_pages, host_pages, layout, deferred)
         cfg = HiCacheConfig(page_size=page_size, write_policy=policy, eviction_policy=eviction,
@@ -71,8 +79,17 @@ class CacheMachine(RuleBasedStateMachine):
         if shadow:
             side = numpy_backend_factory(small_geom(page_size, kind), device_pages, host_pages, layout)
             plugins.append(ShadowComponent(side.engine))
-        self.cache = HiRadixCache(cfg, self.be.engine, self.be.device.allocator, components=plugins)
+        sidecars, self.oracles = None, []
+        if draft:
+            # One layer of the other attention kind: a draft page at a target offset cannot fit.
+            side = numpy_backend_factory(small_geom(page_size, "mla" if kind == "mha" else "mha", layers=1),
+                                         device_pages, host_pages, layout)
+            sidecars = {"draft": side.engine}
+            self.oracles.append(KVOracle(side, salt=0x5A5A5A5A))
+            EVENTS["draft_machines"] = EVENTS.get("draft_machines", 0) + 1
+        self.cache = HiRadixCache(cfg, self.be.engine, self.be.device.allocator, sidecars, components=plugins)
         self.oracle = KVOracle(self.be)
+        self.oracles.insert(0, self.oracle)
         self.reqs = []  # active CacheRequests
         self.locks = []  # nodes locked through the raw API
         self.loads = []  # (handle, device pages) of load-backs, to skip bytes still in flight
@@ -89,11 +106,17 @@ class CacheMachine(RuleBasedStateMachine):
                       if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)]
         return set(np.concatenate([pg for _, pg in self.loads]).tolist()) if self.loads else set()
 
+    def write(self, key, pages, first_page=0):
+        """A prefill: the target's KV and the draft's, into the same page ids."""
+        for oracle in self.oracles:
+            oracle.write(key, pages, first_page)
+
     def check_device(self, key, pages, first_page=0):
         busy = self.loading_pages()
         for i, pg in enumerate(np.asarray(pages).tolist()):
             if pg not in busy:
-                self.oracle.check_device(key, np.array([pg]), first_page + i)
+                for oracle in self.oracles:
+                    oracle.check_device(key, np.array([pg]), first_page + i)
 
     def check_path(self, key, m):
         """Device pages of a match, and host copies that are settled (evicted or host-unlocked)."""
@@ -106,7 +129,8 @@ class CacheMachine(RuleBasedStateMachine):
         for node in reversed(nodes):
             k = len(node) // self.p
             if node.host_value is not None and (node.value is None or node.host_lock_ref == 0):
-                self.oracle.check_host(key, node.host_value, off)
+                for oracle in self.oracles:
+                    oracle.check_host(key, node.host_value, off)
             off += k
 
     def after_failure(self):
@@ -152,7 +176,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.dec_lock_ref(req.last_node)
             return
         req.extend(key, pages)
-        self.oracle.write(key, pages, req.cached_pages)
+        self.write(key, pages, req.cached_pages)
         self.reqs.append(req)
 
     @rule(toks=tokens, ns=ns, load=st.booleans(), out=st.lists(st.integers(0, 2), max_size=4),
@@ -192,7 +216,7 @@ class CacheMachine(RuleBasedStateMachine):
                 # A partial last page is rewritten with the new tokens (decode fills it).
                 start = len(req.key) // self.p
                 req.extend(full, pages)
-                self.oracle.write(full, req.device_pages[start:], start)
+                self.write(full, req.device_pages[start:], start)
         self.reqs.remove(req)
         key = req.key
         self.cache.cache_finished_req(req)
@@ -370,7 +394,7 @@ def _run(examples, steps, min_total, fixed_seed=None, failures=True):
         suppress_health_check=list(HealthCheck)))
     assert STEPS["n"] >= min_total, f"only {STEPS['n']} steps ran"
     # The fuzz must actually exercise every tier transition, not just pass trivially.
-    for event in ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
+    for event in ("draft_machines", "device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
                   "evicted_host_tokens", "reclaimed_host_tokens", "dropped_tokens", "load_back_skipped",
                   "backup_failed_tokens", *(("transfer_retries", "transfer_failures") if failures else ())):
         assert EVENTS.get(event, 0) > 0, f"fuzz never produced {event}: {EVENTS}"

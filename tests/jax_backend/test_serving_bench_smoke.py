@@ -48,3 +48,26 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["same_tokens"] and payload["write"]["pid"] != payload["read"]["pid"]
         assert payload["read"]["cached"]["storage"] == 2 * 36  # each prompt's 39 tokens, page-aligned
         assert payload["write"]["cached"]["storage"] == 0
+
+
+def test_spec_benchmark_smoke(tmp_path, capsys):
+    """``bench spec --quick`` on the trained toy pair: four cases, each served from the tier it
+    names, progress lines, a table, JSON and a PNG."""
+    out = tmp_path / "results" / "spec.json"
+    assert cli.main(["bench", "spec", "--quick", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == "spec"
+    cases = payload["cases"]
+    assert list(cases) == ["cold", "L1", "L3 + draft", "L3, no draft"]
+    hit = (192 - 1) // 16 * 16  # the --quick prompt's matchable pairs, page-aligned
+    assert cases["cold"]["cached_tokens"] == {"device": 0, "host": 0, "storage": 0}
+    assert cases["L1"]["cached_tokens"] == {"device": hit, "host": 0, "storage": 0}
+    for case in ("L3 + draft", "L3, no draft"):
+        assert cases[case]["cached_tokens"] == {"device": 0, "host": 0, "storage": hit}
+    assert all(c["same_tokens_as_cold"] for c in cases.values())
+    assert payload["ratios"]["restored_over_l1"] == pytest.approx(
+        cases["L3 + draft"]["accept_length"] / cases["L1"]["accept_length"])
+    assert (tmp_path / "results" / "spec.png").stat().st_size > 1000
+    captured = capsys.readouterr()
+    assert "accept length restored" in captured.out and f"JSON written to {out}" in captured.out
+    assert "[spec" in captured.err

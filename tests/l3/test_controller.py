@@ -221,6 +221,11 @@ def test_draft_sidecar_pages_come_back_with_target_pages():
         for c in be.geom.components:
             be.device.write(c, junk, np.full((be.geom.num_layers, 16) + be.geom.page_shape, 7, be.geom.container_dtype))
     cache.device_allocator.free(junk)
+    # And in every (free) host page: a prefetch that read only the target's pages would leave
+    # the draft's old host copies, which hold the right bytes, in the pages it reuses.
+    for be in (target, draft):
+        for c in be.geom.components:
+            be.host.component_view(c)[...] = 7
     assert ctl.finish_prefetch(ctl.prefetch(key)) == 12
     req, _ = cache.begin_request(key)
     cache.flush()

@@ -2,7 +2,10 @@
 finish / cancel / reset / flush in random order, with the controller's worker threads really
 running. ``sanity_check`` after every step; every request's device pages are checked against
 the KV oracle (bit-exact), so a page attached at the wrong position or read from the wrong key
-fails at once. CI runs a bounded, seeded version; ``-m slow`` runs a long one.
+fails at once. CI runs a bounded, seeded version; ``-m slow`` runs a long one. With a draft
+sidecar (``draft=True``: upstream's SIDECAR draft KV, another geometry and other bytes) every
+check covers the draft pool as well: through backups, L3 writes, prefetches and load-backs
+the draft page with a target page's id holds that page's draft KV.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from cache_harness import KVOracle, make_cache
-from hicache_jax.cache import RadixKey
+from cache_harness import KVOracle, make_cache, numpy_backend_factory, small_geom
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
 from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
 
@@ -22,14 +25,20 @@ P = 2
 
 
 class Stress:
-    def __init__(self, backend_factory, seed, policy, backend="memory", path=None):
+    def __init__(self, backend_factory, seed, policy, backend="memory", path=None, draft=False):
         self.rng = random.Random(seed)
         self.cache, self.be = make_cache(backend_factory, page_size=P, device_pages=24, host_pages=40)
+        self.oracles = [KVOracle(self.be)]
+        if draft:
+            side = numpy_backend_factory(small_geom(P, "mla", layers=1), 24, 40)
+            self.cache = HiRadixCache(HiCacheConfig(page_size=P), self.be.engine, self.be.device.allocator,
+                                      {"draft": side.engine})
+            self.oracles.append(KVOracle(side, salt=0x5A5A5A5A))
         cfg = StorageConfig(backend=backend, path=path, prefetch_policy=policy, prefetch_threshold_tokens=4,
                             prefetch_timeout_base_s=0.002, prefetch_timeout_per_ki_token_s=0.0,
                             capacity_bytes=0 if seed % 2 else 60 * self.be.geom.bytes_per_page)
         self.ctl = StorageController(self.cache, cfg, model="stress", batch_pages=2)
-        self.oracle = KVOracle(self.be)
+        self.oracle = self.oracles[0]
         # Prefix families: requests share long prefixes and branch, as multi-turn chats do.
         self.bases = [np.asarray([self.rng.randrange(0, 50) for _ in range(40)], np.int64) for _ in range(3)]
         self.pending: list = []
@@ -64,7 +73,8 @@ class Stress:
         cache = self.cache
         req, _ = cache.begin_request(key)
         cache.loading_check(block=True)
-        self.oracle.check_device(key, req.device_pages)
+        for oracle in self.oracles:
+            oracle.check_device(key, req.device_pages)
         self.stats["checked_pages"] += len(req.device_pages)
         need = -(-len(key) // P) - len(req.device_pages)
         new = cache.alloc_device(need)
@@ -72,7 +82,8 @@ class Stress:
             if req.last_node is not None:
                 cache.dec_lock_ref(req.last_node)
             return
-        self.oracle.write(key, new, len(req.device_pages))
+        for oracle in self.oracles:
+            oracle.write(key, new, len(req.device_pages))
         req.device_pages = np.concatenate([req.device_pages, new])
         cache.cache_finished_req(req)
         self.stats["admitted"] += 1
@@ -140,6 +151,20 @@ def test_storage_stress_ci(backend_factory, policy):
         assert totals[event] > 0, f"stress never produced {event}: {totals}"
     if policy != "best_effort":
         assert totals["prefetch_attached_tokens"] > 0, totals
+
+
+def test_storage_stress_with_a_draft_sidecar():
+    """The draft pool's bytes follow the target's through L1, L2 and L3 (both pools stored,
+    both read before a prefetch publishes)."""
+    totals: dict = {}
+    for seed, policy in enumerate(("wait_complete", "timeout")):
+        s, m = run(numpy_backend_factory, 50 + seed, policy, steps=250, draft=True)
+        assert sorted(s.ctl.pools) == ["draft", "target"]
+        for k, v in list(m.items()) + list(s.stats.items()):
+            totals[k] = totals.get(k, 0) + v
+    for event in ("storage_backup_tokens", "prefetch_attached_tokens", "loaded_storage_tokens", "loaded_tokens",
+                  "checked_pages", "evicted_host_tokens"):
+        assert totals[event] > 0, f"stress never produced {event}: {totals}"
 
 
 @pytest.mark.slow
