@@ -8,7 +8,7 @@ the map of the modules behind it. L3 (storage): ``hicache_jax.l3.StorageControll
 
 from .agreement import Agreement, AgreementError, NoExchangeAgreement, RankDivergenceError, SingleProcessAgreement
 from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, MultiTransferHandle
-from .config import EvictionPolicy, HiCacheConfig, WritePolicy
+from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 from .debug_view import CacheDebugView
 from .digest import tree_digest
 from .errors import CacheFailedError, CacheInvariantError
@@ -28,7 +28,7 @@ __all__ = [
     "ComponentRegistry", "EvictionIndex", "EvictionPolicy", "EvictionStrategy", "HiCacheConfig", "HiRadixCache",
     "InsertResult", "KVComponent", "LoadBackResult", "LockReceipt", "MatchResult", "MultiLoadHandle",
     "MultiTransferHandle", "NoExchangeAgreement", "RadixKey", "RankDivergenceError", "SingleProcessAgreement",
-    "StepAgreement", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
+    "StepAgreement", "TreeDecisions", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
 ]
 
 

@@ -2,10 +2,11 @@
 
 Pure numpy, owner thread only. ``BackupIssuer.backup(node)`` collects the chain from
 ``node`` up to its first backed-up ancestor (the anchor), allocates host pages for all of it
-(evicting host leaves if needed; when even that leaves too little room, for the longest
-prefix of the chain that fits), issues one copy on every component (``components``) and
-marks the chain backed up at once, parent first, so backed-up nodes always form a prefix
-from the root. The write policy (``write_policy``) decides when to call it.
+(evicting host leaves if short: the shortfall, or, with ``evict_whole``, at least the node's
+size, upstream's batch, ``decisions``; when even that leaves too little room, for the
+longest prefix of the chain that fits), issues one copy on every component
+(``components``) and marks the chain backed up at once, parent first, so backed-up nodes
+always form a prefix from the root. The write policy (``write_policy``) decides when to call it.
 
 Until its acknowledgement a backup holds a device and a host path lock on ``node``
 (``PendingOp.receipt``), so neither copy is freed mid-transfer. A copy the engine reports
@@ -41,7 +42,8 @@ class BackupIssuer:
     """Issues backups; see the module docstring."""
 
     def __init__(self, residency: Residency, locks: PathLocks, ledger: TransferLedger, evictor: Evictor,
-                 metrics: CacheMetrics, page_size: int) -> None:
+                 metrics: CacheMetrics, page_size: int, evict_whole: bool = False) -> None:
+        self.evict_whole = evict_whole  # host short: evict at least the node's size (``decisions``)
         self.res = residency
         self.locks = locks
         self.ledger = ledger
@@ -80,7 +82,7 @@ class BackupIssuer:
             guard = anchor is not res.root
             if guard:
                 self.locks.guard_host_copy(anchor)
-            host_ids = self.evictor.alloc_host(npages)
+            host_ids = self.evictor.alloc_host(npages, node.size // self.page_size if self.evict_whole else 0)
             if guard:
                 self.locks.unguard_host_copy(anchor)  # the refresh below (either way) re-indexes it
         if host_ids is None:
@@ -168,8 +170,8 @@ class BackupIssuer:
         if guard:  # kept until commit / rollback: other reservations evict meanwhile
             self.locks.guard_host_copy(anchor)
         short = tokens // p - ev.host_available
-        if short > 0:
-            ev.evict_host(short)
+        if short > 0:  # the shortfall, or upstream's batch (``evict_whole``), as ``issue`` evicts
+            ev.evict_host(max(short, node.size // p if self.evict_whole else 0))
         room = ev.host_available * p
         if tokens > room:
             fit = fit_tokens = 0

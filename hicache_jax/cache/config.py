@@ -45,6 +45,21 @@ class EvictionPolicy(str, Enum):
             raise ValueError(f"eviction_policy: expected one of {[m.value for m in cls]}, got {value!r}") from None
 
 
+class TreeDecisions(str, Enum):
+    """Which tree choices that change what is cached follow upstream (``decisions``)."""
+
+    AUTO = "auto"  # per write policy and pool sizes, by the differential benchmark (``decisions``)
+    UPSTREAM = "upstream"  # sglang 0.5.18's: split remainder stamped, eviction batches, host-only leaves first
+    OWN = "own"  # ours: remainder keeps its time, evictions free only the shortfall, copies dropped first
+
+    @classmethod
+    def parse(cls, value: "str | TreeDecisions") -> "TreeDecisions":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"tree_decisions: expected one of {[m.value for m in cls]}, got {value!r}") from None
+
+
 # Upstream thresholds: hits needed before a node is backed up (sglang's HiRadixCache write policies).
 _DEFAULT_WRITE_THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
                             WritePolicy.WRITE_BACK: None}
@@ -68,6 +83,13 @@ class HiCacheConfig:
       (they stay on device, no longer backed up), the most recently used first, before
       host-only leaves (unless those are long off the device; ``evictor.evict_host``). Without
       it a host pool smaller than the device pool starves write-through (sglang #33862).
+    * ``tree_decisions``: ``"auto"`` (default), ``"upstream"`` or ``"own"``: whether a split
+      stamps the unmatched remainder with the access time, whether a load-back or backup
+      short of room evicts upstream's batch or only the shortfall, and the host eviction
+      order (``decisions`` and README "Deviations of the tree from upstream" say what each
+      does to the hit rates per tier). ``"auto"`` is never below upstream on the device or the
+      host hit rate in the differential benchmark; ``"own"`` keeps more KV on the device
+      (more device hits, fewer host hits under write_through).
     * ``transfer_retries``: a backup or load-back whose copy failed is issued again from its
       source (still locked) this many times when it is acknowledged. If it still fails, the
       cache stops: every call raises ``CacheFailedError`` until ``reset()``, so pages with
@@ -85,6 +107,7 @@ class HiCacheConfig:
     write_through_threshold: int | None = None
     load_back_threshold: int = 10
     host_reclaim: bool = True
+    tree_decisions: TreeDecisions | str = TreeDecisions.AUTO
     transfer_retries: int = 2
     storage: StorageConfig | dict | None = None
 
@@ -98,6 +121,7 @@ class HiCacheConfig:
             check_int("write_through_threshold", self.write_through_threshold, 1)
         check_int("load_back_threshold", self.load_back_threshold, 0)
         check_int("transfer_retries", self.transfer_retries, 0, 10)
+        object.__setattr__(self, "tree_decisions", TreeDecisions.parse(self.tree_decisions))
         if not isinstance(self.host_reclaim, bool):
             raise TypeError(f"host_reclaim: expected a bool, got {type(self.host_reclaim).__name__}")
         if isinstance(self.storage, dict):

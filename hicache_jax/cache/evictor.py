@@ -13,7 +13,9 @@ ordered by the configured strategy); this module decides what leaving a tier mea
   backed-up child are dropped, the most recently used first (the reverse of device
   eviction's order, so the host keeps the copies of the nodes about to leave the device);
   then host-only, host-unlocked leaves are deleted, least recently used first. A host-only
-  leaf long off the device goes before the copies (``HOST_ONLY_AGING``).
+  leaf long off the device goes before the copies (``HOST_ONLY_AGING``). That is the
+  ``aging`` order; ``decisions`` picks it, ``copies_first`` (no aging) or upstream's
+  ``host_only_first`` (host-only leaves first, copies only when none can go).
 
 ``alloc_device`` / ``alloc_host`` allocate, evicting when short. A device allocation that
 needed eviction takes the pages the eviction frees directly (no free and re-allocation):
@@ -29,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from .decisions import AGING, HOST_ONLY_FIRST
 from .metrics import CacheMetrics
 from .residency import Residency
 from .tree import RadixTree
@@ -49,12 +52,13 @@ class Evictor:
     """Eviction on both tiers; see the module docstring."""
 
     def __init__(self, tree: RadixTree, residency: Residency, metrics: CacheMetrics, page_size: int,
-                 write_back: bool) -> None:
+                 write_back: bool, host_eviction_order: str = AGING) -> None:
         self.tree = tree
         self.res = residency
         self.metrics = metrics
         self.page_size = page_size
         self.write_back = write_back
+        self.host_eviction_order = host_eviction_order  # ``decisions``; see ``evict_host``
         # write_back: back ``node`` up (blocking) before it leaves the device; set by the write policy.
         self.before_evict: Callable[[TreeNode], None] | None = None
         self.hooked: tuple = ()  # components with their own residency (``components``)
@@ -152,10 +156,11 @@ class Evictor:
         m.eviction_seconds += time.perf_counter() - t0
         return freed, kept
 
-    def alloc_device(self, num_pages: int, owned: bool) -> np.ndarray | None:
+    def alloc_device(self, num_pages: int, owned: bool, whole: bool = False) -> np.ndarray | None:
         """``num_pages`` device pages, evicting if short: the caller's, or, with ``owned``, the
         tree's own, already marked as the tree's. None (nothing allocated, the eviction done)
-        when the device has no room even after eviction."""
+        when the device has no room even after eviction. When short, the eviction frees the
+        shortfall, or, with ``whole``, ``num_pages`` (upstream's load-back batch, ``decisions``)."""
         res = self.res
         a = res.device_allocator
         short = num_pages - a.available
@@ -164,7 +169,7 @@ class Evictor:
             if owned:
                 res.dev_owned[ids] = True
             return ids
-        _freed, kept = self.evict(short * self.page_size, keep=num_pages)
+        _freed, kept = self.evict((num_pages if whole else short) * self.page_size, keep=num_pages)
         rest = num_pages - (0 if kept is None else kept.shape[0])
         more = a.alloc(rest) if rest else None
         if rest and more is None:
@@ -201,23 +206,35 @@ class Evictor:
         # stay forever though: it goes first once it is older than the device's eviction
         # boundary (the next device victim's access time) minus HOST_ONLY_AGING times the
         # copy's lead over that boundary (no aging while the device has no victim).
+        # That is the ``aging`` order; ``copies_first`` never ages (write_back: a dropped copy
+        # costs a copy when its node leaves the device, never a hit) and ``host_only_first``
+        # is upstream's (copies only once no host-only leaf can go), ``decisions``.
         rl, hl = res.reclaim_index, res.host_index
-        dl = res.device_index
-        d = dl.peek() if hl and rl else None
+        order = self.host_eviction_order
+        host_first = order == HOST_ONLY_FIRST
+        d = res.device_index.peek() if order == AGING and hl and rl else None
         boundary = None if d is None else d.last_access  # None: no device victim, no aging
         while freed < want:
-            node = rl.peek()
-            if node is not None and boundary is not None:
-                h = hl.peek()
-                if h is not None and h.last_access < boundary - HOST_ONLY_AGING * (node.last_access - boundary):
-                    node = None
-            host_only = node is None
-            if host_only:
+            if host_first:
                 node = hl.pop()
-                if node is None:
-                    break
+                host_only = node is not None
+                if not host_only:
+                    node = rl.pop()
+                    if node is None:
+                        break
             else:
-                rl.pop()
+                node = rl.peek()
+                if node is not None and boundary is not None:
+                    h = hl.peek()
+                    if h is not None and h.last_access < boundary - HOST_ONLY_AGING * (node.last_access - boundary):
+                        node = None
+                host_only = node is None
+                if host_only:
+                    node = hl.pop()
+                    if node is None:
+                        break
+                else:
+                    rl.pop()
             if hooked:
                 for comp in hooked:
                     comp.on_evict(node, "host")
@@ -236,8 +253,9 @@ class Evictor:
         m.host_eviction_seconds += time.perf_counter() - t0
         return freed // self.page_size
 
-    def alloc_host(self, npages: int) -> np.ndarray | None:
-        """``npages`` host pages, evicting host leaves if short; None when there is no room.
+    def alloc_host(self, npages: int, at_least: int = 0) -> np.ndarray | None:
+        """``npages`` host pages, evicting host leaves if short (the shortfall, or ``at_least``
+        pages if more: upstream's backup batch, ``decisions``); None when there is no room.
 
         The eviction is sized by the allocator's free count, never by whether an allocation
         failed: with several ranks the free count is agreed state, an allocation's outcome
@@ -245,7 +263,7 @@ class Evictor:
         a = self.res.host_allocator
         short = npages - a.available
         if short > 0:
-            self.evict_host(short)
+            self.evict_host(max(short, at_least))
         return a.alloc(npages)
 
     # ------------------------------------------------------------------ several ranks

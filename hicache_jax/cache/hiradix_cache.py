@@ -19,6 +19,7 @@ module                 job
 ``lookup``             ``match_prefix`` / ``peek_prefix``
 ``insert``             ``insert`` (duplicates, revival, hits, priority) and ``insert_host``
 ``write_policy``       when to back up (write_through[_selective], write_back)
+``decisions``          the choices that differ from upstream's, resolved from the config
 ``backup``             issuing a backup (chain, host pages, marking, ack at issue)
 ``load_back``          issuing a load-back (chain, device pages, locks)
 ``evictor``            eviction on both tiers, allocation with eviction
@@ -119,6 +120,7 @@ from .backup import AgreedBackups, BackupIssuer
 from .components import ComponentRegistry, KVComponent
 from .config import HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
+from .decisions import resolve
 from .errors import CacheFailedError, CacheInvariantError
 from .eviction_index import EvictionIndex
 from .eviction_policies import strategy_for
@@ -203,14 +205,18 @@ class HiRadixCache:
         self._callers = CallerLocks(locks)
         self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries,
                                                self._refuse_calls)
-        self._evictor = evictor = Evictor(tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK)
-        self._backups = backups = BackupIssuer(res, locks, ledger, evictor, m, p)
+        # The choices that differ from upstream's (README "Deviations of the tree from upstream").
+        self.decisions = d = resolve(config, device_allocator.num_pages, host_alloc.num_pages)
+        self._evictor = evictor = Evictor(tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK,
+                                          d.host_eviction_order)
+        self._backups = backups = BackupIssuer(res, locks, ledger, evictor, m, p, d.evict_whole)
         self._policy = policy = WritePolicyDriver(config.write_policy, config.write_through_threshold, tree,
                                                   backups, ledger, m)
         evictor.before_evict = policy.before_evict
-        self._inserter = Inserter(tree, res, policy, p)
-        self._lookup = Lookup(tree, res, p)
-        self._load_backs = LoadBackIssuer(res, locks, ledger, evictor, m, p, config.load_back_threshold)
+        self._inserter = Inserter(tree, res, policy, p, d.count_hits, d.stamp_split_remainder)
+        self._lookup = Lookup(tree, res, p, d.stamp_split_remainder)
+        self._load_backs = LoadBackIssuer(res, locks, ledger, evictor, m, p, config.load_back_threshold,
+                                          d.evict_whole)
         self._requests = RequestHelpers(tree, res, self._inserter, self._callers, self.match_prefix,
                                         self.load_back, p)
         self._stateful = stateful

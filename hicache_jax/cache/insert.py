@@ -12,8 +12,11 @@ caller's page revives the node on the device. Every page the tree would take or 
 checked first: allocated, not already owned by the tree, no repeats.
 
 Statistics: the walked nodes, split parents and the new leaf get the access time, a hit
-(unless chunked) and the request's priority (the highest one wins); then the write policy
-sees the deepest node (``after_insert``).
+and the request's priority (the highest one wins); then the write policy sees the deepest
+node (``after_insert``). No hit is counted for a chunked insert, under write_back (as
+upstream: its LFU then orders by access time) or for a revived node (recomputed, not
+served); a split's unmatched remainder gets the access time too when
+``stamp_split_remainder`` (``decisions``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from .write_policy import WritePolicyDriver
 class Inserter:
     """Applies inserts; see the module docstring."""
 
-    def __init__(self, tree: RadixTree, residency: Residency, policy: WritePolicyDriver, page_size: int) -> None:
+    def __init__(self, tree: RadixTree, residency: Residency, policy: WritePolicyDriver, page_size: int,
+                 count_hits: bool, stamp_split_remainder: bool) -> None:
         self.tree = tree
         self.res = residency
         self.policy = policy
         self.page_size = page_size
+        self.count_hits = count_hits  # False under write_back (``decisions``)
+        self.stamp_split_remainder = stamp_split_remainder
         self.hooked: tuple = ()  # components with their own residency (``components``)
 
     def bad_pages(self, pages: np.ndarray) -> None:
@@ -111,7 +117,7 @@ class Inserter:
                 raise ValueError(f"device_pages: pages {taken[~held][:8].tolist()} are not allocated (double free?)")
 
         t = tree.tick()
-        hit = not chunked
+        hit = self.count_hits and not chunked
         root = tree.root
         node = root
         dm, hm, rm = res.dev_members, res.host_members, res.reclaim_members
@@ -130,15 +136,19 @@ class Inserter:
                     rl.push(node)
         for node, m, off in segs:
             if m < node.size:
-                node = tree.split(node, m)
+                lower = node
+                node = tree.split(lower, m)
+                if self.stamp_split_remainder:
+                    res.stamp(lower, t)
             if node.value is None:  # revive a host-only node (never a path node: those are locked)
+                # No hit: the caller recomputed these tokens, the cache did not serve them.
                 res.set_device(node, pages[(off - off0) // p:(off - off0 + m) // p])
                 if hooked:
                     for comp in hooked:
                         comp.on_insert(node)
-            node.last_access = t  # inlined touch: re-order the node where it is listed
-            if hit:
+            elif hit:
                 node.hit_count += 1
+            node.last_access = t  # inlined touch: re-order the node where it is listed
             if priority > node.priority:
                 node.priority = priority
             if node in dm:

@@ -4,7 +4,8 @@ Pure numpy, owner thread only. ``LoadBackIssuer.load_back(node)`` takes the host
 ending at ``node`` up to its first on-device ancestor (the anchor), all or nothing: it is
 skipped (None, nothing changed) when shorter than ``load_back_threshold`` tokens, longer
 than ``mem_quota`` or when the device has no room even after eviction. Otherwise the chain
-gets device pages (taken straight from the eviction that made room, if any), the copy is
+gets device pages (taken straight from the eviction that made room, if any: the shortfall,
+or the chain's whole size with ``evict_whole``, upstream's batch, ``decisions``), the copy is
 issued on every component and the chain counts as on-device at once: ``match_prefix`` sees
 it, and a forward pass must wait on the handle (per layer) before reading the pages.
 
@@ -35,7 +36,8 @@ class LoadBackIssuer:
     """Issues load-backs; see the module docstring."""
 
     def __init__(self, residency: Residency, locks: PathLocks, ledger: TransferLedger, evictor: Evictor,
-                 metrics: CacheMetrics, page_size: int, threshold: int) -> None:
+                 metrics: CacheMetrics, page_size: int, threshold: int, evict_whole: bool = False) -> None:
+        self.evict_whole = evict_whole  # device short: evict the load's whole size (``decisions``)
         self.res = residency
         self.locks = locks
         self.ledger = ledger
@@ -76,7 +78,7 @@ class LoadBackIssuer:
         # Protect the anchor (device) and the chain (host) while eviction makes room; one walk.
         locks = self.locks
         receipt = locks.lock_both(node, anchor)
-        dev = self.evictor.alloc_device(npages, True)
+        dev = self.evictor.alloc_device(npages, True, self.evict_whole)
         if dev is None:
             locks.release(receipt)
             m.load_back_skipped += 1

@@ -1,7 +1,8 @@
 """Prefix lookup: ``match`` (splits, refreshes access times) and ``peek`` (read-only).
 
 Pure numpy, owner thread only. A match never counts a hit (upstream: hits are counted on
-insert only). It returns the on-device prefix's page ids, the deepest on-device node, the
+insert only). A match that ends inside a node splits it; whether the unmatched remainder
+gets the access time too is ``decisions.stamp_split_remainder``. It returns the on-device prefix's page ids, the deepest on-device node, the
 deepest node on any tier and the host-only continuation's length. Components with their
 own residency may shorten the usable device prefix (``usable_device_nodes`` hook: e.g. a
 sliding-window component needs the window before the end on the device too).
@@ -20,10 +21,13 @@ from .tree import RadixTree
 class Lookup:
     """Match and peek; see the module docstring."""
 
-    def __init__(self, tree: RadixTree, residency: Residency, page_size: int) -> None:
+    def __init__(self, tree: RadixTree, residency: Residency, page_size: int, stamp_split_remainder: bool) -> None:
         self.tree = tree
         self.res = residency
         self.page_size = page_size
+        # A split's unmatched remainder gets the access time too (upstream), or keeps its own
+        # (``decisions``).
+        self.stamp_split_remainder = stamp_split_remainder
         self.hooked: tuple = ()  # components with their own residency (``components``)
 
     def match(self, key: RadixKey) -> MatchResult:
@@ -40,7 +44,10 @@ class Lookup:
         dl, hl, rl = res.device_index, res.host_index, res.reclaim_index
         for node, m, _off in segs:
             if m < node.size:
-                node = tree.split(node, m)
+                lower = node
+                node = tree.split(lower, m)
+                if self.stamp_split_remainder:
+                    res.stamp(lower, t)
             node.last_access = t  # inlined touch
             if node in dm:
                 dl.push(node)

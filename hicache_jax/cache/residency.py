@@ -86,6 +86,14 @@ class Residency:
         if reclaim != (node in self.reclaim_members):
             self.reclaim_index.set_member(node, reclaim)
 
+    def stamp(self, node: TreeNode, t: int) -> None:
+        """Give ``node`` the access time ``t`` and re-order it in every index that lists it
+        (a split's remainder under ``stamp_split_remainder``, ``decisions``)."""
+        node.last_access = t
+        for index in self.indexes:
+            if node in index.members:
+                index.push(node)
+
     def forget(self, node: TreeNode) -> None:
         """The node leaves the tree: drop it from every index."""
         for index in self.indexes:

@@ -2,8 +2,8 @@
 ``--hicache-write-policy``, sglang ``hiradix_cache.py``).
 
 Pure Python, owner thread only. Hits are counted on insert only (walked nodes, split
-parents, the new leaf; not for chunked inserts); ``insert`` calls ``after_insert`` with the
-deepest inserted node.
+parents, the new leaf; not for chunked inserts, revived nodes or under write_back, as
+upstream: ``insert``); ``insert`` calls ``after_insert`` with the deepest inserted node.
 
 * ``write_through``: back a node up once it has 1 hit; ``write_through_selective``: once it
   has 2. The deepest node on the inserted path that reached the threshold is backed up with

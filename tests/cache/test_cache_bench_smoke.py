@@ -42,3 +42,20 @@ def test_bench_tree_multiturn_geometry_override_keeps_hits():
             for g in (None, KVGeometry.mha(2, 1, 1, 8, "bfloat16"))]
     assert runs[1]["kv_bytes_per_token"] == 4 * runs[0]["kv_bytes_per_token"] == 64
     assert runs[0]["hit_rate"] == runs[1]["hit_rate"] and runs[0]["hit_rate"]["L2"] > 0
+
+
+def test_bench_tree_differential_our_side_replays():
+    """The differential benchmark's side of our tree (the upstream side needs .venv-upstream and
+    is not run here): short branchy traces under every write policy evict on both tiers, load
+    back, and leave every invariant intact (``OursReplay.close`` runs ``sanity_check``)."""
+    spec = importlib.util.spec_from_file_location("bench_tree_differential",
+                                                  os.path.join(ROOT, "benchmarks", "bench_tree_differential.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    trace = bench.make_branchy_trace(60, 0)
+    assert [len(r["prompt"]) for r in trace] == [len(r["prompt"]) for r in bench.make_branchy_trace(60, 0)]
+    assert bench.config_name(16, 1.0, "write_through", "lfu") == "p16/r1/write_through/lfu"
+    for policy in bench.POLICIES:
+        r = bench.run_ours(trace, policy, "lfu", 16, 6000, 0.5)
+        assert r["evicting_requests"] > 10 and r["L2"] > 0 and 0 < r["L1"] < 1, (policy, r["L1"], r["L2"])
+        assert len(r["per_req"]) == 60

@@ -228,7 +228,9 @@ def test_lru_evicts_least_recently_used(backend_factory):
 
 
 def test_lfu_evicts_least_frequently_hit(backend_factory):
-    cache, be = make_cache(backend_factory, write_policy="write_back", eviction_policy="lfu")
+    # write_through: under write_back no hits are counted, so LFU orders by access time
+    # (test_tree_decisions)
+    cache, be = make_cache(backend_factory, eviction_policy="lfu")
     oracle = KVOracle(be)
     a, b, c = _three_leaves(cache, oracle)
     prefill_insert(cache, oracle, seq(200, 4))  # c: 2 hits
