@@ -19,7 +19,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 collect_ignore_glob = []
 if not HAVE_JAX:
-    collect_ignore_glob += ["pallas_kernels/*", "tests/jax_backend/*", "benchmarks/*"]
+    collect_ignore_glob += ["pallas_kernels/*", "tests/jax_backend/*", "tests/distributed/*", "benchmarks/*"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -93,6 +93,15 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="0: closed loop (a client sends its next turn when its answer is back; at most "
                         "--max-batch served at once); > 0: Poisson arrivals per round at this many req/s")
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each rank "
+                        "holding its share of the KV heads; every rank's tokens are checked against rank 0's; "
+                        "L3 orbax is replaced by file)")
+    p.add_argument("--agreement", choices=["kv", "device"], default="kv",
+                   help="with --num-processes > 1: how the ranks agree once per scheduler step (kv: the "
+                        "coordination service's key-value store; device: process_allgather)")
+    p.add_argument("--rank-timeout", type=float, default=3600.0,
+                   help="with --num-processes > 1: seconds before every rank still running is killed")
 
 
 def two_run_arguments(p: argparse.ArgumentParser) -> None:

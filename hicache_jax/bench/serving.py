@@ -43,6 +43,7 @@ imported when a benchmark runs, not when this module is (``hicache-jax --help`` 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -59,7 +60,7 @@ import numpy as np
 from ..host_pool import HostPoolConfig
 from ..reference_model import HYBRID_BENCH, HYBRID_TINY, ModelConfig
 from ..storage.config import StorageConfig
-from . import plots
+from . import plots, ranks
 from .report import Progress, machine_info, print_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,7 +121,8 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
                               write_policy=args.write_policy, max_batch=args.max_batch,
                               prefill_chunk=args.prefill_chunk, max_context=max_context,
                               storage=storage_config(args) if storage else None, worker_nice=args.worker_nice)
-    engine = Engine(model_config(args) if model is None else model, cache)
+    engine = Engine(model_config(args) if model is None else model, cache,
+                    ranks=ranks.rank_context(args))  # a rank of --num-processes
     engine.warmup()
     return engine
 
@@ -250,6 +252,10 @@ def _summarize(rounds: list[_Round]) -> dict:
 
 
 def multiturn(args) -> dict:
+    if ranks.wants_ranks(args):  # --num-processes N: N ranks serve it (bench.ranks)
+        with _StorageDir(args):
+            return ranks.launch(args, "multiturn")
+    ranks.rank_out(args)
     with Progress("multiturn") as progress, _StorageDir(args):
         return _multiturn(args, progress)
 
@@ -303,7 +309,8 @@ def _multiturn(args, progress: Progress) -> dict:
             hit = sum(x.cached_total for x in rnd.results) / sum(x.prompt_len for x in rnd.results)
             progress.advance(1, f"round {r} {name}: TTFT p50 {med * 1e3:,.0f} ms, hit {hit:.0%}")
     tokens = {name: [x.tokens for rr in rs for x in rr.results] for name, rs in rounds.items()}
-    same = tokens["hicache"] == tokens["no cache"]
+    served = tokens["hicache"]
+    same = served == tokens["no cache"]
     stats = cached_engine.stats()
     summaries = {}
     for name, engine, _use in runs:
@@ -351,10 +358,13 @@ def _multiturn(args, progress: Progress) -> dict:
                    f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
     png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached)
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-           "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same, "cache_stats": stats, "plot": png}
+           "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
+           "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(), "cache_stats": stats,
+           "plot": png}
     if swa_vs_full is not None:
         out["swa_as_full"] = summaries["hicache, SWA as full"]
         out["hybrid_vs_swa_as_full"] = swa_vs_full
+    ranks.report_rank(cached_engine.cache, out, served)
     return out
 
 

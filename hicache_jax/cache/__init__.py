@@ -6,10 +6,11 @@ the map of the modules behind it. L3 (storage): ``hicache_jax.l3.StorageControll
 ...)``, which uses only the cache's public L3 surface.
 """
 
-from .agreement import Agreement, SingleProcessAgreement
+from .agreement import Agreement, AgreementError, NoExchangeAgreement, RankDivergenceError, SingleProcessAgreement
 from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, MultiTransferHandle
 from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 from .debug_view import CacheDebugView
+from .digest import tree_digest
 from .errors import CacheFailedError, CacheInvariantError
 from .eviction_index import EvictionIndex
 from .eviction_policies import EvictionStrategy
@@ -19,14 +20,15 @@ from .metrics import CacheMetrics, register_prometheus
 from .radix_key import RadixKey, as_token_ids
 from .request import CacheRequest
 from .results import InsertResult, LoadBackResult, MatchResult
+from .step_agreement import StepAgreement
 from .tree_node import TreeNode
 
 __all__ = [
-    "FULL", "Agreement", "CacheDebugView", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest",
+    "FULL", "Agreement", "AgreementError", "CacheDebugView", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest",
     "ComponentRegistry", "EvictionIndex", "EvictionPolicy", "EvictionStrategy", "HiCacheConfig", "HiRadixCache",
     "InsertResult", "KVComponent", "LoadBackResult", "LockReceipt", "MatchResult", "MultiLoadHandle",
-    "MultiTransferHandle", "RadixKey", "SingleProcessAgreement", "TreeDecisions", "TreeNode", "WritePolicy",
-    "as_token_ids", "register_prometheus",
+    "MultiTransferHandle", "NoExchangeAgreement", "RadixKey", "RankDivergenceError", "SingleProcessAgreement",
+    "StepAgreement", "TreeDecisions", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
 ]
 
 

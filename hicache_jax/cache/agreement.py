@@ -1,41 +1,89 @@
 """Agreement across processes on per-rank outcomes that change the tree.
 
-Pure Python. In multi-process serving every rank runs its own copy of the tree over its
-shard of every page, and the trees must make the same decisions. Whatever a rank observes on
-its own (how many queued copies its engine finished, how many pages it read from storage)
-passes through an ``Agreement`` before the tree acts on it; the agreed value is the MIN over
-ranks, so every rank acts on what every rank has.
+Pure Python + numpy. In multi-process serving (tensor-parallel ranks) every rank runs its own
+copy of the tree over its shard of every page, and the trees must make the same decisions:
+otherwise ranks issue different collectives (deadlock) or serve different KV. The rule: every
+tree mutation is a function of values identical on all ranks. Whatever a rank observes on its
+own (a D2H copy finished, a host allocation succeeded, N pages read from storage, a prefetch
+past its deadline) is only an *input* to an agreement; the tree acts on the agreed value.
 
-``SingleProcessAgreement`` (the default) is the identity. The transfer ledger asks one
-question today: ``min_count(topic, n)``, the number of finished copies at the head of a
-queue (``topic``: ``"backup"`` or ``"load"``). An implementation over ``jax.distributed`` or a
-coordination-service key-value store plugs in here (see the open multi-process issue); it
-must be called by every rank at the same points with the same topics, which the ledger does:
-one call per acknowledgement pass, even when ``n`` is zero.
+An ``Agreement`` reduces a fixed-shape int64 vector elementwise with MIN over ranks
+(``agree_min``); a MAX is the MIN of the negated values. Every rank must call it the same
+number of times, in the same order, with vectors of the same shape, which the cache's
+``StepAgreement`` (``step_agreement``) guarantees: one vector per scheduler step, built from
+state every rank shares, exchanged unconditionally even when nothing changed.
 
-For the multi-process issue (next step): ``HiRadixCache.check_events`` runs an
-acknowledgement pass only for a non-empty queue today; with several ranks it must run both
-passes unconditionally every scheduler step (a rank with an empty queue must still take part
-in the collective), and a blocking pass (``flush``) must agree too. Host-page allocation for
-backups and prefetches (``backup``, ``reserve_host_pages``) does not go through the
-agreement yet: it needs reserve -> agree -> commit or roll back.
+Implementations:
+
+* ``SingleProcessAgreement`` (the default): one process, the identity; ``collective`` is
+  False, so the cache keeps its direct single-process paths (no per-step exchange, backups
+  allocated at once).
+* ``NoExchangeAgreement``: the multi-rank protocol with the exchange switched off (every
+  rank acts on its own values). Only for tests that show what the exchange prevents.
+* Over ``jax.distributed`` (``hicache_jax.distributed``): ``DeviceAgreement``
+  (``multihost_utils.process_allgather`` then MIN, on the thread that dispatches device
+  work) and ``KVStoreAgreement`` (the coordination service's key-value store and a barrier
+  bounded by a timeout; usable from worker threads, one instance per thread).
+
+Threading: an instance is used by one thread (its calls are numbered).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+
+class AgreementError(RuntimeError):
+    """The ranks could not agree: a barrier timed out, or they exchanged different shapes."""
+
+
+class RankDivergenceError(AgreementError):
+    """The ranks' states differ where they must be equal (the layout of a step's vector, or,
+    when checked, the trees' digests): a rank mutated its tree from a value of its own."""
+
 
 class Agreement:
-    """Interface: turn a per-rank count into the count every rank agrees on."""
+    """Interface: the elementwise MIN over ranks of a fixed-shape int64 vector.
 
-    def min_count(self, topic: str, n: int) -> int:  # pragma: no cover - interface
+    ``rank`` / ``num_processes``: this process's place in the group. ``collective``: True when
+    the ranks exchange values (or, for ``NoExchangeAgreement``, pretend to), so the cache must
+    run its agreed protocol; False for the single-process identity.
+    """
+
+    rank: int = 0
+    num_processes: int = 1
+    collective: bool = False
+
+    def agree_min(self, values: np.ndarray) -> np.ndarray:  # pragma: no cover - interface
+        """``values``: 1-D int64, the same shape on every rank. Returns its MIN over ranks."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the implementation holds (nothing by default)."""
 
 
 class SingleProcessAgreement(Agreement):
-    """One process: every local count is already agreed."""
+    """One process: every local value is already agreed."""
 
-    def min_count(self, topic: str, n: int) -> int:
-        return n
+    def agree_min(self, values: np.ndarray) -> np.ndarray:
+        return values
 
     def __repr__(self) -> str:
         return "SingleProcessAgreement()"
+
+
+class NoExchangeAgreement(Agreement):
+    """The multi-rank protocol without the exchange: ``agree_min`` returns the rank's own
+    values. For tests only: with per-rank divergence injected, the trees must then differ,
+    which shows the divergence test can see what the real exchange prevents."""
+
+    collective = True
+
+    def __init__(self, rank: int = 0, num_processes: int = 1) -> None:
+        self.rank, self.num_processes = int(rank), int(num_processes)
+
+    def agree_min(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+    def __repr__(self) -> str:
+        return f"NoExchangeAgreement(rank={self.rank}, num_processes={self.num_processes})"

@@ -13,6 +13,15 @@ Until its acknowledgement a backup holds a device and a host path lock on ``node
 finished and successful as soon as it is issued (a synchronous engine), while no earlier
 backup waits, is acknowledged on the spot (``ack_now``): it takes no locks and never queues,
 and the L3 hook runs right away.
+
+Several ranks (a ``collective`` agreement): a host allocation is a per-rank outcome, so a
+backup is reserve -> agree -> commit or roll back. ``reserve(node)`` evicts host leaves by
+the shortfall the allocator's free count shows (a function of agreed state, so every rank
+evicts the same nodes), then allocates: the one step whose outcome may differ per rank. The
+anchor's copy stays guarded until the decision. ``commit`` marks the chain, issues the copy
+and returns the op to queue; ``rollback`` frees what this rank got. ``AgreedBackups`` (a
+``StepAgreement`` participant) runs the backups the write policy asked for this way, once
+per step; write_back's backup inside an eviction agrees on its own (``write_policy``).
 """
 
 from __future__ import annotations
@@ -151,6 +160,78 @@ class BackupIssuer:
         res.refresh(anchor)
         return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0, plans)
 
+    # ------------------------------------------------------------------ several ranks
+    def reserve(self, node: TreeNode) -> "Reservation | None":
+        """Reserve host pages for backing up ``node`` and its un-backed ancestors (the longest
+        prefix of that chain the host can hold after evicting by the shortfall). None, with
+        nothing held, when not even the chain's first node fits: every rank sees that alike.
+        The reservation's ``host_ids`` is None when this rank's allocation failed."""
+        res = self.res
+        chain = []
+        tokens = 0
+        n = node
+        while n.host_value is None:
+            chain.append(n)
+            tokens += n.size
+            n = n.parent
+        anchor = n
+        chain.reverse()
+        p = self.page_size
+        ev = self.evictor
+        guard = anchor is not res.root
+        if guard:  # kept until commit / rollback: other reservations evict meanwhile
+            self.locks.guard_host_copy(anchor)
+        short = tokens // p - ev.host_available
+        if short > 0:  # the shortfall, or upstream's batch (``evict_whole``), as ``issue`` evicts
+            ev.evict_host(max(short, node.size // p if self.evict_whole else 0))
+        room = ev.host_available * p
+        if tokens > room:
+            fit = fit_tokens = 0
+            for c in chain:
+                if fit_tokens + c.size > room:
+                    break
+                fit += 1
+                fit_tokens += c.size
+            self.metrics.backup_failed_tokens += tokens - fit_tokens
+            if not fit:
+                if guard:
+                    self.locks.unguard_host_copy(anchor)
+                res.refresh(anchor)
+                return None
+            chain = chain[:fit]
+            tokens = fit_tokens
+        return Reservation(chain, anchor, guard, tokens, ev.reserve_host(tokens // p))
+
+    def commit(self, r: "Reservation") -> PendingOp:
+        """Every rank got its pages: mark the chain backed up, issue the copy, lock both ends."""
+        res = self.res
+        if r.guard:
+            self.locks.unguard_host_copy(r.anchor)
+        chain, host_ids, tokens = r.chain, r.host_ids, r.tokens
+        self.evictor.settle_host(tokens // self.page_size, host_ids, True)
+        node = chain[-1]
+        dev_ids = np.concatenate([c.value for c in chain]) if len(chain) > 1 else chain[0].value
+        t0 = time.perf_counter()
+        ledger = self.ledger
+        self._mark(chain, host_ids, tokens)
+        for comp in self.hooked:
+            comp.on_backup(chain)
+        handle = ledger.components.backup(dev_ids, host_ids)
+        m = self.metrics
+        m.backup_tokens += tokens
+        m.backup_bytes += host_ids.shape[0] * ledger.components.bytes_per_page
+        receipt = self.locks.lock_both(node)
+        res.refresh(r.anchor)
+        return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0)
+
+    def rollback(self, r: "Reservation") -> None:
+        """Some rank's allocation failed: give back what this rank got; nothing is marked."""
+        self.evictor.settle_host(r.tokens // self.page_size, r.host_ids, False)
+        if r.guard:
+            self.locks.unguard_host_copy(r.anchor)
+        self.res.refresh(r.anchor)
+        self.metrics.backup_failed_tokens += r.tokens
+
     def _mark(self, chain: list, host_ids: np.ndarray, tokens: int) -> None:
         """set_host for the whole chain at once: every chain node but the last has a backed-up
         child now, so only the last and the anchor can change index membership (the caller
@@ -165,3 +246,80 @@ class BackupIssuer:
             c.host_value = host_ids[off:off + k]
             c.parent.host_children += 1
             off += k
+
+
+class Reservation:
+    """Host pages reserved for one backup chain, waiting for the ranks' decision."""
+
+    __slots__ = ("chain", "anchor", "guard", "tokens", "host_ids")
+
+    def __init__(self, chain: list, anchor: TreeNode, guard: bool, tokens: int, host_ids: np.ndarray | None) -> None:
+        self.chain, self.anchor, self.guard, self.tokens, self.host_ids = chain, anchor, guard, tokens, host_ids
+
+
+class AgreedBackups:
+    """The write policy's backups with several ranks: reserve -> agree -> commit, in steps.
+
+    A ``StepAgreement`` participant. ``want(node)`` (the write policy, at insert) queues a
+    target; each step, ``prepare`` reserves up to ``budget`` of them, oldest first (a target
+    whose chain overlaps one reserved in the same step waits for the next; one that left the
+    device or got backed up meanwhile is dropped: both are tree state every rank shares),
+    ``report`` says whether this rank's allocation succeeded, and ``apply`` commits each
+    reservation every rank holds and rolls back the others. Committed copies are queued on
+    the ledger and acknowledged by later steps.
+    """
+
+    def __init__(self, issuer: BackupIssuer, budget: int = 16) -> None:
+        self.issuer = issuer
+        self.budget = budget
+        self.wanted: dict[TreeNode, None] = {}  # insertion-ordered set
+        self.pending: list[Reservation] = []
+        self.rolled_back = 0  # reservations some rank could not allocate
+
+    def want(self, node: TreeNode) -> None:
+        self.wanted[node] = None
+
+    def prepare(self) -> None:
+        if not self.wanted:
+            return
+        claimed: set[int] = set()
+        for node in list(self.wanted):
+            if len(self.pending) >= self.budget:
+                break
+            if node.deleted or node.value is None or node.host_value is not None:
+                del self.wanted[node]
+                continue
+            n, overlap = node, False
+            while n.host_value is None:
+                if id(n) in claimed:
+                    overlap = True
+                    break
+                n = n.parent
+            if overlap:
+                continue
+            del self.wanted[node]
+            r = self.issuer.reserve(node)
+            if r is not None:
+                claimed.update(id(c) for c in r.chain)
+                self.pending.append(r)
+
+    def report(self, out: list[int]) -> None:
+        out.extend(0 if r.host_ids is None else 1 for r in self.pending)
+
+    def apply(self, agreed) -> None:
+        pending, self.pending = self.pending, []
+        writes = self.issuer.ledger.writes
+        for r, ok in zip(pending, agreed):
+            if ok:
+                writes.append(self.issuer.commit(r))
+            else:
+                self.issuer.rollback(r)
+                self.rolled_back += 1
+
+    @property
+    def idle(self) -> bool:
+        return not self.wanted and not self.pending
+
+    def clear(self) -> None:
+        """``reset``: forget the targets (reservations never outlive a step)."""
+        self.wanted.clear()

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class CacheDebugView:
     def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
-                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple) -> None:
+                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None,
+                 agreed_backups=None) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -38,6 +39,8 @@ class CacheDebugView:
         self.components = stateful  # the stateful plug-in components (their ``check`` hooks)
         self._tree, self._res, self._ledger = tree, residency, ledger
         self._callers, self._requests = callers, requests
+        self._evictor = evictor
+        self._agreed_backups = agreed_backups  # several ranks' backup reservations, or None
 
     @property
     def root(self) -> TreeNode:
@@ -74,6 +77,18 @@ class CacheDebugView:
         owned[page] = not owned[page]
 
     @property
+    def reservations(self) -> tuple[int, int]:
+        """Several ranks: (host pages this rank's failed reservations still count, backup
+        reservations waiting for their agreement); both 0 outside a step."""
+        backups = self._agreed_backups
+        return self._evictor.phantom_pages, 0 if backups is None else len(backups.pending)
+
+    def inject_phantom_pages(self, n: int) -> None:
+        """Fault injection for tests of ``sanity_check``: a reservation left counting ``n``
+        phantom host pages after its step."""
+        self._evictor.phantom_pages += n
+
+    @property
     def device_owned(self) -> np.ndarray:
         """Copy of the device-page ownership bitmap (True: the tree's page)."""
         return self._res.dev_owned.copy()
@@ -89,6 +104,14 @@ class CacheDebugView:
     def pending_load_handles(self) -> list:
         """The handles of the load-backs in flight, in queue order."""
         return [op.handle for op in self._ledger.loads]
+
+    def digest(self, pages: bool = False) -> str:
+        """Hex digest of the tree's structure and residency per node, the clock, the counters
+        and the copies in flight (``digest.state_digest``): equal across ranks whose trees
+        made the same decisions. ``pages=True`` also folds in the page ids."""
+        from .digest import state_digest
+
+        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages)
 
     @property
     def caller_locks(self) -> int:

@@ -62,6 +62,9 @@ class Evictor:
         # write_back: back ``node`` up (blocking) before it leaves the device; set by the write policy.
         self.before_evict: Callable[[TreeNode], None] | None = None
         self.hooked: tuple = ()  # components with their own residency (``components``)
+        # Several ranks: pages that reservations of the current step failed to allocate on
+        # this rank (``reserve_host``); 0 otherwise.
+        self.phantom_pages = 0
 
     # ------------------------------------------------------------------ device
     def evict(self, num_tokens: int, keep: int = 0) -> tuple[int, np.ndarray | None]:
@@ -300,10 +303,40 @@ class Evictor:
 
     def alloc_host(self, npages: int, at_least: int = 0) -> np.ndarray | None:
         """``npages`` host pages, evicting host leaves if short (the shortfall, or ``at_least``
-        pages if more: upstream's backup batch, ``decisions``); None when there is no room."""
+        pages if more: upstream's backup batch, ``decisions``); None when there is no room.
+
+        The eviction is sized by the allocator's free count, never by whether an allocation
+        failed: with several ranks the free count is agreed state, an allocation's outcome
+        is not (``agreement``), so every rank evicts the same nodes."""
         a = self.res.host_allocator
-        ids = a.alloc(npages)
+        short = npages - a.available
+        if short > 0:
+            self.evict_host(max(short, at_least))
+        return a.alloc(npages)
+
+    # ------------------------------------------------------------------ several ranks
+    @property
+    def host_available(self) -> int:
+        """Free host pages as every rank counts them: the allocator's free count minus the
+        pages this rank's failed reservations of the current step would have taken."""
+        return self.res.host_allocator.available - self.phantom_pages
+
+    def reserve_host(self, npages: int) -> np.ndarray | None:
+        """Several ranks: ``alloc_host`` for a reservation (reserve -> agree -> commit). The
+        eviction is sized by ``host_available``, which is the same on every rank even after
+        an earlier reservation of this step failed on one of them; a failed allocation
+        counts its pages as ``phantom_pages`` until ``settle_host`` (its commit / rollback)."""
+        short = npages - self.host_available
+        if short > 0:
+            self.evict_host(short)
+        ids = self.res.host_allocator.alloc(npages)
         if ids is None:
-            self.evict_host(max(npages - a.available, at_least))
-            ids = a.alloc(npages)
+            self.phantom_pages += npages
         return ids
+
+    def settle_host(self, npages: int, ids: np.ndarray | None, keep: bool) -> None:
+        """End a ``reserve_host``: forget its phantom pages; free ``ids`` unless ``keep``."""
+        if ids is None:
+            self.phantom_pages -= npages
+        elif not keep:
+            self.res.host_allocator.free(ids)

@@ -82,9 +82,28 @@ Failed copies (``transfers``)
     requests). The refusal is installed when the latch closes (``_refuse_calls``), so the
     public calls check nothing while it is open.
 
-Across processes (``agreement``)
-    The number of copies acknowledged per pass goes through the ``agreement`` object (the
-    identity by default), so several ranks can release the same operations.
+Across processes (``agreement``, ``step_agreement``)
+    With several ranks (tensor-parallel processes, each holding its shard of every page and
+    its own copy of this tree), every tree mutation must be a function of values identical
+    on all ranks. ``agreement`` (default ``SingleProcessAgreement``, the identity) decides
+    the mode. When it is ``collective``:
+
+    * ``check_events`` runs one ``StepAgreement.step`` every call, unconditionally: the
+      per-rank outcomes (copies finished and successful, host allocations that succeeded,
+      and whatever the L3 controller and the engine register) are agreed in one fixed-shape
+      MIN, and acted on alike by every rank;
+    * ``writing_check`` / ``loading_check`` run one step (blocking: after waiting for every
+      local copy); ``flush`` runs blocking steps until nothing is in flight or reserved;
+      ``agree_step`` runs one step for a caller's own blocking wait (the L3 controller's);
+    * a backup the write policy wants is reserved, agreed and committed at the next step
+      (``backup.AgreedBackups``); write_back's backup inside an eviction agrees on its own;
+    * a copy that fails for good on any rank latches every rank at the same step.
+
+    Device allocations (``alloc_device``, a load-back's pages) need no agreement: the device
+    allocator changes only at agreed points, so it is identical on every rank. Every rank
+    must call the public methods in the same order with the same arguments (the scheduler's
+    decisions are functions of agreed state too). ``debug_view().digest()`` is the tree's
+    digest: equal across ranks after every step.
 
 Sliding-window (SWA) requests (``components.swa``; generic over components with their own page ids)
     A hybrid model's sliding-window layers keep their KV in the ``SWAComponent``'s own pools
@@ -130,7 +149,7 @@ from .._checks import check_int
 from ..allocator import PageAllocator, check_page_ids
 from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
-from .backup import BackupIssuer
+from .backup import AgreedBackups, BackupIssuer
 from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
@@ -149,6 +168,7 @@ from .request import CacheRequest
 from .requests import RequestHelpers
 from .residency import Residency
 from .results import InsertResult, LoadBackResult, MatchResult
+from .step_agreement import StepAgreement
 from .transfers import TransferLedger
 from .tree import RadixTree
 from .tree_node import TreeNode
@@ -161,8 +181,9 @@ __all__ = ["CacheFailedError", "CacheInvariantError", "HiRadixCache", "InsertRes
 # The public calls a closed failure latch refuses (see ``_refuse_calls``).
 _REFUSED_AFTER_FAILURE = (
     "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
-    "loading_check", "check_events", "flush", "alloc_device", "evict", "evict_host", "load_back", "begin_request",
-    "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages", "slide_window",
+    "loading_check", "check_events", "agree_step", "flush", "alloc_device", "evict", "evict_host", "load_back",
+    "begin_request", "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages",
+    "slide_window",
 )
 
 
@@ -200,6 +221,12 @@ class HiRadixCache:
                              f"pages are in use")
         if agreement is None:
             agreement = SingleProcessAgreement()
+        if not isinstance(agreement, Agreement):
+            raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
+        if agreement.collective and any(c.own_page_ids for c in self.components.stateful):
+            # Their pages (e.g. SWA) are allocated and backed up outside the agreed protocol.
+            raise ValueError("components: a component with its own page ids (e.g. swa) is not supported with a "
+                             "collective agreement (several ranks) yet")
         self.config = config
         self.page_size = p = config.page_size
         self.device_allocator = device_allocator
@@ -214,7 +241,7 @@ class HiRadixCache:
         self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
         self._locks = locks = PathLocks(res)
         self._callers = CallerLocks(locks)
-        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries, agreement,
+        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries,
                                                self._refuse_calls)
         # The choices that differ from upstream's (README "Deviations of the tree from upstream").
         self.decisions = d = resolve(config, device_allocator.num_pages, host_alloc.num_pages)
@@ -241,6 +268,18 @@ class HiRadixCache:
         # pages (``component_pages``) and allocations go to them.
         self._own = {c.name: c for c in stateful if c.own_page_ids}
         self._requests.own = tuple(self._own.values())
+        self.agreement = agreement
+        self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
+        self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
+        self._agreed_backups = None
+        if self.agreed:
+            self._agreed_backups = AgreedBackups(backups)
+            policy.defer = self._agreed_backups.want
+            if config.write_policy == WritePolicy.WRITE_BACK:
+                evictor.before_evict = policy.before_evict_agreed
+            ledger.steps = steps
+            steps.add(self._agreed_backups)
+            steps.add(ledger)
 
     def _refuse_calls(self, failure: CacheFailedError) -> None:
         """The failure latch closed: until ``reset``, every public call in
@@ -310,6 +349,12 @@ class HiRadixCache:
         self._ledger.storage_hook = hook
 
     @property
+    def step_agreement(self) -> StepAgreement:
+        """The per-step agreement (used when ``agreed``): the L3 controller and the engine
+        register their per-rank outcomes with it (``add``); ``stats()`` counts its exchanges."""
+        return self._steps
+
+    @property
     def in_flight(self) -> tuple[int, int]:
         """(backups, load-backs) not yet acknowledged."""
         return self._ledger.in_flight
@@ -322,7 +367,7 @@ class HiRadixCache:
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
-                              self._stateful)
+                              self._stateful, self._evictor, self._agreed_backups)
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: object) -> MatchResult:
@@ -508,21 +553,62 @@ class HiRadixCache:
         comp = self._own_component(name)
         return comp.alloc_host(check_int("num_pages", num_pages, 0))
 
+    def reserve_host_pages_agreed(self, num_pages: int, min_pages: int) -> tuple[int, np.ndarray | None]:
+        """Several ranks, from a ``StepAgreement`` participant's ``prepare``: the reserve of
+        reserve -> agree -> commit for ``num_pages`` host pages (an L3 prefetch's destination).
+
+        Evicts host leaves by the shortfall of the free count every rank shares, then takes
+        ``min(num_pages, free)`` pages if that is at least ``min_pages``. Returns ``(n, ids)``:
+        ``n`` the pages reserved as every rank counts them (0: too few fit, nothing held), and
+        this rank's ids, or None when its allocation failed. After the step's agreement, end it
+        on every rank with ``settle_host_pages(n, ids, keep)``: ``keep`` when every rank got
+        its pages (the caller owns them), else they are freed."""
+        num_pages = check_int("num_pages", num_pages, 0)
+        min_pages = check_int("min_pages", min_pages, 0)
+        ev = self._evictor
+        short = num_pages - ev.host_available
+        if short > 0:
+            ev.evict_host(short)
+        n = min(num_pages, ev.host_available)
+        if n < max(min_pages, 1):
+            return 0, None
+        return n, ev.reserve_host(n)
+
+    def settle_host_pages(self, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
+        """End a ``reserve_host_pages_agreed`` of ``num_pages`` pages (see there)."""
+        self._evictor.settle_host(check_int("num_pages", num_pages, 0), ids, _check_flag("keep", keep))
+
     # ------------------------------------------------------------------ transfers
     def writing_check(self, block: bool = False) -> int:
-        """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``)."""
-        n = self._ledger.ack_writes(_check_flag("block", block))
+        """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``).
+        With several ranks: one agreement step (see the module docstring)."""
+        block = _check_flag("block", block)
+        if self.agreed:
+            before = self._ledger.in_flight[0]
+            self._step(writes=block)
+            return before - self._ledger.in_flight[0]
+        n = self._ledger.ack_writes(block)
         hook = self._ledger.storage_hook
         if hook is not None:
             hook.poll()
         return n
 
     def loading_check(self, block: bool = False) -> int:
-        """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``)."""
-        return self._ledger.ack_loads(_check_flag("block", block))
+        """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``).
+        With several ranks: one agreement step (see the module docstring)."""
+        block = _check_flag("block", block)
+        if self.agreed:
+            before = self._ledger.in_flight[1]
+            self._step(loads=block)
+            return before - self._ledger.in_flight[1]
+        return self._ledger.ack_loads(block)
 
     def check_events(self) -> None:
-        """Poll both queues without blocking (call once per scheduler step)."""
+        """Poll both queues without blocking (call once per scheduler step). With several
+        ranks: one agreement step, every call, even with nothing in flight."""
+        if self.agreed:
+            self._step()
+            return
         ledger = self._ledger
         if ledger.writes:
             ledger.ack_writes(False)
@@ -531,8 +617,38 @@ class HiRadixCache:
         if ledger.loads:
             ledger.ack_loads(False)
 
+    def agree_step(self, block: bool = False) -> None:
+        """Several ranks: one agreement step now (a caller's blocking wait runs these in a loop
+        whose exit condition is agreed state, so every rank runs the same number). One
+        process: ``check_events`` (``block``: ``flush``)."""
+        block = _check_flag("block", block)
+        if self.agreed:
+            self._step(block, block)
+        elif block:
+            self.flush()
+        else:
+            self.check_events()
+
+    def _step(self, writes: bool = False, loads: bool = False) -> None:
+        """One agreement step; ``writes`` / ``loads``: wait for this rank's copies of that
+        queue first (a blocking acknowledgement)."""
+        ledger = self._ledger
+        ledger.block_writes, ledger.block_loads = writes, loads
+        try:
+            self._steps.step()
+        finally:
+            ledger.block_writes = ledger.block_loads = False
+        if ledger.failure is not None:  # latched on every rank at this step
+            raise ledger.failure
+
     def flush(self) -> None:
-        """Block until every transfer in flight is acknowledged."""
+        """Block until every transfer in flight is acknowledged (with several ranks: and every
+        backup the write policy asked for is committed or rolled back)."""
+        if self.agreed:
+            ledger, backups = self._ledger, self._agreed_backups
+            while ledger.writes or ledger.loads or not backups.idle:  # agreed state: same on every rank
+                self._step(True, True)
+            return
         self.writing_check(block=True)
         self.loading_check(block=True)
 
@@ -631,6 +747,8 @@ class HiRadixCache:
         self._tree.mark_all_deleted()
         self._callers.clear()
         self._load_backs.storage_origin.clear()
+        if self._agreed_backups is not None:
+            self._agreed_backups.clear()
         for comp in self._stateful:
             comp.reset()
         self.root = self._tree.new_root()
@@ -686,6 +804,8 @@ class HiRadixCache:
         out["hit_rate"] = out["cache_hit_rate"]
         if self._stateful:
             out["components"] = {c.name: c.stats() for c in self._stateful}
+        if self.agreed:  # several ranks: the per-step agreement's exchanges and time
+            out["agreement"] = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
         return out
 
     def sanity_check(self, external_device_pages: int | None = None,

@@ -189,6 +189,11 @@ def collect_violations(view: "CacheDebugView", external_device_pages: int | None
     if view.caller_locks > through_root:
         errs.append(f"{view.caller_locks} caller locks but only {through_root} device path locks reach the root")
 
+    # ---- several ranks: reservations never outlive their step ----------------------------------
+    phantom, pending = view.reservations
+    if phantom or pending:
+        errs.append(f"reservations outlive their agreement step: {pending} pending, {phantom} phantom host pages")
+
     # ---- plug-in components -------------------------------------------------------------------
     for comp in view.components:
         ext = None if external_pages is None else external_pages.get(comp.name)

@@ -5,11 +5,18 @@ Pure Python, owner thread only; engines may run the copies on their own workers,
 only polls their handles. Each queued ``PendingOp`` holds the lock receipt that keeps both
 ends of its copy alive (``locks``) until it is acknowledged.
 
-Acknowledgement (``ack``): count the finished ops at the head of a queue (FIFO: up to the
-first unfinished one; all of them when blocking), pass the count through the ``Agreement``
-(the identity in one process; the MIN over ranks in several, so every rank's tree releases
-the same ops), then finish that many: wait (retrying a failed copy), run the L3 hook of a
-backup while its locks still hold, release its receipt, count its time.
+Acknowledgement, one process (``ack_writes`` / ``ack_loads``): count the finished ops at the
+head of a queue (FIFO: up to the first unfinished one; all of them when blocking), then
+finish that many: wait (retrying a failed copy), run the L3 hook of a backup while its locks
+still hold, release its receipt, count its time.
+
+Acknowledgement, several ranks (a ``collective`` agreement): the ledger is a participant of
+the cache's ``StepAgreement``. ``report`` appends, per queue, how many head ops finished *and
+succeeded* on this rank (a failed copy is retried here, locally, before it counts; when
+blocking, every op is waited for first) and whether a copy failed for good; ``apply``
+finishes the MIN over ranks of each count, so every rank releases the same ops at the same
+step, and when any rank failed, every rank closes its latch in the same step (each raises
+``CacheFailedError`` and recovers alike).
 
 Failed copies: a copy whose handle reports a failure is issued again from the same source
 pages into the same destination pages (both still locked) up to ``retries`` times. If it
@@ -27,7 +34,6 @@ from typing import Callable
 import numpy as np
 
 from ..transfer import TransferHandle
-from .agreement import Agreement
 from .errors import CacheFailedError
 from .locks import LockReceipt, PathLocks
 from .metrics import CacheMetrics
@@ -54,28 +60,28 @@ class TransferLedger:
     """The two queues of copies in flight and the failure latch; see the module docstring."""
 
     def __init__(self, components, metrics: CacheMetrics, locks: PathLocks, retries: int,
-                 agreement: Agreement, on_failure: Callable[[CacheFailedError], None]) -> None:
-        if not isinstance(agreement, Agreement):
-            raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
+                 on_failure: Callable[[CacheFailedError], None]) -> None:
         self.components = components  # looked up per copy: tests may swap its methods
         self.metrics = metrics
         self.locks = locks
         self.retries = retries
-        self.agreement = agreement
         self.writes: deque[PendingOp] = deque()
         self.loads: deque[PendingOp] = deque()
         self.failure: CacheFailedError | None = None
         self.on_failure = on_failure  # the facade refuses its public calls from then on
         self.storage_hook = None  # a StorageController, when attached
+        self.steps = None  # the cache's StepAgreement, with several ranks (``report`` / ``apply``)
+        self.block_writes = self.block_loads = False  # a blocking step waits for this rank's copies
+        self._local_failure: tuple[PendingOp, BaseException] | None = None  # this rank's, not yet agreed
 
     # ------------------------------------------------------------------ acknowledgement
     def ack_writes(self, block: bool) -> int:
-        return self._ack(self.writes, "backup", block)
+        return self._ack(self.writes, block)
 
     def ack_loads(self, block: bool) -> int:
-        return self._ack(self.loads, "load", block)
+        return self._ack(self.loads, block)
 
-    def _ack(self, queue: deque, topic: str, block: bool) -> int:
+    def _ack(self, queue: deque, block: bool) -> int:
         if block:
             n = len(queue)
         else:
@@ -84,7 +90,6 @@ class TransferLedger:
                 if not op.handle.done():
                     break
                 n += 1
-        n = self.agreement.min_count(topic, n)
         for _ in range(n):
             self.finish(queue.popleft())
         return n
@@ -140,6 +145,81 @@ class TransferLedger:
         self.on_failure(self.failure)
         raise self.failure from error
 
+    # ------------------------------------------------------------------ several ranks
+    def prepare(self) -> None:
+        pass
+
+    def report(self, out: list[int]) -> None:
+        """Per queue, the head ops finished and successful on this rank; then -1 if a copy
+        failed for good here (a MAX: any rank's failure latches every rank)."""
+        out.append(self._succeeded_head(self.writes, self.block_writes))
+        out.append(self._succeeded_head(self.loads, self.block_loads))
+        out.append(-1 if self._local_failure is not None else 0)
+
+    def _succeeded_head(self, queue: deque, block: bool) -> int:
+        n = 0
+        if self._local_failure is not None:
+            return 0
+        for op in queue:
+            if not block and not op.handle.done():
+                break
+            if not self._copy_succeeded(op):
+                break
+            n += 1
+        return n
+
+    def _copy_succeeded(self, op: PendingOp) -> bool:
+        """Wait for ``op`` (finished, or blocking); a failed copy is issued again from its
+        still-locked source up to ``retries`` times. False (and this rank's failure noted)
+        when every retry failed."""
+        try:
+            op.handle.wait()
+            return True
+        except Exception as e:  # noqa: BLE001 - an engine may raise its own error types
+            error = e
+        m = self.metrics
+        for _ in range(self.retries):
+            m.transfer_retries += 1
+            try:
+                handle = (self.components.load if op.load else self.components.backup)(op.src, op.dst)
+                handle.wait()
+                op.handle = handle
+                return True
+            except Exception as e:  # noqa: BLE001
+                error = e
+        m.transfer_failures += 1
+        self._local_failure = (op, error)
+        return False
+
+    def apply(self, agreed) -> None:
+        """Finish the agreed number of ops of each queue; latch when any rank failed."""
+        writes, loads, failed = int(agreed[0]), int(agreed[1]), int(agreed[2])
+        if failed:
+            local = self._local_failure
+            where = "on this rank" if local is not None else "on another rank"
+            what = "a copy" if local is None else f"a {'load-back' if local[0].load else 'backup'} of " \
+                                                   f"{local[0].tokens} tokens"
+            self.failure = CacheFailedError(
+                f"{what} failed {where} after {self.retries} retries"
+                f"{'' if local is None else f' ({local[1]!r})'}; every rank refuses every call until reset()")
+            self.on_failure(self.failure)
+            return
+        for _ in range(writes):
+            self.finish(self.writes.popleft())
+        for _ in range(loads):
+            self.finish(self.loads.popleft())
+
+    def settle(self, op: PendingOp) -> None:
+        """Several ranks, outside a step: wait for ``op`` (a blocking write_back backup), agree
+        that every rank's copy succeeded, then finish it (or latch on every rank)."""
+        ok = self._copy_succeeded(op)
+        failed = int(self.steps.exchange([0 if ok else -1])[0])
+        if failed:
+            self.writes.append(op)  # released by reset's abandon with the others
+            self.apply([0, 0, failed])
+            raise self.failure
+        self.finish(op)
+
     # ------------------------------------------------------------------ reset
     def abandon(self) -> None:
         """After a failure: wait for the copies still running (ignoring their errors, so none
@@ -152,6 +232,7 @@ class TransferLedger:
         self.writes.clear()
         self.loads.clear()
         self.failure = None
+        self._local_failure = None
 
     @property
     def in_flight(self) -> tuple[int, int]:

@@ -11,6 +11,12 @@ upstream: ``insert``); ``insert`` calls ``after_insert`` with the deepest insert
 * ``write_back``: no backup on insert; ``before_evict`` (installed into the evictor) backs a
   leaf up right before it leaves the device, blocking on the copy, as upstream. When the
   host has no room even after host eviction the leaf is dropped (``dropped_tokens``).
+
+Several ranks (a ``collective`` agreement): ``defer`` is set, and a backup due at insert is
+handed to it (``backup.AgreedBackups``: reserved, agreed and committed at the next step)
+instead of being issued at once; write_back's ``before_evict_agreed`` reserves, agrees on the
+allocation (``StepAgreement.exchange``), commits or rolls back, then waits for the copy and
+agrees that every rank's succeeded (``TransferLedger.settle``), all inside the eviction.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class WritePolicyDriver:
         self.backups = backups
         self.ledger = ledger
         self.metrics = metrics
+        self.defer = None  # several ranks: AgreedBackups.want, called instead of backing up at once
 
     def after_insert(self, node: TreeNode) -> None:
         """An insert that counted hits ended at ``node`` (not the root)."""
@@ -47,6 +54,9 @@ class WritePolicyDriver:
         while target is not root and target.hit_count < threshold:
             target = target.parent
         if target is not root and target.host_value is None:
+            if self.defer is not None:
+                self.defer(target)
+                return
             op = self.backups.backup(target)
             if op is not None:
                 self.ledger.writes.append(op)
@@ -56,5 +66,18 @@ class WritePolicyDriver:
         op = self.backups.backup(node, ack_now=False)
         if op is not None:  # maybe only the un-backed ancestors that fit (``backup``)
             self.ledger.finish(op)
+        if node.host_value is None:
+            self.metrics.dropped_tokens += node.size
+
+    def before_evict_agreed(self, node: TreeNode) -> None:
+        """write_back with several ranks: ``before_evict`` as reserve -> agree -> commit."""
+        backups = self.backups
+        r = backups.reserve(node)
+        if r is not None:
+            steps = self.ledger.steps
+            if steps.exchange([0 if r.host_ids is None else 1])[0]:
+                self.ledger.settle(backups.commit(r))
+            else:
+                backups.rollback(r)
         if node.host_value is None:
             self.metrics.dropped_tokens += node.size

@@ -57,6 +57,12 @@ the requests being served referenced at once (their page tables, the tree's page
 and the full pool's decode reserve), sampled before every model step: the memory serving needs,
 whatever the cache keeps besides.
 
+Several processes (``ranks``: a ``multiprocess.RankContext``): the engine is one tensor-parallel
+rank. Its device pool is sharded over the ranks' mesh on the KV-head axis, its host pool holds
+its own heads, the model's weights are replicated, and the cache agrees with the other ranks
+once per step; arrivals are admitted by the agreed clock and a waited load-back is always
+acknowledged through the agreement (``multiprocess``). Every rank gives the same tokens.
+
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
 abandoned - its own device pages freed, its state dropped -, the cache is ``reset()``, and
@@ -99,6 +105,7 @@ from ..l3 import PrefetchOperation, StorageController
 from ..reference_model import ModelConfig, PagedRunner, swa_table_width
 from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
+from .multiprocess import AgreedClock
 from .speculative import SpecConfig, SpecDecoder, SpecState
 
 log = logging.getLogger(__name__)
@@ -204,10 +211,11 @@ def _check_arrivals(arrivals: object, n: int) -> list[float]:
 class Engine:
     """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
-    None builds both from ``model_config.seed``."""
+    None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
+    run as one of N tensor-parallel ranks (None: one process; not with ``spec``)."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
-                 spec: SpecConfig | None = None, weights: PairWeights | None = None) -> None:
+                 spec: SpecConfig | None = None, weights: PairWeights | None = None, ranks=None) -> None:
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config: expected a ModelConfig, got {type(model_config).__name__}")
         cache_config = cache_config or EngineCacheConfig()
@@ -215,6 +223,10 @@ class Engine:
             raise TypeError(f"cache_config: expected an EngineCacheConfig, got {type(cache_config).__name__}")
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig or None, got {type(spec).__name__}")
+        if spec is not None and ranks is not None:  # the draft pool is not sharded over the ranks
+            raise ValueError("spec: speculative decoding runs in one process only (ranks is set)")
+        if model_config.is_hybrid and ranks is not None:  # the SWA pool is not sharded over the ranks
+            raise ValueError("model_config: a hybrid (sliding-window) model runs in one process only (ranks is set)")
         if weights is not None:
             if not isinstance(weights, PairWeights):
                 raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")
@@ -225,9 +237,12 @@ class Engine:
         self.model_config, self.cache_config = model_config, cache_config
         page = cache_config.page_size
         self.geom = model_config.kv_geometry(page)
-        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages)
-        host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)
-        self.host_pool = pinned_host_pool(self.geom, host_pages, cache_config.host.layout)
+        self.ranks = ranks
+        mesh = None if ranks is None else ranks.mesh
+        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages, mesh=mesh)
+        host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)  # equal on every rank
+        self.host_pool = pinned_host_pool(self.device_pool.local_geom, host_pages, cache_config.host.layout,
+                                          device=self.device_pool.local_device)
         self.transfer = JaxTransferEngine(
             self.device_pool, self.host_pool,
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
@@ -235,6 +250,8 @@ class Engine:
         self.transfer.precompile()
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
                                   model=weights.target() if weights is not None else None)
+        if ranks is not None:
+            self.runner.state = ranks.replicate(self.runner.state)
         self.spec = None if spec is None else SpecDecoder(
             spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
             head=weights.draft() if weights is not None else None)
@@ -247,7 +264,9 @@ class Engine:
             self.swa_pool, self.swa_transfer, self.swa = self._swa_component(host_pages)
             components.append(self.swa)
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
-                                  self.spec.sidecars if self.spec is not None else None, components=components)
+                                  self.spec.sidecars if self.spec is not None else None, components=components,
+                                  agreement=None if ranks is None else ranks.agreement)
+        self._clock = None if ranks is None else AgreedClock(self.cache)
         self.storage = None
         if cache_config.storage is not None:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
@@ -313,7 +332,7 @@ class Engine:
         if arrivals is not None:
             arrivals = _check_arrivals(arrivals, len(prompts))
         seqs = []
-        now = time.perf_counter()
+        now = time.perf_counter() if self._clock is None else self._clock.restart()
         device_pages = self.cache_config.device_pages
         extra = self._extra_positions
         for i, p in enumerate(prompts):
@@ -362,9 +381,9 @@ class Engine:
         self._serving = running
         if use_cache and self.storage is not None:
             removed_seen = self._start_prefetches(waiting, removed_seen)
-        if not running and waiting and waiting[0].arrival > time.perf_counter():
-            time.sleep(waiting[0].arrival - time.perf_counter())  # idle until the next arrival
-        while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= time.perf_counter():
+        if not running and waiting and waiting[0].arrival > self._now():
+            time.sleep(max(0.0, waiting[0].arrival - time.perf_counter()))  # idle until the next arrival
+        while waiting and len(running) < self.cache_config.max_batch and waiting[0].arrival <= self._now():
             seq = waiting[0]
             t_admit = time.perf_counter()
             if not self._admit(seq, use_cache, have_running=bool(running)):
@@ -393,6 +412,11 @@ class Engine:
                 running.remove(seq)  # after the finish: a failed one is abandoned with the others
         self.cache.check_events()
         return removed_seen, len(done) > n_done
+
+    def _now(self) -> float:
+        """The clock arrivals are admitted by: this process's, or with several ranks the
+        agreed one (``multiprocess.AgreedClock``), which only moves at agreement steps."""
+        return time.perf_counter() if self._clock is None else self._clock.now()
 
     def _recover(self, lost: list[_Seq], waiting: deque) -> None:
         """After ``CacheFailedError``: abandon ``lost`` (the requests holding pages or locks),
@@ -528,7 +552,7 @@ class Engine:
         tree only after something left a tier. Returns the eviction count it has seen."""
         m = self.cache.metrics
         removed = m.evicted_device_tokens + m.evicted_host_tokens
-        now = time.perf_counter()
+        now = self._now()
         for seq in waiting:
             if seq.arrival > now:
                 break
@@ -708,6 +732,9 @@ class Engine:
                 self.spec.wait_load(lb)  # the draft pages of the same load
             except Exception:  # noqa: BLE001
                 self.cache.loading_check(block=True)
+                return
+        if self.ranks is not None:  # every rank acknowledges: a failure on one is seen by all
+            self.cache.loading_check(block=True)
 
     def _decode_step(self, running: list[_Seq]) -> None:
         for seq in running:

@@ -14,7 +14,7 @@ Usage (upstream HiCache's L3 flow; the engine's scheduler thread owns the cache 
 
 Signatures::
 
-    StorageController(cache, storage_config=None, *, model, weights_revision="", tp_size=1, tp_rank=0,
+    StorageController(cache, storage_config=None, *, model, weights_revision="", tp_size=None, tp_rank=None,
                       salt="", storage=None, batch_pages=128, max_inflight_fraction=0.5)
     prefetch(key) -> PrefetchOperation
     prefetch_ready(op) -> bool
@@ -112,6 +112,34 @@ Threading
     the scheduler except argument errors from the public methods. The three threads run
     ``StorageConfig.worker_nice`` below the scheduler's OS priority (``hicache_jax.workers``).
 
+Several ranks (``cache.agreed``: tensor-parallel processes, each with its own tree, host pool
+and controller over its shard of every page; ``tp_size`` / ``tp_rank`` default to the cache's
+agreement)
+    Every per-rank outcome goes through the cache's ``StepAgreement`` (the controller is a
+    participant) and the controller acts only on agreed values: a query's hit count (MIN; a
+    rank that sees a page missing lowers it for all), the host reservation for the hit
+    (reserve -> agree -> commit: reserved in the step's ``prepare``, committed or rolled back on
+    every rank by its ``apply``), the pages each read has delivered (MIN: a short read on one
+    rank shortens every rank's prefetch) and whether every read finished, whether some rank's
+    ``timeout`` deadline passed (MAX), and which L3 backup jobs every rank has finished (their
+    host pins drop at the same step everywhere). ``poll`` does nothing then; ``finish_prefetch``
+    takes what was agreed (``best_effort``) or runs agreement steps until the agreed state lets
+    it stop; ``flush`` runs steps until every backup job is agreed done. Operations are kept in
+    start order, so every rank reports them in the same order.
+
+    Visibility: a pool sharded over the ranks (MHA heads) is written by every rank under its
+    own keys (the namespace holds ``tp_rank``), and a page group becomes visible only when
+    every rank's shard is written: after the ranks agree that a backup job succeeded
+    everywhere, rank 0 writes a commit marker per page (pool ``commit``: rank-independent keys,
+    a one-byte page). Each rank's query asks for its own shard, rank 0's for the marker too:
+    the hit is MIN-reduced, so every rank's agreed hit stops at the first page lacking a marker
+    or any rank's shard (a shard can vanish on one rank), and a store that buffers writes per
+    process (orbax) needs no other process's pending pages. A replicated pool (MLA latent KV:
+    the same bytes on every rank) uses rank-independent keys and is written by rank 0 only, so
+    it needs no marker (upstream ``backup_skip``); with only replicated pools nothing is
+    marked. The other ranks read rank 0's replicated pages, so with a per-process buffering
+    store they hit once rank 0's writer has saved them (``flush_interval_s``).
+
 Coupling: the controller uses only the cache's public L3 surface (``backed_up_prefix``,
 ``pin_host`` / ``unpin_host`` receipts, ``reserve_host_pages``, ``insert_host``, the
 ``storage_hook`` slot) and reads nodes' public fields (``parent``, ``children``, ``size``,
@@ -133,6 +161,8 @@ from ..cache.hiradix_cache import HiRadixCache
 from ..cache.locks import LockReceipt
 from ..cache.radix_key import RadixKey, as_radix_key, encode_namespace
 from ..cache.tree_node import TreeNode
+from ..host_pool import HostKVPool
+from ..kv_geometry import KVGeometry
 from ..storage import (HiCacheStorage, Namespace, PoolHitPolicy, PoolSpec, PoolTransfer, StorageConfig, consecutive,
                        create_storage, page_keys)
 from ..workers import background_executor
@@ -140,6 +170,10 @@ from ..workers import background_executor
 log = logging.getLogger("hicache_jax.cache.storage")
 
 TARGET_POOL = "target"
+COMMIT_POOL = "commit"  # several ranks, sharded pools: one marker page per committed page group
+# Several ranks: at most this many prefetches, L3 backup jobs and draining prefetches report
+# per agreement step (the vector has a fixed width); the rest report at a later step.
+_OP_BUDGET, _JOB_BUDGET, _DRAIN_BUDGET = 24, 32, 16
 _NEW, _INFLIGHT, _STORED = 0, 1, 2
 _EMPTY = np.zeros(0, np.int64)
 
@@ -218,6 +252,12 @@ class PrefetchOperation:
         # IO thread (under _cond):
         self._done_pages = 0
         self._io_finished = False
+        # Several ranks (owner thread): what every rank agreed on, and this step's reservation.
+        self._agreed_hit: int | None = None
+        self._agreed_done = 0
+        self._agreed_finished = False
+        self._agreed_late = False
+        self._reservation: tuple[int, np.ndarray | None] | None = None
         self._t_done: float | None = None  # query or IO thread: when its last storage call ended
 
     @property
@@ -244,7 +284,7 @@ class StorageController:
     """Wires an L3 store into a ``HiRadixCache``. See the module docstring for the contract."""
 
     def __init__(self, cache: HiRadixCache, storage_config: StorageConfig | None = None, *, model: str,
-                 weights_revision: str = "", tp_size: int = 1, tp_rank: int = 0, salt: str = "",
+                 weights_revision: str = "", tp_size: int | None = None, tp_rank: int | None = None, salt: str = "",
                  storage: HiCacheStorage | None = None, batch_pages: int = 128,
                  max_inflight_fraction: float = 0.5) -> None:
         if not isinstance(cache, HiRadixCache):
@@ -273,13 +313,18 @@ class StorageController:
         self.max_inflight_fraction = float(max_inflight_fraction)
         self.threshold = max(storage_config.prefetch_threshold_tokens, self.page_size)
         self.salt = salt
+        agreement = cache.agreement
+        self._agreed = cache.agreed
+        tp_size = agreement.num_processes if tp_size is None else tp_size
+        tp_rank = agreement.rank if tp_rank is None else tp_rank
+        self.tp_rank = tp_rank
         engines = cache.components.engines
         comps = cache.components.components
         pool_names = {}
         for comp in engines:
             name = TARGET_POOL if comp == FULL else comp
-            if name in pool_names.values():
-                raise ValueError(f"cache: sidecar {comp!r} clashes with the storage pool name {TARGET_POOL!r}")
+            if name in pool_names.values() or name == COMMIT_POOL:
+                raise ValueError(f"cache: sidecar {comp!r} clashes with the storage pool name {name!r}")
             pool_names[comp] = name
         self.pools = {pool_names[c]: engines[c].host_pool for c in engines}
         # Components whose pages are stored for the window before a hit's end only: pool ->
@@ -290,17 +335,31 @@ class StorageController:
             if not comp.own_page_ids:
                 raise ValueError(f"cache: component {comp.name!r} has a trailing-pages L3 policy but shares the "
                                  f"full page ids")
-        self._all_pools = [n for n in self.pools if n not in self._trailing]
         # The other pools (draft, swa) first, the target last: its pages are written only after theirs.
         self._order = [n for n in self.pools if n != TARGET_POOL] + [TARGET_POOL]
+        # Several ranks: a replicated pool (MLA latent KV) is the same on every rank; rank 0
+        # alone writes it, under keys every rank shares (see the module docstring).
+        self.replicated = {pool_names[c] for c, e in engines.items() if tp_size > 1 and e.geom.kind == "mla"}
         # Namespace template per pool: model identity with the KV geometry folded in.
         self._ns_base = {}
         for comp, eng in engines.items():
             g = eng.geom
             ident = f"{model}#{g.kind}:L{g.num_layers}:H{g.heads}:D{g.width}"
+            shared = pool_names[comp] in self.replicated
             self._ns_base[pool_names[comp]] = Namespace.from_geometry(
                 g, eng.host_pool.layout, model=ident, weights_revision=weights_revision, pool=pool_names[comp],
-                tp_size=tp_size, tp_rank=tp_rank)  # validates model / revision / TP
+                tp_size=1 if shared else tp_size, tp_rank=0 if shared else tp_rank)  # validates model / revision / TP
+        # Commit markers when a pool is sharded over several ranks: rank-independent keys.
+        self.markers = tp_size > 1 and len(self.replicated) < len(engines)
+        if self.markers:
+            g = engines[FULL].geom
+            ident = f"{model}#{g.kind}:L{g.num_layers}:H{g.heads}:D{g.width}"
+            self._ns_base[COMMIT_POOL] = Namespace.from_geometry(
+                g, engines[FULL].host_pool.layout, model=ident, weights_revision=weights_revision, pool=COMMIT_POOL,
+                tp_size=tp_size, tp_rank=0)
+            self.pools[COMMIT_POOL] = HostKVPool(KVGeometry.mla(1, 1, 1, 0, "float8_e4m3fn"), 1)
+        # Pools read in full up to the hit (the trailing-pages ones are read per window).
+        self._all_pools = [n for n in self.pools if n not in self._trailing]
         specs = [PoolSpec(n, PoolHitPolicy.TRAILING_PAGES, self._trailing[n][1]) if n in self._trailing
                  else PoolSpec(n) for n in self.pools]
         if storage is None:
@@ -323,9 +382,9 @@ class StorageController:
         self._bad_ns_logged: set = set()
         self._entries: dict[TreeNode, _Entry] = {}
         self._prune_at = 4096
-        self._ops: set[PrefetchOperation] = set()  # started, not finished
+        self._ops: dict[PrefetchOperation, None] = {}  # started, not finished; in start order
         self._draining: list[PrefetchOperation] = []  # finished while the IO thread still held pages
-        self._backups: set[_BackupJob] = set()
+        self._backups: dict[_BackupJob, None] = {}  # in submission order
         self._backup_done: deque[_BackupJob] = deque()  # appended by the backup thread
         self._inflight_keys: set[bytes] = set()  # target keys queued for L3
         nice = storage_config.worker_nice  # the L3 threads yield cores to the scheduler (workers.py)
@@ -333,8 +392,14 @@ class StorageController:
         self._io = background_executor("hicache-l3-io", nice)
         self._writer = background_executor("hicache-l3-backup", nice)
         self._closed = False
+        self._waiting_for: PrefetchOperation | None = None  # several ranks: reported first
+        self._step_ops: list[PrefetchOperation] = []
+        self._step_jobs: list[_BackupJob] = []
+        self._step_drain: list[PrefetchOperation] = []
         self._threshold_skip_logged = False
         cache.storage_hook = self
+        if self._agreed:
+            cache.step_agreement.add(self)
 
     # ------------------------------------------------------------------ keys
     def _namespaces(self, radix_ns: tuple) -> dict[str, Namespace] | None:
@@ -459,11 +524,14 @@ class StorageController:
         job = _BackupJob(node, [e for _, e in chain], keys, ids_by_pool)
         self._inflight_keys.update(keys[TARGET_POOL])
         job.pin = self.cache.pin_host(node)  # the host pages stay until the storage has copied them
-        self._backups.add(job)
+        self._backups[job] = None
         self._writer.submit(self._run_backup, job)
 
     def poll(self) -> None:
-        """Owner-thread progress: release finished L3 backups, start reads, reclaim pages."""
+        """Owner-thread progress: release finished L3 backups, start reads, reclaim pages.
+        Several ranks: nothing (the agreement steps do it, on agreed values)."""
+        if self._agreed:
+            return
         try:
             self._reap_backups()
             for op in list(self._ops):
@@ -478,7 +546,9 @@ class StorageController:
             log.exception("L3: poll failed")
 
     def on_reset(self) -> None:
-        """The cache is about to drop every page: let L3 backups finish reading, drop anchors."""
+        """The cache is about to drop every page: let L3 backups finish reading, drop anchors.
+        (Several ranks: backup jobs still in flight end without their commit markers; ``flush``
+        before a reset to keep them.)"""
         self._wait_backups(None)
         for op in self._ops:
             self._release_anchor(op)
@@ -506,32 +576,45 @@ class StorageController:
                         if len(job.ids[pool]) and not all(self.storage.batch_set(job.keys[pool], job.ids[pool], pool)):
                             ok[:] = False  # a window page missing: the job is retried
                         continue
+                    if pool in self.replicated and self.tp_rank:
+                        continue  # rank 0 writes the pages every rank shares
                     ok &= np.asarray(self.storage.batch_set(job.keys[pool], job.ids[pool], pool), bool)
             job.ok = ok
         except Exception:
             log.exception("L3: backup of %d pages failed", len(job.ids[TARGET_POOL]))
         finally:
             job.t_done = time.perf_counter()
-            self._backup_done.append(job)
+            if not self._agreed:  # several ranks: reaped in agreed order instead
+                self._backup_done.append(job)
             job.done.set()
 
     def _reap_backups(self) -> None:
+        if self._agreed:  # every job this rank finished (after a wait), in submission order
+            for job in [j for j in self._backups if j.done.is_set()]:
+                self._reap(job, bool(job.ok.all()))
+            return
+        while self._backup_done:
+            self._reap(self._backup_done.popleft(), None)
+
+    def _reap(self, job: _BackupJob, stored: bool | None) -> None:
+        """A finished job: drop its host pin, count it, mark its nodes stored or not
+        (``stored``: the ranks' agreed outcome; None: this rank's)."""
         m = self.cache.metrics
         p = self.page_size
-        while self._backup_done:
-            job = self._backup_done.popleft()
-            self._backups.discard(job)
-            if job.pin is not None:
-                self.cache.unpin_host(job.pin)  # a no-op after a reset
-            self._inflight_keys.difference_update(job.keys[TARGET_POOL])
-            good = int(job.ok.sum())
-            m.storage_backup_tokens += good * p
-            m.storage_backup_bytes += good * self.cache.components.bytes_per_page
-            m.storage_backup_failed_tokens += (len(job.ok) - good) * p
-            m.storage_backup_duration_seconds.observe(job.t_done - job.t0)
-            state = _STORED if good == len(job.ok) else _NEW
-            for e in job.entries:
-                e.state = state
+        self._backups.pop(job, None)
+        if job.pin is not None:
+            self.cache.unpin_host(job.pin)  # a no-op after a reset
+        self._inflight_keys.difference_update(job.keys[TARGET_POOL])
+        good = int(job.ok.sum())
+        m.storage_backup_tokens += good * p
+        m.storage_backup_bytes += good * self.cache.components.bytes_per_page
+        m.storage_backup_failed_tokens += (len(job.ok) - good) * p
+        m.storage_backup_duration_seconds.observe(job.t_done - job.t0)
+        if stored is None:
+            stored = good == len(job.ok)
+        state = _STORED if stored else _NEW
+        for e in job.entries:
+            e.state = state
 
     def _wait_backups(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.perf_counter() + timeout
@@ -545,7 +628,16 @@ class StorageController:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued L3 backup is handed to the storage and the storage has made
-        it durable. True if nothing is left pending."""
+        it durable. True if nothing is left pending. Several ranks: agreement steps until
+        every job is agreed done (``timeout`` bounds only the storage's own flush: a deadline
+        is a per-rank clock)."""
+        if self._agreed:
+            while self._backups:
+                next(iter(self._backups)).done.wait(0.01)
+                self.cache.agree_step()
+            if self.markers and self.tp_rank == 0:
+                self._writer.submit(lambda: None).result()  # the markers queued before it are written
+            return bool(self.storage.flush(timeout))
         if not self._wait_backups(timeout):
             return False
         return bool(self.storage.flush(timeout))
@@ -597,7 +689,7 @@ class StorageController:
             op._anchor_pin = cache.pin_host(anchor)  # keeps the prefix the prefetch continues
             op._anchor = anchor
         op.status = "querying"
-        self._ops.add(op)
+        self._ops[op] = None
         m.prefetch_calls += 1
         self._query.submit(self._run_query, op)
         return op
@@ -628,11 +720,14 @@ class StorageController:
                     prev = page_keys(ns, toks[:op.start])[-1]
                 keys[pool] = page_keys(ns, toks[op.start:op.end], prev)
             n = len(keys[TARGET_POOL])
+            # Several ranks: rank 0 alone checks the commit markers (it wrote them, so it sees
+            # them at once even in a store that buffers per process); the hit is MIN-reduced.
+            asked = [p for p in self._all_pools if p != COMMIT_POOL or self.tp_rank == 0]
             for s in range(0, n, self.batch_pages):
                 if op._cancel:
                     break
                 e = min(n, s + self.batch_pages)
-                r = self.storage.exists_multi([PoolTransfer(pool, keys[pool][s:e]) for pool in self._all_pools])
+                r = self.storage.exists_multi([PoolTransfer(pool, keys[pool][s:e]) for pool in asked])
                 hit += r.hit_pages
                 if r.hit_pages < e - s:
                     break
@@ -660,7 +755,7 @@ class StorageController:
                     break
                 e = min(n, s + self.batch_pages)
                 r = self.storage.get_multi([PoolTransfer(pool, op._keys[pool][s:e], ids[s:e])
-                                            for pool in self._all_pools])
+                                            for pool in self._all_pools if pool != COMMIT_POOL])
                 got = min(max(int(r.hit_pages), 0), e - s)
                 total += got
                 if not trailing:
@@ -759,7 +854,7 @@ class StorageController:
         with op._cond:
             op._cancel = True
         op.status, op.reason = "revoked", reason
-        self._ops.discard(op)
+        self._ops.pop(op, None)
         if count:
             self.cache.metrics.prefetch_revoked += 1
         log.debug("L3: prefetch revoked: %s", reason)
@@ -779,8 +874,12 @@ class StorageController:
             return op._io_finished
 
     def prefetch_ready(self, op: PrefetchOperation) -> bool:
-        """Whether ``finish_prefetch(op)`` would return without waiting under the policy."""
+        """Whether ``finish_prefetch(op)`` would return without waiting under the policy
+        (several ranks: as of the last agreement step, the same answer on every rank)."""
         self._check_op(op)
+        if self._agreed:
+            policy = self.config.prefetch_policy
+            return policy == "best_effort" or self._agreed_complete(op) or policy == "timeout" and op._agreed_late
         self._advance(op)
         policy = self.config.prefetch_policy
         if policy == "best_effort" or self._complete(op):
@@ -807,10 +906,12 @@ class StorageController:
             raise ValueError(f"op: already finished ({op.status})")
         op._finalized = True
         if op.status not in ("querying", "loading"):  # skipped / revoked / closed
-            self._ops.discard(op)
+            self._ops.pop(op, None)
             if op.status == "revoked":
                 self._account(op, 0)
             return 0
+        if self._agreed:
+            return self._finish_agreed(op)
         policy = self.config.prefetch_policy
         timed_out = False
         if policy != "best_effort":
@@ -836,7 +937,7 @@ class StorageController:
             t_end = op._t_done if (io_finished or op.status == "revoked") and op._t_done is not None else None
         if timed_out:
             self.cache.metrics.prefetch_timeouts += 1
-        self._ops.discard(op)
+        self._ops.pop(op, None)
         attached = 0
         if op.status == "loading":
             got, rest = op._ids[:done], op._ids[done:]
@@ -900,10 +1001,10 @@ class StorageController:
         if op._finalized:
             return
         op._finalized = True
-        self._ops.discard(op)
+        self._ops.pop(op, None)
         with op._cond:
             op._cancel = True
-            io_finished = op._io_finished
+            io_finished = op._agreed_finished if self._agreed else op._io_finished
         if op.status == "loading" and not io_finished:
             self._draining.append(op)
         else:
@@ -911,6 +1012,169 @@ class StorageController:
         if op.status in ("querying", "loading"):
             op.status, op.reason = "revoked", "cancelled"
         self._release_anchor(op)
+
+    # ------------------------------------------------------------------ several ranks
+    def _agreed_complete(self, op: PrefetchOperation) -> bool:
+        if op.status == "loading":
+            return op._agreed_finished
+        return op.status != "querying"
+
+    def _finish_agreed(self, op: PrefetchOperation) -> int:
+        """``finish_prefetch`` with several ranks: only agreed values decide (the loop's exit
+        condition is agreed state, so every rank runs the same number of steps)."""
+        policy = self.config.prefetch_policy
+        m = self.cache.metrics
+        timed_out = False
+        if policy != "best_effort":
+            self._waiting_for = op  # reported first, so the wait cannot starve
+            try:
+                while not self._agreed_complete(op):
+                    if policy == "timeout" and op._agreed_late:
+                        timed_out = True
+                        break
+                    with op._cond:  # a local pause; the decision is the next step's
+                        op._cond.wait(0.002)
+                    self.cache.agree_step()
+            finally:
+                self._waiting_for = None
+        with op._cond:
+            op._cancel = True
+        if timed_out:
+            m.prefetch_timeouts += 1
+        self._ops.pop(op, None)
+        attached = 0
+        if op.status == "loading":
+            done = op._agreed_done
+            got, rest = op._ids[:done], op._ids[done:]
+            op._reserved = rest
+            if rest.size:
+                if op._agreed_finished:
+                    self._free(op)
+                else:
+                    self._draining.append(op)  # freed once every rank's read let go (agreed)
+            if done * self.page_size < self.threshold:
+                if done:
+                    self.cache.host_allocator.free(got)
+                m.prefetch_revoked += 1
+                op.status, op.reason = "revoked", "arrived below the threshold"
+            else:
+                attached, leaf = self.cache.insert_host(op.key, got, op.start)
+                if leaf is not None:
+                    k = attached // self.page_size
+                    e = _Entry({pool: ks[done - k:done] for pool, ks in op._keys.items()})
+                    e.state = _STORED
+                    self._entries[leaf] = e
+                else:
+                    m.prefetch_revoked += 1
+                    op.reason = "the tree no longer connects"
+                op.status = "finished"
+            m.prefetched_tokens += done * self.page_size
+        elif op.status == "querying":  # nothing reserved outside a step (best_effort, or a timeout)
+            op.status, op.reason = "revoked", "stopped before the ranks agreed on the storage hit"
+        self._release_anchor(op)
+        self._account(op, attached)
+        return attached
+
+    def prepare(self) -> None:
+        """``StepAgreement`` participant: pick what reports this step (in start order, the
+        operation ``finish_prefetch`` waits for first) and reserve host pages for the hits
+        agreed at the last step (the reserve of reserve -> agree -> commit)."""
+        ops = []
+        waiting = self._waiting_for
+        if waiting is not None and waiting in self._ops:
+            ops.append(waiting)
+        for op in self._ops:
+            if len(ops) >= _OP_BUDGET:
+                break
+            if op is not waiting and (op.status == "querying" or op.status == "loading" and not op._agreed_finished):
+                ops.append(op)
+        self._step_ops = ops
+        min_pages = -(-self.threshold // self.page_size)
+        for op in ops:
+            if op.status == "querying" and op._agreed_hit is not None:
+                op._reservation = self.cache.reserve_host_pages_agreed(op._agreed_hit, min_pages)
+        self._step_jobs = list(self._backups)[:_JOB_BUDGET]
+        self._step_drain = self._draining[:_DRAIN_BUDGET]
+
+    def report(self, out: list[int]) -> None:
+        """This rank's outcomes: per operation its storage hit (-1 until the query answered),
+        whether its reservation succeeded, or its pages read, whether the read finished and
+        (negated: a MAX) whether its deadline passed; per backup job 0 running / 1 failed /
+        2 stored; per draining operation whether its read let go of its pages."""
+        now = time.perf_counter()
+        for op in self._step_ops:
+            if op.status == "querying":
+                if op._agreed_hit is None:
+                    with op._cond:
+                        hit = op._hit_pages
+                    out.append(-1 if hit is None else hit)
+                else:
+                    n, ids = op._reservation
+                    out.append(1 if n and ids is not None else 0)
+            else:
+                with op._cond:
+                    done, finished = op._done_pages, op._io_finished
+                late = self.config.prefetch_policy == "timeout" and now >= self._deadline(op)
+                out.extend((done, 1 if finished else 0, -1 if late else 0))
+        for job in self._step_jobs:
+            out.append(0 if not job.done.is_set() else 2 if job.ok.all() else 1)
+        for op in self._step_drain:
+            with op._cond:
+                out.append(1 if op._io_finished else 0)
+
+    def apply(self, agreed) -> None:
+        """Act on the agreed values, the same way on every rank."""
+        m = self.cache.metrics
+        p = self.page_size
+        i = 0
+        for op in self._step_ops:
+            if op.status == "querying":
+                a = int(agreed[i])
+                i += 1
+                if op._agreed_hit is None:
+                    if a >= 0:
+                        op._agreed_hit = a
+                        if a * p < self.threshold:
+                            self._revoke(op, "storage hit below the threshold" if a else "no storage hit", count=a > 0)
+                    continue
+                (n, ids), op._reservation = op._reservation, None
+                if a:
+                    self.cache.settle_host_pages(n, ids, True)
+                    op._ids = op._reserved = ids.astype(np.int64)
+                    if n < op._agreed_hit:
+                        m.prefetch_truncated += 1  # the part of the prefix the host could hold
+                    op.status = "loading"
+                    self._io.submit(self._run_io, op)
+                else:
+                    if n:
+                        self.cache.settle_host_pages(n, ids, False)
+                    self._revoke(op, "no host memory for the hit" if not n else "a rank could not reserve host pages")
+            else:
+                op._agreed_done = int(agreed[i])
+                op._agreed_finished = bool(agreed[i + 1])
+                op._agreed_late = op._agreed_late or bool(agreed[i + 2])
+                i += 3
+        for job in self._step_jobs:
+            a = int(agreed[i])
+            i += 1
+            if a:
+                self._reap(job, a == 2)
+                if a == 2 and self.markers and self.tp_rank == 0 and len(job.ids[TARGET_POOL]):
+                    self._writer.submit(self._write_markers, job.keys[COMMIT_POOL])
+        for op in self._step_drain:
+            if agreed[i]:
+                self._draining.remove(op)
+                self._free(op)
+            i += 1
+        self._step_ops, self._step_jobs, self._step_drain = [], [], []
+
+    def _write_markers(self, keys: list[bytes]) -> None:  # backup thread, rank 0
+        try:
+            ok = self.storage.batch_set(keys, np.zeros(len(keys), np.int64), COMMIT_POOL)
+            if not all(ok):
+                log.warning("L3: %d of %d commit markers not written", len(ok) - sum(ok), len(ok))
+        except Exception:
+            log.exception("L3: writing %d commit markers failed", len(keys))
 
     # ------------------------------------------------------------------ lifecycle
     # The store's counters (``storage.metrics``) under the cache's metric family names
@@ -952,10 +1216,16 @@ class StorageController:
         if self._closed:
             return
         try:  # D2H backups still in flight: acknowledge them so their L3 writes are queued too
-            self.cache.writing_check(block=True)
+            if self._agreed:  # agree on the last copies and jobs while every rank still steps
+                self.cache.flush()
+                self.flush()
+            else:
+                self.cache.writing_check(block=True)
         except Exception:
             log.exception("L3: acknowledging backups at close failed")
         self._closed = True
+        if self._agreed:
+            self.cache.step_agreement.remove(self)
         for op in list(self._ops):
             self.cancel(op)
             op.status, op.reason = "closed", "controller closed"

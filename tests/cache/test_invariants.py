@@ -174,6 +174,9 @@ CASES = [
     ("device-pages-vs-tokens", lambda s: _set(s.C, value=s.B.value.copy()),
      r"device pages 6 != \(evictable \+ protected\) tokens / page_size"),
     ("device-leak", lambda s: s.be.device.allocator.alloc(1), r"device pool memory leak detected: free 23 \+ tree 8"),
+    # ---- several ranks
+    ("reservation-outlives-step", lambda s: s.view.inject_phantom_pages(3),
+     r"reservations outlive their agreement step: 0 pending, 3 phantom host pages"),
     # ---- caller locks
     ("caller-locks", lambda s: (s.cache.inc_lock_ref(s.B), _set(s.B, lock_ref=0), _set(s.A, lock_ref=0)),
      r"1 caller locks but only 0 device path locks reach the root"),
@@ -297,5 +300,5 @@ def test_disabling_any_check_fails_a_case(monkeypatch):
             m.setattr(swa_module.SWAComponent, "check", ns["check"])
             if not caught(collect_violations, swa_only=True):
                 uncaught.append(f"SWAComponent.check check #{i}")
-    assert n_checks == 43 + 23
+    assert n_checks == 44 + 23
     assert not uncaught, f"checks no case sees: {uncaught}"

@@ -86,6 +86,20 @@ def test_copy_impl_is_checked_at_construction():
         PageCopyConfig(impl=impl)
 
 
+def test_speculative_decoding_with_several_ranks_is_refused_at_construction():
+    from hicache_jax.engine import SpecConfig
+
+    with pytest.raises(ValueError, match="spec: speculative decoding runs in one process only"):
+        Engine(MODEL, EngineCacheConfig(page_size=4, device_pages=16), spec=SpecConfig(), ranks=object())
+
+
+def test_a_hybrid_model_with_several_ranks_is_refused_at_construction():
+    from hicache_jax.reference_model import HYBRID_TINY
+
+    with pytest.raises(ValueError, match="model_config: a hybrid .* runs in one process only"):
+        Engine(HYBRID_TINY, EngineCacheConfig(page_size=4, device_pages=16), ranks=object())
+
+
 def test_evict_host_cache_under_write_back_leaves_nothing_on_the_host(tmp_path):
     """write_back backs the prefix up inside the device eviction; the L3 writes of those
     backups pin the host copies until stored, so the host eviction must come after them."""

@@ -6,6 +6,9 @@ only on its own scatter.
 
 Sharding: with a ``mesh`` the MHA pools are sharded over ``kv_axis`` on the KV-head axis
 (``PartitionSpec(None, None, kv_axis, None)``); MLA latent pools (one head) are replicated.
+The mesh may span several processes (``jax.distributed``): every process then holds only its
+own heads of every page (``local_geom``: the geometry of that share, which is what its host
+pool holds), and every computation on the pool runs on all processes in the same order.
 
 Donation contract: a step that updates a layer (the model writing new KV, or a load)
 consumes the old array and must store the returned one. Two helpers do that for the caller:
@@ -27,6 +30,7 @@ and calls the cache).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import jax
@@ -78,6 +82,29 @@ class JaxDevicePool:
         zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.sharding)
         self.buffers: dict[str, list[jax.Array]] = {
             c: [zeros() for _ in range(geom.num_layers)] for c in geom.components}
+
+    @property
+    def multiprocess(self) -> bool:
+        """Whether the pool spans devices of other processes (a mesh over ``jax.distributed``)."""
+        return not self.sharding.is_fully_addressable
+
+    @property
+    def local_geom(self) -> KVGeometry:
+        """The geometry of this process's share of every page: all of it in one process (or
+        for a replicated MLA pool); its KV heads when the mesh spans processes."""
+        if not self.multiprocess or self.geom.kind != "mha":
+            return self.geom
+        shape = (self.num_pages,) + self.geom.page_shape
+        spans = sorted({(sl[2].start or 0, self.geom.num_kv_heads if sl[2].stop is None else sl[2].stop)
+                        for sl in self.sharding.addressable_devices_indices_map(shape).values()})
+        if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise ValueError(f"mesh: this process's KV heads {spans} are not one contiguous range")
+        return replace(self.geom, num_kv_heads=spans[-1][1] - spans[0][0])
+
+    @property
+    def local_device(self) -> jax.Device:
+        """One device of this process that holds the pool."""
+        return next(d for d in self.sharding.device_set if d.process_index == jax.process_index())
 
     @property
     def copier_sharding(self) -> tuple[Mesh | None, str | None]:

@@ -28,7 +28,7 @@ def host_memory_kind(device: jax.Device | None = None) -> str | None:
 
     'unpinned_host' is never chosen on TPU: it corrupts bf16 there (seen by sglang-jax, the JAX port without L3).
     """
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     try:
         kinds = {m.kind for m in device.addressable_memories()}
     except Exception:  # noqa: BLE001 - very old runtimes have no memories API
@@ -43,7 +43,7 @@ def host_memory_kind(device: jax.Device | None = None) -> str | None:
 def host_buffer(shape: tuple[int, ...], dtype, device: jax.Device | None = None,
                 memory_kind: str = "pinned_host") -> tuple[np.ndarray, jax.Array]:
     """(writable numpy view, owning JAX array) of a zeroed buffer in ``memory_kind``."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
     dtype = np.dtype(dtype)
     owner = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -15,6 +15,13 @@ Load (H2D), layer by layer:
   array is installed in the pool at once, so later model steps are ordered after it by
   dataflow; ``LoadHandle.layer_done(l)`` reports whether layer l's arrays have landed.
 
+Several processes (a pool whose mesh spans ``jax.distributed`` processes): the host pool
+holds this process's KV heads only (``JaxDevicePool.local_geom``). A backup's worker copies
+this process's shards of the transfer buffer (``local_numpy``); a load builds the global
+staging buffer from every process's own host pages
+(``jax.make_array_from_process_local_data``). Every process must issue the same copies in the
+same order (the cache's agreed protocol does).
+
 Threading: ``backup``/``load`` are called from the owner thread (the one that donates the
 pool arrays to model steps; multi-host JAX also needs every ``device_put`` issued there).
 The D2H worker only converts finished host buffers to numpy and writes host pages the
@@ -39,6 +46,20 @@ from .device_pool import JaxDevicePool
 from .memory import StagingRing, host_memory_kind
 
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
+_HEAD_AXIS = 3  # of a transfer buffer, in every order: (n | L, L | n, page, heads, width)
+
+
+def local_numpy(arr: jax.Array) -> np.ndarray:
+    """``arr`` as numpy, or, when it spans other processes, this process's part of it: its
+    shards along the head axis (replicated copies once), in head order."""
+    if arr.is_fully_addressable:
+        return np.asarray(arr)
+    parts = {}
+    for sh in arr.addressable_shards:
+        parts.setdefault(sh.index[_HEAD_AXIS].start or 0, sh.data)
+    if len(parts) == 1:
+        return np.asarray(next(iter(parts.values())))
+    return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)], axis=_HEAD_AXIS)
 
 
 class JaxLoadHandle(LoadHandle):
@@ -84,9 +105,11 @@ class JaxTransferEngine(KVTransferEngine):
     def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
                  copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True,
                  worker_nice: int = DEFAULT_WORKER_NICE) -> None:
-        if device_pool.geom != host_pool.geom:
-            raise ValueError(f"host_pool: geometry {host_pool.geom} differs from the device pool's {device_pool.geom}")
-        self.geom = device_pool.geom
+        if device_pool.local_geom != host_pool.geom:
+            raise ValueError(f"host_pool: geometry {host_pool.geom} differs from this process's share of the device "
+                             f"pool {device_pool.local_geom}")
+        self.multiprocess = device_pool.multiprocess
+        self.geom = host_pool.geom
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.device_num_pages = device_pool.num_pages
@@ -97,7 +120,7 @@ class JaxTransferEngine(KVTransferEngine):
         self.copier = copier
         self.order = host_pool.layout.transfer_order
         # Memory kind D2H buffers land in (pinned where the platform has it); None: plain copies.
-        self.host_memory_kind = host_memory_kind() if use_host_memory_kind else None
+        self.host_memory_kind = host_memory_kind(device_pool.local_device) if use_host_memory_kind else None
         # Pinned H2D staging for single-device pools (sharded pools take numpy -> device_put).
         self._ring = None
         if self.host_memory_kind == "pinned_host" and device_pool.mesh is None:
@@ -106,7 +129,7 @@ class JaxTransferEngine(KVTransferEngine):
 
     def precompile(self, max_pages: int | None = None) -> int:
         """Compile every bucket's gather and scatter now, so serving never compiles."""
-        shape = (self.device_num_pages,) + self.geom.page_shape
+        shape = (self.device_num_pages,) + self.device_pool.geom.page_shape
         return self.copier.precompile(shape, self.device_pool.dtype, self.geom.num_layers, (self.order,),
                                       max_pages=max_pages)
 
@@ -125,7 +148,7 @@ class JaxTransferEngine(KVTransferEngine):
 
         def finish() -> None:
             for c, buf in staged:
-                arr = np.asarray(buf).view(view_dtype)
+                arr = local_numpy(buf).view(view_dtype)
                 arr = arr[:, :n] if axis == 1 else arr[:n]
                 host.write_pages_unchecked(c, h, arr)
 
@@ -153,7 +176,12 @@ class JaxTransferEngine(KVTransferEngine):
         """Host pages -> contiguous staging buffer -> device transfer buffer (async)."""
         if self._ring is None:
             staging = self.host_pool.read_pages(component, padded_ids).view(self.device_pool.dtype)
-            return jax.device_put(staging, self.copier.buffer_sharding() or self.device_pool.sharding)
+            sharding = self.copier.buffer_sharding() or self.device_pool.sharding
+            if self.multiprocess:  # every process contributes its own heads
+                shape = list(staging.shape)
+                shape[_HEAD_AXIS] = self.device_pool.geom.heads
+                return jax.make_array_from_process_local_data(sharding, staging, tuple(shape))
+            return jax.device_put(staging, sharding)
         shape = self.host_pool.component_view(component).shape
         shape = (shape[0], padded_ids.size) + shape[2:] if self.order == "lnp" else (padded_ids.size,) + shape[1:]
         view, owner = buf = self._ring.acquire(shape, self.device_pool.dtype)

@@ -53,11 +53,24 @@ from .writer import SegmentWriter, evict_to_capacity, pack_into
 log = logging.getLogger("hicache_jax.storage")
 
 
+def _check_single_process() -> None:
+    """Orbax saves host (numpy) arrays from JAX process 0 only, and coordinates every save across
+    the processes of a ``jax.distributed`` run (barriers from the writer thread): a segment log
+    per process cannot be written there. Several tensor-parallel ranks use ``file``, ``memory`` or
+    ``mooncake`` (each rank stores its own shard of every page)."""
+    import jax
+
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        raise ValueError("config.backend: 'orbax' cannot be used by several jax.distributed processes (orbax "
+                         "writes host arrays from process 0 only); use 'file', 'memory' or 'mooncake'")
+
+
 class OrbaxSegmentStorage(HiCacheStorage):
     backend_name = "orbax"
 
     def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
                  specs: Sequence[PoolSpec] | None = None) -> None:
+        _check_single_process()
         super().__init__(config, pools, specs)
         self.root = os.path.join(os.path.abspath(config.path), LOG_DIR)
         ts_ctx = ts.Context({"file_io_concurrency": {"limit": max(16, config.read_concurrency)}})

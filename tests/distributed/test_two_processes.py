@@ -1,0 +1,73 @@
+"""Two real processes, one cache state: ``jax.distributed`` on the CPU (gloo), no mocked
+collective. Both ranks run the same trace (``tests/cache/rank_trace.py``) with rank 1's
+divergences injected (a failing host allocation, copies finishing steps later, short and
+missing storage reads); every step's tree digests must be equal across the ranks, and the
+served prefixes too. Every barrier is bounded (``KVStoreAgreement`` / ``DeviceAgreement``
+timeouts) and the launcher kills both processes at its deadline, so a hang fails the test.
+With the exchange switched off (``NoExchangeAgreement``) the same divergence must split the
+trees: the digests can see what the agreement prevents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_jax.distributed import RanksFailed, launch_local
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+STEPS = 30
+
+
+def run_pair(tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None) -> list[dict]:
+    store, out = tmp_path / "l3", tmp_path / "out"
+    store.mkdir()
+    out.mkdir()
+    launch_local([sys.executable, str(HERE / "trace_rank.py"), agreement, divergence, str(store), str(out),
+                  str(STEPS)], 2, timeout_s=timeout_s, cwd=str(ROOT), env=env)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("agreement", ["kv", "device"])
+def test_two_processes_stay_identical_under_every_divergence(tmp_path, agreement):
+    r0, r1 = run_pair(tmp_path, agreement)
+    assert len(r0["digests"]) == STEPS + 1
+    assert r0["digests"] == r1["digests"]
+    assert r0["served"] == r1["served"] and sum(r0["served"]) > 0
+    assert r0["storage_tokens"] == r1["storage_tokens"] > 0
+    assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
+    assert r0["exchanges"] == r1["exchanges"] >= STEPS
+
+
+def test_two_processes_without_the_exchange_diverge(tmp_path):
+    r0, r1 = run_pair(tmp_path, "none")
+    assert r0["digests"] != r1["digests"]
+
+
+@pytest.mark.parametrize("agreement", ["kv", "device"])
+def test_a_rank_that_never_arrives_times_the_others_out_instead_of_hanging(tmp_path, agreement):
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed, match="a rank failed") as e:
+        run_pair(tmp_path, agreement, "stall", env={**os.environ, "HICACHE_AGREEMENT_TIMEOUT": "3"})
+    rank0 = e.value.results[0]
+    assert rank0.returncode not in (0, None) and "AgreementError" in rank0.output and "within 3 s" in rank0.output
+    assert e.value.results[1].returncode is not None  # killed, not left behind
+    assert time.monotonic() - t0 < 120
+
+
+def test_the_launcher_kills_every_rank_at_its_deadline(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed, match="outlived 2 s"):
+        launch_local([sys.executable, "-c", "import time; time.sleep(600)"], 2, timeout_s=2)
+    assert time.monotonic() - t0 < 30
+
+
+def test_both_agreements_give_the_min_clean_up_and_run_on_worker_threads():
+    results = launch_local([sys.executable, str(HERE / "agreement_rank.py")], 2, timeout_s=240, cwd=str(ROOT))
+    assert [r.output.strip().splitlines()[-1] for r in results] == ["ok 0", "ok 1"]

@@ -1,0 +1,55 @@
+"""One rank of the two-process divergence trace (``test_two_processes``), started by
+``hicache_jax.distributed.launch_local``.
+
+usage: trace_rank.py AGREEMENT DIVERGENCE STORAGE_DIR OUT_DIR STEPS
+  AGREEMENT   kv | device | none (``NoExchangeAgreement``: the protocol without the exchange)
+  DIVERGENCE  one of rank_trace.DIVERGENCES, ``all``, or ``-``; injected on rank 1 only; ``stall``:
+              rank 1 never takes part (sleeps), so rank 0's bounded barrier must time out
+  HICACHE_AGREEMENT_TIMEOUT (env): the agreement's barrier timeout in seconds (default 60)
+Writes OUT_DIR/rank{R}.json: the trace's digests after every step, served prefixes, what fired.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache"))
+
+from rank_trace import DIVERGENCES, rank_cache, run_trace  # noqa: E402
+
+from hicache_jax.cache import NoExchangeAgreement  # noqa: E402
+from hicache_jax.distributed import initialize_from_env, make_agreement, run_rank  # noqa: E402
+
+
+def main() -> None:
+    kind, divergence, storage_dir, out_dir, steps = sys.argv[1:6]
+    rank, n = initialize_from_env()
+    timeout = float(os.environ.get("HICACHE_AGREEMENT_TIMEOUT", "60"))
+    if kind == "none":
+        agreement = NoExchangeAgreement(rank, n)
+    elif kind == "kv":
+        agreement = make_agreement(kind, timeout_s=timeout)
+    else:
+        agreement = make_agreement(kind, arrival_timeout_s=timeout)
+    if divergence == "stall" and rank == 1:
+        time.sleep(600)  # never reaches its first exchange
+    div = set()
+    if rank == 1 and divergence not in ("-", "stall"):
+        div = set(DIVERGENCES) if divergence == "all" else {divergence}
+    cache, be, ctl = rank_cache(agreement, storage_dir=storage_dir)
+    try:
+        result = run_trace(cache, be, ctl, divergence=div, steps=int(steps))
+    finally:
+        ctl.close()
+    result["exchanges"] = cache.step_agreement.exchanges
+    result["agreement"] = repr(agreement)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    run_rank(main)
