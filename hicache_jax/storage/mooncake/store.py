@@ -201,6 +201,12 @@ class MooncakeStorage(HiCacheStorage):
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(100, int(self._timeout * 1000 * 0.8))))
         os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", str(max(100, int(min(ct, self._timeout) * 1000))))
         self._lock = threading.Lock()
+        # Client calls running on workers, and whether close began: the native client must not
+        # be closed under a call still inside it (one that outlived its op timeout), or the
+        # process crashes (seen: a segfault closing after the master was killed mid-put).
+        self._calls = threading.Condition()
+        self._running = 0
+        self._closing = False
         self._down_until = 0.0
         self._registered: dict[int, int] = {}  # address -> bytes registered with the client
         self._layouts: dict[str, _PoolLayout] = {}
@@ -268,13 +274,25 @@ class MooncakeStorage(HiCacheStorage):
         if self._down_until and self._store.health_check() != 0:
             self._down_until = now + self._retry
             raise _StoreDown(what)
-        fut = self._executor.submit(fn, *args)
+        fut = self._executor.submit(self._run_call, fn, args)
         try:
             return fut.result(timeout=self._timeout)
         except cf.TimeoutError:
             fut.cancel()
             self._fault(f"{what} did not finish within mooncake_op_timeout_s={self._timeout}")
             raise TimeoutError(f"L3 mooncake: {what} timed out") from None
+
+    def _run_call(self, fn, args):  # worker thread
+        with self._calls:
+            if self._closing:
+                raise _StoreDown("closed")
+            self._running += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._calls:
+                self._running -= 1
+                self._calls.notify_all()
 
     def _fault(self, why: str) -> None:
         log.warning("L3 mooncake: %s; missing for %.1fs", why, self._retry)
@@ -454,6 +472,15 @@ class MooncakeStorage(HiCacheStorage):
             ex.shutdown(wait=False, cancel_futures=True)
         if store is None:
             return
+        with self._calls:  # no call starts from now on; wait (bounded) for those inside the client
+            self._closing = True
+            deadline = time.monotonic() + self._timeout + 1.0
+            while self._running and self._calls.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            if self._running:
+                log.warning("L3 mooncake: %d client calls still running %.1fs after close; the client is left "
+                            "open (closing it under them would crash the process)", self._running, self._timeout + 1)
+                return
         for addr in list(self._registered):
             try:
                 store.unregister_buffer(addr)

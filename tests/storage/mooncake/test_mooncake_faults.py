@@ -203,3 +203,67 @@ def test_pages_evicted_by_mooncake_are_misses(own_master):
         missed = [i for i, f in enumerate(flags) if not f]
         assert not dst.read_pages("k", missed).any()
         assert st.metrics.corrupt == 0
+
+
+class _HeldClient:
+    """The real Mooncake client, whose puts can be held inside the call (as a put to a dead
+    master outliving the op timeout on a loaded machine), recording whether ``close`` ran
+    while one was inside."""
+
+    hold = threading.Event()
+    inside = threading.Event()
+    closed_under_a_call: list = []
+
+    real_class = None  # the client class, taken before the test replaces it with this one
+
+    def __init__(self) -> None:
+        self.real = _HeldClient.real_class()
+        self.closed = False
+        self.in_put = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def batch_put_from_multi_buffers(self, *args):
+        self.in_put += 1
+        _HeldClient.inside.set()
+        try:
+            _HeldClient.hold.wait(30)
+            return self.real.batch_put_from_multi_buffers(*args)
+        finally:
+            self.in_put -= 1
+
+    def close(self):
+        _HeldClient.closed_under_a_call.append(self.in_put > 0)
+        self.closed = True
+        return self.real.close()
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["call-ends", "call-stuck"])
+def test_close_never_closes_the_client_under_a_running_call(own_master, monkeypatch, released):
+    """A put still inside the native client after its op timeout: closing the client under it
+    crashed the process (a segfault in a full run after the master was killed mid-put). close()
+    waits for the call (bounded by the op timeout + 1 s); a call stuck past that leaves the
+    client open rather than crash."""
+    import mooncake.store
+
+    from mooncake_helpers import mc_config
+    from hicache_jax.storage import create_storage
+
+    _HeldClient.real_class = mooncake.store.MooncakeDistributedStore
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", _HeldClient)
+    _HeldClient.hold.clear()
+    _HeldClient.inside.clear()
+    _HeldClient.closed_under_a_call.clear()
+    src = HostKVPool(GEOM, 8, "page_first")
+    fill_random(src, 5)
+    st = create_storage(mc_config(own_master), {"target": src})
+    flags, dt = _timed(st.batch_set, keys_for(2, seed=5), [0, 1])
+    assert flags == [False, False] and dt < BOUND_S  # our side gave up at the op timeout
+    assert _HeldClient.inside.is_set()
+    if released:
+        threading.Timer(0.5, _HeldClient.hold.set).start()
+    _, dt = _timed(st.close)
+    assert dt < OP_TIMEOUT_S + 1.0 + 1.5
+    assert _HeldClient.closed_under_a_call == ([False] if released else [])
+    _HeldClient.hold.set()  # let a stuck call end (the client stays open; the process exits later)
