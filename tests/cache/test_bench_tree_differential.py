@@ -66,6 +66,9 @@ def test_render_merges_split_runs_and_flags_a_lower_tier(tmp_path, capsys):
     assert saved["all_ge"] is False and doc["all_ge"] is False
     assert [(r["page_size"], r["host_ratio"]) for r in saved["results"]] == [(1, 0.5), (1, 4.0), (16, 0.5)]
     assert saved["seconds"] == 6.0 and len(saved["merged_from"]) == 2
+    if importlib.util.find_spec("matplotlib") is None:  # the torch env has no plotting: no PNG, said so
+        assert saved["png"] is None
+        return
     png = out.with_suffix(".png")
     assert saved["png"] == str(png) and png.stat().st_size > 10_000
 
