@@ -51,22 +51,26 @@ DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 
 @dataclass
 class Histogram:
-    """Counts of observations per bucket (``DURATION_BUCKETS_S`` upper bounds, then +Inf), their
-    sum and count. Owner thread only."""
+    """Counts of observations per bucket (``bounds``: upper bounds, then +Inf; the duration
+    buckets by default), their sum and count. Owner thread only."""
 
-    counts: list = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS_S) + 1))
+    bounds: tuple[float, ...] = DURATION_BUCKETS_S
+    counts: list = field(default_factory=list)
     sum: float = 0.0
     count: int = 0
 
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(DURATION_BUCKETS_S, value)] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.count += 1
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, observations <= le)`` per bucket, Prometheus style (``le`` "+Inf" last)."""
         out, total = [], 0
-        for le, n in zip([*map(repr, DURATION_BUCKETS_S), "+Inf"], self.counts):
+        for le, n in zip([*map(repr, self.bounds), "+Inf"], self.counts):
             total += n
             out.append((le, total))
         return out

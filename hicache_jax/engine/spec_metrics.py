@@ -22,40 +22,10 @@ verify steps, so they live beside ``FAMILIES``, not in it.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..cache.metrics import Family
-
-
-@dataclass
-class ValueHistogram:
-    """Observations per bucket (``bounds``, then +Inf), their sum and count (the interface of
-    ``cache.metrics.Histogram`` with other buckets)."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, total = [], 0
-        for le, n in zip([*map(repr, self.bounds), "+Inf"], self.counts):
-            total += n
-            out.append((le, total))
-        return out
-
-    def as_stats(self) -> dict:
-        return {"count": self.count, "sum": self.sum, "buckets": dict(self.cumulative())}
+from ..cache.metrics import Family, Histogram
 
 
 @dataclass
@@ -65,10 +35,10 @@ class SpecMetrics:
     draft_tokens: int = 0  # proposed
     accepted_tokens: int = 0  # proposals the target agreed with
     emitted_tokens: int = 0  # accepted + one bonus per step (before truncation at max_new)
-    request_accept_length: ValueHistogram = field(init=False)
+    request_accept_length: Histogram = field(init=False)
 
     def __post_init__(self) -> None:
-        self.request_accept_length = ValueHistogram(
+        self.request_accept_length = Histogram(
             tuple(1.0 + 0.5 * i for i in range(2 * self.max_accept_length - 1)))  # 1, 1.5, ..., k + 1
 
     def observe_step(self, k: int, accepted: int) -> None:
@@ -90,7 +60,7 @@ class SpecMetrics:
         out = {}
         for f in SPEC_FAMILIES:
             v = f.value(self)
-            out[f.name] = v.as_stats() if isinstance(v, ValueHistogram) else v
+            out[f.name] = v.as_stats() if isinstance(v, Histogram) else v
         return out
 
 
