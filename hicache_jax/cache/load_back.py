@@ -103,21 +103,7 @@ class LoadBackIssuer:
             res.free_device_pages([dev])
             locks.release(receipt)
             raise
-        # set_device for the whole chain at once, then the chain's device locks: the anchor's
-        # path already holds the lock taken above, so only the chain nodes (evicted, so
-        # unlocked) get theirs. Each chain node but the last gets an on-device child and the
-        # last is locked, so no chain node joins the device index; chain nodes are
-        # host-locked, so they join no host index: only the anchor's membership can change.
-        res.protected_tokens += tokens
-        off = 0
-        p = self.page_size
-        for c in chain:
-            k = c.size // p
-            c.value = dev[off:off + k]
-            c.parent.dev_children += 1
-            off += k
-        receipt = locks.extend_to_loaded_chain(receipt, chain)
-        res.refresh(anchor)
+        receipt = self._attach_chain(anchor, chain, dev, tokens, receipt)
         ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt))
         m.load_back_calls += 1
         m.loaded_tokens += tokens
@@ -129,6 +115,27 @@ class LoadBackIssuer:
                     m.loaded_storage_tokens += c.size
         m.loaded_bytes += npages * ledger.components.bytes_per_page
         return LoadBackResult(dev.copy(), tokens, node, handle)
+
+    def _attach_chain(self, anchor: TreeNode, chain: list, dev: np.ndarray, tokens: int, receipt):
+        """Give the loaded chain its device pages and lock it (returns the extended receipt).
+
+        set_device for the whole chain at once, then the chain's device locks: the anchor's
+        path already holds the lock taken before the copy, so only the chain nodes (evicted, so
+        unlocked) get theirs. Each chain node but the last gets an on-device child and the
+        last is locked, so no chain node joins the device index; chain nodes are host-locked,
+        so they join no host index: only the anchor's membership can change."""
+        res = self.res
+        res.protected_tokens += tokens
+        off = 0
+        p = self.page_size
+        for c in chain:
+            k = c.size // p
+            c.value = dev[off:off + k]
+            c.parent.dev_children += 1
+            off += k
+        receipt = self.locks.extend_to_loaded_chain(receipt, chain)
+        res.refresh(anchor)
+        return receipt
 
     def _load_back_hooked(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:
         """``load_back`` with stateful components (see the module docstring)."""
@@ -206,17 +213,8 @@ class LoadBackIssuer:
                 res.free_device_pages([dev])
             locks.release(receipt)
             raise
-        if chain:  # as in ``load_back``
-            res.protected_tokens += tokens
-            off = 0
-            p = self.page_size
-            for c in chain:
-                k = c.size // p
-                c.value = dev[off:off + k]
-                c.parent.dev_children += 1
-                off += k
-            receipt = locks.extend_to_loaded_chain(receipt, chain)
-            res.refresh(anchor)
+        if chain:
+            receipt = self._attach_chain(anchor, chain, dev, tokens, receipt)
         for plan in plans.values():
             plan.commit()
         if chain:
