@@ -105,6 +105,13 @@ class LoadBackIssuer:
             raise
         receipt = self._attach_chain(anchor, chain, dev, tokens, receipt)
         ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt))
+        self._count_load(chain, tokens, npages)
+        return LoadBackResult(dev.copy(), tokens, node, handle)
+
+    def _count_load(self, chain: list, tokens: int, npages: int) -> None:
+        """The metrics of one issued load-back of ``tokens`` tokens (``npages`` device pages);
+        chain nodes that came from L3 count as storage-loaded, once."""
+        m = self.metrics
         m.load_back_calls += 1
         m.loaded_tokens += tokens
         origin = self.storage_origin
@@ -113,8 +120,7 @@ class LoadBackIssuer:
                 if c in origin:
                     origin.discard(c)
                     m.loaded_storage_tokens += c.size
-        m.loaded_bytes += npages * ledger.components.bytes_per_page
-        return LoadBackResult(dev.copy(), tokens, node, handle)
+        m.loaded_bytes += npages * self.ledger.components.bytes_per_page
 
     def _attach_chain(self, anchor: TreeNode, chain: list, dev: np.ndarray, tokens: int, receipt):
         """Give the loaded chain its device pages and lock it (returns the extended receipt).
@@ -221,15 +227,7 @@ class LoadBackIssuer:
             for comp in hooked:
                 comp.on_load(chain)
         ledger.loads.append(PendingOp(node, handle, tokens, host_ids, dev, True, receipt, plans=plans or None))
-        m.load_back_calls += 1
-        m.loaded_tokens += total
-        origin = self.storage_origin
-        if origin:
-            for c in chain:
-                if c in origin:
-                    origin.discard(c)
-                    m.loaded_storage_tokens += c.size
-        m.loaded_bytes += npages * ledger.components.bytes_per_page
+        self._count_load(chain, total, npages)
         pages = [b.value for b in between]
         if npages:
             pages.append(dev)
