@@ -82,6 +82,8 @@ class HostKVPool:
                              f"{shape}, got {buffer.dtype} {buffer.shape} (writeable={buffer.flags.writeable})")
         self.array = buffer
         self._buffer_owner = buffer_owner  # keeps externally allocated (e.g. pinned) memory alive
+        # Where the bytes live: "numpy" (pageable), or the owner's kind ("pinned_host").
+        self.memory_kind = getattr(buffer_owner, "memory_kind", "numpy")
         views = self.array if geom.kind == "mha" else self.array[None]
         shape = page_major_shape(geom, self.layout, num_pages)
         # Page-major views share memory with self.array (reshape of contiguous data never copies).
@@ -92,6 +94,14 @@ class HostKVPool:
     @classmethod
     def from_config(cls, geom: KVGeometry, config: HostPoolConfig, device_pages: int) -> "HostKVPool":
         return cls(geom, config.num_pages(geom, device_pages), config.layout)
+
+    @property
+    def buffer_owner(self) -> object:
+        """What allocated ``array`` when it was handed in (a backend's arena, a pinned tensor), or None.
+
+        A backend that recognises its own owner may move pages through it instead of through
+        the numpy view (the JAX backend streams pinned pages inside XLA executables)."""
+        return self._buffer_owner
 
     @property
     def nbytes(self) -> int:

@@ -144,8 +144,10 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="KV dtype")
     p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64], help="tokens per page")
     p.add_argument("--page-counts", type=int, nargs="+", default=None,
-                   help="pages per transfer (default: 16 128 on CPU; 16 256 1024 on GPU/TPU, >= 64 MiB moves)")
+                   help="pages per transfer (default: per page size, the smallest power of two moving >= 64 MiB)")
     p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
+    p.add_argument("--host-copy", default="auto", choices=["auto", "xla_stream", "numpy"],
+                   help="how pages cross host<->device (auto: xla_stream where the host pool is pinned)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per op (median)")
 
 

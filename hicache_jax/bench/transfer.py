@@ -4,13 +4,17 @@ For every (page size, page count, host layout) it measures, in one process:
 
 * gather  (all layers of K, fused host-layout order)   vs a raw device-to-device copy
 * scatter (layer by layer from a transfer buffer)      vs a raw device-to-device copy
-* D2H     (``JaxTransferEngine.backup``, K and V)       vs a raw D2H copy of a contiguous array
-                                                          (to the pinned memory kind where present)
-                                                          and vs a host memcpy of the same bytes
-* H2D     (``JaxTransferEngine.load``, K and V)         vs a raw H2D ``device_put`` of the same bytes
+* D2H     (``JaxTransferEngine.backup``, K and V)       vs ``device_put`` of a contiguous device array
+                                                          to the pinned host memory kind
+* H2D     (``JaxTransferEngine.load``, K and V)         vs ``device_put`` of a contiguous pinned-host
+                                                          array to the device
+  (numpy ``device_put`` / ``np.asarray`` where the platform has no pinned memory)
 
-Ratios are op GB/s / baseline GB/s of the same bytes. Prints a table, writes JSON; both name
-the page-copy implementation measured. On a GPU (or with ``--compare-impls``) a second table
+Ratios are op GB/s / baseline GB/s of the same bytes. ``CPU B/B``: KV bytes that host code
+copied (through the host pool's read/write methods, counted by wrapping them) per byte moved:
+0 on the ``xla_stream`` path, 1 on the ``numpy`` path. By default each page size moves the
+smallest power-of-two page count that is >= 64 MiB. Prints a table, writes JSON; both name
+the page-copy implementation and the host-copy path measured. On a GPU (or with ``--compare-impls``) a second table
 measures gather / scatter of every GPU implementation (``xla``, ``mgpu`` = Mosaic GPU, ``gpu`` =
 Pallas Triton) side by side, each with its ratio to a raw device copy of the same bytes: the
 numbers behind the dispatcher's ``auto`` choice.
@@ -36,25 +40,61 @@ from pallas_kernels.page_copy import PageCopyConfig
 from pallas_kernels.page_copy.bench_page_copy import compare_impls, gather_scatter_seconds, raw_device_copy_seconds
 
 
-def _raw_d2h_seconds(nbytes: int, reps: int) -> tuple[float, float]:
-    """(device -> host memory kind or numpy, host memcpy) median seconds for ``nbytes``."""
-    x = jax.device_put(np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8))
-    kind = host_memory_kind()
-
-    def d2h():
-        if kind is not None:
-            np.asarray(jax.device_put(x, x.sharding.with_memory_kind(kind)))
-        else:
-            np.asarray(x + 0)
-
-    src = np.asarray(x).copy()
+def _raw_seconds(nbytes: int, reps: int) -> dict[str, float]:
+    """Median seconds of the best host<->device copies the platform offers for ``nbytes``:
+    JAX ``device_put`` between a pinned-host array and device memory, both ways (numpy
+    ``device_put`` / ``np.asarray`` where there is no pinned memory), and a host memcpy."""
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dev = jax.devices()[0]
+    on_device = jax.device_put(src, dev)
+    kind = host_memory_kind(dev)
+    if kind is not None:
+        host_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+        dev_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        on_host = jax.device_put(src, host_sharding)
+        h2d = lambda: jax.device_put(on_host, dev_sharding).block_until_ready()
+        d2h = lambda: jax.device_put(on_device, host_sharding).block_until_ready()
+    else:
+        h2d = lambda: jax.device_put(src, dev).block_until_ready()
+        d2h = lambda: np.asarray(on_device + 0)
     dst = np.empty_like(src)
-    return median_seconds(d2h, reps), median_seconds(lambda: np.copyto(dst, src), reps)
+    return {"h2d": median_seconds(h2d, reps), "d2h": median_seconds(d2h, reps),
+            "memcpy": median_seconds(lambda: np.copyto(dst, src), reps), "kind": kind or "numpy"}
 
 
-def _raw_h2d_seconds(nbytes: int, reps: int) -> float:
-    src = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)
-    return median_seconds(lambda: jax.device_put(src).block_until_ready(), reps)
+class HostCopyCounter:
+    """Counts the KV bytes host code copies through a host pool's read/write methods.
+
+    Wraps the pool instance's methods (the engine under test is not involved in counting): a
+    transfer path that moves pages without a CPU pass calls none of them."""
+
+    _METHODS = ("read_pages", "write_pages", "write_pages_unchecked", "read_layer", "read_layer_unchecked")
+
+    def __init__(self, pool) -> None:
+        self.bytes = 0
+        for name in self._METHODS:
+            original = getattr(pool, name)
+
+            def counted(*a, _original=original, _name=name, **kw):
+                out = _original(*a, **kw)
+                if _name.startswith("read"):
+                    self.bytes += out.nbytes
+                else:
+                    self.bytes += np.asarray(a[2] if len(a) > 2 else kw["buf"]).nbytes
+                return out
+
+            setattr(pool, name, counted)
+
+    def take(self) -> int:
+        n, self.bytes = self.bytes, 0
+        return n
+
+
+def default_page_count(bytes_per_page: int, min_bytes: int = 64 << 20) -> int:
+    """The smallest power-of-two page count moving >= ``min_bytes`` (at least 16 pages)."""
+    n = max(16, -(-min_bytes // bytes_per_page))
+    return 1 << (n - 1).bit_length()
 
 
 def run(args) -> dict:
@@ -63,20 +103,25 @@ def run(args) -> dict:
 
 
 def _run(args, progress: Progress) -> dict:
-    if args.page_counts is None:
-        args.page_counts = [16, 128] if jax.default_backend() == "cpu" else [16, 256, 1024]
     if args.compare_impls is None:
         args.compare_impls = jax.default_backend() == "gpu"
     geom_kw = dict(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
-    cases = list(itertools.product(args.page_sizes, args.page_counts, args.layouts))
+    cases = []
+    for page in args.page_sizes:
+        geom = KVGeometry.mha(page_size=page, **geom_kw)
+        counts = args.page_counts or [default_page_count(geom.bytes_per_page)]
+        cases += [(page, n, layout) for n in counts for layout in args.layouts]
     rows, results = [], []
+    raw_cache: dict[int, dict] = {}
     progress.phase("cases (page size x pages x layout; the first compiles)", len(cases))
     for page, n, layout in cases:
         geom = KVGeometry.mha(page_size=page, **geom_kw)
         device_pages = max(2 * n, 64)
         dev = JaxDevicePool(geom, device_pages)
         host = pinned_host_pool(geom, n, layout)  # plain numpy where there is no pinned memory
-        eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(impl=args.impl, max_pages=device_pages))
+        eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(impl=args.impl, max_pages=device_pages),
+                                host_copy=args.host_copy)
+        counter = HostCopyCounter(host)
         rng = np.random.default_rng(0)
         for c in geom.components:  # random KV, never zeros
             for l in range(geom.num_layers):
@@ -90,32 +135,39 @@ def _run(args, progress: Progress) -> dict:
         order = HostLayout(layout).transfer_order
         g_s, s_s = gather_scatter_seconds(eng.copier, dev.layers("k"), src, dst, order, args.reps, median_seconds)
         raw_dd = raw_device_copy_seconds(one_comp, args.reps, median_seconds)
+        counter.take()
         d2h_s = median_seconds(lambda: eng.backup(src, hst).wait(), args.reps)
+        d2h_cpu = counter.take() / (both * (args.reps + 1))  # + 1: the warm-up call
         h2d_s = median_seconds(lambda: eng.load(hst, dst).wait(), args.reps)
-        raw_d2h, memcpy = _raw_d2h_seconds(both, args.reps)
-        raw_h2d = _raw_h2d_seconds(both, args.reps)
+        h2d_cpu = counter.take() / (both * (args.reps + 1))
+        raw = raw_cache.get(both) or raw_cache.setdefault(both, _raw_seconds(both, args.reps))
         eng.close()
-        r = dict(page_size=page, pages=n, layout=layout, mib_per_component=one_comp / 2**20,
+        r = dict(page_size=page, pages=n, layout=layout, mib_per_component=one_comp / 2**20, host_copy=eng.host_copy,
                  gather_gbps=gbps(one_comp, g_s), scatter_gbps=gbps(one_comp, s_s),
                  raw_device_copy_gbps=gbps(one_comp, raw_dd),
-                 d2h_gbps=gbps(both, d2h_s), raw_d2h_gbps=gbps(both, raw_d2h), host_memcpy_gbps=gbps(both, memcpy),
-                 h2d_gbps=gbps(both, h2d_s), raw_h2d_gbps=gbps(both, raw_h2d))
+                 d2h_gbps=gbps(both, d2h_s), raw_d2h_gbps=gbps(both, raw["d2h"]),
+                 host_memcpy_gbps=gbps(both, raw["memcpy"]),
+                 h2d_gbps=gbps(both, h2d_s), raw_h2d_gbps=gbps(both, raw["h2d"]),
+                 raw_host_memory=raw["kind"], d2h_cpu_bytes_per_byte=d2h_cpu, h2d_cpu_bytes_per_byte=h2d_cpu)
         r.update(gather_vs_raw=r["gather_gbps"] / r["raw_device_copy_gbps"],
                  scatter_vs_raw=r["scatter_gbps"] / r["raw_device_copy_gbps"],
                  d2h_vs_raw=r["d2h_gbps"] / r["raw_d2h_gbps"], d2h_vs_memcpy=r["d2h_gbps"] / r["host_memcpy_gbps"],
                  h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"])
         results.append(r)
         rows.append([page, n, layout, r["mib_per_component"], r["gather_gbps"], r["gather_vs_raw"],
-                     r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], r["d2h_vs_memcpy"],
-                     r["h2d_gbps"], r["h2d_vs_raw"]])
+                     r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], d2h_cpu,
+                     r["h2d_gbps"], r["h2d_vs_raw"], h2d_cpu])
         progress.advance(1, f"page {page}, {n} pages, {layout}")
     impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
+    raw_kind = results[-1]["raw_host_memory"] if results else "-"
     print_table(f"KV page transfers: {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}, "
-                f"copy impl {impl}, backend {jax.default_backend()} (GB/s; x = ratio to raw copy of same bytes)",
+                f"copy impl {impl}, host copies {eng.host_copy}, backend {jax.default_backend()} "
+                f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy for gather/scatter, "
+                f"device_put to/from {raw_kind} for D2H/H2D; CPU B/B = bytes host code copied per byte moved)",
                 ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
-                 "D2H", "x raw D2H", "x memcpy", "H2D", "x raw H2D"], rows)
-    payload = {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl,
-               "host_pool_memory": getattr(host, "memory_kind", "numpy"),
+                 "D2H", "x raw D2H", "CPU B/B", "H2D", "x raw H2D", "CPU B/B"], rows)
+    payload = {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl, "host_copy": eng.host_copy,
+               "host_pool_memory": host.memory_kind,
                "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
     if args.compare_impls:
         progress.phase("comparing gather / scatter implementations")
@@ -126,7 +178,7 @@ def _run(args, progress: Progress) -> dict:
 def _compare(args) -> list[dict]:
     """Gather / scatter of each GPU implementation vs a raw device copy (one KV component)."""
     orders = sorted({HostLayout(l).transfer_order for l in args.layouts})
-    rows = compare_impls(["xla", "mgpu", "gpu"], args.page_sizes, args.page_counts, orders, args.layers,
+    rows = compare_impls(["xla", "mgpu", "gpu"], args.page_sizes, args.page_counts or [16, 256, 1024], orders, args.layers,
                          args.heads, args.head_dim, args.dtype, args.reps, median_seconds)
     table = [[r["impl"], r["page_size"], r["pages"], r["order"], r["mib"], r.get("gather_gbps", "-"),
               r.get("gather_vs_raw", "-"), r.get("scatter_gbps", "-"), r.get("scatter_vs_raw", "-"),

@@ -32,8 +32,8 @@ def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.n
 
     state = {"pools": [jnp.copy(p) for p in pools]}
 
-    def scatter():
-        new = [copier.scatter(p, dest, buf, l, order) for l, p in enumerate(state["pools"])]
+    def scatter():  # the transfer engine's path: ids validated and uploaded once per call
+        new = copier.scatter_layers(state["pools"], dest, buf, order)
         jax.block_until_ready(new)
         state["pools"] = new  # donated: keep the replacements
 

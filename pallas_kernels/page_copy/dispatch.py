@@ -137,6 +137,7 @@ class PageCopier:
         self.mesh, self.kv_axis = mesh, kv_axis
         self._plan = _Plan(impl, interpret, self.config.buckets or default_buckets(self.config.max_pages))
         self.compile_count = 0  # executables this copier prepared (tests assert steady state adds none)
+        self._layer_id_cache: dict = {}
 
     # ---- introspection --------------------------------------------------------------------
     @property
@@ -259,6 +260,11 @@ class PageCopier:
                 self._scatter_exe(pool_shape, dtype, buffer_shape(order, nb, num_layers, pool_shape[1:]), nb, order)
         return self.compile_count - before
 
+    def precompile_scatter(self, pool_shape: tuple[int, ...], dtype, buf_shape: tuple[int, ...], nb: int,
+                           order: str) -> None:
+        """Build the scatter for one transfer-buffer shape (e.g. a layer group's staging buffer)."""
+        self._scatter_exe(pool_shape, dtype, tuple(buf_shape), nb, check_order(order))
+
     def _gather_exe(self, num_layers, pool_shape, dtype, nb, order, with_out):
         aval = jax.ShapeDtypeStruct(tuple(pool_shape), jnp.dtype(dtype))
         key = ("gather", num_layers, aval.shape, aval.dtype, nb, order, with_out)
@@ -301,6 +307,44 @@ class PageCopier:
                                  f"got {out.shape} {out.dtype}")
         exe = self._gather_exe(len(pools), p0.shape, p0.dtype, nb, order, out is not None)
         return exe(list(pools), padded, n, out), ids.size
+
+    def scatter_layers(self, pools: Sequence[jax.Array], ids: object, buf: jax.Array,
+                       order: str = "nlp") -> list[jax.Array]:
+        """``scatter`` of every layer of ``buf`` (layer j into ``pools[j]``): validated, padded and
+        uploaded once, then one executable per layer with device-resident ids. Every pool is
+        donated; returns the new arrays in order. ``buf`` must have the bucket's page count."""
+        check_order(order)
+        layer_axis = {"nlp": 1, "npl": 2, "lnp": 0}[order]
+        if not pools or len(pools) != buf.shape[layer_axis]:
+            raise ValueError(f"pools: expected one pool layer per buffer layer ({buf.shape[layer_axis]}), "
+                             f"got {len(pools)}")
+        p0 = pools[0]
+        for p in pools:
+            if p.shape != p0.shape or p.dtype != p0.dtype:
+                raise ValueError(f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, "
+                                 f"got {p.shape} {p.dtype}")
+        ids = check_page_ids(ids, p0.shape[0], "ids", unique=True)
+        padded, n, nb = self._pad(ids)
+        want = buffer_shape(order, nb, len(pools), p0.shape[1:])
+        if buf.shape != want or buf.dtype != p0.dtype:
+            raise ValueError(f"buf: expected {want} {p0.dtype} (the bucket of {ids.size} pages), got "
+                             f"{buf.shape} {buf.dtype}")
+        exe = self._scatter_exe(p0.shape, p0.dtype, buf.shape, nb, order)
+        if self.mesh is None:  # upload once; per-layer numpy ids would be uploaded per call
+            dev = next(iter(p0.sharding.device_set))
+            padded, n = jax.device_put(padded, dev), jax.device_put(n, dev)
+            layer_ids = self._layer_ids(len(pools), dev)
+        else:
+            layer_ids = [np.array([l], np.int32) for l in range(len(pools))]
+        return [exe(p, padded, n, buf, layer_ids[l]) for l, p in enumerate(pools)]
+
+    def _layer_ids(self, num_layers: int, device) -> list[jax.Array]:
+        key = (num_layers, device)
+        cached = self._layer_id_cache.get(key)
+        if cached is None:
+            cached = self._layer_id_cache[key] = [jax.device_put(np.array([l], np.int32), device)
+                                                  for l in range(num_layers)]
+        return cached
 
     def scatter(self, pool: jax.Array, ids: object, buf: jax.Array, layer: int = 0, order: str = "nlp") -> jax.Array:
         """Write layer ``layer`` of transfer buffer ``buf`` into pool pages ``ids``; returns the new pool.

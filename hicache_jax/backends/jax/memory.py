@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...host_layout import HostLayout, host_array_shape
+from ...host_layout import HostLayout
 from ...host_pool import HostKVPool
 from ...kv_geometry import KVGeometry
+from .host_stream import PinnedHostArena
 
 
 def host_memory_kind(device: jax.Device | None = None) -> str | None:
@@ -56,15 +57,16 @@ def host_buffer(shape: tuple[int, ...], dtype, device: jax.Device | None = None,
 
 def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,
                      device: jax.Device | None = None) -> HostKVPool:
-    """A HostKVPool whose array lives in pinned host memory (plain numpy if there is none)."""
-    kind = host_memory_kind(device)
-    if kind != "pinned_host":
+    """A HostKVPool whose array lives in pinned host memory (plain numpy if there is none).
+
+    The memory is a ``PinnedHostArena`` (``pool.buffer_owner``): a ``pinned_host`` jax.Array
+    the ``JaxTransferEngine`` streams pages in and out of inside XLA executables, so no host
+    thread copies KV bytes; the pool's numpy ``array`` is a view of the same bytes."""
+    device = device or jax.local_devices()[0]
+    if host_memory_kind(device) != "pinned_host":
         return HostKVPool(geom, num_pages, layout)
-    shape = host_array_shape(geom, HostLayout.parse(layout), num_pages)
-    view, owner = host_buffer(shape, geom.container_dtype, device, kind)
-    pool = HostKVPool(geom, num_pages, layout, buffer=view, buffer_owner=owner)
-    pool.memory_kind = kind
-    return pool
+    arena = PinnedHostArena(geom, layout, num_pages, device)
+    return HostKVPool(geom, num_pages, layout, buffer=arena.view, buffer_owner=arena)
 
 
 class StagingRing:

@@ -1,32 +1,44 @@
 """JAX transfer engine: D2H backups and H2D loads between a JaxDevicePool and a HostKVPool.
 
-Backup (D2H), never blocking the caller:
-  owner thread: one all-layer gather per component into a transfer buffer already in the
-  host layout's order (``page_copy`` fuses the layout conversion), then ``device_put`` to
-  the host memory kind (pinned where the platform has it); both are async dispatches.
-  D2H worker: waits for the bytes (``np.asarray``) and copies the first ``n`` pages into
-  the host pool with one fancy-index copy. The handle is that job's future.
+Two ways to move the bytes (``host_copy``), chosen at construction:
 
-Load (H2D), layer by layer:
-  owner thread: one numpy gather of the host pages into a contiguous staging buffer per
-  component (transfer order, bucket-padded; pinned and reused through a ``StagingRing`` on a
-  single-device pool where the platform has pinned memory), one ``device_put`` of it, then
-  one scatter per layer from that buffer into the layer's pool array (donated, in place). Each layer's new
-  array is installed in the pool at once, so later model steps are ordered after it by
-  dataflow; ``LoadHandle.layer_done(l)`` reports whether layer l's arrays have landed.
+``xla_stream`` (default where the host pool is a ``PinnedHostArena``, i.e. built by
+``pinned_host_pool`` on a platform with pinned host memory, and the device pool is on one
+device): no host thread touches a KV byte. The host pool is a ``pinned_host`` jax.Array that
+XLA copies from and into directly (``host_stream``):
 
-Several processes (a pool whose mesh spans ``jax.distributed`` processes): the host pool
-holds this process's KV heads only (``JaxDevicePool.local_geom``). A backup's worker copies
+* Backup (D2H): one all-layer gather per component into a device transfer buffer in the host
+  layout's order (``page_copy``), then one executable that ``device_put``s each page to host
+  memory and writes it into its host page of the donated arena (same address: the numpy view
+  stays the pool). Both are asynchronous dispatches; the handle completes when the executable
+  has (a token it returns), then checks the arena's address.
+* Load (H2D), per layer group (``load_group_layers``; by default the fewest layers whose run of
+  one page is >= 256 KiB): one executable streams each host page's group into a device staging
+  buffer (reused: donated by the next load of the same shape), then one scatter per layer
+  writes it into the layer's pool array (donated, in place) with device-resident ids. Each
+  layer's new array is installed in the pool at once, so later model steps are ordered after it
+  by dataflow; group g lands before group g+1; ``LoadHandle.layer_done(l)`` reports layer l.
+
+``numpy`` (the fallback: no pinned memory, a pool sharded over a mesh, several processes):
+  backup = the same gather, ``device_put`` to the host memory kind, and a worker that copies
+  the first n pages into the host pool with one fancy-index copy; load = one numpy gather of
+  the host pages into a staging buffer (pinned and reused through a ``StagingRing`` where the
+  platform has pinned memory), one ``device_put``, one scatter per layer. Every byte crosses a
+  CPU core once each way.
+
+Several processes (a pool whose mesh spans ``jax.distributed`` processes, numpy path): the host
+pool holds this process's KV heads only (``JaxDevicePool.local_geom``). A backup's worker copies
 this process's shards of the transfer buffer (``local_numpy``); a load builds the global
 staging buffer from every process's own host pages
 (``jax.make_array_from_process_local_data``). Every process must issue the same copies in the
 same order (the cache's agreed protocol does).
 
 Threading: ``backup``/``load`` are called from the owner thread (the one that donates the
-pool arrays to model steps; multi-host JAX also needs every ``device_put`` issued there).
-The D2H worker only converts finished host buffers to numpy and writes host pages the
-manager has reserved for this backup; it runs ``worker_nice`` above the owner's priority
-(``hicache_jax.workers``), so its memcpy never takes a core the model step wants.
+pool arrays to model steps; multi-host JAX also needs every ``device_put`` issued there), which
+also owns the host arena array. The numpy path's D2H worker only converts finished host
+buffers to numpy and writes host pages the manager has reserved for this backup; it runs
+``worker_nice`` above the owner's priority (``hicache_jax.workers``), so its memcpy never takes
+a core the model step wants.
 """
 
 from __future__ import annotations
@@ -38,12 +50,15 @@ import numpy as np
 
 from pallas_kernels.page_copy.dispatch import PageCopier, PageCopyConfig
 
-from ...host_layout import HostLayout
 from ...host_pool import HostKVPool
-from ...transfer import CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker
+from ...transfer import (CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker, TransferError,
+                         TransferHandle)
 from ...workers import DEFAULT_WORKER_NICE, check_nice
 from .device_pool import JaxDevicePool
+from .host_stream import HostArenaMovedError, PinnedHostArena, StreamPlan, default_group_layers, layer_groups
 from .memory import StagingRing, host_memory_kind
+
+HOST_COPIES = ("auto", "xla_stream", "numpy")
 
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
 _HEAD_AXIS = 3  # of a transfer buffer, in every order: (n | L, L | n, page, heads, width)
@@ -101,10 +116,58 @@ class JaxLoadHandle(LoadHandle):
         return all(self.layer_done(l) for l in range(self.num_layers))
 
 
+class StreamBackupHandle(TransferHandle):
+    """A D2H stream backup: done when its executable's token is ready; then the arena's address
+    is checked (a moved arena fails the copy instead of leaving the numpy view stale)."""
+
+    def __init__(self, token: jax.Array, arena_array: jax.Array, arena: PinnedHostArena) -> None:
+        self._token, self._arena_array, self._arena = token, arena_array, arena
+        self._t_done: float | None = None
+        self._error: Exception | None = None
+
+    @property
+    def completed_at(self) -> float | None:
+        return self._t_done
+
+    def _finish(self) -> None:
+        if self._t_done is not None:
+            return
+        try:
+            self._token.block_until_ready()
+            self._arena.check(self._arena_array)
+        except HostArenaMovedError as e:
+            self._error = e
+        except Exception as e:  # noqa: BLE001 - an XLA runtime failure of the copy
+            self._error = e
+        self._t_done = time.perf_counter()
+        self._token = self._arena_array = None  # drop references: the arena array may be donated later
+
+    def done(self) -> bool:
+        if self._t_done is None and self._token.is_ready():
+            self._finish()
+        return self._t_done is not None
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._finish()
+        if self._error is not None:
+            raise TransferError(f"D2H backup failed: {self._error}") from self._error
+
+
 class JaxTransferEngine(KVTransferEngine):
+    """Moves whole KV pages between a ``JaxDevicePool`` (L1) and a ``HostKVPool`` (L2).
+
+    ``host_copy``: ``"auto"`` streams through the pinned host arena where the host pool has one
+    (see the module docstring), ``"xla_stream"`` requires it (``ValueError`` naming what is
+    missing), ``"numpy"`` forces the CPU-copy path. ``load_group_layers``: layers per H2D
+    executable on the stream path (None: ``default_group_layers``). ``self.host_copy`` says
+    which path runs."""
+
     def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
                  copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True,
-                 worker_nice: int = DEFAULT_WORKER_NICE) -> None:
+                 worker_nice: int = DEFAULT_WORKER_NICE, host_copy: str = "auto",
+                 load_group_layers: int | None = None) -> None:
+        if host_copy not in HOST_COPIES:
+            raise ValueError(f"host_copy: expected one of {HOST_COPIES}, got {host_copy!r}")
         if device_pool.local_geom != host_pool.geom:
             raise ValueError(f"host_pool: geometry {host_pool.geom} differs from this process's share of the device "
                              f"pool {device_pool.local_geom}")
@@ -126,18 +189,97 @@ class JaxTransferEngine(KVTransferEngine):
         if self.host_memory_kind == "pinned_host" and device_pool.mesh is None:
             self._ring = StagingRing(next(iter(device_pool.sharding.device_set)), "pinned_host")
         self._d2h = SerialWorker("hicache-d2h", check_nice(worker_nice))
+        why_not = self._why_no_stream(use_host_memory_kind)
+        if host_copy == "xla_stream" and why_not:
+            raise ValueError(f"host_copy: 'xla_stream' needs {why_not}")
+        self.host_copy = "xla_stream" if host_copy != "numpy" and not why_not else "numpy"
+        if self.host_copy == "xla_stream":
+            self._arena: PinnedHostArena = host_pool.buffer_owner
+            self._plan = StreamPlan(self.order, self.geom.num_layers, len(self.geom.components),
+                                    self.device_pool.geom.page_shape, self.device_pool.dtype)
+            group = default_group_layers(self.geom) if load_group_layers is None else load_group_layers
+            self.load_groups = layer_groups(self.geom.num_layers, group)
+            self._stream_exes: dict = {}
+            self._staging: dict = {}
+            self._device = next(iter(device_pool.sharding.device_set))
+        elif load_group_layers is not None:
+            layer_groups(self.geom.num_layers, load_group_layers)  # validated even where unused
+
+    def _why_no_stream(self, use_host_memory_kind: bool) -> str:
+        """'' if the stream path can run, else what it needs (for the error / the fallback)."""
+        arena = self.host_pool.buffer_owner
+        if not use_host_memory_kind:
+            return "use_host_memory_kind=True"
+        if not isinstance(arena, PinnedHostArena):
+            return "a host pool in pinned host memory (hicache_jax.backends.jax.memory.pinned_host_pool)"
+        if self.device_pool.mesh is not None or self.multiprocess:
+            return "a device pool on one device (sharded pools use the numpy path)"
+        if arena.device not in self.device_pool.sharding.device_set:
+            return f"the host arena to belong to the pool's device (it belongs to {arena.device})"
+        if arena.dtype != self.device_pool.dtype:
+            return f"the host arena's dtype {arena.dtype} to equal the pool's {self.device_pool.dtype}"
+        return ""
 
     def precompile(self, max_pages: int | None = None) -> int:
-        """Compile every bucket's gather and scatter now, so serving never compiles."""
+        """Compile every bucket's gather, scatter (and stream copies) now, so serving never compiles."""
         shape = (self.device_num_pages,) + self.device_pool.geom.page_shape
-        return self.copier.precompile(shape, self.device_pool.dtype, self.geom.num_layers, (self.order,),
-                                      max_pages=max_pages)
+        built = self.copier.precompile(shape, self.device_pool.dtype, self.geom.num_layers, (self.order,),
+                                       max_pages=max_pages)
+        if self.host_copy == "xla_stream":
+            for nb in self.copier.buckets:
+                if max_pages is not None and nb > self.copier.bucket_for(max_pages):
+                    break
+                self._d2h_exe(nb)
+                for l0, g in self.load_groups:
+                    self._h2d_exe(nb, l0, g)
+                    # group-sized scatter shapes (the copier's precompile covers all-layer buffers)
+                    self.copier.precompile_scatter(shape, self.device_pool.dtype,
+                                                   self._plan.staging_shape(nb, g), nb, self.order)
+                built += 1 + len(self.load_groups)
+        return built
+
+    # ---- stream executables ---------------------------------------------------------------
+    def _compiled(self, key, fn, args, donate, in_shardings, out_shardings):
+        exe = self._stream_exes.get(key)
+        if exe is None:
+            jitted = jax.jit(fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=out_shardings)
+            exe = self._stream_exes[key] = jitted.trace(*args).lower().compile()
+        return exe
+
+    def _aval(self, shape, memory_kind=None):
+        sharding = jax.sharding.SingleDeviceSharding(self._device, memory_kind=memory_kind)
+        return jax.ShapeDtypeStruct(tuple(shape), self.device_pool.dtype, sharding=sharding)
+
+    def _ids_aval(self, n):
+        return jax.ShapeDtypeStruct((n,), np.int32, sharding=jax.sharding.SingleDeviceSharding(self._device))
+
+    def _h2d_exe(self, nb: int, l0: int, g: int):
+        staging = tuple(self._aval(self._plan.staging_shape(nb, g)) for _ in self.geom.components)
+        # the arena itself, not an aval: a ShapeDtypeStruct does not carry the host memory space
+        args = (self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging)
+        dev = jax.sharding.SingleDeviceSharding(self._device)
+        shardings = (self._arena.sharding, dev, dev, tuple(dev for _ in staging))
+        return self._compiled(("h2d", nb, l0, g), self._plan.h2d(nb, l0, g), args, (3,), shardings, shardings[3])
+
+    def _d2h_exe(self, nb: int):
+        bufs = tuple(self._aval(self._plan.staging_shape(nb, self.geom.num_layers)) for _ in self.geom.components)
+        args = (self._arena.array, bufs, self._ids_aval(nb), self._ids_aval(1))  # see _h2d_exe
+        dev = jax.sharding.SingleDeviceSharding(self._device)
+        shardings = (self._arena.sharding, tuple(dev for _ in bufs), dev, dev)
+        return self._compiled(("d2h", nb), self._plan.d2h(), args, (0,), shardings, (self._arena.sharding, dev))
+
+    def _pad_ids(self, ids: np.ndarray, nb: int) -> tuple[jax.Array, jax.Array]:
+        padded = np.zeros(nb, np.int32)
+        padded[:ids.size] = ids
+        return jax.device_put(padded, self._device), jax.device_put(np.array([ids.size], np.int32), self._device)
 
     # ---- D2H ---------------------------------------------------------------------------
     def backup(self, device_ids, host_ids) -> FutureHandle | CompletedHandle:
         d, h = self.validate(device_ids, host_ids)
         if not d.size:
             return CompletedHandle(self.geom.num_layers)
+        if self.host_copy == "xla_stream":
+            return self._backup_stream(d, h)
         staged = []
         for c in self.geom.components:
             buf, n = self.copier.gather(self.device_pool.layers(c), d, self.order)
@@ -154,11 +296,21 @@ class JaxTransferEngine(KVTransferEngine):
 
         return FutureHandle(self._d2h.submit(finish))
 
+    def _backup_stream(self, d: np.ndarray, h: np.ndarray) -> StreamBackupHandle:
+        bufs = tuple(self.copier.gather(self.device_pool.layers(c), d, self.order)[0] for c in self.geom.components)
+        nb = bufs[0].shape[_PAGE_AXIS[self.order]]
+        ids, n = self._pad_ids(h, nb)
+        new_arena, token = self._d2h_exe(nb)(self._arena.array, bufs, ids, n)
+        self._arena.install(new_arena, check_address=False)  # checked when the handle completes
+        return StreamBackupHandle(token, new_arena, self._arena)
+
     # ---- H2D ---------------------------------------------------------------------------
     def load(self, host_ids, device_ids) -> JaxLoadHandle | CompletedHandle:
         d, h = self.validate(device_ids, host_ids)
         if not d.size:
             return CompletedHandle(self.geom.num_layers)
+        if self.host_copy == "xla_stream":
+            return self._load_stream(d, h)
         nb = self.copier.bucket_for(h.size)
         padded = np.zeros(nb, np.int32)
         padded[:h.size] = h  # padding reads host page 0; the scatter skips those positions
@@ -170,6 +322,27 @@ class JaxTransferEngine(KVTransferEngine):
                 new = self.copier.scatter(layers[layer], d, dev_buf, layer, self.order)
                 self.device_pool.set_layer(c, layer, new)
                 per_layer[layer].append(layers[layer])  # the installed (committed) array
+        return JaxLoadHandle(per_layer)
+
+    def _load_stream(self, d: np.ndarray, h: np.ndarray) -> JaxLoadHandle:
+        nb = self.copier.bucket_for(h.size)
+        ids, n = self._pad_ids(h, nb)
+        per_layer: list[list[jax.Array]] = [[] for _ in range(self.geom.num_layers)]
+        layers = {c: self.device_pool.layers(c) for c in self.geom.components}  # checked (StaleDevicePoolError)
+        for l0, g in self.load_groups:
+            key = (nb, l0, g)
+            staging = self._staging.pop(key, None)
+            if staging is None:
+                shape = self._plan.staging_shape(nb, g)
+                staging = tuple(jax.device_put(np.zeros(shape, self.device_pool.dtype), self._device)
+                                for _ in self.geom.components)
+            staging = self._h2d_exe(nb, l0, g)(self._arena.array, ids, n, staging)
+            self._staging[key] = staging  # donated by the next load of this shape
+            for c, buf in zip(self.geom.components, staging):
+                new = self.copier.scatter_layers(layers[c][l0:l0 + g], d, buf, self.order)
+                for j, arr in enumerate(new):
+                    self.device_pool.set_layer(c, l0 + j, arr)
+                    per_layer[l0 + j].append(self.device_pool.buffers[c][l0 + j])  # the installed array
         return JaxLoadHandle(per_layer)
 
     def _stage_h2d(self, component: str, padded_ids: np.ndarray) -> jax.Array:
