@@ -43,6 +43,7 @@ a core the model step wants.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import jax
@@ -59,6 +60,7 @@ from .host_stream import HostArenaMovedError, PinnedHostArena, StreamPlan, defau
 from .memory import StagingRing, host_memory_kind
 
 HOST_COPIES = ("auto", "xla_stream", "numpy")
+log = logging.getLogger(__name__)
 
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
 _HEAD_AXIS = 3  # of a transfer buffer, in every order: (n | L, L | n, page, heads, width)
@@ -202,8 +204,44 @@ class JaxTransferEngine(KVTransferEngine):
             self._stream_exes: dict = {}
             self._staging: dict = {}
             self._device = next(iter(device_pool.sharding.device_set))
+            moved = self._probe_in_place()
+            if moved:
+                if host_copy == "xla_stream":
+                    raise ValueError(f"host_copy: 'xla_stream' needs XLA to update a donated host arena in "
+                                     f"place, but {moved}")
+                log.warning("host copies fall back to numpy (XLA does not update a donated host arena in "
+                            "place here): %s", moved)
+                self.host_copy = "numpy"
         elif load_group_layers is not None:
             layer_groups(self.geom.num_layers, load_group_layers)  # validated even where unused
+
+    def _probe_in_place(self) -> str:
+        """'' if XLA updates a donated arena in place on this runtime, else what happened.
+
+        Probed on a one-page arena of the same kind, never on the pool's own: if XLA moved
+        that one, the pool's numpy view would point at freed memory."""
+        probe = PinnedHostArena(self.geom, self.host_pool.layout, 1, self._device)
+        buf = self._plan.staging_shape(1, self.geom.num_layers)
+        bufs = tuple(jax.device_put(np.ones(buf, self.device_pool.dtype), self._device) for _ in self.geom.components)
+        dev = jax.sharding.SingleDeviceSharding(self._device)
+        fn = jax.jit(self._plan.d2h(), donate_argnums=(0,), in_shardings=(probe.sharding, (dev,) * len(bufs), dev, dev),
+                     out_shardings=(probe.sharding, dev))
+        ids, n = self._pad_ids(np.zeros(1, np.int32), 1)
+        new, token = fn(probe.array, bufs, ids, n)
+        probe.install(new, check_address=False)
+        token.block_until_ready()
+        try:
+            probe.check(new)
+        except HostArenaMovedError as e:
+            return str(e)
+        if not (probe.view.view(self.device_pool.dtype).astype(np.float32) == 1).all():
+            return "the probe's host page did not receive the bytes written to it"
+        return ""
+
+    @property
+    def stream_executables(self) -> int:
+        """Stream copy executables built so far (0 on the numpy path); precompile builds them all."""
+        return len(self._stream_exes) if self.host_copy == "xla_stream" else 0
 
     def _why_no_stream(self, use_host_memory_kind: bool) -> str:
         """'' if the stream path can run, else what it needs (for the error / the fallback)."""

@@ -1,0 +1,274 @@
+"""The xla_stream host-copy path: pages move between the pinned host arena and the device pool
+inside XLA executables, byte for byte, with no host-side copy of KV bytes.
+
+Every test builds the host pool with ``pinned_host_pool`` (a ``PinnedHostArena``); the CPU
+backend has a ``pinned_host`` memory kind, so these run in CI.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from hicache_jax import HostKVPool, HostLayout, KVGeometry, TransferError
+from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
+from hicache_jax.backends.jax.host_stream import PinnedHostArena, default_group_layers, layer_groups
+from hicache_jax.backends.jax.memory import pinned_host_pool
+from pallas_kernels.page_copy import PageCopyConfig
+
+DEVICE_PAGES, HOST_PAGES = 24, 16
+
+GEOMS = {
+    "mha-bf16-p16": KVGeometry.mha(3, 16, 4, 8, "bfloat16"),
+    "mha-fp32-p1": KVGeometry.mha(2, 1, 4, 4, "float32"),
+    "mha-fp16-p33": KVGeometry.mha(2, 33, 4, 4, "float16"),
+    "mha-fp8-p8": KVGeometry.mha(4, 8, 2, 16, "float8_e4m3fn"),
+    "mla-fp8-p16": KVGeometry.mla(2, 16, 24, 8, "float8_e4m3fn"),
+    "mla-bf16-p4": KVGeometry.mla(3, 4, 16, 8, "bfloat16"),
+}
+
+
+def _pinned_or_skip(geom, layout, pages=HOST_PAGES):
+    host = pinned_host_pool(geom, pages, layout)
+    if host.memory_kind != "pinned_host":
+        pytest.skip("this JAX runtime has no pinned_host memory kind")
+    return host
+
+
+def _engine(geom, layout, groups=None, **kw):
+    dev = JaxDevicePool(geom, DEVICE_PAGES)
+    host = _pinned_or_skip(geom, layout)
+    eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), load_group_layers=groups,
+                            **kw)
+    return dev, host, eng
+
+
+def _random_bits(geom, shape, rng):
+    info = np.iinfo(geom.container_dtype)
+    return rng.integers(1, info.max, shape, dtype=geom.container_dtype)
+
+
+def _fill_device(dev, rng):
+    g = dev.geom
+    data = {}
+    for c in g.components:
+        data[c] = _random_bits(g, (g.num_layers, dev.num_pages) + g.page_shape, rng)
+        dev.write_pages_host(c, np.arange(dev.num_pages), data[c])
+    return data
+
+
+def _poison_host(host, rng):
+    """Every host byte random (never the device's bytes), so a page a copy missed is seen."""
+    host.array[...] = _random_bits(host.geom, host.array.shape, rng)
+    return host.array.copy()
+
+
+def _host_pages(host, component, ids):
+    """(L, n, page, H, D) bits of host pages, read through the numpy view (not the engine)."""
+    view = host.component_view(component)
+    order = host.layout.transfer_order
+    if order == "lnp":
+        return view[:, ids]
+    pages = view[ids]
+    return pages.transpose(1, 0, 2, 3, 4) if order == "nlp" else pages.transpose(2, 0, 1, 3, 4)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("name", list(GEOMS))
+def test_stream_roundtrip_is_byte_exact_and_touches_only_the_named_pages(name, layout):
+    geom = GEOMS[name]
+    rng = np.random.default_rng(0)
+    dev, host, eng = _engine(geom, layout, groups=1)
+    assert eng.host_copy == "xla_stream"
+    data = _fill_device(dev, rng)
+    before_host = _poison_host(host, rng)
+    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
+    eng.backup(src, hst).wait()
+    others = np.setdiff1d(np.arange(HOST_PAGES), hst)
+    for c in geom.components:
+        np.testing.assert_array_equal(_host_pages(host, c, hst), data[c][:, src])
+    # host pages not named keep their poison, byte for byte
+    poisoned = HostKVPool(geom, HOST_PAGES, layout, buffer=before_host)
+    for c in geom.components:
+        np.testing.assert_array_equal(_host_pages(host, c, others), _host_pages(poisoned, c, others))
+    eng.load(hst, dst).wait()
+    untouched = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
+        np.testing.assert_array_equal(dev.read_pages_host(c, untouched), data[c][:, untouched])
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_stream_makes_no_host_side_copy_of_kv_bytes(layout, monkeypatch):
+    """Where pinned memory exists, a backup and a load never go through the host pool's
+    read/write methods (each of which copies KV bytes on a CPU core). The same wrapper sees
+    the numpy path's copies, so it can see them when they happen."""
+    geom = GEOMS["mha-bf16-p16"]
+    copied = []
+
+    def watch(host):
+        for name in ("read_pages", "write_pages", "write_pages_unchecked", "read_layer", "read_layer_unchecked"):
+            original = getattr(host, name)
+            monkeypatch.setattr(host, name, lambda *a, _o=original, _n=name, **k: (copied.append(_n), _o(*a, **k))[1])
+
+    dev, host, eng = _engine(geom, layout)
+    _fill_device(dev, np.random.default_rng(1))
+    watch(host)
+    eng.backup(np.arange(6), np.arange(6)).wait()
+    eng.load(np.arange(6), np.arange(10, 16)).wait()
+    assert copied == []
+    np_eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), host_copy="numpy")
+    np_eng.backup(np.arange(6), np.arange(6)).wait()
+    np_eng.load(np.arange(6), np.arange(10, 16)).wait()
+    np_eng.close()
+    assert "write_pages_unchecked" in copied and "read_pages" in copied
+
+
+def test_arena_keeps_its_address_and_the_d2h_never_copies_the_whole_arena():
+    geom = GEOMS["mha-bf16-p16"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT)
+    arena = host.buffer_owner
+    assert isinstance(arena, PinnedHostArena) and np.shares_memory(host.array, arena.view)
+    _fill_device(dev, np.random.default_rng(2))
+    for i in range(5):
+        h = eng.backup(np.arange(i, i + 4), np.arange(i, i + 4))
+        h.wait()
+        assert arena.array.unsafe_buffer_pointer() == arena.address
+    eng.precompile(max_pages=8)
+    # the compiled D2H copies pages, never the arena as a whole (that would overwrite pages
+    # other threads write meanwhile, e.g. L3 reads)
+    shape = ",".join(map(str, arena.shape))
+    for key, exe in eng._stream_exes.items():
+        whole = [l for l in exe.as_text().splitlines() if re.search(r"copy\(", l) and f"[{shape}]" in l]
+        assert whole == [], (key, whole[:2])
+
+
+def test_numpy_writes_to_other_pages_survive_concurrent_stream_copies():
+    """An L3 reader writes host pages through the numpy view while backups and loads stream
+    other pages: neither side loses the other's bytes."""
+    geom = GEOMS["mha-bf16-p16"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST)
+    data = _fill_device(dev, np.random.default_rng(3))
+    rng = np.random.default_rng(4)
+    mine = {c: _random_bits(geom, (8, 16, geom.num_layers) + geom.page_shape[1:], rng) for c in geom.components}
+    stop = threading.Event()
+    rounds = [0]
+
+    def writer():
+        while not stop.is_set():
+            for c in geom.components:
+                host.component_view(c)[8:16] = mine[c]
+            rounds[0] += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for i in range(30):
+            src = np.arange(i % 8, i % 8 + 8) % DEVICE_PAGES
+            eng.backup(src, np.arange(8)).wait()
+            eng.load(np.arange(8), np.arange(16, 24)).wait()
+    finally:
+        stop.set()
+        t.join()
+    assert rounds[0] > 0
+    for c in geom.components:
+        np.testing.assert_array_equal(host.component_view(c)[8:16], mine[c])
+        np.testing.assert_array_equal(_host_pages(host, c, np.arange(8)), data[c][:, src])
+        np.testing.assert_array_equal(dev.read_pages_host(c, np.arange(16, 24)), data[c][:, src])
+
+
+def test_copies_issued_back_to_back_keep_their_order():
+    """No waits between dispatches: backup to host page X then load X gives the new bytes;
+    load X then a backup overwriting X gives the old ones (donation orders after reads)."""
+    geom = GEOMS["mha-bf16-p16"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT, groups=1)
+    data = _fill_device(dev, np.random.default_rng(5))
+    h1 = eng.backup([1, 2], [0, 1])
+    l1 = eng.load([0, 1], [10, 11])         # must see pages 1, 2
+    h2 = eng.backup([3, 4], [0, 1])         # overwrites host 0, 1 after l1 read them
+    l2 = eng.load([0, 1], [12, 13])         # must see pages 3, 4
+    h3 = eng.backup([5], [2])
+    for h in (h1, l1, h2, l2, h3):
+        h.wait()
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, [10, 11]), data[c][:, [1, 2]])
+        np.testing.assert_array_equal(dev.read_pages_host(c, [12, 13]), data[c][:, [3, 4]])
+        np.testing.assert_array_equal(_host_pages(host, c, [0, 1, 2]), data[c][:, [3, 4, 5]])
+
+
+def test_load_lands_group_by_group_and_layer_arrays_are_the_pools():
+    geom = KVGeometry.mha(4, 8, 2, 16, "bfloat16")
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT, groups=3)
+    assert eng.load_groups == [(0, 3), (3, 1)]
+    data = _fill_device(dev, np.random.default_rng(6))
+    eng.backup([1, 2, 3], [4, 5, 6]).wait()
+    h = eng.load([4, 5, 6], [20, 21, 22])
+    for layer in range(geom.num_layers):
+        h.wait_layer(layer)
+        assert h.layer_done(layer)
+        for c in geom.components:
+            arr = dev.buffers[c][layer]
+            assert arr.is_ready()
+            np.testing.assert_array_equal(np.asarray(arr[np.array([20, 21, 22])]).view(geom.container_dtype),
+                                          data[c][layer, [1, 2, 3]])
+    assert h.done()
+
+
+def test_precompile_covers_every_stream_shape():
+    geom = GEOMS["mha-bf16-p16"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST, groups=2)
+    eng.precompile()
+    built, copier_built = eng.stream_executables, eng.copier.compile_count
+    assert built == len(eng.copier.buckets) * (1 + len(eng.load_groups))
+    _fill_device(dev, np.random.default_rng(7))
+    for n in (1, 3, 7, 13, HOST_PAGES):
+        eng.backup(np.arange(n), np.arange(n)).wait()
+        eng.load(np.arange(n), np.arange(DEVICE_PAGES - n, DEVICE_PAGES)).wait()
+    assert (eng.stream_executables, eng.copier.compile_count) == (built, copier_built)
+
+
+def test_an_arena_moved_by_xla_fails_the_backup_instead_of_serving_a_stale_view():
+    """An external reference to the arena array (np.asarray of it) stops XLA from updating it
+    in place; the backup must fail rather than leave the numpy view (the pool) behind."""
+    geom = GEOMS["mha-fp32-p1"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST)
+    _fill_device(dev, np.random.default_rng(8))
+    external = np.asarray(host.buffer_owner.array)  # noqa: F841 - held on purpose
+    h = eng.backup([1], [2])
+    with pytest.raises(TransferError, match="arena"):
+        h.wait()
+
+
+def test_bad_configuration_is_refused_with_what_is_needed():
+    geom = GEOMS["mha-bf16-p16"]
+    dev = JaxDevicePool(geom, DEVICE_PAGES)
+    with pytest.raises(ValueError, match="host_copy"):
+        JaxTransferEngine(dev, HostKVPool(geom, 4), host_copy="dma")
+    with pytest.raises(ValueError, match="pinned host memory"):
+        JaxTransferEngine(dev, HostKVPool(geom, 4), host_copy="xla_stream")
+    assert JaxTransferEngine(dev, HostKVPool(geom, 4)).host_copy == "numpy"
+    host = _pinned_or_skip(geom, HostLayout.PAGE_FIRST)
+    with pytest.raises(ValueError, match="use_host_memory_kind"):
+        JaxTransferEngine(dev, host, host_copy="xla_stream", use_host_memory_kind=False)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="group_layers"):
+            JaxTransferEngine(dev, host, load_group_layers=bad)
+    if len(jax.devices()) >= 2:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+        sharded = JaxDevicePool(geom, DEVICE_PAGES, mesh=mesh)
+        with pytest.raises(ValueError, match="one device"):
+            JaxTransferEngine(sharded, host, host_copy="xla_stream")
+        assert JaxTransferEngine(sharded, host).host_copy == "numpy"
+
+
+def test_layer_groups():
+    assert layer_groups(5, 2) == [(0, 2), (2, 2), (4, 1)]
+    assert layer_groups(3, 8) == [(0, 3)]
+    # 32 KiB per layer-page (page 16, 8 heads x 128, bf16): 8 layers make a 256 KiB run
+    assert default_group_layers(KVGeometry.mha(32, 16, 8, 128, "bfloat16")) == 8
+    assert default_group_layers(KVGeometry.mha(4, 16, 8, 128, "bfloat16")) == 4
+    assert default_group_layers(KVGeometry.mha(32, 64, 8, 128, "bfloat16")) == 2
