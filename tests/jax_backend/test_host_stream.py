@@ -272,3 +272,42 @@ def test_layer_groups():
     assert default_group_layers(KVGeometry.mha(32, 16, 8, 128, "bfloat16")) == 8
     assert default_group_layers(KVGeometry.mha(4, 16, 8, 128, "bfloat16")) == 4
     assert default_group_layers(KVGeometry.mha(32, 64, 8, 128, "bfloat16")) == 2
+
+
+def test_a_runtime_that_cannot_stream_falls_back_to_numpy(monkeypatch, caplog):
+    """Where XLA cannot compile or run the stream copies (an untested GPU runtime), ``auto``
+    falls back to the numpy path with a warning, and still moves the right bytes; an explicit
+    ``xla_stream`` is refused with the reason."""
+    from hicache_jax.backends.jax import host_stream
+
+    def broken_h2d(self, nb, l0, layers):
+        def f(arena, ids, n, staging):
+            raise RuntimeError("host memory space not supported by this compiler")
+        return f
+
+    monkeypatch.setattr(host_stream.StreamPlan, "h2d", broken_h2d)
+    geom = GEOMS["mha-bf16-p16"]
+    with caplog.at_level("WARNING"):
+        dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST)
+    assert eng.host_copy == "numpy" and "not supported by this compiler" in caplog.text
+    data = _fill_device(dev, np.random.default_rng(9))
+    eng.backup([1, 2], [3, 4]).wait()
+    eng.load([3, 4], [10, 11]).wait()
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, [10, 11]), data[c][:, [1, 2]])
+    with pytest.raises(ValueError, match="not supported by this compiler"):
+        _engine(geom, HostLayout.PAGE_FIRST, host_copy="xla_stream")
+
+
+def test_the_probe_sees_a_stream_copy_that_carries_the_wrong_bytes(monkeypatch):
+    from hicache_jax.backends.jax import host_stream
+
+    original = host_stream.StreamPlan.d2h
+
+    def zeroing_d2h(self):
+        f = original(self)
+        return lambda arena, bufs, ids, n: f(arena, tuple(b * 0 for b in bufs), ids, n)
+
+    monkeypatch.setattr(host_stream.StreamPlan, "d2h", zeroing_d2h)
+    with pytest.raises(ValueError, match="does not hold the bytes"):
+        _engine(GEOMS["mha-fp32-p1"], HostLayout.PAGE_FIRST_DIRECT, host_copy="xla_stream")

@@ -204,38 +204,49 @@ class JaxTransferEngine(KVTransferEngine):
             self._stream_exes: dict = {}
             self._staging: dict = {}
             self._device = next(iter(device_pool.sharding.device_set))
-            moved = self._probe_in_place()
-            if moved:
+            failed = self._probe_stream()
+            if failed:
                 if host_copy == "xla_stream":
-                    raise ValueError(f"host_copy: 'xla_stream' needs XLA to update a donated host arena in "
-                                     f"place, but {moved}")
-                log.warning("host copies fall back to numpy (XLA does not update a donated host arena in "
-                            "place here): %s", moved)
+                    raise ValueError(f"host_copy: 'xla_stream' does not work on this runtime: {failed}")
+                log.warning("host copies fall back to numpy (streaming pinned host pages failed on this "
+                            "runtime): %s", failed)
                 self.host_copy = "numpy"
         elif load_group_layers is not None:
             layer_groups(self.geom.num_layers, load_group_layers)  # validated even where unused
 
-    def _probe_in_place(self) -> str:
-        """'' if XLA updates a donated arena in place on this runtime, else what happened.
+    def _probe_stream(self) -> str:
+        """'' if the stream copies work on this runtime, else what went wrong.
 
-        Probed on a one-page arena of the same kind, never on the pool's own: if XLA moved
-        that one, the pool's numpy view would point at freed memory."""
-        probe = PinnedHostArena(self.geom, self.host_pool.layout, 1, self._device)
-        buf = self._plan.staging_shape(1, self.geom.num_layers)
-        bufs = tuple(jax.device_put(np.ones(buf, self.device_pool.dtype), self._device) for _ in self.geom.components)
-        dev = jax.sharding.SingleDeviceSharding(self._device)
-        fn = jax.jit(self._plan.d2h(), donate_argnums=(0,), in_shardings=(probe.sharding, (dev,) * len(bufs), dev, dev),
-                     out_shardings=(probe.sharding, dev))
-        ids, n = self._pad_ids(np.zeros(1, np.int32), 1)
-        new, token = fn(probe.array, bufs, ids, n)
-        probe.install(new, check_address=False)
-        token.block_until_ready()
+        Compiles and runs one D2H and one H2D on a one-page arena of the same kind (never on the
+        pool's own: had XLA moved the pool's arena, its numpy view would point at freed memory):
+        XLA must update the donated arena in place and both directions must carry the bytes."""
         try:
+            probe = PinnedHostArena(self.geom, self.host_pool.layout, 1, self._device)
+            shape = self._plan.staging_shape(1, self.geom.num_layers)
+            pattern = np.arange(int(np.prod(shape)), dtype=np.uint32).reshape(shape) % 61 + 1
+            pattern = pattern.astype(np.float32).astype(self.device_pool.dtype)
+            bufs = tuple(jax.device_put(pattern, self._device) for _ in self.geom.components)
+            dev = jax.sharding.SingleDeviceSharding(self._device)
+            d2h = jax.jit(self._plan.d2h(), donate_argnums=(0,),
+                          in_shardings=(probe.sharding, (dev,) * len(bufs), dev, dev), out_shardings=(probe.sharding, dev))
+            ids, n = self._pad_ids(np.zeros(1, np.int32), 1)
+            new, token = d2h(probe.array, bufs, ids, n)
+            probe.install(new, check_address=False)
+            token.block_until_ready()
             probe.check(new)
+            pages = probe.view.view(self.device_pool.dtype).reshape(probe.shape)  # (C, page-major of 1 page)
+            if not all((page == pattern).all() for page in pages):
+                return "a probe page written by the D2H copy does not hold the bytes sent"
+            h2d = jax.jit(self._plan.h2d(1, 0, self.geom.num_layers), donate_argnums=(3,),
+                          in_shardings=(probe.sharding, dev, dev, (dev,) * len(bufs)), out_shardings=(dev,) * len(bufs))
+            zeros = tuple(jax.device_put(np.zeros(shape, self.device_pool.dtype), self._device) for _ in bufs)
+            back = h2d(probe.array, ids, n, zeros)
+            if not all((np.asarray(b) == pattern).all() for b in back):
+                return "a probe page read by the H2D copy does not hold the host page's bytes"
         except HostArenaMovedError as e:
             return str(e)
-        if not (probe.view.view(self.device_pool.dtype).astype(np.float32) == 1).all():
-            return "the probe's host page did not receive the bytes written to it"
+        except Exception as e:  # noqa: BLE001 - a runtime that cannot compile or run host streaming
+            return f"{type(e).__name__}: {e}"
         return ""
 
     @property
