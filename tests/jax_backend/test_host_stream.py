@@ -311,3 +311,40 @@ def test_the_probe_sees_a_stream_copy_that_carries_the_wrong_bytes(monkeypatch):
     monkeypatch.setattr(host_stream.StreamPlan, "d2h", zeroing_d2h)
     with pytest.raises(ValueError, match="does not hold the bytes"):
         _engine(GEOMS["mha-fp32-p1"], HostLayout.PAGE_FIRST_DIRECT, host_copy="xla_stream")
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="no CUDA GPU visible to JAX")
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("name", ["mha-bf16-p16", "mla-fp8-p16"])
+def test_gpu_streams_pinned_pages_byte_exact(name, layout, monkeypatch):
+    """On a GPU the stream path must be the one chosen (the probe passed: XLA compiled the host
+    streaming and kept the donated arena in place), move the right bytes both ways, and make
+    no host-side copy. A failure names the probe's reason."""
+    geom = GEOMS[name]
+    dev_ = _gpus()[0]
+    dev = JaxDevicePool(geom, DEVICE_PAGES, device=dev_)
+    host = pinned_host_pool(geom, HOST_PAGES, layout, device=dev_)
+    assert host.memory_kind == "pinned_host"
+    eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), host_copy="xla_stream",
+                            load_group_layers=1)
+    for name_ in ("read_pages", "write_pages", "write_pages_unchecked", "read_layer", "read_layer_unchecked"):
+        monkeypatch.setattr(host, name_, lambda *a, _n=name_, **k: pytest.fail(f"host-side copy through {_n}"))
+    rng = np.random.default_rng(10)
+    data = _fill_device(dev, rng)
+    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
+    eng.backup(src, hst).wait()
+    for c in geom.components:
+        np.testing.assert_array_equal(_host_pages(host, c, hst), data[c][:, src])
+    eng.load(hst, dst).wait()
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
+        rest = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
+        np.testing.assert_array_equal(dev.read_pages_host(c, rest), data[c][:, rest])
