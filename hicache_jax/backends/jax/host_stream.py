@@ -75,8 +75,12 @@ class PinnedHostArena:
         self.shape = (len(geom.components),) + page_major_shape(geom, self.layout, num_pages)
         self.dtype = jnp.dtype(geom.numpy_dtype())
         shape, dtype = self.shape, self.dtype
-        # device_put to the host space inside jit: the array's type then carries the host memory
-        # space, which executables taking it as a parameter need (out_shardings alone does not).
+        # Zeros moved to the host space inside jit: the array's type then carries the host
+        # memory space, which executables taking it as a parameter need, and XLA owns the buffer
+        # (a device_put from numpy sometimes came back as a buffer XLA would not donate in place,
+        # seen on the CPU). XLA's host offloader is expected to create a zero broadcast moved to
+        # the host directly in host memory; whether a GPU build stages it in device memory first
+        # (a problem for pools larger than the device) is to check on a GPU (scripts/gpu_check.sh).
         to_host = _space("host")
         self._array = jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), to_host),
                               out_shardings=self.sharding)()
