@@ -191,9 +191,10 @@ class _Entry:
         return len(next(iter(self.digests.values())))
 
     def trim(self, k: int) -> None:
-        """The node was split: keep the digests of its last ``k`` pages (in place)."""
+        """The node was split: keep the digests of its last ``k`` pages (in place), in every pool."""
+        n = len(self)  # read once: it is the first pool's length, which the loop changes
         for pool in self.digests:
-            self.digests[pool] = self.digests[pool][len(self) - k:]
+            self.digests[pool] = self.digests[pool][n - k:]
 
 
 class _BackupJob:

@@ -802,3 +802,39 @@ def test_storage_metrics_are_exported(backend_factory):
     assert cache.stats()["storage_read_hit_pages"] == 6
     assert get("hc_in_flight_operations", {"operation": "prefetch"}) == 0
     ctl.close()
+
+
+def test_a_split_trims_every_pool_so_storage_hits_continue_after_it():
+    """A node split in the tree trims the L3 digests of every pool the same way. With only the
+    first pool trimmed, a prefetch anchored at the split's lower half chained the draft pool's
+    keys from the wrong page, found no draft pages, and lost the storage hit (tokens stayed
+    right: the prefix was silently recomputed)."""
+    target = numpy_backend_factory(small_geom(2, "mha", layers=2), 32, 64, "page_first", False)
+    draft_be = numpy_backend_factory(small_geom(2, "mla", layers=1), 32, 64, "layer_first", False)
+    draft_engine = NumpyTransferEngine(draft_be.device, draft_be.host)
+    draft = Backend(draft_be.geom, draft_be.device, draft_be.host, draft_engine)
+    cache = HiRadixCache(HiCacheConfig(page_size=2, storage=scfg()), target.engine, target.device.allocator,
+                         sidecars={"draft": draft_engine})
+    ctl = StorageController(cache, model="m")
+    t_oracle, d_oracle = KVOracle(target), KVOracle(draft)
+
+    def put(k):
+        pages = cache.alloc_device(len(k) // 2)
+        t_oracle.write(k, pages)
+        d_oracle.write(k, pages)
+        cache.insert(k, pages)
+        cache.flush()
+        ctl.flush()
+
+    put(seq(0, 24))   # node A0: pages 0..11
+    put(seq(0, 40))   # its child: pages 12..19; everything backed up to storage
+    cache.evict(cache.evictable_tokens)  # device emptied: both nodes host-only
+    cache.evict_host(16)                 # the child leaves the host: pages 12..19 only in storage
+    assert cache.host_tokens == 24
+    put(RadixKey(np.concatenate([np.arange(8), np.arange(500, 508)]).astype(np.int64)))  # splits A0 at page 4
+    cache.evict(cache.evictable_tokens)
+    cache.sanity_check(0)
+    key = RadixKey(np.concatenate([np.arange(36), np.arange(900, 904)]).astype(np.int64))
+    req = fetch_and_check(cache, ctl, t_oracle, key, expect_storage=12)  # pages 12..17 from storage
+    d_oracle.check_device(RadixKey(key.token_ids[:36]), req.device_pages[:18])
+    ctl.close()
