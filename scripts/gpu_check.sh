@@ -4,9 +4,12 @@
 #
 # Steps (STEPS selects; each runs even if an earlier one failed; its rc and time are printed):
 #   versions   python, jax / jaxlib / flax / orbax / tensorstore, devices, nvidia-smi
-#   pytest     pytest -m gpu over tests and pallas_kernels (compiled kernels, GPU engine tests)
-#   transfer   hicache-jax bench transfer --page-sizes 16 64 --page-counts 256 1024 (with the
-#              xla / mgpu / Triton comparison, on by default on a GPU)
+#   pytest     pytest -m gpu over tests and pallas_kernels (compiled kernels, GPU engine tests;
+#              -v and --durations: a step cut by its timeout still shows what passed)
+#   transfer   hicache-jax bench transfer --page-sizes 16 64 --page-counts 256 1024, the engine's
+#              host layout (page_first) only, 3 reps: the 64 x 1024 case moves 2 GiB per copy and
+#              fills 4 GiB of random KV first. COMPARE_IMPLS=1 adds the xla / mgpu / Triton
+#              comparison (a kernel compile per shape: about a minute more)
 #   ttft       hicache-jax bench ttft on the GPU preset (llama3-8b-shape, 8 layers, bf16 KV):
 #              2048-token prompts, 5 rounds, max batch 4, L3 file
 #   multiturn  hicache-jax bench multiturn on the GPU preset, L3 file
@@ -38,15 +41,18 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hi
 
 # Per-step time caps (s; CAP_<STEP> overrides). The five always-run steps' caps sum to < BUDGET_S
 # (455 of 470 s); determ gets what they leave. A step starts only with >= 10 s left.
-CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-180} CAP_TRANSFER=${CAP_TRANSFER:-45}
-CAP_TTFT=${CAP_TTFT:-100} CAP_MULTITURN=${CAP_MULTITURN:-100} CAP_DETERM=${CAP_DETERM:-100}
+# On the H200 (REFERENCE figures): pallas_kernels -m gpu 160 s, an engine compile of the
+# 8-layer preset under a minute.
+CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-170} CAP_TRANSFER=${CAP_TRANSFER:-75}
+CAP_TTFT=${CAP_TTFT:-90} CAP_MULTITURN=${CAP_MULTITURN:-90} CAP_DETERM=${CAP_DETERM:-90}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
 if [ "$QUICK" = 1 ]; then
   Q=(--quick) TRANSFER=(--quick) TTFT=() MULTITURN=()
 else
-  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 256 1024)
+  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 256 1024 --layouts page_first --reps 3)
+  [ "${COMPARE_IMPLS:-0}" = 1 ] || TRANSFER+=(--no-compare-impls)
   TTFT=(--prompt-len 2048 --reps 5 --max-batch 4) MULTITURN=()
 fi
 
@@ -110,7 +116,8 @@ print('backend', jax.default_backend(), [d.device_kind for d in jax.devices()])
   fi
 fi
 if want pytest; then
-  step pytest $CAP_PYTEST "$PY" -m pytest tests pallas_kernels -m gpu -q -rA -p no:cacheprovider
+  step pytest $CAP_PYTEST "$PY" -m pytest tests pallas_kernels -m gpu -v -rA --durations=10 -p no:cacheprovider \
+    --continue-on-collection-errors
 fi
 if want transfer; then
   step transfer $CAP_TRANSFER "${BENCH[@]}" transfer "${TRANSFER[@]}" --out "$WORK/transfer.json"
