@@ -155,7 +155,13 @@ fi
     [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
   done
   [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"
-  [ -f "$WORK/pytest.out" ] && echo "pytest -m gpu: $(grep -E '[0-9]+ (passed|failed|skipped|deselected|error)' "$WORK/pytest.out" | tail -n 1)"
+  if [ -f "$WORK/pytest.out" ]; then  # the tally line, or (a run cut by its timeout) the -v lines so far
+    tally=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' "$WORK/pytest.out" | tail -n 1)
+    [ -n "$tally" ] || tally="no tally; -v lines so far: $(grep -c ' PASSED' "$WORK/pytest.out") passed, \
+$(grep -c ' FAILED' "$WORK/pytest.out") failed, $(grep -c ' SKIPPED' "$WORK/pytest.out") skipped"
+    echo "pytest -m gpu: $tally"
+    grep -E '^(FAILED|ERROR) ' "$WORK/pytest.out" | head -n 20 | sed 's/^/  /'
+  fi
   "$PY" - "$WORK" <<'EOF'
 import json, os, sys
 

@@ -537,8 +537,8 @@ def _ttft(args, progress: Progress) -> dict:
              med[k] * 1e3, _pct([r.ttft_s for r in v], 25) * 1e3, _pct([r.ttft_s for r in v], 75) * 1e3,
              min(r.ttft_s for r in v) * 1e3, med[k] / med["cold"]] for k, v in results.items()]
     print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, {args.reps} rounds, "
-                f"{describe(args)}{bench_goals.size_label(_not_comparable_because(args))}", ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75",
-                                      "min", "x cold"], rows)
+                f"{describe(args)}{bench_goals.size_label(_not_comparable_because(args))}",
+                ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75", "min", "x cold"], rows)
     ordered = all(med[a] < med[b] for a, b in zip(order, order[1:]))
     print(f"ordering {' < '.join(order)}: medians {'in' if ordered else 'NOT in'} that order; "
           f"held within {held}/{args.reps} rounds")
@@ -669,8 +669,8 @@ def restart(args) -> dict:
         for phase in ("write", "read"):
             part = args.out.rsplit(".", 1)[0] + f".{phase}.json"
             cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part]
-            for k in ("model", "layers", "attention", "page_size", "device_pages", "host_ratio", "write_policy", "max_batch",
-                      "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
+            for k in ("model", "layers", "attention", "page_size", "device_pages", "host_ratio", "write_policy",
+                      "max_batch", "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
                       "prompt_len", "answer_len", "worker_nice", "mooncake_master", "mooncake_metadata",
                       "mooncake_segment_bytes"):
                 if getattr(args, k) is not None:

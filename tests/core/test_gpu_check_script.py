@@ -76,11 +76,12 @@ def test_a_step_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\nif [ \"$1\" = - ]; then exec {sys.executable} \"$@\"; fi\nsleep 60\n")
     fake.chmod(0o755)
-    r = _run(tmp_path, PYTHON=fake, STEPS="versions transfer", CAP_VERSIONS=10, CAP_TRANSFER=10)
+    r = _run(tmp_path, PYTHON=fake, STEPS="pytest transfer", CAP_PYTEST=10, CAP_TRANSFER=10)
     assert r.returncode == 0, r.stderr
-    assert "===== versions: rc=124 (TIMED OUT after 10s)" in r.stdout, r.stdout
+    assert "===== pytest: rc=124 (TIMED OUT after 10s)" in r.stdout, r.stdout
     assert "===== transfer: rc=124 (TIMED OUT after 10s)" in r.stdout
-    assert "step versions: rc=124" in r.stdout and "transfer.json: no result" in r.stdout
+    assert "step pytest: rc=124" in r.stdout and "transfer.json: no result" in r.stdout
+    assert "pytest -m gpu: no tally; -v lines so far: 0 passed, 0 failed, 0 skipped" in r.stdout
     assert _files(tmp_path / "out") == ["gpu_check.log", "summary.txt"]
 
 
