@@ -397,7 +397,6 @@ def _multiturn(args, progress: Progress) -> dict:
     print(f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
           f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
           f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
-    goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
     swa_vs_full = None
     if "hicache, SWA as full" in summaries:
         as_full = summaries["hicache, SWA as full"]
@@ -410,14 +409,16 @@ def _multiturn(args, progress: Progress) -> dict:
               f"throughput x{swa_vs_full['input_throughput']:.2f}")
     if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none":
         print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
+    goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
     sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
                    f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
     png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached,
                                note=bench_goals.plot_note(verdict))
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-           "hicache": cached, "ratios_vs_no_cache": ratios, "goals": goals, "verdict": verdict, "same_tokens": same,
+           "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
            "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(), "cache_stats": stats,
            "plot": png}
+    out["goals"], out["verdict"] = goals, verdict
     if swa_vs_full is not None:
         out["swa_as_full"] = summaries["hicache, SWA as full"]
         out["hybrid_vs_swa_as_full"] = swa_vs_full
