@@ -1,41 +1,228 @@
 #!/usr/bin/env bash
-# GPU checks for the page-copy kernels (Mosaic GPU and Triton) on a CUDA machine.
+# The project's checks on one CUDA GPU: within 8 minutes (BUDGET_S, default 470 s, a hard
+# `timeout` on every step) and with at most 8 result files in $OUT.
 #
-# Runs, logging each step under $OUT (default ./gpu_check_out):
-#   1. versions (jax, jaxlib, device kind, nvidia-smi);
-#   2. the gpu-marked kernel tests (pytest -m gpu pallas_kernels), junit XML beside the log;
-#   3. the implementation comparison (xla / mgpu / Triton gpu: gather and scatter GB/s with the
-#      ratio to a raw device copy of the same bytes), JSON lines;
-#   4. `hicache-jax bench transfer` with the Mosaic GPU kernels (--quick unless FULL=1).
-# Usage: scripts/gpu_check.sh   (PYTHON=... to pick the interpreter; STEPS="1 2 3 4" to select)
+# Steps (STEPS selects; each runs even if an earlier one failed; its rc and time are printed):
+#   versions   python, jax / jaxlib / flax / orbax / tensorstore, devices, nvidia-smi
+#   pytest     pytest -m gpu over tests and pallas_kernels (compiled kernels, GPU engine tests;
+#              -v and --durations: a step cut by its timeout still shows what passed)
+#   transfer   hicache-jax bench transfer --page-sizes 16 64 --page-counts 256 1024, the engine's
+#              host layout (page_first) only, 3 reps: the 64 x 1024 case moves 2 GiB per copy and
+#              fills 4 GiB of random KV first. COMPARE_IMPLS=1 adds the xla / mgpu / Triton
+#              comparison (a kernel compile per shape: about a minute more)
+#   ttft       hicache-jax bench ttft on the GPU preset (llama3-8b-shape, 8 layers, bf16 KV):
+#              2048-token prompts, 5 rounds, max batch 4, L3 file
+#   multiturn  hicache-jax bench multiturn on the GPU preset, L3 file
+#   determ     the same with --deterministic, when `bench multiturn --help` lists it
+# then a compact summary (every goal and verdict line, the transfer GB/s, the token checks).
+# L3 is the file backend: the GPU image's orbax-checkpoint (0.12.4) disables the orbax L3.
+#
+# $OUT (default ./gpu_check_out) receives: gpu_check.log (every step's full output), summary.txt
+# (the summary, also printed), transfer.json, ttft.json, ttft.png, multiturn.json, multiturn.png,
+# multiturn_deterministic.json. Other outputs stay in a scratch directory, removed at the end.
+#
+# Environment: PYTHON (default python3; nothing is installed: PYTHONPATH=. runs the tree),
+# STEPS (default "versions pytest transfer ttft multiturn determ"), BUDGET_S, LAYERS (the preset's
+# layer count; default its own, 8), QUICK=1 (a CPU-sized smoke run: --quick everywhere, so the tiny
+# preset of the same kind; pytest -m gpu then skips everything), DRY_RUN=1 (print each step's
+# command and the files it keeps; run nothing, write nothing).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"1 2 3 4"}
-mkdir -p "$OUT"
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ"}
+BUDGET_S=${BUDGET_S:-470}
+LAYERS=${LAYERS:-}
+QUICK=${QUICK:-0}
+DRY_RUN=${DRY_RUN:-0}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
-if step 1; then
-  { $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())
-print([d.device_kind for d in jax.devices()])
-from jax.experimental.pallas import mosaic_gpu as plgpu
-print('new_ref', hasattr(jax, 'new_ref'), 'freeze', hasattr(jax, 'freeze'), 'kernel_name', 'kernel_name' in plgpu.Mesh.__dataclass_fields__)"; nvidia-smi || true; } > "$OUT/versions.txt" 2>&1
-  cat "$OUT/versions.txt"
+# Compiled programs persist across the steps' processes (the deterministic run reuses multiturn's).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hicache-gpu-check-jax-cache}
+
+# Per-step time caps (s; CAP_<STEP> overrides). The five always-run steps' caps sum to < BUDGET_S
+# (455 of 470 s); determ gets what they leave. A step starts only with >= 10 s left.
+# On the H200 (REFERENCE figures): pallas_kernels -m gpu 160 s, an engine compile of the
+# 8-layer preset under a minute.
+CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-170} CAP_TRANSFER=${CAP_TRANSFER:-75}
+CAP_TTFT=${CAP_TTFT:-90} CAP_MULTITURN=${CAP_MULTITURN:-90} CAP_DETERM=${CAP_DETERM:-90}
+
+BENCH=("$PY" -m hicache_jax.cli bench)
+MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
+if [ "$QUICK" = 1 ]; then
+  Q=(--quick) TRANSFER=(--quick) TTFT=() MULTITURN=()
+else
+  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 256 1024 --layouts page_first --reps 3)
+  [ "${COMPARE_IMPLS:-0}" = 1 ] || TRANSFER+=(--no-compare-impls)
+  TTFT=(--prompt-len 2048 --reps 5 --max-batch 4) MULTITURN=()
 fi
-if step 2; then
-  timeout ${T_TEST:-280} $PY -m pytest pallas_kernels -m gpu -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
-    > "$OUT/pytest_gpu.log" 2>&1
-  echo "pytest -m gpu: rc=$?"; tail -25 "$OUT/pytest_gpu.log"
+
+if [ "$DRY_RUN" != 1 ]; then
+  mkdir -p "$OUT"
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/hicache-gpu-check.XXXXXX")
+  trap 'rm -rf "$WORK"' EXIT
+  : > "$OUT/gpu_check.log"
+else
+  WORK=/scratch
 fi
-if step 3; then
-  timeout ${T_COMPARE:-200} $PY -m pallas_kernels.page_copy.bench_page_copy --impls xla mgpu gpu --page-sizes 1 16 64 \
-    --page-counts 16 256 1024 --reps 5 > "$OUT/compare_impls.jsonl" 2> "$OUT/compare_impls.err"
-  echo "compare impls: rc=$?"; cat "$OUT/compare_impls.jsonl"; tail -5 "$OUT/compare_impls.err"
+declare -A RC=()
+KEPT=()
+
+want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+
+keep() {  # keep <file in WORK> <name in OUT>: the result files that come back
+  KEPT+=("$2")
+  [ "$DRY_RUN" = 1 ] || { [ -f "$WORK/$1" ] && cp "$WORK/$1" "$OUT/$2"; }
+}
+
+step() {  # step <name> <cap s> <command...>: run under a hard timeout, log it all, print rc and time
+  local name=$1 cap=$2; shift 2
+  local left=$((BUDGET_S - SECONDS - 5)) t rc start=$SECONDS
+  t=$((left < cap ? left : cap))
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "[$name] timeout ${cap}s: $*"; RC[$name]=dry; return 0
+  fi
+  if [ "$t" -lt 10 ]; then
+    echo "[$name] SKIPPED: $((BUDGET_S - SECONDS)) s left of the ${BUDGET_S} s budget" | tee -a "$OUT/gpu_check.log"
+    RC[$name]=skipped; return 0
+  fi
+  { echo; echo "===== $name (timeout ${t}s): $*"; } >> "$OUT/gpu_check.log"
+  timeout -k 5 "$t" "$@" > "$WORK/$name.out" 2>&1
+  rc=$?
+  cat "$WORK/$name.out" >> "$OUT/gpu_check.log"
+  RC[$name]=$rc
+  local why=""; [ "$rc" = 124 ] || [ "$rc" = 137 ] && why=" (TIMED OUT after ${t}s)"
+  echo "===== $name: rc=$rc$why in $((SECONDS - start)) s" | tee -a "$OUT/gpu_check.log"
+  if [ "$rc" != 0 ]; then tail -n 15 "$WORK/$name.out" | sed "s/^/  [$name] /"; fi
+}
+
+if want versions; then
+  step versions $CAP_VERSIONS "$PY" -c "
+import importlib, platform, sys
+print('python', platform.python_version(), sys.executable)
+for m in ('jax', 'jaxlib', 'flax', 'orbax.checkpoint', 'tensorstore', 'numpy', 'matplotlib', 'google_crc32c'):
+    try:
+        print(m, getattr(importlib.import_module(m), '__version__', '?'))
+    except ImportError as e:
+        print(m, 'MISSING', e)
+import jax
+print('backend', jax.default_backend(), [d.device_kind for d in jax.devices()])
+"
+  if [ "$DRY_RUN" != 1 ] && [ "${RC[versions]}" != skipped ]; then
+    if command -v nvidia-smi > /dev/null; then
+      timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$WORK/versions.out" 2>&1
+    else
+      echo "nvidia-smi: not found" >> "$WORK/versions.out"
+    fi
+  fi
 fi
-if step 4; then
-  Q=--quick; [ "${FULL:-0}" = 1 ] && Q=
-  timeout ${T_BENCH:-100} $PY -m hicache_jax.cli bench transfer $Q --impl mgpu --out "$OUT/transfer_mgpu.json" \
-    > "$OUT/bench_transfer.log" 2>&1
-  echo "bench transfer: rc=$?"; tail -30 "$OUT/bench_transfer.log"
+if want pytest; then
+  step pytest $CAP_PYTEST "$PY" -m pytest tests pallas_kernels -m gpu -v -rA --durations=10 -p no:cacheprovider \
+    --continue-on-collection-errors
 fi
+if want transfer; then
+  step transfer $CAP_TRANSFER "${BENCH[@]}" transfer "${TRANSFER[@]}" --out "$WORK/transfer.json"
+  keep transfer.json transfer.json
+fi
+if want ttft; then
+  step ttft $CAP_TTFT "${BENCH[@]}" ttft "${MODEL[@]}" "${Q[@]}" "${TTFT[@]}" --storage-backend file \
+    --out "$WORK/ttft.json"
+  keep ttft.json ttft.json; keep ttft.png ttft.png
+fi
+if want multiturn; then
+  step multiturn $CAP_MULTITURN "${BENCH[@]}" multiturn "${MODEL[@]}" "${Q[@]}" "${MULTITURN[@]}" \
+    --storage-backend file --out "$WORK/multiturn.json"
+  keep multiturn.json multiturn.json; keep multiturn.png multiturn.png
+fi
+if want determ; then
+  if [ "$DRY_RUN" = 1 ] || "${BENCH[@]}" multiturn --help 2>/dev/null | grep -q -- "--deterministic"; then
+    step determ $CAP_DETERM "${BENCH[@]}" multiturn "${MODEL[@]}" "${Q[@]}" "${MULTITURN[@]}" --deterministic \
+      --storage-backend file --out "$WORK/determ.json"
+    keep determ.json multiturn_deterministic.json  # its PNG stays in the scratch directory (8 files)
+  else
+    echo "[determ] skipped: bench multiturn --help lists no --deterministic"; RC[determ]=absent
+  fi
+fi
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "files kept in \$OUT: gpu_check.log summary.txt ${KEPT[*]}"
+  exit 0
+fi
+
+# ---- the summary: rc per step, the pytest tally, then what each result file says ----------------
+{
+  echo "===== summary ($(date -u +%FT%TZ), ${SECONDS} s of the ${BUDGET_S} s budget)"
+  for s in versions pytest transfer ttft multiturn determ; do
+    [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
+  done
+  [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"
+  if [ -f "$WORK/pytest.out" ]; then  # the tally line, or (a run cut by its timeout) the -v lines so far
+    tally=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' "$WORK/pytest.out" | tail -n 1)
+    [ -n "$tally" ] || tally="no tally; -v lines so far: $(grep -c ' PASSED' "$WORK/pytest.out") passed, \
+$(grep -c ' FAILED' "$WORK/pytest.out") failed, $(grep -c ' SKIPPED' "$WORK/pytest.out") skipped"
+    echo "pytest -m gpu: $tally"
+    grep -E '^(FAILED|ERROR) ' "$WORK/pytest.out" | head -n 20 | sed 's/^/  /'
+  fi
+  "$PY" - "$WORK" <<'EOF'
+import json, os, sys
+
+work = sys.argv[1]
+
+
+def load(name):
+    path = os.path.join(work, name)
+    if not os.path.exists(path):
+        print(f"{name}: no result")
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def verdict(name, p):
+    for g in p.get("goals") or []:
+        value = g["shown"] or ("N/A" if g["value"] is None else f"{g['value']:.3f}")
+        would = f" (would be {'met' if g['would_meet'] else 'missed'})" if g["status"] == "not comparable" else ""
+        print(f"  goal {g['name']}: {value} (goal {g['op']} {g['threshold']:g}): {g['status']}{would}")
+    if p.get("verdict"):
+        print(f"  verdict: {p['verdict']['text']}")
+
+
+p = load("transfer.json")
+if p:
+    print(f"transfer ({p.get('copy_impl')}, host {p.get('host_pool_memory')}; GB/s, x = vs raw copy):")
+    for r in p["results"]:
+        print(f"  page {r['page_size']:>3} x {r['pages']:>5} {r['layout']:<12} gather {r['gather_gbps']:8.1f} "
+              f"(x{r['gather_vs_raw']:.2f}) scatter {r['scatter_gbps']:8.1f} (x{r['scatter_vs_raw']:.2f}) "
+              f"D2H {r['d2h_gbps']:6.2f} (x{r['d2h_vs_raw']:.2f}) H2D {r['h2d_gbps']:6.2f} (x{r['h2d_vs_raw']:.2f})")
+    for r in p.get("impl_comparison") or []:
+        cell = lambda k: f"{r[k]:8.1f} (x{r[k.replace('_gbps', '_vs_raw')]:.2f})" if k in r else "       -"
+        print(f"  impl {r['impl']:<4} page {r['page_size']:>3} x {r['pages']:>5} {r['order']:<12} gather "
+              f"{cell('gather_gbps')} scatter {cell('scatter_gbps')} {r.get('error', '')}")
+p = load("ttft.json")
+if p:
+    med, ratio = p["median_ttft_s"], p["ratios_vs_cold"]
+    print(f"ttft (model {p['config']['model']}): " + ", ".join(
+        f"{k} {med[k] * 1e3:.1f} ms (x{ratio[k]:.3f})" for k in med) +
+        f"; ordered in {p['ordering']['held_rounds']}/{p['ordering']['rounds']} rounds; "
+        f"decode x{p['decode']['ratio'] if p['decode']['ratio'] is None else round(p['decode']['ratio'], 3)}")
+    verdict("ttft", p)
+for name in ("multiturn.json", "determ.json"):
+    if name == "determ.json" and not os.path.exists(os.path.join(work, name)):
+        continue  # not run (no --deterministic, or not selected): its rc line says which
+    p = load(name)
+    if p:
+        r, h = p["ratios_vs_no_cache"], p["hicache"]
+        extra = {k: v for k, v in p.items() if "diverg" in k or "determin" in k}
+        print(f"{name[:-5]} (model {p['config']['model']}): TTFT mean x{r['ttft_mean']:.3f}, input throughput "
+              f"x{r['input_throughput']:.2f}, hit rate {h['cache_hit_rate']:.3f} (L1 "
+              f"{h['hit_rate_by_tier']['device']:.3f}, L2 {h['hit_rate_by_tier']['host']:.3f}, L3 "
+              f"{h['hit_rate_by_tier']['storage']:.3f}), same tokens: {p['same_tokens']}"
+              + (f", {json.dumps(extra)[:400]}" if extra else ""))
+        verdict(name, p)
+EOF
+} > "$WORK/summary.txt" 2>&1
+cat "$WORK/summary.txt" >> "$OUT/gpu_check.log"
+cp "$WORK/summary.txt" "$OUT/summary.txt"
+cat "$WORK/summary.txt"
+n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+echo "result files in $OUT: $n (at most 8 come back)"
+[ "$n" -le 8 ] || echo "WARNING: more than 8 files in $OUT (left from an earlier run?)"

@@ -14,9 +14,13 @@ from ..storage.config import BACKENDS, PREFETCH_POLICIES
 from ..workers import DEFAULT_WORKER_NICE
 from .report import results_path
 
-MODEL_PRESET_NAMES = ("tiny", "bench", "hybrid-tiny", "hybrid")  # hicache_jax.bench.serving.MODEL_PRESETS
+# hicache_jax.bench.serving.MODEL_PRESETS (a test keeps them equal).
+MODEL_PRESET_NAMES = ("tiny", "bench", "hybrid-tiny", "hybrid", "llama3-8b-shape", "llama3-8b-shape-tiny")
+# ``--model``'s default: resolved when the benchmark runs (serving.resolve_model: the backend is
+# known only once JAX is imported): GPU_MODEL on a GPU or TPU, CPU_MODEL on a CPU.
+AUTO_MODEL, GPU_MODEL, CPU_MODEL = "auto", "llama3-8b-shape", "bench"
 # ``--quick`` with a full-size preset given on the command line takes its tiny shape of the same kind.
-QUICK_MODEL = {"hybrid": "hybrid-tiny"}
+QUICK_MODEL = {"bench": "tiny", "hybrid": "hybrid-tiny", "llama3-8b-shape": "llama3-8b-shape-tiny"}
 # pallas_kernels.page_copy's implementations (its dispatcher's IMPLS; a test keeps them equal).
 COPY_IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
 
@@ -45,15 +49,29 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
         args.model = QUICK_MODEL[args.model]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, host_ratio: float = 4.0,
             max_batch: int = 8) -> None:
     """Options every serving benchmark shares (the reference model and engine, the cache, L3)."""
     p.add_argument("--quick", action="store_true", help="small sizes (seconds to a minute), for a first look or CI")
     p.add_argument("--out", default=results_path(name),
                    help="JSON result (the PNG goes beside it); relative paths are under the current directory")
-    p.add_argument("--model", choices=MODEL_PRESET_NAMES, default="bench",
-                   help="reference model preset (hybrid: sliding-window layers in an SWA pool; --quick makes it "
-                        "hybrid-tiny)")
+    p.add_argument("--model", choices=(AUTO_MODEL, *MODEL_PRESET_NAMES), default=AUTO_MODEL,
+                   help=f"reference model preset ({AUTO_MODEL}: {GPU_MODEL} on a GPU or TPU, {CPU_MODEL} on a CPU; "
+                        f"{GPU_MODEL}: Llama-3-8B's layer shape with bf16 KV; hybrid: sliding-window layers in an "
+                        f"SWA pool; --quick takes the tiny preset of the same kind: "
+                        + ", ".join(f"{k} -> {v}" for k, v in QUICK_MODEL.items()) + f", {AUTO_MODEL} -> tiny)")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help=f"layers of the model preset (default: the preset's; {GPU_MODEL}: 8)")
     p.add_argument("--attention", choices=["mha", "mla"], default="mha", help="per-head K/V or an MLA-style latent")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=int, default=device_pages, help="L1 (device) pool size in pages")

@@ -1,6 +1,7 @@
 """The benchmarks' PNGs (matplotlib, optional: without it no PNG is drawn and the JSON says so).
 
-Every figure: one title (what it shows), the configuration as the subtitle, TTFT on a log
+Every figure: one title (what it shows), the goals' verdict under it where the benchmark has
+goals (``goals.plot_note``), the configuration as the subtitle, TTFT on a log
 axis (cached and cold requests differ by orders of magnitude), and the no-cache baseline
 beside the cached run.
 """
@@ -8,6 +9,7 @@ beside the cached run.
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Sequence
 
 import numpy as np
@@ -27,12 +29,25 @@ def _plt():
         return None
 
 
-def _save(fig, plt, path: str, title: str, subtitle: str) -> str:
+def _save(fig, plt, path: str, title: str, subtitle: str, note: str | None = None) -> str:
+    """Title, subtitle and, when given, ``note`` (the goals' verdict) in red between them. The
+    PNG's text chunks carry the title (``Title``) and the note (``Verdict``), so a reader (or a
+    test) sees the statement without looking at pixels."""
     fig.suptitle(title, fontsize=13, fontweight="bold", y=0.995)
-    fig.text(0.5, 0.935, subtitle, ha="center", va="top", fontsize=8.5, color="#444444", wrap=True)
-    fig.tight_layout(rect=(0, 0, 1, 0.88))
+    top = 0.935
+    if note:
+        height = fig.get_figheight()
+        lines = textwrap.wrap(note, width=int(fig.get_figwidth() * 12))  # ~12 bold 9-pt characters per inch
+        fig.text(0.5, 0.945, "\n".join(lines), ha="center", va="top", fontsize=9, fontweight="bold",
+                 color="#c00000")
+        top = 0.935 - len(lines) * 0.16 / height  # one 9-pt line is ~0.16 in
+    fig.text(0.5, top, subtitle, ha="center", va="top", fontsize=8.5, color="#444444", wrap=True)
+    fig.tight_layout(rect=(0, 0, 1, top - 0.055))
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
+    metadata = {"Title": title, "Description": subtitle}
+    if note:
+        metadata["Verdict"] = note
+    fig.savefig(path, dpi=110, metadata=metadata)
     plt.close(fig)
     return os.path.abspath(path)
 
@@ -61,20 +76,23 @@ def _boxes(ax, groups: Sequence[tuple[str, Sequence[float]]], ylabel: str = "TTF
     ax.grid(axis="y", which="both", alpha=0.25)
 
 
-def tiers_plot(path: str, title: str, subtitle: str, groups: Sequence[tuple[str, Sequence[float]]]) -> str | None:
-    """One panel: TTFT boxes per group (the baseline first), log scale."""
+def tiers_plot(path: str, title: str, subtitle: str, groups: Sequence[tuple[str, Sequence[float]]],
+               note: str | None = None) -> str | None:
+    """One panel: TTFT boxes per group (the baseline first), log scale; ``note``: see ``_save``."""
     plt = _plt()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
     _boxes(ax, groups)
     ax.set_title("TTFT by the tier that served the prompt's prefix", fontsize=10)
-    return _save(fig, plt, path, title, subtitle)
+    return _save(fig, plt, path, title, subtitle, note)
 
 
-def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dict) -> str | None:
+def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dict,
+                   note: str | None = None) -> str | None:
     """Three panels: TTFT per round (no cache vs hicache, median and p25-p75), where TTFT goes
-    (mean queueing + service), and service time by serving tier beside the no-cache requests."""
+    (mean queueing + service), and service time by serving tier beside the no-cache requests;
+    ``note``: see ``_save``."""
     plt = _plt()
     if plt is None:
         return None
@@ -121,7 +139,7 @@ def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dic
     ax.set_title("Service time (admission -> first token) by the tier that served most of the prefix",
                  fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
-    return _save(fig, plt, path, title, subtitle)
+    return _save(fig, plt, path, title, subtitle, note)
 
 
 def spec_plot(path: str, title: str, subtitle: str, summary: dict, k: int) -> str | None:

@@ -35,6 +35,14 @@ the ``--storage-backend`` (default orbax); ``--storage-backend none`` runs L1 + 
 server and a store node holding the pages, ``hicache_jax.storage.mooncake.MooncakeMaster``;
 engines lend it no memory) and stops it afterwards; ``restart``'s two processes share it.
 
+Model: ``--model auto`` (the default) is ``llama3-8b-shape`` on a GPU or TPU (Llama-3-8B's layer
+shape with bf16 KV, 8 layers, ``--layers N``; random weights) and the CPU-sized ``bench`` on a
+CPU (``resolve_model``, where JAX is imported); ``--quick`` takes the tiny preset of the same kind.
+``multiturn`` and ``ttft`` check issue 25's GPU goals (``goals``) and print every goal with its
+value and threshold and a verdict; a run on the CPU, at ``--quick`` sizes or with another model
+is "not comparable at these sizes" (fixed overheads dominate), said in the table title, the
+JSON and on the PNG.
+
 Compilation is excluded from every measurement: the engine is warmed up (``Engine.warmup``)
 and one throwaway request of each kind runs before the clock starts. JAX and the engine are
 imported when a benchmark runs, not when this module is (``hicache-jax --help`` stays fast).
@@ -59,8 +67,11 @@ import numpy as np
 
 from ..host_pool import HostPoolConfig
 from ..reference_model import HYBRID_BENCH, HYBRID_TINY, ModelConfig
+from ..reference_model.config import LLAMA3_8B_SHAPE, LLAMA3_8B_SHAPE_TINY
 from ..storage.config import StorageConfig
+from . import goals as bench_goals
 from . import plots, ranks
+from .options import AUTO_MODEL, CPU_MODEL, GPU_MODEL
 from .report import Progress, machine_info, print_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +88,10 @@ MODEL_PRESETS = {
     # bench shapes with a window (24 and 128 tokens); ``--quick`` takes the tiny one.
     "hybrid-tiny": HYBRID_TINY,
     "hybrid": HYBRID_BENCH,
+    # For a GPU (the default there): Llama-3-8B's layer shape, bf16 KV, 8 layers (--layers N);
+    # --quick takes the tiny shape of the same kind.
+    "llama3-8b-shape": LLAMA3_8B_SHAPE,
+    "llama3-8b-shape-tiny": LLAMA3_8B_SHAPE_TINY,
 }
 TIERS = ("cold", "device", "host", "storage")
 
@@ -93,11 +108,48 @@ def serving_tier(result) -> str:
     return max(("device", "host", "storage"), key=lambda t: c[t])
 
 
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def resolve_model(args) -> str:
+    """``--model auto`` (the default) becomes the preset for this backend: the GPU preset on a
+    GPU or TPU (the CPU presets' model cost is too small there for a hit to matter), the CPU
+    bench preset on a CPU. Imports JAX; call it in the process that runs the engines."""
+    if args.model == AUTO_MODEL:
+        args.model = CPU_MODEL if _backend() == "cpu" else GPU_MODEL
+    return args.model
+
+
+def with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    """The preset with ``layers`` layers; a hybrid preset's full / sliding pattern repeats."""
+    types = cfg.layer_types
+    return replace(cfg, num_layers=layers, layer_types=tuple(types[i % len(types)] for i in range(layers)))
+
+
 def model_config(args) -> ModelConfig:
-    cfg = MODEL_PRESETS[args.model]
+    cfg = MODEL_PRESETS[resolve_model(args)]
+    if getattr(args, "layers", None) is not None:
+        cfg = with_layers(cfg, args.layers)
     if args.attention != cfg.attention:
         cfg = replace(cfg, attention=args.attention)
     return cfg
+
+
+def _not_comparable_because(args) -> list[str]:
+    """Why this run cannot be judged against the goals (``goals.comparability``)."""
+    return bench_goals.comparability(quick=bool(getattr(args, "quick", False)), backend=_backend(),
+                                     model=args.model)
+
+
+def _judge(args, goals: list) -> tuple[list[dict], dict]:
+    """The goals' records and the verdict, printed (comparable only on the GPU preset, on an
+    accelerator, at full sizes)."""
+    records, verdict = bench_goals.judge(goals, _not_comparable_because(args))
+    print("\n".join(bench_goals.lines(records, verdict)))
+    return records, verdict
 
 
 def storage_config(args) -> StorageConfig | None:
@@ -130,7 +182,8 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
 def describe(args, *extra: str) -> str:
     """The configuration line under every figure's title."""
     l3 = "no L3" if args.storage_backend == "none" else f"L3 {args.storage_backend}"
-    parts = [f"model {args.model} ({args.attention})", f"page {args.page_size}",
+    layers = args.layers or (MODEL_PRESETS[args.model].num_layers if args.model in MODEL_PRESETS else "?")
+    parts = [f"model {args.model} ({args.attention}, {layers} layers)", f"page {args.page_size}",
              f"L1 {args.device_pages} pages", f"L2 x{args.host_ratio:g}", l3, args.write_policy,
              f"max batch {args.max_batch}", *extra, f"{os.cpu_count()} CPUs"]
     try:
@@ -262,6 +315,7 @@ def multiturn(args) -> dict:
 
 def _multiturn(args, progress: Progress) -> dict:
     max_context = args.first_len + args.rounds * (args.turn_len + args.answer_len) + 16
+    resolve_model(args)
     progress.phase(f"building and compiling two engines (model {args.model}; the first build imports JAX)", 2)
     cached_engine = build_engine(args, max_context)
     progress.advance(1, "hicache engine ready")
@@ -332,7 +386,8 @@ def _multiturn(args, progress: Progress) -> dict:
                      s["hit_rate_by_tier"]["storage"], s["peak_device_pages"]["full"], s["peak_device_pages"]["swa"],
                      s["peak_kv_bytes"] / 2**20])
     load = "closed loop" if args.request_rate <= 0 else f"{args.request_rate:g} req/s per round"
-    print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}",
+    print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}"
+                f"{bench_goals.size_label(_not_comparable_because(args))}",
                 ["run", "reqs", "TTFT p50 ms", "p90", "mean", "queue mean", "service mean", "input tok/s",
                  "hit rate", "L1", "L2", "L3", "peak full pages", "peak SWA pages", "peak KV MiB"], rows)
     ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
@@ -354,13 +409,16 @@ def _multiturn(args, progress: Progress) -> dict:
               f"throughput x{swa_vs_full['input_throughput']:.2f}")
     if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none":
         print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
+    goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
     sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
                    f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
-    png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached)
+    png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached,
+                               note=bench_goals.plot_note(verdict))
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
            "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
            "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(), "cache_stats": stats,
            "plot": png}
+    out["goals"], out["verdict"] = goals, verdict
     if swa_vs_full is not None:
         out["swa_as_full"] = summaries["hicache, SWA as full"]
         out["hybrid_vs_swa_as_full"] = swa_vs_full
@@ -377,6 +435,7 @@ def two_run(args) -> dict:
 
 def _two_run(args, progress: Progress) -> dict:
     rng = np.random.default_rng(args.seed)
+    resolve_model(args)
     progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
@@ -429,6 +488,7 @@ def ttft(args) -> dict:
 
 def _ttft(args, progress: Progress) -> dict:
     rng = np.random.default_rng(args.seed)
+    resolve_model(args)
     progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
@@ -478,8 +538,8 @@ def _ttft(args, progress: Progress) -> dict:
              med[k] * 1e3, _pct([r.ttft_s for r in v], 25) * 1e3, _pct([r.ttft_s for r in v], 75) * 1e3,
              min(r.ttft_s for r in v) * 1e3, med[k] / med["cold"]] for k, v in results.items()]
     print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, {args.reps} rounds, "
-                f"{describe(args)}", ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75",
-                                      "min", "x cold"], rows)
+                f"{describe(args)}{bench_goals.size_label(_not_comparable_because(args))}",
+                ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75", "min", "x cold"], rows)
     ordered = all(med[a] < med[b] for a, b in zip(order, order[1:]))
     print(f"ordering {' < '.join(order)}: medians {'in' if ordered else 'NOT in'} that order; "
           f"held within {held}/{args.reps} rounds")
@@ -497,21 +557,19 @@ def _ttft(args, progress: Progress) -> dict:
           f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by the decode's end, "
           f"drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
           f"(workers at nice +{decode['worker_nice']})")
-    goals = {"l2_over_cold": med["host"] / med["cold"], "l2_goal": 0.10,
-             "l3_over_cold": med["storage"] / med["cold"] if "storage" in med else None, "l3_goal": 0.15,
-             "decode_ratio": decode["ratio"], "decode_goal": 1.05}
-    print("goals: " + ", ".join(f"{k}={v:.3f}" for k, v in goals.items() if isinstance(v, float)))
+    goals, verdict = _judge(args, bench_goals.ttft_goals(med, held, args.reps, order, decode["ratio"]))
     sub = describe(args, f"{args.prompt_len}-token prompts, {args.reuse:.0%} of the prefix cached",
                    f"{args.reps} rounds (tiers in rotating order)")
     png = plots.tiers_plot(_png(args), f"TTFT of a {args.reuse:.0%}-cached prompt by the tier that served it, "
                                        f"vs a cold prefill",
-                           sub, [(plots.TIER_NAMES[k], [x.ttft_s for x in results[k]]) for k in ("cold", *order[:-1])])
+                           sub, [(plots.TIER_NAMES[k], [x.ttft_s for x in results[k]]) for k in ("cold", *order[:-1])],
+                           note=bench_goals.plot_note(verdict))
     return {"benchmark": "ttft", "machine": machine_info(), "config": vars(args),
             "median_ttft_s": med, "ttft_s": {k: [x.ttft_s for x in v] for k, v in results.items()},
             "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
             "ordering": {"tiers": order, "held_rounds": held, "rounds": args.reps,
                          "medians_ordered": ordered},
-            "decode": decode, "goals": goals, "plot": png}
+            "decode": decode, "goals": goals, "verdict": verdict, "plot": png}
 
 
 def _decode_overhead(engine: "Engine", args, rng, progress: Progress) -> dict:
@@ -612,8 +670,8 @@ def restart(args) -> dict:
         for phase in ("write", "read"):
             part = args.out.rsplit(".", 1)[0] + f".{phase}.json"
             cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part]
-            for k in ("model", "attention", "page_size", "device_pages", "host_ratio", "write_policy", "max_batch",
-                      "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
+            for k in ("model", "layers", "attention", "page_size", "device_pages", "host_ratio", "write_policy",
+                      "max_batch", "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
                       "prompt_len", "answer_len", "worker_nice", "mooncake_master", "mooncake_metadata",
                       "mooncake_segment_bytes"):
                 if getattr(args, k) is not None:
@@ -624,6 +682,7 @@ def restart(args) -> dict:
                 phases[phase] = json.load(f)
             os.remove(part)
     w, r = phases["write"], phases["read"]
+    args.model = w["model"]  # --model auto: the preset the children resolved (JAX never ran here)
     rows = [["write (process 1)", w["ttft_mean_s"] * 1e3, w["cached"]["storage"], w["pid"]],
             ["read (process 2)", r["ttft_mean_s"] * 1e3, r["cached"]["storage"], r["pid"]]]
     print_table(f"restart: {args.num_prompts} prompts x {args.prompt_len} tokens, L3 {args.storage_backend}",
@@ -647,6 +706,7 @@ def _restart_phase(args) -> dict:
 
 def _restart_phase_run(args, progress: Progress) -> dict:
     rng = np.random.default_rng(args.seed)
+    resolve_model(args)
     progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     progress.phase("warm-up (untimed, other tokens)")
@@ -668,6 +728,6 @@ def _restart_phase_run(args, progress: Progress) -> dict:
         progress.advance(1, f"TTFT {res[-1].ttft_s * 1e3:,.0f} ms ({serving_tier(res[-1])})")
     progress.phase("flushing L3 and closing" if args.phase == "write" else "closing")
     engine.close()  # the write phase's L3 pages are all on disk when the process exits
-    return {"pid": os.getpid(), "phase": args.phase, "tokens": [r.tokens for r in res],
+    return {"pid": os.getpid(), "phase": args.phase, "model": args.model, "tokens": [r.tokens for r in res],
             "ttft_s": [r.ttft_s for r in res], "ttft_mean_s": statistics.fmean(r.ttft_s for r in res),
             "cached": {t: sum(r.cached_tokens[t] for r in res) for t in ("device", "host", "storage")}}

@@ -156,3 +156,15 @@ HYBRID_TINY = ModelConfig(vocab_size=512, num_layers=2, hidden=64, num_heads=4, 
                           ffn=128, layer_types="SF", sliding_window=24)
 HYBRID_BENCH = ModelConfig(vocab_size=2048, num_layers=10, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
                            ffn=2048, layer_types="SF", sliding_window=128)
+
+# Llama-3-8B's layer shape (hidden 4096, 32 query / 8 KV heads x 128, SwiGLU FFN 14336) with a
+# 32000-token vocabulary and bf16 KV, for the serving benchmarks on a GPU: per layer the work and
+# the KV bytes (4 KiB per token) equal Llama-3-8B's, so hit / cold ratios are the full model's but
+# for fixed per-request overheads. 8 layers by default (32 KiB of KV per token); the benchmarks'
+# ``--layers`` changes the count. Random weights from the seed, like every preset (no downloads).
+LLAMA3_8B_SHAPE = ModelConfig(vocab_size=32000, num_layers=8, hidden=4096, num_heads=32, num_kv_heads=8,
+                              head_dim=128, ffn=14336, kv_dtype="bfloat16")
+# The same kind at tiny sizes (4:1 grouped-query attention, FFN 3.5x hidden, bf16 KV): what
+# ``--quick`` runs instead, in seconds on a CPU.
+LLAMA3_8B_SHAPE_TINY = ModelConfig(vocab_size=512, num_layers=2, hidden=128, num_heads=8, num_kv_heads=2,
+                                   head_dim=16, ffn=448, kv_dtype="bfloat16")

@@ -2,10 +2,45 @@
 where --out says (smoke)."""
 
 import json
+import struct
+import zlib
 
 import pytest
 
 from hicache_jax import cli
+
+
+def png_text(path) -> dict[str, str]:
+    """The PNG's tEXt / zTXt chunks (the title and the goals' verdict, plots._save)."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    out, i = {}, 8
+    while i < len(data):
+        (n,) = struct.unpack(">I", data[i:i + 4])
+        kind, body = data[i + 4:i + 8], data[i + 8:i + 8 + n]
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"zTXt":
+            key, _, rest = body.partition(b"\0")
+            out[key.decode("latin-1")] = zlib.decompress(rest[1:]).decode("latin-1")
+        i += 12 + n
+    return out
+
+
+def assert_not_comparable(payload, out_text: str, png, names: list[str]) -> None:
+    """A CPU run is judged "not comparable at these sizes": every goal printed with its value
+    and threshold, the verdict line, the same in the JSON and on the PNG."""
+    assert [g["name"] for g in payload["goals"]] == names
+    for g in payload["goals"]:
+        assert g["status"] in ("not comparable", "not measured"), g
+        assert f"goal {g['name']}: {g['label']} = " in out_text
+    verdict = payload["verdict"]
+    assert verdict["status"] == "not comparable" and "CPU backend" in verdict["not_comparable_because"]
+    assert f"verdict: {verdict['text']}" in out_text
+    assert verdict["text"].startswith("not comparable at these sizes")
+    assert "NOT COMPARABLE AT THESE SIZES: " in " ".join(out_text.split())  # in the table's title (wrapped)
+    assert png_text(png)["Verdict"].startswith("NOT COMPARABLE AT THESE SIZES (")
 
 
 @pytest.mark.parametrize("argv", [
@@ -28,6 +63,7 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
     assert (tmp_path / "results" / "r.png").stat().st_size > 1000
     captured = capsys.readouterr()
     assert f"JSON written to {out}" in captured.out  # the absolute path
+    assert payload["config"]["model"] == "tiny"
     assert f"[{argv[1]}" in captured.err or argv[1] == "restart"  # progress lines (restart: its children's)
     if argv[1] == "multiturn":
         # Round 2 re-sends each 40-token history (+ answer + turn = 55 tokens): 40 tokens hit.
@@ -38,12 +74,19 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         for r in payload["hicache"]["per_request"]:
             assert r["queue_s"] >= 0 and r["service_s"] > 0
             assert r["queue_s"] + r["service_s"] == pytest.approx(r["ttft_s"])
+        assert_not_comparable(payload, captured.out, tmp_path / "results" / "r.png", ["input_throughput", "ttft_mean"])
+        assert payload["goals"][0]["value"] == payload["ratios_vs_no_cache"]["input_throughput"]
     if argv[1] == "two-run":
         assert payload["runs"][1]["same_tokens_as_run1"]
         assert payload["runs"][1]["requests_by_tier"]["cold"] == 0
     if argv[1] == "ttft":
         assert set(payload["ratios_vs_cold"]) == {"cold", "device", "host", "storage"}
         assert all(len(v) == 2 for v in payload["ttft_s"].values())
+        assert_not_comparable(payload, captured.out, tmp_path / "results" / "r.png",
+                              ["l2_over_l1", "l3_over_l1", "l1_over_cold", "l2_over_cold", "l3_over_cold",
+                               "ordered_rounds", "decode_ratio"])
+        med = payload["median_ttft_s"]
+        assert payload["goals"][0]["value"] == pytest.approx(med["host"] / med["device"])
     if argv[1] == "restart":
         assert payload["same_tokens"] and payload["write"]["pid"] != payload["read"]["pid"]
         assert payload["read"]["cached"]["storage"] == 2 * 36  # each prompt's 39 tokens, page-aligned
