@@ -51,7 +51,8 @@ MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
 if [ "$QUICK" = 1 ]; then
   Q=(--quick) TRANSFER=(--quick) TTFT=() MULTITURN=()
 else
-  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 256 1024 --layouts page_first --reps 3)
+  # page_first_direct: the layout whose host pages are one contiguous run (the stream path's best case)
+  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 256 1024 --layouts page_first_direct page_first --reps 3)
   [ "${COMPARE_IMPLS:-0}" = 1 ] || TRANSFER+=(--no-compare-impls)
   TTFT=(--prompt-len 2048 --reps 5 --max-batch 4) MULTITURN=()
 fi
@@ -188,11 +189,13 @@ def verdict(name, p):
 
 p = load("transfer.json")
 if p:
-    print(f"transfer ({p.get('copy_impl')}, host {p.get('host_pool_memory')}; GB/s, x = vs raw copy):")
+    print(f"transfer ({p.get('copy_impl')}, host {p.get('host_pool_memory')}, host copies {p.get('host_copy')}; "
+          f"GB/s, x = vs raw copy; cpu = bytes host code copied per byte):")
     for r in p["results"]:
         print(f"  page {r['page_size']:>3} x {r['pages']:>5} {r['layout']:<12} gather {r['gather_gbps']:8.1f} "
               f"(x{r['gather_vs_raw']:.2f}) scatter {r['scatter_gbps']:8.1f} (x{r['scatter_vs_raw']:.2f}) "
-              f"D2H {r['d2h_gbps']:6.2f} (x{r['d2h_vs_raw']:.2f}) H2D {r['h2d_gbps']:6.2f} (x{r['h2d_vs_raw']:.2f})")
+              f"D2H {r['d2h_gbps']:6.2f} (x{r['d2h_vs_raw']:.2f}, cpu {r.get('d2h_cpu_bytes_per_byte', -1):.1f}) "
+              f"H2D {r['h2d_gbps']:6.2f} (x{r['h2d_vs_raw']:.2f}, cpu {r.get('h2d_cpu_bytes_per_byte', -1):.1f})")
     for r in p.get("impl_comparison") or []:
         cell = lambda k: f"{r[k]:8.1f} (x{r[k.replace('_gbps', '_vs_raw')]:.2f})" if k in r else "       -"
         print(f"  impl {r['impl']:<4} page {r['page_size']:>3} x {r['pages']:>5} {r['order']:<12} gather "
