@@ -348,3 +348,20 @@ def test_gpu_streams_pinned_pages_byte_exact(name, layout, monkeypatch):
         np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
         rest = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
         np.testing.assert_array_equal(dev.read_pages_host(c, rest), data[c][:, rest])
+
+
+def test_pinned_host_pool_falls_back_to_numpy_where_pinned_arrays_cannot_be_made(monkeypatch, caplog):
+    """jax 0.9 lists pinned_host on the CPU but cannot place arrays there: the pool must still
+    come up (plain numpy, the numpy copy path) instead of failing the engine's start."""
+    from hicache_jax.backends.jax import memory
+
+    class Unplaceable:
+        def __init__(self, *a, **k):
+            raise RuntimeError("No registered implementation for untyped custom call to annotate_device_placement")
+
+    monkeypatch.setattr(memory, "PinnedHostArena", Unplaceable)
+    geom = GEOMS["mha-fp32-p1"]
+    with caplog.at_level("WARNING"):
+        host = pinned_host_pool(geom, 4, HostLayout.PAGE_FIRST)
+    assert host.memory_kind == "numpy" and host.buffer_owner is None and "annotate_device_placement" in caplog.text
+    assert JaxTransferEngine(JaxDevicePool(geom, 8), host).host_copy == "numpy"

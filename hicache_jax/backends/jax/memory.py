@@ -12,6 +12,7 @@ Threading: allocation and the ring belong to the owner thread.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections import deque
 
 import jax
@@ -22,6 +23,8 @@ from ...host_layout import HostLayout
 from ...host_pool import HostKVPool
 from ...kv_geometry import KVGeometry
 from .host_stream import PinnedHostArena
+
+log = logging.getLogger(__name__)
 
 
 def host_memory_kind(device: jax.Device | None = None) -> str | None:
@@ -65,7 +68,13 @@ def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str 
     device = device or jax.local_devices()[0]
     if host_memory_kind(device) != "pinned_host":
         return HostKVPool(geom, num_pages, layout)
-    arena = PinnedHostArena(geom, layout, num_pages, device)
+    try:
+        arena = PinnedHostArena(geom, layout, num_pages, device)
+    except Exception as e:  # noqa: BLE001 - runtimes that list pinned_host but cannot place arrays there
+        # e.g. jax 0.9's CPU backend: "No registered implementation for ... annotate_device_placement"
+        log.warning("pinned host memory is listed but unusable here (%s: %s); the host pool is plain numpy",
+                    type(e).__name__, e)
+        return HostKVPool(geom, num_pages, layout)
     return HostKVPool(geom, num_pages, layout, buffer=arena.view, buffer_owner=arena)
 
 
