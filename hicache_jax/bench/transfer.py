@@ -120,7 +120,8 @@ def _run(args, progress: Progress) -> dict:
         dev = JaxDevicePool(geom, device_pages)
         host = pinned_host_pool(geom, n, layout)  # plain numpy where there is no pinned memory
         eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(impl=args.impl, max_pages=device_pages),
-                                host_copy=args.host_copy)
+                                host_copy=args.host_copy, stream_loop=args.stream_loop,
+                                stream_unroll=args.stream_unroll)
         counter = HostCopyCounter(host)
         rng = np.random.default_rng(0)
         for c in geom.components:  # random KV, never zeros
@@ -161,7 +162,9 @@ def _run(args, progress: Progress) -> dict:
     impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
     raw_kind = results[-1]["raw_host_memory"] if results else "-"
     print_table(f"KV page transfers: {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}, "
-                f"copy impl {impl}, host copies {eng.host_copy}, backend {jax.default_backend()} "
+                f"copy impl {impl}, host copies {eng.host_copy}"
+                f"{f' ({args.stream_loop} loops x{args.stream_unroll})' if eng.host_copy == 'xla_stream' else ''}, "
+                f"backend {jax.default_backend()} "
                 f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy for gather/scatter, "
                 f"device_put to/from {raw_kind} for D2H/H2D; CPU B/B = bytes host code copied per byte moved)",
                 ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",

@@ -365,3 +365,42 @@ def test_pinned_host_pool_falls_back_to_numpy_where_pinned_arrays_cannot_be_made
         host = pinned_host_pool(geom, 4, HostLayout.PAGE_FIRST)
     assert host.memory_kind == "numpy" and host.buffer_owner is None and "annotate_device_placement" in caplog.text
     assert JaxTransferEngine(JaxDevicePool(geom, 8), host).host_copy == "numpy"
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("loop,unroll", [("static", 1), ("static", 4)])
+def test_static_page_loops_pad_harmlessly(layout, loop, unroll):
+    """A static loop copies the whole bucket (5 pages -> 8): the padding must neither reach a
+    device page nor change any host page but the named ones."""
+    geom = GEOMS["mha-bf16-p16"]
+    rng = np.random.default_rng(11)
+    dev, host, eng = _engine(geom, layout, groups=2, stream_loop=loop, stream_unroll=unroll)
+    assert eng.copier.bucket_for(5) == 8
+    data = _fill_device(dev, rng)
+    before_host = _poison_host(host, rng)
+    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
+    eng.backup(src, hst).wait()
+    poisoned = HostKVPool(geom, HOST_PAGES, layout, buffer=before_host)
+    others = np.setdiff1d(np.arange(HOST_PAGES), hst)
+    for c in geom.components:
+        np.testing.assert_array_equal(_host_pages(host, c, hst), data[c][:, src])
+        np.testing.assert_array_equal(_host_pages(host, c, others), _host_pages(poisoned, c, others))
+    eng.load(hst, dst).wait()
+    rest = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
+        np.testing.assert_array_equal(dev.read_pages_host(c, rest), data[c][:, rest])
+
+
+def test_stream_loop_options_are_validated():
+    geom = GEOMS["mha-bf16-p16"]
+    dev = JaxDevicePool(geom, DEVICE_PAGES)
+    host = _pinned_or_skip(geom, HostLayout.PAGE_FIRST)
+    with pytest.raises(ValueError, match="stream_loop"):
+        JaxTransferEngine(dev, host, stream_loop="unrolled")
+    with pytest.raises(ValueError, match="stream_unroll"):
+        JaxTransferEngine(dev, host, stream_loop="static", stream_unroll=0)
+    with pytest.raises(ValueError, match="stream_unroll"):
+        JaxTransferEngine(dev, host, stream_unroll=4)  # a dynamic bound cannot be unrolled
+    with pytest.raises(ValueError, match="stream_loop"):
+        JaxTransferEngine(dev, HostKVPool(geom, 4), stream_loop="x")  # checked on the numpy path too

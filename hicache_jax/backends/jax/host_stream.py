@@ -18,8 +18,14 @@ by XLA's host-offloading passes), and no host thread touches a KV byte:
   ``PinnedHostArena.install`` checks the address of every new array (``HostArenaMovedError``),
   and ``verify_in_place`` probes it once at start-up (callers then fall back to numpy copies).
 
-Page loops are ``fori_loop`` over the live count (data, not a compile-time constant): one
-executable per page-count bucket, compiled in well under a second.
+Page loops (``StreamPlan.loop``): ``dynamic`` runs a ``fori_loop`` over the live count (data,
+not a compile-time constant); ``static`` runs all ``nb`` positions of the bucket (a known trip
+count, optionally unrolled: on a GPU a while loop with a data-dependent bound reads its
+predicate back every iteration). Static padding is harmless by construction: an H2D padding
+position reads host page ``ids[0]`` into a staging slot the scatter drops; a D2H padding
+position repeats the last live page (the caller pads both id lists with their last id), so it
+rewrites that host page with the same bytes. One executable per page-count bucket either way,
+compiled in well under a second.
 
 Ownership and threading: the arena array is owned by the transfer engine's owner thread, the
 only one that dispatches these executables; every D2H donates the arena and installs the array
@@ -43,6 +49,9 @@ from ...kv_geometry import KVGeometry
 
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}  # of a transfer buffer
 _LAYER_AXIS = {"nlp": 1, "npl": 2, "lnp": 0}  # of a transfer buffer
+
+
+STREAM_LOOPS = ("dynamic", "static")
 
 
 class HostArenaMovedError(RuntimeError):
@@ -132,6 +141,21 @@ class StreamPlan:
     components: int
     page_shape: tuple[int, ...]  # (page, heads, width)
     dtype: jnp.dtype
+    loop: str = "dynamic"  # "dynamic": n iterations; "static": nb (see the module docstring)
+    unroll: int = 1  # static loops only
+
+    def __post_init__(self) -> None:
+        if self.loop not in STREAM_LOOPS:
+            raise ValueError(f"stream_loop: expected one of {STREAM_LOOPS}, got {self.loop!r}")
+        if not isinstance(self.unroll, int) or isinstance(self.unroll, bool) or self.unroll < 1:
+            raise ValueError(f"stream_unroll: expected an int >= 1, got {self.unroll!r}")
+        if self.unroll > 1 and self.loop != "static":
+            raise ValueError("stream_unroll: > 1 needs stream_loop='static' (a dynamic bound cannot be unrolled)")
+
+    def _loop(self, nb: int, n: jax.Array, body, init):
+        if self.loop == "static":
+            return lax.fori_loop(0, nb, body, init, unroll=self.unroll)
+        return lax.fori_loop(0, n[0], body, init)
 
     def staging_shape(self, nb: int, layers: int) -> tuple[int, ...]:
         p = self.page_shape
@@ -166,7 +190,7 @@ class StreamPlan:
                     page = page.reshape(self.staging_shape(1, layers))
                     out.append(lax.dynamic_update_slice(buf, page, self._staging_index(i)))
                 return tuple(out)
-            return lax.fori_loop(0, n[0], body, tuple(staging))
+            return self._loop(nb, n, body, tuple(staging))
 
         return f
 
@@ -192,7 +216,7 @@ class StreamPlan:
                         start = (jnp.int32(c), ids[i], z, z, z, z)
                     arena = lax.dynamic_update_slice(arena, jax.device_put(page, to_host), start)
                 return arena, count + 1
-            return lax.fori_loop(0, n[0], body, (arena, jnp.int32(0)))
+            return self._loop(ids.shape[0], n, body, (arena, jnp.int32(0)))
 
         return f
 

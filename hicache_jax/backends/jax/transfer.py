@@ -161,13 +161,15 @@ class JaxTransferEngine(KVTransferEngine):
     ``host_copy``: ``"auto"`` streams through the pinned host arena where the host pool has one
     (see the module docstring), ``"xla_stream"`` requires it (``ValueError`` naming what is
     missing), ``"numpy"`` forces the CPU-copy path. ``load_group_layers``: layers per H2D
-    executable on the stream path (None: ``default_group_layers``). ``self.host_copy`` says
+    executable on the stream path (None: ``default_group_layers``). ``stream_loop`` /
+    ``stream_unroll``: how the stream executables loop over pages (``host_stream``: ``dynamic``
+    over the live count, or ``static`` over the bucket, unrolled). ``self.host_copy`` says
     which path runs."""
 
     def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
                  copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True,
                  worker_nice: int = DEFAULT_WORKER_NICE, host_copy: str = "auto",
-                 load_group_layers: int | None = None) -> None:
+                 load_group_layers: int | None = None, stream_loop: str = "dynamic", stream_unroll: int = 1) -> None:
         if host_copy not in HOST_COPIES:
             raise ValueError(f"host_copy: expected one of {HOST_COPIES}, got {host_copy!r}")
         if device_pool.local_geom != host_pool.geom:
@@ -198,7 +200,7 @@ class JaxTransferEngine(KVTransferEngine):
         if self.host_copy == "xla_stream":
             self._arena: PinnedHostArena = host_pool.buffer_owner
             self._plan = StreamPlan(self.order, self.geom.num_layers, len(self.geom.components),
-                                    self.device_pool.geom.page_shape, self.device_pool.dtype)
+                                    self.device_pool.geom.page_shape, self.device_pool.dtype, stream_loop, stream_unroll)
             group = default_group_layers(self.geom) if load_group_layers is None else load_group_layers
             self.load_groups = layer_groups(self.geom.num_layers, group)
             self._stream_exes: dict = {}
@@ -211,8 +213,10 @@ class JaxTransferEngine(KVTransferEngine):
                 log.warning("host copies fall back to numpy (streaming pinned host pages failed on this "
                             "runtime): %s", failed)
                 self.host_copy = "numpy"
-        elif load_group_layers is not None:
-            layer_groups(self.geom.num_layers, load_group_layers)  # validated even where unused
+        else:  # validated even where unused
+            if load_group_layers is not None:
+                layer_groups(self.geom.num_layers, load_group_layers)
+            StreamPlan(self.order, 1, 1, (1, 1, 1), self.device_pool.dtype, stream_loop, stream_unroll)
 
     def _probe_stream(self) -> str:
         """'' if the stream copies work on this runtime, else what went wrong.
@@ -346,8 +350,10 @@ class JaxTransferEngine(KVTransferEngine):
         return FutureHandle(self._d2h.submit(finish))
 
     def _backup_stream(self, d: np.ndarray, h: np.ndarray) -> StreamBackupHandle:
+        nb = self.copier.bucket_for(d.size)
+        if self._plan.loop == "static":  # padding repeats the last page (host_stream's docstring)
+            d, h = (np.concatenate([x, np.full(nb - x.size, x[-1], x.dtype)]) for x in (d, h))
         bufs = tuple(self.copier.gather(self.device_pool.layers(c), d, self.order)[0] for c in self.geom.components)
-        nb = bufs[0].shape[_PAGE_AXIS[self.order]]
         ids, n = self._pad_ids(h, nb)
         new_arena, token = self._d2h_exe(nb)(self._arena.array, bufs, ids, n)
         self._arena.install(new_arena, check_address=False)  # checked when the handle completes
