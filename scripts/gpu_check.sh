@@ -30,7 +30,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ"}
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar"}
 BUDGET_S=${BUDGET_S:-470}
 LAYERS=${LAYERS:-}
 QUICK=${QUICK:-0}
@@ -45,6 +45,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hi
 # 8-layer preset under a minute.
 CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-170} CAP_TRANSFER=${CAP_TRANSFER:-75}
 CAP_TTFT=${CAP_TTFT:-90} CAP_MULTITURN=${CAP_MULTITURN:-90} CAP_DETERM=${CAP_DETERM:-90}
+CAP_STREAMVAR=${CAP_STREAMVAR:-60}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
@@ -143,6 +144,13 @@ if want determ; then
     echo "[determ] skipped: bench multiturn --help lists no --deterministic"; RC[determ]=absent
   fi
 fi
+# Last, with what time is left: the stream copies' other loop forms and the numpy path on the
+# same bytes (tables in gpu_check.log only), to pick the transfer engine's defaults from.
+if want streamvar; then
+  SV=(--page-sizes 16 --page-counts 1024 --layouts page_first_direct --reps 3 --no-compare-impls)
+  [ "$QUICK" = 1 ] && SV=(--quick --no-compare-impls)
+  step streamvar $CAP_STREAMVAR bash -c "$(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --stream-loop static --stream-unroll 8 --out $WORK/sv1.json && $(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --host-copy numpy --out $WORK/sv2.json"
+fi
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "files kept in \$OUT: gpu_check.log summary.txt ${KEPT[*]}"
@@ -152,7 +160,7 @@ fi
 # ---- the summary: rc per step, the pytest tally, then what each result file says ----------------
 {
   echo "===== summary ($(date -u +%FT%TZ), ${SECONDS} s of the ${BUDGET_S} s budget)"
-  for s in versions pytest transfer ttft multiturn determ; do
+  for s in versions pytest transfer ttft multiturn determ streamvar; do
     [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
   done
   [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"
