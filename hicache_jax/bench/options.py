@@ -49,14 +49,30 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
         args.model = QUICK_MODEL[args.model]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
+def _bounded(kind: type, lo: float, hi: float | None = None, lo_open: bool = False):
+    """An argparse type: ``kind`` in [lo, hi] (or (lo, hi] with ``lo_open``), a usage error otherwise,
+    so a bad size stops the benchmark before it builds an engine."""
+    want = f"{'an int' if kind is int else 'a number'} {'>' if lo_open else '>='} {lo}" + \
+        (f" and <= {hi}" if hi is not None else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if (value <= lo if lo_open else value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {value}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {'>' if lo_open else '>='} {lo}"  # argparse names it in errors
+    return parse
+
+
+_positive_int = _bounded(int, 1)
+_non_negative_int = _bounded(int, 0)
+_positive_float = _bounded(float, 0, lo_open=True)
+_non_negative_float = _bounded(float, 0)
+_fraction = _bounded(float, 0, 1)
 
 
 def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, host_ratio: float = 4.0,
@@ -73,14 +89,14 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
     p.add_argument("--layers", type=_positive_int, default=None,
                    help=f"layers of the model preset (default: the preset's; {GPU_MODEL}: 8)")
     p.add_argument("--attention", choices=["mha", "mla"], default="mha", help="per-head K/V or an MLA-style latent")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=int, default=device_pages, help="L1 (device) pool size in pages")
-    p.add_argument("--host-ratio", type=float, default=host_ratio, help="L2 (host) pool size / L1 pool size")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=_positive_int, default=device_pages, help="L1 (device) pool size in pages")
+    p.add_argument("--host-ratio", type=_positive_float, default=host_ratio, help="L2 (host) pool size / L1 pool size")
     p.add_argument("--write-policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"], help="when L1 pages are backed up to L2")
-    p.add_argument("--max-batch", type=int, default=max_batch,
+    p.add_argument("--max-batch", type=_positive_int, default=max_batch,
                    help="requests the engine serves at once (the max-parallel bound)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=512, help="tokens per prefill step")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--storage-backend", choices=[*BACKENDS, "none"], default="orbax",
                    help="L3 backend (none: L1 + L2 only)")
@@ -89,9 +105,9 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
     p.add_argument("--mooncake-master", default=None,
                    help="mooncake: the master's host:port (default: start a local store for the run)")
     p.add_argument("--mooncake-metadata", default=None, help="mooncake: the metadata URL (with --mooncake-master)")
-    p.add_argument("--mooncake-segment-bytes", type=int, default=0,
+    p.add_argument("--mooncake-segment-bytes", type=_non_negative_int, default=0,
                    help="mooncake: memory each engine lends the store (0: none, the store node holds the pages)")
-    p.add_argument("--mooncake-node-bytes", type=int, default=2 << 30,
+    p.add_argument("--mooncake-node-bytes", type=_non_negative_int, default=2 << 30,
                    help="mooncake: memory of the local store's store node")
     p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES), default="wait_complete",
                    help="how long admission waits for an L3 prefetch")
@@ -103,48 +119,48 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
     # L1 holds about two thirds of the clients' histories and L2 a bit less than all of them, so
     # prefixes come back from L1, L2 and L3 (orbax in a temporary directory takes every backup).
     _common(p, "multiturn", device_pages=320, host_ratio=1.0, max_batch=4)
-    p.add_argument("--clients", type=int, default=8, help="conversations")
-    p.add_argument("--rounds", type=int, default=4, help="turns per conversation")
-    p.add_argument("--first-len", type=int, default=512, help="tokens of each conversation's first prompt")
-    p.add_argument("--turn-len", type=int, default=96, help="tokens each later turn appends (after the answer)")
-    p.add_argument("--answer-len", type=int, default=16, help="tokens generated per turn")
-    p.add_argument("--request-rate", type=float, default=0.0,
+    p.add_argument("--clients", type=_positive_int, default=8, help="conversations")
+    p.add_argument("--rounds", type=_positive_int, default=4, help="turns per conversation")
+    p.add_argument("--first-len", type=_positive_int, default=512, help="tokens of each conversation's first prompt")
+    p.add_argument("--turn-len", type=_non_negative_int, default=96, help="tokens each later turn appends (after the answer)")
+    p.add_argument("--answer-len", type=_positive_int, default=16, help="tokens generated per turn")
+    p.add_argument("--request-rate", type=_non_negative_float, default=0.0,
                    help="0: closed loop (a client sends its next turn when its answer is back; at most "
                         "--max-batch served at once); > 0: Poisson arrivals per round at this many req/s")
-    p.add_argument("--num-processes", type=int, default=1,
+    p.add_argument("--num-processes", type=_positive_int, default=1,
                    help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each rank "
                         "holding its share of the KV heads; every rank's tokens are checked against rank 0's; "
                         "L3 orbax is replaced by file)")
     p.add_argument("--agreement", choices=["kv", "device"], default="kv",
                    help="with --num-processes > 1: how the ranks agree once per scheduler step (kv: the "
                         "coordination service's key-value store; device: process_allgather)")
-    p.add_argument("--rank-timeout", type=float, default=3600.0,
+    p.add_argument("--rank-timeout", type=_positive_float, default=3600.0,
                    help="with --num-processes > 1: seconds before every rank still running is killed")
 
 
 def two_run_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "two_run")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run")
-    p.add_argument("--prompt-len", type=int, default=3584, help="tokens per prompt")
-    p.add_argument("--answer-len", type=int, default=1, help="tokens generated per prompt")
+    p.add_argument("--num-prompts", type=_positive_int, default=8, help="prompts per run")
+    p.add_argument("--prompt-len", type=_positive_int, default=3584, help="tokens per prompt")
+    p.add_argument("--answer-len", type=_positive_int, default=1, help="tokens generated per prompt")
 
 
 def ttft_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "ttft")
-    p.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt")
-    p.add_argument("--reuse", type=float, default=0.95, help="fraction of the prompt that is a cached prefix")
-    p.add_argument("--reps", type=int, default=9,
+    p.add_argument("--prompt-len", type=_positive_int, default=2048, help="tokens per prompt")
+    p.add_argument("--reuse", type=_fraction, default=0.95, help="fraction of the prompt that is a cached prefix")
+    p.add_argument("--reps", type=_positive_int, default=9,
                    help="rounds; each measures every tier once, in rotating order (medians over rounds)")
-    p.add_argument("--answer-len", type=int, default=1, help="tokens generated per prompt")
-    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per round of the decode test")
-    p.add_argument("--decode-reps", type=int, default=10, help="interleaved with/without rounds of the decode test")
+    p.add_argument("--answer-len", type=_positive_int, default=1, help="tokens generated per prompt")
+    p.add_argument("--decode-steps", type=_positive_int, default=16, help="decode steps per round of the decode test")
+    p.add_argument("--decode-reps", type=_positive_int, default=10, help="interleaved with/without rounds of the decode test")
 
 
 def restart_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "restart")
-    p.add_argument("--num-prompts", type=int, default=4, help="prompts written, then re-sent after the restart")
-    p.add_argument("--prompt-len", type=int, default=1024, help="tokens per prompt")
-    p.add_argument("--answer-len", type=int, default=4, help="tokens generated per prompt")
+    p.add_argument("--num-prompts", type=_positive_int, default=4, help="prompts written, then re-sent after the restart")
+    p.add_argument("--prompt-len", type=_positive_int, default=1024, help="tokens per prompt")
+    p.add_argument("--answer-len", type=_positive_int, default=4, help="tokens generated per prompt")
     p.add_argument("--phase", choices=["both", "write", "read"], default="both", help=argparse.SUPPRESS)
 
 
@@ -156,20 +172,20 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
                         "gpu = Pallas Triton; a kernel on CPU runs interpreted)")
     p.add_argument("--compare-impls", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure xla / mgpu / gpu gather and scatter side by side (default: on a GPU)")
-    p.add_argument("--layers", type=int, default=8, help="KV layers")
-    p.add_argument("--heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument("--layers", type=_positive_int, default=8, help="KV layers")
+    p.add_argument("--heads", type=_positive_int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension")
     p.add_argument("--dtype", default="bfloat16", help="KV dtype")
-    p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64], help="tokens per page")
-    p.add_argument("--page-counts", type=int, nargs="+", default=None,
+    p.add_argument("--page-sizes", type=_positive_int, nargs="+", default=[1, 16, 64], help="tokens per page")
+    p.add_argument("--page-counts", type=_positive_int, nargs="+", default=None,
                    help="pages per transfer (default: per page size, the smallest power of two moving >= 64 MiB)")
     p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
     p.add_argument("--host-copy", default="auto", choices=["auto", "xla_stream", "numpy"],
                    help="how pages cross host<->device (auto: xla_stream where the host pool is pinned)")
     p.add_argument("--stream-loop", default="dynamic", choices=["dynamic", "static"],
                    help="xla_stream page loops: over the live count, or over the whole bucket (known trip count)")
-    p.add_argument("--stream-unroll", type=int, default=1, help="unroll factor of static page loops")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per op (median)")
+    p.add_argument("--stream-unroll", type=_positive_int, default=1, help="unroll factor of static page loops")
+    p.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per op (median)")
 
 
 def spec_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,17 +195,17 @@ def spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="toy",
                    help="target + draft pair (.npz written by scripts/train_spec_pair.py); toy: the package's "
                         "trained toy pair")
-    p.add_argument("--prompt-len", type=int, default=512, help="tokens per repetitive prompt")
-    p.add_argument("--period", type=int, default=0,
+    p.add_argument("--prompt-len", type=_positive_int, default=512, help="tokens per repetitive prompt")
+    p.add_argument("--period", type=_non_negative_int, default=0,
                    help="pattern length of the repetitive prompt (0: the period the pair was trained on)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per verify step (chain drafting)")
-    p.add_argument("--reps", type=int, default=5, help="prompts (patterns) per case; times are medians over them")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=int, default=0, help="L1 pool size in pages (0: three requests' worth)")
-    p.add_argument("--max-context", type=int, default=0,
+    p.add_argument("--new-tokens", type=_positive_int, default=32, help="tokens generated per prompt")
+    p.add_argument("--k", type=_positive_int, default=4, help="draft tokens per verify step (chain drafting)")
+    p.add_argument("--reps", type=_positive_int, default=5, help="prompts (patterns) per case; times are medians over them")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=_non_negative_int, default=0, help="L1 pool size in pages (0: three requests' worth)")
+    p.add_argument("--max-context", type=_non_negative_int, default=0,
                    help="tokens per request (0: prompt + new tokens + 2k + a page)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=512, help="tokens per prefill step")
     p.add_argument("--storage-backend", choices=["orbax", "file"], default="orbax",
                    help="L3 backend (a directory: the restarted engine reads what the first one wrote)")
     p.add_argument("--storage-dir", default=None,
