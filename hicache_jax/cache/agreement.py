@@ -62,6 +62,18 @@ class Agreement:
         """Release what the implementation holds (nothing by default)."""
 
 
+def check_rank(rank: object, num_processes: object) -> tuple[int, int]:
+    """(rank, num_processes) as ints after checks: ``num_processes >= 1``, ``0 <= rank < num_processes``."""
+    for name, v in (("rank", rank), ("num_processes", num_processes)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if num_processes < 1:
+        raise ValueError(f"num_processes: expected >= 1, got {num_processes}")
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"rank: expected 0 <= rank < num_processes ({num_processes}), got {rank}")
+    return int(rank), int(num_processes)
+
+
 class SingleProcessAgreement(Agreement):
     """One process: every local value is already agreed."""
 
@@ -80,7 +92,7 @@ class NoExchangeAgreement(Agreement):
     collective = True
 
     def __init__(self, rank: int = 0, num_processes: int = 1) -> None:
-        self.rank, self.num_processes = int(rank), int(num_processes)
+        self.rank, self.num_processes = check_rank(rank, num_processes)
 
     def agree_min(self, values: np.ndarray) -> np.ndarray:
         return values

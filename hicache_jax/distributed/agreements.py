@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.agreement import Agreement, AgreementError
+from ..cache.agreement import Agreement, AgreementError, check_rank
 
 _BLOCK = 64  # KVStoreAgreement: calls per key directory (deleted as a whole)
 
@@ -69,7 +69,8 @@ class KVStoreAgreement(Agreement):
             num_processes = state.num_processes if num_processes is None else num_processes
         if rank is None or num_processes is None:
             raise ValueError("rank, num_processes: required with an explicit client")
-        self.client, self.rank, self.num_processes, self.name = client, int(rank), int(num_processes), name
+        rank, num_processes = check_rank(rank, num_processes)
+        self.client, self.rank, self.num_processes, self.name = client, rank, num_processes, name
         self.calls = 0
 
     def agree_min(self, values: np.ndarray) -> np.ndarray:

@@ -266,3 +266,18 @@ def test_without_the_exchange_the_same_divergence_splits_the_trees(tmp_path, div
     r0, r1 = _trace_on_threads(tmp_path, lambda g, r: NoExchangeAgreement(r, 2), divergence)
     first = next((i for i, (a, b) in enumerate(zip(r0["digests"], r1["digests"])) if a != b), None)
     assert first is not None, "the divergence left no trace in the digests"
+
+
+@pytest.mark.parametrize("rank,num_processes,err", [(5, 2, ValueError), (3, 2, ValueError), (-1, 2, ValueError),
+                                                    (0, 0, ValueError), (0, -2, ValueError), (0.5, 2, TypeError),
+                                                    (True, 2, TypeError), (0, "2", TypeError)])
+def test_ranks_outside_the_process_count_are_refused(rank, num_processes, err):
+    from hicache_jax.cache.agreement import NoExchangeAgreement
+    with pytest.raises(err, match="rank|num_processes"):
+        NoExchangeAgreement(rank=rank, num_processes=num_processes)
+    try:
+        from hicache_jax.distributed.agreements import KVStoreAgreement
+    except ImportError:  # the torch env has no JAX
+        return
+    with pytest.raises(err, match="rank|num_processes"):
+        KVStoreAgreement("t", client=object(), rank=rank, num_processes=num_processes)
