@@ -838,3 +838,28 @@ def test_a_split_trims_every_pool_so_storage_hits_continue_after_it():
     req = fetch_and_check(cache, ctl, t_oracle, key, expect_storage=12)  # pages 12..17 from storage
     d_oracle.check_device(RadixKey(key.token_ids[:36]), req.device_pages[:18])
     ctl.close()
+
+
+def test_cancel_keeps_the_host_pages_until_the_read_lets_go(backend_factory):
+    """A cancelled prefetch whose read is still in flight must not hand its host pages back
+    until the read is done: the IO thread is still writing them, and a page reused meanwhile
+    (a backup, another prefetch) would be overwritten by the late read."""
+    cache, be, ctl, store, oracle = _racing(backend_factory)
+    op = ctl.prefetch(seq(0, 24))
+    _wait_for(lambda: op.hit_tokens is not None)
+    cache.check_events()
+    assert op.status == "loading"
+    total = cache.host_allocator.num_pages
+    held = total - cache.host_allocator.available
+    assert held > 0
+    ctl.cancel(op)
+    assert op.status == "revoked"
+    for _ in range(3):
+        cache.check_events()
+        assert total - cache.host_allocator.available == held  # still the IO thread's
+        assert ctl.stats()["prefetch_reserved_host_pages"] == held
+    store.reads.release(1000)
+    _wait_for(lambda: (cache.check_events(), cache.host_allocator.available == total)[1])
+    assert ctl.stats()["prefetch_reserved_host_pages"] == 0
+    cache.sanity_check(0)
+    ctl.close()
