@@ -25,7 +25,6 @@ Usage: hicache-jax bench transfer [--quick] [--out PATH] [--impl auto|xla|tpu|mg
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 
 import jax

@@ -166,6 +166,7 @@ from ..kv_geometry import KVGeometry
 from ..storage import (HiCacheStorage, Namespace, PoolHitPolicy, PoolSpec, PoolTransfer, StorageConfig, consecutive,
                        create_storage, page_keys)
 from ..workers import background_executor
+from .digests import INFLIGHT, NEW, STORED, NodeDigests, PageDigests
 
 log = logging.getLogger("hicache_jax.cache.storage")
 
@@ -174,27 +175,7 @@ COMMIT_POOL = "commit"  # several ranks, sharded pools: one marker page per comm
 # Several ranks: at most this many prefetches, L3 backup jobs and draining prefetches report
 # per agreement step (the vector has a fixed width); the rest report at a later step.
 _OP_BUDGET, _JOB_BUDGET, _DRAIN_BUDGET = 24, 32, 16
-_NEW, _INFLIGHT, _STORED = 0, 1, 2
 _EMPTY = np.zeros(0, np.int64)
-
-
-class _Entry:
-    """Page digests of one tree node, per pool, and whether its pages are in L3."""
-
-    __slots__ = ("digests", "state")
-
-    def __init__(self, digests: dict[str, list[bytes]]) -> None:
-        self.digests = digests
-        self.state = _NEW
-
-    def __len__(self) -> int:
-        return len(next(iter(self.digests.values())))
-
-    def trim(self, k: int) -> None:
-        """The node was split: keep the digests of its last ``k`` pages (in place), in every pool."""
-        n = len(self)  # read once: it is the first pool's length, which the loop changes
-        for pool in self.digests:
-            self.digests[pool] = self.digests[pool][n - k:]
 
 
 class _BackupJob:
@@ -381,8 +362,7 @@ class StorageController:
             self._owns_storage = False
         self._ns_cache: dict[tuple, dict[str, Namespace] | None] = {}
         self._bad_ns_logged: set = set()
-        self._entries: dict[TreeNode, _Entry] = {}
-        self._prune_at = 4096
+        self._digests = NodeDigests(lambda: cache.root, self.page_size, self._namespaces)  # reset replaces the root
         self._ops: dict[PrefetchOperation, None] = {}  # started, not finished; in start order
         self._draining: list[PrefetchOperation] = []  # finished while the IO thread still held pages
         self._backups: dict[_BackupJob, None] = {}  # in submission order
@@ -417,66 +397,6 @@ class StorageController:
         self._ns_cache[radix_ns] = out
         return out
 
-    def _valid_entry(self, node: TreeNode) -> _Entry | None:
-        """The node's entry if it has one (fixing it up after splits), without hashing."""
-        p = self.page_size
-        e = self._entries.get(node)
-        if e is None:
-            # A node made by a split: its lower half (now a child) still holds the digests.
-            for c in node.children.values():
-                ce = self._entries.get(c)
-                if ce is not None and len(ce) > c.size // p:
-                    self._valid_entry(c)
-                    return self._entries.get(node)
-            return None
-        k = node.size // p
-        if len(e) > k:  # split since: hand the head digests to the new ancestors
-            cut = len(e) - k
-            head = {pool: d[:cut] for pool, d in e.digests.items()}
-            e.trim(k)
-            a, root = node.parent, self.cache.root
-            while cut > 0 and a is not root and a not in self._entries and a.size // p <= cut:
-                ka = a.size // p
-                ea = self._entries[a] = _Entry({pool: d[cut - ka:cut] for pool, d in head.items()})
-                ea.state = _STORED if e.state == _STORED else _NEW
-                cut -= ka
-                a = a.parent
-        elif len(e) < k:  # cannot happen (nodes only shrink); recompute to be safe
-            del self._entries[node]
-            return None
-        return e
-
-    def _entry(self, node: TreeNode) -> _Entry | None:
-        """The node's digests (computing them and its ancestors' as needed); None if unkeyable."""
-        root = self.cache.root
-        if node is root:
-            return None
-        path = []
-        n, e = node, None
-        while n is not root:
-            e = self._valid_entry(n)
-            if e is not None:
-                break
-            path.append(n)
-            n = n.parent
-        prev = None if n is root else {p: d[-1] for p, d in e.digests.items()}
-        for n in reversed(path):
-            ns = self._namespaces(n.namespace)
-            if ns is None:
-                return None
-            try:
-                digests = {pool: page_keys(ns[pool], n.key, None if prev is None else prev[pool]) for pool in ns}
-            except ValueError as err:  # token ids outside the uint32 key encoding
-                log.warning("L3: cannot key node %r: %s", n, err)
-                return None
-            self._entries[n] = e = _Entry(digests)
-            prev = {p: d[-1] for p, d in digests.items()}
-        if len(self._entries) > self._prune_at:
-            for dead in [x for x in self._entries if x.deleted]:
-                del self._entries[dead]
-            self._prune_at = max(4096, 2 * len(self._entries))
-        return self._entries.get(node)
-
     # ------------------------------------------------------------------ hooks (owner thread)
     def on_backup_acked(self, node: TreeNode) -> None:
         """A D2H backup of ``node`` (and its un-backed ancestors) was acknowledged: queue L3."""
@@ -489,15 +409,15 @@ class StorageController:
 
     def _queue_backup(self, node: TreeNode) -> None:
         root = self.cache.root
-        if node is root or self._entry(node) is None:
+        if node is root or self._digests.get(node) is None:
             return
         chain = []
         n = node
         while n is not root:
-            e = self._valid_entry(n)
+            e = self._digests.valid(n)
             if e is None:
-                e = self._entry(n)
-            if e is None or e.state != _NEW or n.host_value is None:
+                e = self._digests.get(n)
+            if e is None or e.state != NEW or n.host_value is None:
                 break
             chain.append((n, e))
             n = n.parent
@@ -521,7 +441,7 @@ class StorageController:
             keys[pool] = tk
             ids_by_pool[pool] = np.concatenate(ti).astype(np.int64) if ti else _EMPTY
         for _, e in chain:
-            e.state = _INFLIGHT
+            e.state = INFLIGHT
         job = _BackupJob(node, [e for _, e in chain], keys, ids_by_pool)
         self._inflight_keys.update(keys[TARGET_POOL])
         job.pin = self.cache.pin_host(node)  # the host pages stay until the storage has copied them
@@ -553,7 +473,7 @@ class StorageController:
         self._wait_backups(None)
         for op in self._ops:
             self._release_anchor(op)
-        self._entries.clear()
+        self._digests.clear()
 
     def reserved_host_pages(self) -> np.ndarray:
         """Host pages allocated for prefetches and not (yet) handed to the tree or freed."""
@@ -613,7 +533,7 @@ class StorageController:
         m.storage_backup_duration_seconds.observe(job.t_done - job.t0)
         if stored is None:
             stored = good == len(job.ok)
-        state = _STORED if stored else _NEW
+        state = STORED if stored else NEW
         for e in job.entries:
             e.state = state
 
@@ -683,10 +603,10 @@ class StorageController:
             return op
         op._ns = ns
         if anchor is not cache.root:
-            e = self._valid_entry(anchor)
+            e = self._digests.valid(anchor)
             if e is not None:
                 k = anchor_m // p  # pages of the anchor inside the match
-                op._prev = {pool: d[k - 1] for pool, d in e.digests.items()}
+                op._prev = e.at(k - 1)
             op._anchor_pin = cache.pin_host(anchor)  # keeps the prefix the prefetch continues
             op._anchor = anchor
         op.status = "querying"
@@ -973,9 +893,8 @@ class StorageController:
                 attached, leaf = self.cache.insert_host(op.key, got, op.start, side_pages)
                 if leaf is not None:
                     k = attached // self.page_size
-                    e = _Entry({pool: ks[done - k:done] for pool, ks in op._keys.items()})
-                    e.state = _STORED  # it came from L3
-                    self._entries[leaf] = e
+                    self._digests.set(leaf, PageDigests({pool: ks[done - k:done] for pool, ks in op._keys.items()},
+                                                        STORED))  # it came from L3
                 else:
                     self.cache.metrics.prefetch_revoked += 1
                     op.reason = "the tree no longer connects"
@@ -1062,9 +981,8 @@ class StorageController:
                 attached, leaf = self.cache.insert_host(op.key, got, op.start)
                 if leaf is not None:
                     k = attached // self.page_size
-                    e = _Entry({pool: ks[done - k:done] for pool, ks in op._keys.items()})
-                    e.state = _STORED
-                    self._entries[leaf] = e
+                    self._digests.set(leaf, PageDigests({pool: ks[done - k:done] for pool, ks in op._keys.items()},
+                                                        STORED))  # it came from L3
                 else:
                     m.prefetch_revoked += 1
                     op.reason = "the tree no longer connects"
@@ -1245,7 +1163,7 @@ class StorageController:
             log.exception("L3: closing the storage failed")
         if self.cache.storage_hook is self:
             self.cache.storage_hook = None
-        self._entries.clear()
+        self._digests.clear()
 
     def __enter__(self) -> "StorageController":
         return self
