@@ -106,6 +106,7 @@ from ..reference_model import ModelConfig, PagedRunner, swa_table_width
 from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
 from .multiprocess import AgreedClock
+from .page_audit import PageAudit
 from .speculative import SpecConfig, SpecDecoder, SpecState
 
 log = logging.getLogger(__name__)
@@ -167,13 +168,14 @@ class _Seq:
     storage_tokens: int = 0  # tokens attached from L3 by this request's prefetches so far
     load: LoadBackResult | None = None  # the admission's load-back, until the prefill waited for it
     spec: SpecState | None = None  # speculative decoding only
+    audited: int = 0  # pages of its own the page audit has recorded
 
     def abandon(self) -> None:
         """Forget everything admission and serving produced (the request is queued again)."""
         self.req, self.reserve, self.prefetch, self.load, self.spec = None, None, None, None, None
         self.out = []
         self.cached = {"device": 0, "host": 0, "storage": 0}
-        self.ttft, self.computed, self.storage_tokens = 0.0, 0, 0
+        self.ttft, self.computed, self.storage_tokens, self.audited = 0.0, 0, 0, 0
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -248,8 +250,13 @@ class Engine:
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
             worker_nice=cache_config.worker_nice)
         self.transfer.precompile()
+        if spec is not None and cache_config.deterministic and \
+                spec.num_draft_tokens + 1 > cache_config.deterministic_step_tokens:
+            raise ValueError(f"cache_config: deterministic_step_tokens {cache_config.deterministic_step_tokens} must "
+                             f"hold a verify step of num_draft_tokens + 1 = {spec.num_draft_tokens + 1} tokens")
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
-                                  model=weights.target() if weights is not None else None)
+                                  model=weights.target() if weights is not None else None,
+                                  fixed_shape=cache_config.fixed_step_shape)
         if ranks is not None:
             self.runner.state = ranks.replicate(self.runner.state)
         self.spec = None if spec is None else SpecDecoder(
@@ -272,6 +279,8 @@ class Engine:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
             # a speculative engine's tree keys are token pairs, so its pages are apart too.
             model_id = f"hicache-jax-reference:{model_config!r}" + (":pair-keys" if spec is not None else "")
+            if cache_config.deterministic:  # other numerics: KV of another shape or width never hits
+                model_id += f":deterministic{self.runner.fixed_shape}x{self.runner.max_pages_per_seq}"
             self.storage = StorageController(self.cache, model=model_id,
                                              weights_revision=weights.digest if weights is not None else "")
         self.page_size = page
@@ -280,6 +289,7 @@ class Engine:
         self.on_decode_step = None
         self.metrics = EngineMetrics()
         self._serving: list[_Seq] = []  # the scheduler's running list (peak sampling only)
+        self.audit: PageAudit | None = None  # enable_page_audit()
 
     @staticmethod
     def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig) -> int:
@@ -313,6 +323,41 @@ class Engine:
         return pool, transfer, SWAComponent(transfer, pool.allocator, model.sliding_window)
 
     # ---- public API ----------------------------------------------------------------------
+    def enable_page_audit(self, audit: PageAudit | None = None) -> PageAudit:
+        """Check from now on that every page a hit serves holds bytes computed for its prefix
+        (``page_audit``): pass another engine's audit to compare with what that engine
+        computed (a restarted engine reading its L3 pages). Returns the audit. Reads pages back
+        from the device: for tests and benchmarks. One process only (not with ``ranks``)."""
+        if self.ranks is not None:
+            raise ValueError("enable_page_audit: reads whole pages from the device; not with ranks (sharded pools)")
+        if audit is None:
+            audit = PageAudit(self.page_size)
+        elif not isinstance(audit, PageAudit):
+            raise TypeError(f"audit: expected a PageAudit or None, got {type(audit).__name__}")
+        elif audit.page_size != self.page_size:
+            raise ValueError(f"audit: made for page size {audit.page_size}, this engine's is {self.page_size}")
+        self.audit = audit
+        return audit
+
+    def _audit_pools(self) -> list:
+        return [self.device_pool] + ([self.spec.device_pool] if self.spec is not None else [])
+
+    def _audit_served(self, seq: _Seq) -> None:
+        """The pages the cache served ``seq`` (its prefix, every tier), once landed."""
+        p, c = self.page_size, seq.cached
+        hit = sum(c.values())
+        tiers = ["device" if j * p < c["device"] else "host" if j * p < c["device"] + c["host"] else "storage"
+                 for j in range(hit // p)]
+        self.audit.check(self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages, tiers,
+                         seq.index)
+
+    def _audit_computed(self, seq: _Seq) -> None:
+        """The full pages ``seq`` computed so far (after its cached prefix): they enter the tree."""
+        req = seq.req
+        first = max(seq.audited, sum(seq.cached.values()) // self.page_size)
+        seq.audited = len(req.key) // self.page_size
+        self.audit.record(self._audit_pools(), req.key.token_ids, req.device_pages, first, seq.audited)
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
                  arrivals: list[float] | None = None) -> list[RequestResult]:
         """Greedy-decode every prompt; results in prompt order.
@@ -391,6 +436,8 @@ class Engine:
             seq.admitted = t_admit
             waiting.popleft()
             self._prefill(seq)
+            if use_cache and self.audit is not None:
+                self._audit_computed(seq)
             if use_cache:  # the prompt's pages become shareable (and backed up) right away
                 self.cache.cache_unfinished_req(seq.req)
             if len(seq.out) >= seq.max_new:
@@ -685,6 +732,8 @@ class Engine:
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
         self._wait_load(seq)
+        if self.audit is not None and sum(seq.cached.values()):
+            self._audit_served(seq)
         start = sum(seq.cached.values())  # the cached prefix (from any tier) is not recomputed
         seq.computed = seq.prompt.shape[0] - start
         if self.spec is not None:
@@ -756,6 +805,8 @@ class Engine:
     def _finish(self, seq: _Seq, use_cache: bool) -> RequestResult:
         req = seq.req
         if use_cache:
+            if self.audit is not None:
+                self._audit_computed(seq)
             self.cache.cache_finished_req(req)
         else:
             self.device_pool.allocator.free(req.device_pages)
