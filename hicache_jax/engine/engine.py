@@ -78,6 +78,14 @@ is the cache's ``draft`` sidecar, verification of ``k`` chained proposals in one
 the same tokens as plain greedy decoding). Its hooks here: the tree keys, the pages a request
 reserves, the prefill, the decode step and the per-request results.
 
+Deterministic mode (``EngineCacheConfig.deterministic``): the runner runs every prefill chunk
+and decode step in one fixed shape (``PagedRunner``'s deterministic mode), so a position's KV
+and logits depend only on the tokens before it: the tokens with and without the cache, from
+any tier, are identical on any platform, and so are the bytes of every page (a cached page
+equals the page a cold prefill computes). The default mode gives the cache's own contract
+only: a hit serves the bytes that were stored. ``enable_page_audit`` checks that in the engine
+(``page_audit``): every page a hit serves is compared with the bytes computed for its prefix.
+
 The last cached position (the rule): the draft's KV entry at position ``j`` is computed from
 token ``j + 1``, so with speculative decoding the tree is keyed by token *pairs* (position
 ``j``'s key is ``(t_j, t_{j+1})``) and a request inserts only positions whose successor it has
@@ -169,13 +177,14 @@ class _Seq:
     load: LoadBackResult | None = None  # the admission's load-back, until the prefill waited for it
     spec: SpecState | None = None  # speculative decoding only
     audited: int = 0  # pages of its own the page audit has recorded
+    audit_s: float = 0.0  # time the page audit spent on it (left out of its TTFT and latency)
 
     def abandon(self) -> None:
         """Forget everything admission and serving produced (the request is queued again)."""
         self.req, self.reserve, self.prefetch, self.load, self.spec = None, None, None, None, None
         self.out = []
         self.cached = {"device": 0, "host": 0, "storage": 0}
-        self.ttft, self.computed, self.storage_tokens, self.audited = 0.0, 0, 0, 0
+        self.ttft, self.computed, self.storage_tokens, self.audited, self.audit_s = 0.0, 0, 0, 0, 0.0
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -327,7 +336,9 @@ class Engine:
         """Check from now on that every page a hit serves holds bytes computed for its prefix
         (``page_audit``): pass another engine's audit to compare with what that engine
         computed (a restarted engine reading its L3 pages). Returns the audit. Reads pages back
-        from the device: for tests and benchmarks. One process only (not with ``ranks``)."""
+        from the device: for tests and benchmarks. The time it takes is left out of the
+        audited request's TTFT and latency (not out of the waits of requests queued behind it;
+        ``audit.counts.seconds`` is the total). One process only (not with ``ranks``)."""
         if self.ranks is not None:
             raise ValueError("enable_page_audit: reads whole pages from the device; not with ranks (sharded pools)")
         if audit is None:
@@ -336,6 +347,7 @@ class Engine:
             raise TypeError(f"audit: expected a PageAudit or None, got {type(audit).__name__}")
         elif audit.page_size != self.page_size:
             raise ValueError(f"audit: made for page size {audit.page_size}, this engine's is {self.page_size}")
+        audit.warm(self._audit_pools(), self.device_pool.num_pages)
         self.audit = audit
         return audit
 
@@ -344,19 +356,27 @@ class Engine:
 
     def _audit_served(self, seq: _Seq) -> None:
         """The pages the cache served ``seq`` (its prefix, every tier), once landed."""
+        t0 = time.perf_counter()
         p, c = self.page_size, seq.cached
         hit = sum(c.values())
         tiers = ["device" if j * p < c["device"] else "host" if j * p < c["device"] + c["host"] else "storage"
                  for j in range(hit // p)]
         self.audit.check(self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages, tiers,
                          seq.index)
+        dt = time.perf_counter() - t0
+        seq.audit_s += dt
+        self.audit.counts.seconds += dt
 
     def _audit_computed(self, seq: _Seq) -> None:
         """The full pages ``seq`` computed so far (after its cached prefix): they enter the tree."""
+        t0 = time.perf_counter()
         req = seq.req
         first = max(seq.audited, sum(seq.cached.values()) // self.page_size)
         seq.audited = len(req.key) // self.page_size
         self.audit.record(self._audit_pools(), req.key.token_ids, req.device_pages, first, seq.audited)
+        dt = time.perf_counter() - t0
+        seq.audit_s += dt
+        self.audit.counts.seconds += dt
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
                  arrivals: list[float] | None = None) -> list[RequestResult]:
@@ -739,7 +759,7 @@ class Engine:
         if self.spec is not None:
             seq.out.append(self.spec.prefill(seq, start, self.cache_config.prefill_chunk))
             self.spec.sync_key(seq)
-            seq.ttft = time.perf_counter() - seq.arrival
+            seq.ttft = time.perf_counter() - seq.arrival - seq.audit_s
             return
         n = seq.prompt.shape[0]
         chunk = self.cache_config.prefill_chunk
@@ -752,7 +772,7 @@ class Engine:
             self._slide([req])
             start = end
         seq.out.append(int(np.argmax(logits[0])))
-        seq.ttft = time.perf_counter() - seq.arrival
+        seq.ttft = time.perf_counter() - seq.arrival - seq.audit_s
 
     def _wait_load(self, seq: _Seq) -> None:
         """Wait for each layer of the request's load-back, in order, before a step reads it.
@@ -817,5 +837,5 @@ class Engine:
             self.device_pool.allocator.free(seq.reserve)
         spec = self.spec.finish(seq) if self.spec is not None else {}
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival, seq.computed, max(0.0, seq.admitted - seq.arrival),
+                             time.perf_counter() - seq.arrival - seq.audit_s, seq.computed, max(0.0, seq.admitted - seq.arrival),
                              **spec)
