@@ -55,7 +55,6 @@ def _gpus() -> list:
         return []
 
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no CUDA GPU visible to JAX")]
 
 
 # ---------------------------------------------------------------------------------- model step
@@ -293,14 +292,14 @@ def test_a_rotated_load_back_is_caught(deterministic, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="no CUDA GPU visible to JAX")
 @pytest.mark.parametrize("case", ["mha", "spec"])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_gpu_engine_exactness(case, deterministic, tmp_path, request):
+def test_gpu_engine_exactness(case, deterministic, tmp_path):
     """On a CUDA GPU, a larger bf16-KV model: deterministic mode gives the cold run's tokens and
     page bytes on every tier; the default mode serves exactly the bytes it computed (its tokens
     may differ from the cold run's: other shapes round differently there)."""
-    if not _gpus():
-        pytest.skip("no CUDA GPU visible to JAX")
     spec = SpecConfig(num_draft_tokens=3) if case == "spec" else None
     cfg = _config(tmp_path, deterministic, page_size=16, device_pages=256, max_context=512, prefill_chunk=128,
                   deterministic_step_tokens=16)
@@ -311,7 +310,3 @@ def test_gpu_engine_exactness(case, deterministic, tmp_path, request):
         for tier, (res, got) in tiers.items():
             assert [r.tokens for r in res] == tokens, tier
             assert diff_pages(got, pages) == [], tier
-
-
-for _m in gpu:
-    test_gpu_engine_exactness = _m(test_gpu_engine_exactness)
