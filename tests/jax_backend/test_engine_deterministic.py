@@ -276,7 +276,8 @@ def _rotated_load_back(deterministic: bool, tmp_path):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_rotated_load_back_is_caught(deterministic, tmp_path):
     """A load-back that puts the right pages in the wrong order: attention over the same set of
-    keys, so the greedy tokens typically survive; the byte checks do not."""
+    keys in other slots, so only the rounding changes (the tiny model's greedy tokens may or
+    may not move: not asserted). The byte checks see it."""
     (cold_tokens, cold_pages), (tokens, pages), audit, served = _rotated_load_back(deterministic, tmp_path)
     # Default mode and deterministic mode alike: the audit sees every request's served pages move.
     s = audit.stats()
