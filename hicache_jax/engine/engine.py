@@ -837,5 +837,5 @@ class Engine:
             self.device_pool.allocator.free(seq.reserve)
         spec = self.spec.finish(seq) if self.spec is not None else {}
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival - seq.audit_s, seq.computed, max(0.0, seq.admitted - seq.arrival),
-                             **spec)
+                             time.perf_counter() - seq.arrival - seq.audit_s, seq.computed,
+                             max(0.0, seq.admitted - seq.arrival), **spec)

@@ -16,13 +16,14 @@ states the convention); a step computing ``[s, e)`` therefore reads SWA position
 those entries of an SWA table must be valid SWA page ids; the entries below are never copied
 to the device (a freed page's id, a sentinel such as -1, anything). The runner copies the
 needed entries into a narrow device table of ``window.swa_table_width(W, T, page)`` columns
-(a ring: column j = the needed logical page ``L`` with ``L % width == j``), so the SWA layers gather and attend over at most
-``W - 1 + T`` positions (plus page rounding), never over the whole context: SWA compute per
-step and SWA pool pages per request are bounded by the window. That width is a function of the
-token bucket T, so each compiled (B, T) shape has exactly one SWA width and a hybrid model
-compiles no more steps than a full one. (The alternative, SWA tables as wide as the full ones
-with out-of-window entries masked, bounds pool memory just as well but gathers and attends over
-the whole context in every SWA layer and puts stale ids on the device.) The full pool and its
+(a ring: column j holds the needed logical page ``L`` with ``L % width == j``), so the SWA
+layers gather and attend over at most ``W - 1 + T`` positions (plus page rounding), never over
+the whole context: SWA compute per step and SWA pool pages per request are bounded by the
+window. That width is a function of the token bucket T, so each compiled (B, T) shape has
+exactly one SWA width and a hybrid model compiles no more steps than a full one. (The
+alternative, SWA tables as wide as the full ones with out-of-window entries masked, bounds pool
+memory just as well but gathers and attends over the whole context in every SWA layer and puts
+stale ids on the device.) The full pool and its
 tables work exactly as for a non-hybrid model, whose compiled step is unchanged. The per-layer
 dispatch to a pool is ``_attention``.
 
@@ -273,7 +274,10 @@ class PagedRunner:
         sequence's outputs back together: ``step``'s logits come from the row holding its last
         token, ``step_all``'s rows are concatenated (padded to the longest sequence)."""
         rows_per_step, t = self.fixed_shape
-        rows = []  # (sequence, first token of the row, tokens, start, full table, swa table)
+        if swa_page_tables is not None and len(swa_page_tables) != len(tokens):
+            raise ValueError(f"swa_page_tables: expected {len(tokens)} tables (one per sequence), "
+                             f"got {len(swa_page_tables)}")
+        rows = []  # (sequence, offset of the row in it, tokens, start, full table, swa table)
         for i, (ts, st, table) in enumerate(zip(tokens, starts, page_tables)):
             n = len(ts)
             if n == 0:
@@ -282,9 +286,8 @@ class PagedRunner:
                 raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {st + n} tokens")
             swa = None if swa_page_tables is None else swa_page_tables[i]
             rows += [(i, j, list(ts[j:j + t]), st + j, table, swa) for j in range(0, n, t)]
-        if swa_page_tables is not None and len(swa_page_tables) != len(tokens):
-            raise ValueError(f"swa_page_tables: expected {len(tokens)} tables (one per sequence), "
-                             f"got {len(swa_page_tables)}")
+        if swa_pools is not None:  # every row's window is checked before the first step consumes the pools
+            self._swa_tables(swa_pools, [r[5] for r in rows], [r[2] for r in rows], [r[3] for r in rows], len(rows), t)
         out_rows = []
         for g in range(0, len(rows), rows_per_step):
             group = rows[g:g + rows_per_step]
