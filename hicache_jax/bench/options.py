@@ -115,10 +115,17 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
                    help="OS priority offset of the cache's worker threads (0: same as the scheduler)")
 
 
+def _deterministic(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic mode: every model step in one fixed shape, so tokens with and without the "
+                        "cache are identical on any platform (slower; EngineCacheConfig.deterministic)")
+
+
 def multiturn_arguments(p: argparse.ArgumentParser) -> None:
     # L1 holds about two thirds of the clients' histories and L2 a bit less than all of them, so
     # prefixes come back from L1, L2 and L3 (orbax in a temporary directory takes every backup).
     _common(p, "multiturn", device_pages=320, host_ratio=1.0, max_batch=4)
+    _deterministic(p)
     p.add_argument("--clients", type=_positive_int, default=8, help="conversations")
     p.add_argument("--rounds", type=_positive_int, default=4, help="turns per conversation")
     p.add_argument("--first-len", type=_positive_int, default=512, help="tokens of each conversation's first prompt")
@@ -147,6 +154,7 @@ def two_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def ttft_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "ttft")
+    _deterministic(p)
     p.add_argument("--prompt-len", type=_positive_int, default=2048, help="tokens per prompt")
     p.add_argument("--reuse", type=_fraction, default=0.95, help="fraction of the prompt that is a cached prefix")
     p.add_argument("--reps", type=_positive_int, default=9,

@@ -172,7 +172,8 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
                               host=HostPoolConfig(ratio=args.host_ratio if host_ratio is None else host_ratio),
                               write_policy=args.write_policy, max_batch=args.max_batch,
                               prefill_chunk=args.prefill_chunk, max_context=max_context,
-                              storage=storage_config(args) if storage else None, worker_nice=args.worker_nice)
+                              storage=storage_config(args) if storage else None, worker_nice=args.worker_nice,
+                              deterministic=getattr(args, "deterministic", False))
     engine = Engine(model_config(args) if model is None else model, cache,
                     ranks=ranks.rank_context(args))  # a rank of --num-processes
     engine.warmup()
@@ -185,7 +186,8 @@ def describe(args, *extra: str) -> str:
     layers = args.layers or (MODEL_PRESETS[args.model].num_layers if args.model in MODEL_PRESETS else "?")
     parts = [f"model {args.model} ({args.attention}, {layers} layers)", f"page {args.page_size}",
              f"L1 {args.device_pages} pages", f"L2 x{args.host_ratio:g}", l3, args.write_policy,
-             f"max batch {args.max_batch}", *extra, f"{os.cpu_count()} CPUs"]
+             f"max batch {args.max_batch}", *(["deterministic"] if getattr(args, "deterministic", False) else []),
+             *extra, f"{os.cpu_count()} CPUs"]
     try:
         parts.append(f"load {os.getloadavg()[0]:.1f}")
     except OSError:  # pragma: no cover
@@ -228,6 +230,52 @@ class _StorageDir:
         if self.store is not None:
             self.store.stop()
             self.args.mooncake_master = self.args.mooncake_metadata = None
+
+
+# ---------------------------------------------------------------------------------------------
+# exactness reports: tokens vs the no-cache run, served page bytes (Engine.enable_page_audit)
+def token_divergence(served: list[list[int]], reference: list[list[int]]) -> dict:
+    """Per request (same order in both), the first position where the served tokens differ
+    from the reference's; how many requests diverged, and the earliest."""
+    first = []
+    for i, (a, b) in enumerate(zip(served, reference)):
+        if a != b:
+            pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first.append((i, pos))
+    return {"requests": len(reference), "diverged": len(first), "same": not first and len(served) == len(reference),
+            "first_divergence": [list(x) for x in first[:50]],
+            "earliest_position": min((p for _, p in first), default=None)}
+
+
+def enable_audit(engine: "Engine"):
+    """The engine's page audit (None with several ranks: it reads whole pages)."""
+    return engine.enable_page_audit() if engine.ranks is None else None
+
+
+def print_exactness(div: dict, audit, deterministic: bool, where: str = "") -> None:
+    """Whether tokens matched the no-cache run's (and where they diverged), and whether the
+    served pages were byte-identical to the bytes stored: a rounding difference (default mode,
+    pages identical) is told apart from a wrong page."""
+    mode = "deterministic" if deterministic else "default mode"
+    if div["same"]:
+        print(f"tokens vs no cache{where} ({mode}): identical in all {div['requests']} requests")
+    else:
+        shown = ", ".join(f"#{i}@{p}" for i, p in div["first_divergence"][:8])
+        print(f"tokens vs no cache{where} ({mode}): {div['diverged']} of {div['requests']} requests diverged, "
+              f"earliest at token {div['earliest_position']} (request#index@token: {shown})")
+    if audit is None:
+        print("served pages: not audited (several ranks)")
+        return
+    st = audit.stats()
+    checked = st["pages_checked"]
+    per_tier = ", ".join(f"L{n} {checked[t]}" for n, t in ((1, "device"), (2, "host"), (3, "storage")))
+    verdict = {True: "byte-identical to the pages stored", False: "NOT byte-identical", None: "none served"}
+    print(f"served pages: {verdict[st['byte_identical']]} ({per_tier} pages checked; "
+          f"{sum(st['pages_mismatched'].values())} mismatched, {sum(st['pages_unknown'].values())} never seen "
+          f"computed; audit {st['seconds']:.2f} s, left out of the TTFTs)")
+    if not div["same"] and st["byte_identical"] and not deterministic:
+        print("  -> the cache served exactly what was stored: the divergence is rounding (other step shapes), "
+              "not a wrong page; --deterministic makes the tokens identical")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +395,7 @@ def _multiturn(args, progress: Progress) -> dict:
             engine.flush()
             engine.cache.reset()  # L1 and L2 only: the warm-up's L3 pages use other tokens and never hit
             engine.cache.metrics.reset()
+    audit = enable_audit(cached_engine)  # after the warm-up's reset: the measured rounds only
     # The same trace through every engine, alternate rounds: the no-cache round first.
     convs = {name: _Conversations(args, vocab, args.seed) for name, _e, _u in runs}
     rounds: dict[str, list[_Round]] = {name: [] for name, _e, _u in runs}
@@ -365,6 +414,7 @@ def _multiturn(args, progress: Progress) -> dict:
     tokens = {name: [x.tokens for rr in rs for x in rr.results] for name, rs in rounds.items()}
     served = tokens["hicache"]
     same = served == tokens["no cache"]
+    divergence = token_divergence(served, tokens["no cache"])
     stats = cached_engine.stats()
     summaries = {}
     for name, engine, _use in runs:
@@ -397,6 +447,7 @@ def _multiturn(args, progress: Progress) -> dict:
     print(f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
           f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
           f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
+    print_exactness(divergence, audit, cached_engine.cache_config.deterministic)
     swa_vs_full = None
     if "hicache, SWA as full" in summaries:
         as_full = summaries["hicache, SWA as full"]
@@ -416,6 +467,8 @@ def _multiturn(args, progress: Progress) -> dict:
                                note=bench_goals.plot_note(verdict))
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
            "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
+           "deterministic": cached_engine.cache_config.deterministic, "token_divergence": divergence,
+           "page_audit": audit.stats() if audit is not None else None,
            "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(), "cache_stats": stats,
            "plot": png}
     out["goals"], out["verdict"] = goals, verdict
@@ -493,6 +546,8 @@ def _ttft(args, progress: Progress) -> dict:
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     vocab = engine.model_config.vocab_size
     keep = int(args.prompt_len * args.reuse)
+    audit = enable_audit(engine)
+    checked: list[tuple[list[int], list[int]]] = []  # (served, no-cache) tokens of every cached request
 
     def variant(base: list[int]) -> list[int]:  # same prefix, fresh suffix: ~reuse of it cached
         return base[:keep] + rng.integers(0, vocab, args.prompt_len - keep).tolist()
@@ -510,7 +565,10 @@ def _ttft(args, progress: Progress) -> dict:
             engine.evict_device_cache()
         elif kind == "storage":
             engine.evict_host_cache()
-        return one(variant(base))
+        prompt = variant(base)
+        res = one(prompt)
+        checked.append((res.tokens, one(prompt, use_cache=False).tokens))  # the reference (not timed)
+        return res
 
     kinds = ("cold", "device", "host") + (("storage",) if engine.storage is not None else ())
     progress.phase("warm-up: every tier once (untimed)", len(kinds))
@@ -525,6 +583,9 @@ def _ttft(args, progress: Progress) -> dict:
             res = measure(kind)
             results[kind].append(res)
             progress.advance(1, f"round {r}: {kind} {res.ttft_s * 1e3:,.0f} ms")
+    divergence = token_divergence([a for a, _ in checked], [b for _, b in checked])
+    audit_stats = audit.stats() if audit is not None else None
+    engine.audit = None  # the decode test's requests are not audited
     engine.cache.reset()
     progress.phase("decode step with vs without write-through backups", 2 * args.decode_reps + 2)
     decode = _decode_overhead(engine, args, rng, progress)
@@ -557,6 +618,7 @@ def _ttft(args, progress: Progress) -> dict:
           f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by the decode's end, "
           f"drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
           f"(workers at nice +{decode['worker_nice']})")
+    print_exactness(divergence, audit, engine.cache_config.deterministic, " (each cached prompt re-run cold)")
     goals, verdict = _judge(args, bench_goals.ttft_goals(med, held, args.reps, order, decode["ratio"]))
     sub = describe(args, f"{args.prompt_len}-token prompts, {args.reuse:.0%} of the prefix cached",
                    f"{args.reps} rounds (tiers in rotating order)")
@@ -569,7 +631,9 @@ def _ttft(args, progress: Progress) -> dict:
             "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
             "ordering": {"tiers": order, "held_rounds": held, "rounds": args.reps,
                          "medians_ordered": ordered},
-            "decode": decode, "goals": goals, "verdict": verdict, "plot": png}
+            "decode": decode, "goals": goals, "verdict": verdict, "plot": png,
+            "deterministic": engine.cache_config.deterministic, "token_divergence": divergence,
+            "page_audit": audit_stats}
 
 
 def _decode_overhead(engine: "Engine", args, rng, progress: Progress) -> dict:

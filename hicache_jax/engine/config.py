@@ -38,6 +38,14 @@ class EngineCacheConfig:
       pages the running requests can need at once (``Engine.swa_pages_needed``) plus a
       quarter of ``device_pages`` for cached windows. Ignored for a model without
       sliding-window layers.
+    * ``deterministic``: every model step runs in one fixed shape, ``(max_batch,
+      deterministic_step_tokens)`` (``PagedRunner``'s deterministic mode): a position's KV and
+      logits do not depend on how its tokens were chunked, batched or served from the cache,
+      so tokens are identical with and without the cache on any platform. Slower (a decode
+      step computes ``max_batch * deterministic_step_tokens`` token slots). L3 pages written
+      in this mode are keyed apart from the default mode's.
+    * ``deterministic_step_tokens``: tokens per row of that shape (>= the speculative verify's
+      ``k + 1``).
     """
 
     page_size: int = 16
@@ -52,6 +60,8 @@ class EngineCacheConfig:
     storage: StorageConfig | None = None
     worker_nice: int = DEFAULT_WORKER_NICE
     swa_device_pages: int | None = None
+    deterministic: bool = False
+    deterministic_step_tokens: int = 16
 
     def __post_init__(self) -> None:
         check_nice(self.worker_nice)
@@ -60,6 +70,9 @@ class EngineCacheConfig:
         check_int("max_batch", self.max_batch, 1)
         check_int("prefill_chunk", self.prefill_chunk, 1)
         check_int("max_context", self.max_context, 2)
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {type(self.deterministic).__name__}")
+        check_int("deterministic_step_tokens", self.deterministic_step_tokens, 1)
         if self.swa_device_pages is not None:
             check_int("swa_device_pages", self.swa_device_pages, 2)
         if self.copy_impl not in COPY_IMPLS:
@@ -74,3 +87,8 @@ class EngineCacheConfig:
     def tree_config(self) -> HiCacheConfig:
         return HiCacheConfig(page_size=self.page_size, write_policy=self.write_policy,
                              eviction_policy=self.eviction_policy, storage=self.storage)
+
+    @property
+    def fixed_step_shape(self) -> tuple[int, int] | None:
+        """The deterministic mode's one model-step shape ``(rows, tokens)``; None by default."""
+        return (self.max_batch, self.deterministic_step_tokens) if self.deterministic else None

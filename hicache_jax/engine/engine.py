@@ -78,6 +78,14 @@ is the cache's ``draft`` sidecar, verification of ``k`` chained proposals in one
 the same tokens as plain greedy decoding). Its hooks here: the tree keys, the pages a request
 reserves, the prefill, the decode step and the per-request results.
 
+Deterministic mode (``EngineCacheConfig.deterministic``): the runner runs every prefill chunk
+and decode step in one fixed shape (``PagedRunner``'s deterministic mode), so a position's KV
+and logits depend only on the tokens before it: the tokens with and without the cache, from
+any tier, are identical on any platform, and so are the bytes of every page (a cached page
+equals the page a cold prefill computes). The default mode gives the cache's own contract
+only: a hit serves the bytes that were stored. ``enable_page_audit`` checks that in the engine
+(``page_audit``): every page a hit serves is compared with the bytes computed for its prefix.
+
 The last cached position (the rule): the draft's KV entry at position ``j`` is computed from
 token ``j + 1``, so with speculative decoding the tree is keyed by token *pairs* (position
 ``j``'s key is ``(t_j, t_{j+1})``) and a request inserts only positions whose successor it has
@@ -106,6 +114,7 @@ from ..reference_model import ModelConfig, PagedRunner, swa_table_width
 from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
 from .multiprocess import AgreedClock
+from .page_audit import PageAudit
 from .speculative import SpecConfig, SpecDecoder, SpecState
 
 log = logging.getLogger(__name__)
@@ -167,13 +176,15 @@ class _Seq:
     storage_tokens: int = 0  # tokens attached from L3 by this request's prefetches so far
     load: LoadBackResult | None = None  # the admission's load-back, until the prefill waited for it
     spec: SpecState | None = None  # speculative decoding only
+    audited: int = 0  # pages of its own the page audit has recorded
+    audit_s: float = 0.0  # time the page audit spent on it (left out of its TTFT and latency)
 
     def abandon(self) -> None:
         """Forget everything admission and serving produced (the request is queued again)."""
         self.req, self.reserve, self.prefetch, self.load, self.spec = None, None, None, None, None
         self.out = []
         self.cached = {"device": 0, "host": 0, "storage": 0}
-        self.ttft, self.computed, self.storage_tokens = 0.0, 0, 0
+        self.ttft, self.computed, self.storage_tokens, self.audited, self.audit_s = 0.0, 0, 0, 0, 0.0
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -248,8 +259,13 @@ class Engine:
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
             worker_nice=cache_config.worker_nice)
         self.transfer.precompile()
+        if spec is not None and cache_config.deterministic and \
+                spec.num_draft_tokens + 1 > cache_config.deterministic_step_tokens:
+            raise ValueError(f"cache_config: deterministic_step_tokens {cache_config.deterministic_step_tokens} must "
+                             f"hold a verify step of num_draft_tokens + 1 = {spec.num_draft_tokens + 1} tokens")
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
-                                  model=weights.target() if weights is not None else None)
+                                  model=weights.target() if weights is not None else None,
+                                  fixed_shape=cache_config.fixed_step_shape)
         if ranks is not None:
             self.runner.state = ranks.replicate(self.runner.state)
         self.spec = None if spec is None else SpecDecoder(
@@ -272,6 +288,8 @@ class Engine:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
             # a speculative engine's tree keys are token pairs, so its pages are apart too.
             model_id = f"hicache-jax-reference:{model_config!r}" + (":pair-keys" if spec is not None else "")
+            if cache_config.deterministic:  # other numerics: KV of another shape or width never hits
+                model_id += f":deterministic{self.runner.fixed_shape}x{self.runner.max_pages_per_seq}"
             self.storage = StorageController(self.cache, model=model_id,
                                              weights_revision=weights.digest if weights is not None else "")
         self.page_size = page
@@ -280,6 +298,7 @@ class Engine:
         self.on_decode_step = None
         self.metrics = EngineMetrics()
         self._serving: list[_Seq] = []  # the scheduler's running list (peak sampling only)
+        self.audit: PageAudit | None = None  # enable_page_audit()
 
     @staticmethod
     def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig) -> int:
@@ -313,6 +332,52 @@ class Engine:
         return pool, transfer, SWAComponent(transfer, pool.allocator, model.sliding_window)
 
     # ---- public API ----------------------------------------------------------------------
+    def enable_page_audit(self, audit: PageAudit | None = None) -> PageAudit:
+        """Check from now on that every page a hit serves holds bytes computed for its prefix
+        (``page_audit``): pass another engine's audit to compare with what that engine
+        computed (a restarted engine reading its L3 pages). Returns the audit. Reads pages back
+        from the device: for tests and benchmarks. The time it takes is left out of the
+        audited request's TTFT and latency (not out of the waits of requests queued behind it;
+        ``audit.counts.seconds`` is the total). One process only (not with ``ranks``)."""
+        if self.ranks is not None:
+            raise ValueError("enable_page_audit: reads whole pages from the device; not with ranks (sharded pools)")
+        if audit is None:
+            audit = PageAudit(self.page_size)
+        elif not isinstance(audit, PageAudit):
+            raise TypeError(f"audit: expected a PageAudit or None, got {type(audit).__name__}")
+        elif audit.page_size != self.page_size:
+            raise ValueError(f"audit: made for page size {audit.page_size}, this engine's is {self.page_size}")
+        audit.warm(self._audit_pools(), self.device_pool.num_pages)
+        self.audit = audit
+        return audit
+
+    def _audit_pools(self) -> list:
+        return [self.device_pool] + ([self.spec.device_pool] if self.spec is not None else [])
+
+    def _audit_served(self, seq: _Seq) -> None:
+        """The pages the cache served ``seq`` (its prefix, every tier), once landed."""
+        t0 = time.perf_counter()
+        p, c = self.page_size, seq.cached
+        hit = sum(c.values())
+        tiers = ["device" if j * p < c["device"] else "host" if j * p < c["device"] + c["host"] else "storage"
+                 for j in range(hit // p)]
+        self.audit.check(self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages, tiers,
+                         seq.index)
+        dt = time.perf_counter() - t0
+        seq.audit_s += dt
+        self.audit.counts.seconds += dt
+
+    def _audit_computed(self, seq: _Seq) -> None:
+        """The full pages ``seq`` computed so far (after its cached prefix): they enter the tree."""
+        t0 = time.perf_counter()
+        req = seq.req
+        first = max(seq.audited, sum(seq.cached.values()) // self.page_size)
+        seq.audited = len(req.key) // self.page_size
+        self.audit.record(self._audit_pools(), req.key.token_ids, req.device_pages, first, seq.audited)
+        dt = time.perf_counter() - t0
+        seq.audit_s += dt
+        self.audit.counts.seconds += dt
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
                  arrivals: list[float] | None = None) -> list[RequestResult]:
         """Greedy-decode every prompt; results in prompt order.
@@ -391,6 +456,8 @@ class Engine:
             seq.admitted = t_admit
             waiting.popleft()
             self._prefill(seq)
+            if use_cache and self.audit is not None:
+                self._audit_computed(seq)
             if use_cache:  # the prompt's pages become shareable (and backed up) right away
                 self.cache.cache_unfinished_req(seq.req)
             if len(seq.out) >= seq.max_new:
@@ -685,12 +752,14 @@ class Engine:
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
         self._wait_load(seq)
+        if self.audit is not None and sum(seq.cached.values()):
+            self._audit_served(seq)
         start = sum(seq.cached.values())  # the cached prefix (from any tier) is not recomputed
         seq.computed = seq.prompt.shape[0] - start
         if self.spec is not None:
             seq.out.append(self.spec.prefill(seq, start, self.cache_config.prefill_chunk))
             self.spec.sync_key(seq)
-            seq.ttft = time.perf_counter() - seq.arrival
+            seq.ttft = time.perf_counter() - seq.arrival - seq.audit_s
             return
         n = seq.prompt.shape[0]
         chunk = self.cache_config.prefill_chunk
@@ -703,7 +772,7 @@ class Engine:
             self._slide([req])
             start = end
         seq.out.append(int(np.argmax(logits[0])))
-        seq.ttft = time.perf_counter() - seq.arrival
+        seq.ttft = time.perf_counter() - seq.arrival - seq.audit_s
 
     def _wait_load(self, seq: _Seq) -> None:
         """Wait for each layer of the request's load-back, in order, before a step reads it.
@@ -756,6 +825,8 @@ class Engine:
     def _finish(self, seq: _Seq, use_cache: bool) -> RequestResult:
         req = seq.req
         if use_cache:
+            if self.audit is not None:
+                self._audit_computed(seq)
             self.cache.cache_finished_req(req)
         else:
             self.device_pool.allocator.free(req.device_pages)
@@ -766,5 +837,5 @@ class Engine:
             self.device_pool.allocator.free(seq.reserve)
         spec = self.spec.finish(seq) if self.spec is not None else {}
         return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival, seq.computed, max(0.0, seq.admitted - seq.arrival),
-                             **spec)
+                             time.perf_counter() - seq.arrival - seq.audit_s, seq.computed,
+                             max(0.0, seq.admitted - seq.arrival), **spec)

@@ -16,13 +16,14 @@ states the convention); a step computing ``[s, e)`` therefore reads SWA position
 those entries of an SWA table must be valid SWA page ids; the entries below are never copied
 to the device (a freed page's id, a sentinel such as -1, anything). The runner copies the
 needed entries into a narrow device table of ``window.swa_table_width(W, T, page)`` columns
-(column j = logical page ``first + j``), so the SWA layers gather and attend over at most
-``W - 1 + T`` positions (plus page rounding), never over the whole context: SWA compute per
-step and SWA pool pages per request are bounded by the window. That width is a function of the
-token bucket T, so each compiled (B, T) shape has exactly one SWA width and a hybrid model
-compiles no more steps than a full one. (The alternative, SWA tables as wide as the full ones
-with out-of-window entries masked, bounds pool memory just as well but gathers and attends over
-the whole context in every SWA layer and puts stale ids on the device.) The full pool and its
+(a ring: column j holds the needed logical page ``L`` with ``L % width == j``), so the SWA
+layers gather and attend over at most ``W - 1 + T`` positions (plus page rounding), never over
+the whole context: SWA compute per step and SWA pool pages per request are bounded by the
+window. That width is a function of the token bucket T, so each compiled (B, T) shape has
+exactly one SWA width and a hybrid model compiles no more steps than a full one. (The
+alternative, SWA tables as wide as the full ones with out-of-window entries masked, bounds pool
+memory just as well but gathers and attends over the whole context in every SWA layer and puts
+stale ids on the device.) The full pool and its
 tables work exactly as for a non-hybrid model, whose compiled step is unchanged. The per-layer
 dispatch to a pool is ``_attention``.
 
@@ -32,6 +33,23 @@ B to powers of two; T to 1 for decode (one token per sequence), else to ``token_
 powers of two); the page-table width either fixed at ``max_pages_per_seq`` (one width: attention
 over a few padded keys is cheap next to the matmuls, and ``warmup`` can then compile every shape
 up front) or to powers of two.
+
+Deterministic mode (``fixed_shape=(rows, tokens)``): one step shape for everything. Each
+sequence's new tokens are cut into rows of at most ``tokens`` (a decode token is a row of one,
+a prefill chunk is several rows of the same sequence), and rows run ``rows`` at a time, always
+at shape ``(rows, tokens)`` with the one table width ``max_pages_per_seq``: a prefill of 500
+tokens is a few such steps, a decode step of 3 sequences is one. A row's later tokens may read
+KV its sequence's earlier rows write in the same step: every layer writes the whole step's KV
+before it attends. With one compiled program, every matmul row and every query's reductions
+(over the hidden size, over the keys at fixed slots: key slot = position for full attention,
+the ring of ``_window_view`` for sliding layers) run the same kernel over the same shapes,
+whatever else is in the step: the KV entry and the logits of a position depend only on the
+tokens before it, not on how they were chunked, batched or cached. XLA's kernels pick
+algorithms and reduction splits by shape (on GPUs above all), so the default bucketed shapes
+give values that differ in the last bits between, say, a prompt prefilled in one chunk and
+the same prompt whose prefix came from the cache. The cost is padding: a decode step
+computes ``rows * tokens`` token slots.
+
 Threading: call from the thread that owns the pool.
 """
 
@@ -80,13 +98,20 @@ def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int
 
 def _window_view(tables, first_page, positions, valid, kv_lens, num_pages: int, page: int,
                  window: int) -> _PoolView:
-    """Sliding window: table column j is logical page ``first_page + j``; query p sees
+    """Sliding window over a ring of ``M`` table columns: column j holds the needed logical
+    page ``L`` with ``L % M == j`` (``first_page`` is the lowest needed one; ``_swa_tables``).
+    So the slot of a key depends only on its position (and M), never on where the step starts:
+    every query reduces over its window's keys in the same slot order whichever step computes
+    it, which deterministic mode needs (see ``PagedRunner``). Query p sees
     ``[p - window + 1, p]``. Slots below the first query's window (the head of the first page)
     are invalid like those at or past ``kv_len``, so their values never reach the output."""
-    slot_page = jnp.take_along_axis(tables, positions // page - first_page[:, None], axis=1)
+    m = tables.shape[1]
+    slot_page = jnp.take_along_axis(tables, (positions // page) % m, axis=1)
     slot_page = jnp.where(valid, slot_page, num_pages)
     slot_off = positions % page
-    kpos = first_page[:, None] * page + jnp.arange(tables.shape[1] * page)[None, :]  # (B, S)
+    col = jnp.arange(m)[None, :]
+    logical = first_page[:, None] + (col - first_page[:, None]) % m  # (B, M): the page in each column
+    kpos = (logical[:, :, None] * page + jnp.arange(page)[None, None, :]).reshape(tables.shape[0], m * page)
     kv_valid = (kpos < kv_lens[:, None]) & (kpos > positions[:, :1] - window)
     q = positions[:, :, None]
     mask = (kpos[:, None, :] <= q) & (kpos[:, None, :] > q - window) & kv_valid[:, None, :]
@@ -160,8 +185,18 @@ class PagedRunner:
 
     def __init__(self, config: ModelConfig, page_size: int, max_pages_per_seq: int | None = None,
                  token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024),
-                 model: Transformer | None = None) -> None:
-        """``model``: the weights to run (default: built from ``config.seed``)."""
+                 model: Transformer | None = None, fixed_shape: tuple[int, int] | None = None) -> None:
+        """``model``: the weights to run (default: built from ``config.seed``). ``fixed_shape``:
+        ``(rows, tokens)`` for deterministic mode (the module docstring); needs
+        ``max_pages_per_seq``."""
+        if fixed_shape is not None:
+            if not (isinstance(fixed_shape, tuple) and len(fixed_shape) == 2 and
+                    all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in fixed_shape)):
+                raise ValueError(f"fixed_shape: expected (rows, tokens), two ints >= 1, got {fixed_shape!r}")
+            if max_pages_per_seq is None:
+                raise ValueError("fixed_shape: deterministic mode needs a fixed max_pages_per_seq (one attention "
+                                 "width)")
+        self.fixed_shape = fixed_shape
         self.config = config
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
@@ -227,8 +262,60 @@ class PagedRunner:
         if not hybrid and (swa_pools is not None or swa_page_tables is not None):
             raise ValueError("swa_pools, swa_page_tables: expected None, the model has no sliding-window layer "
                              "in the SWA pool")
-        bb = _bucket(b)
-        tb = self._token_bucket(max(len(x) for x in tokens), min_t)
+        if self.fixed_shape is not None:
+            return self._run_fixed(pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions)
+        return self._launch(pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions,
+                            _bucket(b), self._token_bucket(max(len(x) for x in tokens), min_t))
+
+    def _run_fixed(self, pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions):
+        """Deterministic mode: cut every sequence into rows of at most ``tokens`` new tokens,
+        run them ``rows`` at a time in the one fixed shape (later rows of a sequence read the
+        KV its earlier rows wrote, in the same step or an earlier one), and put each
+        sequence's outputs back together: ``step``'s logits come from the row holding its last
+        token, ``step_all``'s rows are concatenated (padded to the longest sequence)."""
+        rows_per_step, t = self.fixed_shape
+        if swa_page_tables is not None and len(swa_page_tables) != len(tokens):
+            raise ValueError(f"swa_page_tables: expected {len(tokens)} tables (one per sequence), "
+                             f"got {len(swa_page_tables)}")
+        rows = []  # (sequence, offset of the row in it, tokens, start, full table, swa table)
+        for i, (ts, st, table) in enumerate(zip(tokens, starts, page_tables)):
+            n = len(ts)
+            if n == 0:
+                raise ValueError(f"tokens[{i}]: expected at least one token")
+            if (st + n + self.page_size - 1) // self.page_size > len(table):
+                raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {st + n} tokens")
+            swa = None if swa_page_tables is None else swa_page_tables[i]
+            rows += [(i, j, list(ts[j:j + t]), st + j, table, swa) for j in range(0, n, t)]
+        if swa_pools is not None:  # every row's window is checked before the first step consumes the pools
+            self._swa_tables(swa_pools, [r[5] for r in rows], [r[2] for r in rows], [r[3] for r in rows], len(rows), t)
+        out_rows = []
+        for g in range(0, len(rows), rows_per_step):
+            group = rows[g:g + rows_per_step]
+            out, *new = self._launch(pools, [r[2] for r in group], [r[3] for r in group], [r[4] for r in group],
+                                     swa_pools, None if swa_pools is None else [r[5] for r in group],
+                                     all_positions, rows_per_step, t)
+            pools = new[0]
+            if swa_pools is not None:
+                swa_pools = new[1]
+            out = jax.tree.map(np.asarray, out)
+            out_rows += [jax.tree.map(lambda a, k=k: a[k], out) for k in range(len(group))]
+        b = len(tokens)
+        if all_positions:  # (b, longest, ...): each sequence's rows end to end
+            longest = max(len(ts) for ts in tokens)
+            logits, hidden = out_rows[0]
+            res = [np.zeros((b, longest) + a.shape[1:], a.dtype) for a in (logits, hidden)]
+            for (i, j, ts, *_), (lg, hd) in zip(rows, out_rows):
+                res[0][i, j:j + len(ts)], res[1][i, j:j + len(ts)] = lg[:len(ts)], hd[:len(ts)]
+            out = tuple(res)
+        else:  # the row of each sequence's last token is its last row
+            last = {i: k for k, (i, *_rest) in enumerate(rows)}
+            out = np.stack([out_rows[last[i]] for i in range(b)])
+        return (out, pools) if swa_pools is None else (out, pools, swa_pools)
+
+    def _launch(self, pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions, bb: int,
+                tb: int):
+        """One jitted step of shape ``(bb, tb)`` over ``len(tokens) <= bb`` sequences."""
+        hybrid = self.config.is_hybrid
         mb = self.table_width(page_tables)
         tok = np.zeros((bb, tb), np.int32)
         pos = np.zeros((bb, tb), np.int32)
@@ -278,7 +365,7 @@ class PagedRunner:
                 raise ValueError(f"swa_page_tables[{i}]: logical pages {need.start}..{need.stop - 1} (positions "
                                  f"[{max(0, st - window + 1)}, {end}) of the window) must be SWA pool page ids "
                                  f"in [0, {num_pages}), got {ids.tolist()}")
-            tables[i, :ids.size] = ids
+            tables[i, np.arange(need.start, need.stop) % tables.shape[1]] = ids  # the ring (``_window_view``)
             first[i] = need.start
         return tables, first
 
@@ -308,9 +395,12 @@ class PagedRunner:
         if hybrid != (swa_pools is not None):
             raise ValueError("swa_pools: required exactly when the model has sliding-window layers "
                              f"(it has {self.config.swa_layers or 'none'})")
-        shapes = {(1, self._token_bucket(t)) for t in self.token_buckets if t <= max_new_tokens_per_step}
-        shapes.add((1, self._token_bucket(max_new_tokens_per_step)))
-        shapes |= {(_bucket(b), self._token_bucket(decode_tokens)) for b in range(1, max_batch + 1)}
+        if self.fixed_shape is not None:  # deterministic mode: the one shape
+            shapes = {self.fixed_shape}
+        else:
+            shapes = {(1, self._token_bucket(t)) for t in self.token_buckets if t <= max_new_tokens_per_step}
+            shapes.add((1, self._token_bucket(max_new_tokens_per_step)))
+            shapes |= {(_bucket(b), self._token_bucket(decode_tokens)) for b in range(1, max_batch + 1)}
         for bb, tb in sorted(shapes):
             zeros = np.zeros((bb, tb), np.int32)
             args = (self.graphdef, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),

@@ -47,6 +47,9 @@ def assert_not_comparable(payload, out_text: str, png, names: list[str]) -> None
     ["bench", "multiturn", "--model", "tiny", "--clients", "3", "--rounds", "2", "--first-len", "40",
      "--turn-len", "12", "--answer-len", "3", "--device-pages", "24", "--page-size", "4", "--host-ratio", "4",
      "--max-batch", "2"],
+    ["bench", "multiturn", "--model", "tiny", "--clients", "3", "--rounds", "2", "--first-len", "40",
+     "--turn-len", "12", "--answer-len", "3", "--device-pages", "24", "--page-size", "4", "--host-ratio", "4",
+     "--max-batch", "2", "--deterministic"],
     ["bench", "two-run", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "48", "--page-size", "4",
      "--device-pages", "64"],
     ["bench", "ttft", "--model", "tiny", "--prompt-len", "64", "--reps", "2", "--decode-steps", "3",
@@ -76,6 +79,14 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
             assert r["queue_s"] + r["service_s"] == pytest.approx(r["ttft_s"])
         assert_not_comparable(payload, captured.out, tmp_path / "results" / "r.png", ["input_throughput", "ttft_mean"])
         assert payload["goals"][0]["value"] == payload["ratios_vs_no_cache"]["input_throughput"]
+    if argv[1] in ("multiturn", "ttft"):  # the exactness report: tokens vs no cache, served page bytes
+        mode = "deterministic" if "--deterministic" in argv else "default mode"
+        assert payload["deterministic"] == (mode == "deterministic")
+        assert payload["token_divergence"]["same"] and payload["token_divergence"]["diverged"] == 0
+        assert payload["page_audit"]["byte_identical"] is True, payload["page_audit"]
+        assert sum(payload["page_audit"]["pages_checked"].values()) > 0
+        assert f"({mode}): identical in all" in captured.out
+        assert "served pages: byte-identical to the pages stored" in captured.out
     if argv[1] == "two-run":
         assert payload["runs"][1]["same_tokens_as_run1"]
         assert payload["runs"][1]["requests_by_tier"]["cold"] == 0
@@ -149,3 +160,13 @@ def test_model_preset_names_match_the_presets():
 
     assert set(MODEL_PRESET_NAMES) == set(MODEL_PRESETS)
     assert MODEL_PRESETS["hybrid"].is_hybrid and MODEL_PRESETS["hybrid-tiny"].is_hybrid
+
+
+def test_token_divergence_report():
+    from hicache_jax.bench.serving import token_divergence
+
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert token_divergence(ref, ref) == {"requests": 3, "diverged": 0, "same": True, "first_divergence": [],
+                                          "earliest_position": None}
+    d = token_divergence([[1, 2, 3], [4, 9, 6], [7, 8, 0]], ref)
+    assert (d["diverged"], d["same"], d["first_divergence"], d["earliest_position"]) == (2, False, [[1, 1], [2, 2]], 1)
