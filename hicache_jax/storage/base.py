@@ -76,6 +76,7 @@ import numpy as np
 from ..host_layout import HostLayout, page_major_shape
 from ..host_pool import HostKVPool
 from .config import StorageConfig
+from .host_pages import PageRuns
 from .keys import check_key
 from .metrics import StorageMetrics
 
@@ -169,6 +170,15 @@ class PageCodec:
         self.page_bytes = self.comp_bytes * len(self.geom.components)
         # Page-first shape of one component's slab for n pages (page axis moved first).
         self._slab = (one[:1] + one[2:]) if self.layer_first else one[1:]
+        self._runs: PageRuns | None = None
+
+    def runs(self) -> PageRuns:
+        """Where each host page's bytes lie in ``pool`` (rebuilt if ``pool`` was replaced; two
+        threads racing here build equal objects)."""
+        r = self._runs
+        if r is None or r.pool is not self.pool:
+            r = self._runs = PageRuns(self.pool)
+        return r
 
     def pack(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``uint8[n, page_bytes]`` copy of host pages ``ids`` (into ``out``, C-contiguous rows,
