@@ -88,7 +88,12 @@ def crc32c(data: object, prefix: bytes = b"") -> int:
     """CRC-32C of ``prefix || data``; the GIL is released over a large numpy ``data``."""
     if _gcrc is None:
         raise ChecksumUnavailable("CRC-32C needs the google-crc32c package (pip install google-crc32c)")
-    crc = int(_gcrc.value(prefix))
+    return crc32c_extend(int(_gcrc.value(prefix)), data)
+
+
+def crc32c_extend(crc: int, data: object) -> int:
+    """``crc`` (a CRC-32C so far) extended over ``data``; the GIL is released over a large
+    numpy ``data`` (``google_crc32c.extend`` keeps it)."""
     data = _buffer(data)
     if isinstance(data, np.ndarray) and _nogil_extend is not None and data.nbytes >= NOGIL_MIN_BYTES:
         return int(_nogil_extend(crc, data.ctypes.data, data.nbytes))
@@ -126,11 +131,7 @@ def checksum_parts(parts: Sequence[object], algo: int = DEFAULT_ALGO, key: bytes
     if algo == ALGO_CRC32C:
         crc = crc32c(b"", key)
         for p in parts:
-            p = _buffer(p)
-            if isinstance(p, np.ndarray) and _nogil_extend is not None and p.nbytes >= NOGIL_MIN_BYTES:
-                crc = int(_nogil_extend(crc, p.ctypes.data, p.nbytes))
-            else:
-                crc = int(_gcrc.extend(crc, p))
+            crc = crc32c_extend(crc, p)
         return crc
     if algo == ALGO_ZLIB_CRC32:
         crc = zlib.crc32(key)

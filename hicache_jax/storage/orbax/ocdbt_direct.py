@@ -28,7 +28,7 @@ a miss from the next request on, as through tensorstore, and a ``PageRequest`` c
 descriptor exactly once, so a descriptor is never reused under a reader.
 
 Threading: pure functions; a ``PageRequest`` belongs to the thread that reads it
-(``os.preadv`` and CRC-32C release the GIL).
+(``os.preadv`` and the CRC-32C, ``integrity.crc32c_extend``, release the GIL).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import struct
 import google_crc32c as _gcrc
 import numpy as np
 import tensorstore as ts
+
+from .. import integrity
 
 SHARD_TAIL = 20  # 16-byte shard index (offset, nbytes) + its CRC-32C
 _TAIL = struct.Struct("<QQI")
@@ -283,7 +285,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
             p[...] = src[pos:pos + p.nbytes]
             pos += p.nbytes
             if crc is not None:
-                crc = _gcrc.extend(crc, p)
+                crc = integrity.crc32c_extend(crc, p)
         return None if crc is None else int(crc)
     fd, path, offset, length = req.fd, req.path, req.offset, req.length
     tail = bytearray(SHARD_TAIL)
@@ -300,7 +302,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
             for x in g:
                 pos += x.nbytes
                 if crc is not None:
-                    crc = _gcrc.extend(crc, x)
+                    crc = integrity.crc32c_extend(crc, x)  # GIL released: other threads run
     finally:
         req.close()
     _check_tail(tail, pb)
