@@ -47,17 +47,23 @@ def assert_no_stored_bytes(pool: HostKVPool, host_id: int) -> None:
     assert (b == 0).all() or (b == POISON).all(), "a page that failed its read kept bytes"
 
 
-def _stored(make, geom, layout, n, seed, **kw):
+def _ns(geom: KVGeometry, layout, what: str):
+    """A namespace of its own per check and geometry: namespaces do not carry the shape, and a
+    shared store (mooncake's session master) keeps pages across tests."""
+    return namespace(geom, HostLayout(layout).value, model=f"host-io-{what}-{geom}")
+
+
+def _stored(make, geom, layout, n, seed, what):
     src = HostKVPool(geom, 12, layout)
     fill_random(src, seed)
-    keys = keys_for(n, seed=seed, ns=namespace(geom, HostLayout(layout).value), page_size=geom.page_size)
+    keys = keys_for(n, seed=seed, ns=_ns(geom, layout, what), page_size=geom.page_size)
     return src, keys
 
 
 def check_roundtrip_poisoned(make, geom: KVGeometry, layout) -> None:
     """Batched (several in flight), lone and ``get_multi`` reads land byte-exact in exactly
     their host pages."""
-    src, keys = _stored(make, geom, layout, 5, seed=7)
+    src, keys = _stored(make, geom, layout, 5, seed=7, what="roundtrip")
     src_ids, read_ids = [3, 7, 1, 0, 11], [2, 4, 5, 9, 10]
     with make({"target": src}) as st:
         assert st.batch_set(keys, src_ids) == [True] * 5
@@ -82,7 +88,7 @@ def check_corrupt_page_in_batch(make, corrupt, geom: KVGeometry = GEOMS["bf16"],
     """``corrupt(store, key)`` damages one stored page (it still exists): in a batch it is a
     miss whose host page keeps no stored bytes, and its neighbours hit; ``get_multi`` stops
     its hit there."""
-    src, keys = _stored(make, geom, layout, 10, seed=9)
+    src, keys = _stored(make, geom, layout, 10, seed=9, what="corrupt")
     with make({"target": src}) as st:
         assert st.batch_set(keys, range(10)) == [True] * 10
         assert st.flush(60)
@@ -110,7 +116,7 @@ def check_no_staging_copy(make, monkeypatch, layout="page_first", n: int = 6) ->
     (``unpack_one`` / ``unpack``): the bytes go straight into the host pages."""
     src = HostKVPool(BIG, n, layout)
     fill_random(src, 3)
-    keys = keys_for(n, seed=3, ns=namespace(BIG, HostLayout(layout).value), page_size=BIG.page_size)
+    keys = keys_for(n, seed=3, ns=_ns(BIG, layout, "staging"), page_size=BIG.page_size)
     with make({"target": src}) as st:
         assert st.batch_set(keys, range(n)) == [True] * n
         assert st.flush(60)
@@ -145,7 +151,7 @@ def check_concurrent_reads(make, threads: int = 4, rounds: int = 3, layout="laye
     n = 4 * threads
     src = HostKVPool(geom, n, layout)
     fill_random(src, 5)
-    keys = keys_for(n, seed=5, ns=namespace(geom, HostLayout(layout).value))
+    keys = keys_for(n, seed=5, ns=_ns(geom, layout, "concurrent"))
     with make({"target": src}) as st:
         assert st.batch_set(keys, range(n)) == [True] * n
         assert st.flush(60)

@@ -93,11 +93,11 @@ def test_file_short_body_and_foreign_page_size_zero_fill_and_miss(tmp_path):
 def test_file_write_from_host_pages_matches_codec_bytes(tmp_path):
     """What a write puts in a file is the header and then exactly ``PageCodec.pack``'s bytes
     of the host page (straight out of its runs, every layout)."""
-    for layout in chk.LAYOUTS:
-        src = HostKVPool(chk.GEOMS["mla"], 5, layout)
+    for layout, g in itertools.product(chk.LAYOUTS, ("bf16", "mla")):
+        src = HostKVPool(chk.GEOMS[g], 5, layout)
         fill_random(src, 4)
-        keys = chk.keys_for(2, seed=4, ns=chk.namespace(chk.GEOMS["mla"], layout.value))
-        with make_store("file", tmp_path / layout.value, {"target": src}) as st:
+        keys = chk.keys_for(2, seed=4, ns=chk.namespace(chk.GEOMS[g], layout.value))
+        with make_store("file", tmp_path / f"{layout.value}-{g}", {"target": src}) as st:
             assert st.batch_set(keys, [4, 1]) == [True, True]
             for k, h in zip(keys, [4, 1]):
                 body = open(st._path("target", k), "rb").read()[64:]
