@@ -33,6 +33,12 @@ of the page: one per component in the page-first layouts, one per component and 
 ``layer_first``) after the header; reads are ``batch_get_into_multi_buffers`` straight into the
 host pages, verified there. The headers go through a small per-call buffer.
 
+Batches in parallel: a call's pages are split into batches (about four per worker, at most
+``CHUNK_PAGES``), each one a client call on a worker; a write batch computes its pages' CRCs
+on its worker just before its transfer, a read batch checks its pages on its worker as soon
+as they arrived (CRC-32C without the GIL, ``integrity``), so one batch's CRCs overlap the
+others' transfers instead of running in series on the caller's thread.
+
 Timeouts and faults: every store call runs on a worker thread and the caller waits at most
 ``mooncake_op_timeout_s`` (the client's own RPC timeout, ``MC_RPC_TIMEOUT_MS``, is set to the
 same bound when it is not already set in the environment). A call that fails with an RPC
@@ -51,7 +57,9 @@ same timeout): a clear ``ConnectionError`` naming the setting that is wrong, bef
 is touched.
 
 Threading: public calls may run concurrently (the client is thread-safe); the worker pool
-has ``read_concurrency`` threads; registration bookkeeping is under one lock.
+has ``read_concurrency`` threads, and a call waits for all of its batches (within the op
+timeout) before it returns; registration bookkeeping is under one lock. Metrics are
+counted from the workers (``StorageMetrics`` has its own lock).
 """
 
 from __future__ import annotations
