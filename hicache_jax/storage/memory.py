@@ -4,11 +4,7 @@ For tests and for single-process setups that want an L3 without a disk. Pages ca
 like the on-disk backends (checked on read per ``config.integrity``), so bit flips injected by
 tests are caught the same way.
 
-Reads into host pages copy each stored page once, straight into the host page's runs
-(``host_pages.PageRuns``), and check its CRC there; a page that fails is zero-filled.
-
-Threading: one lock guards the dicts; a stored page array is never written after it was
-stored (but by ``_corrupt_for_test``), so reads copy it outside the lock.
+Threading: one lock guards the dicts; reads copy the page out under the lock.
 """
 
 from __future__ import annotations
@@ -56,46 +52,15 @@ class MemoryStorage(HiCacheStorage):
                                                    and integrity.sample_hit(self.config.integrity_sample_rate)):
                 self.metrics.add(verified=1)
                 if integrity.checksum(page, rec[2], k) != rec[1]:
-                    self._drop(pool, k)
+                    log.warning("L3 memory: CRC mismatch for %s/%s; dropping the page", pool, k.hex())
+                    self.metrics.add(corrupt=1, quarantined=1)
+                    with self._lock:
+                        old = self._pages.pop((pool, k), None)
+                        if old is not None:
+                            self._bytes -= old[0].nbytes
                     page = None
             out.append(page)
         return out
-
-    def _reads_in_place(self) -> bool:
-        return True
-
-    def _read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], loaded: list[bool]) -> int:
-        """One copy per page, stored bytes -> host page runs, checked there (a failed page is
-        zero-filled and dropped). Stored arrays are never written after ``_write`` (but by
-        ``_corrupt_for_test``), so the copy runs outside the lock."""
-        pr = self.codecs[pool].runs()
-        for i, k in enumerate(keys):
-            with self._lock:
-                rec = self._pages.get((pool, k))
-            if rec is None:
-                continue
-            h = int(ids[i])
-            pos = 0
-            for dst in pr.arrays(h):
-                dst[...] = rec[0][pos:pos + dst.nbytes]
-                pos += dst.nbytes
-            if self.config.integrity == "full" or (self.config.integrity == "sampled"
-                                                   and integrity.sample_hit(self.config.integrity_sample_rate)):
-                self.metrics.add(verified=1)
-                if integrity.checksum_at(pr.runs(h), rec[2], k) != rec[1]:
-                    pr.zero(h)
-                    self._drop(pool, k)
-                    continue
-            loaded[i] = True
-        return 0
-
-    def _drop(self, pool: str, k: bytes) -> None:
-        log.warning("L3 memory: CRC mismatch for %s/%s; dropping the page", pool, k.hex())
-        self.metrics.add(corrupt=1, quarantined=1)
-        with self._lock:
-            old = self._pages.pop((pool, k), None)
-            if old is not None:
-                self._bytes -= old[0].nbytes
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
         algo = integrity.DEFAULT_ALGO
