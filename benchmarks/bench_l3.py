@@ -406,7 +406,7 @@ def run(args) -> dict:
           f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs")
     print(f"CRC-32C: {crc_s * 1e3:.3f} ms per {pb / 2**20:.2f} MiB page = {gbps(pb, crc_s):.2f} GB/s on one core; "
           f"{crc_par:.2f} GB/s on {os.cpu_count()} threads (it releases the GIL: integrity.NOGIL_CRC32C="
-          f"{getattr(integrity, "NOGIL_CRC32C", False)})")
+          f"{getattr(integrity, 'NOGIL_CRC32C', False)})")
     return {
         "machine": machine_info(),
         "loadavg": {"before": list(load_before), "after": list(load_after)},
