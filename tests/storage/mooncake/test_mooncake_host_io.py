@@ -53,20 +53,29 @@ def test_concurrent_reads_of_disjoint_pages(master):
     chk.check_concurrent_reads(_maker(master, read_concurrency=4))
 
 
-def test_batches_run_in_parallel_chunks(master):
-    """A call of many pages is split into several batches (what runs on the workers at once)."""
+def test_crcs_run_in_parallel_ranges(master):
+    """A call's page checks run as several ranges on the CRC threads, results in page order."""
+    import threading
+
     from hicache_jax import HostKVPool
     from storage_helpers import fill_random, keys_for
 
     src = HostKVPool(chk.GEOMS["bf16"], 40, "page_first")
     fill_random(src, 8)
-    keys = keys_for(40, seed=8)
+    keys = keys_for(40, seed=8, ns=chk.namespace(chk.GEOMS["bf16"], "page_first", model="crc-ranges"))
     with mc_store(master, {"target": src}, read_concurrency=2) as st:
-        chunks = st._chunks(40)
-        assert len(chunks) > 2 and chunks[0][0] == 0 and chunks[-1][1] == 40
-        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        seen = []
+
+        def rng(lo, hi):
+            seen.append((lo, hi, threading.current_thread().name))
+            return list(range(lo, hi))
+
+        assert st._in_parallel(40, rng) == list(range(40))
+        assert len(seen) == 4 and sorted(x[:2] for x in seen) == [(0, 10), (10, 20), (20, 30), (30, 40)]
+        assert all(name.startswith("l3-mooncake-crc") for *_, name in seen)
         assert st.batch_set(keys, range(40)) == [True] * 40
         dst = chk.poisoned(chk.GEOMS["bf16"], 40, "page_first")
         st.codecs["target"].pool = dst
         assert st.batch_get(keys, range(40)) == [True] * 40
         chk.assert_pages_equal(src, range(40), dst, range(40))
+        assert st.metrics.verified == 40
