@@ -19,8 +19,8 @@ _n = itertools.count()
 
 
 def _maker(backend, tmp_path, **cfg):
-    if backend == "orbax":
-        cfg.setdefault("segment_pages", 1)  # a damaged page quarantines only its own segment
+    # orbax: make_store's 8-page segments, so a call's pages share segments (and their CRCs,
+    # computed as pages are enqueued, must each belong to its own row)
     return lambda pools: make_store(backend, tmp_path / f"s{next(_n)}", pools, **cfg)
 
 
