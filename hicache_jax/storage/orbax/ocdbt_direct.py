@@ -28,7 +28,7 @@ a miss from the next request on, as through tensorstore, and a ``PageRequest`` c
 descriptor exactly once, so a descriptor is never reused under a reader.
 
 Threading: pure functions; a ``PageRequest`` belongs to the thread that reads it
-(``os.preadv`` and the CRC-32C, ``integrity.crc32c_extend``, release the GIL).
+(``os.preadv`` releases the GIL; the CRC-32C here keeps it on purpose: see ``reader``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ import struct
 import google_crc32c as _gcrc
 import numpy as np
 import tensorstore as ts
-
-from .. import integrity
 
 SHARD_TAIL = 20  # 16-byte shard index (offset, nbytes) + its CRC-32C
 _TAIL = struct.Struct("<QQI")
@@ -285,7 +283,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
             p[...] = src[pos:pos + p.nbytes]
             pos += p.nbytes
             if crc is not None:
-                crc = integrity.crc32c_extend(crc, p)
+                crc = _gcrc.extend(crc, p)
         return None if crc is None else int(crc)
     fd, path, offset, length = req.fd, req.path, req.offset, req.length
     tail = bytearray(SHARD_TAIL)
@@ -302,7 +300,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
             for x in g:
                 pos += x.nbytes
                 if crc is not None:
-                    crc = integrity.crc32c_extend(crc, x)  # GIL released: other threads run
+                    crc = _gcrc.extend(crc, x)
     finally:
         req.close()
     _check_tail(tail, pb)
