@@ -17,7 +17,10 @@ buffers of ``NOGIL_MIN_BYTES`` or more: measured on the project VM (2 vCPUs), tw
 checksummed 8.3 GB/s this way against 4.7 GB/s through ``google_crc32c.extend`` (one thread:
 4.5-4.8 GB/s either way). Where that symbol cannot be found (a pure-Python build of the
 package) it falls back to ``google_crc32c.extend`` (correct, but holding the GIL).
-``zlib.crc32`` releases the GIL by itself.
+``zlib.crc32`` releases the GIL by itself. Releasing it pays where several threads checksum
+at once (the ``file`` backend's pools, ``mooncake``'s CRC threads); a lone thread that would
+then wait to get it back (orbax's reader and segment writer) keeps it (``release_gil=False``
+or ``google_crc32c`` directly).
 
 Threading: pure functions; the ``*_at`` variants read raw addresses, so their caller keeps the
 memory alive (``host_pages.PageRuns`` holds its pool's array) and owns it for the call.
@@ -84,10 +87,13 @@ def _buffer(data: object) -> object:
     return data
 
 
-def crc32c(data: object, prefix: bytes = b"") -> int:
-    """CRC-32C of ``prefix || data``; the GIL is released over a large numpy ``data``."""
+def crc32c(data: object, prefix: bytes = b"", release_gil: bool = True) -> int:
+    """CRC-32C of ``prefix || data``; the GIL is released over a large numpy ``data`` unless
+    ``release_gil`` is False (a thread that would wait to get it back, see ``orbax.reader``)."""
     if _gcrc is None:
         raise ChecksumUnavailable("CRC-32C needs the google-crc32c package (pip install google-crc32c)")
+    if not release_gil:
+        return int(_gcrc.extend(_gcrc.value(prefix), _buffer(data)))
     return crc32c_extend(int(_gcrc.value(prefix)), data)
 
 
