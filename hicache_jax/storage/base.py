@@ -13,13 +13,15 @@ Hooks a backend implements (raw page bytes, arguments already checked, keys non-
 
 and may override, where it can do better than the default built on the three above:
 
-* ``_read_into_host(pool, keys, ids, loaded)``: read pages straight into host pages (orbax
-  reads in place, with no page-sized array per read); the default reads through ``_read``
-  and then publishes every page.
+* ``_read_into_host(pool, keys, ids, loaded)``: read pages straight into host pages (every
+  shipped backend does: the bytes land in the host page's runs, ``PageCodec.runs()``, and are
+  verified there, with no page-sized array per read); the default reads through ``_read``
+  and then publishes every page (one extra copy per page, ``PageCodec.unpack_one``).
 * ``_reads_in_place()``: True if ``get_multi`` over ``ALL_PAGES`` pools may read pool by
   pool through ``_read_into_host`` instead of reading everything before publishing anything.
-* ``_write_from_host(pool, keys, ids)``: store host pages (orbax packs them straight into
-  its segment buffers); the default packs them into a new array for ``_write``.
+* ``_write_from_host(pool, keys, ids)``: store host pages (``file`` and ``mooncake`` write
+  straight out of the host page's runs, orbax packs them into its segment buffers); the
+  default packs them into a new array for ``_write``.
 * ``_writes_pending()``, ``_flush(timeout)``, ``_close()``: the lifecycle of an
   asynchronous backend (defaults: nothing pending, nothing to release).
 
@@ -41,8 +43,8 @@ Pools and hit policies (as upstream's HiCache storage and its unified components
 The multi-pool hit is the largest ``hit`` satisfying every pool. Nothing is reported for a
 page unless all pools have it, so a target page never counts without its draft (stronger
 than upstream's draft-first). ``get_multi`` reads everything first and only then writes host
-pages, unless the backend reads in place and every pool is ``ALL_PAGES`` (orbax's direct
-path): then it reads pool by pool (draft before target) straight into the host pages, and
+pages, unless the backend reads in place and every pool is ``ALL_PAGES`` (``file``,
+``memory``, ``mooncake``, orbax's direct path): then it reads pool by pool (draft before target) straight into the host pages, and
 host pages of the call beyond the hit may hold bytes: the caller's pages, never hits.
 
 Error contract: caller mistakes (unknown pool, wrong key size, mismatched lengths, bad host
@@ -76,6 +78,7 @@ import numpy as np
 from ..host_layout import HostLayout, page_major_shape
 from ..host_pool import HostKVPool
 from .config import StorageConfig
+from .host_pages import PageRuns
 from .keys import check_key
 from .metrics import StorageMetrics
 
@@ -169,6 +172,15 @@ class PageCodec:
         self.page_bytes = self.comp_bytes * len(self.geom.components)
         # Page-first shape of one component's slab for n pages (page axis moved first).
         self._slab = (one[:1] + one[2:]) if self.layer_first else one[1:]
+        self._runs: PageRuns | None = None
+
+    def runs(self) -> PageRuns:
+        """Where each host page's bytes lie in ``pool`` (rebuilt if ``pool`` was replaced; two
+        threads racing here build equal objects)."""
+        r = self._runs
+        if r is None or r.pool is not self.pool:
+            r = self._runs = PageRuns(self.pool)
+        return r
 
     def pack(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``uint8[n, page_bytes]`` copy of host pages ``ids`` (into ``out``, C-contiguous rows,
@@ -454,7 +466,7 @@ class HiCacheStorage(ABC):
         """Read pages into host pages; per page, whether it was loaded. Callers use
         ``consecutive(result)`` as the hit count. A page flagged False holds no stored bytes:
         if its key is not stored its host page is left untouched; if a read into it failed
-        (a storage fault) a backend that reads in place (orbax) may have overwritten it and
+        (a storage fault) a backend that reads in place may have overwritten it and
         zero-fills it, so it never keeps bytes that failed a check. Backends that read through
         ``_read`` read every page before writing any host page, so they leave them all untouched."""
         pool = self._pool(pool)

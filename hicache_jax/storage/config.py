@@ -104,7 +104,9 @@ class StorageConfig:
                        pages within 64..256 pages and at most ``max_pending_pages`` (see
                        ``segment_pages_for``). Every orbax step costs ~25 ms of CPU however small
                        (measured on the project VM), so pools of small pages get 256-page segments.
-    read_concurrency   Page reads kept in flight per batch (~16 saturates disks measured so far).
+    read_concurrency   Page reads kept in flight per batch (~16 saturates disks measured so far); also the
+                       threads of the ``file`` backend's read and write pools (pages written in parallel:
+                       CRC, write, fsync, rename) and of the ``mooncake`` backend's workers.
     integrity          ``full``: CRC-32C of every page checked on read; ``sampled``: checked on a
                        ``integrity_sample_rate`` fraction of reads (deterministic per key);
                        ``off``: never checked (missing chunks in a segment may then read as zeros).

@@ -17,13 +17,23 @@ by a store configured with another page size) is a miss counted as a read error,
 ``batch_exists`` still reports it (existence reads no headers), ``batch_get`` misses it. Capacity: each process tracks the files it knows (scanned at
 start-up, oldest mtime first, plus its own writes) and deletes the oldest over the bound.
 
-Threading: reads of different keys run concurrently (a thread pool of ``read_concurrency``);
-the capacity bookkeeping is under one lock.
+Straight into / out of host pages: a read is one ``preadv`` of the header and the page's runs
+in the host pool (``host_pages.PageRuns``: one per component in the page-first layouts, one per
+component and layer in ``layer_first``), with the CRC-32C then taken over the page where it
+landed; a write is one ``pwritev`` of the header and those runs. No packed copy of the page
+is made either way. A read that fails after it began (bad header, short body, CRC mismatch, an
+I/O error) zero-fills its host page and is a miss; a key that is not stored leaves its host
+page untouched.
+
+Threading: the pages of one call are read (or written: CRC, write, fsync, rename) up to
+``read_concurrency`` at once on the store's read (or write) thread pool, at the workers' nice
+level; the CRC releases the GIL (``integrity``), so those threads really run in parallel. A
+call returns only when all of its pages are done. Calls may run concurrently; the capacity
+bookkeeping is under one lock.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import struct
@@ -31,6 +41,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import wait
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -40,6 +51,7 @@ from ..workers import background_executor
 from . import integrity
 from .base import HiCacheStorage, PoolSpec
 from .config import StorageConfig
+from .vectored_io import preadv_upto, pwritev_full
 
 log = logging.getLogger("hicache_jax.storage")
 
@@ -69,7 +81,7 @@ class FileStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._known: OrderedDict[str, int] = OrderedDict()  # path -> file bytes, oldest first
         self._known_bytes = 0
-        self._executor = None  # read pool, started on first use
+        self._executors: dict = {}  # "read" / "write" thread pools, started on first use
         try:
             for p in self.codecs:
                 os.makedirs(os.path.join(self.root, p), exist_ok=True)
@@ -111,52 +123,62 @@ class FileStorage(HiCacheStorage):
     def _contains(self, pool: str, keys: list[bytes]) -> list[bool]:
         return [os.path.isfile(self._path(pool, k)) for k in keys]
 
-    def _read_one(self, pool: str, key: bytes) -> np.ndarray | None:
+    def _read_page(self, pool: str, key: bytes, views: list, runs: list, zero) -> bool:
+        """Read the page of ``key`` into its destination (``views``: writable buffers taking the
+        page's bytes in order, ``runs`` their ``(address, nbytes)``) with one ``preadv`` of
+        header + page, and verify it there. On a failure after the read began the destination
+        is zero-filled (``zero()``): it never keeps bytes that failed a check; a key that is not
+        stored leaves it untouched. Never raises."""
         path = self._path(pool, key)
-        pb = self.codecs[pool].page_bytes
+        pb = sum(n for _, n in runs)
         try:
-            with open(path, "rb", buffering=0) as f:
-                head = f.read(HEADER_BYTES)
-                if len(head) != HEADER_BYTES:
-                    raise _Corrupt(f"short header ({len(head)} bytes)")
-                magic, algo, _, _, crc, nbytes, fkey = _HEADER.unpack(head)
-                if magic != MAGIC or fkey != key:
-                    raise _Corrupt(f"bad header (magic={magic!r}, key match={fkey == key})")
-                if nbytes != pb:  # another page size: corrupt only if the file disagrees with its header
-                    size = os.fstat(f.fileno()).st_size
-                    if size != HEADER_BYTES + nbytes:
-                        raise _Corrupt(f"{size - HEADER_BYTES} body bytes, header says {nbytes}")
-                    raise _Mismatch(f"{nbytes}-byte page, this store reads {pb}-byte pages")
-                page = np.empty(pb, np.uint8)
-                got = f.readinto(memoryview(page))
-                if got != pb or f.read(1):
-                    raise _Corrupt(f"truncated or overlong body ({got} of {pb} bytes)")
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            return None  # never written, or evicted / quarantined by another process
+            return False  # never written, or evicted / quarantined by another process
+        except OSError as e:
+            log.warning("L3 file: opening %s failed: %r", path, e)
+            self.metrics.add(read_errors=1)
+            return False
+        try:
+            head, extra = bytearray(HEADER_BYTES), bytearray(1)  # extra: an overlong file fills it
+            got = preadv_upto(fd, [memoryview(head)] + views + [memoryview(extra)], 0, HEADER_BYTES + pb)
+            if got < HEADER_BYTES:
+                raise _Corrupt(f"short header ({got} bytes)")
+            magic, algo, _, _, crc, nbytes, fkey = _HEADER.unpack(head)
+            if magic != MAGIC or fkey != key:
+                raise _Corrupt(f"bad header (magic={magic!r}, key match={fkey == key})")
+            if nbytes != pb:  # another page size: corrupt only if the file disagrees with its header
+                size = os.fstat(fd).st_size
+                if size != HEADER_BYTES + nbytes:
+                    raise _Corrupt(f"{size - HEADER_BYTES} body bytes, header says {nbytes}")
+                raise _Mismatch(f"{nbytes}-byte page, this store reads {pb}-byte pages")
+            if got != HEADER_BYTES + pb:
+                raise _Corrupt(f"truncated or overlong body ({got - HEADER_BYTES} of {pb} bytes)")
+            mode = self.config.integrity
+            if mode == "full" or (mode == "sampled" and integrity.sample_hit(self.config.integrity_sample_rate)):
+                ok = integrity.checksum_at(runs, algo, key) == crc  # in place, GIL released
+                self.metrics.add(verified=1)
+                if not ok:
+                    raise _Corrupt("CRC mismatch")
+            return True
         except _Corrupt as e:
+            zero()
             self._quarantine(path, str(e))
-            return None
         except _Mismatch as e:  # a reader configured otherwise than the writer: never delete
+            zero()
             log.warning("L3 file: %s: %s; a miss (left in place)", path, e)
             self.metrics.add(read_errors=1)
-            return None
-        except OSError as e:
+        except integrity.ChecksumUnavailable as e:
+            zero()
+            log.warning("L3 file: cannot verify %s: %s", path, e)
+            self.metrics.add(read_errors=1)
+        except Exception as e:  # I/O errors; anything else is our bug, still only a miss
+            zero()
             log.warning("L3 file: reading %s failed: %r", path, e)
             self.metrics.add(read_errors=1)
-            return None
-        mode = self.config.integrity
-        if mode == "full" or (mode == "sampled" and integrity.sample_hit(self.config.integrity_sample_rate)):
-            try:
-                ok = integrity.checksum(page, algo, key) == crc
-            except integrity.ChecksumUnavailable as e:
-                log.warning("L3 file: cannot verify %s: %s", path, e)
-                self.metrics.add(read_errors=1)
-                return None
-            self.metrics.add(verified=1)
-            if not ok:
-                self._quarantine(path, "CRC mismatch")
-                return None
-        return page
+        finally:
+            os.close(fd)
+        return False
 
     def _quarantine(self, path: str, why: str) -> None:
         log.warning("L3 file: %s: %s; quarantined", path, why)
@@ -172,36 +194,67 @@ class FileStorage(HiCacheStorage):
             if size is not None:
                 self._known_bytes -= size
 
-    def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
-        if len(keys) == 1 or self.config.read_concurrency == 1:
-            return [self._read_one(pool, k) for k in keys]
+    def _pool_for(self, kind: str):
+        """The read or write thread pool (``read_concurrency`` threads each), started on first use."""
         with self._lock:
-            if self._executor is None:
-                self._executor = background_executor("l3-file-read", self.config.worker_nice,
-                                                     self.config.read_concurrency)
-            ex = self._executor
-        return list(ex.map(lambda k: self._read_one(pool, k), keys))
+            ex = self._executors.get(kind)
+            if ex is None:
+                ex = self._executors[kind] = background_executor(
+                    f"l3-file-{kind}", self.config.worker_nice, self.config.read_concurrency)
+            return ex
 
-    def _write_one(self, path: str, key: bytes, page: np.ndarray) -> bool:
+    def _each(self, kind: str, n: int, fn) -> list:
+        """``[fn(i) for i in range(n)]``, up to ``read_concurrency`` at once on the ``kind`` pool
+        (inline for one page). Returns only when every call has finished, so no worker still
+        writes into a caller's host page after the call returned."""
+        if n == 1 or self.config.read_concurrency == 1:
+            return [fn(i) for i in range(n)]
+        futs = [self._pool_for(kind).submit(fn, i) for i in range(n)]
+        wait(futs)
+        return [f.result() for f in futs]  # fn never raises (a fault is its result)
+
+    def _reads_in_place(self) -> bool:
+        return True
+
+    def _read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], loaded: list[bool]) -> int:
+        pr = self.codecs[pool].runs()
+
+        def one(i: int) -> bool:
+            h = int(ids[i])
+            return self._read_page(pool, keys[i], pr.views(h), pr.runs(h), lambda: pr.zero(h))
+
+        for i, ok in enumerate(self._each("read", len(keys), one)):
+            loaded[i] = ok
+        return 0  # _read_page counts the pages it verified
+
+    def _read(self, pool: str, keys: list[bytes]) -> list[np.ndarray | None]:
+        pages = np.empty((len(keys), self.codecs[pool].page_bytes), np.uint8)
+
+        def one(i: int) -> bool:
+            row = pages[i]
+            return self._read_page(pool, keys[i], [memoryview(row)], [(row.ctypes.data, row.nbytes)],
+                                   lambda: row.fill(0))
+
+        return [pages[i] if ok else None for i, ok in enumerate(self._each("read", len(keys), one))]
+
+    def _write_page(self, path: str, key: bytes, views: list, runs: list) -> bool:
+        """Write header + page (``views`` / ``runs`` as for ``_read_page``, read only) with one
+        ``pwritev`` into a temp file, fsync it, then publish it by rename. Never raises."""
         algo = integrity.DEFAULT_ALGO
-        head = _HEADER.pack(MAGIC, algo, 0, 0, integrity.checksum(page, algo, key), page.nbytes, key)
         tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
         fd = -1
         try:
+            nbytes = sum(n for _, n in runs)
+            head = _HEADER.pack(MAGIC, algo, 0, 0, integrity.checksum_at(runs, algo, key), nbytes, key)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            for chunk in (memoryview(head), memoryview(page).cast("B")):
-                while chunk:
-                    n = os.write(fd, chunk)
-                    if n <= 0:
-                        raise OSError(errno.EIO, "short write")
-                    chunk = chunk[n:]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            pwritev_full(fd, [head] + views, 0)
             os.fsync(fd)
             os.close(fd)
             fd = -1
             os.replace(tmp, path)  # atomic publish
             return True
-        except OSError as e:
+        except Exception as e:  # OSError (disk full, read-only, ...) or ChecksumUnavailable
             log.warning("L3 file: writing %s failed: %r", path, e)
             self.metrics.add(write_errors=1, pages_dropped=1)
             if fd >= 0:
@@ -215,24 +268,31 @@ class FileStorage(HiCacheStorage):
                 pass
             return False
 
-    def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
+    def _write_pages(self, pool: str, keys: list[bytes], dst) -> list[bool]:
+        """Write page i from ``dst(i)`` (its views and runs), several files in flight."""
         t0 = time.perf_counter()
-        ok = []
+        pb = self.codecs[pool].page_bytes
+        paths = [self._path(pool, k) for k in keys]
+        ok = self._each("write", len(keys), lambda i: self._write_page(paths[i], keys[i], *dst(i)))
         written = 0
-        for k, page in zip(keys, pages):
-            path = self._path(pool, k)
-            good = self._write_one(path, k, page)
-            ok.append(good)
+        for path, good in zip(paths, ok):
             if good:
                 written += 1
                 with self._lock:
                     if path not in self._known:
-                        self._known[path] = HEADER_BYTES + page.nbytes
-                        self._known_bytes += HEADER_BYTES + page.nbytes
-        self.metrics.add(pages_written=written, bytes_written=written * pages.shape[1],
-                         write_seconds=time.perf_counter() - t0)
+                        self._known[path] = HEADER_BYTES + pb
+                        self._known_bytes += HEADER_BYTES + pb
+        self.metrics.add(pages_written=written, bytes_written=written * pb, write_seconds=time.perf_counter() - t0)
         self._evict()
         return ok
+
+    def _write_from_host(self, pool: str, keys: list[bytes], ids: np.ndarray) -> list[bool]:
+        pr = self.codecs[pool].runs()  # straight from the host pages: no packed copy
+        return self._write_pages(pool, keys, lambda i: (pr.views(int(ids[i])), pr.runs(int(ids[i]))))
+
+    def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
+        pages = np.ascontiguousarray(pages)
+        return self._write_pages(pool, keys, lambda i: ([memoryview(pages[i])], [(pages[i].ctypes.data, pages.shape[1])]))
 
     def _evict(self) -> None:
         cap = self.config.capacity_bytes
@@ -255,6 +315,6 @@ class FileStorage(HiCacheStorage):
 
     def _close(self) -> None:
         with self._lock:
-            ex, self._executor = self._executor, None
-        if ex is not None:
+            exs, self._executors = list(self._executors.values()), {}
+        for ex in exs:
             ex.shutdown(wait=True)

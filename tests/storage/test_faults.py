@@ -100,10 +100,10 @@ def test_file_disk_full_injected(tmp_path, monkeypatch):
     st, src, keys = _stored(tmp_path, n=2)
     new = keys_for(3, seed=99)
 
-    def enospc(fd, data):
+    def enospc(fd, bufs, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fmod.os, "write", enospc)
+    monkeypatch.setattr(fmod.os, "pwritev", enospc)  # the backend writes header + page with one pwritev
     assert st.batch_set(new, [4, 5, 6]) == [False] * 3
     monkeypatch.undo()
     m = st.metrics.snapshot()

@@ -30,15 +30,16 @@ def test_orbax_segment_writer_is_niced(tmp_path):
         store.close()
 
 
-def test_file_read_pool_is_niced(tmp_path):
+def test_file_read_and_write_pools_are_niced(tmp_path):
     pool = HostKVPool(GEOM, 8)
     fill_random(pool, 2)
     store = make_store("file", tmp_path / "f", {"target": pool}, worker_nice=3)
     try:
         keys = keys_for(2)
-        store.batch_set(keys, [0, 1], "target")
+        store.batch_set(keys, [0, 1], "target")  # starts the write pool
         store.batch_get(keys, [2, 3], "target")  # starts the read pool
-        assert store._executor.submit(thread_nice).result() == min(19, thread_nice() + 3)
+        for kind in ("read", "write"):
+            assert store._executors[kind].submit(thread_nice).result() == min(19, thread_nice() + 3)
     finally:
         store.close()
 

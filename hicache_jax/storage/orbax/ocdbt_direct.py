@@ -28,7 +28,7 @@ a miss from the next request on, as through tensorstore, and a ``PageRequest`` c
 descriptor exactly once, so a descriptor is never reused under a reader.
 
 Threading: pure functions; a ``PageRequest`` belongs to the thread that reads it
-(``os.preadv`` and CRC-32C release the GIL).
+(``os.preadv`` releases the GIL; the CRC-32C here keeps it on purpose: see ``reader``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the device ahead (``POSIX_FADV_WILLNEED``, asynchronous) of the one being read, 
 keeps that many pages in flight without a pool of blocking readers (no GIL handoffs between
 readers: ~1.2 instead of ~1.6 ms of CPU per cold 2 MiB page on the project VM).
 ``read_into_host`` reads each page in place into its host page (``preadv`` straight into the
-page's slabs, no staging copy) and checks its CRC; a lone page is requested in 256 KiB pieces
+page's runs in the pool, ``host_pages.PageRuns``, no staging copy) and checks its CRC; a lone page is requested in 256 KiB pieces
 (the device starts sooner and serves them in parallel) and read and checksummed in 512 KiB
 groups. A page whose read fails after it started (bad CRC, truncated file, damaged shard
 index) is zero-filled: it is not loaded and its host page never keeps bytes that failed a
@@ -41,8 +41,15 @@ the hit), and a failed page is zero-filled instead.
 Threading: reads run in their caller's thread, any number at once; the reader keeps no
 per-call state between calls. The descriptors a call holds (one per page requested ahead) are
 its own and closed exactly once, however the call ends. ``HandleCache`` has its own lock (a
-leaf, never held while opening an array). The per-thread scratch buffer (layouts whose page
-slabs are not contiguous) belongs to its thread.
+leaf, never held while opening an array). The CRC-32C here is ``google_crc32c``'s, which keeps
+the GIL over numpy buffers, on purpose: with the GIL-free one (``integrity.crc32c_extend``)
+the cold reads of ``benchmarks/bench_l3.py`` (16 in flight) ran at 0.59 / 0.56 / 0.79 of the
+raw baseline against 0.97 / 0.87 / 1.14 for the code before (which kept it), three A/B pairs
+on the project VM (2 vCPUs, load 8-11); with the GIL kept again, 0.87 against 0.84. A reader
+that drops the GIL between its page reads and its CRCs plausibly waits to get it back from
+other Python threads of the process (not investigated further).
+The ``file`` and ``mooncake`` backends, whose CRCs run on pools of worker threads, use the
+GIL-free CRC.
 """
 
 from __future__ import annotations
@@ -72,21 +79,11 @@ _MAX_HANDLES = 512
 PlannedPage = tuple[int, Segment, int, int]
 
 
-def host_pieces(codec: PageCodec, host_id: int) -> list[np.ndarray] | None:
-    """The host page ``host_id`` as 1-D uint8 views in page-byte order (what
-    ``codec.unpack_one`` writes: per component, its slab; layer-first pools, per layer), or
-    None if any piece is not C-contiguous."""
-    pieces = []
-    for c in codec.geom.components:
-        view = codec.pool.component_view(c)
-        slabs = [view[l, host_id] for l in range(view.shape[0])] if codec.layer_first else [view[host_id]]
-        for s in slabs:
-            if not s.flags.c_contiguous:
-                return None
-            pieces.append(s.reshape(-1).view(np.uint8))
-    if sum(p.nbytes for p in pieces) != codec.page_bytes:
-        return None
-    return pieces
+def host_pieces(codec: PageCodec, host_id: int) -> list[np.ndarray]:
+    """The host page ``host_id`` as 1-D uint8 views of the pool in page-byte order (per
+    component, its slab; layer-first pools, per layer: ``host_pages.PageRuns``), which a read
+    fills in place."""
+    return codec.runs().arrays(host_id)
 
 
 def _scatter(flat: np.ndarray, parts: list) -> None:
@@ -154,7 +151,6 @@ class SegmentReader:
         self.codecs = codecs
         self.config = config
         self.metrics = metrics
-        self._tls = threading.local()
 
     # ---- what the store calls ------------------------------------------------------------------
     def read(self, pool: str, keys: list[bytes], plan: list[PlannedPage], out: list) -> None:
@@ -175,25 +171,20 @@ class SegmentReader:
 
     def read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], plan: list[PlannedPage],
                        loaded: list[bool]) -> int:
-        """Read each page of ``plan`` straight into host page ``ids[i]`` (into a per-thread
-        scratch buffer, then copied, only for a layout whose page slabs are not contiguous)
-        and set ``loaded[i]``; a page whose read failed is zero-filled. Returns how many pages
-        had their CRC checked (the caller counts them)."""
+        """Read each page of ``plan`` straight into host page ``ids[i]`` (its runs in the pool:
+        every host layout's runs are contiguous, so no staging copy) and set ``loaded[i]``; a
+        page whose read failed is zero-filled. Returns how many pages had their CRC checked
+        (the caller counts them)."""
         codec = self.codecs[pool]
-        pb = codec.page_bytes
 
-        def dst_of(i: int):  # the host page itself (read in place), else scratch
-            pieces = host_pieces(codec, int(ids[i]))
-            return pieces if pieces is not None else self._scratch(pb)
+        def dst_of(i: int):  # the host page itself: read in place
+            return host_pieces(codec, int(ids[i]))
 
         def done(i: int, dst, ok: bool) -> None:
             if ok:
-                if not isinstance(dst, list):
-                    codec.unpack_one(int(ids[i]), dst)
                 loaded[i] = True
-            elif isinstance(dst, list):  # a failed read into the host page: scrub it
-                for p in dst:
-                    p.fill(0)
+            elif dst is not None:  # a failed read into the host page: scrub it
+                codec.runs().zero(int(ids[i]))
 
         return self.read_planned(pool, keys, plan, dst_of, done)
 
@@ -320,15 +311,6 @@ class SegmentReader:
                 seg.path, dict(seg.counts), {p: self.codecs[p].page_bytes for p in seg.counts})
             seg.locs = locs  # immutable once loaded; a racing load stores an equal dict
         return locs.get(pool)
-
-    def _scratch(self, nbytes: int) -> np.ndarray:
-        bufs = getattr(self._tls, "bufs", None)
-        if bufs is None:
-            bufs = self._tls.bufs = {}
-        buf = bufs.get(nbytes)
-        if buf is None:
-            buf = bufs[nbytes] = np.empty(nbytes, np.uint8)
-        return buf
 
     # ---- the tensorstore path ------------------------------------------------------------------
     def _read_tensorstore(self, pool: str, keys: list[bytes], plan: list[PlannedPage], out: list) -> None:

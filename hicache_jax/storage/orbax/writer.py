@@ -99,12 +99,13 @@ def pack_into(codec: PageCodec, ids: np.ndarray, out: np.ndarray) -> None:
 
 
 class SegmentBuffer:
-    """Pages of one pool waiting for a save: rows ``[0, n)`` of ``data`` hold ``keys``."""
+    """Pages of one pool waiting for a save: rows ``[0, n)`` of ``data`` hold ``keys``, whose
+    CRC-32Cs (of key || row) are ``crcs``."""
 
-    __slots__ = ("pool", "data", "keys", "n", "view_ref")
+    __slots__ = ("pool", "data", "keys", "crcs", "n", "view_ref")
 
     def __init__(self, pool: str, data: np.ndarray) -> None:
-        self.pool, self.data, self.keys, self.n, self.view_ref = pool, data, [], 0, None
+        self.pool, self.data, self.keys, self.crcs, self.n, self.view_ref = pool, data, [], [], 0, None
 
 
 def evict_to_capacity(index: SegmentIndex, capacity_bytes: int, metrics: StorageMetrics) -> None:
@@ -244,13 +245,21 @@ class SegmentWriter:
                         self._open[pool] = buf
                 take = min(S - buf.n, len(accept) - pos)
                 sel = np.asarray(accept[pos:pos + take], np.intp)
-                fill(buf.data[buf.n:buf.n + take], sel)  # outside the lock: readers go on meanwhile
+                rows = buf.data[buf.n:buf.n + take]
+                fill(rows, sel)  # outside the lock: readers go on meanwhile
+                # The CRCs here, in the caller's thread, not in the writer's before its save:
+                # they then overlap the save of the segment before (~0.02 s of CPU per 128 MiB
+                # segment on the project VM that the writer no longer spends in series). The GIL
+                # is kept: a call per row that dropped it could wait up to a switch interval per
+                # row to get it back from the (Python-heavy) saving writer (see ``pack``).
+                crcs = [integrity.crc32c(rows[r], keys[i], release_gil=False) for r, i in enumerate(sel)]
                 with self._cond:
                     if not self._pending:
                         self._pending_since = time.monotonic()
                     for r, i in enumerate(sel):
                         self._pending[(pool, keys[i])] = (buf, buf.n + r)
                         buf.keys.append(keys[i])
+                    buf.crcs += crcs
                     buf.n += take
                     if buf.n >= S:
                         del self._open[pool]
@@ -355,9 +364,8 @@ class SegmentWriter:
         for b in segment:
             data = b.data[:b.n]
             b.view_ref = weakref.ref(data)
-            keys = b.keys
-            crcs = np.array([integrity.crc32c(data[i], keys[i]) for i in range(b.n)], np.uint32)
-            tree[b.pool] = {"data": data, "keys": keys_to_array(keys), "crc": crcs}
+            crcs = np.array(b.crcs, np.uint32)  # computed as the pages were enqueued
+            tree[b.pool] = {"data": data, "keys": keys_to_array(b.keys), "crc": crcs}
             # one zarr chunk per page: without shard_axes orbax splits a page over many chunks
             save_args[b.pool] = {"data": ocp.SaveArgs(chunk_byte_size=data.shape[1], shard_axes=(0,)),
                                  "keys": ocp.SaveArgs(), "crc": ocp.SaveArgs()}
