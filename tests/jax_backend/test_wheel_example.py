@@ -20,9 +20,12 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+
+import hicache_jax
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = "jax,storage,metrics"
@@ -73,6 +76,9 @@ def wheel(tmp_path_factory) -> Path:
     if r.returncode:
         pytest.skip(f"cannot build the wheel (no registry and no setuptools in {house}?): {r.stderr[-500:]}")
     (whl,) = dist.glob("hicache_jax-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert "hicache_jax/py.typed" in names, "the wheel lacks py.typed (type checkers would ignore its hints)"
+    assert whl.name.startswith(f"hicache_jax-{hicache_jax.__version__}-"), whl.name  # one version everywhere
     return whl
 
 
