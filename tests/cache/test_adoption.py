@@ -228,3 +228,18 @@ def test_build_info_names_version_backend_and_platform(backend_factory):
     register_prometheus(cache, reg)
     labels = {"version": hicache_jax.__version__, "backend": "numpy", "platform": "host"}
     assert reg.get_sample_value("hicache_build_info", labels) == 1
+
+
+# ---------------------------------------------------------------- class docstrings
+def test_the_classes_a_user_builds_say_how_to_use_them():
+    from hicache_jax.cache import HiRadixCache
+
+    doc = HiRadixCache.__doc__
+    for call in ("begin_request", "alloc_device", "device_fit", "cache_finished_req", "abort_request",
+                 "check_events", "hit_tokens", "owner", "CacheFailedError"):
+        assert call in doc, f"HiRadixCache's docstring does not mention {call}"
+    pytest.importorskip("jax")
+    from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
+
+    assert JaxDevicePool.__doc__ and all(w in JaxDevicePool.__doc__ for w in ("allocator", "apply", "thread"))
+    assert all(w in JaxTransferEngine.__doc__ for w in ("HiRadixCache", "precompile", "close", "thread"))
