@@ -24,11 +24,12 @@ from .step_agreement import StepAgreement
 from .tree_node import TreeNode
 
 __all__ = [
-    "FULL", "Agreement", "AgreementError", "CacheDebugView", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest",
-    "ComponentRegistry", "DeviceFit", "EvictionIndex", "EvictionPolicy", "EvictionStrategy", "HiCacheConfig", "HiRadixCache",
-    "InsertResult", "KVComponent", "LoadBackResult", "LockReceipt", "MatchResult", "MultiLoadHandle",
-    "MultiTransferHandle", "NoExchangeAgreement", "OwnerThreadError", "RadixKey", "RankDivergenceError", "SingleProcessAgreement",
-    "StepAgreement", "TreeDecisions", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
+    "FULL", "Agreement", "AgreementError", "CacheDebugView", "CacheFailedError", "CacheInvariantError",
+    "CacheMetrics", "CacheRequest", "ComponentRegistry", "DeviceFit", "EvictionIndex", "EvictionPolicy",
+    "EvictionStrategy", "HiCacheConfig", "HiRadixCache", "InsertResult", "KVComponent", "LoadBackResult",
+    "LockReceipt", "MatchResult", "MultiLoadHandle", "MultiTransferHandle", "NoExchangeAgreement",
+    "OwnerThreadError", "RadixKey", "RankDivergenceError", "SingleProcessAgreement", "StepAgreement",
+    "TreeDecisions", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
 ]
 
 

@@ -52,14 +52,13 @@ def test_a_call_from_another_thread_raises_naming_the_rule_and_changes_nothing(b
 def test_every_call_that_changes_the_cache_is_checked_before_its_arguments(backend_factory):
     cache, _ = make_cache(backend_factory)
     cache.check_events()  # binds the owner
-    names = [*_REFUSED_AFTER_FAILURE, "reset", "device_fit", "release_owner"]
-    for name in names:
+    n_args = {"match_prefix": 1, "peek_prefix": 1, "insert": 2, "insert_host": 3, "inc_lock_ref": 1,
+              "dec_lock_ref": 1, "alloc_device": 1, "evict": 1, "evict_host": 1, "load_back": 1,
+              "begin_request": 1, "cache_unfinished_req": 1, "cache_finished_req": 1, "alloc_component": 2,
+              "reserve_component_host_pages": 2, "slide_window": 1, "abort_request": 1, "device_fit": 1}
+    for name in [*_REFUSED_AFTER_FAILURE, "reset", "device_fit", "release_owner"]:
         method = getattr(cache, name)
-        n_args = {"match_prefix": 1, "peek_prefix": 1, "insert": 2, "insert_host": 3, "inc_lock_ref": 1,
-                  "dec_lock_ref": 1, "alloc_device": 1, "evict": 1, "evict_host": 1, "load_back": 1,
-                  "begin_request": 1, "cache_unfinished_req": 1, "cache_finished_req": 1, "alloc_component": 2,
-                  "reserve_component_host_pages": 2, "slide_window": 1, "abort_request": 1, "device_fit": 1}.get(name, 0)
-        err = on_thread(method, *([None] * n_args))  # bad arguments: the thread check comes first
+        err = on_thread(method, *([None] * n_args.get(name, 0)))  # bad arguments: the thread check comes first
         assert isinstance(err, OwnerThreadError), (name, err)
         assert name in str(err)
 
