@@ -242,3 +242,16 @@ def test_the_classes_a_user_builds_say_how_to_use_them():
 
     assert JaxDevicePool.__doc__ and all(w in JaxDevicePool.__doc__ for w in ("allocator", "apply", "thread"))
     assert all(w in JaxTransferEngine.__doc__ for w in ("HiRadixCache", "precompile", "close", "thread"))
+
+
+# ---------------------------------------------------------------- metric HELP
+def test_backup_and_written_metrics_say_what_each_counts():
+    """``storage_backup_tokens`` (accepted by the store) and ``storage_written_pages`` (made
+    durable) differ on a buffering backend: an operator seeing 96 vs 0 must read why."""
+    from hicache_jax.cache.metrics import FAMILIES
+
+    helps = {f.name: f.help for f in FAMILIES}
+    assert "accepted" in helps["storage_backup_tokens"] and "storage_written_pages" in helps["storage_backup_tokens"]
+    assert "durable" in helps["storage_written_pages"] and "lags" in helps["storage_written_pages"]
+    assert "check_events" in helps["in_flight_operations"]
+    assert "copies in flight" in helps["device_protected_tokens"]
