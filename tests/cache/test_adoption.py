@@ -255,3 +255,22 @@ def test_backup_and_written_metrics_say_what_each_counts():
     assert "durable" in helps["storage_written_pages"] and "lags" in helps["storage_written_pages"]
     assert "check_events" in helps["in_flight_operations"]
     assert "copies in flight" in helps["device_protected_tokens"]
+
+
+def test_abort_request_frees_a_sliding_window_requests_own_pages_of_both_pools():
+    from swa_harness import SWADriver, make_swa_cache
+
+    cache, full, swa_be, swa = make_swa_cache(page_size=2, window=5, device_pages=60, host_pages=120,
+                                              swa_device_pages=30, swa_host_pages=60)
+    drv = SWADriver(cache, full, swa_be, swa)
+    k1 = drv.serve(RadixKey(np.arange(1, 19)), chunk=6)
+    cache.flush()
+    free = (cache.device_allocator.available, swa.device_allocator.available)
+    req, _ = drv.admit(RadixKey(np.concatenate([k1.token_ids, [70, 71, 72, 73, 74, 75, 76]])))
+    assert drv.extend(req, RadixKey(np.concatenate([k1.token_ids, np.arange(200, 209)])))
+    own_full, own_swa = SWADriver.own_pages(req)
+    assert own_full > 0 and own_swa > 0  # pages of both pools outside the tree
+    cache.abort_request(req)
+    assert (cache.device_allocator.available, swa.device_allocator.available) == free
+    assert cache.protected_tokens == 0
+    cache.sanity_check(0, {"swa": 0})
