@@ -3,6 +3,9 @@
     pip install "hicache_jax-<version>-py3-none-any.whl[jax,storage,metrics]"
     python own_engine.py            # prints what it does; --out result.json for a machine-readable summary
 
+Extras: ``[jax]`` the JAX backend, ``[storage]`` the orbax L3 backend (Python 3.12+; on 3.11 the
+example falls back to the ``file`` backend, which needs no extra), ``[metrics]`` Prometheus.
+
 Your engine keeps its model, scheduler and sampling; hicache_jax keeps the KV of prompt
 prefixes across three tiers and tells you which pages already hold a prompt's KV:
 
@@ -169,17 +172,36 @@ class MyEngine:
         self.transfer.close()
 
 
+def _have_storage_extra() -> bool:
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("orbax.checkpoint", "tensorstore"))
+    except ImportError:  # find_spec of a submodule imports its parent: no ``orbax`` at all
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     global ARGS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--storage-backend", default="orbax", choices=["orbax", "file"],
-                   help="L3 backend (orbax needs the [storage] extra)")
+    p.add_argument("--storage-backend", default="auto", choices=["auto", "orbax", "file"],
+                   help="L3 backend: orbax needs the [storage] extra (Python 3.12+); file needs none; auto: orbax "
+                        "when the [storage] extra is installed, else file")
     p.add_argument("--out", default=None, help="write a JSON summary here")
     ARGS = p.parse_args(argv)
-    import prometheus_client
+    if ARGS.storage_backend == "auto":
+        ARGS.storage_backend = "orbax" if _have_storage_extra() else "file"
+        if ARGS.storage_backend == "file":
+            print("note: the [storage] extra (orbax-checkpoint, tensorstore; Python 3.12+) is not installed: "
+                  "L3 uses the 'file' backend")
+    try:
+        import prometheus_client
+    except ImportError:
+        print("error: this example exports Prometheus metrics: pip install 'hicache-jax[metrics]'", file=sys.stderr)
+        return 2
 
     print(f"hicache_jax {hicache_jax.__version__} from {hicache_jax.__file__}; jax {jax.__version__} "
-          f"({jax.default_backend()})")
+          f"({jax.default_backend()}); L3 backend {ARGS.storage_backend}")
     rng = np.random.default_rng(0)
     convs = [rng.integers(0, VOCAB, 200 + 40 * i).tolist() for i in range(4)]
     l3_dir = tempfile.mkdtemp(prefix="hicache-example-l3-")
@@ -218,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cached tokens by source (cache.stats()): before the restart {first}, after {stats['cached_tokens']}")
     print(f"Prometheus hicache_cached_tokens_total after the restart: {prom}")
     print(f"L3 store: {stats['storage_read_hit_pages']} pages read, {stats['storage_corrupt_pages']} corrupt")
-    summary = {"hicache_jax_file": hicache_jax.__file__, "requests": log, "cached_tokens": total,
-               "prometheus_cached_tokens_after_restart": prom, "kv_bytes_checked": True}
+    summary = {"hicache_jax_file": hicache_jax.__file__, "storage_backend": ARGS.storage_backend, "requests": log,
+               "cached_tokens": total, "prometheus_cached_tokens_after_restart": prom, "kv_bytes_checked": True}
     if ARGS.out:
         with open(ARGS.out, "w") as f:
             json.dump(summary, f, indent=2)
@@ -228,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-ARGS = argparse.Namespace(storage_backend="orbax")
+ARGS = argparse.Namespace(storage_backend="orbax")  # main() replaces it
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""``hicache-jax`` console script: the benchmarks.
+"""``hicache-jax`` console script: the benchmarks (``_USAGE`` below is the top-level ``-h``).
 
     hicache-jax bench multiturn   # the main job: multi-turn conversations, cache vs no cache
     hicache-jax bench two-run     # the same ~3.5k-token prompts twice
@@ -22,7 +22,18 @@ import importlib
 import sys
 from typing import Callable, NamedTuple
 
+from . import __version__
 from .bench import options
+
+# The top-level ``-h``: what a user can run (the module docstring adds how to extend it).
+_USAGE = """hicache_jax: a hierarchical KV cache (device / host / storage) for JAX LLM serving.
+
+commands:
+  hicache-jax bench BENCHMARK [--quick] [--out PATH]   run a benchmark (table, JSON and PNG)
+  hicache-jax bench BENCHMARK -h                       its options and defaults
+  hicache-jax --version                                the installed version
+
+Use the cache from your own engine: see examples/own_engine.py and the README."""
 
 
 class Benchmark(NamedTuple):
@@ -54,10 +65,11 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hicache-jax", description=__doc__, formatter_class=_Formatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run a benchmark", formatter_class=_Formatter).add_subparsers(
-        dest="bench", required=True, metavar="BENCHMARK")
+    p = argparse.ArgumentParser(prog="hicache-jax", description=_USAGE, formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"hicache-jax {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark; --quick runs small sizes.",
+                           formatter_class=_Formatter).add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for b in BENCHMARKS:
         bp = bench.add_parser(b.name, help=b.help, description=b.help, formatter_class=_Formatter)
         b.arguments(bp)

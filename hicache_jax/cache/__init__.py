@@ -11,7 +11,7 @@ from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, M
 from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 from .debug_view import CacheDebugView
 from .digest import tree_digest
-from .errors import CacheFailedError, CacheInvariantError
+from .errors import CacheFailedError, CacheInvariantError, OwnerThreadError
 from .eviction_index import EvictionIndex
 from .eviction_policies import EvictionStrategy
 from .hiradix_cache import HiRadixCache
@@ -19,16 +19,17 @@ from .locks import LockReceipt
 from .metrics import CacheMetrics, register_prometheus
 from .radix_key import RadixKey, as_token_ids
 from .request import CacheRequest
-from .results import InsertResult, LoadBackResult, MatchResult
+from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
 from .tree_node import TreeNode
 
 __all__ = [
-    "FULL", "Agreement", "AgreementError", "CacheDebugView", "CacheFailedError", "CacheInvariantError", "CacheMetrics", "CacheRequest",
-    "ComponentRegistry", "EvictionIndex", "EvictionPolicy", "EvictionStrategy", "HiCacheConfig", "HiRadixCache",
-    "InsertResult", "KVComponent", "LoadBackResult", "LockReceipt", "MatchResult", "MultiLoadHandle",
-    "MultiTransferHandle", "NoExchangeAgreement", "RadixKey", "RankDivergenceError", "SingleProcessAgreement",
-    "StepAgreement", "TreeDecisions", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
+    "FULL", "Agreement", "AgreementError", "CacheDebugView", "CacheFailedError", "CacheInvariantError",
+    "CacheMetrics", "CacheRequest", "ComponentRegistry", "DeviceFit", "EvictionIndex", "EvictionPolicy",
+    "EvictionStrategy", "HiCacheConfig", "HiRadixCache", "InsertResult", "KVComponent", "LoadBackResult",
+    "LockReceipt", "MatchResult", "MultiLoadHandle", "MultiTransferHandle", "NoExchangeAgreement",
+    "OwnerThreadError", "RadixKey", "RankDivergenceError", "SingleProcessAgreement", "StepAgreement",
+    "TreeDecisions", "TreeNode", "WritePolicy", "as_token_ids", "register_prometheus", "tree_digest",
 ]
 
 

@@ -99,6 +99,11 @@ class HiCacheConfig:
       fields (e.g. parsed ``--hicache-storage-backend-extra-config`` JSON), or ``None`` for no
       L3. The cache itself never touches storage: a ``StorageController`` reads this field
       when built without an explicit ``storage_config``.
+    * ``check_owner_thread``: every call must come from the cache's owner thread (the first
+      thread that calls it; ``HiRadixCache.release_owner`` hands it over); a call from another
+      thread raises ``OwnerThreadError`` before anything changes. ``False`` turns the check
+      off, for an engine that moves the cache between threads itself (it must then make
+      sure no two threads ever call at once).
     """
 
     page_size: int = 1
@@ -110,6 +115,7 @@ class HiCacheConfig:
     tree_decisions: TreeDecisions | str = TreeDecisions.AUTO
     transfer_retries: int = 2
     storage: StorageConfig | dict | None = None
+    check_owner_thread: bool = True
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 1)
@@ -124,6 +130,8 @@ class HiCacheConfig:
         object.__setattr__(self, "tree_decisions", TreeDecisions.parse(self.tree_decisions))
         if not isinstance(self.host_reclaim, bool):
             raise TypeError(f"host_reclaim: expected a bool, got {type(self.host_reclaim).__name__}")
+        if not isinstance(self.check_owner_thread, bool):
+            raise TypeError(f"check_owner_thread: expected a bool, got {type(self.check_owner_thread).__name__}")
         if isinstance(self.storage, dict):
             try:
                 object.__setattr__(self, "storage", StorageConfig.from_dict(self.storage))

@@ -10,3 +10,9 @@ class CacheInvariantError(AssertionError):
 class CacheFailedError(RuntimeError):
     """A KV copy failed even after its retries. The cache refuses every call until
     ``reset()`` (the pages the copy named hold undefined bytes and must never be served)."""
+
+
+class OwnerThreadError(RuntimeError):
+    """A cache call came from a thread other than the cache's owner thread (see
+    ``HiRadixCache``: the first thread that called it). The cache is not thread-safe: one
+    thread, the scheduler's, makes every call; nothing changed."""

@@ -61,8 +61,16 @@ What is locked when (``locks``)
 
 Which thread may call what
     Every method runs on one owner thread (the scheduler's). The cache is not thread-safe.
-    Engines may run copies on their own workers; the cache only polls their handles, from
-    the owner thread, in ``writing_check`` / ``loading_check`` / ``check_events``.
+    The owner is the first thread that calls a checked method (construction does not count,
+    so an engine may build the cache on its main thread and serve from a scheduler thread);
+    a checked call from any other thread raises ``OwnerThreadError`` before anything changes
+    (one thread-id compare per call). ``release_owner()`` (on the owner) hands the cache to
+    whichever thread calls next; ``HiCacheConfig(check_owner_thread=False)`` turns the check
+    off. ``check_owner(call)`` runs the same check for a caller's own entry points (the L3
+    controller's). Read-only snapshots (``stats``, ``gauges``, the Prometheus export, the
+    token-count properties) may be read from any thread; they are not checked. Engines may
+    run copies on their own workers; the cache only polls their handles, from the owner
+    thread, in ``writing_check`` / ``loading_check`` / ``check_events``.
 
 L3 surface (used by ``hicache_jax.l3``, nothing else of the cache)
     ``storage_hook``: ``None`` unless a ``StorageController`` attaches itself. Then, on the
@@ -141,6 +149,8 @@ Sliding-window (SWA) requests (``components.swa``; generic over components with 
 
 from __future__ import annotations
 
+import threading
+from threading import get_ident
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -154,7 +164,7 @@ from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
 from .decisions import resolve
-from .errors import CacheFailedError, CacheInvariantError
+from .errors import CacheFailedError, CacheInvariantError, OwnerThreadError
 from .eviction_index import EvictionIndex
 from .eviction_policies import strategy_for
 from .evictor import Evictor
@@ -162,20 +172,20 @@ from .insert import Inserter
 from .load_back import LoadBackIssuer
 from .locks import CallerLocks, LockReceipt, PathLocks
 from .lookup import Lookup
-from .metrics import CacheMetrics, family_values
+from .metrics import CacheMetrics, build_info, family_values
 from .radix_key import as_radix_key
 from .request import CacheRequest
 from .requests import RequestHelpers
 from .residency import Residency
-from .results import InsertResult, LoadBackResult, MatchResult
+from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
 from .transfers import TransferLedger
 from .tree import RadixTree
 from .tree_node import TreeNode
 from .write_policy import WritePolicyDriver
 
-__all__ = ["CacheFailedError", "CacheInvariantError", "HiRadixCache", "InsertResult", "LoadBackResult",
-           "MatchResult"]
+__all__ = ["CacheFailedError", "CacheInvariantError", "DeviceFit", "HiRadixCache", "InsertResult", "LoadBackResult",
+           "MatchResult", "OwnerThreadError"]
 
 
 # The public calls a closed failure latch refuses (see ``_refuse_calls``).
@@ -183,7 +193,7 @@ _REFUSED_AFTER_FAILURE = (
     "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
     "loading_check", "check_events", "agree_step", "flush", "alloc_device", "evict", "evict_host", "load_back",
     "begin_request", "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages",
-    "slide_window",
+    "slide_window", "abort_request",
 )
 
 
@@ -204,7 +214,38 @@ def _check_priority(priority: object) -> int:
 
 
 class HiRadixCache:
-    """Radix cache with device and host tiers. See the module docstring for the contract."""
+    """A radix tree over token pages whose KV lives on the device (L1) and the host (L2), with
+    an optional L3 behind it (``hicache_jax.l3.StorageController``).
+
+    Build it with ``HiRadixCache(HiCacheConfig(page_size=...), engine, device_allocator)``:
+    ``engine`` moves KV pages between a device pool and the host pool it owns (e.g.
+    ``JaxTransferEngine(JaxDevicePool(...), host_pool)``), ``device_allocator`` is that device
+    pool's page allocator (the scheduler and the cache share it). The host pool must be empty:
+    the cache owns every host page.
+
+    Per request (the helpers; ``match_prefix`` / ``insert`` / ``inc_lock_ref`` are the raw calls):
+
+    1. ``req, load = begin_request(prompt_key)``: match, load back the host continuation,
+       lock the prefix. ``req.device_pages`` is the cached prefix's page table; wait on
+       ``load`` (per layer) before reading loaded pages. ``req.hit_tokens`` says how many of
+       its tokens each tier served.
+    2. ``pages = alloc_device(n)`` for the rest (evicts unlocked leaves when short; None when
+       it cannot: ``device_fit(n)`` says whether it never can or cannot now),
+       ``req.extend(key, pages)``, run the model on the uncached suffix.
+    3. ``cache_finished_req(req)``: insert its whole pages, free the partial tail, unlock
+       (``cache_unfinished_req`` after a chunk). A request given up on (client gone):
+       ``abort_request(req)`` frees what it holds and inserts nothing.
+
+    Call ``check_events()`` once per scheduler step, busy or idle: it acknowledges finished
+    copies (until then their pages stay locked and counted in flight) and lets an attached
+    L3 controller make progress. ``flush()`` waits for every copy; ``reset()`` empties the
+    cache. One thread makes every call (the owner: see the module docstring, "Which thread
+    may call what"). A copy that fails after its retries stops the cache
+    (``CacheFailedError`` on every call until ``reset``). ``stats()`` / ``register_prometheus``
+    report the metrics; ``sanity_check`` verifies the invariants. The module docstring has
+    the full contract (who allocates and frees, what is locked when, several ranks, sliding
+    windows).
+    """
 
     def __init__(self, config: HiCacheConfig, engine: KVTransferEngine, device_allocator: PageAllocator,
                  sidecars: Mapping[str, KVTransferEngine] | None = None, *,
@@ -228,6 +269,11 @@ class HiRadixCache:
             raise ValueError("components: a component with its own page ids (e.g. swa) is not supported with a "
                              "collective agreement (several ranks) yet")
         self.config = config
+        # The owner thread (module docstring): None until the first checked call binds it.
+        self._owner: int | None = None
+        self._owner_name = ""
+        self._check_owner_thread = config.check_owner_thread
+        self.build_info = build_info(engine)  # the build_info metric's labels
         self.page_size = p = config.page_size
         self.device_allocator = device_allocator
         self.host_allocator = host_alloc
@@ -256,7 +302,7 @@ class HiRadixCache:
         self._load_backs = LoadBackIssuer(res, locks, ledger, evictor, m, p, config.load_back_threshold,
                                           d.evict_whole)
         self._requests = RequestHelpers(tree, res, self._inserter, self._callers, self.match_prefix,
-                                        self.load_back, p)
+                                        self.load_back, p, m)
         self._stateful = stateful
         if stateful:  # their hooks run only then: the full component's paths check one tuple
             for part in (evictor, backups, self._inserter, self._lookup, self._load_backs, locks):
@@ -291,6 +337,40 @@ class HiRadixCache:
 
         for name in _REFUSED_AFTER_FAILURE:
             setattr(self, name, refuse)
+
+    # ------------------------------------------------------------------ owner thread
+    def _not_owner(self, call: str) -> None:
+        """A checked call from a thread that is not the owner's: the first call binds the
+        owner; with the check off the owner follows the caller; otherwise OwnerThreadError."""
+        tid = get_ident()
+        if self._owner is None or not self._check_owner_thread:
+            self._owner, self._owner_name = tid, threading.current_thread().name
+            return
+        raise OwnerThreadError(
+            f"{call}: called from thread {threading.current_thread().name!r} (id {tid}), but this cache belongs to "
+            f"thread {self._owner_name!r} (id {self._owner}): every call to a cache and its StorageController must "
+            f"come from one thread, the owner (the first thread that called it). Make the calls from the owner "
+            f"thread, hand the cache over with cache.release_owner() on the owner thread, or turn the check off "
+            f"with HiCacheConfig(check_owner_thread=False) if your engine serialises the calls itself")
+
+    def check_owner(self, call: str = "call") -> None:
+        """Raise ``OwnerThreadError`` naming ``call`` unless the current thread is the cache's
+        owner (binding the owner if none is yet). For a caller's own entry points that use the
+        cache, e.g. the L3 controller's; the cache's own calls check themselves."""
+        if get_ident() != self._owner:
+            self._not_owner(call)
+
+    def release_owner(self) -> None:
+        """On the owner thread: give up ownership; the next thread that calls becomes the
+        owner (a deliberate hand-over, e.g. to a new scheduler thread)."""
+        if get_ident() != self._owner:
+            self._not_owner("release_owner")
+        self._owner, self._owner_name = None, ""
+
+    @property
+    def owner_thread(self) -> int | None:
+        """The owner thread's id (``threading.get_ident()``), None until the first call."""
+        return self._owner
 
     def _accept_calls(self) -> None:
         for name in _REFUSED_AFTER_FAILURE:
@@ -375,6 +455,8 @@ class HiRadixCache:
 
         Refreshes the access time of every matched node; never counts a hit.
         """
+        if get_ident() != self._owner:
+            self._not_owner("match_prefix")
         key = as_radix_key(key)
         res = self._lookup.match(key)
         m = self.metrics
@@ -392,6 +474,8 @@ class HiRadixCache:
         Read-only, unlike ``match_prefix``: no split, no access-time refresh, no metrics, so a
         scheduler may ask it about waiting requests as often as it likes.
         """
+        if get_ident() != self._owner:
+            self._not_owner("peek_prefix")
         return self._lookup.peek(as_radix_key(key))
 
     # ------------------------------------------------------------------ insert
@@ -407,6 +491,8 @@ class HiRadixCache:
         sliding window: -1 up to the caller's frontier, ids after it); the tree takes or frees
         every one, like the full pages.
         """
+        if get_ident() != self._owner:
+            self._not_owner("insert")
         key = as_radix_key(key)
         priority = _check_priority(priority)
         chunked = _check_flag("chunked", chunked)
@@ -469,6 +555,8 @@ class HiRadixCache:
         its host page ids aligned with ``host_pages`` (-1 where none; e.g. a prefetched sliding
         window: the last pages), allocated from its host pool; the cache takes every one too.
         """
+        if get_ident() != self._owner:
+            self._not_owner("insert_host")
         key = as_radix_key(key)
         p = self.page_size
         start = check_int("start", start, 0)
@@ -494,6 +582,8 @@ class HiRadixCache:
     def inc_lock_ref(self, node: TreeNode) -> LockReceipt | None:
         """Lock ``node`` and its ancestors on the device tier; returns the lock's receipt (None
         for the root, which needs no lock)."""
+        if get_ident() != self._owner:
+            self._not_owner("inc_lock_ref")
         self._tree.check_node(node)
         if node.value is None:
             raise ValueError(f"node: {node!r} is not on the device; lock the last_device_node of a match")
@@ -506,6 +596,8 @@ class HiRadixCache:
         given a node, one lock a caller took on exactly that node (``inc_lock_ref`` or a
         request helper). Raises ValueError (no change) when there is no such lock: a caller
         never releases a lock the cache took for itself (a transfer's, an L3 pin)."""
+        if get_ident() != self._owner:
+            self._not_owner("dec_lock_ref")
         if isinstance(node, LockReceipt):
             self._callers.release_receipt(node)
             return
@@ -550,6 +642,8 @@ class HiRadixCache:
     def reserve_component_host_pages(self, name: str, num_pages: int) -> np.ndarray | None:
         """``reserve_host_pages`` from the host pool of the component ``name`` (one with its
         own page ids), evicting with that component's own host eviction if short."""
+        if get_ident() != self._owner:
+            self._not_owner("reserve_component_host_pages")
         comp = self._own_component(name)
         return comp.alloc_host(check_int("num_pages", num_pages, 0))
 
@@ -582,6 +676,8 @@ class HiRadixCache:
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``).
         With several ranks: one agreement step (see the module docstring)."""
+        if get_ident() != self._owner:
+            self._not_owner("writing_check")
         block = _check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[0]
@@ -596,6 +692,8 @@ class HiRadixCache:
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``).
         With several ranks: one agreement step (see the module docstring)."""
+        if get_ident() != self._owner:
+            self._not_owner("loading_check")
         block = _check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[1]
@@ -606,9 +704,15 @@ class HiRadixCache:
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step). With several
         ranks: one agreement step, every call, even with nothing in flight."""
+        if get_ident() != self._owner:
+            self._not_owner("check_events")
         if self.agreed:
             self._step()
             return
+        self._poll_events()
+
+    def _poll_events(self) -> None:
+        """One process: acknowledge finished copies without blocking, poll the L3 hook."""
         ledger = self._ledger
         if ledger.writes:
             ledger.ack_writes(False)
@@ -621,6 +725,8 @@ class HiRadixCache:
         """Several ranks: one agreement step now (a caller's blocking wait runs these in a loop
         whose exit condition is agreed state, so every rank runs the same number). One
         process: ``check_events`` (``block``: ``flush``)."""
+        if get_ident() != self._owner:
+            self._not_owner("agree_step")
         block = _check_flag("block", block)
         if self.agreed:
             self._step(block, block)
@@ -644,6 +750,8 @@ class HiRadixCache:
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged (with several ranks: and every
         backup the write policy asked for is committed or rolled back)."""
+        if get_ident() != self._owner:
+            self._not_owner("flush")
         if self.agreed:
             ledger, backups = self._ledger, self._agreed_backups
             while ledger.writes or ledger.loads or not backups.idle:  # agreed state: same on every rank
@@ -654,23 +762,48 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ eviction
     def alloc_device(self, num_pages: int) -> np.ndarray | None:
-        """Allocate device pages for the caller, evicting unlocked leaves if short; None on failure."""
+        """Allocate device pages for the caller, evicting unlocked leaves if short; None on
+        failure (nothing allocated): ``device_fit(num_pages)`` then says whether the pool can
+        never hold that many pages (``DeviceFit.TOO_LARGE``) or is full now
+        (``DeviceFit.FULL_NOW``: locked or unacknowledged pages; retry after requests finish)."""
+        if get_ident() != self._owner:
+            self._not_owner("alloc_device")
         return self._evictor.alloc_device(check_int("num_pages", num_pages, 0), False)
+
+    def device_fit(self, num_pages: int) -> DeviceFit:
+        """Whether ``alloc_device(num_pages)`` can succeed: ``FITS`` (free pages plus the
+        pages eviction can free now cover it), ``FULL_NOW`` (not now: the rest are locked by
+        requests or copies in flight; it can fit later) or ``TOO_LARGE`` (more pages than the
+        device pool has: it never fits; split the request or refuse it). Read-only."""
+        if get_ident() != self._owner:
+            self._not_owner("device_fit")
+        num_pages = check_int("num_pages", num_pages, 0)
+        if num_pages > self.device_allocator.num_pages:
+            return DeviceFit.TOO_LARGE
+        if num_pages <= self.device_allocator.available + self._res.evictable_tokens // self.page_size:
+            return DeviceFit.FITS
+        return DeviceFit.FULL_NOW
 
     def alloc_component(self, name: str, num_pages: int) -> np.ndarray | None:
         """Allocate device pages of the component ``name`` (one with its own page ids, e.g.
         ``"swa"``) for the caller, evicting by that component's own rules when short (a
         sliding window: unlocked leaves whole, other nodes' SWA pages only, leaving
         tombstones); None (nothing allocated) when there is no room even then."""
+        if get_ident() != self._owner:
+            self._not_owner("alloc_component")
         comp = self._own_component(name)
         return comp.alloc_device(check_int("num_pages", num_pages, 0))
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
+        if get_ident() != self._owner:
+            self._not_owner("evict")
         return self._evictor.evict(check_int("num_tokens", num_tokens, 0))[0]
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens if possible; returns tokens freed."""
+        if get_ident() != self._owner:
+            self._not_owner("evict_host")
         pages = -(-check_int("num_tokens", num_tokens, 0) // self.page_size)
         return self._evictor.evict_host(pages) * self.page_size
 
@@ -683,6 +816,8 @@ class HiRadixCache:
         no room even after eviction. The loaded nodes count as on-device at once, locked
         until ``loading_check`` acknowledges the copy.
         """
+        if get_ident() != self._owner:
+            self._not_owner("load_back")
         self._tree.check_node(node)
         if mem_quota is not None:
             mem_quota = check_int("mem_quota", mem_quota, 0)
@@ -697,6 +832,8 @@ class HiRadixCache:
         the load-back in flight, if any. ``priority`` is kept in the request for its inserts.
         Every argument is validated before the match changes anything (access times, counters).
         """
+        if get_ident() != self._owner:
+            self._not_owner("begin_request")
         key = as_radix_key(key)
         if mem_quota is not None:
             mem_quota = check_int("mem_quota", mem_quota, 0)
@@ -708,11 +845,28 @@ class HiRadixCache:
         Duplicate pages are freed and replaced in ``req.device_pages`` by the tree's; the lock
         moves to the new deepest node. A trailing partial page stays with the request.
         """
+        if get_ident() != self._owner:
+            self._not_owner("cache_unfinished_req")
         self._requests.unfinished(self._requests.check(req), _check_flag("chunked", chunked))
 
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
+        if get_ident() != self._owner:
+            self._not_owner("cache_finished_req")
         self._requests.finished(self._requests.check(req))
+
+    def abort_request(self, req: CacheRequest) -> None:
+        """Give up on a request (client disconnected, cancelled, failed): free the pages it
+        owns (its ``device_pages`` from ``cached_pages`` on, and likewise its own pages of
+        components such as ``swa``), release its lock on the tree, and insert nothing. The
+        tree's pages it matched stay cached. The request is emptied (no pages, no lock); a
+        second abort does nothing. Validates first: ids that are not the request's to free
+        raise ValueError with nothing changed."""
+        if get_ident() != self._owner:
+            self._not_owner("abort_request")
+        if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size:
+            return  # holds nothing (aborted or finished already)
+        self._requests.abort(self._requests.check(req))
 
     def slide_window(self, req: CacheRequest) -> None:
         """After a forward pass wrote the KV of all of ``req.key``'s tokens: components with
@@ -721,6 +875,8 @@ class HiRadixCache:
         entries set to -1) and, once that window lies past the tree's part
         (``cached_pages``), release the hold of the request's lock on the tree's window pages
         (its full lock stays). A no-op without such components."""
+        if get_ident() != self._owner:
+            self._not_owner("slide_window")
         req = self._requests.check(req)
         for comp in self._requests.own:
             comp.slide_request(req)
@@ -733,6 +889,8 @@ class HiRadixCache:
         After a ``CacheFailedError`` it waits for the copies in flight ignoring their errors,
         and drops callers' locks too: callers must abandon every request they held.
         """
+        if get_ident() != self._owner:
+            self._not_owner("reset")
         ledger = self._ledger
         if ledger.failure is None:
             self.flush()
@@ -759,7 +917,18 @@ class HiRadixCache:
 
     def gauges(self) -> dict:
         """Current occupancy: capacity / free / used per tier, KV bytes per (tier, pool), copies
-        in flight, tree size. Cheap (no tree walk); read by ``stats()`` and the Prometheus export."""
+        in flight, tree size. Cheap (no tree walk); read by ``stats()`` and the Prometheus export.
+
+        Read on the owner thread (one process), it first acknowledges the copies and L3
+        operations that have finished (``check_events``'s non-blocking poll), so an idle cache
+        whose last copies are done shows nothing in flight and no pages held for them. Read on
+        another thread (a Prometheus HTTP server's), it changes nothing and shows copies as
+        in flight until the owner's next ``check_events``."""
+        if get_ident() == self._owner and not self.agreed and self._ledger.failure is None:
+            try:
+                self._poll_events()
+            except CacheFailedError:
+                pass  # latched: the owner's next call raises it
         res = self._res
         p = self.page_size
         writes, loads = self._ledger.in_flight

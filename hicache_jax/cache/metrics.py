@@ -167,10 +167,41 @@ class Family:
     value: Callable[["_Context"], Any]
 
 
+def build_info(engine: object) -> dict[str, str]:
+    """``{"version", "backend", "platform"}`` of a cache built on ``engine``: the hicache_jax
+    version, the KV backend (the package of the engine's class: ``jax``, ``numpy``, ``torch``
+    for ``npu_bridge``, else its top-level module) and the platform its device pool is on
+    (a JAX device's platform, e.g. ``cpu`` / ``gpu`` / ``tpu``; ``host`` for the numpy
+    backend, whose "device" pool is host memory). Read once, when the cache is built."""
+    from .. import __version__
+
+    module = type(engine).__module__
+    parts = module.split(".")
+    if parts[0] == "hicache_jax" and len(parts) > 2 and parts[1] == "backends":
+        backend = parts[2].removesuffix("_backend")
+    elif parts[0] == "npu_bridge":
+        backend = "torch"
+    else:
+        backend = parts[0]
+    platform = getattr(engine, "platform", None)
+    if platform is None:
+        try:  # a JaxDevicePool: the platform of its (first local) device
+            platform = engine.device_pool.local_device.platform  # type: ignore[attr-defined]
+        except Exception:
+            platform = "host" if backend == "numpy" else "unknown"
+    return {"version": __version__, "backend": backend, "platform": str(platform)}
+
+
+def _build_info(c: "_Context") -> dict:
+    b = c.build
+    return {(b["version"], b["backend"], b["platform"]): 1}
+
+
 class _Context:
     """What the families read, gathered once per scrape / ``stats()`` call."""
 
     def __init__(self, cache: "HiRadixCache") -> None:
+        self.build = cache.build_info
         self.m = cache.metrics
         self.g = cache.gauges()
         hook = cache.storage_hook
@@ -210,6 +241,9 @@ def _in_flight(c: _Context) -> dict:
 
 C, G, H = "counter", "gauge", "histogram"
 FAMILIES: tuple[Family, ...] = (
+    Family("build_info", G, "Always 1; the labels name the hicache_jax version, the KV backend (jax, numpy, "
+           "torch) and the platform of its device pool (cpu, gpu, tpu; host for numpy)",
+           ("version", "backend", "platform"), _build_info),
     # ---- hits
     Family("cached_tokens", C, "Prompt tokens served from each cache tier; the sources do not overlap "
            "(storage: loaded back from pages an L3 prefetch attached)", ("cache_source",), _cached),
@@ -255,13 +289,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("device_used_tokens", G, "Device tokens held by the tree", (), _g("device_used_tokens")),
     Family("device_evictable_tokens", G, "Device tokens of the tree no lock protects", (),
            _g("device_evictable_tokens")),
-    Family("device_protected_tokens", G, "Device tokens of the tree under a lock", (), _g("device_protected_tokens")),
+    Family("device_protected_tokens", G, "Device tokens of the tree under a lock (requests' locks, and copies in "
+           "flight until acknowledged)", (), _g("device_protected_tokens")),
     Family("host_capacity_tokens", G, "Tokens the host pool holds", (), _g("host_capacity_tokens")),
     Family("host_free_tokens", G, "Free host pool tokens", (), _g("host_free_tokens")),
     Family("host_used_tokens", G, "Host tokens held by the tree", (), _g("host_used_tokens")),
     Family("pool_capacity_bytes", G, "KV bytes of each pool (tier x KV component)", ("tier", "pool"),
            _g("pool_capacity_bytes")),
-    Family("in_flight_operations", G, "Copies and L3 operations issued and not yet acknowledged",
+    Family("in_flight_operations", G, "Copies and L3 operations issued and not yet acknowledged on the owner "
+           "thread (check_events acknowledges finished ones; stats() does too when the owner calls it)",
            ("operation",), _in_flight),
     # ---- L3, cache side (an attached StorageController updates these)
     Family("prefetch_calls", C, "L3 prefetches started", (), _m("prefetch_calls")),
@@ -276,8 +312,10 @@ FAMILIES: tuple[Family, ...] = (
            _m("prefetch_attached_tokens")),
     Family("prefetch_duration_seconds", H, "L3 prefetch duration, start to its last read", (),
            _m("prefetch_duration_seconds")),
-    Family("storage_backup_tokens", C, "Tokens written host -> L3 storage", (), _m("storage_backup_tokens")),
-    Family("storage_backup_bytes", C, "KV bytes written host -> L3 storage", (), _m("storage_backup_bytes")),
+    Family("storage_backup_tokens", C, "Tokens of host -> L3 backups the L3 store accepted (buffered or written; "
+           "storage_written_pages counts them once durable)", (), _m("storage_backup_tokens")),
+    Family("storage_backup_bytes", C, "KV bytes of host -> L3 backups the L3 store accepted (see "
+           "storage_backup_tokens)", (), _m("storage_backup_bytes")),
     Family("storage_backup_failed_tokens", C, "Tokens L3 storage refused or failed", (),
            _m("storage_backup_failed_tokens")),
     Family("storage_backup_duration_seconds", H, "L3 backup duration, queued to stored", (),
@@ -300,8 +338,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("storage_verified_pages", C, "L3 pages whose checksum was verified", (), _l3("storage_verified_pages")),
     Family("storage_read_bytes", C, "Bytes read from the L3 store", (), _l3("storage_read_bytes")),
     Family("storage_read_seconds", C, "Time in L3 reads", (), _l3("storage_read_seconds")),
-    Family("storage_written_pages", C, "Pages the L3 store committed", (), _l3("storage_written_pages")),
-    Family("storage_written_bytes", C, "Bytes the L3 store committed", (), _l3("storage_written_bytes")),
+    Family("storage_written_pages", C, "Pages the L3 store made durable (committed to its files; a buffering "
+           "backend such as orbax commits at its flush points, so this lags storage_backup_tokens)", (),
+           _l3("storage_written_pages")),
+    Family("storage_written_bytes", C, "Bytes the L3 store made durable (see storage_written_pages)", (),
+           _l3("storage_written_bytes")),
     Family("storage_write_seconds", C, "Time in L3 commits", (), _l3("storage_write_seconds")),
     Family("storage_write_errors", C, "Failed L3 commits (disk full, read-only, ...)", (),
            _l3("storage_write_errors")),
@@ -425,7 +466,7 @@ def _check_labels(labels: object) -> dict[str, str]:
     for k, v in labels.items():
         if not isinstance(k, str) or not k.isidentifier() or k.startswith("__"):
             raise ValueError(f"labels: {k!r} is not a valid Prometheus label name")
-        if k in ("cache_source", "tier", "pool", "reason", "operation", "le"):
+        if k in ("cache_source", "tier", "pool", "reason", "operation", "le", "version", "backend", "platform"):
             raise ValueError(f"labels: {k!r} is a label of the cache's own families; pick another name")
         out[k] = str(v)
     return out

@@ -6,6 +6,11 @@ behalf (one of the cache's caller locks on that node), how many leading pages be
 eviction priority (``eviction_policy="priority"``: a node keeps the highest priority that
 inserted through it; larger survives longer).
 
+Hits by tier (set by ``begin_request``, never changed after): ``device_hit_tokens`` (the
+prefix already on the device), ``host_hit_tokens`` (loaded back from host copies) and
+``storage_hit_tokens`` (loaded back from pages an L3 prefetch attached), the same split as
+the ``cached_tokens{cache_source}`` metric; ``hit_tokens`` has them as a dict.
+
 With a component that keeps its own page ids (e.g. ``swa``), ``component_pages[name]`` holds
 that component's ids the same way: one per started page, -1 where the request holds none
 (pages out of its sliding window). The first ``cached_pages`` entries are the tree's (only
@@ -36,6 +41,15 @@ class CacheRequest:
     priority: int = 0
     # Components with their own page ids: name -> one id per started page, -1 where none.
     component_pages: dict | None = None
+    # Prompt tokens each tier served at ``begin_request`` (module docstring).
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+
+    @property
+    def hit_tokens(self) -> dict[str, int]:
+        """``{"device", "host", "storage"}``: the prompt tokens each tier served (no overlap)."""
+        return {"device": self.device_hit_tokens, "host": self.host_hit_tokens, "storage": self.storage_hit_tokens}
 
     def extend(self, key: object, new_pages: object, component_pages: dict | None = None) -> None:
         """Grow the request to ``key`` (which must start with the current tokens), adding

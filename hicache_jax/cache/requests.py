@@ -17,6 +17,12 @@ carries their ids in ``component_pages``. Its inserts hand them to the tree with
 pages (taken or freed, each one); after ``begin`` and each insert the tree's part is re-read
 from the request's node (``request_pages``: the ids its lock holds, -1 elsewhere);
 ``finished`` frees the partial tail page's ids with the full one.
+
+Abort (``abort``): the request's own pages (from ``cached_pages`` on, of every pool) are
+checked to be allocated and not the tree's, then freed; its lock is released; nothing is
+inserted. Hits by tier: ``begin`` records the device prefix, the load-back's tokens and,
+of those, the ones an L3 prefetch attached (the ``loaded_storage_tokens`` counter's growth
+across the load-back) on the request.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 from ..allocator import check_page_ids
 from .insert import Inserter
 from .locks import CallerLocks
+from .metrics import CacheMetrics
 from .radix_key import RadixKey
 from .request import CacheRequest
 from .residency import EMPTY_IDS, Residency
@@ -41,7 +48,7 @@ class RequestHelpers:
 
     def __init__(self, tree: RadixTree, residency: Residency, inserter: Inserter, callers: CallerLocks,
                  match: Callable[[RadixKey], MatchResult], load_back: Callable[..., LoadBackResult | None],
-                 page_size: int) -> None:
+                 page_size: int, metrics: CacheMetrics) -> None:
         self.tree = tree
         self.res = residency
         self.inserter = inserter
@@ -49,6 +56,7 @@ class RequestHelpers:
         self.match = match
         self.load_back = load_back
         self.page_size = page_size
+        self.metrics = metrics
         self.own: tuple = ()  # stateful components with their own page ids (the facade sets them)
 
     def begin(self, key: RadixKey, mem_quota: int | None, load_back: bool,
@@ -56,16 +64,21 @@ class RequestHelpers:
         res = self.match(key)
         pages, last = res.device_indices, res.last_device_node
         lb = None
+        loaded = from_storage = 0
         if load_back and res.host_hit_length:
+            before = self.metrics.loaded_storage_tokens
             lb = self.load_back(res.last_host_node, mem_quota)
             if lb is not None:
                 pages = np.concatenate([pages, lb.device_pages])
                 last = lb.node
+                loaded = lb.num_tokens
+                from_storage = self.metrics.loaded_storage_tokens - before
         root = self.tree.root
         if last is not root:
             self.callers.take(last)
         req = CacheRequest(key, self.page_size, pages, last if last is not root else None, pages.shape[0],
-                           priority)
+                           priority, None, res.device_indices.shape[0] * self.page_size, loaded - from_storage,
+                           from_storage)
         if self.own:
             req.component_pages = {c.name: c.request_pages(last, pages.shape[0]) for c in self.own}
         return req, lb
@@ -234,6 +247,43 @@ class RequestHelpers:
         if tail.size:
             res.device_allocator.free(tail)
         for c, t in comp_tails:
+            if t.size:
+                c.device_allocator.free(t)
+        if req.last_node is not None:
+            self.callers.release(req.last_node)
+        req.last_node = None
+        req.device_pages = EMPTY_IDS.copy()
+        req.cached_pages = 0
+        if req.component_pages is not None:
+            req.component_pages = {name: EMPTY_IDS.copy() for name in req.component_pages}
+
+    def abort(self, req: CacheRequest) -> None:
+        res = self.res
+        own = req.device_pages[req.cached_pages:]
+        if own.size:
+            n_dev = res.device_allocator.num_pages
+            if own.min() < 0 or own.max() >= n_dev:  # before indexing the bitmaps with them
+                raise ValueError(f"req.device_pages: the request's own page ids out of range [0, {n_dev}): "
+                                 f"{own.tolist()}")
+            if np.unique(own).shape[0] != own.shape[0]:
+                raise ValueError(f"req.device_pages: the request's own pages repeat an id: {own.tolist()}")
+            bad = own[res.dev_owned[own] | ~res.device_allocator.is_allocated(own)]
+            if bad.size:
+                raise ValueError(f"req.device_pages: pages {bad.tolist()} are not the request's to free (free, or "
+                                 f"owned by the tree)")
+        comp_own = []
+        if self.own and req.component_pages is not None:
+            for c in self.own:
+                ids = req.component_pages.get(c.name)
+                if ids is None:
+                    continue
+                t = ids[req.cached_pages:]
+                t = t[t >= 0].astype(np.intp)
+                c.check_free(t, f"req.component_pages[{c.name!r}]")
+                comp_own.append((c, t))
+        if own.size:
+            res.device_allocator.free(own)
+        for c, t in comp_own:
             if t.size:
                 c.device_allocator.free(t)
         if req.last_node is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -57,3 +58,11 @@ class LoadBackResult:
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         self.handle.wait_layer(layer, timeout)
+
+
+class DeviceFit(str, Enum):
+    """``HiRadixCache.device_fit(n)``: whether ``alloc_device(n)`` can succeed."""
+
+    FITS = "fits"  # free pages plus evictable pages cover it now
+    FULL_NOW = "full_now"  # not now (pages locked by requests or copies in flight); it can later
+    TOO_LARGE = "too_large"  # more pages than the device pool has: it never fits

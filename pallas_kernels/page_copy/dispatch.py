@@ -23,6 +23,10 @@ at ``AUTO_GPU_IMPL``). Upstream's io backend names are accepted too: ``kernel`` 
 Threading: call from the thread that owns the pool (JAX dispatch is asynchronous; the
 arrays returned are futures). Donation: ``scatter`` consumes the pool array passed in and
 returns its replacement; ``gather(out=...)`` consumes ``out``.
+
+Imports: the kernel modules (``tpu``, ``gpu``, ``gpu_mgpu``) are imported when a copier that
+runs them is built, not with this module: Mosaic GPU needs packages (absl) and a jax the
+Python 3.11 install (jax 0.10) may lack, and a copier running ``xla`` needs none of them.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import gpu, gpu_mgpu, reference, tpu
+from . import reference
 from .common import bucket_for, buffer_shape, check_order, check_page_ids, default_buckets
 
 Impl = Literal["auto", "tpu", "mgpu", "gpu", "xla"]
@@ -59,6 +63,25 @@ IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
 AUTO_GPU_IMPL = "xla"
 
 _KERNEL_PLATFORMS = {"tpu": ("tpu",), "gpu": ("gpu", "cuda"), "mgpu": ("gpu", "cuda")}
+_KERNEL_MODULES = {"tpu": "tpu", "gpu": "gpu", "mgpu": "gpu_mgpu"}
+
+
+def kernel_module(impl: str):
+    """The kernel module of ``impl`` (``tpu`` / ``gpu`` / ``mgpu``), imported now (see
+    "Imports" above); ImportError naming the implementation and the way out otherwise."""
+    import importlib
+
+    name = _KERNEL_MODULES[impl]
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError as e:
+        raise ImportError(
+            f"impl: the {impl!r} page-copy kernels could not be imported ({type(e).__name__}: {e}); they need "
+            f"jax>=0.11 with its Pallas {'Mosaic GPU' if impl == 'mgpu' else impl.upper()} backend (pip install "
+            f"'hicache-jax[jax]' on Python 3.12+; on Python 3.11 the [jax] extra allows jax 0.10, whose Mosaic GPU "
+            f"also needs absl-py). PageCopyConfig(impl='xla'), the default on CPU and GPU, needs none of it.") from e
+
+
 _CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _IO_BACKEND_ALIASES = {"kernel": "auto", "direct": "xla"}
 _GLOBAL_EXES: dict = {}
@@ -135,6 +158,8 @@ class PageCopier:
         if mesh is not None and kv_axis is not None and kv_axis not in mesh.axis_names:
             raise ValueError(f"kv_axis: {kv_axis!r} is not an axis of the mesh {mesh.axis_names}")
         self.mesh, self.kv_axis = mesh, kv_axis
+        if impl != "xla":
+            kernel_module(impl)  # fail here, naming the fix, not at the first copy
         self._plan = _Plan(impl, interpret, self.config.buckets or default_buckets(self.config.max_pages))
         self.compile_count = 0  # executables this copier prepared (tests assert steady state adds none)
         self._layer_id_cache: dict = {}
@@ -160,7 +185,7 @@ class PageCopier:
         impl, interp = self._plan.impl, self._plan.interpret
         if impl == "xla":
             return reference.gather_layers, reference.scatter_layer
-        mod = {"tpu": tpu, "gpu": gpu, "mgpu": gpu_mgpu}[impl]
+        mod = kernel_module(impl)
         g = lambda pools, ids, n, out, order: mod.gather_layers.__wrapped__(pools, ids, n, out, order, interp)
         s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(pool, ids, n, buf, layer, order,
                                                                                   interp)

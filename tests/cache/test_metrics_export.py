@@ -21,7 +21,8 @@ from hicache_jax.transfer import FutureHandle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UNITS = ("_tokens", "_pages", "_bytes", "_seconds", "_calls", "_errors", "_retries", "_failures", "_rate",
-         "_files", "_operations", "_pending", "_skipped", "_revoked", "_timeouts", "_truncated")
+         "_files", "_operations", "_pending", "_skipped", "_revoked", "_timeouts", "_truncated",
+         "_info")  # _info: Prometheus's convention for a constant 1 whose labels carry the facts (build_info)
 
 
 def seq(start, n):
@@ -57,6 +58,7 @@ def test_every_counter_is_exported():
     class Fake:  # what family_values reads of a cache
         metrics = m
         storage_hook = None
+        build_info = {"version": "0", "backend": "numpy", "platform": "host"}
 
         @staticmethod
         def gauges():

@@ -76,3 +76,39 @@ def test_quick_takes_the_tiny_shape_of_a_hybrid_preset():
         args = p.parse_args(["--quick", *given])
         options.apply_quick(p, args, "multiturn")
         assert args.model == want, given
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hicache_jax.cli", *argv], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_version_prints_the_package_version():
+    import hicache_jax
+
+    r = _cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"hicache-jax {hicache_jax.__version__}"
+
+
+def test_top_level_help_is_for_users_not_developers():
+    r = _cli("-h")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert "hicache-jax bench BENCHMARK" in text and "--version" in text and "own_engine.py" in text
+    for dev in ("Adding a benchmark", "BENCHMARKS", "module:function", "import JAX at module level"):
+        assert dev not in text, f"developer text {dev!r} in the top-level help"
+
+
+def test_the_package_is_marked_typed_and_versioned_in_one_place():
+    import tomllib
+
+    import hicache_jax
+
+    assert os.path.isfile(os.path.join(ROOT, "hicache_jax", "py.typed"))
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["hicache_jax"]
+    assert "version" in meta["project"]["dynamic"] and "version" not in meta["project"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hicache_jax.__version__"}
+    assert hicache_jax.__version__

@@ -58,6 +58,27 @@ _SCATTER = jax.jit(_scatter_pages, donate_argnums=(0,))
 
 
 class JaxDevicePool:
+    """The device tier (L1): per KV component (``k``/``v``, or MLA's latent) and layer one JAX
+    array of shape ``(num_pages, page_size, heads, head_dim)``, and the ``allocator`` of its
+    page ids (shared by the scheduler and the cache: ``HiRadixCache(config, engine,
+    pool.allocator)``).
+
+    ``geom``: the KV geometry (``KVGeometry.mha`` / ``.mla``). ``mesh`` + ``kv_axis``: shard
+    every array over that mesh axis by KV head (MLA pools are replicated); ``device``: the one
+    device otherwise (the first by default). The arrays start zeroed.
+
+    Your model reads and writes ``buffers[component][layer]`` (``layers(component)``) by page
+    id. A jitted step that donates them must have its outputs installed: run it as
+    ``apply(step, *args)`` (``step(buffers, *args) -> (result, new_buffers)``), or install one
+    with ``set_layer``; write whole pages with ``write_pages``. A donated array never replaced
+    raises ``StaleDevicePoolError`` naming the fix at its next use (``check()`` tests it).
+    ``read_pages_host`` / ``write_pages_host`` move pages to / from numpy (tests, debugging).
+
+    Ownership and threads: the pool's arrays belong to the thread that runs the model steps
+    (the cache's owner thread too); the ``JaxTransferEngine`` built on it replaces arrays it
+    donates to its copies on that thread. Not thread-safe.
+    """
+
     def __init__(self, geom: KVGeometry, num_pages: int, mesh: Mesh | None = None, kv_axis: str = "tp",
                  device: jax.Device | None = None) -> None:
         if not isinstance(geom, KVGeometry):

@@ -156,9 +156,23 @@ class StreamBackupHandle(TransferHandle):
 
 
 class JaxTransferEngine(KVTransferEngine):
-    """Moves whole KV pages between a ``JaxDevicePool`` (L1) and a ``HostKVPool`` (L2).
+    """Moves whole KV pages between a ``JaxDevicePool`` (L1) and a ``HostKVPool`` (L2): the
+    ``engine`` a ``HiRadixCache`` is built on (``HiRadixCache(config, engine, pool.allocator)``).
 
-    ``host_copy``: ``"auto"`` streams through the pinned host arena where the host pool has one
+    Build it with the device pool and a host pool of the same geometry (``pinned_host_pool``
+    gives the fastest path where the platform has pinned host memory), then call
+    ``precompile()`` once so serving never compiles a copy. The cache calls ``backup``
+    (device -> host, returns a handle it polls) and ``load`` (host -> device, a handle with
+    per-layer readiness: a model step waits on ``wait_layer(l)`` before reading loaded pages);
+    your code does not need to call them. ``close()`` stops its worker thread (after the
+    cache's ``flush()``).
+
+    Ownership and threads: the cache owns the host pool's pages; ``backup`` / ``load`` run on
+    the cache's owner thread (they donate the device pool's arrays and install the results).
+    The numpy path's D2H worker thread only writes host pages reserved for its backup.
+
+    ``copier`` / ``copy_config``: the page gather/scatter implementation (``PageCopyConfig``;
+    XLA by default). ``host_copy``: ``"auto"`` streams through the pinned host arena where the host pool has one
     (see the module docstring), ``"xla_stream"`` requires it (``ValueError`` naming what is
     missing), ``"numpy"`` forces the CPU-copy path. ``load_group_layers``: layers per H2D
     executable on the stream path (None: ``default_group_layers``). ``stream_loop`` /
