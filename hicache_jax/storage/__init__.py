@@ -36,7 +36,7 @@ def create_storage(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSp
         from .orbax import OrbaxSegmentStorage
     except ImportError as e:
         raise ImportError("the 'orbax' L3 backend needs orbax-checkpoint, tensorstore and google-crc32c "
-                          "(pip install 'hicache-jax[jax]'); use backend='file' without them") from e
+                          "(pip install 'hicache-jax[storage]', Python 3.12+); use backend='file' without them") from e
     return OrbaxSegmentStorage(config, pools, specs)
 
 
