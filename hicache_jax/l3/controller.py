@@ -572,6 +572,7 @@ class StorageController:
 
     def prefetch(self, key: object) -> PrefetchOperation:
         """Start prefetching the storage continuation of ``key`` (non-blocking; owner thread)."""
+        self.cache.check_owner("StorageController.prefetch")
         key = as_radix_key(key)
         op = PrefetchOperation(self, key)
         cache = self.cache
@@ -797,6 +798,7 @@ class StorageController:
     def prefetch_ready(self, op: PrefetchOperation) -> bool:
         """Whether ``finish_prefetch(op)`` would return without waiting under the policy
         (several ranks: as of the last agreement step, the same answer on every rank)."""
+        self.cache.check_owner("StorageController.prefetch_ready")
         self._check_op(op)
         if self._agreed:
             policy = self.config.prefetch_policy
@@ -820,6 +822,7 @@ class StorageController:
         Call at admission, before ``cache.begin_request``. Returns the tokens attached from
         storage (0 if skipped, revoked or nothing arrived). Raises ValueError if called twice.
         """
+        self.cache.check_owner("StorageController.finish_prefetch")
         self._check_op(op)
         if op.status == "closed":
             return 0
@@ -917,6 +920,7 @@ class StorageController:
 
     def cancel(self, op: PrefetchOperation) -> None:
         """Drop a prefetch whose request will not be scheduled (frees everything it holds)."""
+        self.cache.check_owner("StorageController.cancel")
         self._check_op(op)
         if op._finalized:
             return

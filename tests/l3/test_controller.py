@@ -863,3 +863,27 @@ def test_cancel_keeps_the_host_pages_until_the_read_lets_go(backend_factory):
     assert ctl.stats()["prefetch_reserved_host_pages"] == 0
     cache.sanity_check(0)
     ctl.close()
+
+
+def test_controller_calls_from_another_thread_are_refused(backend_factory):
+    """The controller's entry points follow the cache's owner-thread rule."""
+    from hicache_jax.cache import OwnerThreadError
+
+    cache, be, ctl = setup(backend_factory)
+    op = ctl.prefetch(seq(0, 8))  # binds the owner (this thread)
+    errors = []
+
+    def other():
+        for call in (lambda: ctl.prefetch(seq(0, 8)), lambda: ctl.prefetch_ready(op),
+                     lambda: ctl.finish_prefetch(op), lambda: ctl.cancel(op)):
+            try:
+                call()
+            except OwnerThreadError as e:
+                errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 4 and all("StorageController." in e for e in errors), errors
+    ctl.finish_prefetch(op)  # the owner still can
+    ctl.close()
