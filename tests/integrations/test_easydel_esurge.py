@@ -195,3 +195,40 @@ def test_refuses_unsupported_setups(engine, l3_dir):
     finally:
         sched.data_parallel_size = old
     assert "get_computed_pages" not in vars(sched.kv_cache_manager)  # refused: nothing changed
+
+
+def test_pause_resume_never_serves_destroyed_pages(engine, l3_dir):
+    """pause() destroys eSurge's KV arrays; resume() recreates them zeroed but eSurge keeps the
+    prefix hashes: the adapter resets them, and the prefix comes back from the host tier."""
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-pause")
+    try:
+        F.greedy(engine, A)
+        engine.pause()
+        engine.resume()
+        assert h.counters.resets == 1
+        assert F.greedy(engine, A) == cold
+        assert (_last(h).device, _last(h).host) == (0, 96)
+    finally:
+        h.detach()
+
+
+def test_weight_update_drops_host_tier_and_changes_the_l3_key(engine, l3_dir):
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-w")
+    try:
+        F.greedy(engine, A)
+        sched = engine.scheduler
+        h.update_model_weights(F.tiny_llama(seed=0), weights_revision=REV + "-w2")
+        assert engine.scheduler is not sched  # eSurge built a new scheduler: the hooks moved to it
+        assert "get_computed_pages" in vars(engine.scheduler.kv_cache_manager)
+        assert h.weights_revision == REV + "-w2"
+        F.greedy(engine, A)
+        assert (_last(h).device, _last(h).host, _last(h).storage) == (0, 0, 0)  # nothing of revision -w served
+        F.greedy(engine, B)
+        F.greedy(engine, A)
+        assert _last(h).host == 64  # the new revision's pages are cached as before
+    finally:
+        h.detach()
