@@ -2,6 +2,8 @@
 
 Needs JAX only (no EasyDeL): the arrays here stand in for eSurge's ``kv_pages``."""
 
+import concurrent.futures as cf
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,26 @@ SHAPE = (12, 4, 2, 2, 8)  # (num_pages, page_size, kv_groups, packing, head_dim)
 def _arrays(seed=0, layers=3):
     rng = np.random.default_rng(seed)
     return [jnp.asarray(rng.standard_normal(SHAPE, np.float32), jnp.bfloat16) for _ in range(layers)]
+
+
+class DeferredWorker:
+    """A SerialWorker stand-in whose jobs run when ``run_all`` is called."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, fn):
+        fut = cf.Future()
+        self.jobs.append((fn, fut))
+        return fut
+
+    def run_all(self):
+        for fn, fut in self.jobs:
+            fut.set_result(fn())
+        self.jobs.clear()
+
+    def shutdown(self):
+        self.run_all()
 
 
 class Holder:
@@ -40,9 +62,15 @@ def test_backup_then_load_moves_exact_bytes(layout):
     t = FusedKVTransfer(src.get, src.set, pool, num_slots=8)
     want = [np.asarray(a).copy() for a in src.arrays]
     t.map_slots(np.array([0, 1, 2]), [5, 9, 3])
+    deferred = DeferredWorker()
+    t._d2h.shutdown()
+    t._d2h = deferred  # the host copy runs only when the test says so
     h = t.backup([0, 1, 2], [4, 0, 2])
-    # The engine overwrites page 5 after the backup was issued: the backup keeps the old bytes.
+    # The engine overwrites page 5 after the backup was issued and before its host copy ran:
+    # the backup keeps the bytes of issue time.
     src.set([a.at[5].set(0) for a in src.arrays])
+    assert not h.done()
+    deferred.run_all()
     h.wait()
     dst = Holder([jnp.zeros(SHAPE, jnp.bfloat16) for _ in range(3)])
     t2 = FusedKVTransfer(dst.get, dst.set, pool, num_slots=8)
