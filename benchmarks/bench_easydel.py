@@ -105,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--first/--follow/--turns: the longest prompt ({longest} tokens) exceeds max_model_len 1024")
     tok_dir, l3_root = tempfile.mkdtemp(prefix="bench-tok-"), tempfile.mkdtemp(prefix="bench-l3-")
     F.build_tokenizer(tok_dir)
-    # The KV budget (as in the fixture's start_engine, for this model's layer count).
     import easydel.caching.ragged_page.cache as rp
     from easydel.inference.esurge import eSurge
     from transformers import PreTrainedTokenizerFast
 
     model = _model(args)
-    per_page = args.layers * F.PAGE * 2 * 2 * 128 * 2 // 8
-    rp.per_device_hbm_budget_bytes = lambda *a, **k: per_page * args.pages  # noqa: ARG005
+    c = model.config  # the KV budget eSurge divides into pages (the CPU fallback is 4 GiB)
+    budget = args.pages * 2 * c.num_hidden_layers * F.PAGE * c.num_key_value_heads * c.head_dim * 2
+    rp.per_device_hbm_budget_bytes = lambda *a, **k: budget  # noqa: ARG005
     engine = eSurge(model=model, processor=PreTrainedTokenizerFast.from_pretrained(tok_dir),
                     max_model_len=1024, max_num_seqs=1, page_size=F.PAGE, max_num_batched_tokens=512,
                     enable_prefix_caching=True, silent_mode=True)

@@ -104,11 +104,9 @@ def start_engine(model, tokenizer_dir: str, num_pages: int = 11, async_schedulin
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    geom_probe = model.config
-    # bytes per page: layers * page * 2 (K, V) * kv heads * head_dim padded to 128 * 2 bytes (bf16)
-    per_page = geom_probe.num_hidden_layers * PAGE * 2 * geom_probe.num_key_value_heads * 128 * 2
-    # eSurge scales the budget by its KV head axis (x8 for this model on a CPU): undo that.
-    budget = per_page * num_pages // 8
+    c = model.config
+    # eSurge divides this budget by 2 (K, V) * layers * page * kv heads * head_dim * 2 bytes (bf16).
+    budget = num_pages * 2 * c.num_hidden_layers * PAGE * c.num_key_value_heads * c.head_dim * 2
     rp.per_device_hbm_budget_bytes = lambda *a, **k: budget  # noqa: ARG005 - the CPU fallback is 4 GiB
     args = dict(model=model, processor=tok, max_model_len=256, max_num_seqs=2, page_size=PAGE,
                 max_num_batched_tokens=256, enable_prefix_caching=True, async_scheduling=async_scheduling,
