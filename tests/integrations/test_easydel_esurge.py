@@ -16,6 +16,7 @@ import shutil
 import tempfile
 
 import numpy as np
+import prometheus_client
 import pytest
 
 pytest.importorskip("easydel", reason="needs easydel==0.3.0 (./scripts/test builds .venv-easydel)")
@@ -77,6 +78,8 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
     cold = F.greedy(engine, A)  # no adapter: eSurge alone
     _reset_l1(engine)
     h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)
+    registry = prometheus_client.CollectorRegistry()
+    h.register_prometheus(registry, {"engine": "test"})
     try:
         assert F.greedy(engine, A) == cold
         adm = _last(h)
@@ -89,8 +92,14 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
         assert (adm.device, adm.host, adm.storage) == (32, 64, 0)
         assert adm.scheduled == 4  # eSurge prefilled 4 tokens, not 100
         assert h.counters.loaded_pages == 4
+        got = {src: registry.get_sample_value("hicache_esurge_cached_tokens_total",
+                                              {"engine": "test", "cache_source": src})
+               for src in ("device", "host", "storage")}
+        assert got == {"device": 32, "host": 64, "storage": 0}
     finally:
         h.detach()
+    assert registry.get_sample_value("hicache_esurge_cached_tokens_total",
+                                     {"engine": "test", "cache_source": "host"}) is None  # detach unregistered
     # A fresh adapter (empty host tier) over an empty L1, on the same L3 directory.
     _reset_l1(engine)
     h2 = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)

@@ -55,10 +55,16 @@ def fused_geometry(arrays: Sequence[jax.Array]) -> KVGeometry:
                           dtype=canonical_dtype(dtype))
 
 
+def _bucket(n: int) -> int:
+    """Copies are padded to a power of two pages: a few compiled shapes serve every count."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter(arrays, ids, pages):
     # pages: (layers, n, page_size, *rest) in the arrays' dtype; the old arrays are donated.
-    return [a.at[ids].set(pages[i]) for i, a in enumerate(arrays)]
+    # Padding ids point past the last page and are dropped.
+    return [a.at[ids].set(pages[i], mode="drop") for i, a in enumerate(arrays)]
 
 
 @jax.jit
@@ -105,14 +111,21 @@ class FusedKVTransfer(KVTransferEngine):
         return ids
 
     # ---- raw page I/O (engine page ids) ------------------------------------------------
+    def _gather_padded(self, page_ids: np.ndarray) -> tuple[jax.Array, int]:
+        """Dispatch the gather of ``page_ids`` (padded with page 0); returns (array, n)."""
+        n = int(page_ids.size)
+        ids = np.zeros(_bucket(n), np.int32)
+        ids[:n] = page_ids
+        return _gather(list(self._get()), jnp.asarray(ids)), n
+
     def read_pages(self, page_ids: np.ndarray) -> np.ndarray:
         """The engine pages ``page_ids`` as host bytes in the pool's transfer order (a copy)."""
-        return self._to_host(_gather(list(self._get()), jnp.asarray(page_ids, jnp.int32)))
+        p = check_page_ids(page_ids, self.engine_num_pages, "page_ids", unique=False)
+        return self._to_host(*self._gather_padded(p))
 
-    def _to_host(self, gathered: jax.Array) -> np.ndarray:
+    def _to_host(self, gathered: jax.Array, n: int) -> np.ndarray:
         g = self.geom
-        host = np.asarray(gathered)  # (L, n, P, *rest)
-        n = host.shape[1]
+        host = np.asarray(gathered)[:, :n]  # (L, n, P, *rest)
         host = host.reshape(g.num_layers, n, g.page_size, 1, g.width)
         order = {HostLayout.PAGE_FIRST: (1, 2, 0, 3, 4), HostLayout.PAGE_FIRST_DIRECT: (1, 0, 2, 3, 4),
                  HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4)}[self.host_pool.layout]
@@ -138,19 +151,24 @@ class FusedKVTransfer(KVTransferEngine):
             raise ValueError(f"host_ids and page_ids: expected equal lengths, got {h.size} and {p.size}")
         if not h.size:
             return
-        pages = jnp.asarray(self._from_host(h))
-        self._set(_scatter(list(self._get()), jnp.asarray(p, jnp.int32), pages))
+        n, b = h.size, _bucket(h.size)
+        host = self._from_host(h)
+        if b > n:
+            host = np.concatenate([host, np.zeros((host.shape[0], b - n) + host.shape[2:], host.dtype)], axis=1)
+        ids = np.full(b, self.engine_num_pages, np.int32)  # out of range: dropped
+        ids[:n] = p
+        self._set(_scatter(list(self._get()), jnp.asarray(ids), jnp.asarray(host)))
 
     # ---- KVTransferEngine --------------------------------------------------------------
     def backup(self, device_ids, host_ids) -> TransferHandle:
         d, h = self.validate(device_ids, host_ids)
         if not d.size:
             return CompletedHandle()
-        gathered = _gather(list(self._get()), jnp.asarray(self._engine_ids(d), jnp.int32))  # dispatched now
+        gathered, n = self._gather_padded(self._engine_ids(d))  # dispatched now: the bytes of this moment
         pool = self.host_pool
 
         def job() -> None:
-            pool.write_pages_unchecked(COMPONENT, h, self._to_host(gathered))
+            pool.write_pages_unchecked(COMPONENT, h, self._to_host(gathered, n))
 
         return FutureHandle(self._d2h.submit(job))
 
