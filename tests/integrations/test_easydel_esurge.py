@@ -241,3 +241,25 @@ def test_weight_update_drops_host_tier_and_changes_the_l3_key(engine, l3_dir):
         assert _last(h).host == 64  # the new revision's pages are cached as before
     finally:
         h.detach()
+
+
+def test_follow_up_turn_backs_up_only_its_new_pages(engine, l3_dir):
+    """A's next turn (A + 20 tokens): at its finish only the page after A's 6 backed-up pages is
+    copied; after B evicts it from eSurge, the whole 112-token prefix is served again."""
+    a2 = A + " " + F.prompt(3, 20)
+    _reset_l1(engine)
+    cold = F.greedy(engine, a2)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-turns")
+    try:
+        F.greedy(engine, A)
+        assert h.counters.backed_up_pages == 6
+        assert F.greedy(engine, a2) == cold
+        assert h.counters.backed_up_pages == 7  # 127 computed tokens: 7 full pages, 6 already on the host
+        F.greedy(engine, B)
+        assert F.greedy(engine, a2) == cold
+        adm = _last(h)
+        assert adm.device + adm.host == 112 and adm.host >= 64, adm
+        assert h.counters.hook_failures == 0
+    finally:
+        h.detach()

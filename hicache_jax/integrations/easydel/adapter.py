@@ -35,6 +35,7 @@ handle's public methods take that lock too. One data-parallel replica, full atte
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ from ...allocator import PageAllocator
 from .fused_transfer import FusedKVTransfer, fused_geometry
 
 _SOURCES = ("device", "host", "storage")
+log = logging.getLogger(__name__)
 
 
 class UnsupportedEngineError(ValueError):
@@ -83,6 +85,7 @@ class _Counters:
     evictions_seen: int = 0  # cached eSurge pages evicted (the hook fired)
     eviction_backups: int = 0  # of those, backed up at eviction
     load_failures: int = 0
+    hook_failures: int = 0  # a hook raised: served as a miss / the copy skipped (logged)
     resets: int = 0
 
 
@@ -202,7 +205,12 @@ class EsurgeHiCache:
         orig_evict, orig_schedule = pool._maybe_evict_cached_page, sched.schedule
 
         def get_computed_pages(request, **kw):
-            return self._on_lookup(kvm, orig_gcp, request, kw)
+            try:
+                return self._on_lookup(kvm, orig_gcp, request, kw)
+            except Exception:  # noqa: BLE001 - never take eSurge's scheduler down: a miss instead
+                self.counters.hook_failures += 1
+                log.exception("hicache lookup failed for %s; served as a miss", request.request_id)
+                return orig_gcp(request, **kw)
 
         def allocate_slots(request, *a, **kw):
             out = orig_alloc(request, *a, **kw)
@@ -213,12 +221,20 @@ class EsurgeHiCache:
             return out
 
         def free(request):
-            self._on_free(kvm, request)
+            try:
+                self._on_free(kvm, request)
+            except Exception:  # noqa: BLE001 - a backup that failed is only a lost copy
+                self.counters.hook_failures += 1
+                log.exception("hicache backup failed for %s", request.request_id)
             return orig_free(request)
 
         def maybe_evict(page):
             if page.page_hash is not None:
-                self._on_evict(page)
+                try:
+                    self._on_evict(page)
+                except Exception:  # noqa: BLE001 - as above
+                    self.counters.hook_failures += 1
+                    log.exception("hicache backup at eviction failed for page %s", page.page_id)
             return orig_evict(page)
 
         def schedule():

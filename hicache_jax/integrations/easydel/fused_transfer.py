@@ -99,7 +99,8 @@ class FusedKVTransfer(KVTransferEngine):
     def map_slots(self, slots: np.ndarray, page_ids: Sequence[int] | np.ndarray) -> None:
         """Let the cache's device ``slots`` stand for the engine's ``page_ids`` (same length)."""
         s = check_page_ids(slots, self.device_num_pages, "slots")
-        p = check_page_ids(page_ids, self.engine_num_pages, "page_ids")
+        # Several slots may stand for one page (the adapter maps slots it never copies to page 0).
+        p = check_page_ids(page_ids, self.engine_num_pages, "page_ids", unique=False)
         if s.size != p.size:
             raise ValueError(f"slots and page_ids: expected equal lengths, got {s.size} and {p.size}")
         self._slots[s] = p
