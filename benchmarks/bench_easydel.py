@@ -1,7 +1,7 @@
 """Multi-turn trace through EasyDeL's eSurge, alone and with hicache_jax attached (host + L3).
 
     .venv-easydel/bin/python -m benchmarks.bench_easydel [--conversations 6] [--turns 4]
-        [--pages 12] [--out hicache-results/easydel.json]
+        [--pages 24] [--hidden 768 --layers 6] [--host-pages N] [--out hicache-results/easydel.json]
 
 One engine (a random Llama on the CPU, sized by --hidden / --layers; the test fixture's
 shims and tokenizer) serves the same trace twice, in alternating passes so the machine's
@@ -16,7 +16,7 @@ exceeds eSurge's ``--pages``-page pool and eSurge alone loses each prefix before
 
 Per pass: TTFT (a ``max_tokens=1`` request's wall time: prefill + first token), input
 throughput (prompt tokens / summed request time), cached tokens by tier (device = eSurge's
-own hits) and whether every request produced the same greedy tokens in both passes. The
+own hits; the adapter's host pool is 4x eSurge's pool unless --host-pages) and whether every request produced the same greedy tokens in both passes. The
 table reports the median over passes and the ratio hicache / esurge (measured in the same
 run). Load matters on a shared machine: the JSON records ``os.getloadavg()``.
 """
@@ -89,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=160, help="opening tokens per conversation")
     p.add_argument("--follow", type=int, default=24, help="tokens added per turn (answer + question)")
     p.add_argument("--pages", type=int, default=24, help="eSurge's KV pool (pages of 16 tokens)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--passes", type=int, default=2, help="passes per mode (alternating)")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--host-pages", type=int, default=None,
+                   help="the adapter's host pool (default: 4x eSurge's pool; smaller: more L3 reads)")
+    p.add_argument("--passes", type=int, default=2, help="measured passes per mode (alternating)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured passes per mode first (compiles the adapter's copy shapes, as eSurge "
+                        "compiles its own at start)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="hicache-results/easydel.json")
     args = p.parse_args(argv)
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list] = {"esurge": [], "hicache": []}
     try:
         pool = engine.scheduler.kv_cache_manager.page_pool.num_pages
-        for i in range(args.passes):
+        for i in range(args.warmup + args.passes):
             for mode in ("esurge", "hicache"):
                 assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
                 handle = None
@@ -128,14 +133,17 @@ def main(argv: list[str] | None = None) -> int:
                     cfg = HiCacheConfig(page_size=F.PAGE, load_back_threshold=F.PAGE,
                                         storage=StorageConfig(backend="file", path=l3,
                                                               prefetch_threshold_tokens=F.PAGE))
-                    handle = attach(engine, cfg, model="bench-llama", weights_revision="r0")
+                    handle = attach(engine, cfg, model="bench-llama", weights_revision="r0",
+                                    host_pages=args.host_pages or 4 * pool)
                 try:
-                    results[mode].append(_pass(engine, turns, handle))
+                    r = _pass(engine, turns, handle)
                 finally:
                     if handle is not None:
                         handle.detach()
-                r = results[mode][-1]
-                print(f"pass {i} {mode:8s}: TTFT mean {r['ttft_mean_s'] * 1e3:7.1f} ms, "
+                warm = i < args.warmup
+                if not warm:
+                    results[mode].append(r)
+                print(f"{'warmup' if warm else 'pass'} {i} {mode:8s}: TTFT mean {r['ttft_mean_s'] * 1e3:7.1f} ms, "
                       f"input {r['input_tok_per_s']:8.0f} tok/s, cached {r['cached_tokens']}", flush=True)
     finally:
         F.close_engine(engine)
