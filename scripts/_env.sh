@@ -1,6 +1,8 @@
 # Sourced by scripts/bench and scripts/test: creates or reuses the project's virtual environments.
 #   .venv        Python 3.12 + jax, the Pallas kernels and the dev tools (most tests, benchmarks)
 #   .venv-torch  Python 3.11 + torch==2.13.0 (CPU wheel) and no JAX (torch path, pure-numpy core)
+#   .venv-easydel Python 3.12 + easydel==0.3.0 (pins jax 0.9.2) + hicache_jax without its jax extra
+#                (the EasyDeL integration tests, tests/integrations)
 # An environment is rebuilt when pyproject.toml changes (its hash is stamped inside the venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,3 +67,13 @@ ensure_mooncake_libs() {
 
 ensure_jax_env() { ensure_mooncake_libs; _ensure_venv .venv 3.12 -e ".[jax,engine,storage,metrics,bench,dev,mooncake]"; }
 ensure_torch_env() { _ensure_venv .venv-torch 3.11 "torch==2.13.0" -e ".[dev]"; }
+
+# EasyDeL 0.3.0 pins jax/jaxlib 0.9.2 (its API moves fast: keep the pin); hicache_jax goes in
+# without the [jax] extra so pip keeps that jax. Pillow is an undeclared dependency of easydel.
+# Returns non-zero (and says why) when it cannot be built; the caller skips the run then.
+ensure_easydel_env() {
+  # A child shell: here (the left side of a ||) set -e would not stop a failed pip install.
+  bash -c "source '$ROOT/scripts/_env.sh' && _ensure_venv .venv-easydel 3.12 -e '.[easydel,storage,metrics,dev]'" \
+    || return 1
+  "$ROOT/.venv-easydel/bin/python" -m pip check >&2 || echo ">> note: pip check reports conflicts in .venv-easydel" >&2
+}

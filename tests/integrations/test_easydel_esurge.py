@@ -1,0 +1,265 @@
+"""hicache_jax.integrations.easydel on a live eSurge engine (tiny random Llama, CPU, no downloads).
+
+One engine per scheduling mode (overlap / async scheduling off and on), shared by the tests of
+this module: eSurge compiles every bucket at start (the compile caches under .cache/ make later
+starts faster). The scenario (issue 27's acceptance): prompt A cold; prompt B evicts A from
+eSurge's 9-page pool; A again is served 32 tokens from eSurge's L1 and 64 from the host tier
+with the same greedy tokens, eSurge scheduling 4 prefill tokens instead of 100; a fresh
+adapter (empty host tier) over a reset L1 serves A from the L3 directory; corrupted host
+pages change the tokens; another model / revision / geometry never reads A's pages.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+
+import numpy as np
+import prometheus_client
+import pytest
+
+pytest.importorskip("easydel", reason="needs easydel==0.3.0 (./scripts/test builds .venv-easydel)")
+
+import esurge_fixture as F  # noqa: E402
+
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey  # noqa: E402
+from hicache_jax.integrations.easydel import (  # noqa: E402
+    FusedKVTransfer, UnsupportedEngineError, attach, fused_geometry)
+from hicache_jax.storage import StorageConfig  # noqa: E402
+
+NUM_PAGES = 10  # eSurge's pool, page 0 its null page: 9 usable pages of 16 tokens
+MODEL, REV = "tiny-llama-test", "r1"
+A, B = F.prompt(1, 100), F.prompt(2, 100)
+
+
+def _config(l3_dir: str) -> HiCacheConfig:
+    # prefetch_threshold_tokens: these prompts are short (the default 256 skips every L3 read).
+    return HiCacheConfig(page_size=F.PAGE, load_back_threshold=F.PAGE,
+                         storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=F.PAGE))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    d = tempfile.mkdtemp(prefix="esurge-tok-")
+    F.install_import_shims()
+    F.build_tokenizer(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["overlap-off", "overlap-on"])
+def engine(request, tokenizer_dir):
+    eng = F.start_engine(F.tiny_llama(), tokenizer_dir, num_pages=NUM_PAGES, async_scheduling=request.param)
+    try:
+        yield eng
+    finally:
+        F.close_engine(eng)
+        gc.collect()
+
+
+@pytest.fixture
+def l3_dir():
+    d = tempfile.mkdtemp(prefix="esurge-l3-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _reset_l1(engine) -> None:
+    assert engine.scheduler.kv_cache_manager.reset_prefix_cache(), "eSurge still holds pages"
+
+
+def _last(handle):
+    return handle.admissions[-1]
+
+
+def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)  # no adapter: eSurge alone
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)
+    registry = prometheus_client.CollectorRegistry()
+    h.register_prometheus(registry, {"engine": "test"})
+    try:
+        assert F.greedy(engine, A) == cold
+        adm = _last(h)
+        assert (adm.device, adm.host, adm.storage, adm.scheduled) == (0, 0, 0, 100)
+        assert h.counters.backed_up_pages == 6  # 107 computed tokens: 6 full pages
+        F.greedy(engine, B)  # B takes A's pages: the eviction hook sees them go
+        assert h.counters.evictions_seen == 4  # A's cached pages 3..6 (A's pages 1, 2 stay in L1)
+        assert F.greedy(engine, A) == cold
+        adm = _last(h)
+        assert (adm.device, adm.host, adm.storage) == (32, 64, 0)
+        assert adm.scheduled == 4  # eSurge prefilled 4 tokens, not 100
+        assert h.counters.loaded_pages == 4
+        got = {src: registry.get_sample_value("hicache_esurge_cached_tokens_total",
+                                              {"engine": "test", "cache_source": src})
+               for src in ("device", "host", "storage")}
+        assert got == {"device": 32, "host": 64, "storage": 0}
+    finally:
+        h.detach()
+    assert registry.get_sample_value("hicache_esurge_cached_tokens_total",
+                                     {"engine": "test", "cache_source": "host"}) is None  # detach unregistered
+    # A fresh adapter (empty host tier) over an empty L1, on the same L3 directory.
+    _reset_l1(engine)
+    h2 = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)
+    try:
+        assert F.greedy(engine, A) == cold
+        adm = _last(h2)
+        assert (adm.device, adm.host, adm.storage, adm.scheduled) == (0, 0, 96, 4)
+        assert h2.stats()["cached_tokens"] == {"device": 0, "host": 0, "storage": 96}
+    finally:
+        h2.detach()
+    # Detached: eSurge alone again (its methods are its own).
+    assert "get_computed_pages" not in vars(engine.scheduler.kv_cache_manager)
+
+
+def test_corrupted_host_page_changes_tokens(engine, l3_dir):
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-corrupt")
+    try:
+        F.greedy(engine, A)
+        F.greedy(engine, B)
+        # Every host page (A's pages 2..5 are loaded from the host): overwrite their bytes.
+        tree_pages = [n.host_value for n in h.cache.all_nodes() if n.host_value is not None]
+        assert tree_pages
+        rng = np.random.default_rng(0)
+        for hv in tree_pages:
+            for pid in hv:
+                arr = h.host_pool.component_view("kv")[pid]
+                arr[...] = rng.integers(0x3000, 0x4000, arr.shape, dtype=np.uint16)  # bf16 values ~0.1..2
+        got = F.greedy(engine, A)
+        assert _last(h).host == 64
+        assert got != cold, "the host pages loaded into eSurge are not the ones attention read"
+    finally:
+        h.detach()
+
+
+def test_prompt_logprobs_pass_through(engine, l3_dir):
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-lp")
+    try:
+        F.greedy(engine, A, max_tokens=2, prompt_logprobs=1)
+        assert h.counters.passthrough_requests == 1
+        assert h.counters.cached_tokens == {"device": 0, "host": 0, "storage": 0}
+        assert h.counters.loaded_pages == 0
+    finally:
+        h.detach()
+
+
+def test_other_model_revision_or_geometry_never_reads_pages(engine, l3_dir):
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)
+    try:
+        F.greedy(engine, A)
+    finally:
+        h.detach()
+    for model, rev in ((MODEL + "-other", REV), (MODEL, REV + "-other")):
+        _reset_l1(engine)
+        h = attach(engine, _config(l3_dir), model=model, weights_revision=rev)
+        try:
+            F.greedy(engine, A)
+            assert (_last(h).storage, _last(h).host) == (0, 0), (model, rev)
+        finally:
+            h.detach()
+    # Same model and revision, another page geometry (one more layer): no page is read.
+    import jax.numpy as jnp
+
+    arrays = [jnp.zeros((4, F.PAGE, 2, 2, 128), jnp.bfloat16) for _ in range(3)]
+    from hicache_jax.host_pool import HostKVPool
+    from hicache_jax.allocator import PageAllocator
+    from hicache_jax.l3 import StorageController
+
+    geom = fused_geometry(arrays)
+    pool = HostKVPool(geom, 16)
+    t = FusedKVTransfer(lambda: arrays, lambda a: None, pool, num_slots=4)
+    cache = HiRadixCache(_config(l3_dir), t, PageAllocator(4, name="slots"))
+    l3 = StorageController(cache, model=MODEL, weights_revision=REV)
+    try:
+        toks = np.asarray(F.tokenize(A)[:96], np.int64)
+        op = l3.prefetch(RadixKey(toks))
+        while not l3.prefetch_ready(op):
+            cache.check_events()
+        assert l3.finish_prefetch(op) == 0
+    finally:
+        l3.close()
+        t.close()
+
+
+def test_refuses_unsupported_setups(engine, l3_dir):
+    with pytest.raises(ValueError, match="page_size"):
+        attach(engine, HiCacheConfig(page_size=8), model=MODEL)
+    with pytest.raises(ValueError, match="write_through"):
+        attach(engine, HiCacheConfig(page_size=F.PAGE, write_policy="write_back"), model=MODEL)
+    with pytest.raises(ValueError, match="model"):
+        attach(engine, HiCacheConfig(page_size=F.PAGE), model="")
+    sched = engine.scheduler
+    old = sched.data_parallel_size
+    sched.data_parallel_size = 2
+    try:
+        with pytest.raises(UnsupportedEngineError, match="data-parallel"):
+            attach(engine, HiCacheConfig(page_size=F.PAGE), model=MODEL)
+    finally:
+        sched.data_parallel_size = old
+    assert "get_computed_pages" not in vars(sched.kv_cache_manager)  # refused: nothing changed
+
+
+def test_pause_resume_never_serves_destroyed_pages(engine, l3_dir):
+    """pause() destroys eSurge's KV arrays; resume() recreates them zeroed but eSurge keeps the
+    prefix hashes: the adapter resets them, and the prefix comes back from the host tier."""
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-pause")
+    try:
+        F.greedy(engine, A)
+        engine.pause()
+        engine.resume()
+        assert h.counters.resets == 1
+        assert F.greedy(engine, A) == cold
+        assert (_last(h).device, _last(h).host) == (0, 96)
+    finally:
+        h.detach()
+
+
+def test_weight_update_drops_host_tier_and_changes_the_l3_key(engine, l3_dir):
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-w")
+    try:
+        F.greedy(engine, A)
+        sched = engine.scheduler
+        h.update_model_weights(F.tiny_llama(seed=0), weights_revision=REV + "-w2")
+        assert engine.scheduler is not sched  # eSurge built a new scheduler: the hooks moved to it
+        assert "get_computed_pages" in vars(engine.scheduler.kv_cache_manager)
+        assert h.weights_revision == REV + "-w2"
+        F.greedy(engine, A)
+        assert (_last(h).device, _last(h).host, _last(h).storage) == (0, 0, 0)  # nothing of revision -w served
+        F.greedy(engine, B)
+        F.greedy(engine, A)
+        assert _last(h).host == 64  # the new revision's pages are cached as before
+    finally:
+        h.detach()
+
+
+def test_follow_up_turn_backs_up_only_its_new_pages(engine, l3_dir):
+    """A's next turn (A + 20 tokens): at its finish only the page after A's 6 backed-up pages is
+    copied; after B evicts it from eSurge, the whole 112-token prefix is served again."""
+    a2 = A + " " + F.prompt(3, 20)
+    _reset_l1(engine)
+    cold = F.greedy(engine, a2)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-turns")
+    try:
+        F.greedy(engine, A)
+        assert h.counters.backed_up_pages == 6
+        assert F.greedy(engine, a2) == cold
+        assert h.counters.backed_up_pages == 7  # 127 computed tokens: 7 full pages, 6 already on the host
+        F.greedy(engine, B)
+        assert F.greedy(engine, a2) == cold
+        adm = _last(h)
+        assert adm.device + adm.host == 112 and adm.host >= 64, adm
+        assert h.counters.hook_failures == 0
+    finally:
+        h.detach()
