@@ -35,6 +35,7 @@ handle's public methods take that lock too. One data-parallel replica, full atte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ from .fused_transfer import FusedKVTransfer, fused_geometry
 
 _SOURCES = ("device", "host", "storage")
 log = logging.getLogger(__name__)
+ESURGE_EVICT_HOOK = "_maybe_evict_cached_page"  # eSurge's PagePool method the eviction hook wraps
 
 
 class UnsupportedEngineError(ValueError):
@@ -174,8 +176,11 @@ class EsurgeHiCache:
 
     # ------------------------------------------------------------------ setup
     def _build_cache(self) -> None:
-        self.cache = HiRadixCache(self.config, self.transfer, PageAllocator(self.transfer.device_num_pages,
-                                                                            name="esurge-slots"))
+        # The hooks run on eSurge's scheduler thread, the handle's calls on the caller's; both hold
+        # eSurge's scheduler lock, which serialises every cache call: the owner-thread check is off.
+        config = dataclasses.replace(self.config, check_owner_thread=False)
+        self.cache = HiRadixCache(config, self.transfer, PageAllocator(self.transfer.device_num_pages,
+                                                                       name="esurge-slots"))
         self.l3 = None
         if self.config.storage is not None:
             from ...l3 import StorageController
@@ -202,7 +207,9 @@ class EsurgeHiCache:
         kvm = sched.kv_cache_manager
         pool = kvm.page_pool
         orig_gcp, orig_alloc, orig_free = kvm.get_computed_pages, kvm.allocate_slots, kvm.free
-        orig_evict, orig_schedule = pool._maybe_evict_cached_page, sched.schedule
+        # eSurge 0.3.0 (pinned) has no public eviction callback: its page pool's private
+        # per-page eviction method is the one place a cached page's KV is still in the array.
+        orig_evict, orig_schedule = getattr(pool, ESURGE_EVICT_HOOK), sched.schedule
 
         def get_computed_pages(request, **kw):
             try:
@@ -250,7 +257,7 @@ class EsurgeHiCache:
         self._patch(kvm, "get_computed_pages", get_computed_pages)
         self._patch(kvm, "allocate_slots", allocate_slots)
         self._patch(kvm, "free", free)
-        self._patch(pool, "_maybe_evict_cached_page", maybe_evict)
+        self._patch(pool, ESURGE_EVICT_HOOK, maybe_evict)
         self._patch(sched, "schedule", schedule)
         self._sched_objs = (kvm, pool, sched)
         if not getattr(self, "_engine_patched", False):
