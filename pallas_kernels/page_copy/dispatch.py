@@ -96,6 +96,18 @@ def _from_bits(x: jax.Array, dtype) -> jax.Array:
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
+def _check_layers(pools: Sequence[jax.Array]) -> jax.Array:
+    """The first pool layer, after checking there is one and every layer has its shape and dtype."""
+    if not pools:
+        raise ValueError("pools: expected at least one pool layer")
+    p0 = pools[0]
+    for p in pools:
+        if p.shape != p0.shape or p.dtype != p0.dtype:
+            raise ValueError(f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, "
+                             f"got {p.shape} {p.dtype}")
+    return p0
+
+
 def _shard_map(f, mesh, in_specs, out_specs):
     sm = getattr(jax, "shard_map", None)
     if sm is None:  # jax < 0.7
@@ -316,13 +328,7 @@ class PageCopier:
         the bucket's shape; its positions >= n are left as they were.
         """
         check_order(order)
-        if not pools:
-            raise ValueError("pools: expected at least one pool layer")
-        p0 = pools[0]
-        for p in pools:
-            if p.shape != p0.shape or p.dtype != p0.dtype:
-                raise ValueError(f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, "
-                                 f"got {p.shape} {p.dtype}")
+        p0 = _check_layers(pools)
         ids = check_page_ids(ids, p0.shape[0], "ids", unique=False)
         padded, n, nb = self._pad(ids)
         if out is not None:
@@ -340,14 +346,10 @@ class PageCopier:
         donated; returns the new arrays in order. ``buf`` must have the bucket's page count."""
         check_order(order)
         layer_axis = {"nlp": 1, "npl": 2, "lnp": 0}[order]
-        if not pools or len(pools) != buf.shape[layer_axis]:
+        if len(pools) != buf.shape[layer_axis]:
             raise ValueError(f"pools: expected one pool layer per buffer layer ({buf.shape[layer_axis]}), "
                              f"got {len(pools)}")
-        p0 = pools[0]
-        for p in pools:
-            if p.shape != p0.shape or p.dtype != p0.dtype:
-                raise ValueError(f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, "
-                                 f"got {p.shape} {p.dtype}")
+        p0 = _check_layers(pools)
         ids = check_page_ids(ids, p0.shape[0], "ids", unique=True)
         padded, n, nb = self._pad(ids)
         want = buffer_shape(order, nb, len(pools), p0.shape[1:])
