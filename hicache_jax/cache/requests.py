@@ -244,9 +244,13 @@ class RequestHelpers:
                 c.check_free(t, f"req.component_pages[{c.name!r}]")
                 comp_tails.append((c, t))
         self._insert(req, False)
-        if tail.size:
-            res.device_allocator.free(tail)
-        for c, t in comp_tails:
+        self._release(req, tail, comp_tails)
+
+    def _release(self, req: CacheRequest, own: np.ndarray, comp_own: list) -> None:
+        """Free the request's own pages (checked by the caller), unlock its prefix, empty it."""
+        if own.size:
+            self.res.device_allocator.free(own)
+        for c, t in comp_own:
             if t.size:
                 c.device_allocator.free(t)
         if req.last_node is not None:
@@ -281,15 +285,4 @@ class RequestHelpers:
                 t = t[t >= 0].astype(np.intp)
                 c.check_free(t, f"req.component_pages[{c.name!r}]")
                 comp_own.append((c, t))
-        if own.size:
-            res.device_allocator.free(own)
-        for c, t in comp_own:
-            if t.size:
-                c.device_allocator.free(t)
-        if req.last_node is not None:
-            self.callers.release(req.last_node)
-        req.last_node = None
-        req.device_pages = EMPTY_IDS.copy()
-        req.cached_pages = 0
-        if req.component_pages is not None:
-            req.component_pages = {name: EMPTY_IDS.copy() for name in req.component_pages}
+        self._release(req, own, comp_own)
