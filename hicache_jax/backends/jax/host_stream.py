@@ -47,8 +47,6 @@ from jax import lax
 from ...host_layout import HostLayout, host_array_shape, page_major_shape
 from ...kv_geometry import KVGeometry
 
-_PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}  # of a transfer buffer
-_LAYER_AXIS = {"nlp": 1, "npl": 2, "lnp": 0}  # of a transfer buffer
 
 
 STREAM_LOOPS = ("dynamic", "static")
@@ -56,6 +54,14 @@ STREAM_LOOPS = ("dynamic", "static")
 
 class HostArenaMovedError(RuntimeError):
     """XLA returned the donated host arena at another address: the numpy view is no longer the pool."""
+
+
+def numpy_view(address: int, nbytes: int, dtype, shape: tuple[int, ...], keep_alive: object) -> np.ndarray:
+    """A writable numpy array over ``nbytes`` at ``address`` (a JAX buffer's), keeping
+    ``keep_alive`` (what owns the buffer) referenced for as long as the view lives."""
+    raw = (ctypes.c_char * max(nbytes, 1)).from_address(address)
+    raw.owner = keep_alive  # the view's base is `raw`
+    return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 def _space(kind: str):
@@ -95,11 +101,9 @@ class PinnedHostArena:
                               out_shardings=self.sharding)()
         self._array.block_until_ready()
         self.address = self._array.unsafe_buffer_pointer()
-        raw = (ctypes.c_char * max(self._array.nbytes, 1)).from_address(self.address)
-        raw.owner = self  # the view's base is `raw`, which keeps the arena (and its array) alive
-        count = int(np.prod(host_array_shape(geom, self.layout, num_pages)))
-        self.view = np.frombuffer(raw, dtype=geom.container_dtype, count=count).reshape(
-            host_array_shape(geom, self.layout, num_pages))
+        # keeps the arena (hence whichever array currently holds the address) alive
+        self.view = numpy_view(self.address, self._array.nbytes, geom.container_dtype,
+                               host_array_shape(geom, self.layout, num_pages), self)
         self.memory_kind = "pinned_host"
 
     @property
@@ -138,7 +142,6 @@ class StreamPlan:
 
     order: str  # the host layout's transfer order
     num_layers: int
-    components: int
     page_shape: tuple[int, ...]  # (page, heads, width)
     dtype: jnp.dtype
     loop: str = "dynamic"  # "dynamic": n iterations; "static": nb (see the module docstring)

@@ -11,7 +11,6 @@ Threading: allocation and the ring belong to the owner thread.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections import deque
 
@@ -22,7 +21,7 @@ import numpy as np
 from ...host_layout import HostLayout
 from ...host_pool import HostKVPool
 from ...kv_geometry import KVGeometry
-from .host_stream import PinnedHostArena
+from .host_stream import PinnedHostArena, numpy_view
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +51,7 @@ def host_buffer(shape: tuple[int, ...], dtype, device: jax.Device | None = None,
     dtype = np.dtype(dtype)
     owner = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     owner.block_until_ready()
-    raw = (ctypes.c_char * max(owner.nbytes, 1)).from_address(owner.unsafe_buffer_pointer())
-    raw.owner = owner  # the view's base is `raw`, which keeps the JAX buffer alive
-    view = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
-    return view, owner
+    return numpy_view(owner.unsafe_buffer_pointer(), owner.nbytes, dtype, shape, owner), owner
 
 
 def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,

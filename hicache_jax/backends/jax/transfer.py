@@ -136,10 +136,8 @@ class StreamBackupHandle(TransferHandle):
             return
         try:
             self._token.block_until_ready()
-            self._arena.check(self._arena_array)
-        except HostArenaMovedError as e:
-            self._error = e
-        except Exception as e:  # noqa: BLE001 - an XLA runtime failure of the copy
+            self._arena.check(self._arena_array)  # HostArenaMovedError
+        except Exception as e:  # noqa: BLE001 - a moved arena or an XLA runtime failure of the copy
             self._error = e
         self._t_done = time.perf_counter()
         self._token = self._arena_array = None  # drop references: the arena array may be donated later
@@ -213,8 +211,8 @@ class JaxTransferEngine(KVTransferEngine):
         self.host_copy = "xla_stream" if host_copy != "numpy" and not why_not else "numpy"
         if self.host_copy == "xla_stream":
             self._arena: PinnedHostArena = host_pool.buffer_owner
-            self._plan = StreamPlan(self.order, self.geom.num_layers, len(self.geom.components),
-                                    self.device_pool.geom.page_shape, self.device_pool.dtype, stream_loop, stream_unroll)
+            self._plan = StreamPlan(self.order, self.geom.num_layers, self.device_pool.geom.page_shape,
+                                    self.device_pool.dtype, stream_loop, stream_unroll)
             group = default_group_layers(self.geom) if load_group_layers is None else load_group_layers
             self.load_groups = layer_groups(self.geom.num_layers, group)
             self._stream_exes: dict = {}
@@ -230,7 +228,7 @@ class JaxTransferEngine(KVTransferEngine):
         else:  # validated even where unused
             if load_group_layers is not None:
                 layer_groups(self.geom.num_layers, load_group_layers)
-            StreamPlan(self.order, 1, 1, (1, 1, 1), self.device_pool.dtype, stream_loop, stream_unroll)
+            StreamPlan(self.order, 1, (1, 1, 1), self.device_pool.dtype, stream_loop, stream_unroll)
 
     def _probe_stream(self) -> str:
         """'' if the stream copies work on this runtime, else what went wrong.
@@ -244,21 +242,16 @@ class JaxTransferEngine(KVTransferEngine):
             pattern = np.arange(int(np.prod(shape)), dtype=np.uint32).reshape(shape) % 61 + 1
             pattern = pattern.astype(np.float32).astype(self.device_pool.dtype)
             bufs = tuple(jax.device_put(pattern, self._device) for _ in self.geom.components)
-            dev = jax.sharding.SingleDeviceSharding(self._device)
-            d2h = jax.jit(self._plan.d2h(), donate_argnums=(0,),
-                          in_shardings=(probe.sharding, (dev,) * len(bufs), dev, dev), out_shardings=(probe.sharding, dev))
             ids, n = self._pad_ids(np.zeros(1, np.int32), 1)
-            new, token = d2h(probe.array, bufs, ids, n)
+            new, token = self._jit_d2h(probe)(probe.array, bufs, ids, n)
             probe.install(new, check_address=False)
             token.block_until_ready()
             probe.check(new)
             pages = probe.view.view(self.device_pool.dtype).reshape(probe.shape)  # (C, page-major of 1 page)
             if not all((page == pattern).all() for page in pages):
                 return "a probe page written by the D2H copy does not hold the bytes sent"
-            h2d = jax.jit(self._plan.h2d(1, 0, self.geom.num_layers), donate_argnums=(3,),
-                          in_shardings=(probe.sharding, dev, dev, (dev,) * len(bufs)), out_shardings=(dev,) * len(bufs))
             zeros = tuple(jax.device_put(np.zeros(shape, self.device_pool.dtype), self._device) for _ in bufs)
-            back = h2d(probe.array, ids, n, zeros)
+            back = self._jit_h2d(probe, 1, 0, self.geom.num_layers)(probe.array, ids, n, zeros)
             if not all((np.asarray(b) == pattern).all() for b in back):
                 return "a probe page read by the H2D copy does not hold the host page's bytes"
         except HostArenaMovedError as e:
@@ -306,16 +299,28 @@ class JaxTransferEngine(KVTransferEngine):
         return built
 
     # ---- stream executables ---------------------------------------------------------------
-    def _compiled(self, key, fn, args, donate, in_shardings, out_shardings):
+    def _jit_h2d(self, arena: PinnedHostArena, nb: int, l0: int, g: int):
+        """The jitted H2D stream copy of ``arena``'s pages (layers [l0, l0+g)) into staging."""
+        dev = (jax.sharding.SingleDeviceSharding(self._device),) * len(self.geom.components)
+        return jax.jit(self._plan.h2d(nb, l0, g), donate_argnums=(3,),
+                       in_shardings=(arena.sharding, dev[0], dev[0], dev), out_shardings=dev)
+
+    def _jit_d2h(self, arena: PinnedHostArena):
+        """The jitted D2H stream copy of transfer buffers into ``arena`` (donated)."""
+        dev = jax.sharding.SingleDeviceSharding(self._device)
+        return jax.jit(self._plan.d2h(), donate_argnums=(0,),
+                       in_shardings=(arena.sharding, (dev,) * len(self.geom.components), dev, dev),
+                       out_shardings=(arena.sharding, dev))
+
+    def _compiled(self, key, jitted, *args):
         exe = self._stream_exes.get(key)
         if exe is None:
-            jitted = jax.jit(fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=out_shardings)
             exe = self._stream_exes[key] = jitted.trace(*args).lower().compile()
         return exe
 
-    def _aval(self, shape, memory_kind=None):
-        sharding = jax.sharding.SingleDeviceSharding(self._device, memory_kind=memory_kind)
-        return jax.ShapeDtypeStruct(tuple(shape), self.device_pool.dtype, sharding=sharding)
+    def _aval(self, shape):
+        return jax.ShapeDtypeStruct(tuple(shape), self.device_pool.dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(self._device))
 
     def _ids_aval(self, n):
         return jax.ShapeDtypeStruct((n,), np.int32, sharding=jax.sharding.SingleDeviceSharding(self._device))
@@ -323,17 +328,13 @@ class JaxTransferEngine(KVTransferEngine):
     def _h2d_exe(self, nb: int, l0: int, g: int):
         staging = tuple(self._aval(self._plan.staging_shape(nb, g)) for _ in self.geom.components)
         # the arena itself, not an aval: a ShapeDtypeStruct does not carry the host memory space
-        args = (self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging)
-        dev = jax.sharding.SingleDeviceSharding(self._device)
-        shardings = (self._arena.sharding, dev, dev, tuple(dev for _ in staging))
-        return self._compiled(("h2d", nb, l0, g), self._plan.h2d(nb, l0, g), args, (3,), shardings, shardings[3])
+        return self._compiled(("h2d", nb, l0, g), self._jit_h2d(self._arena, nb, l0, g),
+                              self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging)
 
     def _d2h_exe(self, nb: int):
         bufs = tuple(self._aval(self._plan.staging_shape(nb, self.geom.num_layers)) for _ in self.geom.components)
-        args = (self._arena.array, bufs, self._ids_aval(nb), self._ids_aval(1))  # see _h2d_exe
-        dev = jax.sharding.SingleDeviceSharding(self._device)
-        shardings = (self._arena.sharding, tuple(dev for _ in bufs), dev, dev)
-        return self._compiled(("d2h", nb), self._plan.d2h(), args, (0,), shardings, (self._arena.sharding, dev))
+        return self._compiled(("d2h", nb), self._jit_d2h(self._arena),
+                              self._arena.array, bufs, self._ids_aval(nb), self._ids_aval(1))  # see _h2d_exe
 
     def _pad_ids(self, ids: np.ndarray, nb: int) -> tuple[jax.Array, jax.Array]:
         padded = np.zeros(nb, np.int32)
