@@ -106,8 +106,8 @@ class NodeDigests:
             return None
         k = node.size // p
         if len(e) > k:  # split since: hand the head digests to the new ancestors
+            cut = len(e) - k
             head = e.trim(k)
-            cut = len(next(iter(head.values())))
             a = node.parent
             root = self._root()
             while cut > 0 and a is not root and a not in self._entries and a.size // p <= cut:
