@@ -13,7 +13,8 @@
 
 Implementations (``impl``): ``tpu`` (scalar-prefetch DMA), ``mgpu`` (Mosaic GPU, TMA through
 shared memory), ``gpu`` (Pallas Triton, deprecated by jax 0.11: kept until ``mgpu`` has replaced
-it on hardware), ``xla`` (the pure-JAX reference: take / donated ``.at[].set``). ``auto`` picks
+it on hardware), ``xla`` (the pure-JAX reference: take / donated ``.at[].set``; on the CPU the
+scatter runs as per-page ``dynamic_update_slice`` s, see ``reference``). ``auto`` picks
 ``tpu`` on TPU, ``xla`` on CPU (interpreted kernels are a correctness tool there, 10-100x slower
 than XLA's native gather/scatter; ask for a kernel explicitly to run it interpreted) and
 ``AUTO_GPU_IMPL`` on GPU: whichever implementation was measured fastest on a GPU (see the note
@@ -196,7 +197,9 @@ class PageCopier:
     def _fns(self):
         impl, interp = self._plan.impl, self._plan.interpret
         if impl == "xla":
-            return reference.gather_layers, reference.scatter_layer
+            # XLA:CPU: per-page copies beat its element-wise scatter loop (see ``reference``).
+            cpu = self.platform == "cpu"
+            return reference.gather_layers, reference.scatter_layer_pages if cpu else reference.scatter_layer
         mod = kernel_module(impl)
         g = lambda pools, ids, n, out, order: mod.gather_layers.__wrapped__(pools, ids, n, out, order, interp)
         s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(pool, ids, n, buf, layer, order,
@@ -274,9 +277,9 @@ class PageCopier:
     def _get(self, key, build):
         exe = self._plan.compiled.get(key)
         if exe is None:
-            # Executables are shared process-wide between copiers of the same plan and mesh,
-            # so a second engine with the same shapes compiles nothing.
-            gkey = (self._plan.impl, self._plan.interpret, self.mesh, self.kv_axis) + key
+            # Executables are shared process-wide between copiers of the same plan, platform
+            # (it picks the scatter's form) and mesh, so a second engine compiles nothing.
+            gkey = (self._plan.impl, self._plan.interpret, self.platform, self.mesh, self.kv_axis) + key
             with _GLOBAL_LOCK:
                 exe = _GLOBAL_EXES.get(gkey)
                 if exe is None:

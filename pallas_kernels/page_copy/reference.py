@@ -2,6 +2,12 @@
 
 Same signatures as the Pallas kernels (see ``common``): the kernels are tested bit-exact
 against these functions.
+
+``scatter_layer_pages`` is the same scatter written as a loop of per-page
+``dynamic_update_slice``: XLA:CPU lowers a scatter to an element-wise loop nest, while each
+``dynamic_update_slice`` into the donated pool is one contiguous page copy, about 3x faster on
+a CPU (8 layers x 1024 pages x 16 x 8 x 128 bf16: 0.65x -> 2.0x a plain device copy of the same
+bytes). On a GPU a loop is one kernel launch per page, so there the scatter stays.
 """
 
 from __future__ import annotations
@@ -52,3 +58,20 @@ def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array,
     # Padding gets distinct out-of-bounds ids, so they are dropped and indices stay unique.
     dest = jnp.where(live, ids, pool.shape[0] + jnp.arange(nb, dtype=ids.dtype))
     return pool.at[dest].set(src, mode="drop", unique_indices=True)
+
+
+def scatter_layer_pages(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
+                        order: str) -> jax.Array:
+    """``scatter_layer`` as ``n`` per-page ``dynamic_update_slice`` s (see the module note: the
+    CPU form). Positions >= n are never touched; ids must be in range (the copier checks)."""
+    check_order(order)
+    page_axis, layer_axis = _PAGE_AXIS[order], _LAYER_AXIS[order]
+    size = tuple(1 if a in (page_axis, layer_axis) else d for a, d in enumerate(buf.shape))
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(i, p):
+        start = tuple(i if a == page_axis else layer[0] if a == layer_axis else zero for a in range(buf.ndim))
+        page = jax.lax.dynamic_slice(buf, start, size).reshape((1,) + p.shape[1:])  # drop the unit layer axis
+        return jax.lax.dynamic_update_slice(p, page, (ids[i],) + (zero,) * (p.ndim - 1))
+
+    return jax.lax.fori_loop(0, n[0], body, pool)

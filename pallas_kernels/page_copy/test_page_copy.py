@@ -321,3 +321,36 @@ def test_check_page_ids():
     for bad in ([0.5], [True, False], np.array([1], object)):
         with pytest.raises(TypeError, match="integer"):
             check_page_ids(bad, 8)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_per_page_scatter_matches_reference(dtype):
+    """``scatter_layer_pages`` (the CPU form) against the scatter reference: every order, live
+    counts 0 / 1 / partial / full bucket, poisoned pools; pages past ``n`` never written."""
+    rng = np.random.default_rng(11)
+    pools = tuple(_random_layers(rng, dtype, 5))
+    for order in ORDERS:
+        for n_live in (0, 1, 5, 8):
+            ids = jnp.asarray(np.concatenate([_ids(rng, n_live), np.zeros(8 - n_live, np.int32)]))
+            n = jnp.array([n_live], jnp.int32)
+            buf = reference.gather_layers(pools, _ids(rng, 8), jnp.array([8], jnp.int32), None, order)
+            for layer in (0, L - 1):
+                lay = jnp.array([layer], jnp.int32)
+                want = reference.scatter_layer(_poison(pools[0].shape, dtype), ids, n, buf, lay, order)
+                got = reference.scatter_layer_pages(_poison(pools[0].shape, dtype), ids, n, buf, lay, order)
+                np.testing.assert_array_equal(_bits(got), _bits(want))
+                untouched = np.setdiff1d(np.arange(NUM_PAGES), np.asarray(ids[:n_live]))
+                assert (_bits(got)[untouched].view(np.uint8) == POISON).all()
+
+
+@pytest.mark.parametrize("platform, per_page", [("cpu", True), ("gpu", False)])
+def test_xla_scatter_form_by_platform(platform, per_page):
+    """On the CPU the ``xla`` copier scatters with per-page copies (no HLO scatter); for a GPU it
+    keeps XLA's scatter (a loop there is one launch per page)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("compiles for the host CPU to read the HLO")
+    copier = PageCopier(PageCopyConfig(impl="xla", max_pages=NUM_PAGES, platform=platform))
+    shape = (NUM_PAGES, 4, H, D)
+    exe = copier._scatter_exe(shape, jnp.bfloat16, buffer_shape("nlp", 8, L, shape[1:]), 8, "nlp")
+    hlo = exe.as_text()
+    assert ("dynamic-update-slice" in hlo and " scatter(" not in hlo) == per_page, hlo[:2000]
