@@ -28,7 +28,10 @@ import pytest
 import hicache_jax
 
 ROOT = Path(__file__).resolve().parents[2]
-EXTRAS = "jax,storage,metrics"
+sys.path.insert(0, str(ROOT / "tests" / "core"))
+from test_readme import install_extras  # noqa: E402  (the README's install line: what this test runs)
+
+EXTRAS = install_extras()
 
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
