@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="trace seeds, comma-separated, each a fresh trace (default 0,1,2,3; quick 0)")
     ap.add_argument("--device-tokens", type=int, default=6000)
     ap.add_argument("--tree-decisions", default="auto", choices=("auto", "upstream", "own"),
-                    help="our tree's HiCacheConfig.tree_decisions (README: Deviations of the tree from upstream)")
+                    help="our tree's HiCacheConfig.tree_decisions (docs/deviations-from-upstream.md)")
     ap.add_argument("--only", default=None,
                     help="run the configurations whose name contains each '+'-separated part, e.g. "
                          "'p16/r1/+/lfu' (names: p<page>/r<ratio>/<write policy>/<eviction>)")

@@ -15,7 +15,7 @@ a signature we cannot satisfy by keyword is reported (``OpSignatureError``) and 
 falls back to a torch copy (or raises when the op was explicitly requested).
 
 ``transfer_kv_dim_exchange_reference`` is a torch implementation with the op's semantics and
-keyword names, for CPU tests (the CPU tier of the test tiers, README "Tests and tiers"). It is stricter than the kernel: the
+keyword names, for CPU tests (the CPU tier of the test tiers, README "Tests"). It is stricter than the kernel: the
 kernel does not bounds-check page ids, validate contiguity, or check that the tokens after
 the first of each page belong to it; the reference raises on all of these (``strict=False``
 reproduces the kernel's first-token-only reading of the indices).

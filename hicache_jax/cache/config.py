@@ -86,7 +86,7 @@ class HiCacheConfig:
     * ``tree_decisions``: ``"auto"`` (default), ``"upstream"`` or ``"own"``: whether a split
       stamps the unmatched remainder with the access time, whether a load-back or backup
       short of room evicts upstream's batch or only the shortfall, and the host eviction
-      order (``decisions`` and README "Deviations of the tree from upstream" say what each
+      order (``decisions`` and docs/deviations-from-upstream.md say what each
       does to the hit rates per tier). ``"auto"`` is never below upstream on the device or the
       host hit rate in the differential benchmark; ``"own"`` keeps more KV on the device
       (more device hits, fewer host hits under write_through).

@@ -4,7 +4,7 @@ Pure Python, resolved once when the cache is built (``resolve``); the hot paths 
 attributes. Issue 21 point 17 replayed random traces through both trees
 (``benchmarks/bench_tree_differential.py``; ``benchmarks/tree_divergence.py`` finds where they
 first part) and decided each choice by the hit rate per tier (device L1, host L2). The reasons
-and numbers are in README "Deviations of the tree from upstream"; in short:
+and numbers are in docs/deviations-from-upstream.md; in short:
 
 Always upstream's (ours measured no better on any tier, or worse):
 

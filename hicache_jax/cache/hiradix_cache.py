@@ -289,7 +289,7 @@ class HiRadixCache:
         self._callers = CallerLocks(locks)
         self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries,
                                                self._refuse_calls)
-        # The choices that differ from upstream's (README "Deviations of the tree from upstream").
+        # The choices that differ from upstream's (docs/deviations-from-upstream.md).
         self.decisions = d = resolve(config, device_allocator.num_pages, host_alloc.num_pages)
         self._evictor = evictor = Evictor(tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK,
                                           d.host_eviction_order)

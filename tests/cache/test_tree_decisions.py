@@ -1,7 +1,7 @@
 """Issue 21 point 17: each choice where the tree differs from upstream's, pinned by behaviour.
 
-``decisions`` resolves them from ``HiCacheConfig.tree_decisions`` (README "Deviations of the
-tree from upstream" gives the reasons and the differential benchmark's numbers). Each test
+``decisions`` resolves them from ``HiCacheConfig.tree_decisions`` (docs/deviations-from-upstream.md
+gives the reasons and the differential benchmark's numbers). Each test
 below builds the smallest case where the two choices cache different things, and checks the
 one the cache makes (so it fails if the other one is made).
 """

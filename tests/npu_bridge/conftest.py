@@ -1,6 +1,6 @@
 """npu_bridge tests need torch (the Python 3.11 torch env); without it they are not collected.
 
-Tiers (README "Tests and tiers"): CPU tier (unmarked, always), mocked-contract tier (``npu_contract``:
+Tiers (README "Tests"): CPU tier (unmarked, always), mocked-contract tier (``npu_contract``:
 fake torch_npu / sgl_kernel_npu in a subprocess), real NPU tier (``npu``: skipped without
 hardware, never counted as passed).
 """
