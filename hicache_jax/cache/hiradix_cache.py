@@ -28,6 +28,10 @@ module                 job
 ``requests``           ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
 ``components``         the KV components (full, sidecars, stateful plug-ins) and their hooks
 ``debug_view``         a read-only view for invariant checks (``invariants``) and tests
+``residency_watch``    observers of pages arriving on / leaving a tier (``add_watch``); off
+                       (one ``None`` test per hook site) while none is attached
+``events``,            KV events (schema 1) for routers, from such a watch: stored / removed
+``event_source``       / cleared per tier, keyed by the L3's chained page keys
 ``results``, ``errors``  what the public calls return and raise; ``request``: ``CacheRequest``
 =====================  =======================================================================
 
@@ -177,6 +181,7 @@ from .radix_key import as_radix_key
 from .request import CacheRequest
 from .requests import RequestHelpers
 from .residency import Residency
+from .residency_watch import ResidencyWatch, combine
 from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
 from .transfers import TransferLedger
@@ -282,6 +287,7 @@ class HiRadixCache:
         stateful = self.components.stateful
         self._res = res = Residency(device_allocator, host_alloc, strategy_for(config.eviction_policy),
                                     config.host_reclaim)
+        self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
         self._tree = tree = RadixTree(p, self, self._split_hook(res, stateful))
         res.adopt_root(tree.root)
         self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
@@ -448,6 +454,28 @@ class HiRadixCache:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
                               self._stateful, self._evictor, self._agreed_backups)
+
+    # ------------------------------------------------------------------ residency watches
+    def add_watch(self, watch: ResidencyWatch) -> None:
+        """Attach an observer of pages arriving on / leaving each tier (``residency_watch``:
+        KV events, retention). Owner thread; a watch is attached at most once."""
+        if get_ident() != self._owner:
+            self._not_owner("add_watch")
+        if not isinstance(watch, ResidencyWatch):
+            raise TypeError(f"watch: expected a ResidencyWatch, got {type(watch).__name__}")
+        if watch in self._watches:
+            raise ValueError(f"watch: {watch!r} is already attached")
+        self._watches += (watch,)
+        self._res.watch = combine(self._watches)
+
+    def remove_watch(self, watch: ResidencyWatch) -> None:
+        """Detach a watch ``add_watch`` attached (ValueError if it is not attached)."""
+        if get_ident() != self._owner:
+            self._not_owner("remove_watch")
+        if watch not in self._watches:
+            raise ValueError(f"watch: {watch!r} is not attached")
+        self._watches = tuple(w for w in self._watches if w is not watch)
+        self._res.watch = combine(self._watches)
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: object) -> MatchResult:
@@ -708,8 +736,10 @@ class HiRadixCache:
             self._not_owner("check_events")
         if self.agreed:
             self._step()
-            return
-        self._poll_events()
+        else:
+            self._poll_events()
+        if self._res.watch is not None:
+            self._res.watch.step()
 
     def _poll_events(self) -> None:
         """One process: acknowledge finished copies without blocking, poll the L3 hook."""
@@ -901,6 +931,8 @@ class HiRadixCache:
             self._accept_calls()
         if ledger.storage_hook is not None:
             ledger.storage_hook.on_reset()  # L3 backups still reading host pages finish first
+        if self._res.watch is not None:
+            self._res.watch.cleared()
         self._res.drop_all()
         self._tree.mark_all_deleted()
         self._callers.clear()
