@@ -43,7 +43,7 @@ from typing import Callable
 from ..storage.keys import Namespace, page_keys
 from .components import FULL
 from .events import EventBatch, KVEvent
-from .radix_key import encode_namespace
+from .radix_key import as_radix_key, encode_namespace
 from .residency_watch import ResidencyWatch
 from .tree_node import TreeNode
 
@@ -149,6 +149,12 @@ class KVEventSource(ResidencyWatch):
     def stats(self) -> dict:
         return {"events_emitted": self.emitted, "events_pending": len(self._pending), "resyncs": self.resyncs,
                 "keyed_nodes": len(self._keys)}
+
+    def request_keys(self, key: object) -> list[bytes]:
+        """The page keys of a request's whole pages (what a router matches against the
+        events; the same on every engine serving this model)."""
+        key = as_radix_key(key)
+        return page_keys(self._namespace(key.namespace)[0], key.token_ids)
 
     def node_keys(self, node: TreeNode) -> list[bytes]:
         """``node``'s page keys (computed and kept; its ancestors' too)."""
