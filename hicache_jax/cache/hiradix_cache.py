@@ -495,6 +495,8 @@ class HiRadixCache:
                              f"{self.config.eviction_policy!r}")
         if self._retention is not None:
             raise ValueError("config: retention is already enabled on this cache")
+        if self.agreed:  # expiry reads a per-process clock: ranks' trees would diverge
+            raise ValueError("config: retention is not supported with a collective agreement (several ranks) yet")
         self._retention = ret = install(self._res, config)
         self.add_watch(ret)
         return ret

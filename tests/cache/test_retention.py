@@ -7,9 +7,9 @@ import random
 
 import numpy as np
 import pytest
-from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert
+from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert, small_geom
 
-from hicache_jax.cache import RadixKey
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement, RadixKey
 from hicache_jax.cache.retention import RetentionConfig, RetentionHint, enable_retention
 
 
@@ -157,6 +157,13 @@ def test_bad_input_changes_nothing():
     lfu, _ = make_cache(numpy_backend_factory, page_size=1, eviction_policy="lfu")
     with pytest.raises(ValueError, match="LRU"):
         enable_retention(lfu, RetentionConfig(8))
+    geom = small_geom(1)
+    be2 = numpy_backend_factory(geom, 8, 8)
+    ranked = HiRadixCache(HiCacheConfig(page_size=1), be2.engine, be2.device.allocator,
+                          agreement=NoExchangeAgreement(0, 2))
+    with pytest.raises(ValueError, match="several ranks"):
+        enable_retention(ranked, RetentionConfig(8))
+    assert ranked.retention is None
 
 
 # ------------------------------------------------------------------ the agent trace
