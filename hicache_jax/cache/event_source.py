@@ -29,7 +29,9 @@ reports none. A cache ``reset`` clears device and host only (L3 outlives it).
 
 Bounded queue: at most ``max_pending`` device / host events wait for a drain; beyond that
 they are dropped and the next batch is a resync (``cleared`` device and host, then their
-whole contents, ``resync=True``), counted in ``stats()["resyncs"]``.
+whole contents, ``resync=True``), counted in ``stats()["resyncs"]``. A source's first batch
+(``seq`` 0) is such a snapshot too: it may attach to a cache that holds pages already, and a
+receiver that followed an earlier source of the same engine (a restart) starts over.
 
 Threading: owner thread (the cache's), except the storage wrapper's append (any thread).
 """
@@ -87,7 +89,9 @@ class KVEventSource(ResidencyWatch):
         self._ns: dict[tuple, tuple[Namespace, str]] = {}
         self._keys: dict[TreeNode, list[bytes]] = {}
         self._pending: list[KVEvent] = []
-        self._overflowed = False
+        # The first batch is a snapshot (resync): the cache may hold pages already, and a
+        # receiver that followed an earlier source of this engine starts over.
+        self._overflowed = True
         self._storage_done: collections.deque = collections.deque()  # appended by the backup thread
         self._subscribers: list[Callable[[EventBatch], None]] = []
         self._seq = 0
@@ -111,7 +115,7 @@ class KVEventSource(ResidencyWatch):
         if resync:
             events = self._snapshot()
             self._overflowed = False
-            self.resyncs += 1
+            self.resyncs += self._seq > 0  # the first batch's snapshot is no overflow
         self._pending = []
         done = self._storage_done
         while done:

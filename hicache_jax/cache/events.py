@@ -23,9 +23,11 @@ Schema 1
   default); None for storage events (the L3 write reports keys only).
 
 ``EventBatch``: one engine's events of one step, in the order they took effect
-(``engine``, a monotonically increasing ``seq`` per engine, ``events``); ``resync=True``
-when the bounded queue overflowed and the batch starts with ``cleared`` of the device and
-host tiers followed by their whole contents (the receiver's view is exact again after it).
+(``engine``, a monotonically increasing ``seq`` per source, ``events``); ``resync=True``
+when the batch starts with ``cleared`` of the device and host tiers followed by their whole
+contents (the receiver's view is exact again after it): a source's first batch (``seq`` 0,
+accepted after any earlier seq: the engine's source restarted) and the batch after the
+bounded queue overflowed.
 
 Version policy: fields are only added under a new ``schema`` number; a consumer must refuse
 a schema it does not know (``from_dict`` does).
@@ -98,7 +100,7 @@ class TierContents:
         self.last_seq = -1
 
     def apply(self, batch: EventBatch) -> None:
-        if batch.seq <= self.last_seq:
+        if batch.seq <= self.last_seq and not (batch.seq == 0 and batch.resync):  # seq 0: a new source
             raise ValueError(f"batch: seq {batch.seq} is not after {self.last_seq} (replayed or reordered)")
         self.last_seq = batch.seq
         for e in batch.events:

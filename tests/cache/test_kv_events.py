@@ -72,6 +72,7 @@ class Trace:
         if with_l3:
             self.src.observe_storage(self.ctl.storage)
         self.view = TierContents()
+        self.view.apply(self.src.drain())  # the first batch: a snapshot (of an empty cache here)
         self.rng = random.Random(seed)
         # Conversation families: shared system prompts, two tenants.
         self.keys = []
@@ -232,7 +233,7 @@ def test_subscribers_get_one_batch_per_check_events_and_json_round_trips():
         assert got == []
         t.cache.check_events()
         t.cache.check_events()
-        assert [b.seq for b in got] == [0, 1] and len(got[0].events) == 2 and got[1].events == ()
+        assert [b.seq for b in got] == [1, 2] and len(got[0].events) == 2 and got[1].events == ()
         d = json.loads(json.dumps(got[0].to_dict()))
         assert d["schema"] == 1 and d["events"][0]["schema"] == 1
         assert EventBatch.from_dict(d) == got[0]
@@ -291,6 +292,7 @@ def test_storage_events_carry_only_the_target_pools_successful_writes():
     store = Store()
     inner = store.batch_set
     src.observe_storage(store)
+    src.drain()  # the first batch (a snapshot of the empty cache)
     k = [bytes([i]) * 32 for i in range(3)]
     assert store.batch_set(k, [0, 1, 2], "target") == [True, False, True]
     store.batch_set(k, [0, 1, 2], "draft")
@@ -298,3 +300,29 @@ def test_storage_events_carry_only_the_target_pools_successful_writes():
     assert [(e.kind, e.tier, e.keys, e.token_count) for e in b.events] == [("stored", "storage", (k[0], k[2]), 2 * P)]
     src.close()
     assert store.batch_set == inner  # unwrapped
+
+
+def test_a_source_attached_to_a_live_cache_or_restarted_starts_with_a_snapshot():
+    t = Trace(5, with_l3=False)
+    try:
+        for _ in range(12):
+            t.do(t.rng.choice(["insert", "request", "evict"]))
+        t.check()
+        late = KVEventSource(t.cache, model=MODEL, engine="e0")  # attached to a cache holding pages
+        first = late.drain()
+        assert first.seq == 0 and first.resync and [e.kind for e in first.events[:2]] == ["cleared", "cleared"]
+        fresh = TierContents()
+        fresh.apply(first)
+        exp = expected_keys(t.cache)
+        assert fresh.keys("device") == exp["device"] and fresh.keys("host") == exp["host"] and exp["device"]
+        # The receiver that followed the old source accepts the new one's seq 0 (a restart).
+        t.src.close()
+        t.src = late
+        t.view.apply(first)
+        t.do("insert")
+        t.check()
+        assert late.stats()["resyncs"] == 0
+        with pytest.raises(ValueError, match="seq"):
+            t.view.apply(EventBatch("e0", 0, ()))  # seq 0 without a snapshot: a replay
+    finally:
+        t.close()
