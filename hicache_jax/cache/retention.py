@@ -201,9 +201,9 @@ class Retention(ResidencyWatch):
     def split(self, upper: TreeNode, lower: TreeNode, k: int) -> None:
         e = self.entries.get(lower)
         if e is not None:  # the tokens are the same, now in two nodes: the budget is unchanged
+            # No re-order: ``upper`` is in no index (``lower`` is its child on every tier it has).
             self.entries[upper] = _Entry(e.until, e.bonus, e.namespace)
             heapq.heappush(self._expiry, (e.until, next(self._seq), upper))
-            self._reorder(upper)
 
     def cleared(self) -> None:
         self.entries.clear()

@@ -7,6 +7,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert, small_geom
 
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement, RadixKey
@@ -110,6 +112,18 @@ def test_dropping_a_redundant_host_copy_overrides_no_hint():
     assert ret.overridden_tokens == {"device": 0, "host": 0} and ret.retained_tokens == 4
     cache.evict(4)  # now it leaves its last tier: that overrides the hint
     assert ret.overridden_tokens["device"] == 4 and ret.retained_tokens == 0
+
+
+def test_a_stronger_hint_reorders_the_node_where_it_is_listed():
+    cache, be, oracle, ret, clock = setup()
+    k = seq(0, 4)
+    prefill_insert(cache, oracle, k)
+    ids = cache.match_prefix(k).device_indices
+    cache.insert(k, ids, retain=RetentionHint(seconds=10, weight=0.5))
+    cache.insert(k, ids, retain=RetentionHint(seconds=20, weight=1.0))  # an unlocked device leaf: listed
+    (node,) = ret.entries
+    assert ret.entries[node].bonus == 100 and ret.entries[node].until == 20
+    cache.sanity_check(0)  # its index entry carries the larger bonus
 
 
 def test_splits_keep_the_budget_and_the_indexes_consistent():
@@ -252,3 +266,53 @@ def test_a_requests_hint_covers_its_chunks_and_its_finished_insert():
     cache.cache_finished_req(req)
     assert ret.retained_tokens == 6 and cache.protected_tokens == 0
     cache.sanity_check(0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16),
+       ops=st.lists(st.sampled_from(["insert", "hint", "request", "match", "evict", "evict_host", "tick", "flush",
+                                     "reset"]), min_size=1, max_size=50))
+def test_any_trace_keeps_the_budget_and_the_indexes_exact(seed, ops):
+    cache, be, oracle, ret, clock = setup(cap=10, bonus=3, device_pages=24, host_pages=24)
+    rng = random.Random(seed)
+    keys = [RadixKey(np.array(list(range(100 * f, 100 * f + 4)) + list(range(1000 * f + 10 * t, 1000 * f + 10 * t + 2 + t)),
+                              np.int64), extra_key=f % 2) for f in range(3) for t in range(3)]
+    for op in ops:
+        key = rng.choice(keys)
+        hint = RetentionHint(seconds=rng.choice((1, 3, 10)), weight=rng.choice((0.5, 1.0)))
+        if op in ("insert", "hint") and cache.device_fit(len(key)).name == "FITS":
+            prefill_insert(cache, oracle, key)
+            if op == "hint":
+                cache.insert(key, cache.match_prefix(key).device_indices, retain=hint)
+        elif op == "request":
+            req, _lb = cache.begin_request(key, retain=hint)
+            pages = cache.alloc_device(len(key) - req.device_pages.shape[0])
+            if pages is None:
+                if req.last_node is not None:
+                    cache.dec_lock_ref(req.last_node)
+            else:
+                oracle.write(key, pages, req.device_pages.shape[0])
+                req.extend(key, pages)
+                cache.cache_finished_req(req)
+        elif op == "match":
+            cache.match_prefix(RadixKey(key.token_ids[:rng.randrange(1, len(key))], extra_key=key.extra_key))
+        elif op == "evict":
+            cache.evict(rng.randrange(1, 8))
+        elif op == "evict_host":
+            cache.evict_host(rng.randrange(1, 8))
+        elif op == "tick":
+            clock.t += rng.choice((0.5, 2.0, 5.0))
+        elif op == "flush":
+            cache.flush()
+        elif op == "reset":
+            cache.flush()
+            cache.reset()
+        cache.check_events()
+        cache.sanity_check(0)  # includes every index's keys matching the strategy's (retention bonus)
+        live = {n for n in cache.all_nodes() if not n.deleted}
+        per_ns = {}
+        for node in ret.entries:
+            assert node in live and (node.value is not None or node.host_value is not None)
+            per_ns[node.namespace] = per_ns.get(node.namespace, 0) + node.size
+        assert {k: v for k, v in ret.by_namespace.items() if v} == per_ns
+        assert all(v <= 10 for v in per_ns.values())
