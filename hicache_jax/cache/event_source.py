@@ -129,7 +129,11 @@ class KVEventSource(ResidencyWatch):
     def observe_storage(self, storage) -> None:
         """Turn the ``target`` pool's successful ``batch_set`` writes of ``storage`` (the L3
         controller's store) into storage events (see the module docstring)."""
-        inner = storage.batch_set
+        inner = getattr(storage, "batch_set", None)
+        if not callable(inner):
+            raise TypeError(f"storage: expected a store with batch_set (a HiCacheStorage), got {type(storage).__name__}")
+        if any(s is storage for s, _ in self._taps):
+            raise ValueError("storage: already observed by this source")
         done = self._storage_done
 
         def batch_set(keys, host_page_ids, pool=None):

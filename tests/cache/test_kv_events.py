@@ -298,6 +298,10 @@ def test_storage_events_carry_only_the_target_pools_successful_writes():
     store.batch_set(k, [0, 1, 2], "draft")
     b = src.drain()
     assert [(e.kind, e.tier, e.keys, e.token_count) for e in b.events] == [("stored", "storage", (k[0], k[2]), 2 * P)]
+    with pytest.raises(ValueError, match="already observed"):
+        src.observe_storage(store)
+    with pytest.raises(TypeError, match="batch_set"):
+        src.observe_storage(object())
     src.close()
     assert store.batch_set == inner  # unwrapped
 
