@@ -246,6 +246,9 @@ class BackupIssuer:
             c.host_value = host_ids[off:off + k]
             c.parent.host_children += 1
             off += k
+        if res.watch is not None:
+            for c in chain:
+                res.watch.stored("host", c)
 
 
 class Reservation:

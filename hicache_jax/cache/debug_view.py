@@ -56,6 +56,11 @@ class CacheDebugView:
         return res.device_index, res.host_index, res.reclaim_index
 
     @property
+    def watch(self):
+        """The residency watch slot (``residency_watch``): None while nothing is attached."""
+        return self._res.watch
+
+    @property
     def counters(self) -> dict[str, int]:
         res = self._res
         return {"evictable_tokens": res.evictable_tokens, "protected_tokens": res.protected_tokens,

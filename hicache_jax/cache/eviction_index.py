@@ -47,6 +47,19 @@ class EvictionIndex:
     def __iter__(self) -> Iterator[TreeNode]:
         return iter(self.members)
 
+    def set_strategy(self, strategy: EvictionStrategy) -> None:
+        """Order by ``strategy`` from now on (e.g. retention installed on a live cache): the
+        heap is rebuilt from the members with their new keys."""
+        if not isinstance(strategy, EvictionStrategy):
+            raise TypeError(f"strategy: expected an EvictionStrategy, got {type(strategy).__name__}")
+        self.strategy = strategy
+        self.priority = strategy.key
+        self._kind = strategy.kind
+        self._heap = []
+        # Deterministic ties (the stamps follow push order): by key, then creation order.
+        for node in sorted(self.members, key=lambda n: (strategy.key(n), n.id)):
+            self.push(node)
+
     def push(self, node: TreeNode) -> None:
         """(Re-)order a member after its key changed (the caller checked membership)."""
         stamp = next(_stamps)

@@ -76,6 +76,9 @@ class Evictor:
         m = self.metrics
         m.evict_calls += 1
         res = self.res
+        watch = res.watch
+        if watch is not None:
+            watch.before_evict("device")
         freed = demoted = deleted = 0
         free_ids = []
         dm, hm, rm = res.dev_members, res.host_members, res.reclaim_members
@@ -115,6 +118,8 @@ class Evictor:
             freed += size
             if node in dm:
                 dl.set_member(node, False)
+            if watch is not None:
+                watch.removed("device", node)
             if node.host_value is None:
                 # Holds nothing now: it is in no index (never backed up), unlink it.
                 tree.unlink(node)
@@ -204,6 +209,8 @@ class Evictor:
         parent = node.parent
         parent.dev_children -= 1
         res.evictable_tokens -= node.size
+        if res.watch is not None:
+            res.watch.removed("device", node)
         if node.host_value is None:
             res.forget(node)
             self.tree.unlink(node)
@@ -239,6 +246,8 @@ class Evictor:
         m = self.metrics
         m.evict_host_calls += 1
         res = self.res
+        if res.watch is not None:
+            res.watch.before_evict("host")
         hooked = self.hooked
         want = num_pages * self.page_size
         freed = 0

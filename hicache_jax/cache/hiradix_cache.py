@@ -28,6 +28,12 @@ module                 job
 ``requests``           ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
 ``components``         the KV components (full, sidecars, stateful plug-ins) and their hooks
 ``debug_view``         a read-only view for invariant checks (``invariants``) and tests
+``residency_watch``    observers of pages arriving on / leaving a tier (``add_watch``); off
+                       (one ``None`` test per hook site) while none is attached
+``events``,            KV events (schema 1) for routers, from such a watch: stored / removed
+``event_source``       / cleared per tier, keyed by the L3's chained page keys
+``retention``          soft retention (``enable_retention``, ``retain=`` hints): a bounded,
+                       expiring LRU bonus per prefix within a per-namespace token budget
 ``results``, ``errors``  what the public calls return and raise; ``request``: ``CacheRequest``
 =====================  =======================================================================
 
@@ -161,7 +167,7 @@ from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
 from .backup import AgreedBackups, BackupIssuer
 from .components import ComponentContext, ComponentRegistry, KVComponent
-from .config import HiCacheConfig, WritePolicy
+from .config import EvictionPolicy, HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
 from .decisions import resolve
 from .errors import CacheFailedError, CacheInvariantError, OwnerThreadError
@@ -177,6 +183,7 @@ from .radix_key import as_radix_key
 from .request import CacheRequest
 from .requests import RequestHelpers
 from .residency import Residency
+from .residency_watch import ResidencyWatch, combine
 from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
 from .transfers import TransferLedger
@@ -282,6 +289,8 @@ class HiRadixCache:
         stateful = self.components.stateful
         self._res = res = Residency(device_allocator, host_alloc, strategy_for(config.eviction_policy),
                                     config.host_reclaim)
+        self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
+        self._retention = None  # ``retention.enable_retention``
         self._tree = tree = RadixTree(p, self, self._split_hook(res, stateful))
         res.adopt_root(tree.root)
         self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
@@ -449,6 +458,72 @@ class HiRadixCache:
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
                               self._stateful, self._evictor, self._agreed_backups)
 
+    # ------------------------------------------------------------------ residency watches
+    def add_watch(self, watch: ResidencyWatch) -> None:
+        """Attach an observer of pages arriving on / leaving each tier (``residency_watch``:
+        KV events, retention). Owner thread; a watch is attached at most once."""
+        if get_ident() != self._owner:
+            self._not_owner("add_watch")
+        if not isinstance(watch, ResidencyWatch):
+            raise TypeError(f"watch: expected a ResidencyWatch, got {type(watch).__name__}")
+        if watch in self._watches:
+            raise ValueError(f"watch: {watch!r} is already attached")
+        self._watches += (watch,)
+        self._res.watch = combine(self._watches)
+
+    def remove_watch(self, watch: ResidencyWatch) -> None:
+        """Detach a watch ``add_watch`` attached (ValueError if it is not attached)."""
+        if get_ident() != self._owner:
+            self._not_owner("remove_watch")
+        if watch not in self._watches:
+            raise ValueError(f"watch: {watch!r} is not attached")
+        self._watches = tuple(w for w in self._watches if w is not watch)
+        self._res.watch = combine(self._watches)
+
+    def enable_retention(self, config):
+        """Install soft retention (``retention``; LRU eviction only): from now on the device,
+        host and reclaim indexes order by ``RetentionStrategy`` and ``retain=`` hints are
+        accepted. Returns the ``retention.Retention`` (its ``stats()``)."""
+        if get_ident() != self._owner:
+            self._not_owner("enable_retention")
+        from .retention import RetentionConfig, install
+
+        if not isinstance(config, RetentionConfig):
+            raise TypeError(f"config: expected a RetentionConfig, got {type(config).__name__}")
+        if EvictionPolicy.parse(self.config.eviction_policy) != EvictionPolicy.LRU:
+            raise ValueError(f"config: retention orders by LRU; the cache's eviction_policy is "
+                             f"{self.config.eviction_policy!r}")
+        if self._retention is not None:
+            raise ValueError("config: retention is already enabled on this cache")
+        if self.agreed:  # expiry reads a per-process clock: ranks' trees would diverge
+            raise ValueError("config: retention is not supported with a collective agreement (several ranks) yet")
+        self._retention = ret = install(self._res, config)
+        self.add_watch(ret)
+        return ret
+
+    @property
+    def retention(self):
+        """The installed ``retention.Retention``, or None."""
+        return self._retention
+
+    def _check_retain(self, retain: object):
+        from .retention import RetentionHint
+
+        if not isinstance(retain, RetentionHint):
+            raise TypeError(f"retain: expected a RetentionHint or None, got {type(retain).__name__}")
+        if self._retention is None:
+            raise ValueError("retain: retention is not enabled on this cache (retention.enable_retention)")
+        return retain
+
+    def _retain_key(self, key, hint) -> None:
+        """Apply ``hint`` to the nodes wholly inside ``key``'s cached whole pages."""
+        n = len(key) - len(key) % self.page_size
+        segs, _matched = self._tree.walk(key, n)
+        while segs and segs[-1][1] < segs[-1][0].size:
+            segs.pop()  # the walk ends inside this node: it holds more than the key
+        if segs:
+            self._retention.retain(self._tree.root, segs[-1][0], hint)
+
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: object) -> MatchResult:
         """Longest cached page-aligned prefix of ``key``; splits a node the match ends inside.
@@ -480,7 +555,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ insert
     def insert(self, key: object, device_pages: object, *, chunked: bool = False, priority: int = 0,
-               component_pages: Mapping[str, object] | None = None) -> InsertResult:
+               component_pages: Mapping[str, object] | None = None, retain: object = None) -> InsertResult:
         """Insert ``key``'s whole pages with their device pages (one id per whole page).
 
         The tree takes ownership of the pages it keeps and frees the caller's duplicates
@@ -489,11 +564,14 @@ class HiRadixCache:
         ``component_pages``: per component with its own page ids (e.g. ``"swa"``), one of its
         device page ids per page of ``device_pages``, -1 where the caller has none (for a
         sliding window: -1 up to the caller's frontier, ids after it); the tree takes or frees
-        every one, like the full pages.
+        every one, like the full pages. ``retain``: a ``retention.RetentionHint`` for the
+        inserted prefix (retention must be enabled).
         """
         if get_ident() != self._owner:
             self._not_owner("insert")
         key = as_radix_key(key)
+        if retain is not None:
+            retain = self._check_retain(retain)
         priority = _check_priority(priority)
         chunked = _check_flag("chunked", chunked)
         if device_pages is None:
@@ -502,7 +580,10 @@ class HiRadixCache:
         cp = None
         if component_pages is not None:
             cp = self._check_component_pages(component_pages, pages.shape[0], "device")
-        return self._inserter.insert(key, pages, chunked, priority=priority, comp_pages=cp)[0]  # a private copy
+        result = self._inserter.insert(key, pages, chunked, priority=priority, comp_pages=cp)[0]  # a private copy
+        if retain is not None and result.last_node is not self._tree.root:
+            self._retention.retain(self._tree.root, result.last_node, retain)
+        return result
 
     def _own_component(self, name: object) -> KVComponent:
         comp = self._own.get(name) if isinstance(name, str) else None
@@ -708,8 +789,10 @@ class HiRadixCache:
             self._not_owner("check_events")
         if self.agreed:
             self._step()
-            return
-        self._poll_events()
+        else:
+            self._poll_events()
+        if self._res.watch is not None:
+            self._res.watch.step()
 
     def _poll_events(self) -> None:
         """One process: acknowledge finished copies without blocking, poll the L3 hook."""
@@ -825,19 +908,29 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ request helpers
     def begin_request(self, key: object, mem_quota: int | None = None, load_back: bool = True,
-                      priority: int = 0) -> tuple[CacheRequest, LoadBackResult | None]:
+                      priority: int = 0, retain: object = None) -> tuple[CacheRequest, LoadBackResult | None]:
         """Match ``key``, load back its host continuation (if worth it), lock the device prefix.
 
         Returns the request (its ``device_pages`` = the cached prefix, owned by the tree) and
         the load-back in flight, if any. ``priority`` is kept in the request for its inserts.
-        Every argument is validated before the match changes anything (access times, counters).
+        ``retain``: a ``retention.RetentionHint`` applied to the matched prefix now and to the
+        request's inserts (``req.retain``). Every argument is validated before the match
+        changes anything (access times, counters).
         """
         if get_ident() != self._owner:
             self._not_owner("begin_request")
         key = as_radix_key(key)
         if mem_quota is not None:
             mem_quota = check_int("mem_quota", mem_quota, 0)
-        return self._requests.begin(key, mem_quota, _check_flag("load_back", load_back), _check_priority(priority))
+        if retain is not None:
+            retain = self._check_retain(retain)
+        req, lb = self._requests.begin(key, mem_quota, _check_flag("load_back", load_back),
+                                       _check_priority(priority))
+        if retain is not None:
+            req.retain = retain
+            if req.last_node is not None:
+                self._retention.retain(self._tree.root, req.last_node, retain)
+        return req, lb
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.
@@ -848,12 +941,18 @@ class HiRadixCache:
         if get_ident() != self._owner:
             self._not_owner("cache_unfinished_req")
         self._requests.unfinished(self._requests.check(req), _check_flag("chunked", chunked))
+        if req.retain is not None and self._retention is not None and req.last_node is not None:
+            self._retention.retain(self._tree.root, req.last_node, req.retain)
 
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
         if get_ident() != self._owner:
             self._not_owner("cache_finished_req")
-        self._requests.finished(self._requests.check(req))
+        req = self._requests.check(req)
+        key = req.key  # the request is emptied
+        self._requests.finished(req)
+        if req.retain is not None and self._retention is not None:
+            self._retain_key(key, req.retain)
 
     def abort_request(self, req: CacheRequest) -> None:
         """Give up on a request (client disconnected, cancelled, failed): free the pages it
@@ -901,6 +1000,8 @@ class HiRadixCache:
             self._accept_calls()
         if ledger.storage_hook is not None:
             ledger.storage_hook.on_reset()  # L3 backups still reading host pages finish first
+        if self._res.watch is not None:
+            self._res.watch.cleared()
         self._res.drop_all()
         self._tree.mark_all_deleted()
         self._callers.clear()
@@ -973,6 +1074,8 @@ class HiRadixCache:
         out["hit_rate"] = out["cache_hit_rate"]
         if self._stateful:
             out["components"] = {c.name: c.stats() for c in self._stateful}
+        if self._retention is not None:
+            out["retention"] = self._retention.stats()
         if self.agreed:  # several ranks: the per-step agreement's exchanges and time
             out["agreement"] = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
         return out

@@ -183,6 +183,8 @@ class Inserter:
             if node in dm:
                 dl.set_member(node, False)
             node = leaf
+            if res.watch is not None:
+                res.watch.stored("device", leaf)
             if hooked:
                 for comp in hooked:
                     comp.on_insert(leaf)

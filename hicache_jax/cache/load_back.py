@@ -141,6 +141,9 @@ class LoadBackIssuer:
             off += k
         receipt = self.locks.extend_to_loaded_chain(receipt, chain)
         res.refresh(anchor)
+        if res.watch is not None:
+            for c in chain:
+                res.watch.stored("device", c)
         return receipt
 
     def _load_back_hooked(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:

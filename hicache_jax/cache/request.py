@@ -45,6 +45,8 @@ class CacheRequest:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
+    # A ``retention.RetentionHint`` its inserts apply (``begin_request(retain=)``), or None.
+    retain: object = None
 
     @property
     def hit_tokens(self) -> dict[str, int]:

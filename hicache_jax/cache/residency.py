@@ -54,6 +54,8 @@ class Residency:
         self.evictable_tokens = 0  # on device, lock_ref == 0
         self.protected_tokens = 0  # on device, lock_ref > 0
         self.host_tokens = 0  # held on the host tier
+        # An attached ``ResidencyWatch`` (events, retention), or None: every hook site tests it.
+        self.watch = None
 
     def adopt_root(self, root: TreeNode) -> None:
         """A new (empty) tree: its root holds an empty value on both tiers and stays locked."""
@@ -110,6 +112,8 @@ class Residency:
         node.parent.dev_children += 1
         self.refresh(node)
         self.refresh(node.parent)
+        if self.watch is not None:
+            self.watch.stored("device", node)
 
     def set_host(self, node: TreeNode, ids: np.ndarray) -> None:
         node.host_value = ids
@@ -118,6 +122,8 @@ class Residency:
         node.parent.host_children += 1
         self.refresh(node)
         self.refresh(node.parent)
+        if self.watch is not None:
+            self.watch.stored("host", node)
 
     def clear_host(self, node: TreeNode, owned: bool = True) -> np.ndarray:
         """Take ``node``'s pages off the host tier; ``owned=False``: the caller clears
@@ -130,6 +136,8 @@ class Residency:
         node.parent.host_children -= 1
         self.refresh(node)
         self.refresh(node.parent)
+        if self.watch is not None:
+            self.watch.removed("host", node)
         return ids
 
     def split(self, upper: TreeNode, lower: TreeNode, k: int) -> None:
@@ -146,6 +154,8 @@ class Residency:
         upper.dev_children = int(lower.value is not None)
         upper.host_children = int(lower.host_value is not None)
         self.refresh(upper)
+        if self.watch is not None:
+            self.watch.split(upper, lower, k)
 
     # ------------------------------------------------------------------ freeing
     def free_device_pages(self, free_ids: list) -> None:

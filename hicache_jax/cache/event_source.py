@@ -1,0 +1,248 @@
+"""One engine's KV event stream (``events`` schema 1): a residency watch that turns pages
+arriving on / leaving the device and host tiers, and L3 writes, into ``KVEvent`` batches.
+
+Usage::
+
+    source = KVEventSource(cache, model="llama-3-8b", engine="engine-0")   # attaches itself
+    source.observe_storage(controller.storage)     # optional: L3 writes become storage events
+    source.subscribe(router.apply)                  # delivered once per cache.check_events()
+    batch = source.drain()                          # or drain by hand, once per step
+
+Cost: nothing is attached to the cache until a source is built (``Residency.watch`` stays
+None: one test per hook site). While attached, every stored / removed node costs its page
+keys (one SHA-256 per page, computed once per node and kept until the node is deleted).
+
+Keys: the L3 controller's own chain (``storage.keys.page_keys`` under the ``target`` pool's
+``Namespace``, built from the same fields as ``hicache_jax.l3.StorageController``'s: model
+identity with the KV geometry folded in, ``weights_revision``, KV dtype, page size, host
+layout, TP size / rank and the tenant via ``encode_namespace(salt, namespace)``), so pages
+line up across engines and with what L3 holds. Pass the controller's ``model``,
+``weights_revision`` and ``salt``. A split changes no page's key; the source divides the
+node's cached keys at each split (``split`` hook).
+
+Storage: the cache never learns what L3 holds. ``observe_storage(storage)`` wraps that store
+object's ``batch_set`` (an instance attribute; the controller calls it on its backup thread):
+keys of the ``target`` pool written successfully are queued thread-safely and become
+``stored(storage)`` events at the next drain, after that step's device / host events.
+Removals inside the store (a capacity-bound backend evicting) are not observed: the store
+reports none. A cache ``reset`` clears device and host only (L3 outlives it).
+
+Bounded queue: at most ``max_pending`` device / host events wait for a drain; beyond that
+they are dropped and the next batch is a resync (``cleared`` device and host, then their
+whole contents, ``resync=True``), counted in ``stats()["resyncs"]``. A source's first batch
+(``seq`` 0) is such a snapshot too: it may attach to a cache that holds pages already, and a
+receiver that followed an earlier source of the same engine (a restart) starts over.
+
+Threading: owner thread (the cache's), except the storage wrapper's append (any thread).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import replace
+from typing import Callable
+
+from ..storage.keys import Namespace, page_keys
+from .components import FULL
+from .events import EventBatch, KVEvent
+from .radix_key import as_radix_key, encode_namespace
+from .residency_watch import ResidencyWatch
+from .tree_node import TreeNode
+
+TARGET_POOL = "target"  # the L3 controller's pool name for the full component
+
+
+def target_namespace(cache, model: str, weights_revision: str = "", tp_size: int | None = None,
+                     tp_rank: int | None = None) -> Namespace:
+    """The ``target`` pool's key namespace as ``StorageController`` builds it (before the
+    tenant's ``extra_key``)."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model: expected a non-empty str (the model identity in every page key), got {model!r}")
+    eng = cache.components.engines[FULL]
+    g = eng.geom
+    agreement = cache.agreement
+    tp_size = agreement.num_processes if tp_size is None else tp_size
+    tp_rank = agreement.rank if tp_rank is None else tp_rank
+    ident = f"{model}#{g.kind}:L{g.num_layers}:H{g.heads}:D{g.width}"
+    return Namespace.from_geometry(g, eng.host_pool.layout, model=ident, weights_revision=weights_revision,
+                                   pool=TARGET_POOL, tp_size=tp_size, tp_rank=tp_rank)
+
+
+class KVEventSource(ResidencyWatch):
+    """See the module docstring."""
+
+    def __init__(self, cache, *, model: str, engine: str = "", weights_revision: str = "", salt: str = "",
+                 tp_size: int | None = None, tp_rank: int | None = None, max_pending: int = 1 << 16) -> None:
+        if not isinstance(engine, str):
+            raise TypeError(f"engine: expected a str, got {type(engine).__name__}")
+        if not isinstance(salt, str):
+            raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending: expected an int >= 1, got {max_pending!r}")
+        self._base = target_namespace(cache, model, weights_revision, tp_size, tp_rank)
+        self.cache = cache
+        self.model = model
+        self.engine = engine
+        self.salt = salt
+        self.page_size = cache.page_size
+        self.max_pending = max_pending
+        self._ns: dict[tuple, tuple[Namespace, str]] = {}
+        self._keys: dict[TreeNode, list[bytes]] = {}
+        self._pending: list[KVEvent] = []
+        # The first batch is a snapshot (resync): the cache may hold pages already, and a
+        # receiver that followed an earlier source of this engine starts over.
+        self._overflowed = True
+        self._storage_done: collections.deque = collections.deque()  # appended by the backup thread
+        self._subscribers: list[Callable[[EventBatch], None]] = []
+        self._seq = 0
+        self.emitted = 0
+        self.resyncs = 0
+        self._taps: list = []
+        cache.add_watch(self)
+
+    # ------------------------------------------------------------------ public
+    def subscribe(self, fn: Callable[[EventBatch], None]) -> None:
+        """Deliver every batch to ``fn`` at each ``check_events`` (owner thread)."""
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        self._subscribers.append(fn)
+
+    def drain(self) -> EventBatch:
+        """The events since the last drain, in the order they took effect (see the module
+        docstring for storage events and resyncs)."""
+        events = self._pending
+        resync = self._overflowed
+        if resync:
+            events = self._snapshot()
+            self._overflowed = False
+            self.resyncs += self._seq > 0  # the first batch's snapshot is no overflow
+        self._pending = []
+        done = self._storage_done
+        while done:
+            keys = done.popleft()
+            events.append(KVEvent("stored", "storage", tuple(keys), None, len(keys) * self.page_size, self.model))
+        batch = EventBatch(self.engine, self._seq, tuple(events), resync)
+        self._seq += 1
+        self.emitted += len(events)
+        return batch
+
+    def observe_storage(self, storage) -> None:
+        """Turn the ``target`` pool's successful ``batch_set`` writes of ``storage`` (the L3
+        controller's store) into storage events (see the module docstring)."""
+        inner = getattr(storage, "batch_set", None)
+        if not callable(inner):
+            raise TypeError(f"storage: expected a store with batch_set (a HiCacheStorage), got {type(storage).__name__}")
+        if any(s is storage for s, _ in self._taps):
+            raise ValueError("storage: already observed by this source")
+        done = self._storage_done
+
+        def batch_set(keys, host_page_ids, pool=None):
+            ok = inner(keys, host_page_ids, pool)
+            if pool is None or pool == TARGET_POOL:
+                stored = [k for k, good in zip(keys, ok) if good]
+                if stored:
+                    done.append(stored)  # deque.append: atomic, any thread
+            return ok
+
+        storage.batch_set = batch_set
+        self._taps.append((storage, inner))
+
+    def close(self) -> None:
+        """Detach from the cache and unwrap the observed stores."""
+        self.cache.remove_watch(self)
+        for storage, inner in self._taps:
+            storage.batch_set = inner
+        self._taps.clear()
+
+    def stats(self) -> dict:
+        return {"events_emitted": self.emitted, "events_pending": len(self._pending), "resyncs": self.resyncs,
+                "keyed_nodes": len(self._keys)}
+
+    def request_keys(self, key: object) -> list[bytes]:
+        """The page keys of a request's whole pages (what a router matches against the
+        events; the same on every engine serving this model)."""
+        key = as_radix_key(key)
+        return page_keys(self._namespace(key.namespace)[0], key.token_ids)
+
+    def node_keys(self, node: TreeNode) -> list[bytes]:
+        """``node``'s page keys (computed and kept; its ancestors' too)."""
+        keys = self._keys
+        ks = keys.get(node)
+        if ks is not None:
+            return ks
+        root = self.cache.root
+        path = []
+        n = node
+        while n is not root and n not in keys:
+            path.append(n)
+            n = n.parent
+        prev = None if n is root else keys[n][-1]
+        for n in reversed(path):
+            ks = page_keys(self._namespace(n.namespace)[0], n.key, prev)
+            keys[n] = ks
+            prev = ks[-1]
+        return keys[node]
+
+    # ------------------------------------------------------------------ watch hooks
+    def stored(self, tier: str, node: TreeNode) -> None:
+        self._emit("stored", tier, node)
+
+    def removed(self, tier: str, node: TreeNode) -> None:
+        self._emit("removed", tier, node)
+        if node.value is None and node.host_value is None:
+            self._keys.pop(node, None)  # deleted next: its keys are no one's ancestors' any more
+
+    def split(self, upper: TreeNode, lower: TreeNode, k: int) -> None:
+        ks = self._keys.pop(lower, None)
+        if ks is not None:
+            self._keys[upper] = ks[:k]
+            self._keys[lower] = ks[k:]
+
+    def cleared(self) -> None:
+        self._keys.clear()
+        if not self._overflowed:
+            self._pending += [KVEvent("cleared", "device", model=self.model),
+                              KVEvent("cleared", "host", model=self.model)]
+
+    def step(self) -> None:
+        if self._subscribers:
+            batch = self.drain()
+            for fn in self._subscribers:
+                fn(batch)
+
+    # ------------------------------------------------------------------ internals
+    def _namespace(self, radix_ns: tuple) -> tuple[Namespace, str]:
+        out = self._ns.get(radix_ns)
+        if out is None:
+            out = self._ns[radix_ns] = (replace(self._base, extra_key=encode_namespace(self.salt, radix_ns)),
+                                        encode_namespace("", radix_ns))
+        return out
+
+    def _emit(self, kind: str, tier: str, node: TreeNode) -> None:
+        if self._overflowed:
+            return  # the next drain is a resync (a snapshot): nothing to queue
+        ks = self.node_keys(node)
+        parent = node.parent
+        prev = None if parent is self.cache.root else self.node_keys(parent)[-1]
+        self._pending.append(KVEvent(kind, tier, tuple(ks), prev, node.size, self.model,
+                                     self._namespace(node.namespace)[1]))
+        if len(self._pending) > self.max_pending:
+            self._pending = []
+            self._overflowed = True
+
+    def _snapshot(self) -> list[KVEvent]:
+        """``cleared`` device and host, then every node's pages on each tier (parents first)."""
+        out = [KVEvent("cleared", "device", model=self.model), KVEvent("cleared", "host", model=self.model)]
+        root = self.cache.root
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            ks = tuple(self.node_keys(node))
+            prev = None if node.parent is root else self.node_keys(node.parent)[-1]
+            ns = self._namespace(node.namespace)[1]
+            if node.value is not None:
+                out.append(KVEvent("stored", "device", ks, prev, node.size, self.model, ns))
+            if node.host_value is not None:
+                out.append(KVEvent("stored", "host", ks, prev, node.size, self.model, ns))
+            stack.extend(node.children.values())
+        return out

@@ -1,0 +1,135 @@
+"""The reference router (issue 31 part 2): longest weighted prefix over the engines' events,
+load-balance fallback. Unit tests on hand-made events, then on real caches' events."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache_jax import KVGeometry
+from hicache_jax.backends.numpy_backend import make_numpy_backend
+from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
+from hicache_jax.cache.event_source import KVEventSource
+from hicache_jax.cache.events import EventBatch, KVEvent
+from hicache_jax.routing import PrefixRouter, TierWeights
+
+K = [bytes([i]) * 32 for i in range(8)]  # one request's page keys, in order
+
+
+def batch(engine, seq, *events):
+    return EventBatch(engine, seq, tuple(events))
+
+
+def stored(tier, keys):
+    return KVEvent("stored", tier, tuple(keys), None, len(keys))
+
+
+def test_longest_prefix_wins_and_device_beats_host_of_the_same_length():
+    r = PrefixRouter(["a", "b", "c"])
+    r.apply(batch("a", 0, stored("device", K[:2])))
+    r.apply(batch("b", 0, stored("host", K[:4])))
+    r.apply(batch("c", 0, stored("host", K[:2])))
+    d = r.route(K)
+    assert (d.engine, d.reason, d.pages) == ("b", "prefix", {"device": 0, "host": 4, "storage": 0})
+    assert d.score == pytest.approx(4 * 0.7)
+    r.apply(batch("a", 1, stored("device", K[2:3])))  # a: 3 device pages = 3.0 > 2.8
+    assert r.route(K).engine == "a"
+    r.apply(batch("a", 2, KVEvent("removed", "device", tuple(K[1:3]))))
+    assert r.route(K).engine == "b"  # a's prefix now stops after page 0
+
+
+def test_a_gap_ends_the_prefix_and_storage_is_shared():
+    r = PrefixRouter(["a", "b"])
+    r.apply(batch("a", 0, stored("device", [K[0]] + K[2:6])))  # page 1 missing: prefix of 1
+    r.apply(batch("b", 0, stored("device", K[:2])))
+    assert r.route(K).engine == "b"
+    r.apply(batch("b", 1, stored("storage", K[:8])))  # b wrote to the shared L3
+    d = r.route(K)
+    # a: page 0 on device, page 1 from the shared L3, pages 2-5 on device, 6-7 from L3.
+    assert d.engine == "a" and d.pages == {"device": 5, "host": 0, "storage": 3}
+    alone = PrefixRouter(["a", "b"], shared_storage=False)
+    alone.apply(batch("a", 0, stored("device", [K[0]] + K[2:6])))
+    alone.apply(batch("b", 0, stored("device", K[:2]), stored("storage", K[:8])))
+    assert alone.route(K).engine == "b"
+
+
+def test_cleared_forgets_a_tier():
+    r = PrefixRouter(["a", "b"])
+    r.apply(batch("a", 0, stored("device", K[:4]), stored("host", K[:2])))
+    r.apply(batch("b", 0, stored("host", K[:3])))
+    assert r.route(K).engine == "a"
+    r.apply(batch("a", 1, KVEvent("cleared", "device")))
+    assert r.route(K).engine == "b"
+
+
+def test_imbalance_falls_back_to_the_least_loaded_and_no_prefix_round_robins():
+    r = PrefixRouter(["a", "b", "c"], balance_abs=4, balance_rel=2)
+    r.apply(batch("a", 0, stored("device", K)))
+    assert r.route(K, {"a": 6, "b": 3, "c": 3}).engine == "a"  # 6 - 3 <= 4: cache wins
+    d = r.route(K, {"a": 10, "b": 3, "c": 2})
+    assert (d.engine, d.reason) == ("c", "balance")
+    other = [bytes([99]) * 32]
+    got = [r.route(other).engine for _ in range(4)]
+    assert sorted(got[:3]) == ["a", "b", "c"] and got[3] == got[0] and r.decisions["no_prefix"] == 4
+    assert r.route(other, {"a": 1, "b": 0, "c": 1}).engine == "b"
+    # Equal scores: the less loaded engine.
+    r.apply(batch("b", 0, stored("device", K)))
+    assert r.route(K, {"a": 2, "b": 1}).engine == "b"
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="engines"):
+        PrefixRouter(["a", "a"])
+    with pytest.raises(ValueError, match="weights"):
+        TierWeights(device=0.5, host=0.7)
+    with pytest.raises(ValueError, match="storage"):
+        TierWeights(storage=2)
+    r = PrefixRouter(["a"])
+    with pytest.raises(ValueError, match="engine 'z'"):
+        r.apply(batch("z", 0))
+    with pytest.raises(TypeError, match="batch"):
+        r.apply({"engine": "a"})
+    with pytest.raises(TypeError, match="keys"):
+        r.route(b"abc")
+    with pytest.raises(ValueError, match="loads"):
+        r.route(K, {"z": 1})
+    r.apply(batch("a", 0))
+    with pytest.raises(ValueError, match="seq"):
+        r.apply(batch("a", 0))  # a replayed batch
+
+
+def make_engine(name):
+    geom = KVGeometry.mha(2, 4, 1, 2, "float32")
+    device, host, engine = make_numpy_backend(geom, 32, 64, "page_first", False)
+    cache = HiRadixCache(HiCacheConfig(page_size=4), engine, device.allocator)
+    return cache, device, KVEventSource(cache, model="m", engine=name)
+
+
+def serve(cache, key):
+    req, _ = cache.begin_request(key)
+    pages = cache.alloc_device(len(key) // 4 - req.device_pages.shape[0])
+    req.extend(key, pages)
+    cache.cache_finished_req(req)
+    cache.check_events()
+
+
+def test_routes_real_engines_by_their_events():
+    engines = {n: make_engine(n) for n in ("e0", "e1")}
+    r = PrefixRouter(list(engines))
+    for cache, _dev, src in engines.values():
+        src.subscribe(r.apply)
+    conv = RadixKey(np.arange(32, dtype=np.int64))
+    serve(engines["e1"][0], RadixKey(np.arange(16, dtype=np.int64)))
+    keys = engines["e0"][2].request_keys(conv)
+    assert keys == engines["e1"][2].request_keys(conv)  # the same keys on every engine
+    d = r.route(keys)
+    assert (d.engine, d.pages["device"]) == ("e1", 4)
+    serve(engines["e0"][0], conv)
+    assert r.route(keys).engine == "e0"
+    # e0 evicts the conversation from the device; its host copy still counts (write_through).
+    cache0 = engines["e0"][0]
+    cache0.flush()
+    cache0.evict(32)
+    cache0.check_events()
+    d = r.route(keys)
+    assert d.engine == "e0" and d.pages == {"device": 0, "host": 8, "storage": 0}
