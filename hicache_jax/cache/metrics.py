@@ -10,8 +10,8 @@ count of events (``_calls``, ``_errors``, ``_retries``, ...). The same name is
 * the key in ``HiRadixCache.stats()`` (a number; a ``{label value: number}`` dict for a
   labelled family; ``{"count", "sum", "buckets"}`` for a histogram);
 * the Prometheus family ``<prefix>_<name>`` (prefix ``hicache``; counters get ``_total``);
-* the row of the README's metrics table (``tests/cache/test_metrics_export.py`` checks that
-  the README lists every family).
+* the row of the metrics table in ``docs/metrics.md`` (``tests/cache/test_metrics_export.py``
+  checks that it lists every family).
 
 Upstream sglang's names are kept where one exists (``cached_tokens{cache_source}``,
 ``cache_hit_rate``, ``host_used_tokens``, ``load_back_duration_seconds``,

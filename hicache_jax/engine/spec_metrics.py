@@ -3,7 +3,7 @@ Python (prometheus_client is imported only by ``register_prometheus``).
 
 ``SPEC_FAMILIES`` follows the rules of ``hicache_jax.cache.metrics.FAMILIES`` (one name for the
 ``Engine.stats()`` key, the Prometheus family ``<prefix>_<name>`` with ``_total`` on counters,
-and the README row; the unit last; upstream's name where one exists: sglang's
+and the row in docs/speculative-decoding.md; the unit last; upstream's name where one exists: sglang's
 ``spec_accept_length``). They are the engine's, not the cache's: the cache knows nothing of
 verify steps, so they live beside ``FAMILIES``, not in it.
 

@@ -1,5 +1,5 @@
-"""Operator metrics (issue 20): one naming scheme (FAMILIES) across stats(), Prometheus and the
-README; non-overlapping cache_source; durations to completion, not to the poll; gauges;
+"""Operator metrics: one naming scheme (FAMILIES) across stats(), Prometheus and
+docs/metrics.md; non-overlapping cache_source; durations to completion, not to the poll; gauges;
 several caches on one registry."""
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ def test_every_counter_is_exported():
     assert not missing, f"counters no family exports: {missing}"
 
 
-def test_readme_documents_every_family():
-    text = open(os.path.join(ROOT, "README.md")).read()
+def test_docs_document_every_family():
+    text = open(os.path.join(ROOT, "docs", "metrics.md")).read()
     missing = [n for n in FAMILY_NAMES if f"`{n}`" not in text]
-    assert not missing, f"README's metrics table lacks {missing}"
+    assert not missing, f"docs/metrics.md's table lacks {missing}"
 
 
 def test_stats_use_the_family_names(backend_factory):
