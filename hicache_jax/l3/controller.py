@@ -164,6 +164,7 @@ from ..cache.radix_key import encode_namespace
 from ..storage import HiCacheStorage, Namespace, StorageConfig, create_storage
 from ..workers import background_executor
 from .backup import L3Backups
+from . import exit_flush
 from .digests import NodeDigests
 from .pools import L3Pools
 from .prefetch import Prefetcher, PrefetchOperation
@@ -246,6 +247,7 @@ class StorageController:
         cache.storage_hook = self
         if self._ranks is not None:
             cache.step_agreement.add(self._ranks)
+        exit_flush.track(self)  # a process exiting without close() flushes (or says what it loses)
 
     def _namespaces(self, radix_ns: tuple) -> dict[str, Namespace] | None:
         return self._layout.namespaces(radix_ns)
@@ -354,6 +356,25 @@ class StorageController:
             return False
         return bool(self.storage.flush(timeout))
 
+    def pending_writes(self) -> dict:
+        """What a process exiting now would lose: ``l3_pages`` (target pages in L3 backup jobs
+        not settled), ``unacknowledged_backups`` (D2H backups the cache has not acknowledged:
+        each becomes L3 writes once it is), ``store_buffered`` (the store holds accepted pages
+        it has not made durable) and ``total`` (their sum, the buffer counting 1). Any thread;
+        a snapshot."""
+        try:
+            buffered = not self._closed and bool(self.storage.writes_pending())
+        except Exception:  # a broken store: what it holds is not countable, so count it pending
+            buffered = True
+        unacked = 0 if self._closed else int(self.cache.in_flight[0])
+        pages = self._backups.pending_pages()
+        return {"l3_pages": pages, "unacknowledged_backups": unacked, "store_buffered": buffered,
+                "total": pages + unacked + int(buffered)}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ------------------------------------------------------------------ lifecycle
     # The store's counters (``storage.metrics``) under the cache's metric family names
     # (``hicache_jax.cache.metrics.FAMILIES``): one naming scheme, pages counted as pages.
@@ -393,6 +414,7 @@ class StorageController:
         """
         if self._closed:
             return
+        exit_flush.untrack(self)
         try:  # D2H backups still in flight: acknowledge them so their L3 writes are queued too
             if self._agreed:  # agree on the last copies and jobs while every rank still steps
                 self.cache.flush()
