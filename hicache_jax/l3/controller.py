@@ -11,6 +11,7 @@ Usage (upstream HiCache's L3 flow; the engine's scheduler thread owns the cache 
     req, lb = cache.begin_request(radix_key)   # loads the new host-only nodes to the device
     cache.check_events()                       # every step: acks D2H backups -> L3 writes; polls
     controller.close()                         # shutdown: cancel prefetches, flush L3 writes
+                                               # (or hicache_jax.CacheStack: one close() for all)
 
 Signatures::
 
@@ -21,7 +22,8 @@ Signatures::
     finish_prefetch(op) -> int                 # tokens attached to the tree from storage
     cancel(op) -> None
     flush(timeout=None) -> bool
-    close() -> None
+    close() -> None                            # idempotent; also a context manager
+    pending_writes() -> dict                   # what an exit now would lose (any thread)
     stats() -> dict
 
 ``storage_config`` defaults to ``cache.config.storage`` (``HiCacheConfig.storage``); one of them
@@ -145,10 +147,14 @@ Coupling: the controller uses only the cache's public L3 surface (``backed_up_pr
 ``storage_hook`` slot) and reads nodes' public fields (``parent``, ``children``, ``size``,
 ``key``, ``namespace``, ``host_value``, ``deleted``); it never changes a node.
 
+Exit without ``close()``: every open controller is registered with ``exit_flush``, which
+closes it when the main script returns (or at interpreter shutdown) and logs an error with
+the counts where it cannot write them.
+
 Modules (this class is the facade; each part has its own module and tests): ``pools`` (storage
 pools and key namespaces), ``digests`` (per-node page keys), ``backup`` (write-through jobs),
 ``prefetch`` (prefetch operations), ``rank_steps`` (several ranks: the agreement participant
-and the commit markers). The controller owns the three worker executors and the storage it
+and the commit markers), ``exit_flush`` (the exit-time flush). The controller owns the three worker executors and the storage it
 built, and shuts them down in ``close`` in that order: prefetch threads, backup thread, store.
 """
 
@@ -160,7 +166,7 @@ import time
 import numpy as np
 
 from ..cache.hiradix_cache import HiRadixCache
-from ..cache.radix_key import encode_namespace
+from ..cache.radix_key import as_radix_key, encode_namespace
 from ..storage import HiCacheStorage, Namespace, StorageConfig, create_storage
 from ..workers import background_executor
 from .backup import L3Backups
@@ -293,6 +299,7 @@ class StorageController:
     def prefetch(self, key: object) -> PrefetchOperation:
         """Start prefetching the storage continuation of ``key`` (non-blocking; owner thread)."""
         self.cache.check_owner("StorageController.prefetch")
+        key = as_radix_key(key)  # a bad key raises before anything moves
         if not self._closed:
             self.poll()
         return self._prefetcher.start(key, closed=self._closed)

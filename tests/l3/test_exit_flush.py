@@ -126,3 +126,28 @@ def test_a_closed_controller_leaves_the_exit_registry():
     ctl.close()
     assert ctl not in exit_flush.open_controllers()
     assert ctl.pending_writes()["total"] == 0
+
+
+def test_flush_one_closes_only_what_has_pending_writes_and_only_on_the_owner_thread(caplog):
+    import threading
+
+    from cache_harness import prefill_insert
+    cache, be = make_cache(numpy_backend_factory, page_size=P, deferred=True)
+    ctl = StorageController(cache, StorageConfig(backend="memory"), model="m")
+    assert exit_flush.flush_one(ctl) and not ctl.closed  # nothing pending: left alone
+    exit_flush.track(ctl)
+    prefill_insert(cache, KVOracle(be), RadixKey(np.arange(8, dtype=np.int64)))
+    be.complete_all()
+    assert ctl.pending_writes()["unacknowledged_backups"] == 1
+    out = []
+    t = threading.Thread(target=lambda: out.append(exit_flush.flush_one(ctl)))
+    with caplog.at_level("ERROR", "hicache_jax.cache.storage"):
+        t.start()
+        t.join()
+    assert out == [False] and not ctl.closed and "1 host backup(s) not yet acknowledged" in caplog.text
+    assert ctl not in exit_flush.open_controllers()  # reported once, not again at exit
+    caplog.clear()
+    with caplog.at_level("WARNING", "hicache_jax.cache.storage"):
+        assert exit_flush.flush_one(ctl) and ctl.closed
+    assert "flushed its pending writes at exit" in caplog.text
+    assert ctl.storage.metrics.snapshot()["pages_written"] == 4

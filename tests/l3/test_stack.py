@@ -107,3 +107,19 @@ def test_bad_parts_are_refused_by_name(tmp_path):
     with pytest.raises(TypeError, match=r"closers\[0\]"):
         CacheStack(cache, ctl, closers=[1])
     ctl.close()
+
+
+def test_a_latched_copy_failure_is_reset_before_the_rest_closes(tmp_path):
+    from hicache_jax.cache import CacheFailedError
+
+    cache, be, ctl = build(tmp_path)
+    order = []
+    stack = CacheStack(cache, ctl, [Recorder(order, "transfer", ctl)])
+    be.engine.inject_failures(100, "backup")  # every retry fails: the cache latches the failure
+    with pytest.raises(CacheFailedError):
+        prefill_insert(cache, KVOracle(be), KEY)
+        cache.flush()
+    assert cache.failure is not None
+    stack.close()  # no error: the failed copies' bytes are dropped, not written to L3
+    assert cache.failure is None and ctl.closed and order == [("transfer", True)]
+    assert storage_hit(tmp_path) == 0
