@@ -13,8 +13,9 @@ the first of:
 
 1. the return of the main script's module code (``sys.monitoring``, Python 3.12+: one local
    ``PY_RETURN`` event on that one code object, armed when the first controller is built on
-   the main thread; no cost anywhere else), when the main thread owns the cache: the
-   interpreter is still whole, so every store writes;
+   the main thread; no cost anywhere else; not under ``python -i`` or in a REPL, where the
+   session goes on), when the main thread owns the cache: the interpreter is still whole, so
+   every store writes;
 2. interpreter shutdown (``threading._register_atexit``, the hook ``concurrent.futures`` uses
    to stop its workers; ours runs before that): covers ``sys.exit()``, an uncaught exception
    and 3.11. Our executors still take work, but a store that must start a thread fails its
@@ -63,6 +64,8 @@ def _arm_main_return() -> bool:
     main = sys.modules.get("__main__")
     if mon is None or main is None or threading.current_thread() is not threading.main_thread():
         return False
+    if sys.flags.interactive or (not hasattr(main, "__file__") and sys.argv[:1] != ["-c"]):
+        return False  # python -i / a REPL: the session goes on after the script, so it is no exit
     frame = inspect.currentframe()
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
