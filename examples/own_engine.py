@@ -18,6 +18,8 @@ prefixes across three tiers and tells you which pages already hold a prompt's KV
 * ``HiRadixCache``: the radix tree over token pages. Per request: ``begin_request`` (match +
   load-back), your step on the uncached suffix, ``cache_finished_req`` (insert + unlock).
   Call ``check_events()`` once per scheduler step (acknowledges finished copies).
+* ``CacheStack``: one ``close()`` at shutdown for the cache, the L3 controller and the transfer
+  engine, in the order that loses no L3 write (also a context manager).
 
 The "model" below is a toy: its KV for a token is a fixed function of the token and its
 position, so the example can check that every cached page holds exactly the bytes the model
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hicache_jax
-from hicache_jax import HostLayout, KVGeometry
+from hicache_jax import CacheStack, HostLayout, KVGeometry
 from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
 from hicache_jax.backends.jax.memory import pinned_host_pool
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey, register_prometheus
@@ -113,6 +115,8 @@ class MyEngine:
                                   self.transfer, self.pool.allocator)
         # The model id (and revision, TP rank, ...) seeds every L3 key: another model never hits.
         self.l3 = StorageController(self.cache, model="my-model", weights_revision="v1")
+        # One close() for the whole stack, in the order that loses nothing (see close below).
+        self.stack = CacheStack(self.cache, storage=self.l3, transfers=[self.transfer])
         self.metrics = register_prometheus(self.cache, registry, labels=labels) if registry is not None else None
 
     def serve(self, prompt: list[int]) -> dict:
@@ -165,11 +169,13 @@ class MyEngine:
         self.cache.evict(self.cache.evictable_tokens)
 
     def close(self) -> None:
-        self.cache.flush()
-        self.l3.close()  # cancels prefetches, makes every L3 write durable
+        """Shutdown: stop admitting, finish the copies in flight, cancel prefetches, write and
+        flush every pending L3 write, close the store, then the transfer engine. Idempotent.
+        (A process that exits without it still flushes L3 where it can, or logs what it loses.)"""
+        self.stack.close()
         if self.metrics is not None:
             self.metrics.unregister()
-        self.transfer.close()
+            self.metrics = None
 
 
 def _have_storage_extra() -> bool:

@@ -8,11 +8,12 @@ from .allocator import PageAllocator, check_page_ids
 from .host_layout import HostLayout
 from .host_pool import HostKVPool, HostPoolConfig
 from .kv_geometry import KVGeometry
+from .stack import CacheStack, StackClosedError
 from .transfer import CompletedHandle, KVTransferEngine, LoadHandle, TransferError, TransferHandle
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompletedHandle", "HostKVPool", "HostLayout", "HostPoolConfig", "KVGeometry", "KVTransferEngine",
-    "LoadHandle", "PageAllocator", "TransferError", "TransferHandle", "check_page_ids",
+    "CacheStack", "CompletedHandle", "HostKVPool", "HostLayout", "HostPoolConfig", "KVGeometry", "KVTransferEngine",
+    "LoadHandle", "PageAllocator", "StackClosedError", "TransferError", "TransferHandle", "check_page_ids",
 ]

@@ -32,6 +32,10 @@ ALLOWED_FOREIGN = {
     # os._exit: the standard library's documented immediate exit (a child process ending
     # without running the parent's cleanup), private in name only.
     "_exit",
+    # threading._register_atexit: the interpreter-shutdown hook concurrent.futures uses to stop
+    # its workers; hicache_jax/l3/exit_flush.py flushes L3 writes through it, before that stop
+    # (a plain atexit hook runs after it, when no thread pool takes work any more).
+    "_register_atexit",
 }
 
 

@@ -110,6 +110,7 @@ from ..backends.jax.memory import pinned_host_pool
 from ..cache import CacheFailedError, CacheRequest, HiRadixCache, LoadBackResult, RadixKey
 from ..cache.components import SWAComponent
 from ..l3 import PrefetchOperation, StorageController
+from ..stack import CacheStack
 from ..reference_model import ModelConfig, PagedRunner, swa_table_width
 from ..reference_model.weights import PairWeights
 from .config import EngineCacheConfig
@@ -292,6 +293,8 @@ class Engine:
                 model_id += f":deterministic{self.runner.fixed_shape}x{self.runner.max_pages_per_seq}"
             self.storage = StorageController(self.cache, model=model_id,
                                              weights_revision=weights.digest if weights is not None else "")
+        # Shutdown order (cache copies, L3 writes, store, transfer engines, drafter): close().
+        self._stack = CacheStack(self.cache, self.storage, [self.transfer, self.swa_transfer], closers=[self.spec])
         self.page_size = page
         # Instrumentation: called with "start" / "end" around every batched decode step (on the
         # scheduler thread, outside the timed work of the step itself); None = off.
@@ -584,18 +587,10 @@ class Engine:
             self.storage.flush()
 
     def close(self) -> None:
-        """Finish every transfer (L3 writes included) and release workers. A latched copy
-        failure resets the cache first (its copies are waited for, their errors ignored)."""
-        if self.cache.failure is not None:
-            self.cache.reset()
-        self.cache.flush()
-        if self.storage is not None:
-            self.storage.close()
-        self.transfer.close()
-        if self.swa_transfer is not None:
-            self.swa_transfer.close()
-        if self.spec is not None:
-            self.spec.close()
+        """Finish every transfer (L3 writes included) and release workers, in ``CacheStack``'s
+        order. A latched copy failure resets the cache first (its copies are waited for, their
+        errors ignored). Idempotent."""
+        self._stack.close()
 
     # ---- scheduling steps ----------------------------------------------------------------
     def _pages_for(self, tokens: int) -> int:

@@ -1,0 +1,125 @@
+"""``hicache_jax.CacheStack``: one close() for cache, L3 controller and transfer engines, in the
+order that loses nothing; idempotent; a context manager; clear errors after close."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert
+from hicache_jax import CacheStack, StackClosedError
+from hicache_jax.cache import RadixKey
+from hicache_jax.l3 import StorageController, exit_flush
+from hicache_jax.storage import StorageConfig
+
+P = 2
+KEY = RadixKey(np.arange(24, dtype=np.int64))
+
+
+class Recorder:
+    """A transfer engine stand-in: records when it is closed and what the controller was then."""
+
+    def __init__(self, log, name, ctl=None, fail=False):
+        self.log, self.name, self.ctl, self.fail = log, name, ctl, fail
+
+    def close(self):
+        self.log.append((self.name, None if self.ctl is None else self.ctl.closed))
+        if self.fail:
+            raise OSError(f"{self.name} failed")
+
+
+def build(path, backend="file", deferred=False):
+    cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=64, host_pages=64, deferred=deferred)
+    ctl = StorageController(cache, StorageConfig(backend=backend, path=str(path), prefetch_threshold_tokens=P,
+                                                 prefetch_policy="wait_complete"), model="m")
+    return cache, be, ctl
+
+
+def storage_hit(path):
+    cache, be, ctl = build(path)
+    with CacheStack(cache, ctl) as stack:
+        got = stack.storage.finish_prefetch(stack.storage.prefetch(KEY))
+        if got:
+            req, _ = cache.begin_request(KEY)
+            cache.flush()
+            KVOracle(be).check_device(KEY, req.device_pages)
+            cache.dec_lock_ref(req.last_node)
+    return got
+
+
+def test_close_flushes_an_unacknowledged_backup_to_storage_then_closes_the_transfers(tmp_path):
+    cache, be, ctl = build(tmp_path, deferred=True)
+    order = []
+    stack = CacheStack(cache, ctl, [Recorder(order, "transfer", ctl)], closers=[Recorder(order, "spec", ctl)])
+    prefill_insert(cache, KVOracle(be), KEY)
+    be.complete_all()  # the copy is done, its acknowledgement (and so its L3 write) is not
+    assert cache.in_flight[0] >= 1 and ctl.pending_writes()["l3_pages"] == 0
+    stack.close()
+    assert order == [("transfer", True), ("spec", True)]  # after the controller closed
+    assert ctl.closed and cache.storage_hook is None and ctl not in exit_flush.open_controllers()
+    assert storage_hit(tmp_path) == len(KEY)
+
+
+def test_close_twice_is_fine_and_every_use_after_close_raises(tmp_path):
+    cache, _be, ctl = build(tmp_path)
+    stack = CacheStack(cache, ctl)
+    stack.close()
+    stack.close()
+    assert stack.closed and "closed" in repr(stack)
+    for use in (lambda: stack.cache, lambda: stack.storage, lambda: stack.transfers, stack.check_events,
+                lambda: stack.__enter__()):
+        with pytest.raises(StackClosedError, match="the stack is closed"):
+            use()
+    assert ctl.prefetch(KEY).status == "closed"  # the controller admits nothing either
+
+
+def test_the_with_block_closes_even_when_it_raises(tmp_path):
+    cache, be, ctl = build(tmp_path)
+    with pytest.raises(KeyError):
+        with CacheStack(cache, ctl) as stack:
+            prefill_insert(cache, KVOracle(be), KEY)
+            raise KeyError("the scheduler crashed")
+    assert stack.closed and ctl.closed
+    assert storage_hit(tmp_path) == len(KEY)
+
+
+def test_a_failing_step_does_not_stop_the_later_ones(tmp_path):
+    cache, _be, ctl = build(tmp_path)
+    order = []
+    stack = CacheStack(cache, ctl, [Recorder(order, "a", fail=True), Recorder(order, "b")])
+    with pytest.raises(OSError, match="a failed"):
+        stack.close()
+    assert order == [("a", None), ("b", None)] and ctl.closed and stack.closed
+    stack.close()  # still idempotent
+
+
+def test_bad_parts_are_refused_by_name(tmp_path):
+    cache, _be, ctl = build(tmp_path)
+    other, _ = make_cache(numpy_backend_factory, page_size=P)
+    with pytest.raises(TypeError, match="cache: expected a HiRadixCache"):
+        CacheStack(object())
+    with pytest.raises(TypeError, match="storage: expected a StorageController"):
+        CacheStack(cache, storage=object())
+    with pytest.raises(ValueError, match="storage: this controller is attached to another cache"):
+        CacheStack(other, storage=ctl)
+    with pytest.raises(TypeError, match=r"transfers\[0\]: expected an object with close\(\)"):
+        CacheStack(cache, ctl, [object()])
+    with pytest.raises(TypeError, match=r"closers\[0\]"):
+        CacheStack(cache, ctl, closers=[1])
+    ctl.close()
+
+
+def test_a_latched_copy_failure_is_reset_before_the_rest_closes(tmp_path):
+    from hicache_jax.cache import CacheFailedError
+
+    cache, be, ctl = build(tmp_path)
+    order = []
+    stack = CacheStack(cache, ctl, [Recorder(order, "transfer", ctl)])
+    be.engine.inject_failures(100, "backup")  # every retry fails: the cache latches the failure
+    with pytest.raises(CacheFailedError):
+        prefill_insert(cache, KVOracle(be), KEY)
+        cache.flush()
+    assert cache.failure is not None
+    stack.close()  # no error: the failed copies' bytes are dropped, not written to L3
+    assert cache.failure is None and ctl.closed and order == [("transfer", True)]
+    assert storage_hit(tmp_path) == 0
