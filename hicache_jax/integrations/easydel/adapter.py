@@ -475,6 +475,15 @@ class EsurgeHiCache:
         self._next_revision = weights_revision
         self.engine.update_model_weights(*args, **kwargs)
 
+    def host_pages(self, tokens) -> np.ndarray:
+        """Host pool page ids holding the backed-up whole pages at the start of ``tokens`` (one id
+        per page, in order; empty when the host tier has none of them)."""
+        key = np.asarray(tokens, np.int64)
+        if key.ndim != 1:
+            raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {key.shape}")
+        with self._lock:
+            return self._host_path(key[: (len(key) // self.page_size) * self.page_size])[2].copy()
+
     def stats(self) -> dict:
         """Per-tier cached prompt tokens and the adapter's counters (a copy)."""
         with self._lock:
