@@ -72,9 +72,9 @@ class EngineSlot:
         if engine is None:
             return
         pids = F.worker_pids(engine)
-        assert len(pids) == 2, f"expected eSurge's tokenizer and detokenizer workers, found pids {pids}"
         F.close_engine(engine)
         gc.collect()
+        assert len(pids) == 2, f"expected eSurge's tokenizer and detokenizer workers, found pids {pids}"
         alive = [pid for pid in pids if F.process_alive(pid)]
         assert not alive, f"eSurge worker processes {alive} outlived close_engine"
 
@@ -131,6 +131,7 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
         assert (adm.device, adm.host, adm.storage) == (32, 64, 0)
         assert adm.scheduled == 4  # eSurge prefilled 4 tokens, not 100
         assert h.counters.loaded_pages == 4
+        assert h.counters.blocked_seconds["load"] > 0 and h.counters.blocked_seconds["backup"] > 0
         got = {src: registry.get_sample_value("hicache_esurge_cached_tokens_total",
                                               {"engine": "test", "cache_source": src})
                for src in ("device", "host", "storage")}
@@ -358,5 +359,6 @@ def test_new_engine_on_the_same_l3_directory_hits_storage(engine_slot, l3_dir):
         adm = _last(h2)
         assert (adm.device, adm.host, adm.storage, adm.scheduled) == (0, 0, 96, 4)
         assert h2.stats()["cached_tokens"] == {"device": 0, "host": 0, "storage": 96}
+        assert h2.stats()["blocked_seconds"]["prefetch"] > 0  # the scheduler waited for the L3 read
     finally:
         h2.detach()
