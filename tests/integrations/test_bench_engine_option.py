@@ -69,3 +69,15 @@ def test_multiturn_hands_easydel_runs_to_the_esurge_benchmark(monkeypatch):
     monkeypatch.setattr(bench, "multiturn", lambda args: seen.append(args) or {"engine": "easydel"})
     args = _parse("--engine", "easydel")
     assert serving.multiturn(args) == {"engine": "easydel"} and seen == [args]
+
+
+def test_without_easydel_the_run_says_where_it_lives(monkeypatch):
+    import importlib.util
+
+    from hicache_jax.integrations.easydel import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "easydel" else real(name, *a))
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("built an engine without easydel"))
+    with pytest.raises(RuntimeError, match=".venv-easydel"):
+        bench.multiturn(_parse("--engine", "easydel"))

@@ -26,6 +26,7 @@ scheduler thread.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -240,6 +241,10 @@ def multiturn(args) -> dict:
     """``hicache-jax bench multiturn --engine easydel``: run, print the table, return the payload."""
     from ...bench.report import Progress
 
+    if importlib.util.find_spec("easydel") is None:
+        raise RuntimeError("--engine easydel: easydel is not installed in this environment; easydel 0.3.0 pins "
+                           "jax 0.9.2, so it lives in its own venv (./scripts/test builds .venv-easydel: run "
+                           ".venv-easydel/bin/hicache-jax there; README, the EasyDeL section)")
     cfg = from_multiturn_args(args)
     with Progress("multiturn --engine easydel") as progress:
         payload = run(cfg, progress)
