@@ -23,9 +23,10 @@ arrays and counted by eSurge as its own prefix hits. Limits: full-attention mode
 data-parallel replica, prefix caching on; requests with prompt logprobs pass through.
 
 The CPU demo serves prompt A, then prompt B (which evicts A from a 9-page pool), then A again
-(L1 + host hits), then attaches a fresh adapter (empty host tier) over an emptied L1 on the
-same L3 directory (storage hits). The tiny model, tokenizer and CPU shims come from the test
-fixture (``tests/integrations/esurge_fixture.py``).
+(L1 + host hits), then terminates the engine and starts a new one with a new adapter on the
+same L3 directory (storage hits). The tiny random model, the tokenizer built in a temporary
+directory and the CPU workarounds come from ``hicache_jax.integrations.easydel.testing``
+(compile caches under ``~/.cache/hicache_jax/esurge``: the first run compiles for a minute).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import json
 import shutil
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
-import esurge_fixture as F  # noqa: E402 - the CPU shims must run before easydel is imported
+from hicache_jax.integrations.easydel import testing as demo
+
+demo.prepare_cpu()  # the CPU, compile caches and import shims: before easydel is imported
 
 from hicache_jax.cache import HiCacheConfig  # noqa: E402
 from hicache_jax.integrations.easydel import attach  # noqa: E402
@@ -51,16 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write a JSON summary here")
     args = p.parse_args(argv)
     tok_dir, l3_dir = tempfile.mkdtemp(prefix="esurge-tok-"), tempfile.mkdtemp(prefix="esurge-l3-")
-    F.install_import_shims()
-    F.build_tokenizer(tok_dir)
-    engine = F.start_engine(F.tiny_llama(), tok_dir, num_pages=10, async_scheduling=args.async_scheduling)
-    config = HiCacheConfig(page_size=F.PAGE, load_back_threshold=F.PAGE,
-                           storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=F.PAGE))
-    a, b = F.prompt(1, 100), F.prompt(2, 100)
+    demo.build_tokenizer(tok_dir)
+    model = demo.random_llama()
+    config = HiCacheConfig(page_size=demo.PAGE, load_back_threshold=demo.PAGE,
+                           storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=demo.PAGE))
+    a, b = demo.prompt(1, 100), demo.prompt(2, 100)
     log = []
 
-    def serve(handle, name, text):
-        tokens = F.greedy(engine, text)
+    def serve(engine, handle, name, text):
+        tokens = demo.greedy(engine, text)
         adm = handle.admissions[-1]
         log.append({"step": name, "tokens": tokens, "device": adm.device, "host": adm.host, "storage": adm.storage,
                     "prefill_scheduled": adm.scheduled})
@@ -68,18 +68,27 @@ def main(argv: list[str] | None = None) -> int:
               f"eSurge prefilled {adm.scheduled} of {adm.prompt_tokens} tokens")
         return tokens
 
+    def new_engine():
+        return demo.start_engine(model, tok_dir, num_pages=10, async_scheduling=args.async_scheduling)
+
     try:
-        handle = attach(engine, config, model="tiny-llama-demo", weights_revision="r1")
-        first = serve(handle, "A (cold)", a)
-        serve(handle, "B (evicts A from eSurge's pool)", b)
-        again = serve(handle, "A again", a)
-        handle.detach()
-        assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
-        handle = attach(engine, config, model="tiny-llama-demo", weights_revision="r1")
-        restart = serve(handle, "A, new adapter, same L3", a)
-        handle.detach()
+        engine = new_engine()
+        try:
+            handle = attach(engine, config, model="tiny-llama-demo", weights_revision="r1")
+            first = serve(engine, handle, "A (cold)", a)
+            serve(engine, handle, "B (evicts A from eSurge's pool)", b)
+            again = serve(engine, handle, "A again", a)
+            handle.detach()  # finishes the L3 writes
+        finally:
+            demo.close_engine(engine)  # the scheduler and its tokenizer / detokenizer workers
+        engine = new_engine()
+        try:
+            handle = attach(engine, config, model="tiny-llama-demo", weights_revision="r1")
+            restart = serve(engine, handle, "A, new engine, same L3", a)
+            handle.detach()
+        finally:
+            demo.close_engine(engine)
     finally:
-        F.close_engine(engine)
         shutil.rmtree(tok_dir, ignore_errors=True)
         shutil.rmtree(l3_dir, ignore_errors=True)
     same = first == again == restart

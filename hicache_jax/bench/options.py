@@ -38,14 +38,55 @@ QUICK: dict[str, dict[str, object]] = {
 }
 
 
+# ``bench multiturn --engine easydel``: the same trace through EasyDeL's eSurge (a random Llama on
+# the CPU, hicache_jax.integrations.easydel.bench), alone and with the adapter. Options left at
+# their default take these sizes (the reference engine's are for its own model), then
+# ``--quick``'s; the options listed in ENGINE_UNSUPPORTED are refused with that engine.
+ENGINES = ("reference", "easydel")
+ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
+    "easydel": dict(model="bench", clients=6, rounds=4, first_len=160, turn_len=24, answer_len=1, device_pages=24,
+                    host_ratio=4.0, max_batch=1, storage_backend="file"),
+}
+ENGINE_QUICK: dict[str, dict[str, object]] = {
+    "easydel": dict(model="tiny", clients=4, rounds=3, first_len=96, turn_len=24, device_pages=16),
+}
+# option -> (the only value the engine takes, why)
+ENGINE_UNSUPPORTED: dict[str, dict[str, tuple[object, str]]] = {
+    "easydel": {
+        "answer_len": (1, "TTFT is a 1-token request's time; --turn-len tokens stand in for answer + question"),
+        "page_size": (16, "the random Llama's eSurge pages are 16 tokens"),
+        "attention": ("mha", "the adapter supports full attention"),
+        "write_policy": ("write_through", "the adapter backs pages up when eSurge frees them"),
+        "request_rate": (0.0, "requests are sent one at a time"),
+        "num_processes": (1, "the adapter supports one data-parallel replica"),
+        "deterministic": (False, "eSurge schedules its own steps"),
+        "mooncake_master": (None, "L3 is file, memory, orbax or none"),
+    },
+}
+
+
 def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
-    """``--quick``: every option still at its default takes the benchmark's quick value."""
-    if not getattr(args, "quick", False):
-        return
-    for k, v in QUICK.get(name, {}).items():
-        if getattr(args, k) == parser.get_default(k):
+    """The defaults a run takes: options still at their parser default take ``--engine``'s sizes
+    (``ENGINE_DEFAULTS``), then, with ``--quick``, the benchmark's quick values. An option the
+    engine cannot honour is a usage error (``parser.error``) before anything is built."""
+    engine = getattr(args, "engine", "reference")
+    at_default = {k for k in vars(args) if getattr(args, k) == parser.get_default(k)}
+    table = dict(ENGINE_DEFAULTS.get(engine, {}))
+    if getattr(args, "quick", False):
+        table.update(QUICK.get(name, {}) if engine == "reference" else ENGINE_QUICK.get(engine, {}))
+    for k, v in table.items():
+        if k in at_default:
             setattr(args, k, v)
-    if getattr(args, "model", None) in QUICK_MODEL:
+    if engine != "reference":
+        for k, (want, why) in ENGINE_UNSUPPORTED.get(engine, {}).items():
+            if getattr(args, k) != want:
+                parser.error(f"--{k.replace('_', '-')} {getattr(args, k)}: --engine {engine} takes only {want} ({why})")
+        if args.model not in ("tiny", "bench"):
+            parser.error(f"--model {args.model}: --engine {engine} takes tiny or bench (a random Llama)")
+        if args.storage_backend == "mooncake":
+            parser.error(f"--storage-backend mooncake: --engine {engine} takes file, memory, orbax or none")
+        return
+    if getattr(args, "quick", False) and getattr(args, "model", None) in QUICK_MODEL:
         args.model = QUICK_MODEL[args.model]
 
 
@@ -126,6 +167,11 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
     # prefixes come back from L1, L2 and L3 (orbax in a temporary directory takes every backup).
     _common(p, "multiturn", device_pages=320, host_ratio=1.0, max_batch=4)
     _deterministic(p)
+    p.add_argument("--engine", choices=ENGINES, default="reference",
+                   help="reference: hicache_jax's engine with vs without the cache; easydel: EasyDeL's eSurge "
+                        "(a random Llama, .venv-easydel) alone vs with hicache_jax attached; options left at "
+                        "their default take eSurge's sizes: " + ", ".join(
+                            f"--{k.replace('_', '-')} {v}" for k, v in ENGINE_DEFAULTS["easydel"].items()))
     p.add_argument("--clients", type=_positive_int, default=8, help="conversations")
     p.add_argument("--rounds", type=_positive_int, default=4, help="turns per conversation")
     p.add_argument("--first-len", type=_positive_int, default=512, help="tokens of each conversation's first prompt")

@@ -353,6 +353,10 @@ def _summarize(rounds: list[_Round]) -> dict:
 
 
 def multiturn(args) -> dict:
+    if getattr(args, "engine", "reference") == "easydel":  # EasyDeL's eSurge with and without the adapter
+        from ..integrations.easydel.bench import multiturn as esurge_multiturn
+
+        return esurge_multiturn(args)
     if ranks.wants_ranks(args):  # --num-processes N: N ranks serve it (bench.ranks)
         with _StorageDir(args):
             return ranks.launch(args, "multiturn")

@@ -1,12 +1,15 @@
 """hicache_jax.integrations.easydel on a live eSurge engine (tiny random Llama, CPU, no downloads).
 
 One engine per scheduling mode (overlap / async scheduling off and on), shared by the tests of
-this module: eSurge compiles every bucket at start (the compile caches under .cache/ make later
-starts faster). The scenario (issue 27's acceptance): prompt A cold; prompt B evicts A from
-eSurge's 9-page pool; A again is served 32 tokens from eSurge's L1 and 64 from the host tier
-with the same greedy tokens, eSurge scheduling 4 prefill tokens instead of 100; a fresh
-adapter (empty host tier) over a reset L1 serves A from the L3 directory; corrupted host
-pages change the tokens; another model / revision / geometry never reads A's pages.
+this module through ``EngineSlot`` (eSurge compiles every bucket at start; the compile caches
+under .cache/ make later starts take seconds). The scenario (issue 27's acceptance): prompt A
+cold; prompt B evicts A from eSurge's 9-page pool; A again is served 32 tokens from eSurge's L1
+and 64 from the host tier with the same greedy tokens, eSurge scheduling 4 prefill tokens
+instead of 100; a cached eSurge page the host tier lost is copied when eSurge evicts it (the
+host page's bytes are the eSurge page's); the engine is terminated and a new one on the same
+L3 directory serves A from storage; corrupted host pages change the tokens; another model /
+revision / geometry never reads A's pages. Every engine is closed with its worker processes,
+and the module checks that none survived.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import gc
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import prometheus_client
@@ -21,7 +25,9 @@ import pytest
 
 pytest.importorskip("easydel", reason="needs easydel==0.3.0 (./scripts/test builds .venv-easydel)")
 
-import esurge_fixture as F  # noqa: E402
+from hicache_jax.integrations.easydel import testing as F  # noqa: E402
+
+F.prepare_cpu(str(Path(__file__).resolve().parents[2] / ".cache"))  # before easydel is imported
 
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey  # noqa: E402
 from hicache_jax.integrations.easydel import (  # noqa: E402
@@ -42,20 +48,53 @@ def _config(l3_dir: str) -> HiCacheConfig:
 @pytest.fixture(scope="module")
 def tokenizer_dir():
     d = tempfile.mkdtemp(prefix="esurge-tok-")
-    F.install_import_shims()
     F.build_tokenizer(d)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["overlap-off", "overlap-on"])
-def engine(request, tokenizer_dir):
-    eng = F.start_engine(F.tiny_llama(), tokenizer_dir, num_pages=NUM_PAGES, async_scheduling=request.param)
-    try:
-        yield eng
-    finally:
-        F.close_engine(eng)
+class EngineSlot:
+    """The module's current eSurge engine for one scheduling mode; ``restart`` terminates it and
+    starts a new one (same model object, same mode). ``close`` asserts its workers are gone."""
+
+    def __init__(self, tokenizer_dir: str, async_scheduling: bool) -> None:
+        self.tokenizer_dir, self.async_scheduling = tokenizer_dir, async_scheduling
+        self.model = F.random_llama()
+        self.engine = None
+        self.start()
+
+    def start(self) -> None:
+        self.engine = F.start_engine(self.model, self.tokenizer_dir, num_pages=NUM_PAGES,
+                                     async_scheduling=self.async_scheduling)
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        pids = F.worker_pids(engine)
+        F.close_engine(engine)
         gc.collect()
+        assert len(pids) == 2, f"expected eSurge's tokenizer and detokenizer workers, found pids {pids}"
+        alive = [pid for pid in pids if F.process_alive(pid)]
+        assert not alive, f"eSurge worker processes {alive} outlived close_engine"
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["overlap-off", "overlap-on"])
+def engine_slot(request, tokenizer_dir):
+    slot = EngineSlot(tokenizer_dir, async_scheduling=request.param)
+    try:
+        yield slot
+    finally:
+        slot.close()
+
+
+@pytest.fixture
+def engine(engine_slot):
+    return engine_slot.engine
 
 
 @pytest.fixture
@@ -92,6 +131,7 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
         assert (adm.device, adm.host, adm.storage) == (32, 64, 0)
         assert adm.scheduled == 4  # eSurge prefilled 4 tokens, not 100
         assert h.counters.loaded_pages == 4
+        assert h.counters.blocked_seconds["load"] > 0 and h.counters.blocked_seconds["backup"] > 0
         got = {src: registry.get_sample_value("hicache_esurge_cached_tokens_total",
                                               {"engine": "test", "cache_source": src})
                for src in ("device", "host", "storage")}
@@ -100,16 +140,6 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
         h.detach()
     assert registry.get_sample_value("hicache_esurge_cached_tokens_total",
                                      {"engine": "test", "cache_source": "host"}) is None  # detach unregistered
-    # A fresh adapter (empty host tier) over an empty L1, on the same L3 directory.
-    _reset_l1(engine)
-    h2 = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)
-    try:
-        assert F.greedy(engine, A) == cold
-        adm = _last(h2)
-        assert (adm.device, adm.host, adm.storage, adm.scheduled) == (0, 0, 96, 4)
-        assert h2.stats()["cached_tokens"] == {"device": 0, "host": 0, "storage": 96}
-    finally:
-        h2.detach()
     # Detached: eSurge alone again (its methods are its own).
     assert "get_computed_pages" not in vars(engine.scheduler.kv_cache_manager)
 
@@ -230,7 +260,7 @@ def test_weight_update_drops_host_tier_and_changes_the_l3_key(engine, l3_dir):
     try:
         F.greedy(engine, A)
         sched = engine.scheduler
-        h.update_model_weights(F.tiny_llama(seed=0), weights_revision=REV + "-w2")
+        h.update_model_weights(F.random_llama(seed=0), weights_revision=REV + "-w2")
         assert engine.scheduler is not sched  # eSurge built a new scheduler: the hooks moved to it
         assert "get_computed_pages" in vars(engine.scheduler.kv_cache_manager)
         assert h.weights_revision == REV + "-w2"
@@ -263,3 +293,72 @@ def test_follow_up_turn_backs_up_only_its_new_pages(engine, l3_dir):
         assert h.counters.hook_failures == 0
     finally:
         h.detach()
+
+
+def _tokens(text: str, n: int) -> np.ndarray:
+    return np.asarray(F.tokenize(text)[:n], np.int64)
+
+
+def test_eviction_backs_up_a_cached_page_the_host_tier_lost(engine, l3_dir):
+    """The eviction hook's copy path: A's last page (tokens 80..96) is dropped from the host tier
+    while eSurge still caches it; when B makes eSurge evict it, the hook copies it to the host
+    first, and the host page holds exactly that eSurge page's bytes (captured before B)."""
+    a_fork = " ".join(A.split()[:80] + F.prompt(4, 20).split())  # shares A's first 5 pages
+    a96 = _tokens(A, 96)
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-evict")
+    try:
+        F.greedy(engine, A)  # A's 6 full pages backed up: one 96-token host node
+        F.greedy(engine, a_fork)  # its backup splits that node at 80 tokens
+        assert len(h.host_pages(a96)) == 6 and len(h.host_pages(_tokens(a_fork, 96))) == 6
+        with engine._scheduler_lock:  # as on the scheduler thread
+            assert h.cache.evict_host(F.PAGE) == F.PAGE  # the host LRU leaf: A's page 6
+        assert len(h.host_pages(a96)) == 5 and len(h.host_pages(_tokens(a_fork, 96))) == 6
+        # The eSurge page that still caches A's tokens 80..96, and its bytes now.
+        [page_id] = [pid for pid, key in h._page_keys.items() if np.array_equal(key, a96)]
+        before = h.transfer.read_pages(np.array([page_id]))
+        assert before.view(np.uint16).any()
+        backups = h.counters.eviction_backups
+        F.greedy(engine, B)  # B needs 7 of the 9 pages: eSurge evicts A's cached pages
+        assert h.counters.eviction_backups == backups + 1
+        ids = h.host_pages(a96)
+        assert len(ids) == 6, "the evicted page was not backed up"
+        after = h.host_pool.read_pages("kv", ids[5:])
+        assert after.shape == before.shape
+        assert np.array_equal(after.view(np.uint8), before.view(np.uint8)), \
+            "the host page is not the bytes of the eSurge page that was evicted"
+        assert F.greedy(engine, A) == cold  # and it serves: pages 3..6 from the host
+        assert (_last(h).device, _last(h).host) == (32, 64)
+        assert h.counters.hook_failures == 0
+    finally:
+        h.detach()
+
+
+def test_new_engine_on_the_same_l3_directory_hits_storage(engine_slot, l3_dir):
+    """A is written through to the L3 directory; the engine is terminated (its workers checked
+    gone) and a new eSurge engine, with a new adapter on the same directory, serves A's 96
+    cached tokens from storage with the same greedy tokens."""
+    engine = engine_slot.engine
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)  # eSurge alone
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-restart")
+    try:
+        assert F.greedy(engine, A) == cold
+        assert h.counters.backed_up_pages == 6
+    finally:
+        h.detach()  # finishes the L3 writes
+    engine_slot.restart()
+    engine = engine_slot.engine
+    assert engine is not None and "get_computed_pages" not in vars(engine.scheduler.kv_cache_manager)
+    h2 = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-restart")
+    try:
+        assert F.greedy(engine, A) == cold
+        adm = _last(h2)
+        assert (adm.device, adm.host, adm.storage, adm.scheduled) == (0, 0, 96, 4)
+        assert h2.stats()["cached_tokens"] == {"device": 0, "host": 0, "storage": 96}
+        assert h2.stats()["blocked_seconds"]["prefetch"] > 0  # the scheduler waited for the L3 read
+    finally:
+        h2.detach()

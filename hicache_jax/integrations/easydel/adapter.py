@@ -89,6 +89,10 @@ class _Counters:
     load_failures: int = 0
     hook_failures: int = 0  # a hook raised: served as a miss / the copy skipped (logged)
     resets: int = 0
+    # Seconds eSurge's scheduler thread spent in the adapter's copies (it schedules nothing
+    # meanwhile): "prefetch" waiting for L3 reads, "load" copying host pages into eSurge's KV,
+    # "backup" copying eSurge pages to the host at finish / preemption / eviction.
+    blocked_seconds: dict = field(default_factory=lambda: dict.fromkeys(("prefetch", "load", "backup"), 0.0))
 
 
 def _kv_views(engine):
@@ -326,7 +330,9 @@ class EsurgeHiCache:
             return pages, n
         _, host0, _ = self._host_path(key)
         if host0 < len(key) and self.l3 is not None:
+            t0 = time.perf_counter()
             self._prefetch(key)
+            self.counters.blocked_seconds["prefetch"] += time.perf_counter() - t0
         node, matched, host_ids = self._host_path(key)
         if matched <= n:
             return pages, n
@@ -341,12 +347,15 @@ class EsurgeHiCache:
             if want <= 0:
                 return pages, n
             new = pool.get_new_pages(want)
+            t0 = time.perf_counter()
             try:
                 self.transfer.load_pages(host_ids[first:first + want], [pg.page_id for pg in new])
             except Exception:  # noqa: BLE001 - a failed load is a miss, never wrong KV
                 self.counters.load_failures += 1
                 pool.free_pages(new)
                 return pages, n
+            finally:
+                self.counters.blocked_seconds["load"] += time.perf_counter() - t0
             hashes = kvm.req_to_page_hashes[rid]
             from easydel.inference.esurge.core.utils import PageHashWithGroupId  # noqa: PLC0415
 
@@ -401,6 +410,7 @@ class EsurgeHiCache:
         slots = self.cache.alloc_device(npages)
         if slots is None:
             return 0
+        t0 = time.perf_counter()
         # Slots of the backed-up prefix are never copied (the tree has them): map them to the
         # null page; the new ones to their eSurge pages.
         ids = [0] * first + list(page_ids[first:npages])
@@ -408,6 +418,7 @@ class EsurgeHiCache:
         self.cache.insert(RadixKey(key[: npages * p]), slots)
         self.cache.flush()  # the gather was dispatched at issue; wait for the host copy
         self.cache.evict(self.cache.evictable_tokens)  # the slots only stood in for eSurge's pages
+        self.counters.blocked_seconds["backup"] += time.perf_counter() - t0
         _, now, _ = self._host_path(key)
         done = max(0, now // p - first)
         self.counters.backed_up_pages += done
@@ -474,6 +485,15 @@ class EsurgeHiCache:
             raise ValueError(f"weights_revision: expected a new str, got {weights_revision!r}")
         self._next_revision = weights_revision
         self.engine.update_model_weights(*args, **kwargs)
+
+    def host_pages(self, tokens) -> np.ndarray:
+        """Host pool page ids holding the backed-up whole pages at the start of ``tokens`` (one id
+        per page, in order; empty when the host tier has none of them)."""
+        key = np.asarray(tokens, np.int64)
+        if key.ndim != 1:
+            raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {key.shape}")
+        with self._lock:
+            return self._host_path(key[: (len(key) // self.page_size) * self.page_size])[2].copy()
 
     def stats(self) -> dict:
         """Per-tier cached prompt tokens and the adapter's counters (a copy)."""
