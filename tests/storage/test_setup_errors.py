@@ -131,3 +131,38 @@ def test_mooncake_master_down_not_strict_runs_without_l3(caplog):
     assert st.batch_exists(keys_for(2)) == 0
     st.close()
     assert len(_warnings(caplog)) == 1
+
+
+def test_cache_with_a_misconfigured_store_serves_without_l3_when_not_strict(tmp_path, caplog):
+    """End to end: the controller builds its store with ``create_storage``; strict raises at
+    construction naming ``path``, ``strict=False`` serves every request from L1/L2 with no L3."""
+    import sys
+    from pathlib import Path
+
+    cache_tests = str(Path(__file__).resolve().parents[1] / "cache")
+    if cache_tests not in sys.path:
+        sys.path.insert(0, cache_tests)
+    from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert
+
+    from hicache_jax.cache import RadixKey
+    from hicache_jax.l3 import StorageController
+
+    f = tmp_path / "store"
+    f.write_bytes(b"x")
+    cache, be = make_cache(numpy_backend_factory, page_size=2, device_pages=32, host_pages=64)
+    with pytest.raises(StorageSetupError, match="^path: "):
+        StorageController(cache, StorageConfig(backend="file", path=str(f)), model="m")
+    caplog.set_level(logging.WARNING, logger="hicache_jax.storage")
+    ctl = StorageController(cache, StorageConfig(backend="file", path=str(f), strict=False,
+                                                 prefetch_threshold_tokens=4), model="m")
+    assert isinstance(ctl.storage, DisabledStorage)
+    key = RadixKey(np.arange(0, 16, dtype=np.int64))
+    prefill_insert(cache, KVOracle(be), key)
+    cache.flush()
+    assert ctl.flush(10)
+    assert ctl.storage.metrics.pages_dropped > 0  # the backups reached the store and were dropped
+    assert ctl.finish_prefetch(ctl.prefetch(RadixKey(np.arange(0, 24, dtype=np.int64)))) == 0
+    cache.sanity_check()
+    ctl.close()
+    assert len(_warnings(caplog)) == 1
+    assert f.read_bytes() == b"x"
