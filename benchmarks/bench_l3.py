@@ -10,10 +10,9 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
          raw:   one file per page, ``write`` + ``fsync`` of the same bytes (no header, no CRC);
          raw per segment: one file per ``--segment-pages`` pages, one ``fsync`` each (orbax's
                 durability granularity: fewer, larger syncs)
-                Durability matches orbax's: every file written is fsync'ed once (orbax: each
-                file of the step, all at once, after the save; with integrity != "full",
-                tensorstore file by file) and, like raw, no directory (checked with strace);
-                both publish by name (orbax renames the step directory).
+                Durability matches orbax's: tensorstore fsyncs every file it writes and, like
+                raw, no directory (checked with strace); both publish by name (orbax renames
+                the step directory).
 * cold read, one page at a time (orbax and raw interleaved page by page) and 16 in flight
   (whole passes, the order alternating per round), in a random order:
          orbax: ``batch_get`` into host pages (direct OCDBT reads, in place), CRC-32C checked

@@ -16,13 +16,6 @@ being pending, so a reader that finds a page in neither place looked after it le
 (counted, logged), removes what the save left and reopens the checkpoint manager; the next
 save tries again. Without a writer directory (``claim``) nothing is accepted.
 
-Durability: every file of a saved step is fsync'ed once, all of them at once, after orbax has
-saved it and before it is indexed (``_SegmentNumpyHandler``: tensorstore's fsync per file, in
-series, cost ~30% of a save). orbax commits a step by renaming its directory, which then happens
-before those fsyncs: a crash in between can leave a committed step with missing bytes, which
-reads as a CRC mismatch (a quarantined miss), as a torn file does. So only with
-``integrity="full"``; otherwise tensorstore fsyncs each file before the rename, as before.
-
 Capacity (``evict_to_capacity``): while the index holds more than ``capacity_bytes``, whole
 segments are evicted, oldest commit first: forgotten by the index, then renamed into
 ``trash/`` (so no reader ever sees a half-deleted segment) and deleted.
@@ -57,13 +50,10 @@ import weakref
 from collections import deque
 from typing import Callable
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 
-from ...workers import background_executor, lower_thread_priority
+from ...workers import lower_thread_priority
 from .. import integrity
 from ..base import PageCodec
 from ..config import StorageConfig
@@ -87,81 +77,19 @@ class _ChunkSizeWarningFilter(logging.Filter):
 logging.getLogger("absl").addFilter(_ChunkSizeWarningFilter())
 
 
-# orbax's own tensorstore context for OCDBT saves, with tensorstore's fsync after every file
-# write turned off: the writer fsyncs the whole step once it is saved (``_sync_step``).
-_NO_SYNC_CONTEXT = {"file_io_concurrency": {"limit": 128}, "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-                    "file_io_sync": False}
+def _type_handler_registry():
+    """orbax's default handlers, but numpy arrays are saved without a defensive deep copy.
 
-
-class _SegmentNumpyHandler(ocp.type_handlers.NumpyHandler):
-    """orbax's numpy handler without a defensive deep copy and without an fsync per file.
-
-    No deep copy: saves are synchronous (``enable_async_checkpointing=False``) and a segment
-    buffer is neither written nor recycled until the save has returned; the copy cost a fresh
-    ``page_bytes * segment_pages`` allocation per save (save CPU 1.0 s -> 0.2 s per 128 MiB on
-    the project VM).
-
-    No fsync per file: tensorstore's ``file`` kvstore fsyncs each file it writes, ~15 in
-    series per segment (data, OCDBT manifests and their lock renames, zarr
-    metadata), 1-13 ms each on the project VM: ~30% of a 128 MiB segment's save. The arrays are
-    written through a context with ``file_io_sync=False`` (one per save, shared by its arrays as
-    orbax shares its own) and the writer fsyncs every file of the step, in parallel, before it
-    indexes the segment (``SegmentWriter._sync_step``). orbax's own metadata files keep its
-    defaults. Falls back to orbax's behaviour if its private ``_open_and_write`` hook is gone."""
-
-    def __init__(self) -> None:
-        super().__init__(deepcopy_host_arrays=False)
-        self._derived: tuple[object, object] = (None, None)  # (orbax's context, ours) of the current save
-
-    async def _open_and_write(self, value, tspec, ts_context):
-        orig, ctx = self._derived
-        if orig is not ts_context:
-            ctx = ts.Context(_NO_SYNC_CONTEXT)
-            self._derived = (ts_context, ctx)
-        return await super()._open_and_write(value, tspec, ctx)
-
-
-_CAN_SYNC_PER_STEP = hasattr(ocp.type_handlers.NumpyHandler, "_open_and_write")
-
-
-def syncs_per_step(config: StorageConfig) -> bool:
-    """Whether a writer under ``config`` fsyncs each saved step at once (``_SegmentNumpyHandler``)
-    rather than letting tensorstore fsync file by file: only where every read is verified
-    (``integrity="full"``), since a crash can then leave a committed step with missing bytes."""
-    return _CAN_SYNC_PER_STEP and config.integrity == "full"
-
-
-def _type_handler_registry(sync_per_step: bool):
-    """orbax's default handlers, with ``_SegmentNumpyHandler`` for numpy arrays (or orbax's,
-    without its deep copy, when ``sync_per_step`` is False)."""
+    Safe here: saves are synchronous (``enable_async_checkpointing=False``) and a segment
+    buffer is neither written nor recycled until the save has returned. The deep copy costs
+    a fresh ``page_bytes * segment_pages`` allocation per save (measured: save CPU 1.0 s ->
+    0.2 s for 128 MiB on the project VM)."""
     th = ocp.type_handlers
     handlers = []
     for ty in th.supported_types():
-        if ty is np.ndarray:
-            h = _SegmentNumpyHandler() if sync_per_step else th.NumpyHandler(deepcopy_host_arrays=False)
-        else:
-            h = th.get_type_handler(ty)
+        h = th.NumpyHandler(deepcopy_host_arrays=False) if ty is np.ndarray else th.get_type_handler(ty)
         handlers.append((ty, h))
     return th.create_type_handler_registry(*handlers)
-
-
-def fsync_tree(root: str, executor: ThreadPoolExecutor) -> int:
-    """fsync every file under ``root``, several at once (the file system commits concurrent
-    fsyncs together). Directories are not: tensorstore's per-file sync did not fsync them either
-    (strace), nor does the raw baseline of ``benchmarks/bench_l3.py``. Raises the first OSError.
-    Returns the number of files."""
-    paths = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
-
-    def one(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    for f in [executor.submit(one, p) for p in paths]:
-        f.result()
-    return len(paths)
 
 
 def pack_into(codec: PageCodec, ids: np.ndarray, out: np.ndarray) -> None:
@@ -229,7 +157,6 @@ class SegmentWriter:
         self._saving = 0
         self._closed = False
         self._claim = claim
-        self._sync_per_step = syncs_per_step(config)
         self._mgr = None
         self._next_step = 0
         if claim is not None:
@@ -240,8 +167,6 @@ class SegmentWriter:
                             claim.path, e)
                 claim.release()
                 self._claim = None
-        # fsyncs of a saved step's files (threads start on first use, at the workers' priority)
-        self._sync_pool = background_executor("l3-orbax-fsync", config.worker_nice, 16)
         self._thread = threading.Thread(target=self._run, name="l3-orbax-writer", daemon=True)
         self._thread.start()
 
@@ -429,7 +354,7 @@ class SegmentWriter:
                 max_to_keep=None, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=False,
                 save_root_metadata=False, lightweight_initialize=True, step_prefix=self._claim.generation),
             item_handlers=ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                                      type_handler_registry=_type_handler_registry(self._sync_per_step)))
+                                                      type_handler_registry=_type_handler_registry()))
         # Steps are saved as "{generation}_{step}": the generation is this claim's own, so step
         # numbers start at 0 without ever reusing a segment name (see ``segment``).
 
@@ -459,8 +384,6 @@ class SegmentWriter:
                 raise RuntimeError(f"orbax declined to save step {step}")
             if not os.path.isdir(path):  # orbax named the step otherwise: readers would never see it
                 raise RuntimeError(f"step {step} was not saved as {path}")
-            if self._sync_per_step:  # durable before this process indexes it (see _SegmentNumpyHandler)
-                fsync_tree(path, self._sync_pool)
         except Exception as e:
             log.warning("L3 orbax: saving segment %s/%s (%d pages) failed: %r; pages dropped",
                         self._claim.name, step_dir, npages, e)
@@ -523,7 +446,6 @@ class SegmentWriter:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
-        self._sync_pool.shutdown(wait=True)
         try:
             if self._mgr is not None:
                 self._mgr.close()
