@@ -31,6 +31,7 @@ _USAGE = """hicache_jax: a hierarchical KV cache (device / host / storage) for J
 commands:
   hicache-jax bench BENCHMARK [--quick] [--out PATH]   run a benchmark (table, JSON and PNG)
   hicache-jax bench BENCHMARK -h                       its options and defaults
+  hicache-jax mooncake-server [-h]                     a local Mooncake Store for the mooncake L3 backend
   hicache-jax --version                                the installed version
 
 Use the cache from your own engine: see examples/own_engine.py and the README."""
@@ -74,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
         bp = bench.add_parser(b.name, help=b.help, description=b.help, formatter_class=_Formatter)
         b.arguments(bp)
         bp.set_defaults(benchmark=b, subparser=bp)
+    from .storage.mooncake import server  # standard library only: nothing heavy at -h
+
+    mp = sub.add_parser("mooncake-server", help="run a local Mooncake Store", description=server.DESCRIPTION,
+                        formatter_class=_Formatter)
+    server.add_arguments(mp)
     return p
 
 
@@ -94,6 +100,11 @@ def run_benchmark(b: Benchmark, args: argparse.Namespace, subparser: argparse.Ar
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "mooncake-server":
+        from .storage.mooncake import server
+
+        del args.command
+        return server.run(args)
     b, sub = args.benchmark, args.subparser
     del args.benchmark, args.subparser, args.command, args.bench
     return run_benchmark(b, args, sub)

@@ -19,13 +19,19 @@ Prefetch fields are read by the controller (not by the backends):
   The defaults ``1.0 + 0.25 * tokens/1024`` with no cap are upstream's unified-tree values;
   upstream's HiRadix tree uses ``base_s=2.0, per_ki_token_s=0.1, max_s=30``.
 
+``prepare_store_dir`` is the one function here that touches the filesystem: the disk backends
+call it at construction to fail fast on a ``path`` that cannot hold their store.
+
 Threading: immutable; share freely.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -40,6 +46,46 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # segment_pages=None: a segment holds about this many bytes of a pool's pages, within these bounds.
 AUTO_SEGMENT_BYTES = 64 << 20
 AUTO_SEGMENT_PAGES = (64, 256)
+
+
+class StorageSetupError(ValueError):
+    """The settings name a store that cannot be used (raised at construction when ``strict``).
+    The message starts with the setting's name (``path: ...``)."""
+
+
+def prepare_store_dir(config: "StorageConfig", subdir: str) -> bool:
+    """Create ``config.path/subdir`` and check it can be written (a file is created and removed).
+
+    Returns True when it is writable. Raises ``StorageSetupError`` naming ``path`` when it cannot
+    be a store directory (a file, under a file, not creatable) and, when ``config.strict``, also
+    when it is a directory that cannot be written; not strict, that last case returns False (the
+    caller serves reads only). Runs as root too: ``os.access`` says yes to root for any mode bits,
+    so writability is tried, not asked."""
+    root = os.path.abspath(config.path)
+    anc = root
+    while not os.path.exists(anc):  # the nearest existing ancestor must be a directory
+        anc = os.path.dirname(anc)
+    if not os.path.isdir(anc):
+        what = "is a file" if anc == root else f"is under {anc!r}, which is a file"
+        raise StorageSetupError(f"path: {config.path!r} {what}; expected a directory (or a path one can be "
+                                f"created at) for the {config.backend!r} store")
+    target = os.path.join(root, subdir)
+    try:
+        os.makedirs(target, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hicache-write-probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+        return True
+    except OSError as e:
+        denied = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+        if denied and not config.strict and os.path.isdir(target):
+            return False  # a read-only store: its pages can still be served
+        if denied:
+            raise StorageSetupError(f"path: store directory {target!r} is not writable ({e.strerror or e!r}); "
+                                    "fix its permissions or point path elsewhere (strict=False serves a "
+                                    "read-only store's pages and stores nothing)") from e
+        raise StorageSetupError(f"path: store directory {target!r} cannot be created "
+                                f"({e.strerror or e!r})") from e
 
 
 def split_host_port(name: str, addr: str) -> tuple[str, int]:
@@ -147,6 +193,14 @@ class StorageConfig:
                        ``metrics.prefetch_skipped_by_reason`` (Prometheus ``prefetch_skipped_total{reason}``)
                        and a log line (info the first time, then debug).
     prefetch_timeout_* The ``timeout`` policy's formula (module docstring).
+    strict             What a store that cannot be used at construction does (``create_storage``): True
+                       (default) raises, naming the setting: ``path`` that is a file, lies under a file,
+                       cannot be created or cannot be written (``StorageSetupError``, a ValueError), an
+                       unreachable ``mooncake_master`` / ``mooncake_metadata`` (ConnectionError). False
+                       degrades with one warning: a directory that can be read but not written still
+                       serves the pages it holds and stores nothing (``orbax``, ``file``); any other
+                       fault gives no L3 (``DisabledStorage``: every lookup misses, every page set is
+                       dropped and counted). Faults after construction are counted misses either way.
     worker_nice        How much lower than the scheduler's the OS priority of the L3 threads is (the
                        controller's query / IO / backup threads, the segment writer and the read pool;
                        0..19, ``hicache_jax.workers``): storage work uses idle cores and yields to the
@@ -171,6 +225,7 @@ class StorageConfig:
     prefetch_timeout_per_ki_token_s: float = 0.25
     prefetch_timeout_max_s: float | None = None
     worker_nice: int = DEFAULT_WORKER_NICE
+    strict: bool = True
     mooncake_master: str | None = None
     mooncake_metadata: str | None = None
     mooncake_local_hostname: str = "127.0.0.1"
@@ -184,6 +239,8 @@ class StorageConfig:
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"strict: expected a bool, got {type(self.strict).__name__}")
         check_nice(self.worker_nice)
         if self.path is not None and not isinstance(self.path, str):
             # os.PathLike is accepted and normalised to str.

@@ -50,7 +50,7 @@ from ..host_pool import HostKVPool
 from ..workers import background_executor
 from . import integrity
 from .base import HiCacheStorage, PoolSpec
-from .config import StorageConfig
+from .config import StorageConfig, prepare_store_dir
 from .vectored_io import preadv_upto, pwritev_full
 
 log = logging.getLogger("hicache_jax.storage")
@@ -82,11 +82,17 @@ class FileStorage(HiCacheStorage):
         self._known: OrderedDict[str, int] = OrderedDict()  # path -> file bytes, oldest first
         self._known_bytes = 0
         self._executors: dict = {}  # "read" / "write" thread pools, started on first use
+        # Raises StorageSetupError naming `path` for a store that cannot be used; False: a
+        # read-only store (strict=False) serving its pages, storing nothing.
+        self._writable = prepare_store_dir(config, "pages-v1")
+        if not self._writable:
+            log.warning("L3 file: %s is not writable; serving its pages, storing nothing (strict=False)", self.root)
         try:
-            for p in self.codecs:
-                os.makedirs(os.path.join(self.root, p), exist_ok=True)
+            if self._writable:
+                for p in self.codecs:
+                    os.makedirs(os.path.join(self.root, p), exist_ok=True)
             self._scan()
-        except OSError as e:  # a read-only or missing store still serves what it can
+        except OSError as e:  # a store that vanished or breaks while scanning still serves what it can
             log.warning("L3 file: cannot prepare %s: %r", self.root, e)
 
     def _scan(self) -> None:
@@ -94,6 +100,8 @@ class FileStorage(HiCacheStorage):
         now = time.time()
         for p in self.codecs:
             base = os.path.join(self.root, p)
+            if not os.path.isdir(base):  # a read-only store that never held this pool
+                continue
             for sub in os.scandir(base):
                 if not sub.is_dir():
                     continue
@@ -270,6 +278,9 @@ class FileStorage(HiCacheStorage):
 
     def _write_pages(self, pool: str, keys: list[bytes], dst) -> list[bool]:
         """Write page i from ``dst(i)`` (its views and runs), several files in flight."""
+        if not self._writable:  # a read-only store: counted, warned about once at construction
+            self.metrics.add(write_errors=1, pages_dropped=len(keys))
+            return [False] * len(keys)
         t0 = time.perf_counter()
         pb = self.codecs[pool].page_bytes
         paths = [self._path(pool, k) for k in keys]

@@ -5,7 +5,8 @@ usage: storage_child.py MODE BACKEND PATH [ARGS...]   (prints one JSON line of r
   write  START COUNT   write pages [START, START+COUNT) of the shared key list, flush
   verify START COUNT   read them back; exit 3 on any wrong byte
   loop   PAGES         write batches of PAGES new pages forever: "S i" before, "C i" after each flush
-  readonly COUNT       pages [0, COUNT) must hit; writing more must fail quietly
+  readonly COUNT       strict=False: pages [0, COUNT) must hit; writing more must fail quietly
+  open                 open the store with the default (strict) settings: the error it raised, or none
   fsize  LIMIT COUNT   RLIMIT_FSIZE=LIMIT bytes (disk full for files past LIMIT), then write COUNT pages
 """
 
@@ -87,9 +88,18 @@ def main(argv: list[str]) -> int:
             store.flush(120)
             print(f"C {i}", flush=True)
             i += 1
+    if mode == "open":
+        try:
+            open_store(backend, path).close()
+        except Exception as e:
+            print(json.dumps({"error": type(e).__name__, "is_value_error": isinstance(e, ValueError),
+                              "message": str(e)}))
+            return 0
+        print(json.dumps({"error": None}))
+        return 0
     if mode == "readonly":
         (count,) = rest
-        store = open_store(backend, path)
+        store = open_store(backend, path, strict=False)
         hits, wrong = verify(store, all_keys[:count])
         new = keys_for(8, seed=777)
         ok = write(store, new)

@@ -161,14 +161,14 @@ def test_two_writer_processes_file(tmp_path):
     assert res["hits"] == 144 and res["wrong"] == 0 and res["corrupt"] == 0
 
 
-def _run_readonly(backend: str, path: str, count: int):
-    """Run the readonly child against a store it cannot write (root: drop capabilities)."""
+def _run_readonly(backend: str, path: str, count: int | None = None, mode: str = "readonly"):
+    """Run the child in ``mode`` against a store it cannot write (root: drop capabilities)."""
     env = child_env()
     for d, dirs, files in os.walk(path):
         os.chmod(d, 0o555)
         for f in files:
             os.chmod(os.path.join(d, f), 0o444)
-    cmd = child_cmd("readonly", backend, path, str(count))
+    cmd = child_cmd(mode, backend, path, *([] if count is None else [str(count)]))
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:

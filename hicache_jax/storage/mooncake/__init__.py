@@ -5,19 +5,30 @@ and, on Debian, ``libibverbs1 librdmacm1 libnuma1``; it is imported only when cr
 ``MooncakeMaster`` (``server``) starts a local store on free loopback ports: a master, its HTTP
 metadata server and a store node (a long-lived client lending the memory the pages live in, so
 they outlive the engines that wrote them); ``unavailable_reason()`` says why one cannot run here.
+
+Every name is loaded on first use (module ``__getattr__``): importing the package imports no
+submodule, so ``python -m hicache_jax.storage.mooncake.server`` runs the module once, as
+``__main__``, without runpy's warning about a module already in ``sys.modules``.
 """
 
 from __future__ import annotations
 
-from .server import DEFAULT_STORE_NODE_BYTES, MasterStartError, MooncakeMaster, free_port, unavailable_reason
+import importlib
+
+_NAMES = {"MooncakeStorage": "store", "DEFAULT_LOG_LEVEL": "server", "DEFAULT_STORE_NODE_BYTES": "server",
+          "LOG_LEVELS": "server", "MasterStartError": "server", "MooncakeMaster": "server", "free_port": "server",
+          "quiet_client_logs": "server", "unavailable_reason": "server"}
 
 
 def __getattr__(name: str):
-    if name == "MooncakeStorage":
-        from .store import MooncakeStorage
-        return MooncakeStorage
-    raise AttributeError(name)
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-__all__ = ["DEFAULT_STORE_NODE_BYTES", "MasterStartError", "MooncakeMaster", "MooncakeStorage", "free_port",
-           "unavailable_reason"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))
+
+
+__all__ = sorted(_NAMES)

@@ -8,7 +8,8 @@ Mooncake Store without writing a launch script::
 
 or from a shell (runs until Ctrl-C, or ``--max-lifetime-s``; prints the settings to use)::
 
-    python -m hicache_jax.storage.mooncake.server [--store-node-bytes 1073741824]
+    hicache-jax mooncake-server [--store-node-bytes 1073741824] [--log-level info]
+    python -m hicache_jax.storage.mooncake.server ...        (the same)
 
 Three processes, all on ``host`` (loopback by default) and free ports:
 
@@ -28,9 +29,11 @@ wrote them, a restarted engine hits them and a second engine (another process, i
 is served from them. Mooncake evicts from the node's segment by itself (lease, watermark).
 ``store_node_bytes=0`` starts no node; clients must then lend memory themselves.
 
-Processes die with their parent: all three get ``PR_SET_PDEATHSIG`` (SIGKILL when the thread
-that started them exits: start them from a long-lived thread, e.g. the main one), and the
-metadata server also exits when its parent does (polled every 0.2 s); ``stop()`` (and the
+Processes die with their parent: all three start through ``_launch.py`` (a fresh interpreter
+that sets ``PR_SET_PDEATHSIG``, SIGKILL when the thread that started them exits: start them from
+a long-lived thread, e.g. the main one, then execs the command), so the parent never forks
+itself (no ``preexec_fn``: a JAX process is never forked), and the metadata server also exits
+when its parent does (polled every 0.2 s); ``stop()`` (and the
 context manager, and an ``atexit`` hook) stop them in the normal case. ``kill_master()`` /
 ``restart_master()`` / ``kill_store_node()`` / ``start_store_node()`` are for fault tests: a
 restarted master comes back on the same ports, empty, and the node re-mounts its segment with
@@ -54,6 +57,12 @@ that range), so a firewall rule can cover them. On a shared network, firewall th
 the engines in a network namespace; the tests and benchmarks here do neither (a machine whose
 other users are trusted).
 
+Logging: Mooncake's binaries and client log through glog, ~20 lines per process at its default
+level. ``log_level`` (``--log-level``; default ``warning``: ~3 benign lines per process) sets
+``MC_LOG_LEVEL`` (Mooncake's client and store node) and ``GLOG_minloglevel`` (the master) for
+the processes started here; ``quiet_client_logs()`` (the backend calls it before the client
+library loads) sets the same default for the engine's own client unless they are already set.
+
 ``unavailable_reason()`` says why no store can start here (package not installed, Debian
 libraries missing) or None; tests skip with it.
 
@@ -63,7 +72,6 @@ Threading: one ``MooncakeMaster`` belongs to one thread at a time.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib.util
 import os
 import signal
@@ -75,11 +83,20 @@ import threading
 import time
 import weakref
 
-__all__ = ["DEFAULT_STORE_NODE_BYTES", "MooncakeMaster", "MasterStartError", "free_port", "master_binary",
-           "store_node_binary", "unavailable_reason"]
+__all__ = ["DEFAULT_LOG_LEVEL", "DEFAULT_STORE_NODE_BYTES", "LOG_LEVELS", "MooncakeMaster", "MasterStartError",
+           "free_port", "master_binary", "quiet_client_logs", "store_node_binary", "unavailable_reason"]
 
 _METADATA_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_metadata_server.py")
-_PR_SET_PDEATHSIG = 1
+_LAUNCH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
+# Log levels by name: (glog's GLOG_minloglevel, which mooncake_master reads; Mooncake's MC_LOG_LEVEL,
+# which its client library and mooncake_client read and which overrides glog's own setting there).
+LOG_LEVELS = {"info": ("0", "INFO"), "warning": ("1", "WARNING"), "error": ("2", "ERROR")}
+DEFAULT_LOG_LEVEL = "warning"  # ~3 lines per process at start (benign ones), against 9-21 at info
+
+
+def _log_env(level: str) -> dict[str, str]:
+    glog, mc = LOG_LEVELS[level]
+    return {"GLOG_minloglevel": glog, "MC_LOG_LEVEL": mc}
 _reason_cache: list = []
 _live: "weakref.WeakSet[MooncakeMaster]" = weakref.WeakSet()
 
@@ -121,6 +138,17 @@ def store_node_binary() -> str | None:
     return _wheel_binary("mooncake_client")
 
 
+def quiet_client_logs(level: str = DEFAULT_LOG_LEVEL) -> None:
+    """Set the log level of a Mooncake client loaded later in this process (``MC_LOG_LEVEL``,
+    ``GLOG_minloglevel``), each unless already set (the user's choice wins: ``MC_LOG_LEVEL=INFO``
+    brings Mooncake's own logs back). Read when the client library loads: call this before
+    ``import mooncake.store``."""
+    if level not in LOG_LEVELS:
+        raise ValueError(f"level: expected one of {list(LOG_LEVELS)}, got {level!r}")
+    for k, v in _log_env(level).items():
+        os.environ.setdefault(k, v)
+
+
 def _ensure_executable(path: str) -> None:
     if not os.access(path, os.X_OK):
         os.chmod(path, os.stat(path).st_mode | 0o111)
@@ -148,6 +176,7 @@ def unavailable_reason() -> str | None:
             reason = f"mooncake_master does not run: {e!r}"
         if reason is None:
             try:  # the client library needs the same shared libraries
+                quiet_client_logs()
                 import mooncake.store  # noqa: F401
             except Exception as e:  # ImportError, OSError from the dynamic loader
                 reason = f"mooncake.store does not import: {e} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
@@ -162,21 +191,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-try:  # looked up here, not in the child: a dlopen between fork and exec can deadlock
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # pragma: no cover - not Linux
-    _prctl = None
-
-
-def _die_with_parent(parent: int) -> "callable":
-    """A ``preexec_fn`` (runs in the child between fork and exec): SIGKILL the child when
-    the thread that started it exits; exit at once if the parent already has."""
-    def preexec() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl
-            os._exit(1)
-    return preexec
+def _launched(cmd: list[str]) -> list[str]:
+    """``cmd`` run through ``_launch.py``: it dies with the thread starting it (see the module
+    docstring) and no ``preexec_fn`` makes ``subprocess`` fork this process."""
+    return [sys.executable, "-I", "-S", _LAUNCH_SCRIPT, str(os.getpid()), *cmd]
 
 
 def _listening(host: str, port: int) -> bool:
@@ -210,12 +228,15 @@ class MooncakeMaster:
     fraction of the mounted segments' capacity at which the master evicts. ``client_ttl_s``:
     how long a client that stopped heart-beating keeps its segments. ``extra_args`` go to the
     master verbatim. Ports 0 pick free ones. ``start_timeout_s`` bounds each start.
+    ``log_level``: glog's minimum level in the processes started (``LOG_LEVELS``; ``info`` is
+    Mooncake's own default, ~20 lines per process at start).
     """
 
     def __init__(self, *, host: str = "127.0.0.1", rpc_port: int = 0, metadata_port: int = 0,
                  lease_ttl_ms: int = 10000, eviction_high_watermark: float = 0.9, client_ttl_s: int = 10,
                  store_node_bytes: int = DEFAULT_STORE_NODE_BYTES, extra_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 30.0, log_dir: str | None = None, max_lifetime_s: float = 0.0) -> None:
+                 start_timeout_s: float = 30.0, log_dir: str | None = None, max_lifetime_s: float = 0.0,
+                 log_level: str = DEFAULT_LOG_LEVEL) -> None:
         if not isinstance(host, str) or not host:
             raise ValueError(f"host: expected an IP address string, got {host!r}")
         for name, v in (("rpc_port", rpc_port), ("metadata_port", metadata_port), ("lease_ttl_ms", lease_ttl_ms),
@@ -225,6 +246,8 @@ class MooncakeMaster:
                                  f"got {v!r}")
         if 0 < store_node_bytes < (1 << 20):
             raise ValueError(f"store_node_bytes: expected 0 (no store node) or at least 1 MiB, got {store_node_bytes}")
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {list(LOG_LEVELS)}, got {log_level!r}")
         if not (isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1):
             raise ValueError(f"eviction_high_watermark: expected a number in (0, 1], got {eviction_high_watermark!r}")
         self.host = host
@@ -232,6 +255,8 @@ class MooncakeMaster:
         self.lease_ttl_ms, self.eviction_high_watermark, self.client_ttl_s = lease_ttl_ms, eviction_high_watermark, client_ttl_s
         self.store_node_bytes = store_node_bytes
         self.store_node_port = 0
+        self.log_level = log_level
+        self._env = {**os.environ, **_log_env(log_level)}
         self.extra_args = tuple(extra_args)
         self.start_timeout_s = float(start_timeout_s)
         self.max_lifetime_s = float(max_lifetime_s)
@@ -310,10 +335,10 @@ class MooncakeMaster:
         for _ in range(1 if fixed else 3):
             port = self.metadata_port or free_port(self.host)
             cmd = [sys.executable, _METADATA_SCRIPT, "--host", self.host, "--port", str(port)]
-            if self.max_lifetime_s > 0:
-                cmd += ["--max-lifetime-s", str(self.max_lifetime_s)]
-            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, preexec_fn=_die_with_parent(os.getpid()), close_fds=True)
+            if self.max_lifetime_s > 0:  # counted from the store's start: the others start after it
+                cmd += ["--max-lifetime-s", str(self.max_lifetime_s + 3 * self.start_timeout_s)]
+            p = subprocess.Popen(_launched(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, close_fds=True, env=self._env)
             line = self._read_ready(p)
             if line.startswith("READY"):
                 self._meta, self.metadata_port = p, port
@@ -357,8 +382,8 @@ class MooncakeMaster:
             if not self.admin_port:
                 self.admin_port = free_port(self.host)
             with open(self.master_log, "ab") as log:
-                p = subprocess.Popen(self._master_cmd(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent(os.getpid()), close_fds=True, cwd=self.log_dir)
+                p = subprocess.Popen(_launched(self._master_cmd()), stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=subprocess.STDOUT, close_fds=True, cwd=self.log_dir, env=self._env)
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and p.poll() is None:
                 if _listening(self.host, self.rpc_port) and _listening(self.host, self.admin_port):
@@ -391,8 +416,8 @@ class MooncakeMaster:
         for _ in range(3):
             self.store_node_port = free_port(self.host)
             with open(self.store_node_log, "ab") as log:
-                p = subprocess.Popen(self._node_cmd(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent(os.getpid()), close_fds=True, cwd=self.log_dir)
+                p = subprocess.Popen(_launched(self._node_cmd()), stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=subprocess.STDOUT, close_fds=True, cwd=self.log_dir, env=self._env)
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and p.poll() is None:
                 if _listening(self.host, self.store_node_port):
@@ -499,26 +524,34 @@ def _stop_all() -> None:
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Run a local Mooncake Store (master, metadata server, store node) "
-                                             "on loopback until Ctrl-C.")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--rpc-port", type=int, default=0)
-    ap.add_argument("--metadata-port", type=int, default=0)
-    ap.add_argument("--lease-ttl-ms", type=int, default=10000)
+def add_arguments(ap) -> None:
+    """The server's options (``hicache-jax mooncake-server`` and ``python -m`` share them)."""
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="IP address the master, metadata server and store node listen on (every client's "
+                         "transfer engine still listens on all interfaces: see the README's Mooncake section)")
+    ap.add_argument("--rpc-port", type=int, default=0, help="the master's RPC port (0: a free one)")
+    ap.add_argument("--metadata-port", type=int, default=0, help="the HTTP metadata server's port (0: a free one)")
+    ap.add_argument("--lease-ttl-ms", type=int, default=10000,
+                    help="how long an object is protected from eviction after a put or get, in ms")
     ap.add_argument("--store-node-bytes", type=int, default=DEFAULT_STORE_NODE_BYTES,
                     help="memory the store node lends the store (0: no store node; engines must lend their own)")
     ap.add_argument("--max-lifetime-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--log-level", choices=list(LOG_LEVELS), default=DEFAULT_LOG_LEVEL,
+                    help="glog's minimum level in the master and store node (info: Mooncake's own default, "
+                         "~20 lines per process); their logs go to files in the directory printed at start")
+
+
+def run(args) -> int:
+    """Run the store until Ctrl-C, the master's exit or ``--max-lifetime-s``; prints the
+    ``StorageConfig`` to use."""
     m = MooncakeMaster(host=args.host, rpc_port=args.rpc_port, metadata_port=args.metadata_port,
                        lease_ttl_ms=args.lease_ttl_ms, store_node_bytes=args.store_node_bytes,
-                       max_lifetime_s=args.max_lifetime_s)
+                       max_lifetime_s=args.max_lifetime_s, log_level=args.log_level)
     with m:
         seg = 0 if m.store_node_bytes else "<bytes this engine lends>"
         print(f"StorageConfig(backend='mooncake', mooncake_master='{m.rpc_address}', "
               f"mooncake_metadata='{m.metadata_url}', mooncake_global_segment_bytes={seg})", flush=True)
+        print(f"logs: {m.log_dir} (removed at exit)", flush=True)
         deadline = time.monotonic() + args.max_lifetime_s if args.max_lifetime_s > 0 else None
         try:
             while m.master_alive() and (deadline is None or time.monotonic() < deadline):
@@ -526,6 +559,19 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+DESCRIPTION = ("Run a local Mooncake Store (master, HTTP metadata server, store node) on loopback until Ctrl-C; "
+               "prints the StorageConfig to use.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="hicache-jax mooncake-server", description=DESCRIPTION,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ from .. import integrity
 from ..base import HiCacheStorage, PoolSpec
 from ..config import StorageConfig, split_host_port
 from ..host_pages import PageRuns
+from .server import quiet_client_logs
 
 log = logging.getLogger("hicache_jax.storage")
 
@@ -114,7 +115,7 @@ def _probe_tcp(name: str, host: str, port: int, timeout: float) -> None:
             pass
     except OSError as e:
         raise ConnectionError(f"{name}: no Mooncake master reachable at {host}:{port} ({e.strerror or e!r}); "
-                              "start one (python -m hicache_jax.storage.mooncake.server) or fix the address") from e
+                              "start one (hicache-jax mooncake-server) or fix the address") from e
 
 
 def _probe_http(name: str, url: str, timeout: float) -> None:
@@ -137,6 +138,7 @@ class MooncakeStorage(HiCacheStorage):
         super().__init__(config, pools, specs)
         if config.backend != "mooncake":
             raise ValueError(f"config.backend: expected 'mooncake', got {config.backend!r}")
+        quiet_client_logs()  # glog reads its level when the client library loads
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:

@@ -43,7 +43,7 @@ import tensorstore as ts
 
 from ...host_pool import HostKVPool
 from ..base import HiCacheStorage, PoolSpec
-from ..config import StorageConfig
+from ..config import StorageConfig, prepare_store_dir
 from .claim import WriterClaim, claim_writer_dir
 from .index import SegmentIndex
 from .reader import HandleCache, SegmentReader
@@ -73,17 +73,19 @@ class OrbaxSegmentStorage(HiCacheStorage):
         _check_single_process()
         super().__init__(config, pools, specs)
         self.root = os.path.join(os.path.abspath(config.path), LOG_DIR)
+        # Raises StorageSetupError naming `path` for a store that cannot be used; False: a
+        # read-only store (strict=False) serving its pages, storing nothing.
+        writable = prepare_store_dir(config, LOG_DIR)
+        if not writable:
+            log.warning("L3 orbax: %s is not writable; serving its pages, storing disabled (strict=False)",
+                        self.root)
         ts_ctx = ts.Context({"file_io_concurrency": {"limit": max(16, config.read_concurrency)}})
         self._handles = HandleCache(list(self.codecs), ts_ctx)
         self._index = SegmentIndex(self.root, {p: c.page_bytes for p, c in self.codecs.items()}, self.metrics,
                                    ts_ctx, on_forget=self._handles.drop)
         self._reader = SegmentReader(self._index, self._handles, self.codecs, config, self.metrics)
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            log.warning("L3 orbax: cannot create %s: %r (read-only store)", self.root, e)
-        self._writer = SegmentWriter(self._claim(), self._index, self.codecs, config, self.metrics,
-                                     after_save=self._evict)
+        self._writer = SegmentWriter(self._claim() if writable else None, self._index, self.codecs, config,
+                                     self.metrics, after_save=self._evict)
         t0 = time.perf_counter()
         self.refresh()
         self.metrics.add(index_rebuild_seconds=time.perf_counter() - t0)
