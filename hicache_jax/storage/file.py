@@ -217,9 +217,19 @@ class FileStorage(HiCacheStorage):
         writes into a caller's host page after the call returned."""
         if n == 1 or self.config.read_concurrency == 1:
             return [fn(i) for i in range(n)]
-        futs = [self._pool_for(kind).submit(fn, i) for i in range(n)]
+        futs = []
+        try:
+            pool = self._pool_for(kind)
+            for i in range(n):
+                futs.append(pool.submit(fn, i))
+        except RuntimeError:
+            # Interpreter shutdown (an exit-time flush of a controller never closed): CPython
+            # starts no new threads then, so the pages not handed to a worker are done inline.
+            rest = [fn(i) for i in range(len(futs), n)]
+        else:
+            rest = []
         wait(futs)
-        return [f.result() for f in futs]  # fn never raises (a fault is its result)
+        return [f.result() for f in futs] + rest  # fn never raises (a fault is its result)
 
     def _reads_in_place(self) -> bool:
         return True
