@@ -244,7 +244,7 @@ def multiturn(args) -> dict:
     if importlib.util.find_spec("easydel") is None:
         raise RuntimeError("--engine easydel: easydel is not installed in this environment; easydel 0.3.0 pins "
                            "jax 0.9.2, so it lives in its own venv (./scripts/test builds .venv-easydel: run "
-                           ".venv-easydel/bin/hicache-jax there; README, the EasyDeL section)")
+                           ".venv-easydel/bin/hicache-jax there; docs/easydel.md)")
     cfg = from_multiturn_args(args)
     with Progress("multiturn --engine easydel") as progress:
         payload = run(cfg, progress)
