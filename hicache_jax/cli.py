@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     b, sub = args.benchmark, args.subparser
     del args.benchmark, args.subparser, args.command, args.bench
+    options.check(sub, args, b.name)
     return run_benchmark(b, args, sub)
 
 

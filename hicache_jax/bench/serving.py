@@ -353,6 +353,10 @@ def _summarize(rounds: list[_Round]) -> dict:
 
 
 def multiturn(args) -> dict:
+    if getattr(args, "engines", 1) > 1:  # several engines, routed (bench.routed)
+        from .routed import multiturn_routed
+
+        return multiturn_routed(args)
     if ranks.wants_ranks(args):  # --num-processes N: N ranks serve it (bench.ranks)
         with _StorageDir(args):
             return ranks.launch(args, "multiturn")
