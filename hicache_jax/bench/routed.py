@@ -15,7 +15,10 @@ the same prompts: each round's answers extend the histories from the first polic
 
 * ``round_robin``: the k-th request of the run goes to engine ``k mod N``;
 * ``prefix``: ``PrefixRouter.route`` on the request's page keys, the round's requests so far
-  per engine as the loads (the router's balance fallback).
+  per engine as the loads (the router's balance fallback); after each round the router's tier
+  weights are set from the measured costs (``PrefixRouter.set_measured_weights``: the
+  engines' load-back and prefetch durations per token against the service time per token of
+  the requests no tier served).
 
 The engines then serve their share one after the other (one process; each engine's TTFT is
 measured by the engine itself from the moment it is handed its requests, as if the engines ran
@@ -36,7 +39,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -73,6 +76,7 @@ class _PolicyRun:
         self.requests: dict[str, int] = {}  # requests served per engine
         self.route_s: list[float] = []  # routing time per request
         self._rr = 0  # round robin's counter (runs on across rounds, as a router's would)
+        self._cold = [0.0, 0]  # service seconds and prompt tokens of the requests no tier served
         for n in self.names:
             self.engines[n] = build_engine(a, max_context)
             progress.advance(1, f"{policy}: {n} ready")
@@ -132,7 +136,22 @@ class _PolicyRun:
                 self.requests[n] = self.requests.get(n, 0) + 1
         self.settle()
         self.route_s.extend(route_s)
+        if self.policy == "prefix":
+            self._measure_weights(results)
         return results, seconds
+
+    def _measure_weights(self, results: list) -> None:
+        """The router's tier weights from this run's measured costs: the engines' load-back and
+        prefetch durations per token (their ``stats()``) against the prefill cost per token of
+        the requests no tier served (their service time per prompt token, summed over every
+        round so far); the defaults until a cold request and a load were measured."""
+        for x in results:
+            if x.cached_total == 0:
+                self._cold[0] += x.service_s
+                self._cold[1] += x.prompt_len
+        if self._cold[1]:
+            self.router.set_measured_weights([e.cache.stats() for e in self.engines.values()],
+                                             self._cold[0] / self._cold[1])
 
     def settle(self) -> None:
         """Every engine's backups reach L3 and its events the router (a round boundary)."""
@@ -209,6 +228,7 @@ def _run(args, progress: Progress) -> dict:
                 s.pop(k)
             s["requests_per_engine"] = {n: run.requests.get(n, 0) for n in run.names}
             s["router_decisions"] = dict(run.router.decisions) if run.policy == "prefix" else None
+            s["router_weights"] = asdict(run.router.weights) if run.policy == "prefix" else None
             s["route_mean_s"] = statistics.fmean(run.route_s)
             s["storage_events_pages"] = sum(len(v.tiers["storage"]) for v in run.router.views.values())
             summaries[run.policy] = s

@@ -22,6 +22,8 @@ def test_multiturn_over_two_engines_routed_both_ways(tmp_path, capsys):
     assert [r["prompt_len"] for r in rr["per_request"]] == [r["prompt_len"] for r in px["per_request"]]
     assert isinstance(d["same_tokens"], bool)  # default mode: a tier may round differently
     assert sum(px["router_decisions"].values()) == 12 and px["router_decisions"]["prefix"] > 0
+    w = px["router_weights"]  # set from the measured costs after each round (defaults where none)
+    assert w["device"] == 1.0 and 0 <= w["storage"] <= w["host"] <= 1 and rr["router_weights"] is None
     # The engines' L3 writes reached the router as storage events (keys as the L3's).
     assert px["storage_events_pages"] > 0
     # Round robin moves a conversation between engines; only the shared L3 (and L2) serve it
