@@ -77,9 +77,13 @@ class _PolicyRun:
         self.route_s: list[float] = []  # routing time per request
         self._rr = 0  # round robin's counter (runs on across rounds, as a router's would)
         self._cold = [0.0, 0]  # service seconds and prompt tokens of the requests no tier served
-        for n in self.names:
-            self.engines[n] = build_engine(a, max_context)
-            progress.advance(1, f"{policy}: {n} ready")
+        try:
+            for n in self.names:
+                self.engines[n] = build_engine(a, max_context)
+                progress.advance(1, f"{policy}: {n} ready")
+        except BaseException:
+            self.close()  # the engines built so far and the store
+            raise
 
     def warm_and_attach(self, vocab: int) -> None:
         """Throwaway conversations (other tokens) on every engine, a reset of L1 and L2, then
