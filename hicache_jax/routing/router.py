@@ -27,7 +27,8 @@ seconds`` sum / ``load_back_tokens``), storage = L3 prefetch duration per token 
 loaded back too); the device tier loads nothing (weight 1). The prefill cost per token is the
 caller's measurement (the engine's). A tier nothing was measured for keeps its current weight.
 The durations run from issue to completion, so a load-back that overlaps compute counts in
-full: the weights are conservative.
+full, and concurrent operations each count their whole wait: the costs are upper bounds and
+the weights conservative.
 
 Choice (``route``): with ``loads`` (outstanding requests or tokens per engine), when the
 most loaded engine carries more than ``balance_abs`` above and ``balance_rel`` times the
