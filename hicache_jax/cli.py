@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.run(args)
     b, sub = args.benchmark, args.subparser
     del args.benchmark, args.subparser, args.command, args.bench
+    options.check(sub, args, b.name)
     return run_benchmark(b, args, sub)
 
 

@@ -23,6 +23,8 @@ AUTO_MODEL, GPU_MODEL, CPU_MODEL = "auto", "llama3-8b-shape", "bench"
 QUICK_MODEL = {"bench": "tiny", "hybrid": "hybrid-tiny", "llama3-8b-shape": "llama3-8b-shape-tiny"}
 # pallas_kernels.page_copy's implementations (its dispatcher's IMPLS; a test keeps them equal).
 COPY_IMPLS = ("auto", "tpu", "mgpu", "gpu", "xla")
+# ``multiturn --engines N --router``'s policies (hicache_jax.bench.routed.POLICIES; a test keeps them equal).
+ROUTERS = ("round_robin", "prefix")
 
 # Per benchmark: what --quick changes (applied to options left at their default).
 QUICK: dict[str, dict[str, object]] = {
@@ -189,6 +191,42 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
                         "coordination service's key-value store; device: process_allgather)")
     p.add_argument("--rank-timeout", type=_positive_float, default=3600.0,
                    help="with --num-processes > 1: seconds before every rank still running is killed")
+    p.add_argument("--engines", type=_positive_int, default=1,
+                   help="N > 1: N reference engines in one process sharing one L3 (orbax is replaced by file; "
+                        "one store per policy), requests routed by each --router policy in alternate rounds of "
+                        "the same trace (hit rate per tier and measured TTFT per policy; no no-cache run)")
+    p.add_argument("--router", nargs="+", choices=ROUTERS, default=list(ROUTERS),
+                   help="with --engines > 1: the routing policies compared (round_robin; prefix: "
+                        "hicache_jax.routing.PrefixRouter on the engines' KV events)")
+
+
+def check_multiturn(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations of options no single type checks: a usage error before anything runs."""
+    routers = args.router
+    if len(set(routers)) != len(routers):
+        parser.error(f"argument --router: each policy at most once, got {routers}")
+    if args.engines == 1:
+        if routers != parser.get_default("router"):
+            parser.error("argument --router: needs --engines > 1 (one engine has nothing to route between)")
+        return
+    if args.num_processes > 1:
+        parser.error("argument --engines: several engines run in one process; not with --num-processes > 1")
+    if args.model in ("hybrid", "hybrid-tiny"):
+        parser.error("argument --engines: several engines run full-attention models only, not a hybrid preset")
+    if args.storage_backend == "mooncake" and args.mooncake_master and len(routers) > 1:
+        parser.error("argument --mooncake-master: with --engines > 1 each policy needs a store of its own; "
+                     "leave it out (a local store per policy) or give one --router")
+
+
+# Per benchmark: checks of option combinations (after parsing, before ``--quick``).
+CHECKS = {"multiturn": check_multiturn}
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
+    """Run ``name``'s combination checks (``parser.error``: exit 2 with the usage line)."""
+    fn = CHECKS.get(name)
+    if fn is not None:
+        fn(parser, args)
 
 
 def two_run_arguments(p: argparse.ArgumentParser) -> None:

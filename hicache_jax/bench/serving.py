@@ -357,6 +357,10 @@ def multiturn(args) -> dict:
         from ..integrations.easydel.bench import multiturn as esurge_multiturn
 
         return esurge_multiturn(args)
+    if getattr(args, "engines", 1) > 1:  # several engines, routed (bench.routed)
+        from .routed import multiturn_routed
+
+        return multiturn_routed(args)
     if ranks.wants_ranks(args):  # --num-processes N: N ranks serve it (bench.ranks)
         with _StorageDir(args):
             return ranks.launch(args, "multiturn")

@@ -206,6 +206,7 @@ class _Context:
         self.g = cache.gauges()
         hook = cache.storage_hook
         self.l3 = hook.stats() if hook is not None else None
+        self.ret = getattr(cache, "retention", None)  # ``retention.Retention`` once enabled
 
 
 def _m(attr: str) -> Callable[[_Context], Any]:
@@ -218,6 +219,11 @@ def _g(key: str) -> Callable[[_Context], Any]:
 
 def _l3(key: str) -> Callable[[_Context], Any]:
     return lambda c: None if c.l3 is None else c.l3[key]
+
+
+def _ret(read: Callable[[Any], Any]) -> Callable[[_Context], Any]:
+    # Plain int fields of the owner thread's ``Retention`` (a scrape reads them from any thread).
+    return lambda c: None if c.ret is None else read(c.ret)
 
 
 def _cached(c: _Context) -> dict:
@@ -351,6 +357,20 @@ FAMILIES: tuple[Family, ...] = (
     Family("storage_duplicate_pages", C, "Pages not written because the L3 store held or was writing them", (),
            _l3("storage_duplicate_pages")),
     Family("storage_evicted_pages", C, "Pages the L3 store evicted for capacity", (), _l3("storage_evicted_pages")),
+    # soft retention (``retention``): present once ``enable_retention`` ran
+    Family("retained_tokens", G, "Tokens under a live retention hint (every namespace; each node once whatever "
+           "its tiers)", (), _ret(lambda r: r.total)),
+    Family("retention_hint_calls", C, "Retention hints applied (begin_request / insert / a request's inserts)", (),
+           _ret(lambda r: r.hints)),
+    Family("retention_clamped_calls", C, "Retention hints cut short by their namespace's token cap", (),
+           _ret(lambda r: r.clamped_hints)),
+    Family("retention_clamped_tokens", C, "Tokens a hint asked for beyond its namespace's cap (not retained)", (),
+           _ret(lambda r: r.clamped_tokens)),
+    Family("retention_expired_tokens", C, "Retained tokens whose hint expired (back to plain LRU order)", (),
+           _ret(lambda r: r.expired_tokens)),
+    Family("retention_overridden_tokens", C, "Tokens evicted from a tier while their hint was live (memory "
+           "pressure overrode it; a reclaimed redundant host copy does not count)", ("tier",),
+           _ret(lambda r: dict(r.overridden_tokens))),
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 

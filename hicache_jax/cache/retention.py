@@ -14,8 +14,8 @@ indexes all use it (reclaim in reverse, as for plain LRU).
 
 Lifetime: a hint lasts ``seconds`` of the injectable ``clock`` (``time.monotonic`` by
 default). Expiry is lazy: the expired entries are dropped, and their nodes re-ordered without
-the bonus, when an eviction of either tier starts (``before_evict``) and when a hint is
-applied; no timer thread.
+the bonus, when an eviction of either tier starts (``before_evict``; a sliding-window pool's
+own evictions too) and when a hint is applied; no timer thread.
 
 Budget: a namespace (tenant) holds at most ``max_tokens_per_namespace`` retained tokens
 (counted once per node whatever its tiers). A hint is applied from the root down, whole
@@ -23,7 +23,8 @@ nodes; the first node that would exceed the budget and everything below it are n
 (``clamped_tokens``, ``clamped_hints``). Applying a hint to a node already retained extends
 its expiry and keeps the larger bonus, at no budget cost.
 
-Metrics (``stats()``, also under ``cache.stats()["retention"]``): retained tokens (total and
+Metrics (``stats()``, also under ``cache.stats()["retention"]``, and the ``retention_*``
+families of ``metrics``, read by a scrape thread: plain ints only): retained tokens (total and
 per namespace), hints applied and clamped, tokens clamped, tokens expired, and tokens evicted
 while their hint was live ("evictions that overrode a hint", per tier; dropping the redundant
 host copy of an on-device node does not count).
@@ -115,6 +116,9 @@ class Retention(ResidencyWatch):
         self._expiry: list = []  # (until, seq, node): lazily stale (an entry extended or gone)
         self._seq = itertools.count()
         self.by_namespace: dict[tuple, int] = {}
+        # The sum of ``by_namespace``, kept as one int: a metrics scrape on another thread reads
+        # it without iterating a dict the owner thread may be resizing.
+        self.total = 0
         self.hints = self.clamped_hints = self.clamped_tokens = self.expired_tokens = 0
         self.overridden_tokens = {"device": 0, "host": 0}
 
@@ -150,6 +154,7 @@ class Retention(ResidencyWatch):
                 clamped = sum(x.size for x in path[:len(path) - i] if x not in self.entries)
                 break
             self.by_namespace[ns] = used + node.size
+            self.total += node.size
             self.entries[node] = _Entry(until, bonus, ns)
             heapq.heappush(self._expiry, (until, next(self._seq), node))
             added += node.size
@@ -175,7 +180,7 @@ class Retention(ResidencyWatch):
 
     @property
     def retained_tokens(self) -> int:
-        return sum(self.by_namespace.values())
+        return self.total
 
     def stats(self) -> dict:
         return {"retained_tokens": self.retained_tokens,
@@ -209,11 +214,13 @@ class Retention(ResidencyWatch):
         self.entries.clear()
         self._expiry.clear()
         self.by_namespace.clear()
+        self.total = 0
 
     # ------------------------------------------------------------------ internals
     def _drop(self, node: TreeNode, e: _Entry) -> None:
         del self.entries[node]
         self.by_namespace[e.namespace] -= node.size
+        self.total -= node.size
 
     def _reorder(self, node: TreeNode) -> None:
         for index in self.indexes:

@@ -285,14 +285,17 @@ class Engine:
                                   agreement=None if ranks is None else ranks.agreement)
         self._clock = None if ranks is None else AgreedClock(self.cache)
         self.storage = None
+        # The model identity of the L3 keys (also what a ``KVEventSource`` of this cache takes,
+        # so its events' keys equal the L3's).
+        self.storage_model_id = f"hicache-jax-reference:{model_config!r}" + (":pair-keys" if spec is not None else "")
+        if cache_config.deterministic:  # other numerics: KV of another shape or width never hits
+            self.storage_model_id += f":deterministic{self.runner.fixed_shape}x{self.runner.max_pages_per_seq}"
+        self.storage_weights_revision = weights.digest if weights is not None else ""
         if cache_config.storage is not None:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
             # a speculative engine's tree keys are token pairs, so its pages are apart too.
-            model_id = f"hicache-jax-reference:{model_config!r}" + (":pair-keys" if spec is not None else "")
-            if cache_config.deterministic:  # other numerics: KV of another shape or width never hits
-                model_id += f":deterministic{self.runner.fixed_shape}x{self.runner.max_pages_per_seq}"
-            self.storage = StorageController(self.cache, model=model_id,
-                                             weights_revision=weights.digest if weights is not None else "")
+            self.storage = StorageController(self.cache, model=self.storage_model_id,
+                                             weights_revision=self.storage_weights_revision)
         # Shutdown order (cache copies, L3 writes, store, transfer engines, drafter): close().
         self._stack = CacheStack(self.cache, self.storage, [self.transfer, self.swa_transfer], closers=[self.spec])
         self.page_size = page

@@ -1,5 +1,5 @@
-"""KV-aware routing over several engines' KV events (issue 31 part 2): ``PrefixRouter``."""
+"""KV-aware routing over several engines' KV events: ``PrefixRouter``."""
 
-from .router import PrefixRouter, RouteDecision, TierWeights
+from .router import PrefixRouter, RouteDecision, TierWeights, tier_costs_from_stats
 
-__all__ = ["PrefixRouter", "RouteDecision", "TierWeights"]
+__all__ = ["PrefixRouter", "RouteDecision", "TierWeights", "tier_costs_from_stats"]

@@ -13,9 +13,22 @@ Scoring (``score``): walk the request's pages in order; page ``i`` counts if som
 engine holds it (the best one: device, then host, then storage) and every earlier page
 counted; the walk stops at the first page no tier holds. The score is the sum of the tiers'
 weights over the counted pages (``TierWeights``; defaults: device 1, host 0.7, storage 0.4,
-i.e. serving a page from the host saves 70% of recomputing it, from storage 40%: set them
-from measured load costs). With ``shared_storage`` (engines sharing one L3) the storage
-pages any engine reported count for every engine.
+i.e. serving a page from the host saves 70% of recomputing it, from storage 40%). With
+``shared_storage`` (engines sharing one L3) the storage pages any engine reported count for
+every engine.
+
+Measured weights (``TierWeights.from_load_cost``, ``tier_costs_from_stats``,
+``PrefixRouter.set_measured_weights`` / ``from_measured``): a tier's weight is the share of a
+recompute that serving a page from it saves, ``1 - load_cost / prefill_cost`` per token,
+clamped to [0, 1] and kept in the order device >= host >= storage. The load costs come from
+the caches' own metrics: host = load-back duration per token loaded (``load_back_duration_
+seconds`` sum / ``load_back_tokens``), storage = L3 prefetch duration per token read
+(``prefetch_duration_seconds`` / ``prefetched_tokens``) plus the host cost (a storage page is
+loaded back too); the device tier loads nothing (weight 1). The prefill cost per token is the
+caller's measurement (the engine's). A tier nothing was measured for keeps its current weight.
+The durations run from issue to completion, so a load-back that overlaps compute counts in
+full, and concurrent operations each count their whole wait: the costs are upper bounds and
+the weights conservative.
 
 Choice (``route``): with ``loads`` (outstanding requests or tokens per engine), when the
 most loaded engine carries more than ``balance_abs`` above and ``balance_rel`` times the
@@ -27,12 +40,13 @@ the least loaded engine, round robin among equals (``reason="no_prefix"``).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..cache.events import EVENT_TIERS, EventBatch, TierContents
 
-__all__ = ["PrefixRouter", "RouteDecision", "TierWeights"]
+__all__ = ["PrefixRouter", "RouteDecision", "TierWeights", "tier_costs_from_stats"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,56 @@ class TierWeights:
                 raise ValueError(f"{t}: expected a weight in [0, 1], got {v!r}")
         if not self.device >= self.host >= self.storage:
             raise ValueError(f"weights: expected device >= host >= storage, got {self}")
+
+    @classmethod
+    def from_load_cost(cls, prefill_s_per_token: float, host_s_per_token: float | None = None,
+                       storage_s_per_token: float | None = None, base: "TierWeights | None" = None) -> "TierWeights":
+        """Weights from measured per-token costs (see the module docstring); a cost of None
+        keeps ``base``'s weight for that tier (default weights without ``base``)."""
+        if base is None:
+            base = cls()
+        if not isinstance(base, TierWeights):
+            raise TypeError(f"base: expected a TierWeights or None, got {type(base).__name__}")
+        _check_cost("prefill_s_per_token", prefill_s_per_token, positive=True)
+        _check_cost("host_s_per_token", host_s_per_token)
+        _check_cost("storage_s_per_token", storage_s_per_token)
+
+        def saved(cost, keep):
+            return keep if cost is None else min(1.0, max(0.0, 1.0 - cost / prefill_s_per_token))
+
+        host = saved(host_s_per_token, base.host)
+        storage = min(host, saved(storage_s_per_token, base.storage))  # a storage page loads through the host
+        return cls(base.device, min(base.device, host), min(base.device, storage))
+
+
+def _check_cost(name: str, v: object, positive: bool = False) -> None:
+    if v is None and not positive:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+            (positive and v == 0):
+        raise ValueError(f"{name}: expected a finite number of seconds {'> 0' if positive else '>= 0'}, got {v!r}")
+
+
+def tier_costs_from_stats(stats: Mapping | Sequence[Mapping]) -> dict[str, float | None]:
+    """Measured seconds per token of loading from ``host`` and ``storage`` (see the module
+    docstring), from one ``cache.stats()`` or several (summed: engines serving one model);
+    None for a tier with nothing measured."""
+    if isinstance(stats, Mapping):
+        stats = [stats]
+    if isinstance(stats, (str, bytes)) or not isinstance(stats, Sequence) or \
+            any(not isinstance(s, Mapping) for s in stats):
+        raise TypeError("stats: expected cache.stats() or a sequence of them")
+
+    def total(hist: str, tokens: str) -> tuple[float, int]:
+        secs = sum(s[hist]["sum"] for s in stats if hist in s)
+        toks = sum(s[tokens] for s in stats if tokens in s)
+        return secs, toks
+
+    h_s, h_t = total("load_back_duration_seconds", "load_back_tokens")
+    p_s, p_t = total("prefetch_duration_seconds", "prefetched_tokens")
+    host = h_s / h_t if h_t else None
+    storage = p_s / p_t + (host or 0.0) if p_t else None
+    return {"host": host, "storage": storage}
 
 
 @dataclass(frozen=True)
@@ -80,6 +144,23 @@ class PrefixRouter:
         self.views = {e: TierContents() for e in engines}
         self._rr = itertools.count()
         self.decisions = {"prefix": 0, "balance": 0, "no_prefix": 0}
+
+    @classmethod
+    def from_measured(cls, engines: Sequence[str], stats: Mapping | Sequence[Mapping], prefill_s_per_token: float,
+                      **kwargs) -> "PrefixRouter":
+        """A router whose tier weights come from the caches' measured load costs (``stats``:
+        ``cache.stats()`` of one or several engines) against ``prefill_s_per_token``."""
+        router = cls(engines, **kwargs)
+        router.set_measured_weights(stats, prefill_s_per_token)
+        return router
+
+    def set_measured_weights(self, stats: Mapping | Sequence[Mapping], prefill_s_per_token: float) -> TierWeights:
+        """Re-weight the tiers from measured load costs (module docstring); a tier with
+        nothing measured keeps its weight. Returns the new weights."""
+        costs = tier_costs_from_stats(stats)
+        self.weights = TierWeights.from_load_cost(prefill_s_per_token, costs["host"], costs["storage"],
+                                                  base=self.weights)
+        return self.weights
 
     def apply(self, batch: EventBatch) -> None:
         """Fold one engine's batch into its view (batches of an engine in ``seq`` order)."""

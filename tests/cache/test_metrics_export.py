@@ -98,9 +98,12 @@ def test_stats_use_the_family_names(backend_factory):
     prefill_insert(cache, KVOracle(be), seq(0, 12))
     cache.flush()
     s = cache.stats()
-    # Only the L3 store's families are absent (no storage controller attached).
+    # Only the L3 store's families (no storage controller attached) and retention's (not
+    # enabled) are absent.
     l3_only = {f.name for f in FAMILIES if f.name.startswith("storage_") and not f.name.startswith("storage_backup")}
-    assert set(FAMILY_NAMES) - set(s) == l3_only | {"prefetch_reserved_host_pages"}
+    retention = {f.name for f in FAMILIES if f.name.startswith(("retention_", "retained_"))}
+    assert len(retention) == 6
+    assert set(FAMILY_NAMES) - set(s) == l3_only | retention | {"prefetch_reserved_host_pages"}
     assert s["cached_tokens"] == {"device": 0, "host": 0, "storage": 0}
     assert s["backup_tokens"] == 12 and s["device_used_tokens"] == 12 and s["host_used_tokens"] == 12
     assert s["backup_duration_seconds"]["count"] == 1

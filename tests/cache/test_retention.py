@@ -114,6 +114,37 @@ def test_dropping_a_redundant_host_copy_overrides_no_hint():
     assert ret.overridden_tokens["device"] == 4 and ret.retained_tokens == 0
 
 
+def test_the_metrics_families_export_retention_on_stats_and_prometheus():
+    """retained_tokens and the retention_* families read the live Retention (absent before
+    enable_retention), in stats() and in a Prometheus scrape."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from hicache_jax.cache import register_prometheus
+
+    cache, be, oracle, ret, clock = setup(cap=6)
+    a, b = seq(0, 4), seq(100, 8, extra_key="t")
+    prefill_insert(cache, oracle, a)
+    prefill_insert(cache, oracle, b)
+    cache.insert(a, cache.match_prefix(a).device_indices, retain=RetentionHint(seconds=10))
+    cache.insert(b, cache.match_prefix(b).device_indices, retain=RetentionHint(seconds=10))  # 8 > cap 6
+    cache.flush()
+    cache.evict(32)  # a leaves the device with its hint live; b was never retained
+    s = cache.stats()
+    assert s["retained_tokens"] == 4 and s["retention_hint_calls"] == 2
+    assert s["retention_clamped_calls"] == 1 and s["retention_clamped_tokens"] == 8
+    assert s["retention_overridden_tokens"] == {"device": 4, "host": 0}
+    cache.evict_host(64)  # a leaves its last tier: its budget is free again, host overrode it too
+    clock.t = 11.0
+    s = cache.stats()
+    assert s["retained_tokens"] == 0 and s["retention_overridden_tokens"] == {"device": 4, "host": 4}
+    registry = prometheus_client.CollectorRegistry()
+    register_prometheus(cache, registry)
+    get = registry.get_sample_value
+    assert get("hicache_retained_tokens") == 0
+    assert get("hicache_retention_clamped_tokens_total") == 8
+    assert get("hicache_retention_overridden_tokens_total", {"tier": "device"}) == 4
+    assert get("hicache_retention_hint_calls_total") == 2
+
+
 def test_a_stronger_hint_reorders_the_node_where_it_is_listed():
     cache, be, oracle, ret, clock = setup()
     k = seq(0, 4)
@@ -315,4 +346,32 @@ def test_any_trace_keeps_the_budget_and_the_indexes_exact(seed, ops):
             assert node in live and (node.value is not None or node.host_value is not None)
             per_ns[node.namespace] = per_ns.get(node.namespace, 0) + node.size
         assert {k: v for k, v in ret.by_namespace.items() if v} == per_ns
+        assert ret.retained_tokens == sum(per_ns.values())  # the running total the metrics read
         assert all(v <= 10 for v in per_ns.values())
+
+
+def test_sliding_window_evictions_sweep_expired_hints_first():
+    """A sliding-window pool short of pages evicts whole leaves on its own (``evict_leaf``,
+    ``drop_host_leaf``); an expired hint must be swept before, so its node's eviction counts as
+    expired, not as an eviction that overrode a live hint."""
+    from swa_harness import SWADriver, make_swa_cache
+
+    cache, full, swa_be, swa = make_swa_cache(device_pages=64, host_pages=64, swa_device_pages=8,
+                                              swa_host_pages=12)
+    drv = SWADriver(cache, full, swa_be, swa)
+    clock = Clock()
+    ret = enable_retention(cache, RetentionConfig(64, 4, clock))
+    a = RadixKey(np.arange(0, 9, dtype=np.int64))
+    drv.serve(a)
+    req, _lb = cache.begin_request(RadixKey(a.token_ids[:8]), retain=RetentionHint(seconds=5))
+    cache.dec_lock_ref(req.last_node)
+    assert ret.retained_tokens == 8
+    clock.t = 6.0  # expired; no eviction of the full pool runs below (it has room)
+    for i in range(1, 8):
+        drv.serve(RadixKey(np.arange(100 * i, 100 * i + 9, dtype=np.int64)))
+        cache.check_events()
+    assert cache.metrics.evict_calls == 0  # only the window's own evictions ran (they must sweep)
+    assert swa.metrics.leaf_evictions > 0
+    assert ret.expired_tokens == 8 and ret.retained_tokens == 0
+    assert ret.overridden_tokens == {"device": 0, "host": 0}
+    cache.sanity_check(0)

@@ -65,3 +65,38 @@ def test_good_values_and_defaults_parse():
     assert _parser("spec").parse_args([]).device_pages == 0  # 0 = three requests' worth
     for name in PARSERS:  # every default passes its own validation
         _parser(name).parse_args([])
+
+
+COMBINATIONS = [
+    (["--router", "prefix"], "--router"),  # one engine: nothing to route between
+    (["--engines", "2", "--router", "prefix", "prefix"], "--router"),
+    (["--engines", "2", "--num-processes", "2"], "--engines"),
+    (["--engines", "2", "--model", "hybrid-tiny"], "--engines"),
+    (["--engines", "2", "--storage-backend", "mooncake", "--mooncake-master", "h:1"], "--mooncake-master"),
+]
+
+
+@pytest.mark.parametrize("argv,option", COMBINATIONS, ids=[" ".join(a) for a, _o in COMBINATIONS])
+def test_multiturn_option_combinations_are_usage_errors(argv, option, capsys):
+    """--engines / --router combinations are refused by the CLI before anything is built."""
+    from hicache_jax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "multiturn", *argv])
+    assert e.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_multiturn_routed_combinations_that_are_fine_pass_the_check():
+    p = _parser("multiturn")
+    for argv in ([], ["--engines", "4"], ["--engines", "2", "--router", "prefix"],
+                 ["--engines", "2", "--storage-backend", "mooncake", "--mooncake-master", "h:1", "--router", "prefix"]):
+        args = p.parse_args(argv)
+        options.check(p, args, "multiturn")
+    assert p.parse_args([]).router == ["round_robin", "prefix"]
+
+
+def test_router_names_match_the_routed_benchmark():
+    from hicache_jax.bench import routed
+
+    assert options.ROUTERS == routed.POLICIES

@@ -11,7 +11,7 @@ from hicache_jax.backends.numpy_backend import make_numpy_backend
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
 from hicache_jax.cache.event_source import KVEventSource
 from hicache_jax.cache.events import EventBatch, KVEvent
-from hicache_jax.routing import PrefixRouter, TierWeights
+from hicache_jax.routing import PrefixRouter, TierWeights, tier_costs_from_stats
 
 K = [bytes([i]) * 32 for i in range(8)]  # one request's page keys, in order
 
@@ -133,3 +133,87 @@ def test_routes_real_engines_by_their_events():
     cache0.check_events()
     d = r.route(keys)
     assert d.engine == "e0" and d.pages == {"device": 0, "host": 8, "storage": 0}
+
+
+# ------------------------------------------------------------------ measured tier weights
+def test_weights_from_load_cost_are_the_share_of_a_recompute_saved():
+    w = TierWeights.from_load_cost(1e-3, host_s_per_token=2e-4, storage_s_per_token=5e-4)
+    assert (w.device, w.host, w.storage) == (1.0, pytest.approx(0.8), pytest.approx(0.5))
+    # Slower than recomputing: no saving; free: the whole recompute.
+    w = TierWeights.from_load_cost(1e-3, host_s_per_token=0.0, storage_s_per_token=3e-3)
+    assert (w.host, w.storage) == (1.0, 0.0)
+    # A storage page loads through the host: never weighted above it.
+    w = TierWeights.from_load_cost(1e-3, host_s_per_token=9e-4, storage_s_per_token=1e-4)
+    assert w.storage == pytest.approx(w.host) == pytest.approx(0.1)
+    # Nothing measured for a tier: it keeps the base (default) weight.
+    assert TierWeights.from_load_cost(1e-3) == TierWeights()
+    base = TierWeights(1.0, 0.9, 0.2)
+    w = TierWeights.from_load_cost(1e-3, storage_s_per_token=7e-4, base=base)
+    assert (w.host, w.storage) == (0.9, pytest.approx(0.3))
+
+
+def test_weights_from_load_cost_bad_input():
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(ValueError, match="prefill_s_per_token"):
+            TierWeights.from_load_cost(bad)
+    with pytest.raises(ValueError, match="host_s_per_token"):
+        TierWeights.from_load_cost(1e-3, host_s_per_token=-1e-4)
+    with pytest.raises(ValueError, match="storage_s_per_token"):
+        TierWeights.from_load_cost(1e-3, storage_s_per_token=float("nan"))
+    with pytest.raises(TypeError, match="base"):
+        TierWeights.from_load_cost(1e-3, base=(1, 0.5, 0.1))
+    r = PrefixRouter(["a"])
+    with pytest.raises(TypeError, match="stats"):
+        r.set_measured_weights("stats", 1e-3)
+    with pytest.raises(ValueError, match="prefill"):
+        r.set_measured_weights([], 0)
+    assert r.weights == TierWeights()  # nothing changed
+
+
+def hist(total):
+    return {"count": 1, "sum": total, "buckets": {}}
+
+
+def test_costs_from_stats_sum_over_engines_and_storage_includes_the_load_back():
+    a = {"load_back_duration_seconds": hist(0.02), "load_back_tokens": 100,
+         "prefetch_duration_seconds": hist(0.3), "prefetched_tokens": 200}
+    b = {"load_back_duration_seconds": hist(0.01), "load_back_tokens": 200}  # no L3 attached: no prefetch keys
+    c = tier_costs_from_stats([a, b])
+    assert c["host"] == pytest.approx(0.03 / 300)
+    assert c["storage"] == pytest.approx(0.3 / 200 + 0.03 / 300)
+    assert tier_costs_from_stats(b)["storage"] is None
+    nothing = {"load_back_duration_seconds": hist(0.0), "load_back_tokens": 0}
+    assert tier_costs_from_stats(nothing) == {"host": None, "storage": None}
+
+
+def test_measured_weights_change_the_choice():
+    """Default weights: 4 host pages (2.8) beat 2 device pages (2.0). Measured: loading from
+    the host costs 60% of a recompute, so 4 host pages score 1.6 and the device engine wins."""
+    r = PrefixRouter(["a", "b"])
+    r.apply(batch("a", 0, stored("device", K[:2])))
+    r.apply(batch("b", 0, stored("host", K[:4])))
+    assert r.route(K).engine == "b"
+    stats = {"load_back_duration_seconds": hist(0.6), "load_back_tokens": 1000}
+    w = r.set_measured_weights(stats, prefill_s_per_token=1e-3)
+    assert w.host == pytest.approx(0.4) and w.storage == pytest.approx(0.4)  # storage: capped by host
+    d = r.route(K)
+    assert d.engine == "a" and d.score == pytest.approx(2.0)
+    m = PrefixRouter.from_measured(["a", "b"], stats, 1e-3, balance_abs=4)
+    assert m.weights == w and m.balance_abs == 4
+
+
+def test_measured_weights_from_a_real_caches_load_backs():
+    cache, _dev, _src = make_engine("e0")
+    key = RadixKey(np.arange(32, dtype=np.int64))
+    serve(cache, key)
+    cache.flush()
+    cache.evict(32)
+    serve(cache, key)  # loaded back from the host
+    cache.flush()
+    s = cache.stats()
+    assert s["load_back_tokens"] == 32 and s["load_back_duration_seconds"]["sum"] > 0
+    cost = tier_costs_from_stats(s)
+    assert cost["host"] == pytest.approx(s["load_back_duration_seconds"]["sum"] / 32) and cost["storage"] is None
+    prefill = cost["host"] * 4  # a recompute four times dearer than the load
+    r = PrefixRouter.from_measured(["e0"], s, prefill)
+    assert r.weights.host == pytest.approx(0.75) and r.weights.storage == 0.4  # storage: nothing measured

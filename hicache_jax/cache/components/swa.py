@@ -471,6 +471,9 @@ class SWAComponent(KVComponent):
         idx = self.device_index
         ev = self.evictor
         m = self.metrics
+        watch = ev.res.watch
+        if watch is not None:
+            watch.before_evict("device")  # settle lazy state first (retention expiry), as Evictor.evict
         while freed < num_pages:
             st = idx.pop()
             if st is None:
@@ -505,6 +508,9 @@ class SWAComponent(KVComponent):
         idx = self.host_index
         aside = []
         m = self.metrics
+        watch = self.evictor.res.watch
+        if watch is not None:
+            watch.before_evict("host")
         while freed < num_pages:
             st = idx.pop()
             if st is None:
