@@ -63,6 +63,7 @@ ENGINE_UNSUPPORTED: dict[str, dict[str, tuple[object, str]]] = {
         "num_processes": (1, "the adapter supports one data-parallel replica"),
         "deterministic": (False, "eSurge schedules its own steps"),
         "mooncake_master": (None, "L3 is file, memory, orbax or none"),
+        "engines": (1, "one eSurge engine; routing between several is the reference engine's (--engine reference)"),
     },
 }
 

@@ -41,6 +41,7 @@ def test_reference_engine_defaults_unchanged():
     (["--deterministic"], "--deterministic"),
     (["--model", "hybrid"], "--model"),
     (["--storage-backend", "mooncake"], "--storage-backend"),
+    (["--engines", "2"], "--engines"),
 ])
 def test_what_esurge_cannot_honour_is_a_usage_error(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
