@@ -45,6 +45,11 @@ class CacheRequest:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
+    # The request helpers of the cache whose ``begin_request`` made it (None: built by hand);
+    # another cache's helpers refuse it (its page ids are not theirs).
+    owner: object = field(default=None, repr=False, compare=False)
+    # Set when ``cache_finished_req`` / ``abort_request`` released it: it holds nothing now.
+    released: bool = False
 
     @property
     def hit_tokens(self) -> dict[str, int]:
