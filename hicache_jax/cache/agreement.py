@@ -74,11 +74,21 @@ def check_rank(rank: object, num_processes: object) -> tuple[int, int]:
     return int(rank), int(num_processes)
 
 
+def check_values(values: object) -> np.ndarray:
+    """``agree_min``'s argument as a 1-D int64 vector; TypeError / ValueError naming it."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iub":
+        raise TypeError(f"values: expected a 1-D integer vector, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"values: expected a 1-D vector (one value per slot), got shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
 class SingleProcessAgreement(Agreement):
     """One process: every local value is already agreed."""
 
     def agree_min(self, values: np.ndarray) -> np.ndarray:
-        return values
+        return check_values(values)
 
     def __repr__(self) -> str:
         return "SingleProcessAgreement()"
@@ -95,7 +105,7 @@ class NoExchangeAgreement(Agreement):
         self.rank, self.num_processes = check_rank(rank, num_processes)
 
     def agree_min(self, values: np.ndarray) -> np.ndarray:
-        return values
+        return check_values(values)
 
     def __repr__(self) -> str:
         return f"NoExchangeAgreement(rank={self.rank}, num_processes={self.num_processes})"

@@ -226,11 +226,15 @@ class BackupIssuer:
 
     def rollback(self, r: "Reservation") -> None:
         """Some rank's allocation failed: give back what this rank got; nothing is marked."""
+        self.release(r)
+        self.metrics.backup_failed_tokens += r.tokens
+
+    def release(self, r: "Reservation") -> None:
+        """Give back a reservation's host pages and anchor guard (no counters)."""
         self.evictor.settle_host(r.tokens // self.page_size, r.host_ids, False)
         if r.guard:
             self.locks.unguard_host_copy(r.anchor)
         self.res.refresh(r.anchor)
-        self.metrics.backup_failed_tokens += r.tokens
 
     def _mark(self, chain: list, host_ids: np.ndarray, tokens: int) -> None:
         """set_host for the whole chain at once: every chain node but the last has a backed-up
@@ -318,6 +322,14 @@ class AgreedBackups:
             else:
                 self.issuer.rollback(r)
                 self.rolled_back += 1
+
+    def abandon(self) -> None:
+        """The step's exchange failed (``AgreementError``, on every rank): give back this
+        step's reservations and queue their targets again, as if the step had not run."""
+        pending, self.pending = self.pending, []
+        for r in pending:
+            self.issuer.release(r)
+            self.wanted[r.chain[-1]] = None
 
     @property
     def idle(self) -> bool:

@@ -846,12 +846,16 @@ class HiRadixCache:
     # ------------------------------------------------------------------ eviction
     def alloc_device(self, num_pages: int) -> np.ndarray | None:
         """Allocate device pages for the caller, evicting unlocked leaves if short; None on
-        failure (nothing allocated): ``device_fit(num_pages)`` then says whether the pool can
+        failure (nothing allocated; more pages than the pool has: without evicting anything):
+        ``device_fit(num_pages)`` then says whether the pool can
         never hold that many pages (``DeviceFit.TOO_LARGE``) or is full now
         (``DeviceFit.FULL_NOW``: locked or unacknowledged pages; retry after requests finish)."""
         if get_ident() != self._owner:
             self._not_owner("alloc_device")
-        return self._evictor.alloc_device(check_int("num_pages", num_pages, 0), False)
+        num_pages = check_int("num_pages", num_pages, 0)
+        if num_pages > self.device_allocator.num_pages:  # TOO_LARGE: evicting would only lose the cache
+            return None
+        return self._evictor.alloc_device(num_pages, False)
 
     def device_fit(self, num_pages: int) -> DeviceFit:
         """Whether ``alloc_device(num_pages)`` can succeed: ``FITS`` (free pages plus the
@@ -871,7 +875,8 @@ class HiRadixCache:
         """Allocate device pages of the component ``name`` (one with its own page ids, e.g.
         ``"swa"``) for the caller, evicting by that component's own rules when short (a
         sliding window: unlocked leaves whole, other nodes' SWA pages only, leaving
-        tombstones); None (nothing allocated) when there is no room even then."""
+        tombstones); None (nothing allocated) when there is no room even then, and at once,
+        evicting nothing, for more pages than the component's pool has."""
         if get_ident() != self._owner:
             self._not_owner("alloc_component")
         comp = self._own_component(name)

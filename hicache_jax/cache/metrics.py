@@ -36,6 +36,7 @@ the same label names and distinct values.
 from __future__ import annotations
 
 import bisect
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass, field, fields
@@ -406,6 +407,9 @@ class _Collector:
     def add(self, cache: "HiRadixCache", labels: Mapping[str, str]) -> None:
         names, values = tuple(labels), tuple(labels.values())
         with self.lock:
+            if self.label_names is not None and set(names) == set(self.label_names):
+                # the same names in another order: the collector's order (samples are by name)
+                names, values = self.label_names, tuple(labels[n] for n in self.label_names)
             if self.label_names is not None and names != self.label_names:
                 raise ValueError(f"labels: caches exported with prefix {self.prefix!r} on one registry must use "
                                  f"the same label names {list(self.label_names)}, got {list(names)}")
@@ -488,6 +492,8 @@ def _check_labels(labels: object) -> dict[str, str]:
             raise ValueError(f"labels: {k!r} is not a valid Prometheus label name")
         if k in ("cache_source", "tier", "pool", "reason", "operation", "le", "version", "backend", "platform"):
             raise ValueError(f"labels: {k!r} is a label of the cache's own families; pick another name")
+        if isinstance(v, bool) or not isinstance(v, (str, numbers.Integral)):
+            raise TypeError(f"labels: the value of {k!r} must be a str or an int, got {type(v).__name__} {v!r}")
         out[k] = str(v)
     return out
 

@@ -47,6 +47,11 @@ class CacheRequest:
     storage_hit_tokens: int = 0
     # A ``retention.RetentionHint`` its inserts apply (``begin_request(retain=)``), or None.
     retain: object = None
+    # The request helpers of the cache whose ``begin_request`` made it (None: built by hand);
+    # another cache's helpers refuse it (its page ids are not theirs).
+    owner: object = field(default=None, repr=False, compare=False)
+    # Set when ``cache_finished_req`` / ``abort_request`` released it: it holds nothing now.
+    released: bool = False
 
     @property
     def hit_tokens(self) -> dict[str, int]:

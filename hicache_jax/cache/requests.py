@@ -79,6 +79,7 @@ class RequestHelpers:
         req = CacheRequest(key, self.page_size, pages, last if last is not root else None, pages.shape[0],
                            priority, None, res.device_indices.shape[0] * self.page_size, loaded - from_storage,
                            from_storage)
+        req.owner = self
         if self.own:
             req.component_pages = {c.name: c.request_pages(last, pages.shape[0]) for c in self.own}
         return req, lb
@@ -88,6 +89,10 @@ class RequestHelpers:
         field otherwise (cheap: it runs on every request helper call)."""
         if not isinstance(req, CacheRequest):
             raise TypeError(f"req: expected a CacheRequest, got {type(req).__name__}")
+        if req.owner is not None and req.owner is not self:
+            raise ValueError("req: a request of another cache (begun by another cache's begin_request)")
+        if req.released:
+            raise ValueError("req: already finished or aborted (cache_finished_req / abort_request released it)")
         p = self.page_size
         if req.page_size != p:
             raise ValueError(f"req: page_size {req.page_size} != cache page_size {p}")
@@ -256,6 +261,7 @@ class RequestHelpers:
         if req.last_node is not None:
             self.callers.release(req.last_node)
         req.last_node = None
+        req.released = True
         req.device_pages = EMPTY_IDS.copy()
         req.cached_pages = 0
         if req.component_pages is not None:

@@ -16,7 +16,9 @@ engine's clock) register in a fixed order. ``step()``:
 3. one ``Agreement.agree_min`` of the whole vector, zero-padded to ``width`` (a fixed shape,
    so a device implementation compiles once);
 4. ``apply(agreed)`` of each, with exactly the values it reported, agreed: the *commit* (or
-   roll back) on every rank alike.
+   roll back) on every rank alike. When the exchange itself fails (``AgreementError``: a
+   rank built another layout, the agreement returned another shape) nothing is applied and
+   each participant's optional ``abandon()`` gives back what its ``prepare()`` reserved.
 
 The exchange happens every step even when nothing is reported (a rank with nothing to say
 still takes part, or the others would wait: sglang #26921). The first two slots carry a
@@ -123,7 +125,16 @@ class StepAgreement:
                 n0 = len(body)
                 p.report(body)
                 counts.append(len(body) - n0)
-            agreed = self._agree(0, body, counts)
+            try:
+                agreed = self._agree(0, body, counts)
+            except AgreementError:
+                # Nothing is applied: a participant that reserved in prepare() gives it back
+                # (optional ``abandon()``), so no rank holds pages for a step that never was.
+                for p in parts:
+                    abandon = getattr(p, "abandon", None)
+                    if callable(abandon):
+                        abandon()
+                raise
             self.steps += 1
             off = 0
             for p, n in zip(parts, counts):

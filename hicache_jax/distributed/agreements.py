@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.agreement import Agreement, AgreementError, check_rank
+from ..cache.agreement import Agreement, AgreementError, check_rank, check_values
 
 _BLOCK = 64  # KVStoreAgreement: calls per key directory (deleted as a whole)
 
@@ -74,7 +74,7 @@ class KVStoreAgreement(Agreement):
         self.calls = 0
 
     def agree_min(self, values: np.ndarray) -> np.ndarray:
-        vec = np.ascontiguousarray(values, dtype="<i8")
+        vec = np.ascontiguousarray(check_values(values), dtype="<i8")
         c = self.calls
         self.calls += 1
         cl, name = self.client, self.name
@@ -124,7 +124,7 @@ class DeviceAgreement(Agreement):
     def agree_min(self, values: np.ndarray) -> np.ndarray:
         from jax.experimental import multihost_utils
 
-        vec = np.ascontiguousarray(values, dtype="<i8")
+        vec = np.ascontiguousarray(check_values(values), dtype="<i8")
         c = self.calls
         self.calls += 1
         if self.arrival is not None:

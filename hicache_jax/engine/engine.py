@@ -235,6 +235,11 @@ class Engine:
             raise TypeError(f"cache_config: expected an EngineCacheConfig, got {type(cache_config).__name__}")
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig or None, got {type(spec).__name__}")
+        if spec is not None and 2 + spec.extra_positions > cache_config.max_context:
+            # The shortest request (1 prompt token, 1 new) writes 2 * k - 1 positions past its end.
+            raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
+                             f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
+                             f"cache_config.max_context is {cache_config.max_context}")
         if spec is not None and ranks is not None:  # the draft pool is not sharded over the ranks
             raise ValueError("spec: speculative decoding runs in one process only (ranks is set)")
         if model_config.is_hybrid and ranks is not None:  # the SWA pool is not sharded over the ranks

@@ -488,7 +488,9 @@ def test_alloc_device_hands_evicted_pages_to_the_caller(backend_factory):
     cache.sanity_check(0)
     hold = be.device.allocator.alloc(be.device.allocator.available)
     free_before = be.device.allocator.available
-    assert cache.alloc_device(30) is None  # evicts everything evictable, still short
+    assert cache.alloc_device(30) is None  # more pages than the pool has: never fits, evicts nothing
+    assert be.device.allocator.available == free_before and cache.evictable_tokens == 16
+    assert cache.alloc_device(20) is None  # fits the pool, not now: evicts everything evictable, still short
     assert be.device.allocator.available == free_before + 16  # both 8-page nodes, freed
     cache.sanity_check(len(hold))
 

@@ -495,6 +495,8 @@ class SWAComponent(KVComponent):
         """``num_pages`` SWA device pages for the caller, evicting SWA if short; None (nothing
         allocated, the eviction done) when there is no room even then."""
         a = self.device_allocator
+        if num_pages > a.num_pages:  # never fits: evicting would only lose cached windows
+            return None
         if num_pages > a.available:
             self.evict(num_pages - a.available)
         ids = a.alloc(num_pages)

@@ -224,7 +224,7 @@ class MooncakeStorage(HiCacheStorage):
         now = time.monotonic()
         if now < self._down_until:
             raise _StoreDown(what)
-        if self._down_until and self._store.health_check() != 0:
+        if self._down_until and (self._store.health_check() != 0 or not self._master_answers()):
             self._down_until = now + self._retry
             raise _StoreDown(what)
         fut = self._executor.submit(self._run_call, fn, args)
@@ -234,6 +234,17 @@ class MooncakeStorage(HiCacheStorage):
             fut.cancel()
             self._fault(f"{what} did not finish within mooncake_op_timeout_s={self._timeout}")
             raise TimeoutError(f"L3 mooncake: {what} timed out") from None
+
+    def _master_answers(self) -> bool:
+        """The master's RPC port accepts a connection. Asked after a fault beside the client's
+        ``health_check``, which reports 0 with the master killed: without this every retry
+        interval ended with a call that waited the whole op timeout on a dead master."""
+        try:
+            _probe_tcp("mooncake_master", *split_host_port("mooncake_master", self.config.mooncake_master),
+                       min(self._timeout, 0.5))
+        except ConnectionError:
+            return False
+        return True
 
     def _in_parallel(self, n: int, fn) -> list:
         """``fn(lo, hi)`` (a list, one item per page of ``[lo, hi)``) over ``n`` pages split into
