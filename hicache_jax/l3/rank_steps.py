@@ -181,3 +181,15 @@ class RankSteps:
                 pf.release_drained(op)
             i += 1
         self._step_ops, self._step_jobs, self._step_drain = [], [], []
+
+    def abandon(self) -> None:
+        """The step's exchange failed (``AgreementError``, on every rank): give back the host
+        pages ``prepare`` reserved for agreed hits, as if the step had not run. The agreed hit
+        stays, so the next good step reserves again; nothing else ``prepare`` picked changed."""
+        for op in self._step_ops:
+            reservation, op.agreed.reservation = op.agreed.reservation, None
+            if op.status == "querying" and reservation is not None:
+                n, ids = reservation
+                if n:
+                    self.cache.settle_host_pages(n, ids, False)
+        self._step_ops, self._step_jobs, self._step_drain = [], [], []

@@ -160,3 +160,22 @@ def test_an_agreed_hit_below_the_threshold_is_revoked(r0):
     r0.step(other=lambda out: [1])  # 1 page < threshold 4 tokens
     assert op.status == "revoked" and op.reason == "storage hit below the threshold"
     assert not r0.pf.in_flight(op)
+
+
+def test_an_exchange_that_fails_gives_back_the_reservation_and_the_next_step_reserves_again(r0):
+    """``prepare`` reserved host pages for an agreed hit, then the exchange failed
+    (``AgreementError`` on every rank: ``abandon``). The pages go back at once (the allocator and
+    ``sanity_check`` see no leak) and the next good step reserves and reads as before."""
+    a = seq(0, 16)
+    _store_committed(r0, a)
+    op = r0.pf.start(a)
+    _answered(r0, op)
+    r0.step()
+    assert op.agreed.hit == 8 and op.status == "querying"
+    free = r0.cache.host_allocator.available
+    r0.steps.prepare()  # reserves the 8 pages ...
+    assert r0.cache.host_allocator.available == free - 8
+    r0.steps.abandon()  # ... and the exchange failed
+    assert r0.cache.host_allocator.available == free and op.agreed.reservation is None
+    r0.cache.sanity_check(0)
+    assert r0.step() == [1] and op.status == "loading" and op.reserved_pages == 8
