@@ -279,11 +279,7 @@ class PagedRunner:
                              f"got {len(swa_page_tables)}")
         rows = []  # (sequence, offset of the row in it, tokens, start, full table, swa table)
         for i, (ts, st, table) in enumerate(zip(tokens, starts, page_tables)):
-            n = len(ts)
-            if n == 0:
-                raise ValueError(f"tokens[{i}]: expected at least one token")
-            if (st + n + self.page_size - 1) // self.page_size > len(table):
-                raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {st + n} tokens")
+            n = self._check_sequence(i, ts, st, table)
             swa = None if swa_page_tables is None else swa_page_tables[i]
             rows += [(i, j, list(ts[j:j + t]), st + j, table, swa) for j in range(0, n, t)]
         if swa_pools is not None:  # every row's window is checked before the first step consumes the pools
@@ -312,6 +308,15 @@ class PagedRunner:
             out = np.stack([out_rows[last[i]] for i in range(b)])
         return (out, pools) if swa_pools is None else (out, pools, swa_pools)
 
+    def _check_sequence(self, i: int, tokens, start: int, table) -> int:
+        """Sequence ``i``'s token count, after checking it has tokens and its page table covers them."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError(f"tokens[{i}]: expected at least one token")
+        if (start + n + self.page_size - 1) // self.page_size > len(table):
+            raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {start + n} tokens")
+        return n
+
     def _launch(self, pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions, bb: int,
                 tb: int):
         """One jitted step of shape ``(bb, tb)`` over ``len(tokens) <= bb`` sequences."""
@@ -323,11 +328,7 @@ class PagedRunner:
         pt = np.zeros((bb, mb), np.int32)
         kv_lens = np.zeros(bb, np.int32)
         for i, (ts, st, table) in enumerate(zip(tokens, starts, page_tables)):
-            n = len(ts)
-            if n == 0:
-                raise ValueError(f"tokens[{i}]: expected at least one token")
-            if (st + n + self.page_size - 1) // self.page_size > len(table):
-                raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {st + n} tokens")
+            n = self._check_sequence(i, ts, st, table)
             tok[i, :n], pos[i, :n], val[i, :n] = ts, np.arange(st, st + n), True
             pos[i, n:] = st + n - 1
             pt[i, :len(table)] = table
