@@ -77,6 +77,26 @@ def _host_pages(host, component, ids):
     return pages.transpose(1, 0, 2, 3, 4) if order == "nlp" else pages.transpose(2, 0, 1, 3, 4)
 
 
+def _check_round_trip(geom, layout, dev, host, eng, rng):
+    """Back up 5 random device pages into poisoned host pages and load them into 5 other device
+    pages: the named pages carry the bytes both ways; every other host and device page keeps its
+    bytes (the host's poison, the device's data), byte for byte."""
+    data = _fill_device(dev, rng)
+    before_host = _poison_host(host, rng)
+    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
+    eng.backup(src, hst).wait()
+    poisoned = HostKVPool(geom, HOST_PAGES, layout, buffer=before_host)
+    others = np.setdiff1d(np.arange(HOST_PAGES), hst)
+    for c in geom.components:
+        np.testing.assert_array_equal(_host_pages(host, c, hst), data[c][:, src])
+        np.testing.assert_array_equal(_host_pages(host, c, others), _host_pages(poisoned, c, others))
+    eng.load(hst, dst).wait()
+    untouched = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
+        np.testing.assert_array_equal(dev.read_pages_host(c, untouched), data[c][:, untouched])
+
+
 @pytest.mark.parametrize("layout", list(HostLayout))
 @pytest.mark.parametrize("name", list(GEOMS))
 def test_stream_roundtrip_is_byte_exact_and_touches_only_the_named_pages(name, layout):
@@ -84,22 +104,7 @@ def test_stream_roundtrip_is_byte_exact_and_touches_only_the_named_pages(name, l
     rng = np.random.default_rng(0)
     dev, host, eng = _engine(geom, layout, groups=1)
     assert eng.host_copy == "xla_stream"
-    data = _fill_device(dev, rng)
-    before_host = _poison_host(host, rng)
-    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
-    eng.backup(src, hst).wait()
-    others = np.setdiff1d(np.arange(HOST_PAGES), hst)
-    for c in geom.components:
-        np.testing.assert_array_equal(_host_pages(host, c, hst), data[c][:, src])
-    # host pages not named keep their poison, byte for byte
-    poisoned = HostKVPool(geom, HOST_PAGES, layout, buffer=before_host)
-    for c in geom.components:
-        np.testing.assert_array_equal(_host_pages(host, c, others), _host_pages(poisoned, c, others))
-    eng.load(hst, dst).wait()
-    untouched = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
-    for c in geom.components:
-        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
-        np.testing.assert_array_equal(dev.read_pages_host(c, untouched), data[c][:, untouched])
+    _check_round_trip(geom, layout, dev, host, eng, rng)
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
@@ -376,20 +381,7 @@ def test_static_page_loops_pad_harmlessly(layout, loop, unroll):
     rng = np.random.default_rng(11)
     dev, host, eng = _engine(geom, layout, groups=2, stream_loop=loop, stream_unroll=unroll)
     assert eng.copier.bucket_for(5) == 8
-    data = _fill_device(dev, rng)
-    before_host = _poison_host(host, rng)
-    src, hst, dst = np.array([4, 19, 0, 7, 11]), np.array([15, 0, 3, 8, 9]), np.array([20, 21, 1, 2, 23])
-    eng.backup(src, hst).wait()
-    poisoned = HostKVPool(geom, HOST_PAGES, layout, buffer=before_host)
-    others = np.setdiff1d(np.arange(HOST_PAGES), hst)
-    for c in geom.components:
-        np.testing.assert_array_equal(_host_pages(host, c, hst), data[c][:, src])
-        np.testing.assert_array_equal(_host_pages(host, c, others), _host_pages(poisoned, c, others))
-    eng.load(hst, dst).wait()
-    rest = np.setdiff1d(np.arange(DEVICE_PAGES), dst)
-    for c in geom.components:
-        np.testing.assert_array_equal(dev.read_pages_host(c, dst), data[c][:, src])
-        np.testing.assert_array_equal(dev.read_pages_host(c, rest), data[c][:, rest])
+    _check_round_trip(geom, layout, dev, host, eng, rng)
 
 
 def test_stream_loop_options_are_validated():
