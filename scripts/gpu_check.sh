@@ -14,12 +14,16 @@
 #              2048-token prompts, 5 rounds, max batch 4, L3 file
 #   multiturn  hicache-jax bench multiturn on the GPU preset, L3 file
 #   determ     the same with --deterministic, when `bench multiturn --help` lists it
+#   streamvar  the stream copies' static unrolled loop and the numpy path on the same bytes (log only)
+#   hlo        a small bench transfer with XLA's dump on: the optimized HLO of the page-copy
+#              executables (is a page loop a while loop? are its copies async?) as hlo.tar.gz
 # then a compact summary (every goal and verdict line, the transfer GB/s, the token checks).
 # L3 is the file backend: the GPU image's orbax-checkpoint (0.12.4) disables the orbax L3.
 #
 # $OUT (default ./gpu_check_out) receives: gpu_check.log (every step's full output), summary.txt
-# (the summary, also printed), transfer.json, ttft.json, ttft.png, multiturn.json, multiturn.png,
-# multiturn_deterministic.json. Other outputs stay in a scratch directory, removed at the end.
+# (the summary, also printed), transfer.json, ttft.json, ttft.png, multiturn.json,
+# multiturn_deterministic.json, hlo.tar.gz. Other outputs (multiturn's PNGs) stay in a scratch
+# directory, removed at the end.
 #
 # Environment: PYTHON (default python3; nothing is installed: PYTHONPATH=. runs the tree),
 # STEPS (default "versions pytest transfer ttft multiturn determ"), BUDGET_S, LAYERS (the preset's
@@ -30,7 +34,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar"}
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar hlo"}
 BUDGET_S=${BUDGET_S:-470}
 LAYERS=${LAYERS:-}
 QUICK=${QUICK:-0}
@@ -45,7 +49,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hi
 # 8-layer preset under a minute.
 CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-170} CAP_TRANSFER=${CAP_TRANSFER:-75}
 CAP_TTFT=${CAP_TTFT:-90} CAP_MULTITURN=${CAP_MULTITURN:-90} CAP_DETERM=${CAP_DETERM:-90}
-CAP_STREAMVAR=${CAP_STREAMVAR:-60}
+CAP_STREAMVAR=${CAP_STREAMVAR:-60} CAP_HLO=${CAP_HLO:-40}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
@@ -133,7 +137,7 @@ fi
 if want multiturn; then
   step multiturn $CAP_MULTITURN "${BENCH[@]}" multiturn "${MODEL[@]}" "${Q[@]}" "${MULTITURN[@]}" \
     --storage-backend file --out "$WORK/multiturn.json"
-  keep multiturn.json multiturn.json; keep multiturn.png multiturn.png
+  keep multiturn.json multiturn.json  # its PNG stays in the scratch directory (8 files)
 fi
 if want determ; then
   if [ "$DRY_RUN" = 1 ] || "${BENCH[@]}" multiturn --help 2>/dev/null | grep -q -- "--deterministic"; then
@@ -152,6 +156,16 @@ if want streamvar; then
   step streamvar $CAP_STREAMVAR bash -c "$(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --stream-loop static --stream-unroll 8 --out $WORK/sv1.json && $(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --host-copy numpy --out $WORK/sv2.json"
 fi
 
+# The optimized HLO of the page-copy executables at a small size, to read here what XLA's GPU
+# compiler made of the page loops (the numbers above say how fast; this says why).
+if want hlo; then
+  HL=(--page-sizes 16 --page-counts 64 --layouts page_first_direct --reps 1 --no-compare-impls)
+  [ "$QUICK" = 1 ] && HL=(--quick --no-compare-impls)
+  step hlo $CAP_HLO bash -c "XLA_FLAGS='--xla_dump_to=$WORK/hlo --xla_dump_hlo_as_text' $(printf '%q ' "${BENCH[@]}") \
+transfer ${HL[*]} --out $WORK/hlo.json && cd $WORK/hlo && tar czf $WORK/hlo.tar.gz \$(ls | grep -E 'after_optimizations(-buffer-assignment)?\.txt\$')"
+  keep hlo.tar.gz hlo.tar.gz
+fi
+
 if [ "$DRY_RUN" = 1 ]; then
   echo "files kept in \$OUT: gpu_check.log summary.txt ${KEPT[*]}"
   exit 0
@@ -160,7 +174,7 @@ fi
 # ---- the summary: rc per step, the pytest tally, then what each result file says ----------------
 {
   echo "===== summary ($(date -u +%FT%TZ), ${SECONDS} s of the ${BUDGET_S} s budget)"
-  for s in versions pytest transfer ttft multiturn determ streamvar; do
+  for s in versions pytest transfer ttft multiturn determ streamvar hlo; do
     [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
   done
   [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"

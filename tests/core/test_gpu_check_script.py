@@ -42,10 +42,10 @@ def test_dry_run_keeps_the_budget(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     steps = dict(re.findall(r"^\[(\w+)\] timeout (\d+)s: ", out, re.M))
-    assert set(steps) == {*MANDATORY, "determ", "streamvar"}, out
+    assert set(steps) == {*MANDATORY, "determ", "streamvar", "hlo"}, out
     budget = int(re.search(r"^BUDGET_S=\$\{BUDGET_S:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
     assert budget <= 480  # the whole script within 8 minutes
-    assert sum(int(steps[s]) for s in MANDATORY) < budget  # the optional determ and streamvar get what is left
+    assert sum(int(steps[s]) for s in MANDATORY) < budget  # the optional determ, streamvar and hlo get what is left
     kept = re.search(r"^files kept in \$OUT: (.*)$", out, re.M).group(1).split()
     assert len(kept) == len(set(kept)) <= 8, kept
     assert {"gpu_check.log", "summary.txt", "ttft.json", "multiturn.json", "transfer.json"} <= set(kept)
