@@ -142,6 +142,13 @@ class KVTransferEngine(ABC):
     host_pool: HostKVPool
     device_num_pages: int
 
+    @property
+    def replicated(self) -> bool:
+        """Whether every tensor-parallel rank holds the whole of every page (so rank 0 alone
+        writes it to L3, under keys every rank shares): an MLA latent pool by default; an
+        engine whose device pool says otherwise overrides this (``JaxDevicePool.replicated``)."""
+        return self.geom.kind == "mla"
+
     def validate(self, device_ids: object, host_ids: object) -> tuple[np.ndarray, np.ndarray]:
         """Check a (device, host) id pair before anything is launched; raises ValueError/TypeError."""
         d = check_page_ids(device_ids, self.device_num_pages, "device_ids")

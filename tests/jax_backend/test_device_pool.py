@@ -138,3 +138,92 @@ def test_layers_stay_committed_after_a_load_so_steps_do_not_recompile():
         assert step._cache_size() == size  # no second compilation after the load
     finally:
         engine.close()
+
+
+# ---- pools sharded over a mesh on the KV-head axis (8 forced CPU devices: conftest) -----------
+def _mesh(n: int):
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.skip(f"needs {n} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count), have {len(devices)}")
+    return jax.sharding.Mesh(np.array(devices[:n]), ("tp",))
+
+
+def _check_round_trip_per_shard(pool: JaxDevicePool, layout: HostLayout) -> None:
+    """Random bits into every page; D2H of some pages, H2D of them into others: the host pages
+    hold exactly the written bits, and every device shard holds exactly its heads of them
+    (all heads when the pool is replicated), its other pages untouched."""
+    g = pool.geom
+    rng = np.random.default_rng(g.num_kv_heads)
+    info = np.iinfo(g.container_dtype)
+    data = {c: rng.integers(1, info.max, (g.num_layers, pool.num_pages) + g.page_shape, dtype=g.container_dtype)
+            for c in g.components}
+    for c in g.components:
+        pool.write_pages_host(c, np.arange(pool.num_pages), data[c])
+    host = HostKVPool(pool.local_geom, 8, layout)
+    eng = JaxTransferEngine(pool, host)
+    src, hst, dst = np.array([3, 11, 0]), np.array([7, 1, 4]), np.array([9, 2, 15])
+    eng.backup(src, hst).wait()
+    order = layout.transfer_order
+    for c in g.components:
+        got = host.read_pages(c, hst)
+        got = {"lnp": got, "nlp": got.transpose(1, 0, 2, 3, 4), "npl": got.transpose(2, 0, 1, 3, 4)}[order]
+        np.testing.assert_array_equal(got, data[c][:, src])
+    eng.load(hst, dst).wait()
+    want = {c: data[c].copy() for c in g.components}
+    for c in g.components:
+        want[c][:, dst] = data[c][:, src]
+    heads_per_shard = g.num_kv_heads if pool.replicated else g.num_kv_heads // pool.mesh.shape["tp"]
+    for c in g.components:
+        for layer, arr in enumerate(pool.layers(c)):
+            assert len(arr.addressable_shards) == pool.mesh.size
+            for sh in arr.addressable_shards:
+                heads = sh.index[2]
+                got = np.asarray(sh.data).view(g.container_dtype)
+                assert got.shape[2] == heads_per_shard, (c, layer, sh.device)
+                np.testing.assert_array_equal(got, want[c][layer][:, :, heads], err_msg=f"{c} {layer} {sh.device}")
+    eng.close()
+
+
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST, HostLayout.LAYER_FIRST])
+def test_swa_and_draft_pools_shard_on_the_kv_heads_and_round_trip_per_shard(layout):
+    """The hybrid model's SWA pool and the draft pool as the engine builds them on a mesh:
+    sharded on the KV heads where they split (2 heads over 2 devices, 8 over 8), the draft
+    replicated where it has fewer heads than devices (2 over 8); byte-exact both ways."""
+    from hicache_jax.reference_model import HYBRID_TINY
+    from hicache_jax.reference_model.draft import draft_kv_geometry
+
+    swa = JaxDevicePool(HYBRID_TINY.swa_kv_geometry(4), 16, mesh=_mesh(2))
+    assert not swa.replicated and swa.layers("k")[0].sharding.spec[2] == "tp"
+    assert swa.copier_sharding == (swa.mesh, "tp")
+    wide = dict(HYBRID_TINY.__dict__, num_heads=8, num_kv_heads=8)
+    wide_draft = JaxDevicePool(draft_kv_geometry(type(HYBRID_TINY)(**wide), 4), 16, mesh=_mesh(8),
+                               replicate_fewer_heads=True)
+    assert not wide_draft.replicated
+    narrow_draft = JaxDevicePool(draft_kv_geometry(HYBRID_TINY, 4), 16, mesh=_mesh(8), replicate_fewer_heads=True)
+    assert narrow_draft.replicated and narrow_draft.copier_sharding == (narrow_draft.mesh, None)
+    assert narrow_draft.layers("k")[0].sharding.spec == jax.sharding.PartitionSpec()
+    for pool in (swa, wide_draft, narrow_draft):
+        _check_round_trip_per_shard(pool, layout)
+
+
+def test_a_pool_with_fewer_heads_than_devices_is_replicated_only_when_asked():
+    one_head = KVGeometry.mha(num_layers=2, page_size=4, num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    mesh = _mesh(8)
+    with pytest.raises(ValueError, match="1 KV heads do not split over 8 devices.*replicate_fewer_heads"):
+        JaxDevicePool(one_head, 8, mesh=mesh)
+    with pytest.raises(TypeError, match="replicate_fewer_heads"):
+        JaxDevicePool(one_head, 8, mesh=mesh, replicate_fewer_heads=1)
+    with pytest.raises(ValueError, match="3 KV heads do not split over 2"):  # more heads than devices: split or fail
+        JaxDevicePool(KVGeometry.mha(1, 4, 3, 8, "float32"), 8, mesh=_mesh(2), replicate_fewer_heads=True)
+    pool = JaxDevicePool(one_head, 8, mesh=mesh, replicate_fewer_heads=True)
+    assert pool.replicated and pool.local_geom == one_head
+    host = HostKVPool(pool.local_geom, 4, HostLayout.PAGE_FIRST)
+    assert JaxTransferEngine(pool, host).replicated  # what the L3 tier reads: rank 0 alone writes it
+    sharded = JaxDevicePool(GEOM, 8, mesh=_mesh(2))
+    assert not sharded.replicated
+    assert not JaxTransferEngine(sharded, HostKVPool(sharded.local_geom, 4, HostLayout.PAGE_FIRST)).replicated
+    mla = JaxDevicePool(KVGeometry.mla(2, 4, 8, 4, "float32"), 8, mesh=mesh)
+    assert mla.replicated
+    _check_round_trip_per_shard(JaxDevicePool(one_head, 16, mesh=mesh, replicate_fewer_heads=True),
+                                HostLayout.PAGE_FIRST)
+

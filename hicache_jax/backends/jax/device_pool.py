@@ -5,7 +5,11 @@ forward pass consume layer 0 while later layers still load: each layer's array d
 only on its own scatter.
 
 Sharding: with a ``mesh`` the MHA pools are sharded over ``kv_axis`` on the KV-head axis
-(``PartitionSpec(None, None, kv_axis, None)``); MLA latent pools (one head) are replicated.
+(``PartitionSpec(None, None, kv_axis, None)``). A pool is *replicated* (every device holds every
+head: ``PartitionSpec()``) when it is an MLA latent pool (one head), or, with
+``replicate_fewer_heads``, when it has fewer KV heads than the mesh axis has devices (a draft
+model's KV next to a target with more heads). ``replicated`` says which; the L3 tier writes a
+replicated pool from rank 0 only, under rank-independent keys.
 The mesh may span several processes (``jax.distributed``): every process then holds only its
 own heads of every page (``local_geom``: the geometry of that share, which is what its host
 pool holds), and every computation on the pool runs on all processes in the same order.
@@ -64,8 +68,10 @@ class JaxDevicePool:
     pool.allocator)``).
 
     ``geom``: the KV geometry (``KVGeometry.mha`` / ``.mla``). ``mesh`` + ``kv_axis``: shard
-    every array over that mesh axis by KV head (MLA pools are replicated); ``device``: the one
-    device otherwise (the first by default). The arrays start zeroed.
+    every array over that mesh axis by KV head (MLA pools are replicated, and so are pools with
+    fewer KV heads than the axis has devices when ``replicate_fewer_heads``; otherwise the heads
+    must split evenly); ``device``: the one device otherwise (the first by default). The arrays
+    start zeroed.
 
     Your model reads and writes ``buffers[component][layer]`` (``layers(component)``) by page
     id. A jitted step that donates them must have its outputs installed: run it as
@@ -80,7 +86,7 @@ class JaxDevicePool:
     """
 
     def __init__(self, geom: KVGeometry, num_pages: int, mesh: Mesh | None = None, kv_axis: str = "tp",
-                 device: jax.Device | None = None) -> None:
+                 device: jax.Device | None = None, replicate_fewer_heads: bool = False) -> None:
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
         self.geom = geom
@@ -88,13 +94,22 @@ class JaxDevicePool:
         self.num_pages = self.allocator.num_pages
         self.mesh = mesh
         self.kv_axis = kv_axis if mesh is not None else None
+        if not isinstance(replicate_fewer_heads, bool):
+            raise TypeError(f"replicate_fewer_heads: expected a bool, got {type(replicate_fewer_heads).__name__}")
+        # Every device holds every head: MLA's one latent head, or (opted in) fewer heads than devices.
+        self.replicated = geom.kind != "mha"
         if mesh is not None:
             if kv_axis not in mesh.axis_names:
                 raise ValueError(f"kv_axis: {kv_axis!r} is not an axis of the mesh {mesh.axis_names}")
             tp = mesh.shape[kv_axis]
-            if geom.kind == "mha" and geom.num_kv_heads % tp:
-                raise ValueError(f"mesh: {geom.num_kv_heads} KV heads do not split over {tp} devices on {kv_axis!r}")
-            spec = PartitionSpec(None, None, kv_axis, None) if geom.kind == "mha" else PartitionSpec()
+            if geom.kind == "mha" and replicate_fewer_heads and geom.num_kv_heads < tp:
+                self.replicated = True
+            elif geom.kind == "mha" and geom.num_kv_heads % tp:
+                fewer = " (replicate_fewer_heads=True replicates a pool with fewer heads than devices)" \
+                    if geom.num_kv_heads < tp else ""
+                raise ValueError(f"mesh: {geom.num_kv_heads} KV heads do not split over {tp} devices on "
+                                 f"{kv_axis!r}{fewer}")
+            spec = PartitionSpec() if self.replicated else PartitionSpec(None, None, kv_axis, None)
             self.sharding = NamedSharding(mesh, spec)
         else:
             self.sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
@@ -112,8 +127,8 @@ class JaxDevicePool:
     @property
     def local_geom(self) -> KVGeometry:
         """The geometry of this process's share of every page: all of it in one process (or
-        for a replicated MLA pool); its KV heads when the mesh spans processes."""
-        if not self.multiprocess or self.geom.kind != "mha":
+        for a ``replicated`` pool); its KV heads when the mesh spans processes."""
+        if not self.multiprocess or self.replicated:
             return self.geom
         shape = (self.num_pages,) + self.geom.page_shape
         spans = sorted({(sl[2].start or 0, self.geom.num_kv_heads if sl[2].stop is None else sl[2].stop)
@@ -129,10 +144,10 @@ class JaxDevicePool:
 
     @property
     def copier_sharding(self) -> tuple[Mesh | None, str | None]:
-        """(mesh, kv_axis) to give a PageCopier: kv_axis None means replicated (MLA) or no mesh."""
+        """(mesh, kv_axis) to give a PageCopier: kv_axis None means ``replicated`` or no mesh."""
         if self.mesh is None:
             return None, None
-        return self.mesh, (self.kv_axis if self.geom.kind == "mha" else None)
+        return self.mesh, (None if self.replicated else self.kv_axis)
 
     @property
     def nbytes(self) -> int:

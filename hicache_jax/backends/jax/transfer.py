@@ -261,6 +261,11 @@ class JaxTransferEngine(KVTransferEngine):
         return ""
 
     @property
+    def replicated(self) -> bool:
+        """The device pool's ``replicated``: every rank holds every head of its pages."""
+        return self.device_pool.replicated
+
+    @property
     def stream_executables(self) -> int:
         """Stream copy executables built so far (0 on the numpy path); precompile builds them all."""
         return len(self._stream_exes) if self.host_copy == "xla_stream" else 0
