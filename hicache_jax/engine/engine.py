@@ -76,7 +76,10 @@ Speculative decoding (``spec=SpecConfig(...)``): the prefill and the decode step
 ``SpecDecoder``'s (``hicache_jax.engine.speculative``: an EAGLE-style draft head whose KV pool
 is the cache's ``draft`` sidecar, verification of ``k`` chained proposals in one target step,
 the same tokens as plain greedy decoding). Its hooks here: the tree keys, the pages a request
-reserves, the prefill, the decode step and the per-request results.
+reserves, the prefill, the decode step and the per-request results. With a hybrid target the
+decoder takes the SWA pool, this engine's SWA allocation (``_alloc_swa``) and window slide
+(``speculative``: "Hybrid (sliding-window) targets"); a request's look-ahead SWA pages are
+freed at its finish and by a recovery.
 
 Deterministic mode (``EngineCacheConfig.deterministic``): the runner runs every prefill chunk
 and decode step in one fixed shape (``PagedRunner``'s deterministic mode), so a position's KV
@@ -224,7 +227,8 @@ class Engine:
     """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
     None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
-    run as one of N tensor-parallel ranks (None: one process; not with ``spec``)."""
+    run as one of N tensor-parallel ranks (None: one process; not with ``spec`` nor a hybrid
+    model yet). Every device pool (full, SWA, draft) is built on the ranks' mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
                  spec: SpecConfig | None = None, weights: PairWeights | None = None, ranks=None) -> None:
@@ -281,10 +285,10 @@ class Engine:
         self.swa_pool = self.swa_transfer = self.swa = None
         components = []
         if self.hybrid:
-            if self.spec is not None:
-                raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model is not supported")
             self.swa_pool, self.swa_transfer, self.swa = self._swa_component(host_pages)
             components.append(self.swa)
+            if self.spec is not None:  # its target steps take the SWA pool (``speculative``)
+                self.spec.attach_swa(self.swa_pool, self._alloc_swa, self._slide)
         self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
                                   self.spec.sidecars if self.spec is not None else None, components=components,
                                   agreement=None if ranks is None else ranks.agreement)
@@ -312,15 +316,24 @@ class Engine:
         self.audit: PageAudit | None = None  # enable_page_audit()
 
     @staticmethod
-    def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig) -> int:
+    def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig,
+                         spec: SpecConfig | None = None) -> int:
         """SWA device pages the running requests of a hybrid model can hold at once: one
         prefilling (its chunk and the window before it) and ``max_batch - 1`` decoding, each
         also holding, until its window has moved past them, the tree's window pages its lock
-        holds (one window, ``ceil((W - 1) / page)`` pages: the tree holds whole nodes)."""
+        holds (one window, ``ceil((W - 1) / page)`` pages: the tree holds whole nodes).
+
+        With speculative decoding (``spec``) a decoding request's step is a verify of ``k + 1``
+        positions from the end of its key: it holds the pages from its key's window (the
+        slide keeps whole pages from ``floor(key / page) * page - (W - 1)``) to the page of
+        its last verify position, at most ``ceil((W - 1) / page) + 1 + ceil(k / page)``."""
         w, p = model_config.sliding_window, cache_config.page_size
         chunk = min(cache_config.prefill_chunk, cache_config.max_context)
         tree_window = -(-max(1, w - 1) // p)
-        return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * swa_table_width(w, 1, p)
+        decode = swa_table_width(w, 1, p)
+        if spec is not None:
+            decode = tree_window + 1 + -(-spec.num_draft_tokens // p)
+        return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * decode
                 + cache_config.max_batch * tree_window)
 
     def _swa_component(self, host_pages: int):
@@ -328,15 +341,18 @@ class Engine:
         from pallas_kernels.page_copy import PageCopyConfig
 
         cfg, model = self.cache_config, self.model_config
-        need = self.swa_pages_needed(model, cfg)
+        need = self.swa_pages_needed(model, cfg, None if self.spec is None else self.spec.config)
         pages = cfg.swa_device_pages if cfg.swa_device_pages is not None else need + cfg.device_pages // 4
         if pages < need:
             raise ValueError(f"swa_device_pages: {pages} pages; {cfg.max_batch} running requests with window "
                              f"{model.sliding_window} and prefill chunks of {cfg.prefill_chunk} tokens can hold "
                              f"{need} at once")
         geom = model.swa_kv_geometry(cfg.page_size)
-        pool = JaxDevicePool(geom, pages)
-        host = pinned_host_pool(geom, max(1, host_pages * pages // cfg.device_pages), cfg.host.layout)
+        # On the full pool's mesh, sharded on the KV heads as it is (its host pool: this rank's heads).
+        full = self.device_pool
+        pool = JaxDevicePool(geom, pages, mesh=full.mesh, kv_axis=full.kv_axis or "tp")
+        host = pinned_host_pool(pool.local_geom, max(1, host_pages * pages // cfg.device_pages), cfg.host.layout,
+                                device=pool.local_device)
         transfer = JaxTransferEngine(pool, host, copy_config=PageCopyConfig(impl=cfg.copy_impl, max_pages=pages),
                                      worker_nice=cfg.worker_nice)
         transfer.precompile()
@@ -510,6 +526,8 @@ class Engine:
                 if self.hybrid and s.req.component_pages:
                     ids = s.req.component_pages["swa"][s.req.cached_pages:]
                     swa_own.append(ids[ids >= 0])
+            if s.spec is not None and s.spec.swa_ahead.size:  # speculative look-ahead SWA pages
+                swa_own.append(s.spec.swa_ahead)
             if s.reserve is not None:
                 own.append(s.reserve)
         self.cache.reset()  # frees every page the tree owned, drops every lock
@@ -736,6 +754,10 @@ class Engine:
         req = seq.req
         need = self._pages_for(tokens.shape[0]) - req.device_pages.shape[0]
         pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
+        req.extend(RadixKey(tokens), pages, {"swa": self._alloc_swa(need)})
+
+    def _alloc_swa(self, need: int) -> np.ndarray:
+        """``need`` SWA device pages for a running request (evicting cached windows)."""
         swa = self.cache.alloc_component("swa", need)
         if swa is None:
             # Copies in flight hold SWA pages (a backup its source, a load-back its window):
@@ -745,7 +767,7 @@ class Engine:
             if swa is None:
                 raise OutOfDeviceMemory(f"SWA pool: {need} pages wanted, {self.swa_pool.allocator.available} "
                                         f"free after eviction")
-        req.extend(RadixKey(tokens), pages, {"swa": swa})
+        return swa
 
     def _slide(self, reqs) -> None:
         if self.hybrid:

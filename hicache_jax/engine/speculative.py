@@ -48,6 +48,26 @@ Pages: besides the ``prompt + max_new - 1`` positions a plain decode writes, a r
 writes up to ``2k - 1`` more (the verify's rejected positions and the draft's provisional
 chain entries), so admission allocates them and ``max_context`` must hold them.
 
+Hybrid (sliding-window) targets
+    The draft keeps full attention: its KV is the ``draft`` sidecar on the *full* pool's page
+    ids, so every prefix the tree can serve has its draft KV, on every tier, and the pair-key
+    rule is unchanged. (A draft window would need a second pool with its own page ids and the
+    SWA component's tombstone / window rules for it, for a one-layer head whose KV is small.)
+    The target's steps (prefill chunks and verifies) pass the SWA pools and tables as the
+    plain hybrid engine's do. The request's SWA pages (``req.component_pages["swa"]``) cover
+    its key; a step writes SWA KV past the key (the verify's ``k`` proposals, a prefill chunk
+    whose draft KV is not final yet), so the pages for those positions are allocated ahead
+    (``SpecState.swa_ahead``, by logical page after the key's) and handed to the request in
+    the ``req.extend(..., {"swa": ...})`` of ``sync_key`` when the key reaches them; rejected
+    positions' SWA entries stay in those pages and the next verify overwrites them. After
+    every prefill chunk and every round the key is synced and the window slid
+    (``HiRadixCache.slide_window``), so a request holds a window's worth of SWA pages plus
+    its look-ahead, however long it runs; ``release`` frees the look-ahead at the end.
+
+Sharding: the draft pool is built on the target pool's mesh, sharded on the KV-head axis,
+and replicated where the draft has fewer KV heads than the mesh has devices
+(``JaxDevicePool(replicate_fewer_heads=True)``).
+
 Threading: the engine's scheduler thread (it owns both pools).
 """
 
@@ -58,6 +78,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._checks import check_int
+from ..allocator import ID_DTYPE
 from ..backends.jax import JaxDevicePool, JaxTransferEngine
 from ..backends.jax.memory import pinned_host_pool
 from ..cache import RadixKey
@@ -102,6 +123,9 @@ class SpecState:
     proposals: np.ndarray | None = None  # d_1..d_k for the next verify
     accept_lengths: list[int] = field(default_factory=list)  # per verify step, bonus included
     proposal_log: list[list[int]] = field(default_factory=list)  # every verified proposal chain
+    # Hybrid targets: SWA pages for the logical pages after the request's own (allocated for
+    # positions a step writes past the key; ``sync_key`` moves them into the request).
+    swa_ahead: np.ndarray = field(default_factory=lambda: np.zeros(0, ID_DTYPE))
 
     @property
     def accept_length(self) -> float | None:
@@ -124,9 +148,6 @@ class SpecDecoder:
         if not isinstance(config, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig, got {type(config).__name__}")
         model_config = runner.config
-        if model_config.is_hybrid:
-            raise ValueError(f"spec: speculative decoding over a hybrid model (sliding-window layers "
-                             f"{model_config.swa_layers}) is not supported")
         if model_config.vocab_size > MAX_SPEC_VOCAB:
             raise ValueError(f"spec: speculative decoding keys the tree by token pairs, which needs vocab_size "
                              f"<= {MAX_SPEC_VOCAB}, got {model_config.vocab_size}")
@@ -138,16 +159,36 @@ class SpecDecoder:
         self.page_size = runner.page_size
         geom = draft_kv_geometry(model_config, self.page_size)
         # Same page count as the target's pool, and no allocator of its own: page i of the
-        # draft pool belongs to whoever holds page i of the target's.
-        self.device_pool = JaxDevicePool(geom, device_pool.num_pages)
+        # draft pool belongs to whoever holds page i of the target's. Same mesh (module docstring).
+        self.device_pool = JaxDevicePool(geom, device_pool.num_pages, mesh=device_pool.mesh,
+                                         kv_axis=device_pool.kv_axis or "tp", replicate_fewer_heads=True)
         self.transfer = None
         if config.draft_backing:
-            host = pinned_host_pool(geom, host_pages, cache_config.host.layout)
+            host = pinned_host_pool(self.device_pool.local_geom, host_pages, cache_config.host.layout,
+                                    device=self.device_pool.local_device)
             self.transfer = JaxTransferEngine(self.device_pool, host, copy_config=copy_config,
                                               worker_nice=cache_config.worker_nice)
             self.transfer.precompile()
         self.draft = DraftRunner(runner, head)
         self.metrics = SpecMetrics(max_accept_length=self.k + 1)
+        # Hybrid targets (``attach_swa``): the SWA pool, the engine's SWA allocation and slide.
+        self.swa_pool: JaxDevicePool | None = None
+        self._alloc_swa = self._slide = None
+
+    def attach_swa(self, swa_pool: JaxDevicePool, alloc, slide) -> None:
+        """Hybrid targets: the SWA device pool, ``alloc(n) -> ids`` (the engine's SWA page
+        allocation: evicts, or raises when there is no room) and ``slide(reqs)`` (the cache's
+        window slide for each request)."""
+        if not self.runner.config.is_hybrid:
+            raise ValueError("swa_pool: the target has no sliding-window layer")
+        self.swa_pool, self._alloc_swa, self._slide = swa_pool, alloc, slide
+
+    def release(self, seq) -> None:
+        """Free the request's look-ahead SWA pages (finished, abandoned or failed requests)."""
+        state = seq.spec
+        if state is not None and state.swa_ahead.size:
+            self.swa_pool.allocator.free(state.swa_ahead)
+            state.swa_ahead = np.zeros(0, ID_DTYPE)
 
     @property
     def sidecars(self) -> dict | None:
@@ -179,15 +220,47 @@ class SpecDecoder:
             return
         need = -(-n // self.page_size) - req.device_pages.shape[0]
         pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
-        req.extend(self.key(tokens, n), pages)
+        if self.swa_pool is None:
+            req.extend(self.key(tokens, n), pages)
+            return
+        # Every position of the new key was written by a target step, into look-ahead pages.
+        ahead = seq.spec.swa_ahead
+        if ahead.shape[0] < need:
+            raise RuntimeError(f"speculative decoding: {need} SWA pages wanted for the key, {ahead.shape[0]} "
+                               f"allocated ahead")
+        seq.spec.swa_ahead = ahead[need:]
+        req.extend(self.key(tokens, n), pages, {"swa": ahead[:need]})
+
+    def _swa_table(self, seq, end: int) -> np.ndarray:
+        """Hybrid targets: the request's SWA page table for a step writing positions up to
+        ``end``: its own entries (the key's pages), then its look-ahead pages, allocated here
+        for the logical pages up to ``end`` that neither covers yet."""
+        req, state = seq.req, seq.spec
+        have = req.device_pages.shape[0]
+        own = req.component_pages.get("swa") if req.component_pages else None
+        if own is None:
+            own = np.full(have, -1, ID_DTYPE)
+        short = -(-end // self.page_size) - have - state.swa_ahead.shape[0]
+        if short > 0:
+            state.swa_ahead = np.concatenate([state.swa_ahead, self._alloc_swa(short)]).astype(ID_DTYPE)
+        return np.concatenate([own, state.swa_ahead])
 
     # ---- model steps ----------------------------------------------------------------------
     # Both steps donate their pool's arrays; ``apply`` installs the ones they return.
-    def _target(self, tokens, starts, tables):
-        def step(pools):
-            logits, hidden, new = self.runner.step_all(pools, tokens, starts, tables)
-            return (logits, hidden), new
-        return self.target_pool.apply(step)
+    def _target(self, tokens, starts, tables, swa_tables=None):
+        if self.swa_pool is None:
+            def step(pools):
+                logits, hidden, new = self.runner.step_all(pools, tokens, starts, tables)
+                return (logits, hidden), new
+            return self.target_pool.apply(step)
+
+        def both(pools):  # hybrid: both pools donated, both installed
+            def swa(swa_pools):
+                logits, hidden, new, new_swa = self.runner.step_all(pools, tokens, starts, tables, swa_pools=swa_pools,
+                                                                    swa_page_tables=swa_tables)
+                return ((logits, hidden), new), new_swa
+            return self.swa_pool.apply(swa)
+        return self.target_pool.apply(both)
 
     def _draft(self, next_tokens, features, starts, tables, num_proposals: int) -> np.ndarray:
         return self.device_pool.apply(self.draft.step, next_tokens, features, starts, tables, num_proposals)
@@ -200,14 +273,19 @@ class SpecDecoder:
         table = self.table(seq)
         seq.spec = state = SpecState(draft_done=start)
         first = None
+        hybrid = self.swa_pool is not None
         while start < n:
             end = min(n, start + chunk)
-            logits, hidden = self._target([prompt[start:end].tolist()], [start], [table])
+            swa = [self._swa_table(seq, end)] if hybrid else None
+            logits, hidden = self._target([prompt[start:end].tolist()], [start], [table], swa)
             if end == n:
                 first = int(np.argmax(logits[0, end - start - 1]))
             nxt = prompt[start + 1:end].tolist() + [int(prompt[end]) if end < n else first]
             props = self._draft([nxt], [hidden[0, :end - start]], [start], [table], self.k if end == n else 0)
             state.draft_done = end
+            if hybrid:  # the window moves with every chunk: SWA pages behind it go back now
+                self.sync_key(seq)
+                self._slide([seq.req])
             start = end
         state.proposals = props[0]
         return first
@@ -218,7 +296,10 @@ class SpecDecoder:
         tables = [self.table(s) for s in running]
         starts = [s.prompt.shape[0] + len(s.out) - 1 for s in running]
         tokens = [[s.out[-1]] + s.spec.proposals.tolist() for s in running]
-        logits, hidden = self._target(tokens, starts, tables)
+        swa = None
+        if self.swa_pool is not None:  # the verify writes k + 1 positions from the start
+            swa = [self._swa_table(s, st + k + 1) for s, st in zip(running, starts)]
+        logits, hidden = self._target(tokens, starts, tables, swa)
         greedy = np.argmax(logits[:, :k + 1], axis=-1)
         ext_tokens, ext_features = [], []
         for i, s in enumerate(running):
@@ -236,9 +317,13 @@ class SpecDecoder:
             s.spec.draft_done = starts[i] + len(ext_tokens[i])
             s.spec.proposals = props[i]
             self.sync_key(s)
+        if self.swa_pool is not None:
+            self._slide([s.req for s in running])
 
     def finish(self, seq) -> dict:
-        """The request's speculative results (``RequestResult`` fields); counts it."""
+        """The request's speculative results (``RequestResult`` fields); counts it. Frees its
+        look-ahead SWA pages."""
+        self.release(seq)
         state = seq.spec
         mean = state.accept_length if state is not None else None
         if mean is not None:
@@ -251,8 +336,17 @@ class SpecDecoder:
         draft's extend + chain programs, for every shape serving uses."""
         # Verify steps (k + 1 tokens), and one-token steps (a prompt's last chunk of one token).
         for tokens in (self.k + 1, 1):
-            self.target_pool.apply(lambda pools: (None, self.runner.warmup(
-                pools, max_batch, chunk, all_positions=True, decode_tokens=tokens)))
+            if self.swa_pool is None:
+                self.target_pool.apply(lambda pools: (None, self.runner.warmup(
+                    pools, max_batch, chunk, all_positions=True, decode_tokens=tokens)))
+                continue
+
+            def both(pools, tokens=tokens):  # hybrid: the SWA pool is compiled in too
+                def swa(swa_pools):
+                    return self.runner.warmup(pools, max_batch, chunk, swa_pools=swa_pools, all_positions=True,
+                                              decode_tokens=tokens)
+                return None, self.swa_pool.apply(swa)
+            self.target_pool.apply(both)
         # Draft: prefill chunks (extend only, or extend + proposals for the last one) and decode
         # rounds (an extend of 1 .. k + 1 tokens, then the chain).
         bucket = self.runner.token_bucket

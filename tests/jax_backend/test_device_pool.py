@@ -227,3 +227,28 @@ def test_a_pool_with_fewer_heads_than_devices_is_replicated_only_when_asked():
     _check_round_trip_per_shard(JaxDevicePool(one_head, 16, mesh=mesh, replicate_fewer_heads=True),
                                 HostLayout.PAGE_FIRST)
 
+
+def test_the_spec_decoder_builds_its_draft_pool_on_the_target_pools_mesh():
+    """Sharded like the target's pool (the reference draft has the target's KV heads, so they
+    split wherever the target's do; fewer heads than devices: the pool tests above), an MLA
+    draft replicated; its host pool holds this process's share."""
+    from dataclasses import replace
+
+    from hicache_jax.engine import EngineCacheConfig, SpecConfig
+    from hicache_jax.engine.speculative import SpecDecoder
+    from hicache_jax.reference_model import ModelConfig, PagedRunner
+    from pallas_kernels.page_copy import PageCopyConfig
+
+    base = ModelConfig(vocab_size=64, num_layers=1, hidden=32, num_heads=8, num_kv_heads=2, head_dim=8, ffn=64)
+    cfg = EngineCacheConfig(page_size=4, device_pages=16)
+    for model, tp, replicated in ((base, 2, False), (replace(base, num_kv_heads=8), 8, False),
+                                  (replace(base, attention="mla"), 8, True)):
+        runner = PagedRunner(model, 4, max_pages_per_seq=8)
+        target = JaxDevicePool(model.kv_geometry(4), 16, mesh=_mesh(tp))
+        spec = SpecDecoder(SpecConfig(num_draft_tokens=2), runner, target, cfg, 8, PageCopyConfig(max_pages=16))
+        draft = spec.device_pool
+        assert draft.mesh is target.mesh and draft.replicated == replicated and spec.transfer.replicated == replicated
+        want = jax.sharding.PartitionSpec() if replicated else jax.sharding.PartitionSpec(None, None, "tp", None)
+        assert draft.layers(draft.geom.components[0])[0].sharding.spec == want
+        assert spec.transfer.host_pool.geom == draft.local_geom
+        spec.close()
