@@ -208,3 +208,26 @@ def test_the_smallest_swa_pool_serves_a_batch_of_speculative_requests(plain_toke
         assert engine.swa.metrics.tombstoned_tokens or engine.swa.metrics.leaf_evictions
     finally:
         engine.close()
+
+
+def test_warmup_compiles_every_step_a_hybrid_target_serves_with():
+    """``Engine.warmup`` compiles the target's steps with the SWA pool (prefill chunks, one-token
+    tails, verifies at every batch size) and the draft's rounds: serving a batch cold and then
+    from the cache (a prompt whose uncached tail is one token) compiles nothing more."""
+    from hicache_jax.reference_model.draft import _ROUND
+    from hicache_jax.reference_model.paged_forward import _STEP
+
+    cfg = replace(CFG, max_context=152, max_batch=2)  # a table width no other test compiles
+    engine = Engine(HYBRID_TINY, cfg, spec=SPEC)
+    try:
+        before = (_STEP._cache_size(), _ROUND._cache_size())
+        engine.warmup()
+        compiled = (_STEP._cache_size(), _ROUND._cache_size())
+        assert compiled[0] > before[0] and compiled[1] > before[1]
+        prompts = _prompts(9, (49, 61))  # 49: the hit covers 48 positions, one token is prefilled
+        engine.generate(prompts, NEW)
+        res = engine.generate(prompts, NEW)
+        assert res[0].prefill_tokens == 1 and res[1].cached_total == _aligned(60)
+        assert (_STEP._cache_size(), _ROUND._cache_size()) == compiled
+    finally:
+        engine.close()
