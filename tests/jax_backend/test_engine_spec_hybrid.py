@@ -231,3 +231,29 @@ def test_warmup_compiles_every_step_a_hybrid_target_serves_with():
         assert (_STEP._cache_size(), _ROUND._cache_size()) == compiled
     finally:
         engine.close()
+
+
+def test_a_copy_failure_mid_decode_is_recovered_with_the_look_ahead_pages_freed(plain_tokens, caplog):
+    """A write-through backup that fails after every retry latches ``CacheFailedError`` while
+    the requests decode (each holding look-ahead SWA pages): the engine abandons them, frees
+    their own pages of all pools (the look-ahead ones included: the reset finds none left
+    over), re-admits them and serves plain greedy decoding's tokens."""
+    from test_engine_recovery import FailingCopies
+
+    engine = Engine(HYBRID_TINY, CFG, spec=SPEC)
+    try:
+        failing = FailingCopies(engine)
+        failing.arm("backup", 1)  # the first prompt's, issued after its prefill
+        with caplog.at_level("WARNING", logger="hicache_jax.engine.engine"):
+            res = engine.generate(_prompts(1), NEW)
+        assert failing.failed["backup"] == 1 + engine.cache.config.transfer_retries
+        assert engine.metrics.cache_failures_recovered == 1 and engine.metrics.requests_readmitted >= 1
+        assert [r.tokens for r in res] == plain_tokens["tiers"]
+        assert "still allocated after a cache reset" not in caplog.text
+        engine.flush()
+        engine.cache.sanity_check(0, {"swa": 0})
+        engine.cache.reset()
+        for alloc in (engine.device_pool.allocator, engine.swa_pool.allocator):
+            assert alloc.available == alloc.num_pages, alloc
+    finally:
+        engine.close()
