@@ -281,6 +281,8 @@ class Engine:
         self.spec = None if spec is None else SpecDecoder(
             spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
             head=weights.draft() if weights is not None else None)
+        if self.spec is not None:
+            self.spec.before_target_step = self._sample_peaks
         self.hybrid = model_config.is_hybrid
         self.swa_pool = self.swa_transfer = self.swa = None
         components = []
@@ -744,8 +746,10 @@ class Engine:
         full = [r.device_pages for r in reqs] + [s.reserve for s in seqs if s.reserve is not None]
         m = self.metrics
         m.peak_device_pages = max(m.peak_device_pages, np.unique(np.concatenate(full)).size)
-        if self.hybrid:
-            swa = np.concatenate([r.component_pages["swa"] for r in reqs])
+        if self.hybrid:  # a request's own SWA pages, and a speculative one's look-ahead pages
+            swa = [r.component_pages["swa"] for r in reqs if r.component_pages]
+            swa += [s.spec.swa_ahead for s in seqs if s.spec is not None]
+            swa = np.concatenate(swa) if swa else np.zeros(0, ID_DTYPE)
             m.peak_swa_device_pages = max(m.peak_swa_device_pages, np.unique(swa[swa >= 0]).size)
 
     def _grow(self, seq: _Seq, tokens: np.ndarray) -> None:

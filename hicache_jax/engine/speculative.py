@@ -174,6 +174,9 @@ class SpecDecoder:
         # Hybrid targets (``attach_swa``): the SWA pool, the engine's SWA allocation and slide.
         self.swa_pool: JaxDevicePool | None = None
         self._alloc_swa = self._slide = None
+        # Called with the stepping requests before every target step, their pages allocated
+        # (the engine samples its peak page counts there); None: nothing.
+        self.before_target_step = None
 
     def attach_swa(self, swa_pool: JaxDevicePool, alloc, slide) -> None:
         """Hybrid targets: the SWA device pool, ``alloc(n) -> ids`` (the engine's SWA page
@@ -247,7 +250,9 @@ class SpecDecoder:
 
     # ---- model steps ----------------------------------------------------------------------
     # Both steps donate their pool's arrays; ``apply`` installs the ones they return.
-    def _target(self, tokens, starts, tables, swa_tables=None):
+    def _target(self, seqs, tokens, starts, tables, swa_tables=None):
+        if self.before_target_step is not None:
+            self.before_target_step(seqs)
         if self.swa_pool is None:
             def step(pools):
                 logits, hidden, new = self.runner.step_all(pools, tokens, starts, tables)
@@ -277,7 +282,7 @@ class SpecDecoder:
         while start < n:
             end = min(n, start + chunk)
             swa = [self._swa_table(seq, end)] if hybrid else None
-            logits, hidden = self._target([prompt[start:end].tolist()], [start], [table], swa)
+            logits, hidden = self._target([seq], [prompt[start:end].tolist()], [start], [table], swa)
             if end == n:
                 first = int(np.argmax(logits[0, end - start - 1]))
             nxt = prompt[start + 1:end].tolist() + [int(prompt[end]) if end < n else first]
@@ -299,7 +304,7 @@ class SpecDecoder:
         swa = None
         if self.swa_pool is not None:  # the verify writes k + 1 positions from the start
             swa = [self._swa_table(s, st + k + 1) for s, st in zip(running, starts)]
-        logits, hidden = self._target(tokens, starts, tables, swa)
+        logits, hidden = self._target(running, tokens, starts, tables, swa)
         greedy = np.argmax(logits[:, :k + 1], axis=-1)
         ext_tokens, ext_features = [], []
         for i, s in enumerate(running):

@@ -185,6 +185,7 @@ def test_the_window_slides_during_speculative_decoding(plain_tokens, use_cache):
         assert pages > 3 * bound  # without the slide the SWA pages would grow as these
         if not use_cache:  # the request's SWA pages are all the pool has allocated
             assert all(used == held[0] for _l, held, used in calls)
+            assert engine.metrics.peak_swa_device_pages == max(used for *_x, used in calls)
             assert engine.swa_pool.allocator.used == 0 and engine.device_pool.allocator.used == 0
         engine.cache.sanity_check(0, {"swa": 0})
     finally:
