@@ -71,16 +71,16 @@ def _poison_free_pages(engine: Engine) -> None:
             pool.write_pages(free, {c: np.full(shape, np.nan, np.float32) for c in pool.geom.components})
 
 
-def _prefix_kv(engine: Engine, prompt: list[int], hit: int) -> dict:
+def _prefix_kv(engine: Engine, prompt: list[int], hit: int, page: int = PAGE) -> dict:
     """The bytes of the cached prefix (``hit`` positions of the prompt's pair keys) as the tree
     hands it out: full and draft pages of the whole prefix, SWA pages of the window before its end."""
     req, lb = engine.cache.begin_request(engine.spec.key(np.asarray(prompt), hit), load_back=False)
     try:
-        assert lb is None and req.device_pages.shape[0] * PAGE == hit, (req.device_pages.shape, hit)
+        assert lb is None and req.device_pages.shape[0] * page == hit, (req.device_pages.shape, hit)
         out = {}
         for name, pool in (("full", engine.device_pool), ("draft", engine.spec.device_pool)):
             out.update({(name, c): pool.read_pages_host(c, req.device_pages) for c in pool.geom.components})
-        window = req.component_pages["swa"][swa_first_needed_page(hit, W, PAGE):]
+        window = req.component_pages["swa"][swa_first_needed_page(hit, W, page):]
         assert (window >= 0).all(), f"the tree holds no SWA page for part of the window: {window}"
         out.update({("swa", c): engine.swa_pool.read_pages_host(c, window) for c in engine.swa_pool.geom.components})
         return out
@@ -258,3 +258,34 @@ def test_a_copy_failure_mid_decode_is_recovered_with_the_look_ahead_pages_freed(
             assert alloc.available == alloc.num_pages, alloc
     finally:
         engine.close()
+
+
+def test_deterministic_mode_pages_of_a_second_turn_equal_a_cold_prefill():
+    """Deterministic mode (one fixed step shape): a second turn served on top of the first
+    turn's cache (its answer's KV written by verify steps and draft extends, its window slid
+    round by round) leaves pages - full, draft and the SWA window - byte for byte those a
+    fresh engine computes by prefilling the same conversation cold; same tokens. Page 2 < k:
+    a verify then writes into two look-ahead pages, and ``sync_key`` must hand the request
+    the first (the page of the key's next positions), not any other."""
+    page = 2
+    cfg = replace(CFG, page_size=page, device_pages=320, deterministic=True, deterministic_step_tokens=8)
+    first = _prompts(4, (37, 44))
+    warm = Engine(HYBRID_TINY, cfg, spec=SPEC)
+    cold = None
+    try:
+        answers = warm.generate(first, NEW)
+        rng = np.random.default_rng(4)
+        second = [f + r.tokens + rng.integers(0, HYBRID_TINY.vocab_size, 7).tolist() for f, r in zip(first, answers)]
+        got = warm.generate(second, NEW)
+        assert all(r.cached_total == (len(f) + NEW - 1) // page * page for f, r in zip(first, got))
+        cold = Engine(HYBRID_TINY, cfg, spec=SPEC)
+        want = cold.generate(second, NEW, use_cache=False)
+        cold.generate(second, NEW)  # cached now, computed from scratch
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        for q in second:
+            hit = (len(q) - 1) // page * page
+            _assert_same_bytes(_prefix_kv(warm, q, hit, page), _prefix_kv(cold, q, hit, page))
+    finally:
+        warm.close()
+        if cold is not None:
+            cold.close()
