@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
-from hicache_jax.reference_model import HYBRID_TINY, swa_first_needed_page
+from hicache_jax.reference_model import HYBRID_TINY, swa_first_needed_page, swa_table_width
 from hicache_jax.storage.config import StorageConfig
 
 W = HYBRID_TINY.sliding_window  # 24: W - 1 = 23 ends inside a page of 8
@@ -44,6 +44,7 @@ def _prompts(seed: int, lengths=(50, 61, 45)) -> list[list[int]]:
 
 
 _MANY = _prompts(1) + _prompts(2) + _prompts(3)
+LONG_PROMPT, LONG_NEW = _prompts(5, (70,))[0], 80  # five prefill chunks, over three windows of decode
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,8 @@ def plain_tokens():
     engine = Engine(HYBRID_TINY, CFG)
     try:
         many = [r.tokens for r in engine.generate(_MANY, NEW, use_cache=False)]
-        long_prompt = _prompts(5, (30,))[0]
         return {"tiers": many[:3], "many": many,
-                "long": engine.generate([long_prompt], 100, use_cache=False)[0].tokens}
+                "long": engine.generate([LONG_PROMPT], LONG_NEW, use_cache=False)[0].tokens}
     finally:
         engine.close()
 
@@ -163,25 +163,30 @@ def _count_target_steps(engine: Engine) -> list:
 
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_the_window_slides_during_speculative_decoding(plain_tokens, use_cache):
-    """A 30-token prompt decoding 100 tokens (four windows): the SWA pages a request holds stay
-    within its key's window plus the verify's look-ahead, at most
-    ``ceil((W - 1) / page) + 1 + ceil(k / page)`` once the window has left the prompt (plus
-    one tree window before, with the cache), while its full pages grow with the sequence."""
+    """A 70-token prompt decoding 80 tokens: the SWA pages a request holds stay within one
+    step's window - a prefill chunk's (``swa_table_width``), then its key's window plus the
+    verify's look-ahead, at most ``ceil((W - 1) / page) + 1 + ceil(k / page)`` (plus one tree
+    window while the window still reaches into the tree's part, with the cache) - while its
+    full pages grow with the sequence."""
     engine = Engine(HYBRID_TINY, CFG, spec=SPEC)
     try:
-        prompt = _prompts(5, (30,))[0]
+        prompt = LONG_PROMPT
         if use_cache:  # a first turn: the second's window starts in the tree (its lock holds it)
             engine.generate([prompt], 2)
         calls = _count_target_steps(engine)
-        r = engine.generate([prompt], 100, use_cache=use_cache)[0]
+        r = engine.generate([prompt], LONG_NEW, use_cache=use_cache)[0]
         assert r.tokens == plain_tokens["long"]
         tree_window = -(-(W - 1) // PAGE)
         bound = tree_window + 1 + -(-K // PAGE)
+        extra = tree_window if use_cache else 0
+        prefill = [held[0] for lens, held, _used in calls if lens != [K + 1]]
+        assert len(prefill) == -(-(len(prompt) - r.cached_total) // CFG.prefill_chunk)
+        assert max(prefill) <= swa_table_width(W, CFG.prefill_chunk, PAGE) + extra  # the window slid per chunk
         verify = [held[0] for lens, held, _used in calls if lens == [K + 1]]
         assert len(verify) == len(r.accept_lengths) > 4 * bound
-        assert max(held[0] for _l, held, _u in calls) <= bound + (tree_window if use_cache else 0)
+        assert max(verify) <= bound + extra
         assert max(verify[len(verify) // 2:]) <= bound  # long past the prompt: the window only
-        pages = -(-(len(prompt) + 100) // PAGE)
+        pages = -(-(len(prompt) + LONG_NEW) // PAGE)
         assert pages > 3 * bound  # without the slide the SWA pages would grow as these
         if not use_cache:  # the request's SWA pages are all the pool has allocated
             assert all(used == held[0] for _l, held, used in calls)
