@@ -103,3 +103,15 @@ def test_quick_run_on_the_cpu_finishes_with_at_most_8_files(tmp_path):
     assert r.stdout.count("verdict: not comparable at these sizes") >= 2
     files = _files(tmp_path / "out")
     assert len(files) <= 8 and {"ttft.json", "ttft.png", "multiturn.json", "summary.txt"} <= set(files), files
+
+
+def test_test_module_names_are_unique_across_the_tree():
+    """``scripts/gpu_check.sh`` collects ``tests`` and ``pallas_kernels`` in one pytest session
+    (CI runs each environment's folders apart): test folders are not packages, so two test
+    modules with one basename fail collection there ("import file mismatch"), as one did on the
+    first H200 run."""
+    seen: dict[str, Path] = {}
+    for path in sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "pallas_kernels").rglob("test_*.py")]):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a module name"
+        seen[path.name] = path
+    assert len(seen) > 50  # the walk found the suite
