@@ -416,6 +416,8 @@ def _multiturn(args, progress: Progress) -> dict:
                     other.flush()  # another engine's background copies never overlap this round
             rnd = _serve_round(engine, convs[name], use)
             rounds[name].append(rnd)
+            if use and audit is not None and engine is cached_engine:
+                audit.settle()  # the page audit's hashing and comparing, between the timed rounds
             med = statistics.median(x.ttft_s for x in rnd.results)
             hit = sum(x.cached_total for x in rnd.results) / sum(x.prompt_len for x in rnd.results)
             progress.advance(1, f"round {r} {name}: TTFT p50 {med * 1e3:,.0f} ms, hit {hit:.0%}")
