@@ -275,9 +275,11 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
     p.add_argument("--host-copy", default="auto", choices=["auto", "xla_stream", "numpy"],
                    help="how pages cross host<->device (auto: xla_stream where the host pool is pinned)")
-    p.add_argument("--stream-loop", default="dynamic", choices=["dynamic", "static"],
-                   help="xla_stream page loops: over the live count, or over the whole bucket (known trip count)")
-    p.add_argument("--stream-unroll", type=_positive_int, default=1, help="unroll factor of static page loops")
+    p.add_argument("--stream-loop", default=None, choices=["dynamic", "static"],
+                   help="xla_stream page loops: over the live count, or over the whole bucket (known trip count); "
+                        "default: the platform's (static on a GPU, dynamic elsewhere)")
+    p.add_argument("--stream-unroll", type=_positive_int, default=None,
+                   help="unroll factor of static page loops (default: the platform's, 8 on a GPU)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per op (median)")
 
 
