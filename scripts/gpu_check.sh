@@ -33,7 +33,7 @@
 # directory, removed at the end.
 #
 # Environment: PYTHON (default python3; nothing is installed: PYTHONPATH=. runs the tree),
-# STEPS (default "versions pytest transfer ttft multiturn determ"), BUDGET_S, LAYERS (the preset's
+# STEPS (default: every step above), BENCH_ARGS (more options for ttft / multiturn / determ), BUDGET_S, LAYERS (the preset's
 # layer count; default its own, 8), QUICK=1 (a CPU-sized smoke run: --quick everywhere, so the tiny
 # preset of the same kind; pytest -m gpu then skips everything), DRY_RUN=1 (print each step's
 # command and the files it keeps; run nothing, write nothing).
@@ -68,6 +68,9 @@ else
   [ "${COMPARE_IMPLS:-0}" = 1 ] || TRANSFER+=(--no-compare-impls)
   TTFT=(--prompt-len 2048 --reps 3 --max-batch 4) MULTITURN=()
 fi
+# Extra options for the serving steps, e.g. BENCH_ARGS="--host-layout page_first_direct".
+read -r -a EXTRA <<< "${BENCH_ARGS:-}"
+TTFT+=("${EXTRA[@]}") MULTITURN+=("${EXTRA[@]}")
 
 if [ "$DRY_RUN" != 1 ]; then
   mkdir -p "$OUT"

@@ -136,6 +136,8 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
     p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=_positive_int, default=device_pages, help="L1 (device) pool size in pages")
     p.add_argument("--host-ratio", type=_positive_float, default=host_ratio, help="L2 (host) pool size / L1 pool size")
+    p.add_argument("--host-layout", choices=[l.value for l in HostLayout], default=HostLayout.PAGE_FIRST.value,
+                   help="L2 (host) pool layout (page_first_direct: each page's layers one contiguous run)")
     p.add_argument("--write-policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"], help="when L1 pages are backed up to L2")
     p.add_argument("--max-batch", type=_positive_int, default=max_batch,
