@@ -183,3 +183,31 @@ def test_file_removals_by_another_process_are_not_reported(tmp_path):
         os.unlink(st._path("target", keys[0]))
         assert st.exists_each(keys) == [False]
         assert seen.keys == {("target", keys[0])}
+
+
+def test_orbax_failed_save_reports_the_accepted_pages_removed(tmp_path, monkeypatch):
+    """Orbax accepts pages into a buffer (readable there: reported stored at once); a save that
+    fails drops them, and the fold must lose them too."""
+    import errno
+
+    from storage_helpers import HAVE_ORBAX
+
+    if not HAVE_ORBAX:
+        pytest.skip("orbax-checkpoint / tensorstore / google-crc32c not installed")
+    src = HostKVPool(GEOM, 8, "page_first")
+    fill_random(src, 6)
+    keys = keys_for(4, seed=9)
+    with make_store("orbax", tmp_path, {"target": src}, segment_pages=4) as st:
+        seen = Folded()
+        st.add_listener(seen)
+        cls = type(st.writer.manager)
+
+        def enospc(self, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(cls, "save", enospc)
+        assert st.batch_set(keys, range(4)) == [True] * 4
+        assert st.flush(60)
+        assert seen.calls == [("stored", "target", keys), ("removed", "target", keys)]
+        assert seen.keys == set() == held(st, "target", keys)
+        assert "l3-orbax-writer" in seen.threads  # reported from the writer thread that dropped them
