@@ -180,10 +180,9 @@ class PrefixRouter:
             for e in batch.events:
                 if e.kind == "removed" and e.tier == "storage":
                     for other in self.views.values():
-                        if other is not view:
-                            pages = other.tiers["storage"]
-                            for k in e.keys:
-                                pages.pop(k, None)
+                        pages = other.tiers["storage"]
+                        for k in e.keys:
+                            pages.pop(k, None)
 
     def score(self, engine: str, keys: Sequence[bytes]) -> tuple[float, dict]:
         """(weighted prefix score, pages per tier) of ``keys`` on ``engine``."""
