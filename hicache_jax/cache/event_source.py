@@ -1,10 +1,11 @@
 """One engine's KV event stream (``events`` schema 1): a residency watch that turns pages
-arriving on / leaving the device and host tiers, and L3 writes, into ``KVEvent`` batches.
+arriving on / leaving the device and host tiers, and what its L3 store reports of its own
+contents, into ``KVEvent`` batches.
 
 Usage::
 
     source = KVEventSource(cache, model="llama-3-8b", engine="engine-0")   # attaches itself
-    source.observe_storage(controller.storage)     # optional: L3 writes become storage events
+    source.observe_storage(controller.storage)     # optional: L3 stores / removals become storage events
     source.subscribe(router.apply)                  # delivered once per cache.check_events()
     batch = source.drain()                          # or drain by hand, once per step
 
