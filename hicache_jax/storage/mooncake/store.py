@@ -307,8 +307,12 @@ class MooncakeStorage(HiCacheStorage):
             codes = list(self._call("batch_is_exist", self._store.batch_is_exist, names))
         except _StoreDown:
             return None
-        if len(codes) != len(keys) or any(c < 0 for c in codes):
-            return None  # an RPC error is no answer
+        if len(codes) != len(keys):
+            raise RuntimeError(f"batch_is_exist returned {len(codes)} results for {len(keys)} keys")
+        if any(c < 0 for c in codes):  # an RPC error is no answer; counted as _contains counts it
+            self.metrics.add(read_errors=1)
+            self._rpc_codes("batch_is_exist", codes)
+            return None
         return [c == 1 for c in codes]
 
     def _check(self, pool: str, key: bytes, head: np.ndarray, runs: list, pb: int) -> bool:
