@@ -24,6 +24,9 @@ and may override, where it can do better than the default built on the three abo
   default packs them into a new array for ``_write``.
 * ``_writes_pending()``, ``_flush(timeout)``, ``_close()``: the lifecycle of an
   asynchronous backend (defaults: nothing pending, nothing to release).
+* ``_contains_answered(pool, keys)``: ``_contains``, or None where the store could not be
+  asked (``mooncake``, whose ``_contains`` reports an unreachable master as absent keys);
+  ``exists_each`` uses it, so that an unknown is never taken for an absence.
 
 A hook may raise on a storage fault; the public method that called it logs it, counts it and
 reports misses / failed sets. A hook must never report a page it did not verify.
