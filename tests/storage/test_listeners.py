@@ -4,6 +4,7 @@ called without a listener."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -211,3 +212,36 @@ def test_orbax_failed_save_reports_the_accepted_pages_removed(tmp_path, monkeypa
         assert seen.calls == [("stored", "target", keys), ("removed", "target", keys)]
         assert seen.keys == set() == held(st, "target", keys)
         assert "l3-orbax-writer" in seen.threads  # reported from the writer thread that dropped them
+
+
+def test_orbax_refresh_reports_other_writers_segments_arriving_and_vanishing(tmp_path):
+    """Two orbax stores on one directory (two writer directories): the reader's listener hears
+    of the writer's segment when a refresh indexes it, and of its eviction when a refresh finds
+    it gone."""
+    from storage_helpers import HAVE_ORBAX
+
+    if not HAVE_ORBAX:
+        pytest.skip("orbax-checkpoint / tensorstore / google-crc32c not installed")
+    src = HostKVPool(GEOM, 8, "page_first")
+    fill_random(src, 7)
+    keys = keys_for(4, seed=10)
+    more = keys_for(4, seed=11)
+    w = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, refresh_interval_s=0)
+    r = make_store("orbax", tmp_path, {"target": HostKVPool(GEOM, 8, "page_first")}, segment_pages=4,
+                   refresh_interval_s=0)
+    try:
+        seen = Folded()
+        r.add_listener(seen)
+        assert all(w.batch_set(keys, range(4))) and w.flush(60)
+        r.refresh()
+        assert seen.calls == [("stored", "target", keys)] and seen.keys == held(r, "target", keys)
+        # The writer, now bounded to one segment, evicts the first when it saves the second.
+        w.config = dataclasses.replace(w.config, capacity_bytes=4 * w.codecs["target"].page_bytes)
+        assert all(w.batch_set(more, range(4, 8))) and w.flush(60)
+        assert w.metrics.segments_evicted == 1
+        r.refresh()
+        assert ("removed", "target", keys) in seen.calls
+        assert seen.keys == held(r, "target", keys + more) == {("target", k) for k in more}
+    finally:
+        r.close()
+        w.close()
