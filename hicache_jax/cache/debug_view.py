@@ -113,10 +113,13 @@ class CacheDebugView:
     def digest(self, pages: bool = False) -> str:
         """Hex digest of the tree's structure and residency per node, the clock, the counters
         and the copies in flight (``digest.state_digest``): equal across ranks whose trees
-        made the same decisions. ``pages=True`` also folds in the page ids."""
+        made the same decisions. ``pages=True`` also folds in the page ids. Stateful components
+        (e.g. ``swa``) add their per-node state and counters (``KVComponent.digest_node`` /
+        ``digest_state``); a cache without them digests exactly as before."""
         from .digest import state_digest
 
-        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages)
+        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages,
+                            self.components)
 
     @property
     def caller_locks(self) -> int:

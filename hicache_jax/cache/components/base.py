@@ -41,6 +41,9 @@ nodes)``
 ``slide_request(req)``       ``HiRadixCache.slide_window(req)``: the request moved on
 ``check(nodes, view,         ``sanity_check``: this component's invariant violations
 external)``
+``digest_node(node)`` /      ``debug_view().digest()``: this component's per-node state and
+``digest_state()``           its counters, as bytes / a dict of ints (ids left out: equal
+                             across ranks that made the same decisions)
 ``reset()``                  the cache dropped everything
 ===========================  ===============================================================
 
@@ -231,6 +234,17 @@ class KVComponent:
 
     def reset(self) -> None:
         pass
+
+    # ------------------------------------------------------------------ digest (several ranks)
+    def digest_node(self, node) -> bytes:
+        """This component's state of ``node`` for ``debug_view().digest()``, as fixed-width
+        bytes that are equal on every rank whose tree made the same decisions (no page ids,
+        no Python ``hash``). Default: nothing."""
+        return b""
+
+    def digest_state(self) -> dict:
+        """This component's counters for the digest (name -> int). Default: none."""
+        return {}
 
     def stats(self) -> dict:
         return {}

@@ -100,6 +100,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import struct
+
 import numpy as np
 
 from ...allocator import ID_DTYPE, PageAllocator, has_duplicates
@@ -112,6 +114,7 @@ from .full import FULL
 SWA = "swa"
 _EMPTY = np.zeros(0, ID_DTYPE)
 _INF = float("inf")
+_DIGEST_NODE = struct.Struct("<BIq")  # dev / host flags, holds, access
 
 
 class _SWAState:
@@ -841,6 +844,25 @@ class SWAComponent(KVComponent):
         self.host_index.clear()
         self.evictable_tokens = self.protected_tokens = self.host_tokens = 0
         self._win.clear()
+
+    # ------------------------------------------------------------------ digest
+    def digest_node(self, node) -> bytes:
+        """Whether the node has SWA pages on each tier, its SWA holds and its SWA recency
+        (no ids: each rank has its own allocators)."""
+        st = self.state(node)
+        if st is None:
+            return b""
+        return _DIGEST_NODE.pack((st.dev is not None) | (st.host is not None) << 1, len(st.holders), st.access)
+
+    def digest_state(self) -> dict:
+        """The token counters, the window holds of callers' locks (held, released early) and
+        both allocators' free pages."""
+        return {"evictable_tokens": self.evictable_tokens, "protected_tokens": self.protected_tokens,
+                "host_tokens": self.host_tokens,
+                "window_holds": sum(len(e[0]) for e in self._win.values()),
+                "windows_released_early": sum(e[1] for e in self._win.values()),
+                "device_available": self.device_allocator.available,
+                "host_available": self.host_allocator.available}
 
     def stats(self) -> dict:
         p = self.page_size
