@@ -271,10 +271,6 @@ class HiRadixCache:
             agreement = SingleProcessAgreement()
         if not isinstance(agreement, Agreement):
             raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
-        if agreement.collective and any(c.own_page_ids for c in self.components.stateful):
-            # Their pages (e.g. SWA) are allocated and backed up outside the agreed protocol.
-            raise ValueError("components: a component with its own page ids (e.g. swa) is not supported with a "
-                             "collective agreement (several ranks) yet")
         self.config = config
         # The owner thread (module docstring): None until the first checked call binds it.
         self._owner: int | None = None

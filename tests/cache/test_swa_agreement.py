@@ -10,6 +10,7 @@ The serving traces over several ranks are in ``test_swa_fuzz_ranks.py``.
 from __future__ import annotations
 
 import numpy as np
+from rank_threads import ThreadGroup, run_ranks
 from rank_trace import rank_cache, run_trace
 from swa_harness import SWADriver, make_swa_cache
 
@@ -76,3 +77,142 @@ def test_the_digest_sees_swa_holds_and_counters():
     assert _full_part(cache) == f1 and cache.debug_view().digest() != d1
     cache.dec_lock_ref(r)
     assert cache.debug_view().digest() == d0 and _full_part(cache) == f0
+
+
+# ---------------------------------------------------------------------------------------------- backups
+def _failing(alloc, fails: list):
+    """``alloc`` that returns None while ``fails[0]`` > 0 (counting down): a rank's failed allocation."""
+
+    def f(n):
+        if n and fails[0]:
+            fails[0] -= 1
+            return None
+        return alloc(n)
+
+    return f
+
+
+def _agreed_swa_cache(group, r, **kw):
+    kw.setdefault("swa_host_pages", 24)
+    kw.setdefault("deferred", True)
+    kw.setdefault("swa_deferred", kw["deferred"])
+    return make_swa_cache(window=5, agreement=group.agreement(r), **kw)
+
+
+def _settle(cache, full, swa_be):
+    for _ in range(4):
+        full.engine.complete_all()
+        swa_be.engine.complete_all()
+        cache.check_events()
+    cache.flush()
+
+
+def test_an_swa_host_allocation_failing_on_one_rank_leaves_swa_host_tombstones_on_every_rank():
+    group = ThreadGroup(2, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r)
+        drv = SWADriver(cache, full, swa_be, swa)
+        fails = [1 if r == 1 else 0]
+        swa.host_allocator.alloc = _failing(swa.host_allocator.alloc, fails)
+        drv.serve(key(0, 12))
+        cache.check_events()  # full part agreed (both got it), SWA part failed on rank 1
+        assert fails == [0]
+        a = cache.match_prefix(key(0, 12)).last_device_node
+        first = [a.host_value is not None, swa.node_host_pages(a) is None, swa.host_allocator.used,
+                 swa.phantom_pages]
+        drv.serve(key(100, 12))
+        cache.check_events()  # both parts everywhere
+        _settle(cache, full, swa_be)
+        b = cache.match_prefix(key(100, 12)).last_device_node
+        second = [b.host_value is not None, swa.node_host_pages(b) is not None]
+        cache.sanity_check(0, {"swa": 0})
+        # the SWA bytes that come back from the host are the ones that went out
+        cache.evict(cache.evictable_tokens)
+        assert cache.match_prefix(key(100, 12)).device_indices.size == 0
+        req, lb = drv.admit(key(100, 13))
+        assert lb is not None
+        full.engine.complete_all()
+        swa_be.engine.complete_all()
+        drv.check_prefix(req)
+        assert req.cached_pages == 6
+        drv.abort(req)
+        _settle(cache, full, swa_be)
+        cache.sanity_check(0, {"swa": 0})
+        return first, second, swa.metrics.backup_failed_tokens, cache.debug_view().digest()
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0 == r1
+    assert r0[0] == [True, True, 0, 0]  # full backed up, SWA a host tombstone, nothing held
+    assert r0[1] == [True, True] and r0[2] > 0
+
+
+def test_a_full_host_allocation_failing_on_one_rank_rolls_back_the_swa_part_too():
+    group = ThreadGroup(2, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r)
+        drv = SWADriver(cache, full, swa_be, swa)
+        fails = [1 if r == 1 else 0]
+        cache.host_allocator.alloc = _failing(cache.host_allocator.alloc, fails)
+        drv.serve(key(0, 12))
+        cache.check_events()
+        a = cache.match_prefix(key(0, 12)).last_device_node
+        out = [a.host_value is None, swa.node_host_pages(a) is None, swa.host_allocator.used,
+               cache.host_allocator.used, swa.phantom_pages, cache.stats()["agreement"]["rolled_back_backups"]]
+        cache.sanity_check(0, {"swa": 0})
+        return out, cache.debug_view().digest()
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0 == r1 and r0[0] == [True, True, 0, 0, 0, 1]
+
+
+def test_write_back_agrees_on_both_parts_inside_an_eviction():
+    group = ThreadGroup(2, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r, write_policy="write_back", deferred=False,
+                                                     swa_deferred=False)
+        drv = SWADriver(cache, full, swa_be, swa)
+        swa.host_allocator.alloc = _failing(swa.host_allocator.alloc, [1 if r == 1 else 0])
+        drv.serve(key(0, 12))
+        drv.serve(key(100, 12))
+        before = group.calls[r]
+        cache.evict(cache.evictable_tokens)  # each leaf: backed up (both parts agreed) first
+        exchanges = group.calls[r] - before
+        host_swa = [swa.node_host_pages(n) is not None for n in cache.all_nodes() if n.host_value is not None]
+        cache.sanity_check(0, {"swa": 0})
+        return exchanges, host_swa, cache.debug_view().digest()
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0 == r1 and r0[0] > 0
+    assert False in r0[1] and True in r0[1]  # the first SWA part failed on rank 1: a tombstone everywhere
+
+
+def test_a_failed_backup_copy_is_retried_with_its_swa_part():
+    """Rank 1's SWA copy fails (random bytes land in its host pages): the retry must issue the
+    SWA part again, or the window that comes back from the host is garbage."""
+    group = ThreadGroup(2, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r)
+        drv = SWADriver(cache, full, swa_be, swa)
+        if r == 1:
+            swa_be.engine.inject_failures(1, "backup")
+        drv.serve(key(0, 12))
+        cache.check_events()  # committed everywhere: the copies are issued
+        _settle(cache, full, swa_be)
+        retries = cache.metrics.transfer_retries
+        cache.evict(cache.evictable_tokens)
+        req, lb = drv.admit(key(0, 13))
+        full.engine.complete_all()
+        swa_be.engine.complete_all()
+        drv.check_prefix(req)  # the SWA window from the host holds the bytes that went out
+        assert req.cached_pages == 6 and lb is not None
+        drv.abort(req)
+        _settle(cache, full, swa_be)
+        cache.sanity_check(0, {"swa": 0})
+        return retries, cache.debug_view().digest()
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0[1] == r1[1] and (r0[0], r1[0]) == (0, 1)

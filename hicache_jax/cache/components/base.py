@@ -24,6 +24,13 @@ span, pages)``               ``span`` tokens, ``pages`` the caller's (taken or f
 pages, first)``              page ``first`` of this component's ``pages`` (keeps or frees each)
 ``on_backup(nodes)``         these nodes (root first) were just marked backed up; their copy is
                              issued right after; returns this component's ``CopyPlan`` or None
+``reserve_backup(nodes)``,   several ranks: the backup of ``nodes`` as reserve -> agree ->
+``commit_backup(nodes, r,    commit: reserve this component's host pages (an object with
+ok)``,                       ``ok``: whether this rank got them; None: nothing to reserve),
+``release_backup(r)``        then, once the ranks agreed, ``commit_backup`` (``ok``: every
+                             rank's reservation succeeded; returns the ``CopyPlan`` or None)
+                             or ``release_backup`` (the full part was rolled back). Default:
+                             nothing reserved, ``commit_backup`` is ``on_backup``
 ``before_load_back(node)``   a load-back of ``node`` starts (may split host nodes)
 ``load_back_start(node,      the continuation a load-back makes usable starts below the
 anchor)``                    returned ancestor of ``anchor`` (default: ``anchor`` itself)
@@ -189,6 +196,15 @@ class KVComponent:
 
     def on_backup(self, nodes: list) -> CopyPlan | None:
         return None
+
+    def reserve_backup(self, nodes: list):
+        return None
+
+    def commit_backup(self, nodes: list, reservation, ok: bool) -> CopyPlan | None:
+        return self.on_backup(nodes)
+
+    def release_backup(self, reservation) -> None:
+        pass
 
     def before_load_back(self, node) -> None:
         pass
