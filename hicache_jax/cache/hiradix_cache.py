@@ -111,7 +111,13 @@ Across processes (``agreement``, ``step_agreement``)
       ``agree_step`` runs one step for a caller's own blocking wait (the L3 controller's);
     * a backup the write policy wants is reserved, agreed and committed at the next step
       (``backup.AgreedBackups``); write_back's backup inside an eviction agrees on its own;
-    * a copy that fails for good on any rank latches every rank at the same step.
+    * a copy that fails for good on any rank latches every rank at the same step;
+    * components with their own page ids (``swa``) take part: their host pages are reserved
+      with each backup's and agreed beside them (``backup``; a part some rank could not get
+      leaves component host tombstones on every rank), ``slide_window`` records this rank's
+      length and the step slides to the MIN over ranks (``component_steps``), and the L3
+      controller reserves their host pages with ``reserve_component_host_pages_agreed`` /
+      ``settle_component_host_pages``. The digest covers their state.
 
     Device allocations (``alloc_device``, a load-back's pages) need no agreement: the device
     allocator changes only at agreed points, so it is identical on every rank. Every rank
@@ -166,6 +172,7 @@ from ..allocator import PageAllocator, check_page_ids
 from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
 from .backup import AgreedBackups, BackupIssuer
+from .component_steps import ComponentSteps
 from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import EvictionPolicy, HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
@@ -323,6 +330,7 @@ class HiRadixCache:
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
+        self._component_steps = None  # several ranks with own-id components: agreed window slides
         if self.agreed:
             self._agreed_backups = AgreedBackups(backups)
             policy.defer = self._agreed_backups.want
@@ -331,6 +339,9 @@ class HiRadixCache:
             ledger.steps = steps
             steps.add(self._agreed_backups)
             steps.add(ledger)
+            if self._own:
+                self._component_steps = ComponentSteps(tuple(self._own.values()))
+                steps.add(self._component_steps)
 
     def _refuse_calls(self, failure: CacheFailedError) -> None:
         """The failure latch closed: until ``reset``, every public call in
@@ -952,6 +963,8 @@ class HiRadixCache:
         req = self._requests.check(req)
         key = req.key  # the request is emptied
         self._requests.finished(req)
+        if self._component_steps is not None:
+            self._component_steps.forget(req)
         if req.retain is not None and self._retention is not None:
             self._retain_key(key, req.retain)
 
@@ -967,19 +980,32 @@ class HiRadixCache:
         if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size:
             return  # holds nothing (aborted or finished already)
         self._requests.abort(self._requests.check(req))
+        if self._component_steps is not None:
+            self._component_steps.forget(req)
 
-    def slide_window(self, req: CacheRequest) -> None:
+    def slide_window(self, req: CacheRequest, written: int | None = None) -> None:
         """After a forward pass wrote the KV of all of ``req.key``'s tokens: components with
         a sliding window free the request's own pages that lie wholly before the window of
         its whole pages' end (so also before the window of its next pass; ``component_pages``
         entries set to -1) and, once that window lies past the tree's part
         (``cached_pages``), release the hold of the request's lock on the tree's window pages
-        (its full lock stays). A no-op without such components."""
+        (its full lock stays). A no-op without such components.
+
+        ``written``: how many of ``req.key``'s tokens this rank's forward pass has written
+        (default: all); the slide goes only that far. With several ranks the slide is agreed:
+        this call records the length, and the next step slides every rank to the MIN over
+        ranks (``component_steps``)."""
         if get_ident() != self._owner:
             self._not_owner("slide_window")
         req = self._requests.check(req)
+        n = len(req.key)
+        if written is not None:
+            n = min(check_int("written", written, 0), n)
+        if self._component_steps is not None:
+            self._component_steps.note(req, n)
+            return
         for comp in self._requests.own:
-            comp.slide_request(req)
+            comp.slide_request(req, None if written is None else n)
 
     # ------------------------------------------------------------------ reset / stats / checks
     def reset(self) -> None:
@@ -1009,6 +1035,8 @@ class HiRadixCache:
         self._load_backs.storage_origin.clear()
         if self._agreed_backups is not None:
             self._agreed_backups.clear()
+        if self._component_steps is not None:
+            self._component_steps.clear()
         for comp in self._stateful:
             comp.reset()
         self.root = self._tree.new_root()
@@ -1079,6 +1107,8 @@ class HiRadixCache:
             out["retention"] = self._retention.stats()
         if self.agreed:  # several ranks: the per-step agreement's exchanges and time
             out["agreement"] = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
+            if self._component_steps is not None:
+                out["agreement"]["agreed_slides"] = self._component_steps.slides
         return out
 
     def sanity_check(self, external_device_pages: int | None = None,

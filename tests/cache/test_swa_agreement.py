@@ -10,6 +10,7 @@ The serving traces over several ranks are in ``test_swa_fuzz_ranks.py``.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from rank_threads import ThreadGroup, run_ranks
 from rank_trace import rank_cache, run_trace
 from swa_harness import SWADriver, make_swa_cache
@@ -216,3 +217,115 @@ def test_a_failed_backup_copy_is_retried_with_its_swa_part():
 
     r0, r1 = run_ranks(group, rank)
     assert r0[1] == r1[1] and (r0[0], r1[0]) == (0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- window slides
+def test_a_window_slides_to_the_length_every_rank_wrote():
+    """Rank 1's forward pass lags one step (``written``): each step both ranks slide to the
+    shorter length, so their trees stay equal; a single process slides at once."""
+    group = ThreadGroup(2, timeout=30)
+    toks = np.arange(40, dtype=np.int64)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r, deferred=False, swa_device_pages=24)
+        drv = SWADriver(cache, full, swa_be, swa)
+        req, _ = drv.admit(RadixKey(toks[:3]))
+        prev = 0
+        own, freed = [], []
+        for end in range(4, 30, 2):  # decode: 2 tokens a step
+            assert drv.extend(req, RadixKey(toks[:end]))  # slide_window(req) inside: recorded
+            if r == 1:  # rank 1 has written only the previous step's tokens
+                cache.slide_window(req, written=prev)
+            prev = end
+            cache.check_events()
+            own.append(drv.own_pages(req)[1])
+            freed.append(swa.metrics.freed_request_pages)
+        cache.cache_finished_req(req)
+        cache.check_events()
+        cache.sanity_check(0, {"swa": 0})
+        st = cache.stats()["agreement"]
+        return own, freed, cache.debug_view().digest(), st["steps"], st["exchanges"], group.calls[r]
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0[:3] == r1[:3]
+    own, freed = r0[0], r0[1]
+    assert freed[-1] > 0 and max(own) < 13  # it slid (13 pages would be the whole request)
+    assert r0[3] == r0[4] == r0[5] == 14  # one exchange per step, nothing else
+
+    # the same sequence in one process slides one step earlier: more pages freed by each step
+    cache, full, swa_be, swa = make_swa_cache(window=5, deferred=False, swa_device_pages=24)
+    drv = SWADriver(cache, full, swa_be, swa)
+    req, _ = drv.admit(RadixKey(toks[:3]))
+    one = []
+    for end in range(4, 30, 2):
+        drv.extend(req, RadixKey(toks[:end]))
+        one.append(swa.metrics.freed_request_pages)
+    assert one[-1] >= freed[-1] and any(a > b for a, b in zip(one, freed))
+
+
+def test_without_the_exchange_a_late_slide_splits_the_trees():
+    from hicache_jax.cache import NoExchangeAgreement
+
+    def rank(r):
+        cache, full, swa_be, swa = make_swa_cache(window=5, deferred=False, swa_device_pages=24,
+                                                  agreement=NoExchangeAgreement(r, 2))
+        drv = SWADriver(cache, full, swa_be, swa)
+        toks = np.arange(40, dtype=np.int64)
+        req, _ = drv.admit(RadixKey(toks[:3]))
+        prev, digests = 0, []
+        for end in range(4, 30, 2):
+            drv.extend(req, RadixKey(toks[:end]))
+            if r == 1:
+                cache.slide_window(req, written=prev)
+            prev = end
+            cache.check_events()
+            digests.append(cache.debug_view().digest())
+        return digests
+
+    assert rank(0) != rank(1)
+
+
+def test_a_finished_request_is_forgotten_and_written_is_checked():
+    group = ThreadGroup(1, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r, deferred=False)
+        drv = SWADriver(cache, full, swa_be, swa)
+        req, _ = drv.admit(key(0, 5))
+        drv.extend(req, key(0, 12))
+        for bad, exc in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(exc, match="written"):
+                cache.slide_window(req, written=bad)
+        steps = cache._component_steps
+        assert len(steps.tracked) == 1
+        cache.cache_finished_req(req)
+        assert not steps.tracked
+        cache.check_events()
+        cache.sanity_check(0, {"swa": 0})
+
+    run_ranks(group, rank)
+
+
+def test_a_request_stays_reported_until_every_rank_noted_the_same_length():
+    group = ThreadGroup(2, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r, deferred=False, swa_device_pages=24)
+        drv = SWADriver(cache, full, swa_be, swa)
+        req, _ = drv.admit(key(0, 3))
+        drv.extend(req, key(0, 20))  # slide_window(req): 20 tokens written
+        if r == 1:
+            cache.slide_window(req, written=10)  # rank 1 has written 10 so far
+        cache.check_events()
+        after_lag = swa.metrics.freed_request_pages
+        if r == 1:
+            cache.slide_window(req)  # rank 1 catches up; rank 0 has nothing new to say
+        cache.check_events()
+        caught_up = swa.metrics.freed_request_pages
+        cache.check_events()  # clean: nothing reported
+        cache.cache_finished_req(req)
+        cache.sanity_check(0, {"swa": 0})
+        return after_lag, caught_up, cache.debug_view().digest()
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0 == r1 and 0 < r0[0] < r0[1]

@@ -45,7 +45,8 @@ nodes)``
 ``on_lock(receipt)`` /       a path lock was taken / released (``locks.LockReceipt``)
 ``on_release(receipt)``
 ``on_evict(node, tier)``     ``node`` is about to leave ``"device"`` or ``"host"``
-``slide_request(req)``       ``HiRadixCache.slide_window(req)``: the request moved on
+``slide_request(req,         ``HiRadixCache.slide_window(req)``: the request moved on (with
+upto)``                      ranks: to the agreed length, ``component_steps``)
 ``check(nodes, view,         ``sanity_check``: this component's invariant violations
 external)``
 ``digest_node(node)`` /      ``debug_view().digest()``: this component's per-node state and
@@ -237,7 +238,8 @@ class KVComponent:
     def on_evict(self, node, tier: str) -> None:
         pass
 
-    def slide_request(self, req) -> None:
+    def slide_request(self, req, upto: int | None = None) -> None:
+        """``req`` moved on; ``upto``: slide only as far as its first ``upto`` tokens (None: all)."""
         pass
 
     def request_pages(self, node, num_pages: int) -> np.ndarray | None:

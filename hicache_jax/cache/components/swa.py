@@ -918,14 +918,19 @@ class SWAComponent(KVComponent):
         if bad.shape[0]:
             raise ValueError(f"{what}: {bad[:8].tolist()} are free or owned by the tree")
 
-    def slide_request(self, req) -> None:
+    def slide_request(self, req, upto: int | None = None) -> None:
+        """The request moved on: free its own pages wholly before the window of its first
+        ``upto`` tokens (default: all of ``req.key``; with ranks, the agreed length,
+        ``component_steps``) and release its window hold once that window lies past the
+        tree's part."""
         pages = None if req.component_pages is None else req.component_pages.get(self.name)
         if pages is None:
             return
         # The window of the request's next pass, and that of its whole pages' end (what its
         # next insert makes usable for later matches): keep both.
         p = self.page_size
-        keep_from = (len(req.key) // p) * p - self.context
+        n = len(req.key) if upto is None else min(upto, len(req.key))
+        keep_from = (n // p) * p - self.context
         if keep_from <= 0:
             return
         out = min(keep_from // p, pages.shape[0])  # pages wholly before the window
