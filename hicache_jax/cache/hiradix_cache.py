@@ -154,7 +154,8 @@ Sliding-window (SWA) requests (``components.swa``; generic over components with 
        from ``cached_pages`` on, ids >= 0) and ``dec_lock_ref(req.last_node)``.
 
     Raw calls take the same per-component ids: ``insert(..., component_pages=)``,
-    ``insert_host(..., component_pages=)`` (L3), ``reserve_component_host_pages``,
+    ``insert_host(..., component_pages=)`` (L3), ``reserve_component_host_pages`` (with
+    ranks: ``reserve_component_host_pages_agreed`` / ``settle_component_host_pages``),
     ``sanity_check(external, {"swa": n})``. With no such component registered every hook
     stays off the full component's paths (one empty tuple).
 """
@@ -207,7 +208,7 @@ _REFUSED_AFTER_FAILURE = (
     "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
     "loading_check", "check_events", "agree_step", "flush", "alloc_device", "evict", "evict_host", "load_back",
     "begin_request", "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages",
-    "slide_window", "abort_request",
+    "reserve_component_host_pages_agreed", "slide_window", "abort_request",
 )
 
 
@@ -759,6 +760,35 @@ class HiRadixCache:
     def settle_host_pages(self, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
         """End a ``reserve_host_pages_agreed`` of ``num_pages`` pages (see there)."""
         self._evictor.settle_host(check_int("num_pages", num_pages, 0), ids, _check_flag("keep", keep))
+
+    def reserve_component_host_pages_agreed(self, name: str, num_pages: int) -> np.ndarray | None:
+        """Several ranks, from a ``StepAgreement`` participant's ``prepare``: the reserve of
+        reserve -> agree -> commit for ``num_pages`` host pages of the component ``name`` (one
+        with its own page ids, e.g. an L3 prefetch's SWA window, all or nothing).
+
+        Evicts that component's host pages by the shortfall of the free count every rank
+        shares (this step's failed reservations counted as taken), then allocates. Returns
+        this rank's ids, or None: its allocation failed, or the shared free count is short
+        on every rank. Report ``ids is not None``; after the step's agreement end it on every
+        rank with ``settle_component_host_pages(name, num_pages, ids, keep)``, ``keep`` when
+        every rank got its pages (the caller owns them then, e.g. for ``insert_host``'s
+        ``component_pages``), else they are freed. One process: the same calls work (there
+        is nobody to disagree with)."""
+        if get_ident() != self._owner:
+            self._not_owner("reserve_component_host_pages_agreed")
+        comp = self._own_component(name)
+        return comp.reserve_host_agreed(check_int("num_pages", num_pages, 0))
+
+    def settle_component_host_pages(self, name: str, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
+        """End a ``reserve_component_host_pages_agreed`` of ``num_pages`` pages (see there)."""
+        comp = self._own_component(name)
+        num_pages = check_int("num_pages", num_pages, 0)
+        keep = _check_flag("keep", keep)
+        if ids is not None:
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or ids.shape[0] != num_pages:
+                raise ValueError(f"ids: expected the {num_pages} ids the reservation returned, got shape {ids.shape}")
+        comp.settle_host_agreed(num_pages, ids, keep)
 
     # ------------------------------------------------------------------ transfers
     def writing_check(self, block: bool = False) -> int:

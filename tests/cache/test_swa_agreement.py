@@ -329,3 +329,82 @@ def test_a_request_stays_reported_until_every_rank_noted_the_same_length():
 
     r0, r1 = run_ranks(group, rank)
     assert r0 == r1 and 0 < r0[0] < r0[1]
+
+
+# ---------------------------------------------------------------------------------------------- L3 facade
+def test_component_host_pages_reserved_agreed_then_kept_or_freed():
+    cache, full, swa_be, swa = make_swa_cache(window=5, swa_host_pages=8)
+    alloc = swa.host_allocator
+    ids = cache.reserve_component_host_pages_agreed("swa", 3)
+    assert ids is not None and ids.shape == (3,) and alloc.used == 3 and swa.phantom_pages == 0
+    cache.settle_component_host_pages("swa", 3, ids, True)  # kept: the caller's
+    assert alloc.used == 3 and alloc.is_allocated(ids).all()
+    alloc.free(ids)
+    ids = cache.reserve_component_host_pages_agreed("swa", 3)
+    cache.settle_component_host_pages("swa", 3, ids, False)  # another rank failed: freed
+    assert alloc.used == 0
+    # this rank's allocation fails: counted as taken until settled, so a second reservation
+    # in the same step sees the free count every rank sees
+    real = alloc.alloc
+    alloc.alloc = _failing(real, [1])
+    a = cache.reserve_component_host_pages_agreed("swa", 5)
+    assert a is None and swa.phantom_pages == 5 and swa.host_available == 3
+    b = cache.reserve_component_host_pages_agreed("swa", 4)  # 3 left as every rank counts them
+    assert b is None and swa.phantom_pages == 9 and alloc.used == 0
+    with pytest.raises(Exception, match="invariant"):
+        cache.sanity_check(0, {"swa": 0})  # phantom pages outlive no step
+    cache.settle_component_host_pages("swa", 4, b, False)
+    cache.settle_component_host_pages("swa", 5, a, False)
+    assert swa.phantom_pages == 0 and alloc.used == 0
+    cache.sanity_check(0, {"swa": 0})
+
+
+def test_component_host_reservation_input_is_checked():
+    cache, full, swa_be, swa = make_swa_cache(window=5, swa_host_pages=8)
+    for args, exc in ((("full", 2), ValueError), (("swa", -1), ValueError), (("swa", 1.0), TypeError)):
+        with pytest.raises(exc):
+            cache.reserve_component_host_pages_agreed(*args)
+    assert swa.host_allocator.used == 0
+    ids = cache.reserve_component_host_pages_agreed("swa", 2)
+    with pytest.raises(ValueError, match="ids"):
+        cache.settle_component_host_pages("swa", 3, ids, True)
+    with pytest.raises(TypeError, match="keep"):
+        cache.settle_component_host_pages("swa", 2, ids, 1)
+    assert swa.host_allocator.used == 2
+    cache.settle_component_host_pages("swa", 2, ids, False)
+    assert swa.host_allocator.used == 0
+
+
+def test_component_host_reservations_agree_across_ranks():
+    """The L3 shape of the protocol on two thread ranks: a participant reserves in
+    ``prepare``, reports ``ids is not None``, keeps or frees in ``apply``."""
+    group = ThreadGroup(2, timeout=30)
+
+    class Window:
+        def __init__(self, cache):
+            self.cache, self.r, self.kept = cache, None, []
+
+        def prepare(self):
+            self.r = self.cache.reserve_component_host_pages_agreed("swa", 2)
+
+        def report(self, out):
+            out.append(0 if self.r is None else 1)
+
+        def apply(self, agreed):
+            self.cache.settle_component_host_pages("swa", 2, self.r, bool(agreed[0]))
+            self.kept.append(bool(agreed[0]))
+            if agreed[0]:
+                self.cache.components.components["swa"].host_allocator.free(self.r)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r)
+        if r == 1:
+            swa.host_allocator.alloc = _failing(swa.host_allocator.alloc, [1])
+        w = Window(cache)
+        cache.step_agreement.add(w)
+        cache.check_events()
+        cache.check_events()
+        cache.sanity_check(0, {"swa": 0})
+        return w.kept, swa.host_allocator.used
+
+    assert run_ranks(group, rank) == [([False, True], 0)] * 2

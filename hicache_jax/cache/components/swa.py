@@ -1068,6 +1068,8 @@ class SWAComponent(KVComponent):
                 if not need <= set(hold.states):
                     errs.append(f"a window hold of a caller lock on {x!r} misses SWA pages of its window: "
                                 f"{[st.node for st in need - set(hold.states)][:4]}")
+        if self.phantom_pages:
+            errs.append(f"SWA host reservations left {self.phantom_pages} phantom pages after their step")
         reserved = np.zeros(0, np.int64) if view is None else view.reserved_host_pages(name)
         for tier, alloc, pages, owned, extra in (
                 ("device", self.device_allocator, dev_pages, self.dev_owned, external),
