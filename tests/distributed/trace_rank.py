@@ -3,7 +3,7 @@
 
 usage: trace_rank.py AGREEMENT DIVERGENCE STORAGE_DIR OUT_DIR STEPS
   AGREEMENT   kv | device | none (``NoExchangeAgreement``: the protocol without the exchange)
-  DIVERGENCE  one of rank_trace.DIVERGENCES, ``all``, or ``-``; injected on rank 1 only; ``stall``:
+  DIVERGENCE  one of rank_trace.divergences(), ``all``, or ``-``; injected on rank 1 only; ``stall``:
               rank 1 never takes part (sleeps), so rank 0's bounded barrier must time out
   HICACHE_AGREEMENT_TIMEOUT (env): the agreement's barrier timeout in seconds (default 60)
 Writes OUT_DIR/rank{R}.json: the trace's digests after every step, served prefixes, what fired.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache"))
 
-from rank_trace import DIVERGENCES, rank_cache, run_trace  # noqa: E402
+from rank_trace import divergences, rank_cache, run_trace  # noqa: E402
 
 from hicache_jax.cache import NoExchangeAgreement  # noqa: E402
 from hicache_jax.distributed import initialize_from_env, make_agreement, run_rank  # noqa: E402
@@ -39,7 +39,7 @@ def main() -> None:
         time.sleep(600)  # never reaches its first exchange
     div = set()
     if rank == 1 and divergence not in ("-", "stall"):
-        div = set(DIVERGENCES) if divergence == "all" else {divergence}
+        div = set(divergences("full")) if divergence == "all" else {divergence}
     cache, be, ctl = rank_cache(agreement, storage_dir=storage_dir)
     try:
         result = run_trace(cache, be, ctl, divergence=div, steps=int(steps))
