@@ -11,7 +11,8 @@ every rank; what differs is only what the divergences inject on the ranks listed
   they were issued; the other ranks finish theirs in the step they were issued;
 * ``short_read``: that rank's storage reads stop two pages short of every request;
 * ``missing_page``: that rank's storage reports a page missing (every query's fourth page);
-* ``swa_alloc_fail``: every third SWA host allocation (an SWA backup's) fails on that rank;
+* ``swa_alloc_fail``: every third SWA host allocation (an SWA backup's; the first, fourth...)
+  fails on that rank;
 * ``late_slide``: that rank's forward pass lags one step: its ``slide_window`` says only the
   tokens before the request's last extension were written (``written=``).
 
@@ -120,7 +121,7 @@ def inject(cache, ctl, divergence: set[str]) -> dict:
 
         def failing_swa_alloc(n):
             swa_calls[0] += 1
-            if n and swa_calls[0] % 3 == 0:
+            if n and swa_calls[0] % 3 == 1:  # not in step with alloc_fail's calls (both fail alike)
                 fired["swa_alloc_fail"] += 1
                 return None
             return swa_alloc(n)
