@@ -101,7 +101,8 @@ def rank_cache(agreement, *, storage_dir=None, device_pages=160, host_pages=96, 
 
 def inject(cache, ctl, divergence: set[str]) -> dict:
     """Install ``divergence`` on this rank; returns counters of what fired."""
-    fired = {k: 0 for k in DIVERGENCES}
+    swa = cache.components.components.get("swa")
+    fired = {k: 0 for k in divergences("full" if swa is None else "swa", l3=ctl is not None)}
     if "alloc_fail" in divergence:
         alloc = cache.host_allocator.alloc
         calls = [0]
@@ -114,7 +115,6 @@ def inject(cache, ctl, divergence: set[str]) -> dict:
             return alloc(n)
 
         cache.host_allocator.alloc = failing_alloc
-    swa = cache.components.components.get("swa")
     if swa is not None and "swa_alloc_fail" in divergence:
         swa_alloc = swa.host_allocator.alloc
         swa_calls = [0]
