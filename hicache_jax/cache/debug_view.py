@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class CacheDebugView:
     def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
                  callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None,
-                 agreed_backups=None) -> None:
+                 agreed_backups=None, component_steps=None) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -41,6 +41,7 @@ class CacheDebugView:
         self._callers, self._requests = callers, requests
         self._evictor = evictor
         self._agreed_backups = agreed_backups  # several ranks' backup reservations, or None
+        self._component_steps = component_steps  # several ranks' agreed window slides, or None
 
     @property
     def root(self) -> TreeNode:
@@ -80,6 +81,18 @@ class CacheDebugView:
             raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
         owned = self._res.dev_owned if tier == "device" else self._res.host_owned
         owned[page] = not owned[page]
+
+    @property
+    def clock(self) -> int:
+        """The tree's logical clock."""
+        return self._tree.clock
+
+    @property
+    def tracked_slides(self) -> int:
+        """Several ranks with own-id components: requests whose window slides are tracked
+        (``component_steps``); 0 otherwise."""
+        steps = self._component_steps
+        return 0 if steps is None else len(steps.tracked)
 
     @property
     def reservations(self) -> tuple[int, int]:

@@ -41,7 +41,7 @@ def test_a_full_only_digest_is_byte_identical_to_before():
 
 def _full_part(cache):
     v = cache.debug_view()
-    return state_digest(v.root, cache._tree.clock, v.counters, v.pending())
+    return state_digest(v.root, v.clock, v.counters, v.pending())
 
 
 def test_the_digest_sees_swa_state_the_full_tree_does_not(monkeypatch):
@@ -296,10 +296,14 @@ def test_a_finished_request_is_forgotten_and_written_is_checked():
         for bad, exc in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
             with pytest.raises(exc, match="written"):
                 cache.slide_window(req, written=bad)
-        steps = cache._component_steps
-        assert len(steps.tracked) == 1
+        assert cache.debug_view().tracked_slides == 1
         cache.cache_finished_req(req)
-        assert not steps.tracked
+        assert cache.debug_view().tracked_slides == 0
+        req, _ = drv.admit(key(50, 5))
+        drv.extend(req, key(50, 12))
+        assert cache.debug_view().tracked_slides == 1
+        cache.abort_request(req)
+        assert cache.debug_view().tracked_slides == 0
         cache.check_events()
         cache.sanity_check(0, {"swa": 0})
 
