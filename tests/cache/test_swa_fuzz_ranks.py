@@ -57,7 +57,8 @@ def test_without_the_exchange_the_same_divergence_splits_the_swa_trees(component
 # ``test_swa_fuzz``'s operations, each run on both thread-ranks at once (``rank_pool``), the
 # arguments drawn once on the main thread. Rank 1 diverges all the time: every third host
 # allocation of each pool fails, its forward pass lags a step (``slide_window(written=)``),
-# and the copies ``complete_one`` finishes on rank 0 stay unfinished there. After every
+# and the copies ``complete_one`` finishes on rank 0 stay unfinished there; half the caches
+# carry a draft sidecar (its bytes checked like the target's). After every
 # operation both trees must pass ``sanity_check`` and have equal digests.
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, seed, settings  # noqa: E402
@@ -65,7 +66,8 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
-from rank_trace import _TraceDriver, inject  # noqa: E402
+from cache_harness import KVOracle, numpy_backend_factory, small_geom  # noqa: E402
+from rank_trace import DRAFT_SALT, _TraceDriver, inject  # noqa: E402
 from swa_harness import make_swa_cache  # noqa: E402
 
 from hicache_jax.cache import RadixKey  # noqa: E402
@@ -77,9 +79,18 @@ FUZZ = {"steps": 0, "exchanges": 0, "events": {}}
 class _Rank:
     """One rank's cache, driver and requests (built and used on that rank's thread only)."""
 
-    def __init__(self, r: int, agreement, params: dict) -> None:
+    def __init__(self, r: int, agreement, params: dict, draft: bool) -> None:
         self.r = r
-        self.cache, self.full_be, self.swa_be, self.swa = make_swa_cache(agreement=agreement, **params)
+        self.draft_be = self.draft = None
+        sidecars = None
+        if draft:  # a draft model's KV on the full page ids (a sidecar), its own bytes
+            self.draft_be = numpy_backend_factory(small_geom(params["page_size"]), params["device_pages"],
+                                                  params["host_pages"], "page_first", params["deferred"])
+            self.draft = KVOracle(self.draft_be, DRAFT_SALT)
+            sidecars = {"draft": self.draft_be.engine}
+        self.cache, self.full_be, self.swa_be, self.swa = make_swa_cache(agreement=agreement, sidecars=sidecars,
+                                                                         **params)
+        self.bes = [b for b in (self.full_be, self.swa_be, self.draft_be) if b is not None]
         self.drv = _TraceDriver(self.cache, self.full_be, self.swa_be, self.swa)
         self.p = self.cache.page_size
         self.reqs: list = []  # [req, target tokens, namespace]
@@ -89,6 +100,11 @@ class _Rank:
     def key(self, toks, ns):
         return RadixKey(np.asarray(toks, np.int64), ns)
 
+    def check_prefix(self, req) -> None:
+        self.drv.check_prefix(req)
+        if self.draft is not None:
+            self.draft.check_device(req.key, req.device_pages[:req.cached_pages])
+
     def extend(self, entry, key) -> bool:
         req = entry[0]
         before = len(req.key)
@@ -96,6 +112,9 @@ class _Rank:
             self.reqs.remove(entry)
             self.drv.abort(req)
             return False
+        if self.draft is not None:
+            start = before // self.p
+            self.draft.write(key, req.device_pages[start:], start)
         if self.r == 1:
             self.cache.slide_window(req, written=before)  # rank 1's forward pass lags a step
         return True
@@ -119,16 +138,17 @@ class SWARanksMachine(RuleBasedStateMachine):
         swa_host_pages=st.integers(3, 40),
         deferred=st.booleans(),
         threshold=st.sampled_from([0, 1, 3]),
+        draft=st.booleans(),
     )
     def setup(self, policy, page_size, window, device_pages, host_pages, swa_device_pages, swa_host_pages, deferred,
-              threshold):
+              threshold, draft):
         swa_device_pages = max(swa_device_pages, -(-window // page_size) + 3)
         params = dict(page_size=page_size, window=window, device_pages=device_pages, host_pages=host_pages,
                       swa_device_pages=swa_device_pages, swa_host_pages=swa_host_pages, deferred=deferred,
                       write_policy=policy, load_back_threshold=threshold)
         self.pool = RankPool(2, timeout=30)
         group = self.pool.group
-        self.ranks = self.pool.run(lambda r: _Rank(r, group.agreement(r), params))
+        self.ranks = self.pool.run(lambda r: _Rank(r, group.agreement(r), params, draft))
 
     def both(self, fn):
         ranks = self.ranks
@@ -145,7 +165,7 @@ class SWARanksMachine(RuleBasedStateMachine):
     def begin(self, toks, ns, load):
         def op(k):
             req, _lb = k.drv.admit(k.key(toks, ns), load)
-            k.drv.check_prefix(req)
+            k.check_prefix(req)
             k.reqs.append([req, list(toks), ns])
 
         self.both(op)
@@ -158,7 +178,7 @@ class SWARanksMachine(RuleBasedStateMachine):
 
         def op(k):
             req, _lb = k.drv.admit(k.key(toks, ns))
-            k.drv.check_prefix(req)
+            k.check_prefix(req)
             entry = [req, list(toks), ns]
             k.reqs.append(entry)
             pos = len(req.key)
@@ -167,7 +187,7 @@ class SWARanksMachine(RuleBasedStateMachine):
                 if not k.extend(entry, k.key(toks[:pos], ns)):
                     return
                 k.cache.cache_unfinished_req(req, chunked=True)
-                k.drv.check_prefix(req)
+                k.check_prefix(req)
                 if poll:
                     k.cache.check_events()
             for t in out:
@@ -193,7 +213,7 @@ class SWARanksMachine(RuleBasedStateMachine):
                 return
             if k.extend(entry, k.key(target[:min(len(target), have + chunk)], ns)) and mid:
                 k.cache.cache_unfinished_req(req, chunked=True)
-                k.drv.check_prefix(req)
+                k.check_prefix(req)
 
         self.both(op)
 
@@ -273,7 +293,7 @@ class SWARanksMachine(RuleBasedStateMachine):
         def op(k):
             if k.r == 1:
                 return  # rank 1's copies finish later
-            for be in (k.full_be, k.swa_be):
+            for be in k.bes:
                 if be.pending:
                     be.complete(be.pending[i % len(be.pending)])
 
@@ -282,8 +302,8 @@ class SWARanksMachine(RuleBasedStateMachine):
     @rule()
     def complete_all(self):
         def op(k):
-            k.full_be.complete_all()
-            k.swa_be.complete_all()
+            for be in k.bes:
+                be.complete_all()
 
         self.both(op)
 
@@ -324,8 +344,8 @@ class SWARanksMachine(RuleBasedStateMachine):
                 for entry in list(k.reqs):
                     k.cache.cache_finished_req(entry[0])
                 k.reqs = []
-                k.full_be.complete_all()
-                k.swa_be.complete_all()
+                for be in k.bes:
+                    be.complete_all()
                 k.cache.flush()
                 k.cache.sanity_check(0, {"swa": 0})
                 st_ = k.cache.stats()
