@@ -412,3 +412,31 @@ def test_component_host_reservations_agree_across_ranks():
         return w.kept, swa.host_allocator.used
 
     assert run_ranks(group, rank) == [([False, True], 0)] * 2
+
+
+def test_slides_report_within_their_budget_and_the_rest_wait_a_step():
+    """20 requests slide at once: 16 (the budget, 32 of the vector's slots) report in the first
+    step, the other 4 in the next; the vector never outgrows its fixed width."""
+    from hicache_jax.cache.component_steps import BUDGET
+
+    group = ThreadGroup(2, timeout=30)
+
+    def rank(r):
+        cache, full, swa_be, swa = _agreed_swa_cache(group, r, deferred=False, device_pages=200, swa_device_pages=200)
+        drv = SWADriver(cache, full, swa_be, swa)
+        reqs = []
+        for i in range(20):
+            req, _ = drv.admit(key(1000 * i, 3))
+            assert drv.extend(req, key(1000 * i, 14))  # slide_window: noted, dirty
+            reqs.append(req)
+        cache.check_events()
+        first = cache.stats()["agreement"]["agreed_slides"]
+        cache.check_events()
+        second = cache.stats()["agreement"]["agreed_slides"]
+        for req in reqs:
+            cache.cache_finished_req(req)
+        cache.check_events()
+        cache.sanity_check(0, {"swa": 0})
+        return first, second, cache.stats()["agreement"]["exchanges"]
+
+    assert run_ranks(group, rank) == [(BUDGET, 20, 3)] * 2
