@@ -2,21 +2,28 @@
 # The project's checks on one CUDA GPU: within 8 minutes (BUDGET_S, default 470 s, a hard
 # `timeout` on every step) and with at most 8 result files in $OUT.
 #
-# Steps (STEPS selects; each runs even if an earlier one failed; its rc and time are printed):
-#   versions   python, jax / jaxlib / flax / orbax / tensorstore, devices, nvidia-smi
-#   pytest     pytest -m gpu over tests and pallas_kernels (compiled kernels, GPU engine tests;
-#              -v and --durations: a step cut by its timeout still shows what passed)
-#   transfer   hicache-jax bench transfer --page-sizes 16 64 --page-counts 256 1024, the engine's
-#              host layout (page_first) only, 3 reps: the 64 x 1024 case moves 2 GiB per copy and
-#              fills 4 GiB of random KV first. COMPARE_IMPLS=1 adds the xla / mgpu / Triton
-#              comparison (a kernel compile per shape: about a minute more)
+# Steps (STEPS selects; each runs even if an earlier one failed; its rc and time are printed),
+# the most informative first (the first H200 run, 2026-11-27, cut pytest, transfer and ttft at
+# their old caps: the caps below come from its timings):
+#   versions   python, jax / jaxlib / flax / orbax / tensorstore / google_crc32c, devices, nvidia-smi
+#   pytest     pytest -m gpu over tests/ (the engine's exactness, the stream copies, the torch
+#              bridge on CUDA; -v and --durations: a step cut by its timeout still shows what passed)
+#   transfer   hicache-jax bench transfer --page-sizes 16 64 --page-counts 1024 (256 MiB / 1 GiB per
+#              component), the host layouts page_first_direct and page_first (the engine's), 2 reps;
+#              the JSON is rewritten after every case, so a cut run keeps the cases it finished.
+#              COMPARE_IMPLS=1 adds the xla / mgpu / Triton comparison (a compile per shape)
 #   ttft       hicache-jax bench ttft on the GPU preset (llama3-8b-shape, 8 layers, bf16 KV):
-#              2048-token prompts, 5 rounds, max batch 4, L3 file
+#              2048-token prompts, 3 rounds, max batch 4, L3 file (~75 s of it compiles)
 #   multiturn  hicache-jax bench multiturn on the GPU preset, L3 file
 #   determ     the same with --deterministic, when `bench multiturn --help` lists it
-#   streamvar  the stream copies' static unrolled loop and the numpy path on the same bytes (log only)
+#   streamvar  the other stream loop (dynamic) and the numpy path on the same bytes (log only)
 #   hlo        a small bench transfer with XLA's dump on: the optimized HLO of the page-copy
 #              executables (is a page loop a while loop? are its copies async?) as hlo.tar.gz
+#   kernels    pytest -m gpu over pallas_kernels (Mosaic GPU / Triton bit-exact; ~160 s, passed
+#              on an H100 and an H200 before): last, with whatever time is left
+# Wheels: a `.whl/` folder (scripts/gpu_wheels.sh fills it; name it in the device call's carry)
+# is installed into a scratch site first: google-crc32c, which the GPU image lacks (the L3
+# then checksums with zlib's CRC-32, slower).
 # then a compact summary (every goal and verdict line, the transfer GB/s, the token checks).
 # L3 is the file backend: the GPU image's orbax-checkpoint (0.12.4) disables the orbax L3.
 #
@@ -26,7 +33,7 @@
 # directory, removed at the end.
 #
 # Environment: PYTHON (default python3; nothing is installed: PYTHONPATH=. runs the tree),
-# STEPS (default "versions pytest transfer ttft multiturn determ"), BUDGET_S, LAYERS (the preset's
+# STEPS (default: every step above), BENCH_ARGS (more options for ttft / multiturn / determ), BUDGET_S, LAYERS (the preset's
 # layer count; default its own, 8), QUICK=1 (a CPU-sized smoke run: --quick everywhere, so the tiny
 # preset of the same kind; pytest -m gpu then skips everything), DRY_RUN=1 (print each step's
 # command and the files it keeps; run nothing, write nothing).
@@ -34,7 +41,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar hlo"}
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar hlo kernels"}
 BUDGET_S=${BUDGET_S:-470}
 LAYERS=${LAYERS:-}
 QUICK=${QUICK:-0}
@@ -44,12 +51,12 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hicache-gpu-check-jax-cache}
 
 # Per-step time caps (s; CAP_<STEP> overrides). The five always-run steps' caps sum to < BUDGET_S
-# (455 of 470 s); determ gets what they leave. A step starts only with >= 10 s left.
-# On the H200 (REFERENCE figures): pallas_kernels -m gpu 160 s, an engine compile of the
-# 8-layer preset under a minute.
-CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-170} CAP_TRANSFER=${CAP_TRANSFER:-75}
-CAP_TTFT=${CAP_TTFT:-90} CAP_MULTITURN=${CAP_MULTITURN:-90} CAP_DETERM=${CAP_DETERM:-90}
-CAP_STREAMVAR=${CAP_STREAMVAR:-60} CAP_HLO=${CAP_HLO:-40}
+# (430 of 470 s); the later steps get what they leave. A step starts only with >= 10 s left.
+# Seen on the H200 (2026-11-27): ttft 82 s with 3 rounds, multiturn 57 s, determ 37 s,
+# streamvar 23 s, hlo 5 s; pallas_kernels -m gpu ~160 s.
+CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-140} CAP_TRANSFER=${CAP_TRANSFER:-75}
+CAP_TTFT=${CAP_TTFT:-110} CAP_MULTITURN=${CAP_MULTITURN:-75} CAP_DETERM=${CAP_DETERM:-60}
+CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
@@ -57,10 +64,13 @@ if [ "$QUICK" = 1 ]; then
   Q=(--quick) TRANSFER=(--quick) TTFT=() MULTITURN=()
 else
   # page_first_direct: the layout whose host pages are one contiguous run (the stream path's best case)
-  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 256 1024 --layouts page_first_direct page_first --reps 3)
+  Q=() TRANSFER=(--page-sizes 16 64 --page-counts 1024 --layouts page_first_direct page_first --reps 2)
   [ "${COMPARE_IMPLS:-0}" = 1 ] || TRANSFER+=(--no-compare-impls)
-  TTFT=(--prompt-len 2048 --reps 5 --max-batch 4) MULTITURN=()
+  TTFT=(--prompt-len 2048 --reps 3 --max-batch 4) MULTITURN=()
 fi
+# Extra options for the serving steps, e.g. BENCH_ARGS="--host-layout page_first_direct".
+read -r -a EXTRA <<< "${BENCH_ARGS:-}"
+TTFT+=("${EXTRA[@]}") MULTITURN+=("${EXTRA[@]}")
 
 if [ "$DRY_RUN" != 1 ]; then
   mkdir -p "$OUT"
@@ -69,6 +79,10 @@ if [ "$DRY_RUN" != 1 ]; then
   : > "$OUT/gpu_check.log"
 else
   WORK=/scratch
+fi
+if [ "$DRY_RUN" != 1 ] && ls .whl/*.whl > /dev/null 2>&1; then  # wheels the image lacks (header)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+    && export PYTHONPATH="$WORK/site:$PYTHONPATH" && echo "installed from .whl: $(ls .whl)" | tee -a "$OUT/gpu_check.log"
 fi
 declare -A RC=()
 KEPT=()
@@ -122,7 +136,7 @@ print('backend', jax.default_backend(), [d.device_kind for d in jax.devices()])
   fi
 fi
 if want pytest; then
-  step pytest $CAP_PYTEST "$PY" -m pytest tests pallas_kernels -m gpu -v -rA --durations=10 -p no:cacheprovider \
+  step pytest $CAP_PYTEST "$PY" -m pytest tests -m gpu -v -rA --durations=10 -p no:cacheprovider \
     --continue-on-collection-errors
 fi
 if want transfer; then
@@ -148,12 +162,12 @@ if want determ; then
     echo "[determ] skipped: bench multiturn --help lists no --deterministic"; RC[determ]=absent
   fi
 fi
-# Last, with what time is left: the stream copies' other loop forms and the numpy path on the
-# same bytes (tables in gpu_check.log only), to pick the transfer engine's defaults from.
+# With what time is left: the stream copies' other loop form (the GPU default is static x8) and the
+# numpy path on the same bytes (tables in gpu_check.log only), to check the transfer engine's defaults.
 if want streamvar; then
   SV=(--page-sizes 16 --page-counts 1024 --layouts page_first_direct --reps 3 --no-compare-impls)
   [ "$QUICK" = 1 ] && SV=(--quick --no-compare-impls)
-  step streamvar $CAP_STREAMVAR bash -c "$(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --stream-loop static --stream-unroll 8 --out $WORK/sv1.json && $(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --host-copy numpy --out $WORK/sv2.json"
+  step streamvar $CAP_STREAMVAR bash -c "$(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --stream-loop dynamic --out $WORK/sv1.json && $(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --host-copy numpy --out $WORK/sv2.json"
 fi
 
 # The optimized HLO of the page-copy executables at a small size, to read here what XLA's GPU
@@ -166,6 +180,10 @@ transfer ${HL[*]} --out $WORK/hlo.json && cd $WORK/hlo && tar czf $WORK/hlo.tar.
   keep hlo.tar.gz hlo.tar.gz
 fi
 
+if want kernels; then
+  step kernels $CAP_KERNELS "$PY" -m pytest pallas_kernels -m gpu -v -rA --durations=10 -p no:cacheprovider
+fi
+
 if [ "$DRY_RUN" = 1 ]; then
   echo "files kept in \$OUT: gpu_check.log summary.txt ${KEPT[*]}"
   exit 0
@@ -174,17 +192,18 @@ fi
 # ---- the summary: rc per step, the pytest tally, then what each result file says ----------------
 {
   echo "===== summary ($(date -u +%FT%TZ), ${SECONDS} s of the ${BUDGET_S} s budget)"
-  for s in versions pytest transfer ttft multiturn determ streamvar hlo; do
+  for s in versions pytest transfer ttft multiturn determ streamvar hlo kernels; do
     [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
   done
   [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"
-  if [ -f "$WORK/pytest.out" ]; then  # the tally line, or (a run cut by its timeout) the -v lines so far
-    tally=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' "$WORK/pytest.out" | tail -n 1)
-    [ -n "$tally" ] || tally="no tally; -v lines so far: $(grep -c ' PASSED' "$WORK/pytest.out") passed, \
-$(grep -c ' FAILED' "$WORK/pytest.out") failed, $(grep -c ' SKIPPED' "$WORK/pytest.out") skipped"
-    echo "pytest -m gpu: $tally"
-    grep -E '^(FAILED|ERROR) ' "$WORK/pytest.out" | head -n 20 | sed 's/^/  /'
-  fi
+  for t in pytest kernels; do  # the tally line, or (a run cut by its timeout) the -v lines so far
+    [ -f "$WORK/$t.out" ] || continue
+    tally=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' "$WORK/$t.out" | tail -n 1)
+    [ -n "$tally" ] || tally="no tally; -v lines so far: $(grep -c ' PASSED' "$WORK/$t.out") passed, \
+$(grep -c ' FAILED' "$WORK/$t.out") failed, $(grep -c ' SKIPPED' "$WORK/$t.out") skipped"
+    echo "pytest -m gpu ($([ $t = pytest ] && echo tests || echo pallas_kernels)): $tally"
+    grep -E '^(FAILED|ERROR) ' "$WORK/$t.out" | head -n 20 | sed 's/^/  /'
+  done
   "$PY" - "$WORK" <<'EOF'
 import json, os, sys
 
@@ -211,7 +230,8 @@ def verdict(name, p):
 
 p = load("transfer.json")
 if p:
-    print(f"transfer ({p.get('copy_impl')}, host {p.get('host_pool_memory')}, host copies {p.get('host_copy')}; "
+    print(f"transfer ({p.get('copy_impl')}, host {p.get('host_pool_memory')}, host copies {p.get('host_copy')} "
+          f"{p.get('stream_loop')}{'; PARTIAL: cut by its timeout' if p.get('partial') else ''}; "
           f"GB/s, x = vs raw copy; cpu = bytes host code copied per byte):")
     for r in p["results"]:
         print(f"  page {r['page_size']:>3} x {r['pages']:>5} {r['layout']:<12} gather {r['gather_gbps']:8.1f} "

@@ -136,6 +136,8 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
     p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=_positive_int, default=device_pages, help="L1 (device) pool size in pages")
     p.add_argument("--host-ratio", type=_positive_float, default=host_ratio, help="L2 (host) pool size / L1 pool size")
+    p.add_argument("--host-layout", choices=[l.value for l in HostLayout], default=HostLayout.PAGE_FIRST.value,
+                   help="L2 (host) pool layout (page_first_direct: each page's layers one contiguous run)")
     p.add_argument("--write-policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"], help="when L1 pages are backed up to L2")
     p.add_argument("--max-batch", type=_positive_int, default=max_batch,
@@ -275,9 +277,11 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
     p.add_argument("--host-copy", default="auto", choices=["auto", "xla_stream", "numpy"],
                    help="how pages cross host<->device (auto: xla_stream where the host pool is pinned)")
-    p.add_argument("--stream-loop", default="dynamic", choices=["dynamic", "static"],
-                   help="xla_stream page loops: over the live count, or over the whole bucket (known trip count)")
-    p.add_argument("--stream-unroll", type=_positive_int, default=1, help="unroll factor of static page loops")
+    p.add_argument("--stream-loop", default=None, choices=["dynamic", "static"],
+                   help="xla_stream page loops: over the live count, or over the whole bucket (known trip count); "
+                        "default: the platform's (static on a GPU, dynamic elsewhere)")
+    p.add_argument("--stream-unroll", type=_positive_int, default=None,
+                   help="unroll factor of static page loops (default: the platform's, 8 on a GPU)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per op (median)")
 
 

@@ -145,8 +145,10 @@ class _PolicyRun:
         return results, seconds
 
     def _measure_weights(self, results: list) -> None:
-        """The router's tier weights from this run's measured costs: the engines' load-back and
-        prefetch durations per token (their ``stats()``) against the prefill cost per token of
+        """The router's tier weights from this run's measured costs: the engines' load-back
+        durations and their stores' read time per prefetched token (their ``stats()``; the
+        stores' counters include the warm-up's reads, which slightly overstates the storage
+        cost) against the prefill cost per token of
         the requests no tier served (their service time per prompt token, summed over every
         round so far); the defaults until a cold request and a load were measured."""
         for x in results:

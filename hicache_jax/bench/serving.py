@@ -169,7 +169,8 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
     from ..engine import Engine, EngineCacheConfig
 
     cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
-                              host=HostPoolConfig(ratio=args.host_ratio if host_ratio is None else host_ratio),
+                              host=HostPoolConfig(ratio=args.host_ratio if host_ratio is None else host_ratio,
+                                                  layout=getattr(args, "host_layout", "page_first")),
                               write_policy=args.write_policy, max_batch=args.max_batch,
                               prefill_chunk=args.prefill_chunk, max_context=max_context,
                               storage=storage_config(args) if storage else None, worker_nice=args.worker_nice,
@@ -185,7 +186,9 @@ def describe(args, *extra: str) -> str:
     l3 = "no L3" if args.storage_backend == "none" else f"L3 {args.storage_backend}"
     layers = args.layers or (MODEL_PRESETS[args.model].num_layers if args.model in MODEL_PRESETS else "?")
     parts = [f"model {args.model} ({args.attention}, {layers} layers)", f"page {args.page_size}",
-             f"L1 {args.device_pages} pages", f"L2 x{args.host_ratio:g}", l3, args.write_policy,
+             f"L1 {args.device_pages} pages",
+             f"L2 x{args.host_ratio:g}" + (f" {args.host_layout}" if getattr(args, "host_layout", "page_first")
+                                           != "page_first" else ""), l3, args.write_policy,
              f"max batch {args.max_batch}", *(["deterministic"] if getattr(args, "deterministic", False) else []),
              *extra, f"{os.cpu_count()} CPUs"]
     try:
@@ -416,6 +419,8 @@ def _multiturn(args, progress: Progress) -> dict:
                     other.flush()  # another engine's background copies never overlap this round
             rnd = _serve_round(engine, convs[name], use)
             rounds[name].append(rnd)
+            if use and audit is not None and engine is cached_engine:
+                audit.settle()  # the page audit's hashing and comparing, between the timed rounds
             med = statistics.median(x.ttft_s for x in rnd.results)
             hit = sum(x.cached_total for x in rnd.results) / sum(x.prompt_len for x in rnd.results)
             progress.advance(1, f"round {r} {name}: TTFT p50 {med * 1e3:,.0f} ms, hit {hit:.0%}")

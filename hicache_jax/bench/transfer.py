@@ -158,23 +158,30 @@ def _run(args, progress: Progress) -> dict:
                      r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], d2h_cpu,
                      r["h2d_gbps"], r["h2d_vs_raw"], h2d_cpu])
         progress.advance(1, f"page {page}, {n} pages, {layout}")
+        if getattr(args, "out", None) and len(results) < len(cases):  # a run cut short keeps the cases it finished
+            write_json(args.out, _payload(args, eng, host, results) | {"partial": True})
     impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
     raw_kind = results[-1]["raw_host_memory"] if results else "-"
     print_table(f"KV page transfers: {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}, "
                 f"copy impl {impl}, host copies {eng.host_copy}"
-                f"{f' ({args.stream_loop} loops x{args.stream_unroll})' if eng.host_copy == 'xla_stream' else ''}, "
+                f"{f' ({eng.stream_loop} loops x{eng.stream_unroll})' if eng.host_copy == 'xla_stream' else ''}, "
                 f"backend {jax.default_backend()} "
                 f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy for gather/scatter, "
                 f"device_put to/from {raw_kind} for D2H/H2D; CPU B/B = bytes host code copied per byte moved)",
                 ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
                  "D2H", "x raw D2H", "CPU B/B", "H2D", "x raw H2D", "CPU B/B"], rows)
-    payload = {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl, "host_copy": eng.host_copy,
-               "host_pool_memory": host.memory_kind,
-               "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+    payload = _payload(args, eng, host, results)
     if args.compare_impls:
         progress.phase("comparing gather / scatter implementations")
         payload["impl_comparison"] = _compare(args)
     return payload
+
+
+def _payload(args, eng, host, results: list[dict]) -> dict:
+    impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
+    return {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl, "host_copy": eng.host_copy,
+            "stream_loop": [eng.stream_loop, eng.stream_unroll], "host_pool_memory": host.memory_kind,
+            "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
 
 
 def _compare(args) -> list[dict]:

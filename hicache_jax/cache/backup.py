@@ -22,6 +22,14 @@ anchor's copy stays guarded until the decision. ``commit`` marks the chain, issu
 and returns the op to queue; ``rollback`` frees what this rank got. ``AgreedBackups`` (a
 ``StepAgreement`` participant) runs the backups the write policy asked for this way, once
 per step; write_back's backup inside an eviction agrees on its own (``write_policy``).
+
+Components with host pages of their own (``own_page_ids``, e.g. ``swa``) reserve theirs
+right after the full part (``KVComponent.reserve_backup``), and a reservation has two
+outcomes to agree on: the full part's and the components' (``Reservation.component_ok``).
+The full part commits when every rank got its full pages; the components' part then commits
+only when every rank also got its component pages, else those nodes stay component host
+tombstones (as a short SWA host pool leaves them in one process). The copy carries the
+components' plans (``PendingOp.plans``: issued again with it on a retry).
 """
 
 from __future__ import annotations
@@ -200,10 +208,15 @@ class BackupIssuer:
                 return None
             chain = chain[:fit]
             tokens = fit_tokens
-        return Reservation(chain, anchor, guard, tokens, ev.reserve_host(tokens // p))
+        r = Reservation(chain, anchor, guard, tokens, ev.reserve_host(tokens // p))
+        if self.hooked:  # components with host pages of their own reserve theirs (module docstring)
+            r.components = {c.name: c.reserve_backup(chain) for c in self.hooked}
+        return r
 
-    def commit(self, r: "Reservation") -> PendingOp:
-        """Every rank got its pages: mark the chain backed up, issue the copy, lock both ends."""
+    def commit(self, r: "Reservation", component_ok: bool = True) -> PendingOp:
+        """Every rank got its full pages: mark the chain backed up, issue the copy, lock both
+        ends. ``component_ok``: every rank also got its component pages (else those are given
+        back: component host tombstones)."""
         res = self.res
         if r.guard:
             self.locks.unguard_host_copy(r.anchor)
@@ -214,24 +227,33 @@ class BackupIssuer:
         t0 = time.perf_counter()
         ledger = self.ledger
         self._mark(chain, host_ids, tokens)
+        plans = None
         for comp in self.hooked:
-            comp.on_backup(chain)
-        handle = ledger.components.backup(dev_ids, host_ids)
+            plan = comp.commit_backup(chain, r.components.get(comp.name), component_ok)
+            if plan is not None:
+                if plans is None:
+                    plans = {}
+                plans[comp.name] = plan
+        handle = ledger.components.backup(dev_ids, host_ids) if plans is None else \
+            ledger.components.backup(dev_ids, host_ids, plans)
         m = self.metrics
         m.backup_tokens += tokens
         m.backup_bytes += host_ids.shape[0] * ledger.components.bytes_per_page
         receipt = self.locks.lock_both(node)
         res.refresh(r.anchor)
-        return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0)
+        return PendingOp(node, handle, tokens, dev_ids, host_ids, False, receipt, t0, plans)
 
     def rollback(self, r: "Reservation") -> None:
-        """Some rank's allocation failed: give back what this rank got; nothing is marked."""
+        """Some rank's full allocation failed: give back what this rank got (its component
+        pages too); nothing is marked."""
         self.release(r)
         self.metrics.backup_failed_tokens += r.tokens
 
     def release(self, r: "Reservation") -> None:
-        """Give back a reservation's host pages and anchor guard (no counters)."""
+        """Give back a reservation's host pages (its components' too) and anchor guard (no counters)."""
         self.evictor.settle_host(r.tokens // self.page_size, r.host_ids, False)
+        for comp in self.hooked:
+            comp.release_backup(r.components.get(comp.name))
         if r.guard:
             self.locks.unguard_host_copy(r.anchor)
         self.res.refresh(r.anchor)
@@ -256,12 +278,30 @@ class BackupIssuer:
 
 
 class Reservation:
-    """Host pages reserved for one backup chain, waiting for the ranks' decision."""
+    """Host pages reserved for one backup chain, waiting for the ranks' decision; with
+    ``components``, each stateful component's own reservation (name -> its object or None)."""
 
-    __slots__ = ("chain", "anchor", "guard", "tokens", "host_ids")
+    __slots__ = ("chain", "anchor", "guard", "tokens", "host_ids", "components")
 
     def __init__(self, chain: list, anchor: TreeNode, guard: bool, tokens: int, host_ids: np.ndarray | None) -> None:
         self.chain, self.anchor, self.guard, self.tokens, self.host_ids = chain, anchor, guard, tokens, host_ids
+        self.components: dict = {}
+
+    @property
+    def full_ok(self) -> int:
+        """1 when this rank got the full part's host pages, else 0."""
+        return 0 if self.host_ids is None else 1
+
+    @property
+    def component_ok(self) -> int:
+        """1 when this rank got every component's host pages (or none needed any), else 0."""
+        return 0 if any(c is not None and not c.ok for c in self.components.values()) else 1
+
+
+def reports_components(issuer: BackupIssuer) -> bool:
+    """Whether a reservation carries two outcomes (full, components): some component keeps
+    host pages of its own. Fixed at construction, so the layout is the same on every rank."""
+    return any(c.own_page_ids for c in issuer.hooked)
 
 
 class AgreedBackups:
@@ -274,6 +314,10 @@ class AgreedBackups:
     ``report`` says whether this rank's allocation succeeded, and ``apply`` commits each
     reservation every rank holds and rolls back the others. Committed copies are queued on
     the ledger and acknowledged by later steps.
+
+    With components that keep host pages of their own, each reservation reports two values
+    (its full part, its components' part: the module docstring), so the budget of 16
+    reservations takes up to 32 of the vector's slots; without, one each.
     """
 
     def __init__(self, issuer: BackupIssuer, budget: int = 16) -> None:
@@ -311,14 +355,23 @@ class AgreedBackups:
                 self.pending.append(r)
 
     def report(self, out: list[int]) -> None:
-        out.extend(0 if r.host_ids is None else 1 for r in self.pending)
+        if reports_components(self.issuer):
+            for r in self.pending:
+                out.extend((r.full_ok, r.component_ok))
+        else:
+            out.extend(r.full_ok for r in self.pending)
 
     def apply(self, agreed) -> None:
         pending, self.pending = self.pending, []
         writes = self.issuer.ledger.writes
-        for r, ok in zip(pending, agreed):
+        two = reports_components(self.issuer)
+        for i, r in enumerate(pending):
+            if two:
+                ok, comp_ok = agreed[2 * i], agreed[2 * i + 1]
+            else:
+                ok, comp_ok = agreed[i], 1
             if ok:
-                writes.append(self.issuer.commit(r))
+                writes.append(self.issuer.commit(r, bool(comp_ok)))
             else:
                 self.issuer.rollback(r)
                 self.rolled_back += 1

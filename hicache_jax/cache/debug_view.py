@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class CacheDebugView:
     def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
                  callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None,
-                 agreed_backups=None) -> None:
+                 agreed_backups=None, component_steps=None) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -41,6 +41,7 @@ class CacheDebugView:
         self._callers, self._requests = callers, requests
         self._evictor = evictor
         self._agreed_backups = agreed_backups  # several ranks' backup reservations, or None
+        self._component_steps = component_steps  # several ranks' agreed window slides, or None
 
     @property
     def root(self) -> TreeNode:
@@ -82,6 +83,18 @@ class CacheDebugView:
         owned[page] = not owned[page]
 
     @property
+    def clock(self) -> int:
+        """The tree's logical clock."""
+        return self._tree.clock
+
+    @property
+    def tracked_slides(self) -> int:
+        """Several ranks with own-id components: requests whose window slides are tracked
+        (``component_steps``); 0 otherwise."""
+        steps = self._component_steps
+        return 0 if steps is None else len(steps.tracked)
+
+    @property
     def reservations(self) -> tuple[int, int]:
         """Several ranks: (host pages this rank's failed reservations still count, backup
         reservations waiting for their agreement); both 0 outside a step."""
@@ -113,10 +126,13 @@ class CacheDebugView:
     def digest(self, pages: bool = False) -> str:
         """Hex digest of the tree's structure and residency per node, the clock, the counters
         and the copies in flight (``digest.state_digest``): equal across ranks whose trees
-        made the same decisions. ``pages=True`` also folds in the page ids."""
+        made the same decisions. ``pages=True`` also folds in the page ids. Stateful components
+        (e.g. ``swa``) add their per-node state and counters (``KVComponent.digest_node`` /
+        ``digest_state``); a cache without them digests exactly as before."""
         from .digest import state_digest
 
-        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages)
+        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages,
+                            self.components)
 
     @property
     def caller_locks(self) -> int:

@@ -1,10 +1,11 @@
 """One engine's KV event stream (``events`` schema 1): a residency watch that turns pages
-arriving on / leaving the device and host tiers, and L3 writes, into ``KVEvent`` batches.
+arriving on / leaving the device and host tiers, and what its L3 store reports of its own
+contents, into ``KVEvent`` batches.
 
 Usage::
 
     source = KVEventSource(cache, model="llama-3-8b", engine="engine-0")   # attaches itself
-    source.observe_storage(controller.storage)     # optional: L3 writes become storage events
+    source.observe_storage(controller.storage)     # optional: L3 stores / removals become storage events
     source.subscribe(router.apply)                  # delivered once per cache.check_events()
     batch = source.drain()                          # or drain by hand, once per step
 
@@ -20,12 +21,21 @@ line up across engines and with what L3 holds. Pass the controller's ``model``,
 ``weights_revision`` and ``salt``. A split changes no page's key; the source divides the
 node's cached keys at each split (``split`` hook).
 
-Storage: the cache never learns what L3 holds. ``observe_storage(storage)`` wraps that store
-object's ``batch_set`` (an instance attribute; the controller calls it on its backup thread):
-keys of the ``target`` pool written successfully are queued thread-safely and become
-``stored(storage)`` events at the next drain, after that step's device / host events.
-Removals inside the store (a capacity-bound backend evicting) are not observed: the store
-reports none. A cache ``reset`` clears device and host only (L3 outlives it).
+Storage: the cache never learns what L3 holds. ``observe_storage(storage)`` registers a
+contents listener with that store (``HiCacheStorage.add_listener``): the store reports, from
+whichever thread makes the change (the controller's backup thread writing, a prefetch thread
+dropping a corrupt page, orbax's writer thread evicting) and under the lock that makes it
+visible, the pages that became readable and the pages it evicted or dropped; the ``target``
+pool's are queued (a short leaf lock) in that order and become ``stored`` / ``removed``
+storage events at the next drain, after that step's device / host events. What a backend
+cannot see (another process evicting, Mooncake's own evictions) it cannot report; with
+``probe_pages`` the source asks the store, at most every ``probe_interval_s`` at a drain,
+whether the ``probe_pages`` pages it last reported stored are still there (one
+``exists_each`` call on the owner thread) and reports the missing ones as removed. The storage
+queue is bounded by ``max_pending`` too: past it the queued storage events are dropped and the
+next batch carries ``cleared(storage)`` where they were (the receiver forgets this engine's
+storage pages until they are written again: it under-reports, never over-reports). A cache
+``reset`` clears device and host only (L3 outlives it).
 
 Bounded queue: at most ``max_pending`` device / host events wait for a drain; beyond that
 they are dropped and the next batch is a resync (``cleared`` device and host, then their
@@ -33,12 +43,15 @@ whole contents, ``resync=True``), counted in ``stats()["resyncs"]``. A source's 
 (``seq`` 0) is such a snapshot too: it may attach to a cache that holds pages already, and a
 receiver that followed an earlier source of the same engine (a restart) starts over.
 
-Threading: owner thread (the cache's), except the storage wrapper's append (any thread).
+Threading: owner thread (the cache's), except the storage listener (any thread; it only
+appends to the storage queue under ``_storage_lock``, a leaf lock).
 """
 
 from __future__ import annotations
 
 import collections
+import threading
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -92,7 +105,9 @@ class KVEventSource(ResidencyWatch):
         # The first batch is a snapshot (resync): the cache may hold pages already, and a
         # receiver that followed an earlier source of this engine starts over.
         self._overflowed = True
-        self._storage_done: collections.deque = collections.deque()  # appended by the backup thread
+        # (tap, kind, keys) in the order the stores reported them; appended by any thread.
+        self._storage_q: list = []
+        self._storage_lock = threading.Lock()
         self._subscribers: list[Callable[[EventBatch], None]] = []
         self._seq = 0
         self.emitted = 0
@@ -117,46 +132,53 @@ class KVEventSource(ResidencyWatch):
             self._overflowed = False
             self.resyncs += self._seq > 0  # the first batch's snapshot is no overflow
         self._pending = []
-        done = self._storage_done
-        while done:
-            keys = done.popleft()
-            events.append(KVEvent("stored", "storage", tuple(keys), None, len(keys) * self.page_size, self.model))
+        if self._taps:
+            events += self._storage_events()
         batch = EventBatch(self.engine, self._seq, tuple(events), resync)
         self._seq += 1
         self.emitted += len(events)
         return batch
 
-    def observe_storage(self, storage) -> None:
-        """Turn the ``target`` pool's successful ``batch_set`` writes of ``storage`` (the L3
-        controller's store) into storage events (see the module docstring)."""
-        inner = getattr(storage, "batch_set", None)
-        if not callable(inner):
-            raise TypeError(f"storage: expected a store with batch_set (a HiCacheStorage), got {type(storage).__name__}")
-        if any(s is storage for s, _ in self._taps):
+    def observe_storage(self, storage, *, probe_pages: int = 0, probe_interval_s: float = 1.0) -> None:
+        """Turn what ``storage`` (the L3 controller's store) reports of its ``target`` pool's
+        contents into storage events; with ``probe_pages`` > 0, also look for pages it cannot
+        report leaving (see the module docstring)."""
+        if not callable(getattr(storage, "add_listener", None)):
+            raise TypeError(f"storage: expected a HiCacheStorage (with add_listener), got {type(storage).__name__}")
+        if isinstance(probe_pages, bool) or not isinstance(probe_pages, int) or probe_pages < 0:
+            raise ValueError(f"probe_pages: expected an int >= 0, got {probe_pages!r}")
+        if isinstance(probe_interval_s, bool) or not isinstance(probe_interval_s, (int, float)) or \
+                not probe_interval_s >= 0 or probe_interval_s == float("inf"):
+            raise ValueError(f"probe_interval_s: expected finite seconds >= 0, got {probe_interval_s!r}")
+        if any(t.storage is storage for t in self._taps):
             raise ValueError("storage: already observed by this source")
-        done = self._storage_done
+        tap = _StorageTap(storage, probe_pages, probe_interval_s)
+        q, lock, bound = self._storage_q, self._storage_lock, self.max_pending
 
-        def batch_set(keys, host_page_ids, pool=None):
-            ok = inner(keys, host_page_ids, pool)
-            if pool is None or pool == TARGET_POOL:
-                stored = [k for k, good in zip(keys, ok) if good]
-                if stored:
-                    done.append(stored)  # deque.append: atomic, any thread
-            return ok
+        def listener(kind: str, pool: str, keys: list[bytes]) -> None:  # any thread, under the store's lock
+            if pool != TARGET_POOL:
+                return
+            with lock:
+                if len(q) >= bound:  # nobody drains: forget them, the receiver forgets too
+                    q.clear()
+                    q.append((None, "cleared", ()))
+                q.append((tap, kind, tuple(keys)))
 
-        storage.batch_set = batch_set
-        self._taps.append((storage, inner))
+        tap.listener = listener
+        storage.add_listener(listener)
+        self._taps.append(tap)
 
     def close(self) -> None:
-        """Detach from the cache and unwrap the observed stores."""
+        """Detach from the cache and from the observed stores."""
         self.cache.remove_watch(self)
-        for storage, inner in self._taps:
-            storage.batch_set = inner
+        for tap in self._taps:
+            tap.storage.remove_listener(tap.listener)
         self._taps.clear()
 
     def stats(self) -> dict:
         return {"events_emitted": self.emitted, "events_pending": len(self._pending), "resyncs": self.resyncs,
-                "keyed_nodes": len(self._keys)}
+                "keyed_nodes": len(self._keys), "storage_probes": sum(t.probes for t in self._taps),
+                "storage_probe_removed_pages": sum(t.probe_removed for t in self._taps)}
 
     def request_keys(self, key: object) -> list[bytes]:
         """The page keys of a request's whole pages (what a router matches against the
@@ -230,6 +252,27 @@ class KVEventSource(ResidencyWatch):
             self._pending = []
             self._overflowed = True
 
+    def _storage_events(self) -> list[KVEvent]:
+        """The queued storage changes as events, then what the due probes found missing."""
+        with self._storage_lock:
+            got = self._storage_q[:]
+            self._storage_q.clear()
+        out = []
+        P, model = self.page_size, self.model
+        for tap, kind, keys in got:
+            if tap is None:  # the queue overflowed here
+                out.append(KVEvent("cleared", "storage", model=model))
+                for t in self._taps:
+                    t.believed.clear()
+                continue
+            out.append(KVEvent(kind, "storage", keys, None, len(keys) * P, model))
+            tap.saw(kind, keys)
+        for tap in self._taps:
+            gone = tap.probe()
+            if gone:
+                out.append(KVEvent("removed", "storage", gone, None, len(gone) * P, model))
+        return out
+
     def _snapshot(self) -> list[KVEvent]:
         """``cleared`` device and host, then every node's pages on each tier (parents first)."""
         out = [KVEvent("cleared", "device", model=self.model), KVEvent("cleared", "host", model=self.model)]
@@ -246,3 +289,53 @@ class KVEventSource(ResidencyWatch):
                 out.append(KVEvent("stored", "host", ks, prev, node.size, self.model, ns))
             stack.extend(node.children.values())
         return out
+
+
+class _StorageTap:
+    """One observed store: its listener and, with ``probe_pages``, the pages last reported
+    stored there (at most ``probe_pages``, oldest forgotten first) that a probe checks. Owner
+    thread, except ``listener`` (any thread)."""
+
+    def __init__(self, storage, probe_pages: int, probe_interval_s: float) -> None:
+        self.storage = storage
+        self.listener = None
+        self.probe_pages = probe_pages
+        self.interval = probe_interval_s
+        self.believed: collections.OrderedDict = collections.OrderedDict()
+        self.last_probe = time.monotonic()
+        self.probes = 0
+        self.probe_removed = 0
+
+    def saw(self, kind: str, keys: tuple) -> None:
+        if not self.probe_pages:
+            return
+        b = self.believed
+        if kind == "stored":
+            for k in keys:
+                b[k] = None
+                b.move_to_end(k)
+            while len(b) > self.probe_pages:
+                b.popitem(last=False)
+        else:
+            for k in keys:
+                b.pop(k, None)
+
+    def probe(self) -> tuple:
+        """The believed pages the store no longer holds (forgotten here), when a probe is due;
+        nothing when the store cannot answer."""
+        if not self.probe_pages or not self.believed:
+            return ()
+        now = time.monotonic()
+        if now - self.last_probe < self.interval:
+            return ()
+        self.last_probe = now
+        self.probes += 1
+        keys = list(self.believed)
+        there = self.storage.exists_each(keys, TARGET_POOL)
+        if there is None:
+            return ()
+        gone = tuple(k for k, t in zip(keys, there) if not t)
+        for k in gone:
+            del self.believed[k]
+        self.probe_removed += len(gone)
+        return gone

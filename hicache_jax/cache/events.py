@@ -10,7 +10,9 @@ Schema 1
 ``KVEvent`` (``to_dict()`` is its JSON form, with ``"schema": 1``):
 
 * ``kind``: ``"stored"`` (the pages ``keys`` are now on ``tier``), ``"removed"`` (they left
-  it) or ``"cleared"`` (every page of this engine left ``tier``; ``keys`` empty);
+  it) or ``"cleared"`` (every page of this engine left ``tier``; on ``storage``, whose pages
+  outlive the engine: forget what this engine reported there, its source dropped storage
+  events it could not queue; ``keys`` empty);
 * ``tier``: ``"device"`` (L1), ``"host"`` (L2) or ``"storage"`` (L3);
 * ``keys``: the pages' L3 page keys (32-byte SHA-256 chains, ``storage.keys.page_keys``) in
   prefix order; the same key on several engines sharing one L3 is the same page of the same

@@ -111,7 +111,13 @@ Across processes (``agreement``, ``step_agreement``)
       ``agree_step`` runs one step for a caller's own blocking wait (the L3 controller's);
     * a backup the write policy wants is reserved, agreed and committed at the next step
       (``backup.AgreedBackups``); write_back's backup inside an eviction agrees on its own;
-    * a copy that fails for good on any rank latches every rank at the same step.
+    * a copy that fails for good on any rank latches every rank at the same step;
+    * components with their own page ids (``swa``) take part: their host pages are reserved
+      with each backup's and agreed beside them (``backup``; a part some rank could not get
+      leaves component host tombstones on every rank), ``slide_window`` records this rank's
+      length and the step slides to the MIN over ranks (``component_steps``), and the L3
+      controller reserves their host pages with ``reserve_component_host_pages_agreed`` /
+      ``settle_component_host_pages``. The digest covers their state.
 
     Device allocations (``alloc_device``, a load-back's pages) need no agreement: the device
     allocator changes only at agreed points, so it is identical on every rank. Every rank
@@ -148,7 +154,8 @@ Sliding-window (SWA) requests (``components.swa``; generic over components with 
        from ``cached_pages`` on, ids >= 0) and ``dec_lock_ref(req.last_node)``.
 
     Raw calls take the same per-component ids: ``insert(..., component_pages=)``,
-    ``insert_host(..., component_pages=)`` (L3), ``reserve_component_host_pages``,
+    ``insert_host(..., component_pages=)`` (L3), ``reserve_component_host_pages`` (with
+    ranks: ``reserve_component_host_pages_agreed`` / ``settle_component_host_pages``),
     ``sanity_check(external, {"swa": n})``. With no such component registered every hook
     stays off the full component's paths (one empty tuple).
 """
@@ -166,6 +173,7 @@ from ..allocator import PageAllocator, check_page_ids
 from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
 from .backup import AgreedBackups, BackupIssuer
+from .component_steps import ComponentSteps
 from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import EvictionPolicy, HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
@@ -200,7 +208,7 @@ _REFUSED_AFTER_FAILURE = (
     "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
     "loading_check", "check_events", "agree_step", "flush", "alloc_device", "evict", "evict_host", "load_back",
     "begin_request", "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages",
-    "slide_window", "abort_request",
+    "reserve_component_host_pages_agreed", "slide_window", "abort_request",
 )
 
 
@@ -271,10 +279,6 @@ class HiRadixCache:
             agreement = SingleProcessAgreement()
         if not isinstance(agreement, Agreement):
             raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
-        if agreement.collective and any(c.own_page_ids for c in self.components.stateful):
-            # Their pages (e.g. SWA) are allocated and backed up outside the agreed protocol.
-            raise ValueError("components: a component with its own page ids (e.g. swa) is not supported with a "
-                             "collective agreement (several ranks) yet")
         self.config = config
         # The owner thread (module docstring): None until the first checked call binds it.
         self._owner: int | None = None
@@ -327,6 +331,7 @@ class HiRadixCache:
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
+        self._component_steps = None  # several ranks with own-id components: agreed window slides
         if self.agreed:
             self._agreed_backups = AgreedBackups(backups)
             policy.defer = self._agreed_backups.want
@@ -335,6 +340,9 @@ class HiRadixCache:
             ledger.steps = steps
             steps.add(self._agreed_backups)
             steps.add(ledger)
+            if self._own:
+                self._component_steps = ComponentSteps(tuple(self._own.values()))
+                steps.add(self._component_steps)
 
     def _refuse_calls(self, failure: CacheFailedError) -> None:
         """The failure latch closed: until ``reset``, every public call in
@@ -456,7 +464,7 @@ class HiRadixCache:
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
-                              self._stateful, self._evictor, self._agreed_backups)
+                              self._stateful, self._evictor, self._agreed_backups, self._component_steps)
 
     # ------------------------------------------------------------------ residency watches
     def add_watch(self, watch: ResidencyWatch) -> None:
@@ -753,6 +761,35 @@ class HiRadixCache:
         """End a ``reserve_host_pages_agreed`` of ``num_pages`` pages (see there)."""
         self._evictor.settle_host(check_int("num_pages", num_pages, 0), ids, _check_flag("keep", keep))
 
+    def reserve_component_host_pages_agreed(self, name: str, num_pages: int) -> np.ndarray | None:
+        """Several ranks, from a ``StepAgreement`` participant's ``prepare``: the reserve of
+        reserve -> agree -> commit for ``num_pages`` host pages of the component ``name`` (one
+        with its own page ids, e.g. an L3 prefetch's SWA window, all or nothing).
+
+        Evicts that component's host pages by the shortfall of the free count every rank
+        shares (this step's failed reservations counted as taken), then allocates. Returns
+        this rank's ids, or None: its allocation failed, or the shared free count is short
+        on every rank. Report ``ids is not None``; after the step's agreement end it on every
+        rank with ``settle_component_host_pages(name, num_pages, ids, keep)``, ``keep`` when
+        every rank got its pages (the caller owns them then, e.g. for ``insert_host``'s
+        ``component_pages``), else they are freed. One process: the same calls work (there
+        is nobody to disagree with)."""
+        if get_ident() != self._owner:
+            self._not_owner("reserve_component_host_pages_agreed")
+        comp = self._own_component(name)
+        return comp.reserve_host_agreed(check_int("num_pages", num_pages, 0))
+
+    def settle_component_host_pages(self, name: str, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
+        """End a ``reserve_component_host_pages_agreed`` of ``num_pages`` pages (see there)."""
+        comp = self._own_component(name)
+        num_pages = check_int("num_pages", num_pages, 0)
+        keep = _check_flag("keep", keep)
+        if ids is not None:
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or ids.shape[0] != num_pages:
+                raise ValueError(f"ids: expected the {num_pages} ids the reservation returned, got shape {ids.shape}")
+        comp.settle_host_agreed(num_pages, ids, keep)
+
     # ------------------------------------------------------------------ transfers
     def writing_check(self, block: bool = False) -> int:
         """Acknowledge finished backups (FIFO, up to the first unfinished one; all if ``block``).
@@ -956,6 +993,8 @@ class HiRadixCache:
         req = self._requests.check(req)
         key = req.key  # the request is emptied
         self._requests.finished(req)
+        if self._component_steps is not None:
+            self._component_steps.forget(req)
         if req.retain is not None and self._retention is not None:
             self._retain_key(key, req.retain)
 
@@ -971,19 +1010,32 @@ class HiRadixCache:
         if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size:
             return  # holds nothing (aborted or finished already)
         self._requests.abort(self._requests.check(req))
+        if self._component_steps is not None:
+            self._component_steps.forget(req)
 
-    def slide_window(self, req: CacheRequest) -> None:
+    def slide_window(self, req: CacheRequest, written: int | None = None) -> None:
         """After a forward pass wrote the KV of all of ``req.key``'s tokens: components with
         a sliding window free the request's own pages that lie wholly before the window of
         its whole pages' end (so also before the window of its next pass; ``component_pages``
         entries set to -1) and, once that window lies past the tree's part
         (``cached_pages``), release the hold of the request's lock on the tree's window pages
-        (its full lock stays). A no-op without such components."""
+        (its full lock stays). A no-op without such components.
+
+        ``written``: how many of ``req.key``'s tokens this rank's forward pass has written
+        (default: all); the slide goes only that far. With several ranks the slide is agreed:
+        this call records the length, and the next step slides every rank to the MIN over
+        ranks (``component_steps``)."""
         if get_ident() != self._owner:
             self._not_owner("slide_window")
         req = self._requests.check(req)
+        n = len(req.key)
+        if written is not None:
+            n = min(check_int("written", written, 0), n)
+        if self._component_steps is not None:
+            self._component_steps.note(req, n)
+            return
         for comp in self._requests.own:
-            comp.slide_request(req)
+            comp.slide_request(req, None if written is None else n)
 
     # ------------------------------------------------------------------ reset / stats / checks
     def reset(self) -> None:
@@ -1013,6 +1065,8 @@ class HiRadixCache:
         self._load_backs.storage_origin.clear()
         if self._agreed_backups is not None:
             self._agreed_backups.clear()
+        if self._component_steps is not None:
+            self._component_steps.clear()
         for comp in self._stateful:
             comp.reset()
         self.root = self._tree.new_root()
@@ -1083,6 +1137,8 @@ class HiRadixCache:
             out["retention"] = self._retention.stats()
         if self.agreed:  # several ranks: the per-step agreement's exchanges and time
             out["agreement"] = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
+            if self._component_steps is not None:
+                out["agreement"]["agreed_slides"] = self._component_steps.slides
         return out
 
     def sanity_check(self, external_device_pages: int | None = None,

@@ -181,7 +181,9 @@ class TransferLedger:
         for _ in range(self.retries):
             m.transfer_retries += 1
             try:
-                handle = (self.components.load if op.load else self.components.backup)(op.src, op.dst)
+                copy = self.components.load if op.load else self.components.backup
+                # The components' parts (``op.plans``: an SWA window, ...) are issued again too.
+                handle = copy(op.src, op.dst) if op.plans is None else copy(op.src, op.dst, op.plans)
                 handle.wait()
                 op.handle = handle
                 return True

@@ -16,12 +16,13 @@ Several ranks (a ``collective`` agreement): ``defer`` is set, and a backup due a
 handed to it (``backup.AgreedBackups``: reserved, agreed and committed at the next step)
 instead of being issued at once; write_back's ``before_evict_agreed`` reserves, agrees on the
 allocation (``StepAgreement.exchange``), commits or rolls back, then waits for the copy and
-agrees that every rank's succeeded (``TransferLedger.settle``), all inside the eviction.
+agrees that every rank's succeeded (``TransferLedger.settle``), all inside the eviction; with
+components that keep host pages of their own it agrees on their part in the same exchange.
 """
 
 from __future__ import annotations
 
-from .backup import BackupIssuer
+from .backup import BackupIssuer, reports_components
 from .config import WritePolicy
 from .metrics import CacheMetrics
 from .transfers import TransferLedger
@@ -75,8 +76,10 @@ class WritePolicyDriver:
         r = backups.reserve(node)
         if r is not None:
             steps = self.ledger.steps
-            if steps.exchange([0 if r.host_ids is None else 1])[0]:
-                self.ledger.settle(backups.commit(r))
+            two = reports_components(backups)  # the components' part too (``backup``)
+            agreed = steps.exchange([r.full_ok, r.component_ok] if two else [r.full_ok])
+            if agreed[0]:
+                self.ledger.settle(backups.commit(r, bool(agreed[1]) if two else True))
             else:
                 backups.rollback(r)
         if node.host_value is None:

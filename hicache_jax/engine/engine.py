@@ -365,9 +365,11 @@ class Engine:
         """Check from now on that every page a hit serves holds bytes computed for its prefix
         (``page_audit``): pass another engine's audit to compare with what that engine
         computed (a restarted engine reading its L3 pages). Returns the audit. Reads pages back
-        from the device: for tests and benchmarks. The time it takes is left out of the
-        audited request's TTFT and latency (not out of the waits of requests queued behind it;
-        ``audit.counts.seconds`` is the total). One process only (not with ``ranks``)."""
+        from the device: for tests and benchmarks. The engine only dispatches the reads while
+        serving (``PageAudit.submit_*``); hashing and comparing wait for ``audit.settle()`` (or
+        ``stats()``), so the audit stays out of the serving loop; the dispatch time is left out
+        of the audited request's TTFT and latency (``audit.counts.seconds`` is the total,
+        settling included). One process only (not with ``ranks``)."""
         if self.ranks is not None:
             raise ValueError("enable_page_audit: reads whole pages from the device; not with ranks (sharded pools)")
         if audit is None:
@@ -390,11 +392,11 @@ class Engine:
         hit = sum(c.values())
         tiers = ["device" if j * p < c["device"] else "host" if j * p < c["device"] + c["host"] else "storage"
                  for j in range(hit // p)]
-        self.audit.check(self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages, tiers,
-                         seq.index)
+        self.audit.submit_check(self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages,
+                                tiers, seq.index)
         dt = time.perf_counter() - t0
         seq.audit_s += dt
-        self.audit.counts.seconds += dt
+        self.audit.add_seconds(dt)
 
     def _audit_computed(self, seq: _Seq) -> None:
         """The full pages ``seq`` computed so far (after its cached prefix): they enter the tree."""
@@ -402,10 +404,10 @@ class Engine:
         req = seq.req
         first = max(seq.audited, sum(seq.cached.values()) // self.page_size)
         seq.audited = len(req.key) // self.page_size
-        self.audit.record(self._audit_pools(), req.key.token_ids, req.device_pages, first, seq.audited)
+        self.audit.submit_record(self._audit_pools(), req.key.token_ids, req.device_pages, first, seq.audited)
         dt = time.perf_counter() - t0
         seq.audit_s += dt
-        self.audit.counts.seconds += dt
+        self.audit.add_seconds(dt)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
                  arrivals: list[float] | None = None) -> list[RequestResult]:

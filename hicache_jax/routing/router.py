@@ -15,20 +15,25 @@ counted; the walk stops at the first page no tier holds. The score is the sum of
 weights over the counted pages (``TierWeights``; defaults: device 1, host 0.7, storage 0.4,
 i.e. serving a page from the host saves 70% of recomputing it, from storage 40%). With
 ``shared_storage`` (engines sharing one L3) the storage pages any engine reported count for
-every engine.
+every engine, and a storage page any engine reports removed (its store evicted it) leaves every
+engine's view: the store no longer holds it for anyone.
 
 Measured weights (``TierWeights.from_load_cost``, ``tier_costs_from_stats``,
 ``PrefixRouter.set_measured_weights`` / ``from_measured``): a tier's weight is the share of a
 recompute that serving a page from it saves, ``1 - load_cost / prefill_cost`` per token,
 clamped to [0, 1] and kept in the order device >= host >= storage. The load costs come from
 the caches' own metrics: host = load-back duration per token loaded (``load_back_duration_
-seconds`` sum / ``load_back_tokens``), storage = L3 prefetch duration per token read
-(``prefetch_duration_seconds`` / ``prefetched_tokens``) plus the host cost (a storage page is
-loaded back too); the device tier loads nothing (weight 1). The prefill cost per token is the
-caller's measurement (the engine's). A tier nothing was measured for keeps its current weight.
-The durations run from issue to completion, so a load-back that overlaps compute counts in
-full, and concurrent operations each count their whole wait: the costs are upper bounds and
-the weights conservative.
+seconds`` sum / ``load_back_tokens``), storage = the L3 store's time in reads per token a
+prefetch read (``storage_read_seconds`` / ``prefetched_tokens``) plus the host cost (a storage
+page is loaded back too); the device tier loads nothing (weight 1). The prefill cost per token
+is the caller's measurement (the engine's). A tier nothing was measured for keeps its current
+weight. Not the prefetch durations (``prefetch_duration_seconds``): every finished prefetch
+observes one, also those that read nothing (a query that found no page, a revoked one), while
+only the pages read count as tokens; and each runs from the prefetch's start, through its
+``exists`` query and its wait behind other prefetches, to its last read. On a trace with many
+storage misses that ratio came out above a recompute and set the storage weight to 0. The
+load-back durations run from issue to completion, so a load-back that overlaps compute counts
+in full: the host cost is an upper bound and its weight conservative.
 
 Choice (``route``): with ``loads`` (outstanding requests or tokens per engine), when the
 most loaded engine carries more than ``balance_abs`` above and ``balance_rel`` times the
@@ -108,9 +113,10 @@ def tier_costs_from_stats(stats: Mapping | Sequence[Mapping]) -> dict[str, float
         return secs, toks
 
     h_s, h_t = total("load_back_duration_seconds", "load_back_tokens")
-    p_s, p_t = total("prefetch_duration_seconds", "prefetched_tokens")
     host = h_s / h_t if h_t else None
-    storage = p_s / p_t + (host or 0.0) if p_t else None
+    r_s = sum(s.get("storage_read_seconds") or 0.0 for s in stats)  # None where no L3 is attached
+    p_t = sum(s.get("prefetched_tokens", 0) for s in stats)
+    storage = r_s / p_t + (host or 0.0) if p_t else None
     return {"host": host, "storage": storage}
 
 
@@ -170,6 +176,13 @@ class PrefixRouter:
         if view is None:
             raise ValueError(f"batch: engine {batch.engine!r} is not one of {self.engines}")
         view.apply(batch)
+        if self.shared_storage:  # the shared L3 dropped them for every engine
+            for e in batch.events:
+                if e.kind == "removed" and e.tier == "storage":
+                    for other in self.views.values():
+                        pages = other.tiers["storage"]
+                        for k in e.keys:
+                            pages.pop(k, None)
 
     def score(self, engine: str, keys: Sequence[bytes]) -> tuple[float, dict]:
         """(weighted prefix score, pages per tier) of ``keys`` on ``engine``."""

@@ -24,6 +24,9 @@ and may override, where it can do better than the default built on the three abo
   default packs them into a new array for ``_write``.
 * ``_writes_pending()``, ``_flush(timeout)``, ``_close()``: the lifecycle of an
   asynchronous backend (defaults: nothing pending, nothing to release).
+* ``_contains_answered(pool, keys)``: ``_contains``, or None where the store could not be
+  asked (``mooncake``, whose ``_contains`` reports an unreachable master as absent keys);
+  ``exists_each`` uses it, so that an unknown is never taken for an absence.
 
 A hook may raise on a storage fault; the public method that called it logs it, counts it and
 reports misses / failed sets. A hook must never report a page it did not verify.
@@ -53,6 +56,18 @@ storage is touched. Storage faults (I/O errors, corruption, vanished files, disk
 read-only directories) never raise: they are logged, counted in ``metrics`` and reported as
 misses / failed sets.
 
+Contents listeners (``add_listener`` / ``remove_listener``): a listener ``fn(kind, pool, keys)``
+is told, in the order the changes take effect, that ``keys`` (a non-empty list) became readable
+from ``pool`` (``kind="stored"``: written, or accepted and served from a write buffer) or stopped
+being readable (``kind="removed"``: evicted for capacity, dropped after a failed check, a failed
+buffered save, a segment another process evicted). A backend calls it from whatever thread made
+the change (the caller of ``batch_set`` / ``batch_get``, a writer thread, a refresh) while it
+holds the lock that makes the change visible, so the calls for one store are serialised and a
+``stored`` never overtakes the ``removed`` of the same key: a listener must be quick (queue the
+keys) and must not call into the store. With no listener ``_notify`` is None and each change
+site costs one ``is not None`` test. What each backend can and cannot report is stated in its
+module (``mooncake``'s own evictions, and pages other processes remove, go unreported).
+
 Threading: public methods may be called from several threads at once (the controller's
 prefetch, IO and backup threads), so hooks may run concurrently; each backend documents its
 own locking. ``close`` runs ``_close`` once (concurrent callers wait for it). Reads into host
@@ -71,7 +86,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -250,6 +265,42 @@ class HiCacheStorage(ABC):
         self.metrics = StorageMetrics()
         self._close_lock = threading.Lock()
         self._closed = False
+        # Contents listeners (module docstring): None while there are none, so each change
+        # site in a backend costs one test; else one callable calling each in attach order.
+        self._listeners: tuple = ()
+        self._listen_lock = threading.Lock()
+        self._notify: Callable[[str, str, list[bytes]], None] | None = None
+
+    # ---- contents listeners --------------------------------------------------------------------
+    def add_listener(self, fn: Callable[[str, str, list[bytes]], None]) -> None:
+        """Tell ``fn(kind, pool, keys)`` of every page this store stores or drops from now on
+        (module docstring: order, threads, what a listener may do)."""
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable fn(kind, pool, keys), got {type(fn).__name__}")
+        with self._listen_lock:
+            if any(f is fn for f in self._listeners):
+                raise ValueError("fn: already a listener of this store")
+            self._set_listeners(self._listeners + (fn,))
+
+    def remove_listener(self, fn: Callable[[str, str, list[bytes]], None]) -> None:
+        """Stop telling ``fn``; a call already under way may still reach it."""
+        with self._listen_lock:
+            rest = tuple(f for f in self._listeners if f is not fn)
+            if len(rest) == len(self._listeners):
+                raise ValueError("fn: not a listener of this store")
+            self._set_listeners(rest)
+
+    def _set_listeners(self, fns: tuple) -> None:  # under _listen_lock
+        self._listeners = fns
+        if not fns:
+            self._notify = None
+        elif len(fns) == 1:
+            self._notify = fns[0]
+        else:
+            def fan_out(kind: str, pool: str, keys: list[bytes]) -> None:
+                for f in fns:
+                    f(kind, pool, keys)
+            self._notify = fan_out
 
     # ---- hooks every backend implements --------------------------------------------------------
     @abstractmethod
@@ -291,6 +342,11 @@ class HiCacheStorage(ABC):
         """Store host pages ``ids`` under ``keys`` (distinct, none stored); same result as
         ``_write``. The page bytes must be copied out of the host pool before this returns."""
         return self._write(pool, keys, self.codecs[pool].pack(ids))
+
+    def _contains_answered(self, pool: str, keys: list[bytes]) -> list[bool] | None:
+        """``_contains``, or None where the backend knows it could not ask (a backend whose
+        ``_contains`` reports an unreachable store as absent keys says so here)."""
+        return self._contains(pool, keys)
 
     def _writes_pending(self) -> bool:
         return False
@@ -457,6 +513,25 @@ class HiCacheStorage(ABC):
         """Number of consecutive stored pages from the start (a missing first page gives 0)."""
         pool = self._pool(pool)
         return consecutive(self._safe_contains(pool, self._keys(keys)))
+
+    def exists_each(self, keys: Sequence[bytes], pool: str | None = None) -> list[bool] | None:
+        """Per key, whether it is stored (not only the leading run ``batch_exists`` counts);
+        None when the store could not answer (a fault, counted and logged): an unknown is not
+        an absence."""
+        pool = self._pool(pool)
+        keys = self._keys(keys)
+        if not keys:
+            return []
+        try:
+            got = self._contains_answered(pool, keys)
+            if got is None:
+                return None
+            out = [bool(x) for x in got]
+        except Exception as e:
+            log.warning("L3 %s: exists(%s, %d keys) failed: %r", self.backend_name, pool, len(keys), e)
+            self.metrics.add(read_errors=1)
+            return None
+        return out if len(out) == len(keys) else None
 
     def batch_get(self, keys: Sequence[bytes], host_page_ids: object, pool: str | None = None) -> list[bool]:
         """Read pages into host pages; per page, whether it was loaded. Callers use

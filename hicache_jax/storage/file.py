@@ -25,6 +25,12 @@ is made either way. A read that fails after it began (bad header, short body, CR
 I/O error) zero-fills its host page and is a miss; a key that is not stored leaves its host
 page untouched.
 
+Contents listeners (``HiCacheStorage.add_listener``): ``stored`` for the pages this process
+wrote, once each file is in place; ``removed`` for the files this process evicts for capacity
+(before it unlinks them) or quarantines; each called under the capacity lock. Files another
+process evicts, and a file that vanished under a read, are not reported: this process does not
+see them go (``KVEventSource.observe_storage``'s ``probe_pages`` can find them).
+
 Threading: the pages of one call are read (or written: CRC, write, fsync, rename) up to
 ``read_concurrency`` at once on the store's read (or write) thread pool, at the workers' nice
 level; the CRC releases the GIL (``integrity``), so those threads really run in parallel. A
@@ -60,6 +66,12 @@ _HEADER = struct.Struct("<8sBBHIQ32s8x")
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 64
 _STALE_TMP_S = 60.0
+
+
+def _pool_and_key(path: str) -> tuple[str, list[bytes]]:
+    """``(pool, [key])`` of a page file ``{root}/{pool}/{xx}/{hex}.kv``."""
+    head, name = os.path.split(path)
+    return os.path.basename(os.path.dirname(head)), [bytes.fromhex(name[:-len(".kv")])]
 
 
 class _Corrupt(Exception):
@@ -191,16 +203,20 @@ class FileStorage(HiCacheStorage):
     def _quarantine(self, path: str, why: str) -> None:
         log.warning("L3 file: %s: %s; quarantined", path, why)
         self.metrics.add(corrupt=1)
+        moved = False
         try:
             os.makedirs(self._qdir, exist_ok=True)
             os.replace(path, os.path.join(self._qdir, f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.bad"))
             self.metrics.add(quarantined=1)
+            moved = True
         except OSError as e:  # read-only store: it stays a miss for this read, checked again next time
             log.warning("L3 file: cannot quarantine %s: %r", path, e)
         with self._lock:
             size = self._known.pop(path, None)
             if size is not None:
                 self._known_bytes -= size
+            if moved and self._notify is not None:  # a file left in place still exists
+                self._notify("removed", *_pool_and_key(path))
 
     def _pool_for(self, kind: str):
         """The read or write thread pool (``read_concurrency`` threads each), started on first use."""
@@ -296,13 +312,15 @@ class FileStorage(HiCacheStorage):
         paths = [self._path(pool, k) for k in keys]
         ok = self._each("write", len(keys), lambda i: self._write_page(paths[i], keys[i], *dst(i)))
         written = 0
-        for path, good in zip(paths, ok):
+        for key, path, good in zip(keys, paths, ok):
             if good:
                 written += 1
                 with self._lock:
                     if path not in self._known:
                         self._known[path] = HEADER_BYTES + pb
                         self._known_bytes += HEADER_BYTES + pb
+                    if self._notify is not None:
+                        self._notify("stored", pool, [key])
         self.metrics.add(pages_written=written, bytes_written=written * pb, write_seconds=time.perf_counter() - t0)
         self._evict()
         return ok
@@ -325,6 +343,10 @@ class FileStorage(HiCacheStorage):
                 path, size = self._known.popitem(last=False)
                 self._known_bytes -= size
                 victims.append(path)
+            if victims and self._notify is not None:  # before the unlinks: see the module docstring
+                gone = [_pool_and_key(v) for v in victims]
+                for pool in dict.fromkeys(p for p, _ in gone):
+                    self._notify("removed", pool, [k[0] for p, k in gone if p == pool])
         for path in victims:
             try:
                 os.unlink(path)

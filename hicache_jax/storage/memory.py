@@ -4,6 +4,10 @@ For tests and for single-process setups that want an L3 without a disk. Pages ca
 like the on-disk backends (checked on read per ``config.integrity``), so bit flips injected by
 tests are caught the same way.
 
+Contents listeners (``HiCacheStorage.add_listener``): ``stored`` for the pages a write adds,
+``removed`` for the pages it evicts for capacity and for a page dropped after a CRC mismatch,
+each called under the lock from the thread that writes or reads.
+
 Threading: one lock guards the dicts; reads copy the page out under the lock.
 """
 
@@ -58,6 +62,8 @@ class MemoryStorage(HiCacheStorage):
                         old = self._pages.pop((pool, k), None)
                         if old is not None:
                             self._bytes -= old[0].nbytes
+                            if self._notify is not None:
+                                self._notify("removed", pool, [k])
                     page = None
             out.append(page)
         return out
@@ -68,14 +74,25 @@ class MemoryStorage(HiCacheStorage):
         cap = self.config.capacity_bytes
         evicted = 0
         with self._lock:
+            notify = self._notify
+            added = [] if notify is not None else None
             for k, rec in zip(keys, recs):
                 if (pool, k) not in self._pages:
                     self._pages[(pool, k)] = rec
                     self._bytes += rec[0].nbytes
+                    if added is not None:
+                        added.append(k)
+            if added:
+                notify("stored", pool, added)
+            gone: list[tuple[str, bytes]] | None = [] if notify is not None else None
             while cap and self._bytes > cap and self._pages:
-                _, old = self._pages.popitem(last=False)
+                pk, old = self._pages.popitem(last=False)
                 self._bytes -= old[0].nbytes
                 evicted += 1
+                if gone is not None:
+                    gone.append(pk)
+            if gone:
+                _notify_removed(notify, gone)
         self.metrics.add(pages_written=len(keys), bytes_written=int(pages.nbytes), pages_evicted=evicted)
         return [True] * len(keys)
 
@@ -89,3 +106,12 @@ class MemoryStorage(HiCacheStorage):
     def stored_bytes(self) -> int:
         with self._lock:
             return self._bytes
+
+
+def _notify_removed(notify, gone: list[tuple[str, bytes]]) -> None:
+    """One ``removed`` call per run of one pool in ``gone`` ((pool, key), eviction order)."""
+    start = 0
+    for i in range(1, len(gone) + 1):
+        if i == len(gone) or gone[i][0] != gone[start][0]:
+            notify("removed", gone[start][0], [k for _, k in gone[start:i]])
+            start = i

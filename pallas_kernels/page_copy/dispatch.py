@@ -301,9 +301,10 @@ class PageCopier:
         return self.compile_count - before
 
     def precompile_scatter(self, pool_shape: tuple[int, ...], dtype, buf_shape: tuple[int, ...], nb: int,
-                           order: str) -> None:
-        """Build the scatter for one transfer-buffer shape (e.g. a layer group's staging buffer)."""
-        self._scatter_exe(pool_shape, dtype, tuple(buf_shape), nb, check_order(order))
+                           order: str):
+        """Build the scatter for one transfer-buffer shape (e.g. a layer group's staging buffer);
+        returns the compiled executable (``as_text()``: its optimized HLO)."""
+        return self._scatter_exe(pool_shape, dtype, tuple(buf_shape), nb, check_order(order))
 
     def _gather_exe(self, num_layers, pool_shape, dtype, nb, order, with_out):
         aval = jax.ShapeDtypeStruct(tuple(pool_shape), jnp.dtype(dtype))

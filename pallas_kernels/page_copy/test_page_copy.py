@@ -351,6 +351,6 @@ def test_xla_scatter_form_by_platform(platform, per_page):
         pytest.skip("compiles for the host CPU to read the HLO")
     copier = PageCopier(PageCopyConfig(impl="xla", max_pages=NUM_PAGES, platform=platform))
     shape = (NUM_PAGES, 4, H, D)
-    exe = copier._scatter_exe(shape, jnp.bfloat16, buffer_shape("nlp", 8, L, shape[1:]), 8, "nlp")
+    exe = copier.precompile_scatter(shape, jnp.bfloat16, buffer_shape("nlp", 8, L, shape[1:]), 8, "nlp")
     hlo = exe.as_text()
     assert ("dynamic-update-slice" in hlo and " scatter(" not in hlo) == per_page, hlo[:2000]

@@ -45,8 +45,11 @@ class SaltedOracle(KVOracle):
 
 
 def make_swa_cache(*, page_size=2, window=5, device_pages=24, host_pages=48, swa_device_pages=12, swa_host_pages=24,
-                   layout="page_first", deferred=False, kind="mha", swa_deferred=None, **cfg):
-    """A cache with an SWA component: ``(cache, full backend, swa backend, swa component)``."""
+                   layout="page_first", deferred=False, kind="mha", swa_deferred=None, agreement=None,
+                   sidecars=None, **cfg):
+    """A cache with an SWA component: ``(cache, full backend, swa backend, swa component)``.
+    ``agreement``: the cache's (several ranks); ``sidecars``: name -> a sidecar backend's
+    engine (e.g. a draft's KV, sharing the full page ids)."""
     geom = small_geom(page_size, kind)
     full = numpy_backend_factory(geom, device_pages, host_pages, layout, deferred)
     swa_be = numpy_backend_factory(small_geom(page_size, kind, layers=1), swa_device_pages, swa_host_pages, layout,
@@ -54,7 +57,7 @@ def make_swa_cache(*, page_size=2, window=5, device_pages=24, host_pages=48, swa
     swa = SWAComponent(swa_be.engine, swa_be.device.allocator, window)
     cfg.setdefault("load_back_threshold", 0)
     cache = HiRadixCache(HiCacheConfig(page_size=page_size, **cfg), full.engine, full.device.allocator,
-                         components=[swa])
+                         sidecars, components=[swa], agreement=agreement)
     return cache, full, swa_be, swa
 
 

@@ -55,7 +55,8 @@ def test_every_call_that_changes_the_cache_is_checked_before_its_arguments(backe
     n_args = {"match_prefix": 1, "peek_prefix": 1, "insert": 2, "insert_host": 3, "inc_lock_ref": 1,
               "dec_lock_ref": 1, "alloc_device": 1, "evict": 1, "evict_host": 1, "load_back": 1,
               "begin_request": 1, "cache_unfinished_req": 1, "cache_finished_req": 1, "alloc_component": 2,
-              "reserve_component_host_pages": 2, "slide_window": 1, "abort_request": 1, "device_fit": 1}
+              "reserve_component_host_pages": 2, "reserve_component_host_pages_agreed": 2,
+              "slide_window": 1, "abort_request": 1, "device_fit": 1}
     for name in [*_REFUSED_AFTER_FAILURE, "reset", "device_fit", "release_owner"]:
         method = getattr(cache, name)
         err = on_thread(method, *([None] * n_args.get(name, 0)))  # bad arguments: the thread check comes first

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from cache_harness import KVOracle, numpy_backend_factory, prefill_insert, small_geom
 from rank_threads import ThreadGroup, run_ranks
-from rank_trace import DIVERGENCES, P, rank_cache, run_trace
+from rank_trace import P, divergences, rank_cache, run_trace
 
 from hicache_jax.cache import (Agreement, CacheFailedError, HiCacheConfig, HiRadixCache, NoExchangeAgreement,
                                RadixKey, RankDivergenceError, SingleProcessAgreement)
@@ -233,7 +233,8 @@ def test_the_digest_check_sees_trees_that_differ():
 
 
 # ---------------------------------------------------------------------------------------------- the trace
-CASES = list(DIVERGENCES) + ["all"]
+FULL_DIVERGENCES = divergences("full")
+CASES = list(FULL_DIVERGENCES) + ["all"]
 
 
 def _trace_on_threads(tmp_path, make_agreement, divergence, steps=30):
@@ -241,7 +242,7 @@ def _trace_on_threads(tmp_path, make_agreement, divergence, steps=30):
 
     def rank(r):
         cache, be, ctl = rank_cache(make_agreement(group, r), storage_dir=tmp_path)
-        div = (set(DIVERGENCES) if divergence == "all" else {divergence}) if r == 1 else set()
+        div = (set(FULL_DIVERGENCES) if divergence == "all" else {divergence}) if r == 1 else set()
         try:
             return run_trace(cache, be, ctl, divergence=div, steps=steps)
         finally:
@@ -255,7 +256,7 @@ def test_ranks_stay_identical_under_divergence(tmp_path, divergence):
     r0, r1 = _trace_on_threads(tmp_path, lambda g, r: g.agreement(r), divergence)
     assert r0["digests"] == r1["digests"]  # after every step
     assert r0["served"] == r1["served"]
-    kinds = DIVERGENCES if divergence == "all" else (divergence,)
+    kinds = FULL_DIVERGENCES if divergence == "all" else (divergence,)
     for k in kinds:
         assert r1["fired"][k] > 0, f"{k} never fired: the trace does not exercise it"
     assert sum(r0["served"]) > 0 and r0["storage_tokens"] == r1["storage_tokens"] > 0  # L3 hits too

@@ -300,5 +300,5 @@ def test_disabling_any_check_fails_a_case(monkeypatch):
             m.setattr(swa_module.SWAComponent, "check", ns["check"])
             if not caught(collect_violations, swa_only=True):
                 uncaught.append(f"SWAComponent.check check #{i}")
-    assert n_checks == 44 + 23
+    assert n_checks == 44 + 24
     assert not uncaught, f"checks no case sees: {uncaught}"

@@ -10,6 +10,7 @@ not by the source's incremental chain), and for storage the keys the store holds
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import replace
 
@@ -53,26 +54,33 @@ def expected_keys(cache, salt: str = "") -> dict[str, set]:
 
 
 def stored_keys(storage) -> set:
-    return {k for (pool, k) in storage._pages if pool == "target"}  # the memory store's own record
+    """The ``target`` keys a memory or file store holds, from its own record (not its API)."""
+    if storage.backend_name == "memory":
+        return {k for (pool, k) in storage._pages if pool == "target"}
+    base = os.path.join(storage.root, "target")
+    return {bytes.fromhex(f[:-3]) for d in os.listdir(base) for f in os.listdir(os.path.join(base, d))
+            if f.endswith(".kv")}
 
 
 class Trace:
     """A small cache with an L3 (memory store) and an event source; ``do(op)`` runs one step."""
 
     def __init__(self, seed: int, *, device_pages: int = 20, host_pages: int = 28, max_pending: int = 1 << 16,
-                 with_l3: bool = True) -> None:
+                 with_l3: bool = True, storage: dict | None = None) -> None:
         self.cache, self.be = make_cache(numpy_backend_factory, page_size=P, device_pages=device_pages,
                                          host_pages=host_pages, write_through_threshold=1, load_back_threshold=1)
         self.oracle = KVOracle(self.be)
         self.ctl = None
         if with_l3:
-            cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=P, prefetch_policy="wait_complete")
+            cfg = StorageConfig(**{"backend": "memory", "prefetch_threshold_tokens": P,
+                                   "prefetch_policy": "wait_complete", **(storage or {})})
             self.ctl = StorageController(self.cache, cfg, model=MODEL)
         self.src = KVEventSource(self.cache, model=MODEL, engine="e0", max_pending=max_pending)
         if with_l3:
             self.src.observe_storage(self.ctl.storage)
         self.view = TierContents()
         self.view.apply(self.src.drain())  # the first batch: a snapshot (of an empty cache here)
+        self.events: list = []  # every event check() applied since
         self.rng = random.Random(seed)
         # Conversation families: shared system prompts, two tenants.
         self.keys = []
@@ -126,18 +134,21 @@ class Trace:
     def check(self, settle: bool = True) -> EventBatch:
         batch = self.src.drain()
         self.view.apply(batch)
+        self.events += batch.events
         exp = expected_keys(self.cache)
         assert self.view.keys("device") == exp["device"]
         assert self.view.keys("host") == exp["host"]
         if self.ctl is not None:
-            # A storage event follows the store's write (the backup thread reports after
-            # batch_set returns): a subset while L3 writes are in flight, equal once flushed.
-            stored = stored_keys(self.ctl.storage)
-            assert self.view.keys("storage") <= stored
+            # The store reports its changes from the backup thread: while L3 writes are in
+            # flight the view lags the store (a subset while nothing is evicted), equal once
+            # they are flushed.
+            if not self.ctl.storage.config.capacity_bytes:
+                assert self.view.keys("storage") <= stored_keys(self.ctl.storage)
             if settle:
                 assert self.ctl.flush(10)  # L3 writes done: their events are queued
                 more = self.src.drain()
                 self.view.apply(more)
+                self.events += more.events
                 assert all(e.tier == "storage" for e in more.events)
                 assert self.view.keys("storage") == stored_keys(self.ctl.storage)
         return batch
@@ -281,29 +292,37 @@ def test_any_trace_rebuilds_every_tier(seed, ops):
         t.close()
 
 
-def test_storage_events_carry_only_the_target_pools_successful_writes():
+def test_storage_events_carry_only_the_target_pools_successful_writes(tmp_path):
+    from hicache_jax import HostKVPool, KVGeometry
+    from hicache_jax.storage import PoolSpec, create_storage
+
     cache, be = make_cache(numpy_backend_factory, page_size=P)
     src = KVEventSource(cache, model=MODEL)
-
-    class Store:  # a store whose second page fails; the draft pool is not the target's
-        def batch_set(self, keys, ids, pool=None):
-            return [i != 1 for i in range(len(keys))]
-
-    store = Store()
-    inner = store.batch_set
+    geom = KVGeometry.mha(2, P, 2, 8, "float32")
+    pools = {"target": HostKVPool(geom, 4, "page_first"), "draft": HostKVPool(geom, 4, "page_first")}
+    store = create_storage(StorageConfig(backend="file", path=str(tmp_path)), pools,
+                           [PoolSpec("target"), PoolSpec("draft")])
     src.observe_storage(store)
     src.drain()  # the first batch (a snapshot of the empty cache)
     k = [bytes([i]) * 32 for i in range(3)]
+    real = store._write_page
+    store._write_page = lambda path, key, *a: key != k[1] and real(path, key, *a)  # the second page fails
     assert store.batch_set(k, [0, 1, 2], "target") == [True, False, True]
     store.batch_set(k, [0, 1, 2], "draft")
     b = src.drain()
-    assert [(e.kind, e.tier, e.keys, e.token_count) for e in b.events] == [("stored", "storage", (k[0], k[2]), 2 * P)]
+    assert [(e.kind, e.tier, e.keys, e.token_count) for e in b.events] == [("stored", "storage", (k[0],), P),
+                                                                          ("stored", "storage", (k[2],), P)]
     with pytest.raises(ValueError, match="already observed"):
         src.observe_storage(store)
-    with pytest.raises(TypeError, match="batch_set"):
+    with pytest.raises(TypeError, match="add_listener"):
         src.observe_storage(object())
+    with pytest.raises(ValueError, match="probe_pages"):
+        src.observe_storage(store, probe_pages=-1)
+    with pytest.raises(ValueError, match="probe_interval_s"):
+        src.observe_storage(store, probe_pages=1, probe_interval_s=float("nan"))
     src.close()
-    assert store.batch_set == inner  # unwrapped
+    assert store._notify is None  # detached
+    store.close()
 
 
 def test_a_source_attached_to_a_live_cache_or_restarted_starts_with_a_snapshot():

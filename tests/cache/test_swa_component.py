@@ -376,21 +376,3 @@ def test_insert_whose_frontier_lies_inside_a_node_that_keeps_its_swa_pages_frees
     pages = swa.request_pages(m.last_device_node, 10)
     drv.sw.check_device(k, pages[pages >= 0], int(np.flatnonzero(pages >= 0)[0]))
     cache.sanity_check(0, {"swa": 0})
-
-
-def test_a_collective_agreement_with_an_swa_component_is_refused():
-    """SWA pages are allocated and backed up outside the agreed (several-rank) protocol, so the
-    cache refuses the combination at construction instead of letting ranks diverge."""
-    from cache_harness import numpy_backend_factory, small_geom
-
-    from hicache_jax.cache import HiCacheConfig, HiRadixCache
-    from hicache_jax.cache.agreement import NoExchangeAgreement
-
-    geom = small_geom(2, "mha")
-    full = numpy_backend_factory(geom, 24, 48, "page_first", False)
-    swa_be = numpy_backend_factory(small_geom(2, "mha", layers=1), 12, 24, "page_first", False)
-    swa = SWAComponent(swa_be.engine, swa_be.device.allocator, 5)
-    with pytest.raises(ValueError, match="components: a component with its own page ids"):
-        HiRadixCache(HiCacheConfig(page_size=2), full.engine, full.device.allocator, components=[swa],
-                     agreement=NoExchangeAgreement(0, 2))
-    assert swa_be.device.allocator.used == 0 and full.device.allocator.used == 0

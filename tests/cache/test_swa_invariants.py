@@ -133,6 +133,8 @@ SWA_CASES = [
     ("reserved-bad", lambda s: _set(s.cache, storage_hook=FakeHook(s.st(s.D).host[:1])),
      r"SWA host pages reserved by the storage controller are repeated, free or owned by the tree"),
     ("host-leak", lambda s: s.swa.host_allocator.alloc(1), r"SWA host pool memory leak detected: free 7 \+ tree 8 \+ reserved 0 != total 16"),
+    ("phantom-pages", lambda s: _set(s.swa, phantom_pages=2),
+     r"SWA host reservations left 2 phantom pages after their step"),
 ]
 
 

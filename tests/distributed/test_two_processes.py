@@ -1,8 +1,9 @@
 """Two real processes, one cache state: ``jax.distributed`` on the CPU (gloo), no mocked
 collective. Both ranks run the same trace (``tests/cache/rank_trace.py``) with rank 1's
 divergences injected (a failing host allocation, copies finishing steps later, short and
-missing storage reads); every step's tree digests must be equal across the ranks, and the
-served prefixes too. Every barrier is bounded (``KVStoreAgreement`` / ``DeviceAgreement``
+missing storage reads; over a hybrid cache, with a draft sidecar too: failing SWA host
+allocations and a window sliding a step late); every step's tree digests must be equal across
+the ranks, and the served prefixes too. Every barrier is bounded (``KVStoreAgreement`` / ``DeviceAgreement``
 timeouts) and the launcher kills both processes at its deadline, so a hang fails the test.
 With the exchange switched off (``NoExchangeAgreement``) the same divergence must split the
 trees: the digests can see what the agreement prevents.
@@ -25,12 +26,13 @@ ROOT = HERE.parents[1]
 STEPS = 30
 
 
-def run_pair(tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None) -> list[dict]:
+def run_pair(tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None,
+             components: str = "full") -> list[dict]:
     store, out = tmp_path / "l3", tmp_path / "out"
     store.mkdir()
     out.mkdir()
     launch_local([sys.executable, str(HERE / "trace_rank.py"), agreement, divergence, str(store), str(out),
-                  str(STEPS)], 2, timeout_s=timeout_s, cwd=str(ROOT), env=env)
+                  str(STEPS), components], 2, timeout_s=timeout_s, cwd=str(ROOT), env=env)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -47,6 +49,25 @@ def test_two_processes_stay_identical_under_every_divergence(tmp_path, agreement
 
 def test_two_processes_without_the_exchange_diverge(tmp_path):
     r0, r1 = run_pair(tmp_path, "none")
+    assert r0["digests"] != r1["digests"]
+
+
+@pytest.mark.parametrize("components", ["swa", "draft+swa"])
+def test_two_processes_with_swa_stay_identical_under_every_divergence(tmp_path, components):
+    """A hybrid cache (and a draft sidecar) across two processes: rank 1's full and SWA host
+    allocations fail, its copies finish late and its window slides a step late; the digests
+    (SWA state included) stay equal after every step, one exchange per step."""
+    r0, r1 = run_pair(tmp_path, "kv", components=components)
+    assert len(r0["digests"]) == STEPS + 1
+    assert r0["digests"] == r1["digests"]
+    assert r0["served"] == r1["served"] and sum(r0["served"]) > 0
+    assert set(r1["fired"]) == {"alloc_fail", "slow_d2h", "swa_alloc_fail", "late_slide"}
+    assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
+    assert r0["exchanges"] == r1["exchanges"] == STEPS
+
+
+def test_two_processes_with_swa_without_the_exchange_diverge(tmp_path):
+    r0, r1 = run_pair(tmp_path, "none", components="swa")
     assert r0["digests"] != r1["digests"]
 
 

@@ -1,10 +1,12 @@
 """One rank of the two-process divergence trace (``test_two_processes``), started by
 ``hicache_jax.distributed.launch_local``.
 
-usage: trace_rank.py AGREEMENT DIVERGENCE STORAGE_DIR OUT_DIR STEPS
+usage: trace_rank.py AGREEMENT DIVERGENCE STORAGE_DIR OUT_DIR STEPS [COMPONENTS]
   AGREEMENT   kv | device | none (``NoExchangeAgreement``: the protocol without the exchange)
-  DIVERGENCE  one of rank_trace.DIVERGENCES, ``all``, or ``-``; injected on rank 1 only; ``stall``:
+  DIVERGENCE  one of rank_trace.divergences(), ``all``, or ``-``; injected on rank 1 only; ``stall``:
               rank 1 never takes part (sleeps), so rank 0's bounded barrier must time out
+  COMPONENTS  full (default: the full pool with an L3 controller on STORAGE_DIR), swa or draft+swa
+              (a hybrid cache, and a draft sidecar: ``rank_trace.run_swa_trace``, no L3)
   HICACHE_AGREEMENT_TIMEOUT (env): the agreement's barrier timeout in seconds (default 60)
 Writes OUT_DIR/rank{R}.json: the trace's digests after every step, served prefixes, what fired.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache"))
 
-from rank_trace import DIVERGENCES, rank_cache, run_trace  # noqa: E402
+from rank_trace import divergences, rank_cache, run_swa_trace, run_trace  # noqa: E402
 
 from hicache_jax.cache import NoExchangeAgreement  # noqa: E402
 from hicache_jax.distributed import initialize_from_env, make_agreement, run_rank  # noqa: E402
@@ -27,6 +29,7 @@ from hicache_jax.distributed import initialize_from_env, make_agreement, run_ran
 
 def main() -> None:
     kind, divergence, storage_dir, out_dir, steps = sys.argv[1:6]
+    components = sys.argv[6] if len(sys.argv) > 6 else "full"
     rank, n = initialize_from_env()
     timeout = float(os.environ.get("HICACHE_AGREEMENT_TIMEOUT", "60"))
     if kind == "none":
@@ -39,13 +42,17 @@ def main() -> None:
         time.sleep(600)  # never reaches its first exchange
     div = set()
     if rank == 1 and divergence not in ("-", "stall"):
-        div = set(DIVERGENCES) if divergence == "all" else {divergence}
-    cache, be, ctl = rank_cache(agreement, storage_dir=storage_dir)
-    try:
-        result = run_trace(cache, be, ctl, divergence=div, steps=int(steps))
-    finally:
-        ctl.close()
-    result["exchanges"] = cache.step_agreement.exchanges
+        div = set(divergences(components, l3=components == "full")) if divergence == "all" else {divergence}
+    if components == "full":
+        cache, be, ctl = rank_cache(agreement, storage_dir=storage_dir)
+        try:
+            result = run_trace(cache, be, ctl, divergence=div, steps=int(steps))
+        finally:
+            ctl.close()
+    else:
+        cache, be, _ = rank_cache(agreement, components=components)
+        result = run_swa_trace(cache, be, divergence=div, steps=int(steps))
+    result.setdefault("exchanges", cache.step_agreement.exchanges)  # the SWA trace counts its steps' own
     result["agreement"] = repr(agreement)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

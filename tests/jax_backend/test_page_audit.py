@@ -60,3 +60,42 @@ def test_a_page_is_named_by_its_whole_prefix(pool):
     audit.record([pool], b, np.array([7, 8]), 0, 2)
     assert audit.check([pool], b, np.array([7, 6]), ["host", "host"], 0) == [1]
     assert PageAudit(PAGE).byte_identical is None  # nothing checked yet
+
+
+def test_submitted_reads_see_the_bytes_at_submission_and_compare_in_order(pool):
+    """The engine's deferred form: a submitted page read captures the bytes the page held when
+    it was submitted (a later overwrite changes nothing), a check compares against every record
+    submitted before it, and nothing is compared until ``settle`` (or ``stats``)."""
+    audit = PageAudit(PAGE)
+    key = np.arange(2 * PAGE)
+    _fill(pool, [9, 10], seed=6)
+    audit.submit_record([pool], key, np.array([9, 10]), 0, 2)
+    audit.submit_check([pool], key, np.array([9, 10]), ["host", "storage"], 0)  # the same bytes: a match
+    _fill(pool, [10], seed=7)  # page 10 overwritten after both were submitted
+    audit.submit_check([pool], key, np.array([9, 10]), ["device", "device"], 1)  # now page 1 differs
+    assert audit.pending == 3 and audit._counts.recorded == 0  # nothing compared yet
+    audit.settle()
+    assert audit.pending == 0
+    s = audit.stats()
+    assert s["pages_recorded"] == 2 and s["pages_checked"] == {"device": 2, "host": 1, "storage": 1}
+    assert s["pages_mismatched"] == {"device": 1, "host": 0, "storage": 0}
+    assert s["first_mismatches"] == [[1, 1, "device"]]
+    # A check submitted before the record it would need finds no digest: unknown, not a match.
+    late = PageAudit(PAGE)
+    late.submit_check([pool], key + 7, np.array([9]), ["host"], 0)
+    late.submit_record([pool], key + 7, np.array([9]), 0, 1)
+    assert late.stats()["pages_unknown"]["host"] == 1
+
+
+def test_pending_reads_past_the_bound_settle_at_once(pool):
+    audit = PageAudit(PAGE, max_pending_bytes=0)
+    _fill(pool, [11], seed=8)
+    audit.submit_record([pool], np.arange(PAGE), np.array([11]), 0, 1)
+    assert audit.pending == 0 and audit._counts.recorded == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [({"page_size": 0}, "page_size"),
+                                           ({"page_size": PAGE, "max_pending_bytes": -1}, "max_pending_bytes")])
+def test_bad_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PageAudit(**kwargs)

@@ -54,7 +54,7 @@ def assert_not_comparable(payload, out_text: str, png, names: list[str]) -> None
      "--device-pages", "64"],
     ["bench", "ttft", "--model", "tiny", "--prompt-len", "64", "--reps", "2", "--decode-steps", "3",
      "--decode-reps", "1", "--page-size", "4", "--device-pages", "128", "--max-batch", "2",
-     "--storage-backend", "file"],
+     "--storage-backend", "file", "--host-layout", "page_first_direct"],
     ["bench", "restart", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "40", "--page-size", "4",
      "--device-pages", "64", "--storage-backend", "file"],
 ])
@@ -91,6 +91,7 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["runs"][1]["same_tokens_as_run1"]
         assert payload["runs"][1]["requests_by_tier"]["cold"] == 0
     if argv[1] == "ttft":
+        assert payload["config"]["host_layout"] == "page_first_direct" and "L2 x4 page_first_direct" in captured.out
         assert set(payload["ratios_vs_cold"]) == {"cold", "device", "host", "storage"}
         assert all(len(v) == 2 for v in payload["ttft_s"].values())
         assert_not_comparable(payload, captured.out, tmp_path / "results" / "r.png",

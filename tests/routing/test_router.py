@@ -176,11 +176,12 @@ def hist(total):
 
 def test_costs_from_stats_sum_over_engines_and_storage_includes_the_load_back():
     a = {"load_back_duration_seconds": hist(0.02), "load_back_tokens": 100,
-         "prefetch_duration_seconds": hist(0.3), "prefetched_tokens": 200}
+         "prefetch_duration_seconds": hist(0.3), "prefetched_tokens": 200, "storage_read_seconds": 0.05}
     b = {"load_back_duration_seconds": hist(0.01), "load_back_tokens": 200}  # no L3 attached: no prefetch keys
     c = tier_costs_from_stats([a, b])
     assert c["host"] == pytest.approx(0.03 / 300)
-    assert c["storage"] == pytest.approx(0.3 / 200 + 0.03 / 300)
+    # The store's read time per token read, not the prefetch durations (0.3 s: queries, waits).
+    assert c["storage"] == pytest.approx(0.05 / 200 + 0.03 / 300)
     assert tier_costs_from_stats(b)["storage"] is None
     nothing = {"load_back_duration_seconds": hist(0.0), "load_back_tokens": 0}
     assert tier_costs_from_stats(nothing) == {"host": None, "storage": None}
@@ -200,6 +201,52 @@ def test_measured_weights_change_the_choice():
     assert d.engine == "a" and d.score == pytest.approx(2.0)
     m = PrefixRouter.from_measured(["a", "b"], stats, 1e-3, balance_abs=4)
     assert m.weights == w and m.balance_abs == 4
+
+
+def test_a_removal_from_the_shared_store_leaves_every_engines_view():
+    r = PrefixRouter(["a", "b"])
+    r.apply(batch("a", 0, stored("storage", K[:4])))
+    r.apply(batch("b", 0, stored("storage", K[:4])))  # both wrote the same pages to the one L3
+    r.apply(batch("b", 1, KVEvent("removed", "storage", tuple(K[2:4]))))  # b's store evicted two
+    assert r.route(K).pages["storage"] == 2  # a's report of them no longer counts either
+    alone = PrefixRouter(["a", "b"], shared_storage=False)
+    alone.apply(batch("a", 0, stored("storage", K[:4])))
+    alone.apply(batch("b", 0, KVEvent("removed", "storage", tuple(K[2:4]))))
+    assert alone.route(K).pages["storage"] == 4  # separate stores: b's eviction is b's alone
+
+
+def test_storage_cost_is_the_stores_read_time_not_the_prefetch_durations(tmp_path):
+    """A real cache with an L3 store whose ``exists`` is slow: prefetches that find nothing
+    still observe a duration (their query), and a prefetch that hits waits for its query too;
+    the storage cost is the store's read time per token read, well below the durations per
+    token (the ratio that set the measured storage weight to 0)."""
+    import time
+
+    from hicache_jax.l3 import StorageController
+    from hicache_jax.storage import StorageConfig
+
+    cache, _dev, _src = make_engine("e0")
+    ctl = StorageController(cache, StorageConfig(backend="memory", prefetch_threshold_tokens=4,
+                                                 prefetch_policy="wait_complete"), model="m")
+    try:
+        key = RadixKey(np.arange(32, dtype=np.int64))
+        serve(cache, key)
+        cache.flush()
+        assert ctl.flush(10)
+        cache.check_events()
+        cache.reset()  # device and host empty; L3 keeps the pages
+        real = ctl.storage._contains
+        ctl.storage._contains = lambda pool, keys: time.sleep(0.05) or real(pool, keys)
+        for i in range(4):  # misses: nothing of these is in L3
+            ctl.finish_prefetch(ctl.prefetch(RadixKey(np.arange(1000 + 100 * i, 1032 + 100 * i, dtype=np.int64))))
+        ctl.finish_prefetch(ctl.prefetch(key))  # a hit: 32 tokens read
+        s = cache.stats()
+        assert s["prefetched_tokens"] == 32 and s["prefetch_duration_seconds"]["count"] == 5
+        cost = tier_costs_from_stats(s)
+        assert cost["storage"] == pytest.approx(s["storage_read_seconds"] / 32)  # nothing loaded back yet
+        assert s["prefetch_duration_seconds"]["sum"] / 32 > 10 * cost["storage"]
+    finally:
+        ctl.close()
 
 
 def test_measured_weights_from_a_real_caches_load_backs():

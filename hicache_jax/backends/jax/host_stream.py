@@ -25,7 +25,11 @@ predicate back every iteration). Static padding is harmless by construction: an 
 position reads host page ``ids[0]`` into a staging slot the scatter drops; a D2H padding
 position repeats the last live page (the caller pads both id lists with their last id), so it
 rewrites that host page with the same bytes. One executable per page-count bucket either way,
-compiled in well under a second.
+compiled in well under a second. ``default_stream_loop`` picks per platform: on one H200
+(jax 0.11.2, 1024 pages of 16 tokens, 256 MiB per component) the static loop unrolled 8 times
+moved D2H at 39.9 GB/s and H2D at 25.8 GB/s where the dynamic loop moved 17.1 and 13.2 (pinned
+``device_put`` of the same bytes: ~52 GB/s), so GPUs get ``static`` x8; the CPU keeps
+``dynamic`` (its loop has no predicate read-back, and padding would copy pages for nothing).
 
 Ownership and threading: the arena array is owned by the transfer engine's owner thread, the
 only one that dispatches these executables; every D2H donates the arena and installs the array
@@ -50,6 +54,12 @@ from ...kv_geometry import KVGeometry
 
 
 STREAM_LOOPS = ("dynamic", "static")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def default_stream_loop(platform: str) -> tuple[str, int]:
+    """``(stream_loop, stream_unroll)`` measured best on ``platform`` (module docstring)."""
+    return ("static", 8) if platform in _GPU_PLATFORMS else ("dynamic", 1)
 
 
 class HostArenaMovedError(RuntimeError):

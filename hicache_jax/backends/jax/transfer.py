@@ -56,7 +56,8 @@ from ...transfer import (CompletedHandle, FutureHandle, KVTransferEngine, LoadHa
                          TransferHandle)
 from ...workers import DEFAULT_WORKER_NICE, check_nice
 from .device_pool import JaxDevicePool
-from .host_stream import HostArenaMovedError, PinnedHostArena, StreamPlan, default_group_layers, layer_groups
+from .host_stream import (HostArenaMovedError, PinnedHostArena, StreamPlan, default_group_layers, default_stream_loop,
+                          layer_groups)
 from .memory import StagingRing, host_memory_kind
 
 HOST_COPIES = ("auto", "xla_stream", "numpy")
@@ -175,15 +176,23 @@ class JaxTransferEngine(KVTransferEngine):
     missing), ``"numpy"`` forces the CPU-copy path. ``load_group_layers``: layers per H2D
     executable on the stream path (None: ``default_group_layers``). ``stream_loop`` /
     ``stream_unroll``: how the stream executables loop over pages (``host_stream``: ``dynamic``
-    over the live count, or ``static`` over the bucket, unrolled). ``self.host_copy`` says
-    which path runs."""
+    over the live count, or ``static`` over the bucket, unrolled; None: what measured best on
+    the pool's platform, ``default_stream_loop``). ``self.host_copy`` says which path runs,
+    ``self.stream_loop`` / ``self.stream_unroll`` which loop."""
 
     def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
                  copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True,
                  worker_nice: int = DEFAULT_WORKER_NICE, host_copy: str = "auto",
-                 load_group_layers: int | None = None, stream_loop: str = "dynamic", stream_unroll: int = 1) -> None:
+                 load_group_layers: int | None = None, stream_loop: str | None = None,
+                 stream_unroll: int | None = None) -> None:
         if host_copy not in HOST_COPIES:
             raise ValueError(f"host_copy: expected one of {HOST_COPIES}, got {host_copy!r}")
+        if stream_loop is None:
+            stream_loop, auto_unroll = default_stream_loop(device_pool.local_device.platform)
+            stream_unroll = auto_unroll if stream_unroll is None else stream_unroll
+        elif stream_unroll is None:
+            stream_unroll = 1
+        self.stream_loop, self.stream_unroll = stream_loop, stream_unroll
         if device_pool.local_geom != host_pool.geom:
             raise ValueError(f"host_pool: geometry {host_pool.geom} differs from this process's share of the device "
                              f"pool {device_pool.local_geom}")

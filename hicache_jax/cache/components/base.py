@@ -24,6 +24,13 @@ span, pages)``               ``span`` tokens, ``pages`` the caller's (taken or f
 pages, first)``              page ``first`` of this component's ``pages`` (keeps or frees each)
 ``on_backup(nodes)``         these nodes (root first) were just marked backed up; their copy is
                              issued right after; returns this component's ``CopyPlan`` or None
+``reserve_backup(nodes)``,   several ranks: the backup of ``nodes`` as reserve -> agree ->
+``commit_backup(nodes, r,    commit: reserve this component's host pages (an object with
+ok)``,                       ``ok``: whether this rank got them; None: nothing to reserve),
+``release_backup(r)``        then, once the ranks agreed, ``commit_backup`` (``ok``: every
+                             rank's reservation succeeded; returns the ``CopyPlan`` or None)
+                             or ``release_backup`` (the full part was rolled back). Default:
+                             nothing reserved, ``commit_backup`` is ``on_backup``
 ``before_load_back(node)``   a load-back of ``node`` starts (may split host nodes)
 ``load_back_start(node,      the continuation a load-back makes usable starts below the
 anchor)``                    returned ancestor of ``anchor`` (default: ``anchor`` itself)
@@ -38,9 +45,13 @@ nodes)``
 ``on_lock(receipt)`` /       a path lock was taken / released (``locks.LockReceipt``)
 ``on_release(receipt)``
 ``on_evict(node, tier)``     ``node`` is about to leave ``"device"`` or ``"host"``
-``slide_request(req)``       ``HiRadixCache.slide_window(req)``: the request moved on
+``slide_request(req,         ``HiRadixCache.slide_window(req)``: the request moved on (with
+upto)``                      ranks: to the agreed length, ``component_steps``)
 ``check(nodes, view,         ``sanity_check``: this component's invariant violations
 external)``
+``digest_node(node)`` /      ``debug_view().digest()``: this component's per-node state and
+``digest_state()``           its counters, as bytes / a dict of ints (ids left out: equal
+                             across ranks that made the same decisions)
 ``reset()``                  the cache dropped everything
 ===========================  ===============================================================
 
@@ -187,6 +198,15 @@ class KVComponent:
     def on_backup(self, nodes: list) -> CopyPlan | None:
         return None
 
+    def reserve_backup(self, nodes: list):
+        return None
+
+    def commit_backup(self, nodes: list, reservation, ok: bool) -> CopyPlan | None:
+        return self.on_backup(nodes)
+
+    def release_backup(self, reservation) -> None:
+        pass
+
     def before_load_back(self, node) -> None:
         pass
 
@@ -218,7 +238,8 @@ class KVComponent:
     def on_evict(self, node, tier: str) -> None:
         pass
 
-    def slide_request(self, req) -> None:
+    def slide_request(self, req, upto: int | None = None) -> None:
+        """``req`` moved on; ``upto``: slide only as far as its first ``upto`` tokens (None: all)."""
         pass
 
     def request_pages(self, node, num_pages: int) -> np.ndarray | None:
@@ -231,6 +252,17 @@ class KVComponent:
 
     def reset(self) -> None:
         pass
+
+    # ------------------------------------------------------------------ digest (several ranks)
+    def digest_node(self, node) -> bytes:
+        """This component's state of ``node`` for ``debug_view().digest()``, as fixed-width
+        bytes that are equal on every rank whose tree made the same decisions (no page ids,
+        no Python ``hash``). Default: nothing."""
+        return b""
+
+    def digest_state(self) -> dict:
+        """This component's counters for the digest (name -> int). Default: none."""
+        return {}
 
     def stats(self) -> dict:
         return {}

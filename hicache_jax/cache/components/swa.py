@@ -100,6 +100,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import struct
+
 import numpy as np
 
 from ...allocator import ID_DTYPE, PageAllocator, has_duplicates
@@ -112,6 +114,7 @@ from .full import FULL
 SWA = "swa"
 _EMPTY = np.zeros(0, ID_DTYPE)
 _INF = float("inf")
+_DIGEST_NODE = struct.Struct("<BIq")  # dev / host flags, holds, access
 
 
 class _SWAState:
@@ -143,6 +146,21 @@ class _Hold:
 
     def __repr__(self) -> str:
         return f"_Hold({self.kind}, {len(self.states)} nodes)"
+
+
+class _HostReservation:
+    """SWA host pages reserved for one backup (several ranks), waiting for the agreement:
+    ``states`` to back up (root first), ``npages`` as every rank counts them, ``ids`` this
+    rank's (None: its allocation failed; counted in ``phantom_pages`` until settled)."""
+
+    __slots__ = ("states", "npages", "ids")
+
+    def __init__(self, states: list, npages: int, ids: np.ndarray | None) -> None:
+        self.states, self.npages, self.ids = states, npages, ids
+
+    @property
+    def ok(self) -> bool:
+        return self.ids is not None
 
 
 class _WindowRecency(EvictionStrategy):
@@ -223,6 +241,9 @@ class SWAComponent(KVComponent):
         self.protected_tokens = 0  # SWA on device, held
         self.host_tokens = 0  # SWA on host
         self._win: dict = {}  # node -> [window holds of caller locks on it, released-early count]
+        # Several ranks: SWA host pages that reservations of the current step failed to get on
+        # this rank (``reserve_backup``, ``reserve_host_agreed``); 0 between steps.
+        self.phantom_pages = 0
         self.metrics = SWAMetrics()
         self.ctx: ComponentContext | None = None
 
@@ -657,7 +678,9 @@ class SWAComponent(KVComponent):
         self._set_host(st, mine[f:].astype(ID_DTYPE))
 
     # ------------------------------------------------------------------ L2
-    def on_backup(self, nodes: list) -> CopyPlan | None:
+    def _backup_need(self, nodes: list) -> tuple[list, int]:
+        """The states of ``nodes`` (root first) with SWA pages on the device and none on the
+        host, and their pages."""
         need = []
         npages = 0
         for n in nodes:
@@ -665,25 +688,24 @@ class SWAComponent(KVComponent):
             if st is not None and st.dev is not None and st.host is None:
                 need.append(st)
                 npages += st.dev.shape[0]
-        if not need:
-            return None
-        ids = self.alloc_host(npages)
-        m = self.metrics
-        if ids is None:  # the deepest nodes' pages first: a window is what a match needs
-            room = self.host_allocator.available
-            keep = []
-            fit = 0
-            for st in reversed(need):
-                if fit + st.dev.shape[0] > room:
-                    break
-                keep.append(st)
-                fit += st.dev.shape[0]
-            m.backup_failed_tokens += (npages - fit) * self.page_size
-            if not keep:
-                return None
-            need = keep[::-1]
-            npages = fit
-            ids = self.host_allocator.alloc(npages)
+        return need, npages
+
+    def _fit_deepest(self, need: list, npages: int, room: int) -> tuple[list, int]:
+        """The deepest states of ``need`` whose pages fit in ``room`` (a window is what a match
+        needs), root first; the rest are counted as failed."""
+        keep = []
+        fit = 0
+        for st in reversed(need):
+            if fit + st.dev.shape[0] > room:
+                break
+            keep.append(st)
+            fit += st.dev.shape[0]
+        self.metrics.backup_failed_tokens += (npages - fit) * self.page_size
+        return keep[::-1], fit
+
+    def _backup_plan(self, need: list, npages: int, ids: np.ndarray) -> CopyPlan:
+        """Mark ``need`` backed up to ``ids`` and hold their device pages until the copy is
+        acknowledged (``CopyPlan.done``)."""
         hold = _Hold("backup")
         off = 0
         src = []
@@ -693,9 +715,98 @@ class SWAComponent(KVComponent):
             self._hold(st, hold)
             src.append(st.dev)
             off += k
-        m.backup_tokens += npages * self.page_size
+        self.metrics.backup_tokens += npages * self.page_size
         return CopyPlan(self.name, np.concatenate(src) if len(src) > 1 else src[0], ids,
                         done=lambda: self._release(hold))
+
+    def on_backup(self, nodes: list) -> CopyPlan | None:
+        need, npages = self._backup_need(nodes)
+        if not need:
+            return None
+        ids = self.alloc_host(npages)
+        if ids is None:
+            need, npages = self._fit_deepest(need, npages, self.host_allocator.available)
+            if not need:
+                return None
+            ids = self.host_allocator.alloc(npages)
+        return self._backup_plan(need, npages, ids)
+
+    # ------------------------------------------------------------------ L2, several ranks
+    @property
+    def host_available(self) -> int:
+        """Free SWA host pages as every rank counts them within a step: the allocator's free
+        count minus the pages this rank's failed reservations of the step would have taken."""
+        return self.host_allocator.available - self.phantom_pages
+
+    def _reserve_host(self, npages: int) -> np.ndarray | None:
+        ids = self.host_allocator.alloc(npages)
+        if ids is None:
+            self.phantom_pages += npages
+            self.metrics.alloc_failures += 1
+        return ids
+
+    def _settle_host(self, npages: int, ids: np.ndarray | None, keep: bool) -> None:
+        if ids is None:
+            self.phantom_pages -= npages
+        elif not keep:
+            self.host_allocator.free(ids)
+
+    def reserve_backup(self, nodes: list) -> _HostReservation | None:
+        """Several ranks: ``on_backup``'s host pages as a reservation. SWA host eviction is
+        sized by ``host_available`` (agreed state even after an earlier reservation of the
+        step failed on one rank), the deepest nodes are kept when short (as ``on_backup``),
+        and only the allocation itself may differ per rank. None: nothing to back up or no
+        room on any rank (nothing held)."""
+        need, npages = self._backup_need(nodes)
+        if not need:
+            return None
+        short = npages - self.host_available
+        if short > 0:
+            self.evict_host(short)
+        room = self.host_available
+        if npages > room:
+            need, npages = self._fit_deepest(need, npages, room)
+            if not need:
+                return None
+        return _HostReservation(need, npages, self._reserve_host(npages))
+
+    def commit_backup(self, nodes: list, r: _HostReservation | None, ok: bool) -> CopyPlan | None:
+        """The ranks agreed on the full part of a backup: back up the reserved SWA pages if
+        every rank got them (``ok``), else free them: those nodes stay SWA host tombstones, as
+        with a short SWA host pool in one process."""
+        if r is None:
+            return None
+        self._settle_host(r.npages, r.ids, ok)
+        if not ok:
+            self.metrics.backup_failed_tokens += r.npages * self.page_size
+            return None
+        return self._backup_plan(r.states, r.npages, r.ids)
+
+    def release_backup(self, r: _HostReservation | None) -> None:
+        """The full part was rolled back (or the step abandoned): give the reservation back."""
+        if r is not None:
+            self._settle_host(r.npages, r.ids, False)
+
+    def reserve_host_agreed(self, num_pages: int) -> np.ndarray | None:
+        """Several ranks: ``alloc_host`` as the reserve of reserve -> agree -> commit (an L3
+        prefetch's window). Evicts by the shortfall of ``host_available``, then takes this
+        rank's ``num_pages`` pages. None: its allocation failed, or no rank has room (the
+        free count every rank shares is short; counted like a failed allocation, so every
+        reservation ends the same way): ``settle_host_agreed(num_pages, ids, keep)`` ends it
+        after the step's agreement, on every rank."""
+        short = num_pages - self.host_available
+        if short > 0:
+            self.evict_host(short)
+        if num_pages > self.host_available:
+            self.phantom_pages += num_pages
+            self.metrics.alloc_failures += 1
+            return None
+        return self._reserve_host(num_pages)
+
+    def settle_host_agreed(self, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
+        """End a ``reserve_host_agreed``: forget its phantom pages; free ``ids`` unless ``keep``
+        (then they are the caller's, e.g. for ``insert_host``)."""
+        self._settle_host(num_pages, ids, keep)
 
     def before_load_back(self, node) -> None:
         win = self._window(node)
@@ -807,14 +918,19 @@ class SWAComponent(KVComponent):
         if bad.shape[0]:
             raise ValueError(f"{what}: {bad[:8].tolist()} are free or owned by the tree")
 
-    def slide_request(self, req) -> None:
+    def slide_request(self, req, upto: int | None = None) -> None:
+        """The request moved on: free its own pages wholly before the window of its first
+        ``upto`` tokens (default: all of ``req.key``; with ranks, the agreed length,
+        ``component_steps``) and release its window hold once that window lies past the
+        tree's part."""
         pages = None if req.component_pages is None else req.component_pages.get(self.name)
         if pages is None:
             return
         # The window of the request's next pass, and that of its whole pages' end (what its
         # next insert makes usable for later matches): keep both.
         p = self.page_size
-        keep_from = (len(req.key) // p) * p - self.context
+        n = len(req.key) if upto is None else min(upto, len(req.key))
+        keep_from = (n // p) * p - self.context
         if keep_from <= 0:
             return
         out = min(keep_from // p, pages.shape[0])  # pages wholly before the window
@@ -841,6 +957,26 @@ class SWAComponent(KVComponent):
         self.host_index.clear()
         self.evictable_tokens = self.protected_tokens = self.host_tokens = 0
         self._win.clear()
+        self.phantom_pages = 0
+
+    # ------------------------------------------------------------------ digest
+    def digest_node(self, node) -> bytes:
+        """Whether the node has SWA pages on each tier, its SWA holds and its SWA recency
+        (no ids: each rank has its own allocators)."""
+        st = self.state(node)
+        if st is None:
+            return b""
+        return _DIGEST_NODE.pack((st.dev is not None) | (st.host is not None) << 1, len(st.holders), st.access)
+
+    def digest_state(self) -> dict:
+        """The token counters, the window holds of callers' locks (held, released early) and
+        both allocators' free pages."""
+        return {"evictable_tokens": self.evictable_tokens, "protected_tokens": self.protected_tokens,
+                "host_tokens": self.host_tokens,
+                "window_holds": sum(len(e[0]) for e in self._win.values()),
+                "windows_released_early": sum(e[1] for e in self._win.values()),
+                "device_available": self.device_allocator.available,
+                "host_available": self.host_allocator.available}
 
     def stats(self) -> dict:
         p = self.page_size
@@ -932,6 +1068,8 @@ class SWAComponent(KVComponent):
                 if not need <= set(hold.states):
                     errs.append(f"a window hold of a caller lock on {x!r} misses SWA pages of its window: "
                                 f"{[st.node for st in need - set(hold.states)][:4]}")
+        if self.phantom_pages:
+            errs.append(f"SWA host reservations left {self.phantom_pages} phantom pages after their step")
         reserved = np.zeros(0, np.int64) if view is None else view.reserved_host_pages(name)
         for tier, alloc, pages, owned, extra in (
                 ("device", self.device_allocator, dev_pages, self.dev_owned, external),

@@ -55,6 +55,14 @@ the metadata URL answer within ``mooncake_connect_timeout_s``, then ``setup`` (b
 same timeout): a clear ``ConnectionError`` naming the setting that is wrong, before any page
 is touched.
 
+Contents listeners (``HiCacheStorage.add_listener``): ``stored`` for the pages a put stored, once
+the put returned; ``removed`` for objects this store removed after a failed check. The client
+cannot report Mooncake's own evictions (lease expiry, room for other puts) nor objects that went
+with a client that left: those go unreported (``KVEventSource.observe_storage``'s ``probe_pages``
+finds them by asking the master). There is no store-wide lock here: a put and a removal of the
+same key racing on two threads may be reported in either order (a stale page costs a counted
+miss at prefetch, never wrong KV).
+
 Threading: public calls may run concurrently (the client is thread-safe); the worker pool
 has ``read_concurrency`` threads for store calls and as many for CRCs, and a call returns
 only when all of its CRC ranges are done; registration bookkeeping is under one lock. Metrics are
@@ -293,6 +301,20 @@ class MooncakeStorage(HiCacheStorage):
             self._rpc_codes("batch_is_exist", codes)
         return [c == 1 for c in codes]
 
+    def _contains_answered(self, pool: str, keys: list[bytes]) -> list[bool] | None:
+        names = [object_name(pool, k) for k in keys]
+        try:
+            codes = list(self._call("batch_is_exist", self._store.batch_is_exist, names))
+        except _StoreDown:
+            return None
+        if len(codes) != len(keys):
+            raise RuntimeError(f"batch_is_exist returned {len(codes)} results for {len(keys)} keys")
+        if any(c < 0 for c in codes):  # an RPC error is no answer; counted as _contains counts it
+            self.metrics.add(read_errors=1)
+            self._rpc_codes("batch_is_exist", codes)
+            return None
+        return [c == 1 for c in codes]
+
     def _check(self, pool: str, key: bytes, head: np.ndarray, runs: list, pb: int) -> bool:
         """Whether a value read as ``head`` + the bytes at ``runs`` is this key's page; counts
         what it checks. Runs on a worker (the CRC releases the GIL)."""
@@ -321,6 +343,9 @@ class MooncakeStorage(HiCacheStorage):
         try:
             codes = self._call("batch_remove", self._store.batch_remove, names, True)
             self.metrics.add(quarantined=sum(1 for c in codes if c == 0))
+            gone = [bytes.fromhex(n.rsplit("/", 1)[1]) for n, c in zip(names, codes) if c == 0]
+            if gone and self._notify is not None:
+                self._notify("removed", pool, gone)
         except Exception as e:  # it stays a miss for every read until removed or evicted
             log.warning("L3 mooncake: removing %d bad objects failed: %r", len(names), e)
 
@@ -447,6 +472,8 @@ class MooncakeStorage(HiCacheStorage):
             self.metrics.add(write_errors=1, pages_dropped=len(keys) - n)
             self._rpc_codes("batch_put_from_multi_buffers", codes)
         self.metrics.add(pages_written=n, bytes_written=n * pb, write_seconds=time.perf_counter() - t0)
+        if n and self._notify is not None:
+            self._notify("stored", pool, [k for k, good in zip(keys, ok) if good])
         return ok
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:

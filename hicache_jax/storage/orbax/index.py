@@ -16,6 +16,11 @@ process never evicts it), forgotten once it vanishes.
 Segment names are never reused (``segment``: a generation per claim), so a name the index
 holds always denotes the bytes it was indexed from, or nothing (evicted since: a miss).
 
+Contents listeners (``notify``, set by the store; ``HiCacheStorage.add_listener``): ``removed``
+for the keys a forgotten segment takes out of the key maps (evicted by any process, quarantined,
+vanished), ``stored`` for the keys a refresh indexes from segments other processes wrote (the
+writer's own segments were announced when their pages became pending); both under the lock.
+
 Threading and locking: every method may be called from any thread. One lock guards the key
 maps, the segment table, the sets of segments never to index again and of foreign segments,
 and the byte count; it is
@@ -55,6 +60,7 @@ class SegmentIndex:
         self._metrics = metrics
         self._ts_ctx = ts_context
         self._on_forget = on_forget
+        self.notify: Callable[[str, str, list[bytes]], None] | None = None  # the store's listeners
         self._lock = threading.Lock()
         # pool -> key -> (segment name, slot)
         self._slot_of: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self._page_bytes}
@@ -120,15 +126,19 @@ class SegmentIndex:
         with self._lock:
             self._add(seg)
 
-    def _add(self, seg: Segment) -> None:  # under _lock
+    def _add(self, seg: Segment, announce: bool = False) -> None:  # under _lock
         if seg.name in self._segments:
             return
         self._segments[seg.name] = seg
         self._bytes += seg.nbytes
+        notify = self.notify if announce else None
         for p, keys in seg.keys.items():
             idx = self._slot_of[p]
+            new = [k for k in keys if k not in idx] if notify is not None else None
             for slot, k in enumerate(keys):
                 idx[k] = (seg.name, slot)
+            if new:
+                notify("stored", p, new)
 
     def forget(self, name: str) -> Segment | None:
         """Drop a segment and its keys (keys another segment also holds stay with that one)."""
@@ -137,11 +147,17 @@ class SegmentIndex:
             if seg is None:
                 return None
             self._bytes -= seg.nbytes
+            notify = self.notify
             for p, keys in seg.keys.items():
                 idx = self._slot_of[p]
+                gone = [] if notify is not None else None
                 for k in keys:
                     if idx.get(k, (None,))[0] == name:
                         del idx[k]
+                        if gone is not None:
+                            gone.append(k)
+                if gone:
+                    notify("removed", p, gone)
         self._on_forget(name)
         return seg
 
@@ -203,7 +219,7 @@ class SegmentIndex:
         with self._lock:
             for seg in loaded:
                 if seg.counts:
-                    self._add(seg)
+                    self._add(seg, announce=True)
                 else:  # nothing here this process can read: leave it alone
                     self._foreign.add(seg.name)
 

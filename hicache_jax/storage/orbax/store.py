@@ -29,6 +29,12 @@ buffers); none is held across I/O. The writer thread is the only caller of the o
 CheckpointManager. Reads run in their caller's thread. ``refresh`` (explicit, or every
 ``refresh_interval_s`` from a lookup) runs in its caller's thread and then applies the
 capacity bound, as the writer thread does after each save.
+
+Contents listeners (``HiCacheStorage.add_listener``): the writer reports pages as ``stored`` when
+they become pending and ``removed`` when a failed save drops them; the index reports the keys a
+forgotten segment (evicted, quarantined, vanished) takes with it, and the keys a refresh finds in
+other processes' segments. A segment another process evicts is reported once a refresh sees it
+gone (``refresh_interval_s``).
 """
 
 from __future__ import annotations
@@ -120,6 +126,10 @@ class OrbaxSegmentStorage(HiCacheStorage):
 
     def segment_names(self) -> list[str]:
         return self._index.segment_names()
+
+    def _set_listeners(self, fns: tuple) -> None:
+        super()._set_listeners(fns)
+        self._index.notify = self._writer.notify = self._notify  # they report the changes they make
 
     # ---- index upkeep ----------------------------------------------------------------------------
     def refresh(self) -> None:

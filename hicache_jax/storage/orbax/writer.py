@@ -27,6 +27,11 @@ refaults them at 0.3-0.5 GB/s), so orbax's defensive deep copy per save (save CP
 0.2 s per 128 MiB without it) and a fresh pack buffer per ``batch_set`` each cost as much as
 the I/O: hence reused buffers, packed into in place.
 
+Contents listeners (``notify``, set by the store; ``HiCacheStorage.add_listener``): ``stored``
+when pages become pending (readable from the buffer), under ``_cond``'s lock in the caller's
+thread; ``removed`` for the pages of a failed save, under that lock in the writer thread. Saved
+pages stay stored (the index takes them over without a second ``stored``).
+
 Threading and locking: ``enqueue``, ``serve_pending``, ``pending_flags``, ``flush`` and
 ``writes_pending`` may be called from any thread. One lock (``_cond``'s) guards the pending
 table, the open, sealed and free buffers and the writer's flags; it is never held across I/O
@@ -143,6 +148,7 @@ class SegmentWriter:
         self.config = config
         self.metrics = metrics
         self._after_save = after_save
+        self.notify: Callable[[str, str, list[bytes]], None] | None = None  # the store's listeners
         self._cond = threading.Condition(threading.Lock())
         self._fill_lock = threading.Lock()
         # pending: (pool, key) -> (segment buffer, row); insertion order = arrival order
@@ -259,6 +265,8 @@ class SegmentWriter:
                     for r, i in enumerate(sel):
                         self._pending[(pool, keys[i])] = (buf, buf.n + r)
                         buf.keys.append(keys[i])
+                    if self.notify is not None:
+                        self.notify("stored", pool, [keys[i] for i in sel])
                     buf.crcs += crcs
                     buf.n += take
                     if buf.n >= S:
@@ -328,17 +336,22 @@ class SegmentWriter:
                         segment.append(b)
                         self._sealed.remove(b)
                 self._saving += 1
+            saved = False
             try:
-                self._save(segment)
+                saved = self._save(segment)
             except Exception as e:  # never let the writer thread die
                 log.warning("L3 orbax: writer error: %r", e)
                 self.metrics.add(write_errors=1)
             finally:
                 with self._cond:  # after the index has the segment: a page is always in one of them
                     for b in segment:
+                        lost = []
                         for k in b.keys:
                             if self._pending.get((b.pool, k), (None,))[0] is b:
                                 del self._pending[(b.pool, k)]
+                                lost.append(k)
+                        if not saved and lost and self.notify is not None:
+                            self.notify("removed", b.pool, lost)  # a failed save dropped them
                         self._recycle(b)
                     self._pending_since = time.monotonic()
                     self._saving -= 1
@@ -358,7 +371,8 @@ class SegmentWriter:
         # Steps are saved as "{generation}_{step}": the generation is this claim's own, so step
         # numbers start at 0 without ever reusing a segment name (see ``segment``).
 
-    def _save(self, segment: list[SegmentBuffer]) -> None:
+    def _save(self, segment: list[SegmentBuffer]) -> bool:
+        """Save ``segment`` and index it; False if the save failed (its pages are dropped)."""
         tree, save_args = {}, {}
         npages = 0
         for b in segment:
@@ -389,7 +403,7 @@ class SegmentWriter:
                         self._claim.name, step_dir, npages, e)
             self.metrics.add(write_errors=1, pages_dropped=npages)
             self._cleanup_failed_step(step)
-            return
+            return False
         dt = time.perf_counter() - t0
         name = f"{self._claim.name}/{step_dir}"
         seg = Segment(name, path, (time.time(), name), {b.pool: b.n for b in segment},
@@ -400,6 +414,7 @@ class SegmentWriter:
         self.metrics.add(pages_written=npages, bytes_written=nbytes, write_seconds=dt, segments_written=1)
         log.debug("L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, npages, nbytes / 2**20, dt)
         self._after_save()
+        return True
 
     def _cleanup_failed_step(self, step: int) -> None:
         # A failed save may leave a temp dir (or, if it failed after the rename, a step that

@@ -1,0 +1,102 @@
+"""Several ranks: the window slides of components with their own page ids, agreed.
+
+Pure Python, owner thread only (``prepare`` / ``report`` / ``apply`` run inside the cache's
+``StepAgreement.step``). A ``StepAgreement`` participant, registered only when the cache has
+a component with its own page ids (e.g. ``swa``) and a collective agreement.
+
+Why: ``slide_window(req)`` frees the request's own SWA pages that fell out of the window and
+releases its lock's hold on the tree's window pages, which changes the tree (what a later
+insert keeps, what SWA eviction may take). How far a request may slide is what this rank's
+forward pass has written (``slide_window(req, written=)``), a per-rank outcome: a rank whose
+step finishes later may slide later. So with ranks ``slide_window`` only records this rank's
+length (``note``), and each step agrees on it:
+
+* ``note(req, n)`` (every rank calls ``slide_window`` at the same point, so which requests
+  are tracked and *dirty*, i.e. noted since they last agreed, is the same on every rank);
+* ``prepare`` picks up to ``budget`` dirty requests, oldest first;
+* ``report`` appends two values per picked request: this rank's noted length and its
+  negation (MIN and MAX over ranks);
+* ``apply`` slides every component to the agreed MIN (never backwards), and a request whose
+  MIN equals its MAX (every rank noted the same length) is clean again. A request that
+  finishes or is aborted is forgotten (``forget``): its pages are then handled by the
+  insert or the abort, on every rank alike.
+
+Sliding to a length at most the current one only frees what a slide to the current one
+frees too, so a late slide keeps pages longer, never frees one a rank still reads.
+Vector cost: ``2 * budget`` slots at most (32 with the default 16).
+"""
+
+from __future__ import annotations
+
+BUDGET = 16  # requests reported per step (two values each)
+
+
+class _Tracked:
+    __slots__ = ("req", "noted", "applied", "dirty")
+
+    def __init__(self, req) -> None:
+        self.req = req
+        self.noted = 0  # this rank's length (tokens whose KV its forward pass wrote)
+        self.applied = 0  # the agreed length slid to
+        self.dirty = False  # noted since the ranks last agreed on every rank's value
+
+
+class ComponentSteps:
+    """See the module docstring. ``components``: those with their own page ids."""
+
+    def __init__(self, components: tuple, budget: int = BUDGET) -> None:
+        self.components = components
+        self.budget = budget
+        self.tracked: dict[int, _Tracked] = {}  # id(req) -> entry, in the order first noted
+        self._step: list[_Tracked] = []
+        self.slides = 0  # agreed slides applied (counted once per request and step)
+
+    def note(self, req, length: int) -> None:
+        """``slide_window(req)`` with ranks: this rank's forward pass wrote ``length`` tokens."""
+        e = self.tracked.get(id(req))
+        if e is None:
+            e = self.tracked[id(req)] = _Tracked(req)
+        e.noted = length  # the latest call says what this rank has written
+        e.dirty = True
+
+    def forget(self, req) -> None:
+        """The request finished or was aborted (or the cache was reset)."""
+        self.tracked.pop(id(req), None)
+
+    def clear(self) -> None:
+        self.tracked.clear()
+        self._step = []
+
+    # ------------------------------------------------------------------ StepAgreement participant
+    def prepare(self) -> None:
+        step = []
+        for e in self.tracked.values():
+            if e.dirty:
+                step.append(e)
+                if len(step) >= self.budget:
+                    break
+        self._step = step
+
+    def report(self, out: list[int]) -> None:
+        for e in self._step:
+            out.extend((e.noted, -e.noted))
+
+    def apply(self, agreed) -> None:
+        step, self._step = self._step, []
+        for i, e in enumerate(step):
+            lo, hi = int(agreed[2 * i]), -int(agreed[2 * i + 1])
+            if lo > e.applied:
+                e.applied = lo
+                for comp in self.components:
+                    comp.slide_request(e.req, lo)
+                self.slides += 1
+            if lo == hi:
+                e.dirty = False
+
+    def abandon(self) -> None:
+        self._step = []
+
+    @property
+    def idle(self) -> bool:
+        """No request waits for an agreed slide."""
+        return not any(e.dirty for e in self.tracked.values())
