@@ -8,7 +8,8 @@ and queues a query: hash the continuation's page keys and count consecutive stor
 hold the window before the hit's end). On the owner thread (``advance``) a hit under the
 threshold is revoked, otherwise host pages are reserved (a truncated reservation when the host
 cannot give them all) and the IO executor reads them batch by batch (all pools per batch; a
-trailing-pages pool's window is read after, all of it or nothing). ``conclude`` hands the
+trailing-pages pool's window is read after, all of it or nothing; with several ranks only
+once the ranks agree where the first read ended: ``start_window_read``). ``conclude`` hands the
 consecutive pages that arrived to ``HiRadixCache.insert_host`` and frees (or, while the IO
 thread may still write them, parks in ``draining``) the rest.
 

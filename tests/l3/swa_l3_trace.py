@@ -95,6 +95,11 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
             drv.check_prefix(req)
             active.append([req, c, out])
         if step % 3 == 2:  # both tiers dropped: what comes back, comes from storage
+            complete_copies()  # the backups land first (agreed steps), so storage holds them
+            cache.flush()
+            complete_copies()
+            cache.flush()
+            ctl.flush()
             cache.evict(cache.evictable_tokens)
             cache.evict_host(cache.host_tokens)
         complete_copies()
