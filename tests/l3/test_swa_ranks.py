@@ -83,6 +83,15 @@ def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False):
         if r == 1 and diverge is not None:
             diverge(ctl)
         free = (cache.host_allocator.available, swa.host_allocator.available)
+        window_reads = []  # the swa pool's reads: one window read per prefetch, at the agreed end
+        batch_get = ctl.storage.batch_get
+
+        def counted_get(keys, ids, pool=None):
+            if pool == "swa":
+                window_reads.append(len(keys))
+            return batch_get(keys, ids, pool)
+
+        ctl.storage.batch_get = counted_get
         key = RadixKey(np.r_[final.token_ids, 7])
         op = ctl.prefetch(key)
         got = ctl.finish_prefetch(op)
@@ -100,46 +109,48 @@ def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False):
         digest = cache.debug_view().digest()
         cache.sanity_check(0, {"swa": 0})
         ctl.close()
-        return got, window, digest
+        return got, window, digest, window_reads
 
     return run_ranks(group, rank)
 
 
 def test_swa_windows_come_back_from_l3_on_every_rank(tmp_path):
-    (got0, win0, d0), (got1, win1, d1) = round_trip(tmp_path)
+    (got0, win0, d0, r0), (got1, win1, d1, r1) = round_trip(tmp_path)
     assert got0 == got1 == 34
     assert win0 == win1 == 3 * P  # the window came back from the host (read from L3) on both ranks
+    assert r0 == r1 == [3]
     assert d0 == d1
 
 
 def test_a_short_full_read_on_one_rank_moves_every_ranks_window(tmp_path):
     """Rank 1 reads 2 pages fewer of the target pool: the agreed end is 2 pages earlier, and
     both ranks read the window before that end (not before their own)."""
-    (got0, win0, d0), (got1, win1, d1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "target", 2))
+    (got0, win0, d0, r0), (got1, win1, d1, r1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "target", 2))
     assert got0 == got1 == 34 - 2 * P
     assert win0 == win1 == 3 * P
+    assert r0 == r1 == [3]  # each rank read one window, the one before the agreed end
     assert d0 == d1
 
 
 def test_a_short_window_read_on_one_rank_attaches_nothing_on_every_rank(tmp_path):
-    (got0, _w0, d0), (got1, _w1, d1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "swa", 1))
+    (got0, _w0, d0, _r0), (got1, _w1, d1, _r1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "swa", 1))
     assert got0 == got1 == 0
     assert d0 == d1
 
 
 def test_a_window_allocation_failing_on_one_rank_revokes_the_prefetch_on_every_rank(tmp_path):
-    (got0, _w0, d0), (got1, _w1, d1) = round_trip(tmp_path, failing_window_alloc)
+    (got0, _w0, d0, _r0), (got1, _w1, d1, _r1) = round_trip(tmp_path, failing_window_alloc)
     assert got0 == got1 == 0
     assert d0 == d1
 
 
 def test_without_the_exchange_a_short_window_read_diverges(tmp_path):
-    (got0, _w0, d0), (got1, _w1, d1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "swa", 1),
+    (got0, _w0, d0, _r0), (got1, _w1, d1, _r1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "swa", 1),
                                                   make_agreement=lambda r: NoExchangeAgreement(r, 2))
     assert (got0, got1) == (34, 0)
     assert d0 != d1
 
 
 def test_a_draft_sidecar_beside_the_swa_pool_round_trips_on_every_rank(tmp_path):
-    (got0, win0, d0), (got1, win1, d1) = round_trip(tmp_path, draft=True)
+    (got0, win0, d0, r0), (got1, win1, d1, r1) = round_trip(tmp_path, draft=True)
     assert got0 == got1 == 34 and win0 == win1 == 3 * P and d0 == d1
