@@ -6,6 +6,8 @@ byte served is checked against the oracles (``swa_harness``); the digests must b
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from cache_harness import KVOracle, numpy_backend_factory, small_geom
 from rank_threads import ThreadGroup, run_ranks
@@ -18,7 +20,7 @@ from hicache_jax.storage import StorageConfig
 P, W = 2, 6  # SWA context 5 tokens: 3 window pages
 
 
-def rank_setup(agreement, path, draft=False):
+def rank_setup(agreement, path, draft=False, replicated_swa=False):
     sidecars = draft_be = None
     if draft:
         draft_be = numpy_backend_factory(small_geom(P, layers=1), 48, 64)
@@ -26,6 +28,8 @@ def rank_setup(agreement, path, draft=False):
     cache, full, swa_be, swa = make_swa_cache(page_size=P, window=W, device_pages=48, host_pages=64,
                                               swa_device_pages=24, swa_host_pages=32, agreement=agreement,
                                               sidecars=sidecars)
+    if replicated_swa:  # as if the SWA layers had fewer KV heads than ranks: every rank holds all
+        swa_be.engine.replicated = True
     ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=4,
                                                  prefetch_policy="wait_complete", worker_nice=0), model="m")
     return cache, SWADriver(cache, full, swa_be, swa), swa, ctl, draft_be
@@ -66,13 +70,20 @@ def failing_window_alloc(ctl):
     swa.host_allocator.alloc = lambda n: None
 
 
-def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False):
+def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False, replicated_swa=False, sets=None):
+    """Serve a request, store it, drop both tiers, prefetch it back and admit it on two ranks.
+    ``sets``: a dict to fill with each rank's storage writes, rank -> [(pool, pages)]."""
     group = ThreadGroup(2, timeout=60)
     make_agreement = make_agreement or (lambda r: group.agreement(r))
 
     def rank(r):
-        cache, drv, swa, ctl, draft_be = rank_setup(make_agreement(r), tmp_path, draft)
+        cache, drv, swa, ctl, draft_be = rank_setup(make_agreement(r), tmp_path, draft, replicated_swa)
         draft_oracle = KVOracle(draft_be, salt=0xD2AF7) if draft else None
+        if sets is not None:
+            mine = sets.setdefault(r, [])
+            batch_set = ctl.storage.batch_set
+            ctl.storage.batch_set = lambda keys, ids, pool=None: mine.append((pool, len(keys))) or \
+                batch_set(keys, ids, pool)
         key = RadixKey(np.arange(1, 25))
         final = drv.serve(key, chunk=6, out=list(range(100, 110)))
         assert final is not None
@@ -154,3 +165,17 @@ def test_without_the_exchange_a_short_window_read_diverges(tmp_path):
 def test_a_draft_sidecar_beside_the_swa_pool_round_trips_on_every_rank(tmp_path):
     (got0, win0, d0, r0), (got1, win1, d1, r1) = round_trip(tmp_path, draft=True)
     assert got0 == got1 == 34 and win0 == win1 == 3 * P and d0 == d1
+
+
+def test_a_replicated_swa_pool_is_written_by_rank_0_only_and_its_window_read_by_every_rank(tmp_path):
+    sets = {}
+    (got0, win0, d0, r0), (got1, win1, d1, r1) = round_trip(tmp_path, replicated_swa=True, sets=sets)
+    assert {pool for pool, _n in sets[0]} == {"target", "swa", "commit"}
+    assert {pool for pool, _n in sets[1]} == {"target"}  # rank 1 never writes the shared window pages
+    assert got0 == got1 == 34 and win0 == win1 == 3 * P and d0 == d1  # rank 1's window bytes: rank 0's
+    assert stored(tmp_path, "swa") == 17  # one key per page, the same on both ranks
+    assert stored(tmp_path, "target") == 34  # the full pool stays sharded
+
+
+def stored(path, pool):
+    return sum(len(fs) for _, _, fs in os.walk(os.path.join(path, "pages-v1", pool)))
