@@ -11,6 +11,7 @@ import time
 import numpy as np
 from cache_harness import KVOracle, numpy_backend_factory, prefill_insert, small_geom
 from rank_threads import ThreadGroup, run_ranks
+from replicated_engine import mark_replicated
 
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement, RadixKey
 from hicache_jax.l3 import StorageController
@@ -230,7 +231,7 @@ def test_a_replicated_draft_pool_is_written_by_rank_0_only_and_read_by_every_ran
     def rank(r):
         be = numpy_backend_factory(small_geom(P), 64, 64, "page_first", False)
         side = numpy_backend_factory(small_geom(P, layers=1), 64, 64, "page_first", False)
-        side.engine.replicated = True
+        mark_replicated(side.engine)
         cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
                              {"draft": side.engine}, agreement=group.agreement(r))
         ctl = StorageController(cache, StorageConfig(backend="file", path=str(tmp_path), prefetch_threshold_tokens=P,

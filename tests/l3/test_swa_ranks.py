@@ -11,6 +11,7 @@ import os
 import numpy as np
 from cache_harness import KVOracle, numpy_backend_factory, small_geom
 from rank_threads import ThreadGroup, run_ranks
+from replicated_engine import mark_replicated
 from swa_harness import SWADriver, make_swa_cache
 
 from hicache_jax.cache import NoExchangeAgreement, RadixKey
@@ -29,7 +30,7 @@ def rank_setup(agreement, path, draft=False, replicated_swa=False):
                                               swa_device_pages=24, swa_host_pages=32, agreement=agreement,
                                               sidecars=sidecars)
     if replicated_swa:  # as if the SWA layers had fewer KV heads than ranks: every rank holds all
-        swa_be.engine.replicated = True
+        mark_replicated(swa_be.engine)
     ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=4,
                                                  prefetch_policy="wait_complete", worker_nice=0), model="m")
     return cache, SWADriver(cache, full, swa_be, swa), swa, ctl, draft_be
