@@ -193,12 +193,12 @@ class L3Backups:
             ok = np.ones(job.pages, bool)
             if job.pages:
                 for pool in self.pools.order:
+                    if pool in self.pools.replicated and self.pools.tp_rank:
+                        continue  # rank 0 writes the pages every rank shares
                     if pool in self.pools.trailing:
                         if len(job.ids[pool]) and not all(self.storage.batch_set(job.keys[pool], job.ids[pool], pool)):
                             ok[:] = False  # a window page missing: the job is retried
                         continue
-                    if pool in self.pools.replicated and self.pools.tp_rank:
-                        continue  # rank 0 writes the pages every rank shares
                     ok &= np.asarray(self.storage.batch_set(job.keys[pool], job.ids[pool], pool), bool)
             job.ok = ok
         except Exception:

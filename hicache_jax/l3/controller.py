@@ -119,10 +119,13 @@ and controller over its shard of every page; ``tp_size`` / ``tp_rank`` default t
 agreement)
     Every per-rank outcome goes through the cache's ``StepAgreement`` (the controller is a
     participant) and the controller acts only on agreed values: a query's hit count (MIN; a
-    rank that sees a page missing lowers it for all), the host reservation for the hit
-    (reserve -> agree -> commit: reserved in the step's ``prepare``, committed or rolled back on
-    every rank by its ``apply``), the pages each read has delivered (MIN: a short read on one
-    rank shortens every rank's prefetch) and whether every read finished, whether some rank's
+    rank that sees a page missing lowers it for all), the host reservation for the hit and
+    each trailing-pages pool's window (reserve -> agree -> commit: reserved in the step's
+    ``prepare``, through the cache's agreed facades; committed or rolled back on every rank by
+    its ``apply``), the pages each read has delivered (MIN: a short read on one rank shortens
+    every rank's prefetch) and whether every read finished (with trailing-pages pools a second
+    phase then reads the windows before that agreed end on every rank, and the prefetch
+    attaches its pages only if every rank read them whole), whether some rank's
     ``timeout`` deadline passed (MAX), and which L3 backup jobs every rank has finished (their
     host pins drop at the same step everywhere). ``poll`` does nothing then; ``finish_prefetch``
     takes what was agreed (``best_effort``) or runs agreement steps until the agreed state lets
@@ -139,8 +142,10 @@ agreement)
     process (orbax) needs no other process's pending pages. A replicated pool (MLA latent KV:
     the same bytes on every rank) uses rank-independent keys and is written by rank 0 only, so
     it needs no marker (upstream ``backup_skip``); with only replicated pools nothing is
-    marked. The other ranks read rank 0's replicated pages, so with a per-process buffering
-    store they hit once rank 0's writer has saved them (``flush_interval_s``).
+    marked. A pool whose engine says ``replicated`` (a draft with fewer KV heads than ranks)
+    is stored the same way. The other ranks read rank 0's replicated pages, so with a
+    per-process buffering store they hit once rank 0's writer has saved them
+    (``flush_interval_s``).
 
 Coupling: the controller uses only the cache's public L3 surface (``backed_up_prefix``,
 ``pin_host`` / ``unpin_host`` receipts, ``reserve_host_pages``, ``insert_host``, the

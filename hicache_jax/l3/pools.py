@@ -3,9 +3,10 @@
 ``L3Pools`` maps the cache's KV components to storage pools (component ``full`` is the pool
 ``target``, a sidecar keeps its own name; several ranks with a sharded pool add the one-byte
 ``commit`` marker pool), says how each pool is hit (every page, or the trailing window of a
-windowed component), which pools rank 0 alone writes (replicated MLA latents) and builds the
-per-pool ``Namespace`` of a tree namespace (model identity with the KV geometry folded in,
-weights revision, TP rank, salt and the radix key's namespace).
+windowed component), which pools rank 0 alone writes (replicated: MLA latents, or an engine
+whose ``replicated`` says every rank holds the same heads) and builds the per-pool
+``Namespace`` of a tree namespace (model identity with the KV geometry folded in, weights
+revision, TP rank, salt and the radix key's namespace).
 
 Threading: built once and read-only afterwards, except ``namespaces``' memo, which only the
 owner thread fills (the worker threads receive the namespaces an operation was started with).
@@ -60,9 +61,11 @@ class L3Pools:
                                  f"full page ids")
         # The other pools (draft, swa) first, the target last: its pages are written only after theirs.
         self.order = [n for n in self.pools if n != TARGET_POOL] + [TARGET_POOL]
-        # Several ranks: a replicated pool (MLA latent KV) is the same on every rank; rank 0
-        # alone writes it, under keys every rank shares.
-        self.replicated = {names[c] for c, e in engines.items() if tp_size > 1 and e.geom.kind == "mla"}
+        # Several ranks: a replicated pool (MLA latent KV, or an engine that says it holds the
+        # same heads on every rank, e.g. a draft with fewer KV heads than ranks) is the same on
+        # every rank; rank 0 alone writes it, under keys every rank shares.
+        self.replicated = {names[c] for c, e in engines.items()
+                           if tp_size > 1 and (e.geom.kind == "mla" or bool(getattr(e, "replicated", False)))}
         self._ns_base = {}
         for comp, eng in engines.items():
             g = eng.geom

@@ -8,7 +8,8 @@ and queues a query: hash the continuation's page keys and count consecutive stor
 hold the window before the hit's end). On the owner thread (``advance``) a hit under the
 threshold is revoked, otherwise host pages are reserved (a truncated reservation when the host
 cannot give them all) and the IO executor reads them batch by batch (all pools per batch; a
-trailing-pages pool's window is read after, all of it or nothing). ``conclude`` hands the
+trailing-pages pool's window is read after, all of it or nothing; with several ranks only
+once the ranks agree where the first read ended: ``start_window_read``). ``conclude`` hands the
 consecutive pages that arrived to ``HiRadixCache.insert_host`` and frees (or, while the IO
 thread may still write them, parks in ``draining``) the rest.
 
@@ -49,7 +50,8 @@ _EMPTY = np.zeros(0, np.int64)
 class AgreedProgress:
     """Several ranks: what every rank agreed on about one operation (owner thread)."""
 
-    __slots__ = ("hit", "done", "finished", "late", "reservation")
+    __slots__ = ("hit", "done", "finished", "late", "reservation", "side_reservation", "windows_pending",
+                 "windows_ok")
 
     def __init__(self) -> None:
         self.hit: int | None = None  # agreed storage hit in pages, once every rank answered
@@ -57,6 +59,12 @@ class AgreedProgress:
         self.finished = False  # every rank's read let go of its pages
         self.late = False  # some rank's timeout deadline passed
         self.reservation: tuple[int, np.ndarray | None] | None = None  # this step's host reservation
+        # This step's reservations of the trailing-pages pools' windows: pool -> (pages, ids or None).
+        self.side_reservation: dict[str, tuple[int, np.ndarray | None]] = {}
+        # Trailing-pages pools: the windows before the agreed ``done`` are read in a second
+        # phase, started once the first read's end is agreed; pending until its end is agreed.
+        self.windows_pending = False
+        self.windows_ok = False  # every rank read every window whole (agreed)
 
 
 class PrefetchOperation:
@@ -105,6 +113,7 @@ class PrefetchOperation:
         # IO thread (under _cond):
         self._done_pages = 0
         self._io_finished = False
+        self._win_ok = False  # several ranks: the second phase read every window whole
         self._t_done: float | None = None  # query or IO thread: when its last storage call ended
 
     @property
@@ -131,6 +140,12 @@ class PrefetchOperation:
         """(storage hit in pages or None, pages read, whether the read finished), one snapshot."""
         with self._cond:
             return self._hit_pages, self._done_pages, self._io_finished
+
+    def window_progress(self) -> tuple[bool, bool]:
+        """Several ranks, a window read (``Prefetcher.start_window_read``): (whether every
+        window arrived whole, whether the read finished), one snapshot."""
+        with self._cond:
+            return self._win_ok, self._io_finished
 
     def stop(self) -> None:
         """Tell the worker threads to stop at their next batch."""
@@ -290,11 +305,27 @@ class Prefetcher:
         op._side_reserved = {self.pools.trailing[pool][0].name: sid for pool, sid in side.items()}
         self.start_read(op, ids)
 
-    def start_read(self, op: PrefetchOperation, ids: np.ndarray) -> None:
-        """Hand ``ids`` (reserved host pages for the hit's first pages) to the IO thread."""
+    def start_read(self, op: PrefetchOperation, ids: np.ndarray,
+                   side: dict[str, np.ndarray] | None = None) -> None:
+        """Hand ``ids`` (reserved host pages for the hit's first pages) to the IO thread.
+        ``side``: several ranks, the trailing-pages pools' window pages (pool -> ids), read by
+        ``start_window_read`` once the ranks agree where the read ended."""
+        if side is not None:
+            op._side_ids = {pool: sid.astype(np.int64) for pool, sid in side.items()}
+            op._side_reserved = {self.pools.trailing[pool][0].name: sid for pool, sid in op._side_ids.items()}
         op._ids = op._reserved = ids.astype(np.int64)
         op.status = "loading"
         self.io.submit(self._run_io, op)
+
+    def start_window_read(self, op: PrefetchOperation, done: int) -> None:
+        """Several ranks, the second phase of a read with trailing-pages pools: read each
+        window before the agreed ``done`` (all or nothing, as one rank does). Reopens the read
+        (``progress`` says unfinished) until the IO thread is done with the window pages."""
+        with op._cond:
+            op._io_finished = False
+            op._win_ok = False
+        op.agreed.windows_pending = True
+        self.io.submit(self._run_windows, op, done)
 
     def deadline(self, op: PrefetchOperation) -> float:
         """When the ``timeout`` policy stops waiting for ``op``."""
@@ -418,7 +449,7 @@ class Prefetcher:
         """Drop ``op``: free its pages (or park them until its read lets go), release its anchor."""
         self._ops.pop(op, None)
         op.stop()
-        read_finished = op.agreed.finished if self.agreed else op.progress()[2]
+        read_finished = op.agreed.finished and not op.agreed.windows_pending if self.agreed else op.progress()[2]
         if op.status == "loading" and not read_finished:
             self._draining.append(op)
         else:
@@ -503,7 +534,9 @@ class Prefetcher:
             if trailing and hit and not op._cancel:
                 # The largest hit whose trailing windows are stored too (the storage's rule);
                 # from a mid-tree anchor the whole window must come from storage.
-                hit = self.storage.exists_multi([PoolTransfer(pool, ks[:hit]) for pool, ks in keys.items()]).hit_pages
+                # Several ranks: the markers only as ``asked`` (rank 0), as in the count above.
+                hit = self.storage.exists_multi([PoolTransfer(pool, ks[:hit]) for pool, ks in keys.items()
+                                                 if pool in asked or pool in trailing]).hit_pages
                 if op.start and hit < max(wp for _c, wp in trailing.values()):
                     hit = 0
         except Exception:
@@ -517,7 +550,7 @@ class Prefetcher:
     def _run_io(self, op: PrefetchOperation) -> None:  # IO thread
         try:
             ids, n = op._ids, op._ids.size
-            trailing = bool(op._side_ids)
+            trailing = bool(op._side_ids) and not self.agreed  # several ranks: a second phase
             total = 0
             read = self.pools.read_pools()
             for s in range(0, n, self.batch_pages):
@@ -542,6 +575,19 @@ class Prefetcher:
             log.exception("L3: prefetch read failed")
         finally:
             with op._cond:
+                op._io_finished = True
+                op._t_done = time.perf_counter()
+                op._cond.notify_all()
+
+    def _run_windows(self, op: PrefetchOperation, done: int) -> None:  # IO thread
+        ok = False
+        try:
+            ok = self._read_windows(op, done) == done
+        except Exception:
+            log.exception("L3: prefetch window read failed")
+        finally:
+            with op._cond:
+                op._win_ok = ok
                 op._io_finished = True
                 op._t_done = time.perf_counter()
                 op._cond.notify_all()

@@ -7,10 +7,15 @@ rank:
 
 * a query's hit count (MIN: a rank that sees a page missing lowers it for all; -1 until
   answered);
-* the host reservation for the hit (reserve -> agree -> commit: reserved in ``prepare``,
-  committed or rolled back by ``apply`` everywhere);
+* the host reservation for the hit and, per trailing-pages pool (an SWA window), for its
+  window before the reserved pages' end (reserve -> agree -> commit: reserved in ``prepare``,
+  one flag per operation: 1 only if every reservation succeeded; committed or rolled back by
+  ``apply`` everywhere);
 * per read: the pages delivered (MIN), whether it finished, whether some rank's ``timeout``
-  deadline passed (negated, so the MIN is a MAX);
+  deadline passed (negated, so the MIN is a MAX). With trailing-pages pools the read has a
+  second phase in the same three slots: once the first phase's end ``done`` is agreed, every
+  rank reads the windows before ``done`` (whether all arrived whole: MIN, whether it
+  finished, late); a read without its windows attaches nothing;
 * per L3 backup job: 0 running / 1 failed / 2 stored; a job every rank stored is settled as
   stored everywhere and rank 0 writes one commit marker per page (pool ``commit``), which
   makes a page group of a sharded pool visible to a query only once every rank's shard is
@@ -57,9 +62,9 @@ class RankSteps:
     # ------------------------------------------------------------------ what callers ask
     @staticmethod
     def complete(op: PrefetchOperation) -> bool:
-        """Nothing more will arrive, as agreed."""
+        """Nothing more will arrive, as agreed (the windows' phase included)."""
         if op.status == "loading":
-            return op.agreed.finished
+            return op.agreed.finished and not op.agreed.windows_pending
         return op.status != "querying"
 
     def ready(self, op: PrefetchOperation) -> bool:
@@ -86,7 +91,9 @@ class RankSteps:
         if timed_out:
             self.cache.metrics.prefetch_timeouts += 1
         done = op.agreed.done if op.status == "loading" else 0
-        return self.prefetcher.conclude(op, done, op.agreed.finished, None,
+        if op._side_ids and not op.agreed.windows_ok:
+            done = 0  # the windows are all or nothing: a read without them attaches nothing
+        return self.prefetcher.conclude(op, done, self.complete(op), None,
                                         "stopped before the ranks agreed on the storage hit")
 
     def flush(self) -> None:
@@ -109,13 +116,18 @@ class RankSteps:
         for op in self.prefetcher.ops():
             if len(ops) >= OP_BUDGET:
                 break
-            if op is not waiting and (op.status == "querying" or op.status == "loading" and not op.agreed.finished):
+            if op is not waiting and (op.status == "querying" or op.status == "loading" and not self.complete(op)):
                 ops.append(op)
         self._step_ops = ops
         min_pages = -(-self.threshold // self.page_size)
         for op in ops:
             if op.status == "querying" and op.agreed.hit is not None:
-                op.agreed.reservation = self.cache.reserve_host_pages_agreed(op.agreed.hit, min_pages)
+                op.agreed.reservation = n, _ids = self.cache.reserve_host_pages_agreed(op.agreed.hit, min_pages)
+                # Each trailing pool's window for the pages every rank reserves (``n`` is the
+                # same on every rank, so every rank makes the same reservations).
+                op.agreed.side_reservation = {
+                    pool: (k, self.cache.reserve_component_host_pages_agreed(comp.name, k))
+                    for pool, (comp, wp) in self.pools.trailing.items() if n for k in (min(wp, n),)}
         self._step_jobs = self.backups.jobs()[:JOB_BUDGET]
         self._step_drain = self.prefetcher.draining()[:DRAIN_BUDGET]
 
@@ -129,7 +141,12 @@ class RankSteps:
                     out.append(-1 if hit is None else hit)
                 else:
                     n, ids = op.agreed.reservation
-                    out.append(1 if n and ids is not None else 0)
+                    whole = all(sid is not None for _k, sid in op.agreed.side_reservation.values())
+                    out.append(1 if n and ids is not None and whole else 0)
+            elif op.agreed.windows_pending:
+                ok, finished = op.window_progress()
+                late = self.config.prefetch_policy == "timeout" and now >= self.prefetcher.deadline(op)
+                out.extend((1 if ok else 0, 1 if finished else 0, -1 if late else 0))
             else:
                 late = self.config.prefetch_policy == "timeout" and now >= self.prefetcher.deadline(op)
                 out.extend((done, 1 if finished else 0, -1 if late else 0))
@@ -155,20 +172,31 @@ class RankSteps:
                             pf.revoke(op, "storage hit below the threshold" if a else "no storage hit", count=a > 0)
                     continue
                 (n, ids), op.agreed.reservation = op.agreed.reservation, None
+                side, op.agreed.side_reservation = op.agreed.side_reservation, {}
+                for pool, (k, sid) in side.items():
+                    self.cache.settle_component_host_pages(self.pools.trailing[pool][0].name, k, sid, bool(a))
                 if a:
                     self.cache.settle_host_pages(n, ids, True)
                     if n < op.agreed.hit:
                         m.prefetch_truncated += 1  # the part of the prefix the host could hold
-                    pf.start_read(op, ids)
+                    pf.start_read(op, ids, {pool: sid for pool, (_k, sid) in side.items()} if side else None)
                 else:
                     if n:
                         self.cache.settle_host_pages(n, ids, False)
                     pf.revoke(op, "no host memory for the hit" if not n else "a rank could not reserve host pages")
+            elif op.agreed.windows_pending:
+                if agreed[i + 1]:  # every rank's window read ended: whole on every rank, or not
+                    op.agreed.windows_pending = False
+                    op.agreed.windows_ok = bool(agreed[i])
+                op.agreed.late = op.agreed.late or bool(agreed[i + 2])
+                i += 3
             else:
                 op.agreed.done = int(agreed[i])
                 op.agreed.finished = bool(agreed[i + 1])
                 op.agreed.late = op.agreed.late or bool(agreed[i + 2])
                 i += 3
+                if op.agreed.finished and op._side_ids and op.agreed.done * p >= self.threshold:
+                    pf.start_window_read(op, op.agreed.done)  # phase two, at the same step on every rank
         for job in self._step_jobs:
             a = int(agreed[i])
             i += 1
@@ -188,7 +216,10 @@ class RankSteps:
         stays, so the next good step reserves again; nothing else ``prepare`` picked changed."""
         for op in self._step_ops:
             reservation, op.agreed.reservation = op.agreed.reservation, None
+            side, op.agreed.side_reservation = op.agreed.side_reservation, {}
             if op.status == "querying" and reservation is not None:
+                for pool, (k, sid) in side.items():
+                    self.cache.settle_component_host_pages(self.pools.trailing[pool][0].name, k, sid, False)
                 n, ids = reservation
                 if n:
                     self.cache.settle_host_pages(n, ids, False)

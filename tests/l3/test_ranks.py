@@ -11,6 +11,7 @@ import time
 import numpy as np
 from cache_harness import KVOracle, numpy_backend_factory, prefill_insert, small_geom
 from rank_threads import ThreadGroup, run_ranks
+from replicated_engine import mark_replicated
 
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement, RadixKey
 from hicache_jax.l3 import StorageController
@@ -217,3 +218,47 @@ def test_without_the_exchange_only_the_late_rank_stops(tmp_path):
     (got0, t0, d0), (got1, t1, d1) = _deadline_on_one_rank(tmp_path, lambda g, r: NoExchangeAgreement(r, 2))
     assert (t0, t1) == (0, 1) and got0 == 8 * P > got1
     assert d0 != d1
+
+
+def test_a_replicated_draft_pool_is_written_by_rank_0_only_and_read_by_every_rank(tmp_path):
+    """A draft sidecar whose engine is ``replicated`` (fewer KV heads than ranks: every rank
+    holds all of them) is stored like an MLA pool: rank 0 alone writes it, under keys every
+    rank shares; the target stays sharded (both ranks write, rank 0 marks). Both ranks read
+    the draft pages back byte for byte."""
+    group = ThreadGroup(2, timeout=60)
+    a = seq(0, 8)
+
+    def rank(r):
+        be = numpy_backend_factory(small_geom(P), 64, 64, "page_first", False)
+        side = numpy_backend_factory(small_geom(P, layers=1), 64, 64, "page_first", False)
+        mark_replicated(side.engine)
+        cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
+                             {"draft": side.engine}, agreement=group.agreement(r))
+        ctl = StorageController(cache, StorageConfig(backend="file", path=str(tmp_path), prefetch_threshold_tokens=P,
+                                                     prefetch_policy="wait_complete"), model="ranks")
+        assert ctl.replicated == {"draft"} and ctl.markers
+        sets = []
+        real = ctl.storage.batch_set
+        ctl.storage.batch_set = lambda keys, ids, pool=None: sets.append((pool, len(keys))) or real(keys, ids, pool)
+        oracles = [KVOracle(be), KVOracle(side, salt=0x5A5A5A5A)]
+        prefill_insert(cache, oracles[0], a)
+        oracles[1].write(a, cache.match_prefix(a).device_indices)
+        cache.flush()
+        assert ctl.flush()
+        cache.evict(cache.evictable_tokens)
+        cache.evict_host(cache.host_tokens)
+        group.barrier.wait(30)
+        got = fetch(cache, ctl, a)
+        m = cache.match_prefix(a)
+        for oracle in oracles:  # rank 1's draft bytes are the ones rank 0 wrote
+            oracle.check_device(a, m.device_indices)
+        digest = cache.debug_view().digest()
+        ctl.close()
+        return got, sets, digest
+
+    (got0, sets0, d0), (got1, sets1, d1) = run_ranks(group, rank)
+    assert got0 == got1 == 8 and d0 == d1
+    assert sorted(sets0) == [("commit", 4), ("draft", 4), ("target", 4)]
+    assert sets1 == [("target", 4)]  # rank 1 writes its target shard, never the shared draft pages
+    assert len(files(tmp_path, "draft")) == 4  # one key per page: the same on both ranks
+    assert len(files(tmp_path, "target")) == 8 and len(files(tmp_path, "commit")) == 4

@@ -25,18 +25,26 @@ P = 2
 
 
 class Stress:
-    def __init__(self, backend_factory, seed, policy, backend="memory", path=None, draft=False):
+    def __init__(self, backend_factory, seed, policy, backend="memory", path=None, draft=False, agreement=None):
         self.rng = random.Random(seed)
         self.cache, self.be = make_cache(backend_factory, page_size=P, device_pages=24, host_pages=40)
         self.oracles = [KVOracle(self.be)]
-        if draft:
-            side = numpy_backend_factory(small_geom(P, "mla", layers=1), 24, 40)
+        if draft or agreement is not None:
+            sidecars = None
+            if draft:
+                side = numpy_backend_factory(small_geom(P, "mla", layers=1), 24, 40)
+                sidecars = {"draft": side.engine}
             self.cache = HiRadixCache(HiCacheConfig(page_size=P), self.be.engine, self.be.device.allocator,
-                                      {"draft": side.engine})
-            self.oracles.append(KVOracle(side, salt=0x5A5A5A5A))
+                                      sidecars, agreement=agreement)
+            if draft:
+                self.oracles.append(KVOracle(side, salt=0x5A5A5A5A))
+        # Several ranks: a capacity would let one rank's store drop pages the other wrote (and
+        # the ``reset`` operation is a single-process one): both off, every decision agreed.
+        ranks = agreement is not None
         cfg = StorageConfig(backend=backend, path=path, prefetch_policy=policy, prefetch_threshold_tokens=4,
                             prefetch_timeout_base_s=0.002, prefetch_timeout_per_ki_token_s=0.0,
-                            capacity_bytes=0 if seed % 2 else 60 * self.be.geom.bytes_per_page)
+                            capacity_bytes=0 if seed % 2 or ranks else 60 * self.be.geom.bytes_per_page)
+        self.reset_weight = 0 if ranks else 0.2
         self.ctl = StorageController(self.cache, cfg, model="stress", batch_pages=2)
         self.oracle = self.oracles[0]
         # Prefix families: requests share long prefixes and branch, as multi-turn chats do.
@@ -108,7 +116,7 @@ class Stress:
 
     def step(self):
         ops = [(self.arrive, 4), (self.admit, 4), (self.cancel, 1), (self.evict, 2), (self.evict_host, 2),
-               (self.events, 3), (self.flush, 1), (self.reset, 0.2)]
+               (self.events, 3), (self.flush, 1), (self.reset, self.reset_weight)]
         fn = self.rng.choices([f for f, _ in ops], [w for _, w in ops])[0]
         fn()
         self.cache.sanity_check(0)
@@ -193,3 +201,86 @@ def test_storage_stress_torch_backend():
 
     for seed, policy in enumerate(("best_effort", "wait_complete", "timeout")):
         run(factory, seed, policy, steps=200)
+
+
+def _short_reads_and_a_missing_page(ctl):
+    """Rank 1's storage diverges: every third read batch stops a page short, and every fifth
+    query batch finds only its first page. Returns the counts of what fired."""
+    get_multi, exists_multi = ctl.storage.get_multi, ctl.storage.exists_multi
+    calls = {"get": 0, "exists": 0}
+    fired = {"short_read": 0, "missing_page": 0}
+
+    def short(transfers):
+        res = get_multi(transfers)
+        calls["get"] += 1
+        if calls["get"] % 3 == 0 and res.hit_pages > 0:
+            fired["short_read"] += 1
+            return type(res)(res.hit_pages - 1, res.pool_hits)
+        return res
+
+    def missing(transfers):
+        res = exists_multi(transfers)
+        calls["exists"] += 1
+        if calls["exists"] % 5 == 0 and res.hit_pages > 1:
+            fired["missing_page"] += 1
+            return type(res)(1, {k: min(v, 1) for k, v in res.pool_hits.items()})
+        return res
+
+    ctl.storage.get_multi, ctl.storage.exists_multi = short, missing
+    return fired
+
+
+def _stress_on_two_ranks(tmp_path, make_agreement, steps, seed=70, policy="wait_complete"):
+    """The draft stress on two thread ranks over one file store: the same seeded operations on
+    both (every decision from the RNG or agreed state), the digest after every step. Rank 1's
+    storage reads short and misses pages (``_short_reads_and_a_missing_page``)."""
+    from rank_threads import ThreadGroup, run_ranks
+
+    group = ThreadGroup(2, timeout=60)
+
+    def rank(r):
+        s = Stress(numpy_backend_factory, seed, policy, backend="file", path=str(tmp_path), draft=True,
+                   agreement=make_agreement(group, r))
+        assert s.ctl.markers and s.ctl.replicated == {"draft"}  # target sharded, MLA draft replicated
+        fired = _short_reads_and_a_missing_page(s.ctl) if r == 1 else None
+        digests = []
+        try:
+            for _ in range(steps):
+                s.step()
+                digests.append(s.cache.debug_view().digest())
+        finally:
+            m = s.cache.metrics.as_dict()
+            s.finish()
+        return digests, m, dict(s.stats, fired=fired)
+
+    return run_ranks(group, rank, timeout=150)
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout", "best_effort"])
+def test_storage_stress_with_a_draft_sidecar_on_two_ranks(tmp_path, policy):
+    """Every step's digest is equal on both ranks, every served byte (target and draft) is
+    checked on each, and the run goes through L3 (backups, prefetched and attached pages)."""
+    (d0, m0, st0), (d1, m1, st1) = _stress_on_two_ranks(tmp_path, lambda g, r: g.agreement(r), steps=300,
+                                                        policy=policy)
+    first = next((i for i, (a, b) in enumerate(zip(d0, d1)) if a != b), None)
+    assert first is None, f"the ranks' trees differ from step {first}"
+    assert all(st1["fired"].values()), st1["fired"]  # each divergence fired on rank 1
+    assert st0["admitted"] == st1["admitted"] and st0["checked_pages"] == st1["checked_pages"]
+    assert st0["checked_pages"] > 0 and st0["admitted"] > 0, st0
+    # (the timeout policy's 2 ms deadline and best_effort rarely wait for a read: their runs
+    # attach little or nothing from storage, and must agree on that)
+    events = ["storage_backup_tokens", "prefetch_calls", "evicted_host_tokens"]
+    if policy == "wait_complete":
+        events += ["prefetch_attached_tokens", "loaded_storage_tokens"]
+    for event in events:
+        assert m0[event] > 0 and m0[event] == m1[event], (event, m0[event], m1[event])
+
+
+def test_storage_stress_on_two_ranks_without_the_exchange_diverges(tmp_path):
+    """The same run with each rank deciding alone: rank 1's short reads and missing pages make
+    its tree differ (the test above can see a divergence)."""
+    from hicache_jax.cache import NoExchangeAgreement
+
+    (d0, _m0, _s0), (d1, _m1, _s1) = _stress_on_two_ranks(tmp_path, lambda g, r: NoExchangeAgreement(r, 2),
+                                                          steps=200)
+    assert d0 != d1
