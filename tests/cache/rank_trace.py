@@ -21,9 +21,9 @@ Caches (``rank_cache(components=)``): ``full`` (one pool, optionally an L3 contr
 draft model's sidecar pool on the full page ids). The SWA caches run ``run_swa_trace``:
 requests live over several steps (admission with its load-back, prefill, then a page of
 decode per step, ``slide_window`` after each pass), served by the reference call sequence
-(``swa_harness.SWADriver``) with every byte checked against an oracle per pool; no L3 (the
-L3 side of SWA across ranks is not agreed yet), so ``short_read`` / ``missing_page`` do not
-apply there (``divergences``).
+(``swa_harness.SWADriver``) with every byte checked against an oracle per pool; no L3 here, so
+``short_read`` / ``missing_page`` do not apply there (``divergences``): the SWA trace with L3
+across ranks is ``tests/l3/swa_l3_trace.py``.
 
 A step: requests arrive (an L3 prefetch each, when a controller is attached), the oldest are
 admitted (``finish_prefetch``, ``begin_request``, the load-back waited for, the served prefix's
