@@ -93,11 +93,14 @@ def test_speculative_decoding_with_several_ranks_is_refused_at_construction():
         Engine(MODEL, EngineCacheConfig(page_size=4, device_pages=16), spec=SpecConfig(), ranks=object())
 
 
-def test_a_hybrid_model_with_several_ranks_is_refused_at_construction():
+def test_a_hybrid_model_with_several_ranks_and_storage_is_refused_at_construction():
+    """The L3's SWA window reads are not agreed across ranks yet; without storage a hybrid
+    model runs over ranks (``tests/distributed/test_engine_ranks_hybrid.py``)."""
     from hicache_jax.reference_model import HYBRID_TINY
 
-    with pytest.raises(ValueError, match="model_config: a hybrid .* runs in one process only"):
-        Engine(HYBRID_TINY, EngineCacheConfig(page_size=4, device_pages=16), ranks=object())
+    cfg = EngineCacheConfig(page_size=4, device_pages=16, storage=StorageConfig(backend="memory"))
+    with pytest.raises(ValueError, match="cache_config: storage .* hybrid .* ranks is not supported yet"):
+        Engine(HYBRID_TINY, cfg, ranks=object())
 
 
 def test_evict_host_cache_under_write_back_leaves_nothing_on_the_host(tmp_path):

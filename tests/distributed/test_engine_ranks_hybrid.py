@@ -1,0 +1,59 @@
+"""A hybrid (sliding-window) model served by the reference engine as two real processes
+(tensor-parallel ranks over ``jax.distributed`` on the CPU, each holding its KV heads of the
+full and the SWA pool), against the same workload in one process; no L3 (the L3's SWA window
+reads are not agreed across ranks yet, and the engine refuses that combination).
+
+Rank 1 alone fails every other SWA host allocation (``hybrid_engine_rank.py``). The ranks must
+produce the same tokens as the single process, their trees' digests (SWA component included)
+must be equal after every agreement step, the injection must have fired, window slides must have been agreed, and
+the rounds must be served from the device (L1) and, after a device eviction, from the host
+(L2) alike on both ranks. The launcher kills both ranks at its deadline, so a hang fails the
+test rather than CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hicache_jax.distributed import launch_local
+from hicache_jax.distributed.launch import rank_env
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CLIENTS = 3  # hybrid_engine_rank.CLIENTS: requests per round
+
+
+def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa_divergence(tmp_path):
+    script = str(HERE / "hybrid_engine_rank.py")
+    base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
+    env = rank_env(0, 1, "", base)
+    for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
+        env.pop(k)
+    single = subprocess.Popen([sys.executable, script, str(tmp_path), "single", "-"],
+                              cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        launch_local([sys.executable, script, str(tmp_path), "kv", "swa"], 2, timeout_s=300, cwd=str(ROOT),
+                     env=base)
+        out, _ = single.communicate(timeout=300)
+    finally:
+        if single.poll() is None:
+            single.kill()
+            single.wait()
+    assert single.returncode == 0, out[-3000:]
+    one = json.loads((tmp_path / "single.json").read_text())
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["tokens"] == r1["tokens"] == one["tokens"]
+    assert len(r0["digests"]) == len(r1["digests"]) > 5 and r0["digests"] == r1["digests"]
+    assert r1["fired"]["swa_host_alloc_fail"] > 0, r1["fired"]
+    assert r0["slides"] == r1["slides"] > 0  # window slides went through the agreement
+    assert r0["tiers"] == r1["tiers"]
+    second, last = r0["tiers"][CLIENTS:2 * CLIENTS], r0["tiers"][2 * CLIENTS:]
+    assert all(t["device"] > 0 for t in second), second  # L1
+    assert all(t["device"] == 0 for t in last) and any(t["host"] > 0 for t in last), last  # L2
+    # The windows whose SWA backup failed on rank 1 are host tombstones on both ranks: their
+    # prefixes are served shorter from the host than in the single process (agreed, not wrong).
+    assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS:])
