@@ -31,7 +31,10 @@ from hicache_jax.reference_model import HYBRID_TINY
 
 MODEL = HYBRID_TINY  # window 24
 PAGE = 4
-CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 3, 36, 8, 4
+# The first client's prompt is long: its prefill runs chunks back to back with no agreement
+# step between them, so its agreed slides lag more than a step and the SWA pool (sized exactly)
+# runs short; the engine must then agree (apply the slides) and retry.
+CLIENTS, ROUNDS, FIRSTS, TURN, ANSWER = 3, 3, (216, 72, 72), 8, 4
 
 
 class AfterStepRecorder(Recorder):
@@ -65,7 +68,7 @@ def diverge(engine, fired: dict) -> None:
 
 def workload(engine) -> tuple[list, list]:
     rng = np.random.default_rng(11)
-    hist = [rng.integers(0, MODEL.vocab_size, FIRST).tolist() for _ in range(CLIENTS)]
+    hist = [rng.integers(0, MODEL.vocab_size, n).tolist() for n in FIRSTS]
     tokens, tiers = [], []
     for r in range(ROUNDS):
         if r:
@@ -89,8 +92,8 @@ def main() -> None:
 
         ranks = rank_context(agreement, timeout_s=60)
         name = f"rank{ranks.rank}"
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=48, host=HostPoolConfig(ratio=2.0), max_batch=3,
-                            prefill_chunk=16, max_context=128)
+    cfg = EngineCacheConfig(page_size=PAGE, device_pages=256, host=HostPoolConfig(ratio=2.0), max_batch=3,
+                            prefill_chunk=16, max_context=256)
     # Exactly what the running requests can hold (with ranks: the slide lag included), so the
     # agreed slides must free pages in time (``_alloc_swa`` runs an agreement step when short).
     cfg = replace(cfg, swa_device_pages=Engine.swa_pages_needed(MODEL, cfg, ranks=ranks is not None))

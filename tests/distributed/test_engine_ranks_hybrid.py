@@ -3,7 +3,9 @@
 full and the SWA pool), against the same workload in one process; no L3 (the L3's SWA window
 reads are not agreed across ranks yet, and the engine refuses that combination).
 
-Rank 1 alone fails every other SWA host allocation (``hybrid_engine_rank.py``). The ranks must
+Rank 1 alone fails every other SWA host allocation (``hybrid_engine_rank.py``); the SWA pool
+is sized exactly (``Engine.swa_pages_needed`` with ranks) and one prompt is long enough that
+its prefill outruns its agreed (lagging) window slides. The ranks must
 produce the same tokens as the single process, their trees' digests (SWA component included)
 must be equal after every agreement step, the injection must have fired, window slides must have been agreed, and
 the rounds must be served from the device (L1) and, after a device eviction, from the host
@@ -50,6 +52,9 @@ def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa
     assert len(r0["digests"]) == len(r1["digests"]) > 5 and r0["digests"] == r1["digests"]
     assert r1["fired"]["swa_host_alloc_fail"] > 0, r1["fired"]
     assert r0["slides"] == r1["slides"] > 0  # window slides went through the agreement
+    # The long prefill outran its agreed slides: an SWA allocation ran short and succeeded
+    # after an agreement step, at the same point on both ranks.
+    assert r0["swa_allocs_after_agreed_slides"] == r1["swa_allocs_after_agreed_slides"] > 0
     assert r0["tiers"] == r1["tiers"]
     second, last = r0["tiers"][CLIENTS:2 * CLIENTS], r0["tiers"][2 * CLIENTS:]
     assert all(t["device"] > 0 for t in second), second  # L1
