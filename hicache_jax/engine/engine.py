@@ -230,8 +230,8 @@ class Engine:
     """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
     None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
-    run as one of N tensor-parallel ranks (None: one process; not with ``spec`` yet, nor a
-    hybrid model with L3 storage). Every device pool (full, SWA, draft) is built on the ranks'
+    run as one of N tensor-parallel ranks (None: one process; not yet with a hybrid model and
+    ``spec`` or L3 storage). Every device pool (full, SWA, draft) is built on the ranks'
     mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
@@ -248,8 +248,11 @@ class Engine:
             raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
                              f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
                              f"cache_config.max_context is {cache_config.max_context}")
-        if spec is not None and ranks is not None:  # the draft pool is not sharded over the ranks
-            raise ValueError("spec: speculative decoding runs in one process only (ranks is set)")
+        if spec is not None and model_config.is_hybrid and ranks is not None:
+            # Untested over processes: a verify step writes k + 1 positions, so its agreed slide
+            # lags more than the one page per decoding request ``swa_pages_needed`` adds.
+            raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model runs in one process "
+                             "only (ranks is set)")
         if model_config.is_hybrid and ranks is not None and cache_config.storage is not None:
             # The L3's SWA window reads and commit markers are not agreed across ranks yet:
             # two ranks could attach different windows of the same prefix.

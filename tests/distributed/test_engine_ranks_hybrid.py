@@ -29,8 +29,9 @@ ROOT = HERE.parents[1]
 CLIENTS = 3  # hybrid_engine_rank.CLIENTS: requests per round
 
 
-def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa_divergence(tmp_path):
-    script = str(HERE / "hybrid_engine_rank.py")
+def run_ranks_and_single(tmp_path, script: str, diverge: str) -> tuple[dict, dict, dict]:
+    """``script`` as two ranks (DIVERGE ``diverge``) and, alongside, as one process: the
+    single run's, rank 0's and rank 1's JSON."""
     base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
     env = rank_env(0, 1, "", base)
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
@@ -38,7 +39,7 @@ def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa
     single = subprocess.Popen([sys.executable, script, str(tmp_path), "single", "-"],
                               cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        launch_local([sys.executable, script, str(tmp_path), "kv", "swa"], 2, timeout_s=300, cwd=str(ROOT),
+        launch_local([sys.executable, script, str(tmp_path), "kv", diverge], 2, timeout_s=300, cwd=str(ROOT),
                      env=base)
         out, _ = single.communicate(timeout=300)
     finally:
@@ -46,8 +47,11 @@ def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa
             single.kill()
             single.wait()
     assert single.returncode == 0, out[-3000:]
-    one = json.loads((tmp_path / "single.json").read_text())
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    return tuple(json.loads((tmp_path / f"{n}.json").read_text()) for n in ("single", "rank0", "rank1"))
+
+
+def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa_divergence(tmp_path):
+    one, r0, r1 = run_ranks_and_single(tmp_path, str(HERE / "hybrid_engine_rank.py"), "swa")
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
     assert len(r0["digests"]) == len(r1["digests"]) > 5 and r0["digests"] == r1["digests"]
     assert r1["fired"]["swa_host_alloc_fail"] > 0, r1["fired"]
