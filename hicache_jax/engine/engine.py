@@ -161,6 +161,9 @@ class EngineMetrics:
     # cache), sampled before every model step; the SWA pool's is 0 for a non-hybrid model.
     peak_device_pages: int = 0
     peak_swa_device_pages: int = 0
+    # Several ranks: SWA allocations that found the pool short and succeeded after one
+    # agreement step applied the pending (agreed, lagging) window slides.
+    swa_allocs_after_agreed_slides: int = 0
 
 
 @dataclass(eq=False)
@@ -227,8 +230,9 @@ class Engine:
     """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
     None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
-    run as one of N tensor-parallel ranks (None: one process; not with ``spec`` nor a hybrid
-    model yet). Every device pool (full, SWA, draft) is built on the ranks' mesh."""
+    run as one of N tensor-parallel ranks (None: one process; not yet with a hybrid model and
+    ``spec`` or L3 storage). Every device pool (full, SWA, draft) is built on the ranks'
+    mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
                  spec: SpecConfig | None = None, weights: PairWeights | None = None, ranks=None) -> None:
@@ -244,10 +248,17 @@ class Engine:
             raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
                              f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
                              f"cache_config.max_context is {cache_config.max_context}")
-        if spec is not None and ranks is not None:  # the draft pool is not sharded over the ranks
-            raise ValueError("spec: speculative decoding runs in one process only (ranks is set)")
-        if model_config.is_hybrid and ranks is not None:  # the SWA pool is not sharded over the ranks
-            raise ValueError("model_config: a hybrid (sliding-window) model runs in one process only (ranks is set)")
+        if spec is not None and model_config.is_hybrid and ranks is not None:
+            # Untested over processes: a verify step writes k + 1 positions, so its agreed slide
+            # lags more than the one page per decoding request ``swa_pages_needed`` adds.
+            raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model runs in one process "
+                             "only (ranks is set)")
+        if model_config.is_hybrid and ranks is not None and cache_config.storage is not None:
+            # The L3's SWA window reads and commit markers are not agreed across ranks yet:
+            # two ranks could attach different windows of the same prefix.
+            raise ValueError("cache_config: storage (L3) with a hybrid (sliding-window) model and ranks is not "
+                             "supported yet (the L3's SWA window reads are not agreed across ranks); "
+                             "set storage=None or run in one process")
         if weights is not None:
             if not isinstance(weights, PairWeights):
                 raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")
@@ -319,7 +330,7 @@ class Engine:
 
     @staticmethod
     def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig,
-                         spec: SpecConfig | None = None) -> int:
+                         spec: SpecConfig | None = None, ranks: bool = False) -> int:
         """SWA device pages the running requests of a hybrid model can hold at once: one
         prefilling (its chunk and the window before it) and ``max_batch - 1`` decoding, each
         also holding, until its window has moved past them, the tree's window pages its lock
@@ -328,22 +339,30 @@ class Engine:
         With speculative decoding (``spec``) a decoding request's step is a verify of ``k + 1``
         positions from the end of its key: it holds the pages from its key's window (the
         slide keeps whole pages from ``floor(key / page) * page - (W - 1)``) to the page of
-        its last verify position, at most ``ceil((W - 1) / page) + 1 + ceil(k / page)``."""
+        its last verify position, at most ``ceil((W - 1) / page) + 1 + ceil(k / page)``.
+
+        With several ranks (``ranks``) a window slide is agreed at the next agreement step
+        (``slide_window(req, written=)``), so it lags up to a step: a prefilling request keeps
+        up to one chunk's pages more (``ceil(chunk / page) + 1``, the chunk need not start on
+        a page boundary) and each decoding request one page more. Where the lag is longer
+        (prefill chunks run back to back), ``_alloc_swa`` runs an agreement step and retries."""
         w, p = model_config.sliding_window, cache_config.page_size
         chunk = min(cache_config.prefill_chunk, cache_config.max_context)
         tree_window = -(-max(1, w - 1) // p)
         decode = swa_table_width(w, 1, p)
         if spec is not None:
             decode = tree_window + 1 + -(-spec.num_draft_tokens // p)
+        lag = (-(-chunk // p) + 1 + (cache_config.max_batch - 1)) if ranks else 0
         return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * decode
-                + cache_config.max_batch * tree_window)
+                + cache_config.max_batch * tree_window + lag)
 
     def _swa_component(self, host_pages: int):
         """The SWA pool, its host pool and transfer engine, and the cache component over them."""
         from pallas_kernels.page_copy import PageCopyConfig
 
         cfg, model = self.cache_config, self.model_config
-        need = self.swa_pages_needed(model, cfg, None if self.spec is None else self.spec.config)
+        need = self.swa_pages_needed(model, cfg, None if self.spec is None else self.spec.config,
+                                     ranks=self.ranks is not None)
         pages = cfg.swa_device_pages if cfg.swa_device_pages is not None else need + cfg.device_pages // 4
         if pages < need:
             raise ValueError(f"swa_device_pages: {pages} pages; {cfg.max_batch} running requests with window "
@@ -765,6 +784,13 @@ class Engine:
     def _alloc_swa(self, need: int) -> np.ndarray:
         """``need`` SWA device pages for a running request (evicting cached windows)."""
         swa = self.cache.alloc_component("swa", need)
+        if swa is None and self.ranks is not None:
+            # Several ranks: the slides noted since the last agreement step have not freed
+            # their pages yet (agreed slides lag); one step applies them. The device SWA pool's
+            # state is agreed, so every rank sees this None and runs the same step.
+            self.cache.agree_step()
+            swa = self.cache.alloc_component("swa", need)
+            self.metrics.swa_allocs_after_agreed_slides += swa is not None
         if swa is None:
             # Copies in flight hold SWA pages (a backup its source, a load-back its window):
             # wait for them; what the running requests hold fits (``swa_pages_needed``).
@@ -777,8 +803,8 @@ class Engine:
 
     def _slide(self, reqs) -> None:
         if self.hybrid:
-            for req in reqs:
-                self.cache.slide_window(req)
+            for req in reqs:  # the step just run wrote the KV of the whole key (on this rank)
+                self.cache.slide_window(req, written=len(req.key))
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
