@@ -970,13 +970,15 @@ class SWAComponent(KVComponent):
 
     def digest_state(self) -> dict:
         """The token counters, the window holds of callers' locks (held, released early) and
-        both allocators' free pages."""
+        the device allocator's free pages. Not the host allocator's: a step's reservations are
+        taken before its exchange and settled after it, so a reservation that failed on one
+        rank only leaves the free counts apart exactly while the digest is compared (the host
+        tree tokens and each node's host flag carry the agreed outcome)."""
         return {"evictable_tokens": self.evictable_tokens, "protected_tokens": self.protected_tokens,
                 "host_tokens": self.host_tokens,
                 "window_holds": sum(len(e[0]) for e in self._win.values()),
                 "windows_released_early": sum(e[1] for e in self._win.values()),
-                "device_available": self.device_allocator.available,
-                "host_available": self.host_allocator.available}
+                "device_available": self.device_allocator.available}
 
     def stats(self) -> dict:
         p = self.page_size
