@@ -62,6 +62,13 @@ rank. Its device pool is sharded over the ranks' mesh on the KV-head axis, its h
 its own heads, the model's weights are replicated, and the cache agrees with the other ranks
 once per step; arrivals are admitted by the agreed clock and a waited load-back is always
 acknowledged through the agreement (``multiprocess``). Every rank gives the same tokens.
+A hybrid (SWA) model runs over ranks too: its SWA pool is sharded like the full pool, window
+slides go to the length every rank reached (``slide_window(req, written=)``: up to a step
+late, so ``swa_pages_needed`` adds a step of slack and an SWA allocation that finds no page
+first runs ``cache.agree_step()``), and SWA backups are agreed. So does speculative decoding
+(the draft pool sharded, or replicated where it has fewer KV heads than ranks). Not yet over
+ranks: a hybrid model with L3 storage, and speculative decoding of a hybrid model (refused at
+construction, with the reason).
 
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
