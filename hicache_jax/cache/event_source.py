@@ -175,10 +175,21 @@ class KVEventSource(ResidencyWatch):
             tap.storage.remove_listener(tap.listener)
         self._taps.clear()
 
+    def probed_pages(self, storage) -> tuple:
+        """The page keys a probe of ``storage`` checks next (the last ``probe_pages`` reported
+        stored there), oldest first; () for a store observed without probes."""
+        for t in self._taps:
+            if t.storage is storage:
+                return tuple(t.believed)
+        raise ValueError("storage: not observed by this source")
+
     def stats(self) -> dict:
+        with self._storage_lock:
+            queued = len(self._storage_q)
         return {"events_emitted": self.emitted, "events_pending": len(self._pending), "resyncs": self.resyncs,
                 "keyed_nodes": len(self._keys), "storage_probes": sum(t.probes for t in self._taps),
-                "storage_probe_removed_pages": sum(t.probe_removed for t in self._taps)}
+                "storage_probe_removed_pages": sum(t.probe_removed for t in self._taps),
+                "storage_changes_queued": queued}
 
     def request_keys(self, key: object) -> list[bytes]:
         """The page keys of a request's whole pages (what a router matches against the

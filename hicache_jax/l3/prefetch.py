@@ -136,6 +136,11 @@ class PrefetchOperation:
         """Host pages reserved for this operation and not handed to the tree or freed."""
         return int(self._reserved.size)
 
+    @property
+    def reads_windows(self) -> bool:
+        """Whether this prefetch also reads trailing windows (an SWA pool's last pages)."""
+        return bool(self._side_ids)
+
     def progress(self) -> tuple[int | None, int, bool]:
         """(storage hit in pages or None, pages read, whether the read finished), one snapshot."""
         with self._cond:

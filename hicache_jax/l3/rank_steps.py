@@ -91,7 +91,7 @@ class RankSteps:
         if timed_out:
             self.cache.metrics.prefetch_timeouts += 1
         done = op.agreed.done if op.status == "loading" else 0
-        if op._side_ids and not op.agreed.windows_ok:
+        if op.reads_windows and not op.agreed.windows_ok:
             done = 0  # the windows are all or nothing: a read without them attaches nothing
         return self.prefetcher.conclude(op, done, self.complete(op), None,
                                         "stopped before the ranks agreed on the storage hit")
@@ -195,7 +195,7 @@ class RankSteps:
                 op.agreed.finished = bool(agreed[i + 1])
                 op.agreed.late = op.agreed.late or bool(agreed[i + 2])
                 i += 3
-                if op.agreed.finished and op._side_ids and op.agreed.done * p >= self.threshold:
+                if op.agreed.finished and op.reads_windows and op.agreed.done * p >= self.threshold:
                     pf.start_window_read(op, op.agreed.done)  # phase two, at the same step on every rank
         for job in self._step_jobs:
             a = int(agreed[i])

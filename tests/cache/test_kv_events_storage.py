@@ -7,10 +7,13 @@ bounded."""
 from __future__ import annotations
 
 import os
+import time
+import types
 
 import pytest
 from test_kv_events import OPS, WEIGHTS, Trace, stored_keys
 
+from hicache_jax.cache import event_source
 from hicache_jax.cache.event_source import KVEventSource
 from hicache_jax.cache.events import TierContents
 
@@ -79,7 +82,7 @@ def test_a_page_deleted_behind_the_stores_back_is_found_by_the_probe(tmp_path):
         t.close()
 
 
-def test_the_probe_waits_its_interval_and_checks_only_its_last_pages(tmp_path):
+def test_the_probe_waits_its_interval_and_checks_only_its_last_pages(tmp_path, monkeypatch):
     t = Trace(9, storage={"backend": "memory"})
     try:
         t.src.close()
@@ -91,13 +94,13 @@ def test_the_probe_waits_its_interval_and_checks_only_its_last_pages(tmp_path):
             t.do("insert")
         t.do("flush")
         t.check()
-        tap = t.src._taps[0]
-        assert len(tap.believed) == 2  # bounded: the two pages reported last
-        last = tuple(tap.believed)
+        last = t.src.probed_pages(t.ctl.storage)
+        assert len(last) == 2  # bounded: the two pages reported last
         for k in last:
             del t.ctl.storage._pages[("target", k)]  # behind the store's back: nothing reported
         assert t.src.drain().events == ()  # not due yet
-        tap.interval = 0
+        real = time.monotonic
+        monkeypatch.setattr(event_source, "time", types.SimpleNamespace(monotonic=lambda: real() + 7200))
         b = t.src.drain()
         assert [(e.kind, e.tier, e.keys) for e in b.events] == [("removed", "storage", last)]
     finally:
@@ -110,7 +113,7 @@ def test_a_storage_queue_nobody_drains_is_bounded_and_the_receiver_forgets(tmp_p
         for _ in range(8):
             t.do("insert")
         t.do("flush")  # many storage changes queued, nobody drained
-        assert len(t.src._storage_q) <= 4 + 1
+        assert t.src.stats()["storage_changes_queued"] <= 4 + 1
         b = t.src.drain()
         kinds = [(e.kind, e.tier) for e in b.events]
         assert ("cleared", "storage") in kinds

@@ -104,8 +104,7 @@ def main() -> None:
         if div == "swa" and ranks.rank == 1:
             diverge(engine, fired)
     tokens, tiers = workload(engine)
-    steps = engine.cache._component_steps  # noqa: SLF001 - the agreed slides, counted
-    slides = 0 if steps is None else steps.slides
+    slides = engine.cache.stats().get("agreement", {}).get("agreed_slides", 0)  # the agreed slides, counted
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
