@@ -72,18 +72,46 @@ class LateHandle:
         return getattr(self.inner, name)
 
 
-def diverge(engine, rec: Recorder, fired: dict) -> None:
-    alloc = engine.cache.host_allocator.alloc
+def fail_every(allocator, every: int, fired: dict, key: str) -> None:
+    """Make every ``every``-th non-empty ``allocator.alloc`` fail (None), counted in ``fired[key]``
+    (this rank only: the divergence the agreement must absorb)."""
+    alloc = allocator.alloc
     calls = [0]
 
     def failing(n):
         calls[0] += 1
-        if n and calls[0] % 3 == 0:
-            fired["alloc_fail"] += 1
+        if n and calls[0] % every == 0:
+            fired[key] += 1
             return None
         return alloc(n)
 
-    engine.cache.host_allocator.alloc = failing
+    allocator.alloc = failing
+
+
+def multiturn(engine, firsts, rounds: int, turn: int, answer: int, seed: int) -> tuple[list, list]:
+    """Conversations whose first prompts have lengths ``firsts``, ``turn`` new tokens per round
+    after the answers; the device tier is dropped before the last round, so its prefixes come
+    back from the host. Returns (tokens, cached tokens by tier) per request."""
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(seed)
+    hist = [rng.integers(0, vocab, n).tolist() for n in firsts]
+    tokens, tiers = [], []
+    for r in range(rounds):
+        if r:
+            for h in hist:
+                h.extend(rng.integers(0, vocab, turn).tolist())
+        if r == rounds - 1:
+            engine.evict_device_cache()
+        res = engine.generate([list(h) for h in hist], answer)
+        for h, x in zip(hist, res):
+            h.extend(x.tokens)
+            tokens.append(x.tokens)
+            tiers.append(x.cached_tokens)
+    return tokens, tiers
+
+
+def diverge(engine, rec: Recorder, fired: dict) -> None:
+    fail_every(engine.cache.host_allocator, 3, fired, "alloc_fail")
     backup = engine.transfer.backup
 
     def late(d, h):

@@ -22,9 +22,7 @@ import os
 import sys
 from dataclasses import replace
 
-import numpy as np
-
-from engine_rank import Recorder  # noqa: E402 - this script's directory is on sys.path
+from engine_rank import Recorder, fail_every, multiturn  # noqa: E402 - this script's directory is on sys.path
 from hicache_jax.engine import Engine, EngineCacheConfig
 from hicache_jax.host_pool import HostPoolConfig
 from hicache_jax.reference_model import HYBRID_TINY
@@ -50,36 +48,11 @@ class AfterStepRecorder(Recorder):
 
 
 def diverge(engine, fired: dict) -> None:
-    swa_host = engine.swa.host_allocator  # the SWA component's host pool allocator
-    alloc = swa_host.alloc
-    calls = [0]
-
-    def failing(n):
-        calls[0] += 1
-        if n and calls[0] % 2 == 0:
-            fired["swa_host_alloc_fail"] += 1
-            return None
-        return alloc(n)
-
-    swa_host.alloc = failing
+    fail_every(engine.swa.host_allocator, 2, fired, "swa_host_alloc_fail")  # the SWA pool's host allocator
 
 
 def workload(engine) -> tuple[list, list]:
-    rng = np.random.default_rng(11)
-    hist = [rng.integers(0, MODEL.vocab_size, n).tolist() for n in FIRSTS]
-    tokens, tiers = [], []
-    for r in range(ROUNDS):
-        if r:
-            for h in hist:
-                h.extend(rng.integers(0, MODEL.vocab_size, TURN).tolist())
-        if r == ROUNDS - 1:
-            engine.evict_device_cache()  # the last round's prefixes come back from the host
-        res = engine.generate([list(h) for h in hist], ANSWER)
-        for h, x in zip(hist, res):
-            h.extend(x.tokens)
-            tokens.append(x.tokens)
-            tiers.append(x.cached_tokens)
-    return tokens, tiers
+    return multiturn(engine, FIRSTS, ROUNDS, TURN, ANSWER, seed=11)
 
 
 def main() -> None:

@@ -18,9 +18,7 @@ import json
 import os
 import sys
 
-import numpy as np
-
-from engine_rank import MODEL  # noqa: E402 - this script's directory is on sys.path
+from engine_rank import MODEL, fail_every, multiturn  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
 from hicache_jax.host_pool import HostPoolConfig
@@ -30,35 +28,11 @@ CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 3, 24, 8, 6
 
 
 def diverge(engine, fired: dict) -> None:
-    alloc = engine.cache.host_allocator.alloc
-    calls = [0]
-
-    def failing(n):
-        calls[0] += 1
-        if n and calls[0] % 3 == 0:
-            fired["alloc_fail"] += 1
-            return None
-        return alloc(n)
-
-    engine.cache.host_allocator.alloc = failing
+    fail_every(engine.cache.host_allocator, 3, fired, "alloc_fail")
 
 
 def workload(engine) -> tuple[list, list]:
-    rng = np.random.default_rng(5)
-    hist = [rng.integers(0, MODEL.vocab_size, FIRST).tolist() for _ in range(CLIENTS)]
-    tokens, tiers = [], []
-    for r in range(ROUNDS):
-        if r:
-            for h in hist:
-                h.extend(rng.integers(0, MODEL.vocab_size, TURN).tolist())
-        if r == ROUNDS - 1:
-            engine.evict_device_cache()  # the last round's prefixes come back from the host
-        res = engine.generate([list(h) for h in hist], ANSWER)
-        for h, x in zip(hist, res):
-            h.extend(x.tokens)
-            tokens.append(x.tokens)
-            tiers.append(x.cached_tokens)
-    return tokens, tiers
+    return multiturn(engine, [FIRST] * CLIENTS, ROUNDS, TURN, ANSWER, seed=5)
 
 
 def main() -> None:
