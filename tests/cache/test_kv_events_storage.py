@@ -52,20 +52,26 @@ def test_a_bounded_store_evicts_and_the_events_alone_rebuild_it_after_every_step
     assert m["pages_evicted"] > 10 and removed >= m["pages_evicted"] and stored > CAPACITY_PAGES
 
 
+def _probed_source_after_four_inserts(t: Trace, **probe) -> None:
+    """Replace the trace's event source by one whose storage observation probes (``probe``),
+    then insert four conversations and flush them to storage; the view matches the cache."""
+    t.src.close()
+    t.src = KVEventSource(t.cache, model="tiny", engine="e0")
+    t.src.observe_storage(t.ctl.storage, **probe)
+    t.view = TierContents()
+    t.view.apply(t.src.drain())
+    for _ in range(4):
+        t.do("insert")
+    t.do("flush")
+    t.check()
+
+
 def test_a_page_deleted_behind_the_stores_back_is_found_by_the_probe(tmp_path):
     """Another process (or Mooncake's own eviction) removes a page this store cannot report:
     ``probe_pages`` asks the store at a drain and reports it removed."""
     t = Trace(8, storage={"backend": "file", "path": str(tmp_path)})
     try:
-        t.src.close()
-        t.src = KVEventSource(t.cache, model="tiny", engine="e0")
-        t.src.observe_storage(t.ctl.storage, probe_pages=64, probe_interval_s=0)
-        t.view = TierContents()
-        t.view.apply(t.src.drain())
-        for _ in range(4):
-            t.do("insert")
-        t.do("flush")
-        t.check()
+        _probed_source_after_four_inserts(t, probe_pages=64, probe_interval_s=0)
         held = stored_keys(t.ctl.storage)
         assert held and t.view.keys("storage") == held
         victim = sorted(held)[0]
@@ -85,15 +91,7 @@ def test_a_page_deleted_behind_the_stores_back_is_found_by_the_probe(tmp_path):
 def test_the_probe_waits_its_interval_and_checks_only_its_last_pages(tmp_path, monkeypatch):
     t = Trace(9, storage={"backend": "memory"})
     try:
-        t.src.close()
-        t.src = KVEventSource(t.cache, model="tiny", engine="e0")
-        t.src.observe_storage(t.ctl.storage, probe_pages=2, probe_interval_s=3600)
-        t.view = TierContents()
-        t.view.apply(t.src.drain())
-        for _ in range(4):
-            t.do("insert")
-        t.do("flush")
-        t.check()
+        _probed_source_after_four_inserts(t, probe_pages=2, probe_interval_s=3600)
         last = t.src.probed_pages(t.ctl.storage)
         assert len(last) == 2  # bounded: the two pages reported last
         for k in last:
