@@ -155,14 +155,20 @@ class PageAudit:
         """Submitted records and checks not compared yet."""
         return len(self._pending)
 
-    def _submit(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, first: int, end: int,
-                tiers: list[str] | None, request: int) -> None:
+    def _read(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, first: int, end: int,
+              tiers: list[str] | None, request: int) -> _Pending:
+        """Dispatch the reads of pages ``[first, end)`` of every pool and component."""
         ids = np.asarray(page_ids[first:end], np.int32)
         reads = [(_dispatch_read(pool, c, ids), pool.geom.container_dtype) for pool in pools for c in pool.geom.components]
         nbytes = sum(a.nbytes for arrays, _dtype in reads for a in arrays)
-        self._pending.append(_Pending(_prefix_digests(key_tokens, self.page_size, range(first, end)), reads,
-                                      end - first, nbytes, tiers, request))
-        self._pending_bytes += nbytes
+        return _Pending(_prefix_digests(key_tokens, self.page_size, range(first, end)), reads, end - first, nbytes,
+                        tiers, request)
+
+    def _submit(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, first: int, end: int,
+                tiers: list[str] | None, request: int) -> None:
+        op = self._read(pools, key_tokens, page_ids, first, end, tiers, request)
+        self._pending.append(op)
+        self._pending_bytes += op.nbytes
         if self._pending_bytes > self.max_pending_bytes:
             self.settle()
 
@@ -229,11 +235,9 @@ class PageAudit:
         if not tiers:
             return []
         self.settle()
-        ids = np.asarray(page_ids[:len(tiers)], np.int32)
-        reads = [(_dispatch_read(pool, c, ids), pool.geom.container_dtype) for pool in pools for c in pool.geom.components]
+        op = self._read(pools, key_tokens, page_ids, 0, len(tiers), list(tiers), request)
         t0 = time.perf_counter()
-        bad = self._apply(_Pending(_prefix_digests(key_tokens, self.page_size, range(len(tiers))), reads,
-                                   len(tiers), 0, list(tiers), request))
+        bad = self._apply(op)
         self._counts.seconds += time.perf_counter() - t0
         return bad
 
