@@ -36,6 +36,7 @@ from flax import nnx
 from ..kv_geometry import KVGeometry
 from .config import ModelConfig
 from .model import Block, RMSNorm, Transformer
+from .static_graph import StaticGraph, static_graph
 
 Pools = dict[str, list[jax.Array]]
 
@@ -92,10 +93,10 @@ def _paged_block(block: Block, x, positions, valid, page_tables, kv_lens, pools:
     return x + block.mlp(block.norm2(x)), new_pools
 
 
-def _draft_round(target_def, target_state, draft_def, draft_state, pools: Pools, tokens, features, positions,
+def _draft_round(target_graph: StaticGraph, target_state, draft_graph: StaticGraph, draft_state, pools: Pools, tokens, features, positions,
                  valid, page_tables, kv_lens, num_proposals: int):
-    target = nnx.merge(target_def, target_state)
-    draft = nnx.merge(draft_def, draft_state)
+    target = nnx.merge(target_graph.graphdef, target_state)
+    draft = nnx.merge(draft_graph.graphdef, draft_state)
     layer = {c: arrs[0] for c, arrs in pools.items()}
     x, layer = _paged_block(draft.block, draft.inputs(target, tokens, features), positions, valid, page_tables,
                             kv_lens, layer)
@@ -134,6 +135,7 @@ class DraftRunner:
         self.page_size = target.page_size
         self.head = head if head is not None else DraftHead(target.config)
         self.graphdef, self.state = nnx.split(self.head)
+        self.static_graph = static_graph(self.graphdef)  # what the jitted round takes (hashed once)
 
     def step(self, pools: Pools, next_tokens: list[list[int]], features: list[np.ndarray], starts: list[int],
              page_tables: list[np.ndarray], num_proposals: int) -> tuple[np.ndarray, Pools]:
@@ -170,8 +172,8 @@ class DraftRunner:
             pos[i, n:] = st + n - 1
             pt[i, :len(table)] = table
             kv_lens[i] = st + n
-        out, new = _ROUND(t.graphdef, t.state, self.graphdef, self.state, pools, tok, feat, pos, val, pt, kv_lens,
-                          num_proposals)
+        out, new = _ROUND(t.static_graph, t.state, self.static_graph, self.state, pools, tok, feat, pos, val, pt,
+                          kv_lens, num_proposals)
         return np.asarray(out[:b]), new
 
     def warmup(self, pools: Pools, shapes: list[tuple[int, int, int]]) -> Pools:
@@ -183,7 +185,7 @@ class DraftRunner:
             raise ValueError("warmup: needs the target runner's fixed max_pages_per_seq")
         for bb, tb, num_proposals in shapes:
             zeros = np.zeros((bb, tb), np.int32)
-            _, pools = _ROUND(t.graphdef, t.state, self.graphdef, self.state, pools, zeros,
+            _, pools = _ROUND(t.static_graph, t.state, self.static_graph, self.state, pools, zeros,
                               np.zeros((bb, tb, self.config.hidden), np.float32), zeros, np.zeros((bb, tb), bool),
                               np.zeros((bb, t.max_pages_per_seq), np.int32), np.ones(bb, np.int32), num_proposals)
         return pools

@@ -65,6 +65,7 @@ from flax import nnx
 from .config import ModelConfig
 from .model import Transformer
 from .window import swa_pages_needed, swa_table_width
+from .static_graph import StaticGraph, static_graph
 
 Pools = dict[str, list[jax.Array]]
 
@@ -133,9 +134,9 @@ def _attention(block, h, positions, pools: Pools, layer: int, view: _PoolView) -
     return block.attn.attend(h, positions, kv_all, view.kv_valid, view.mask)
 
 
-def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens,
+def _forward(graph: StaticGraph, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens,
              swa_pools: Pools | None = None, swa_tables=None, swa_first=None, all_positions: bool = False):
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graph.graphdef, state)
     cfg = model.cfg
     any_pool = next(iter(pools.values()))[0]
     num_pages, page = any_pool.shape[:2]
@@ -164,8 +165,9 @@ def _forward(graphdef, state, pools: Pools, tokens, positions, valid, page_table
     return out, new["full"], new["swa"]
 
 
-# One jitted step for every runner: equal configs give equal graphdefs (a static argument),
-# so engines built for the same model reuse each other's compiled steps. Both pools are donated.
+# One jitted step for every runner: equal configs give equal graphdefs (a static argument,
+# interned and hashed once: ``static_graph``), so engines built for the same model reuse each
+# other's compiled steps. Both pools are donated.
 _STEP = jax.jit(_forward, static_argnums=(0,), static_argnames=("all_positions",), donate_argnums=(2, 8))
 
 
@@ -205,6 +207,7 @@ class PagedRunner:
             raise ValueError(f"model: built for {model.cfg}, not for config {config}")
         self.model = model if model is not None else Transformer(config)
         self.graphdef, self.state = nnx.split(self.model)
+        self.static_graph = static_graph(self.graphdef)  # what the jitted step takes (hashed once)
         self._step = _STEP
 
     def swa_table_width(self, t_bucket: int) -> int:
@@ -334,11 +337,11 @@ class PagedRunner:
             pt[i, :len(table)] = table
             kv_lens[i] = st + n
         if not hybrid:
-            return self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens,
+            return self._step(self.static_graph, self.state, pools, tok, pos, val, pt, kv_lens,
                               all_positions=all_positions)
         swa_tables, swa_first = self._swa_tables(swa_pools, swa_page_tables, tokens, starts, bb, tb)
         self._check_full_pools(pools)
-        return self._step(self.graphdef, self.state, pools, tok, pos, val, pt, kv_lens, swa_pools, swa_tables,
+        return self._step(self.static_graph, self.state, pools, tok, pos, val, pt, kv_lens, swa_pools, swa_tables,
                           swa_first, all_positions=all_positions)
 
     def _check_full_pools(self, pools: Pools) -> None:
@@ -404,7 +407,7 @@ class PagedRunner:
             shapes |= {(_bucket(b), self._token_bucket(decode_tokens)) for b in range(1, max_batch + 1)}
         for bb, tb in sorted(shapes):
             zeros = np.zeros((bb, tb), np.int32)
-            args = (self.graphdef, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
+            args = (self.static_graph, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
                     np.zeros((bb, self.max_pages_per_seq), np.int32), np.ones(bb, np.int32))
             if not hybrid:
                 _, pools = self._step(*args, all_positions=all_positions)

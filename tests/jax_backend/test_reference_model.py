@@ -100,3 +100,22 @@ def test_step_rejects_short_page_table():
     runner = PagedRunner(ModelConfig(), 4)
     with pytest.raises(ValueError, match="page_tables"):
         runner.step(_pools(runner.config, 4), [[1] * 9], [0], [np.array([0, 1])])
+
+
+def test_steps_never_hash_the_model_graph_and_equal_models_share_one_static_graph(monkeypatch):
+    """jit hashes its static arguments on every call; an nnx GraphDef's hash walks the whole
+    module tree (milliseconds per step). The runner passes a ``StaticGraph`` hashed once, and
+    equal models intern to the same object (jit's cache lookup compares by identity)."""
+    cfg = ModelConfig(num_layers=2)
+    runner = PagedRunner(cfg, 4)
+    assert PagedRunner(cfg, 4).static_graph is runner.static_graph
+    assert PagedRunner(ModelConfig(num_layers=3), 4).static_graph != runner.static_graph
+    pools = _pools(cfg, 4)
+    _, pools = runner.step(pools, [[1, 2, 3]], [0], [np.arange(4)])  # compiled (hashes while tracing)
+    calls = []
+    graph_type = type(runner.graphdef)
+    real_hash = graph_type.__hash__
+    monkeypatch.setattr(graph_type, "__hash__", lambda self: calls.append(1) or real_hash(self))
+    for start in (3, 4, 5):
+        _, pools = runner.step(pools, [[7]], [start], [np.arange(4)])
+    assert calls == []
