@@ -152,8 +152,11 @@ class PageCopier:
     """Bucketed, precompiled page gather/scatter for pools of shape ``(P, page, H, D)``."""
 
     def __init__(self, config: PageCopyConfig | None = None, mesh: jax.sharding.Mesh | None = None,
-                 kv_axis: str | None = None) -> None:
-        """``mesh`` + ``kv_axis``: pools sharded on the head axis; ``mesh`` alone: replicated pools."""
+                 kv_axis: str | None = None, device: jax.Device | None = None) -> None:
+        """``mesh`` + ``kv_axis``: pools sharded on the head axis; ``mesh`` alone: replicated pools.
+        ``device`` (no mesh): the one device the pools live on; executables are then built for it,
+        so their outputs come back committed to it (an uncommitted output costs its owner a
+        ``device_put`` per array to commit it before the next jitted step)."""
         self.config = config or PageCopyConfig()
         platform = self.config.platform or jax.default_backend()
         impl = self.config.impl
@@ -171,6 +174,11 @@ class PageCopier:
         if mesh is not None and kv_axis is not None and kv_axis not in mesh.axis_names:
             raise ValueError(f"kv_axis: {kv_axis!r} is not an axis of the mesh {mesh.axis_names}")
         self.mesh, self.kv_axis = mesh, kv_axis
+        if device is not None and mesh is not None:
+            raise ValueError("device: only without a mesh (a mesh names its devices)")
+        if device is not None and not isinstance(device, jax.Device):
+            raise TypeError(f"device: expected a jax.Device or None, got {type(device).__name__}")
+        self.device = device
         if impl != "xla":
             kernel_module(impl)  # fail here, naming the fix, not at the first copy
         self._plan = _Plan(impl, interpret, self.config.buckets or default_buckets(self.config.max_pages))
@@ -271,7 +279,9 @@ class PageCopier:
 
     def _aval(self, shape, dtype, spec):
         if self.mesh is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
+            if self.device is None:
+                return jax.ShapeDtypeStruct(shape, dtype)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(self.device))
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
 
     def _get(self, key, build):
@@ -279,7 +289,7 @@ class PageCopier:
         if exe is None:
             # Executables are shared process-wide between copiers of the same plan, platform
             # (it picks the scatter's form) and mesh, so a second engine compiles nothing.
-            gkey = (self._plan.impl, self._plan.interpret, self.platform, self.mesh, self.kv_axis) + key
+            gkey = (self._plan.impl, self._plan.interpret, self.platform, self.mesh, self.kv_axis, self.device) + key
             with _GLOBAL_LOCK:
                 exe = _GLOBAL_EXES.get(gkey)
                 if exe is None:
@@ -363,7 +373,7 @@ class PageCopier:
         exe = self._scatter_exe(p0.shape, p0.dtype, buf.shape, nb, order)
         if self.mesh is None:  # upload once; per-layer numpy ids would be uploaded per call
             dev = next(iter(p0.sharding.device_set))
-            padded, n = jax.device_put(padded, dev), jax.device_put(n, dev)
+            padded, n = jax.device_put((padded, n), dev)  # one batched transfer
             layer_ids = self._layer_ids(len(pools), dev)
         else:
             layer_ids = [np.array([l], np.int32) for l in range(len(pools))]

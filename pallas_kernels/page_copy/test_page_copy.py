@@ -354,3 +354,28 @@ def test_xla_scatter_form_by_platform(platform, per_page):
     exe = copier.precompile_scatter(shape, jnp.bfloat16, buffer_shape("nlp", 8, L, shape[1:]), 8, "nlp")
     hlo = exe.as_text()
     assert ("dynamic-update-slice" in hlo and " scatter(" not in hlo) == per_page, hlo[:2000]
+
+
+def test_a_copier_built_for_a_device_returns_committed_arrays():
+    """With ``device`` the executables are built for it, so their outputs come back committed:
+    the device pool then installs them as they are (an uncommitted layer would need a
+    ``device_put`` each to keep the model step's compiled signature). Without it, they do not."""
+    rng = np.random.default_rng(3)
+    dev = jax.devices()[0]
+    pools = [jax.device_put(p, dev) for p in _random_layers(rng, "bfloat16", 4)]
+    ids = _ids(rng, 5)
+    expected = _numpy_gather(pools, ids, "npl")
+    for device, committed in ((dev, True), (None, False)):
+        copier = PageCopier(PageCopyConfig(max_pages=NUM_PAGES), device=device)
+        buf, n = copier.gather(pools, ids, "npl")
+        assert buf.committed is committed
+        np.testing.assert_array_equal(_bits(buf)[:n], expected)
+        fresh = [jax.device_put(_poison(p.shape, p.dtype), dev) for p in pools]
+        new = copier.scatter_layers(fresh, ids, buf, "npl")
+        assert all(a.committed is committed for a in new)
+        for a, p in zip(new, pools):
+            np.testing.assert_array_equal(_bits(a)[ids], _bits(p)[ids])
+    with pytest.raises(ValueError, match="device: only without a mesh"):
+        PageCopier(mesh=Mesh(np.array(jax.devices()[:1]), ("kv",)), device=dev)
+    with pytest.raises(TypeError, match="device: expected a jax.Device"):
+        PageCopier(device="cpu:0")

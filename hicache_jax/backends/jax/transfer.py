@@ -204,7 +204,7 @@ class JaxTransferEngine(KVTransferEngine):
         if copier is None:
             mesh, axis = device_pool.copier_sharding
             copier = PageCopier(copy_config or PageCopyConfig(max_pages=device_pool.num_pages), mesh=mesh,
-                                kv_axis=axis)
+                                kv_axis=axis, device=device_pool.local_device if mesh is None else None)
         self.copier = copier
         self.order = host_pool.layout.transfer_order
         # Memory kind D2H buffers land in (pinned where the platform has it); None: plain copies.
@@ -326,9 +326,12 @@ class JaxTransferEngine(KVTransferEngine):
                        in_shardings=(arena.sharding, (dev,) * len(self.geom.components), dev, dev),
                        out_shardings=(arena.sharding, dev))
 
-    def _compiled(self, key, jitted, *args):
+    def _compiled(self, key, build):
+        # ``build() -> (jitted, example args)`` only on a miss: building a ``jax.jit`` and its
+        # avals costs ~1 ms of Python, and this runs on every load and backup.
         exe = self._stream_exes.get(key)
         if exe is None:
+            jitted, args = build()
             exe = self._stream_exes[key] = jitted.trace(*args).lower().compile()
         return exe
 
@@ -340,20 +343,24 @@ class JaxTransferEngine(KVTransferEngine):
         return jax.ShapeDtypeStruct((n,), np.int32, sharding=jax.sharding.SingleDeviceSharding(self._device))
 
     def _h2d_exe(self, nb: int, l0: int, g: int):
-        staging = tuple(self._aval(self._plan.staging_shape(nb, g)) for _ in self.geom.components)
-        # the arena itself, not an aval: a ShapeDtypeStruct does not carry the host memory space
-        return self._compiled(("h2d", nb, l0, g), self._jit_h2d(self._arena, nb, l0, g),
-                              self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging)
+        def build():
+            staging = tuple(self._aval(self._plan.staging_shape(nb, g)) for _ in self.geom.components)
+            # the arena itself, not an aval: a ShapeDtypeStruct does not carry the host memory space
+            return (self._jit_h2d(self._arena, nb, l0, g),
+                    (self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging))
+        return self._compiled(("h2d", nb, l0, g), build)
 
     def _d2h_exe(self, nb: int):
-        bufs = tuple(self._aval(self._plan.staging_shape(nb, self.geom.num_layers)) for _ in self.geom.components)
-        return self._compiled(("d2h", nb), self._jit_d2h(self._arena),
-                              self._arena.array, bufs, self._ids_aval(nb), self._ids_aval(1))  # see _h2d_exe
+        def build():
+            bufs = tuple(self._aval(self._plan.staging_shape(nb, self.geom.num_layers)) for _ in self.geom.components)
+            return self._jit_d2h(self._arena), (self._arena.array, bufs, self._ids_aval(nb), self._ids_aval(1))
+        return self._compiled(("d2h", nb), build)  # see _h2d_exe
 
     def _pad_ids(self, ids: np.ndarray, nb: int) -> tuple[jax.Array, jax.Array]:
         padded = np.zeros(nb, np.int32)
         padded[:ids.size] = ids
-        return jax.device_put(padded, self._device), jax.device_put(np.array([ids.size], np.int32), self._device)
+        ids_dev, n_dev = jax.device_put((padded, np.array([ids.size], np.int32)), self._device)  # one batched call
+        return ids_dev, n_dev
 
     # ---- D2H ---------------------------------------------------------------------------
     def backup(self, device_ids, host_ids) -> FutureHandle | CompletedHandle:
