@@ -6,8 +6,8 @@ forget segments that vanished. Pages are content-addressed, so the same key in t
 harmless: either copy is right. Such a key (two writers that each stored it before seeing the
 other's segment) is mapped to the segment indexed last, and the other copies are remembered
 (``_more``): forgetting the segment the map names moves the key to a copy that is left, and the
-key leaves the index (a ``removed`` event) only with its last copy. A segment whose metadata cannot be read, or that fails a
-check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
+key leaves the index (a ``removed`` event) only with its last copy. A segment whose metadata
+cannot be read, or that fails a check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
 only on a read-only store) and never indexed again by this process, so all its pages are
 misses from then on. A segment that vanished (evicted by any process) is simply forgotten.
 Quarantine is only for data proven corrupt (inconsistent with itself); a pool whose pages have
