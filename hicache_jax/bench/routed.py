@@ -86,8 +86,10 @@ class _PolicyRun:
             raise
 
     def warm_and_attach(self, vocab: int) -> None:
-        """Throwaway conversations (other tokens) on every engine, a reset of L1 and L2, then
-        the event sources (their first batch: the empty tiers)."""
+        """Throwaway conversations (other tokens) on every engine, a reset of L1 and L2 and of
+        the cache's and the store's counters (what ``stats()`` reports, and the router's
+        measured weights read, is the timed rounds' alone), then the event sources (their
+        first batch: the empty tiers)."""
         warm = argparse.Namespace(**{**vars(self.args), "clients": min(2, self.args.clients),
                                      "rounds": min(2, self.args.rounds), "request_rate": 0})
         for i, (n, engine) in enumerate(self.engines.items()):
@@ -98,6 +100,8 @@ class _PolicyRun:
             engine.flush()
             engine.cache.reset()  # the warm-up's L3 pages use other tokens and never hit
             engine.cache.metrics.reset()
+            if engine.storage is not None:  # the store's counters too: the rounds' reads and writes only
+                engine.storage.storage.metrics.reset()
             engine.metrics.peak_device_pages = engine.metrics.peak_swa_device_pages = 0
             src = KVEventSource(engine.cache, model=engine.storage_model_id, engine=n,
                                 weights_revision=engine.storage_weights_revision)
@@ -146,9 +150,8 @@ class _PolicyRun:
 
     def _measure_weights(self, results: list) -> None:
         """The router's tier weights from this run's measured costs: the engines' load-back
-        durations and their stores' read time per prefetched token (their ``stats()``; the
-        stores' counters include the warm-up's reads, which slightly overstates the storage
-        cost) against the prefill cost per token of
+        durations and their stores' read time per prefetched token (their ``stats()``, counted
+        from the end of the warm-up) against the prefill cost per token of
         the requests no tier served (their service time per prompt token, summed over every
         round so far); the defaults until a cold request and a load were measured."""
         for x in results:

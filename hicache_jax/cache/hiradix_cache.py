@@ -639,8 +639,13 @@ class HiRadixCache:
         ``start // page_size + i`` of ``key``. The cache takes every page: it attaches the run
         that continues the tree's backed-up path from its end and frees the rest (pages the tree
         already holds, or pages that no longer connect because the backed-up path now ends
-        before ``start`` or a not-backed-up node sits where they would go). The leaf is None
-        when nothing was attached. ``component_pages``: per component with its own page ids,
+        before ``start``). Where the path goes on after its backed-up part with nodes on the
+        device only, those nodes (the last one split where the pages end or the key leaves it)
+        take the pages of their tokens as their host copies, and the rest attaches after them;
+        with a stateful component (``swa``) such pages are freed instead. The tokens attached
+        count every page taken (host copies included); the leaf is the deepest node given
+        pages (a new host-only node, or the last device-only one), None when nothing was
+        attached. ``component_pages``: per component with its own page ids,
         its host page ids aligned with ``host_pages`` (-1 where none; e.g. a prefetched sliding
         window: the last pages), allocated from its host pool; the cache takes every one too.
         """
@@ -696,14 +701,29 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ L3 surface
     def backed_up_prefix(self, key: object) -> tuple[TreeNode, int, int]:
-        """Read-only walk of ``key``'s whole pages: ``(deepest matched node, tokens matched,
-        tokens of that node inside the match)``; the root and 0, 0 when nothing matches. The
-        node is backed up when its ``host_value`` is not None (contiguity: so is its path)."""
+        """Read-only walk of ``key``'s whole pages: ``(node, tokens, tokens of that node inside
+        the match)``, where an L3 prefetch of ``key`` continues; the root and 0, 0 when nothing
+        matches. The node is the deepest matched one, except where the tree's match ends before
+        ``key``'s last whole page on nodes that are not backed up (on the device only: host
+        copy reclaimed, or never made): then it is the deepest backed-up node of the match (or
+        the root) and ``tokens`` ends with it, so the prefetch reads from there and the
+        device-only nodes get their host copies from what it reads (``insert_host``) instead of
+        the pages after them being lost to storage. Where the key is matched whole, the deepest
+        matched node is returned whatever its tiers (there is nothing after it to read), and
+        so it is with a stateful component (``swa``: ``insert_host`` would free such pages).
+        The node is backed up when its ``host_value`` is not None (contiguity: so is its path)."""
         key = as_radix_key(key)
         n = len(key) - len(key) % self.page_size
         segs, matched = self._tree.walk(key, n)
         if not segs:
             return self._tree.root, 0, 0
+        if matched < n and segs[-1][0].host_value is None and not self._stateful:
+            # Backed-up nodes form a prefix of the path: the last one before the first that is not.
+            k = next(i for i, (node, _m, _off) in enumerate(segs) if node.host_value is None)
+            if k == 0:
+                return self._tree.root, 0, 0
+            node, m, off = segs[k - 1]
+            return node, off + m, m
         return segs[-1][0], matched, segs[-1][1]
 
     def pin_host(self, node: TreeNode) -> LockReceipt:

@@ -203,8 +203,12 @@ class Inserter:
         ``start // page_size + i`` of ``key``) as host-only nodes; returns (tokens attached,
         leaf). The tree takes every page: it attaches the run that continues its backed-up
         path from its end and frees the rest (pages it already holds, or pages that no longer
-        connect because the backed-up path now ends before ``start`` or a node that is not
-        backed up sits where they would go). The leaf is None when nothing was attached.
+        connect because the backed-up path now ends before ``start``). Device-only nodes
+        after the backed-up path (a prefetch anchored before them: ``backed_up_prefix``) take
+        the pages of their tokens as host copies, parent first, the last one split at the
+        walk's end, and the rest attaches below them; with stateful components (``hooked``)
+        the pages are freed there instead (their host state for such nodes is not built
+        here). The leaf is the deepest node given pages, None when nothing was attached.
         ``comp_pages``: host pages of components with their own ids (by name, aligned with
         ``ids``, -1 where none), handed to their ``on_attach_host`` hook, which keeps or frees
         each one."""
@@ -215,11 +219,13 @@ class Inserter:
         segs, matched = tree.walk(key, end)
         root = tree.root
         backed, last, last_m = 0, root, 0
+        k = 0  # segs[k:]: the walked nodes after the backed-up ones (on the device only)
         for node, m, off in segs:
             if node.host_value is None:
                 break
             backed, last, last_m = off + m, node, m
-        if ids.size == 0 or backed < start or backed >= end or matched > backed:
+            k += 1
+        if ids.size == 0 or backed < start or backed >= end or (matched > backed and self.hooked):
             if ids.size:
                 res.host_allocator.free(ids)
             if self.hooked:
@@ -229,9 +235,19 @@ class Inserter:
         skip = (backed - start) // p
         if last is not root and last_m < last.size:
             last = tree.split(last, last_m)
-        leaf = tree.attach(last, key.token_bytes[8 * backed:8 * end], key.namespace)
-        leaf.last_access = leaf.created = tree.tick()
-        res.set_host(leaf, ids[skip:].copy())
+        for node, m, off in segs[k:]:
+            # On the device only (contiguity: nothing below a node without a host copy has
+            # one): the pages read for its tokens become its host copy, parent first, so the
+            # backed-up path stays a prefix from the root.
+            if m < node.size:
+                node = tree.split(node, m)
+            res.set_host(node, ids[(off - start) // p:(off + m - start) // p].copy())
+            last = node
+        leaf = last
+        if matched < end:
+            leaf = tree.attach(last, key.token_bytes[8 * matched:8 * end], key.namespace)
+            leaf.last_access = leaf.created = tree.tick()
+            res.set_host(leaf, ids[(matched - start) // p:].copy())
         if self.hooked:
             for comp in self.hooked:
                 comp.on_insert(leaf)

@@ -15,7 +15,14 @@ processes are visible at once. Only a file inconsistent with itself (bad magic, 
 a body that disagrees with its header) is quarantined; a sound page of another size (written
 by a store configured with another page size) is a miss counted as a read error, and stays:
 ``batch_exists`` still reports it (existence reads no headers), ``batch_get`` misses it. Capacity: each process tracks the files it knows (scanned at
-start-up, oldest mtime first, plus its own writes) and deletes the oldest over the bound.
+start-up, oldest mtime first, plus its own writes, a rewrite counting as the newest) and deletes
+the oldest over the bound. A file this process counts may be gone (another process evicted it)
+and its key written again here; so that the eviction of such a stale entry never deletes the
+new file, a write publishes its file (the rename) and counts it in one step under the capacity
+lock, and an eviction chooses its victims and unlinks them under that lock too: a rewrite lands
+either before the choice (and is counted as the newest, so it is not chosen) or after the
+unlink. Another process's eviction can still delete a file this process just wrote (nothing is
+locked across processes): a counted miss later, never wrong KV.
 
 Straight into / out of host pages: a read is one ``preadv`` of the header and the page's runs
 in the host pool (``host_pages.PageRuns``: one per component in the page-first layouts, one per
@@ -26,8 +33,9 @@ I/O error) zero-fills its host page and is a miss; a key that is not stored leav
 page untouched.
 
 Contents listeners (``HiCacheStorage.add_listener``): ``stored`` for the pages this process
-wrote, once each file is in place; ``removed`` for the files this process evicts for capacity
-(before it unlinks them) or quarantines; each called under the capacity lock. Files another
+wrote, once each file is in place (from the thread that wrote it); ``removed`` for the files this
+process evicts for capacity (before it unlinks them) or quarantines; each called under the
+capacity lock, so a key's events come in the order its file changed. Files another
 process evicts, and a file that vanished under a read, are not reported: this process does not
 see them go (``KVEventSource.observe_storage``'s ``probe_pages`` can find them).
 
@@ -35,7 +43,8 @@ Threading: the pages of one call are read (or written: CRC, write, fsync, rename
 ``read_concurrency`` at once on the store's read (or write) thread pool, at the workers' nice
 level; the CRC releases the GIL (``integrity``), so those threads really run in parallel. A
 call returns only when all of its pages are done. Calls may run concurrently; the capacity
-bookkeeping is under one lock.
+bookkeeping is under one lock, which is also held for a write's rename and an eviction's unlinks
+(metadata operations, no data I/O; the data write and fsync run outside it).
 """
 
 from __future__ import annotations
@@ -271,9 +280,10 @@ class FileStorage(HiCacheStorage):
 
         return [pages[i] if ok else None for i, ok in enumerate(self._each("read", len(keys), one))]
 
-    def _write_page(self, path: str, key: bytes, views: list, runs: list) -> bool:
+    def _write_page(self, pool: str, path: str, key: bytes, views: list, runs: list) -> bool:
         """Write header + page (``views`` / ``runs`` as for ``_read_page``, read only) with one
-        ``pwritev`` into a temp file, fsync it, then publish it by rename. Never raises."""
+        ``pwritev`` into a temp file, fsync it, then publish it by rename and count it as the
+        newest file (``_put_in_place``). Never raises."""
         algo = integrity.DEFAULT_ALGO
         tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
         fd = -1
@@ -286,7 +296,7 @@ class FileStorage(HiCacheStorage):
             os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.replace(tmp, path)  # atomic publish
+            self._put_in_place(tmp, path, pool, key, HEADER_BYTES + nbytes)
             return True
         except Exception as e:  # OSError (disk full, read-only, ...) or ChecksumUnavailable
             log.warning("L3 file: writing %s failed: %r", path, e)
@@ -302,6 +312,22 @@ class FileStorage(HiCacheStorage):
                 pass
             return False
 
+    def _put_in_place(self, tmp: str, path: str, pool: str, key: bytes, size: int) -> None:
+        """Rename ``tmp`` into place (atomic) and count ``path`` as the newest file, in one step
+        under the capacity lock: an eviction (which unlinks under the same lock) sees either
+        the old entry with the old file or the new entry with the new file (module docstring).
+        A path already counted (a stale entry: its file was deleted by another process, or an
+        equal page replaced) moves to the end."""
+        with self._lock:
+            os.replace(tmp, path)
+            old = self._known.pop(path, None)
+            if old is not None:
+                self._known_bytes -= old
+            self._known[path] = size
+            self._known_bytes += size
+            if self._notify is not None:
+                self._notify("stored", pool, [key])
+
     def _write_pages(self, pool: str, keys: list[bytes], dst) -> list[bool]:
         """Write page i from ``dst(i)`` (its views and runs), several files in flight."""
         if not self._writable:  # a read-only store: counted, warned about once at construction
@@ -310,17 +336,8 @@ class FileStorage(HiCacheStorage):
         t0 = time.perf_counter()
         pb = self.codecs[pool].page_bytes
         paths = [self._path(pool, k) for k in keys]
-        ok = self._each("write", len(keys), lambda i: self._write_page(paths[i], keys[i], *dst(i)))
-        written = 0
-        for key, path, good in zip(keys, paths, ok):
-            if good:
-                written += 1
-                with self._lock:
-                    if path not in self._known:
-                        self._known[path] = HEADER_BYTES + pb
-                        self._known_bytes += HEADER_BYTES + pb
-                    if self._notify is not None:
-                        self._notify("stored", pool, [key])
+        ok = self._each("write", len(keys), lambda i: self._write_page(pool, paths[i], keys[i], *dst(i)))
+        written = sum(ok)
         self.metrics.add(pages_written=written, bytes_written=written * pb, write_seconds=time.perf_counter() - t0)
         self._evict()
         return ok
@@ -338,6 +355,8 @@ class FileStorage(HiCacheStorage):
         if not cap:
             return
         victims = []
+        # Choice and unlinks under the lock a write publishes under: a rewrite of a victim's key
+        # cannot land between them and be deleted (module docstring).
         with self._lock:
             while self._known_bytes > cap and self._known:
                 path, size = self._known.popitem(last=False)
@@ -347,13 +366,13 @@ class FileStorage(HiCacheStorage):
                 gone = [_pool_and_key(v) for v in victims]
                 for pool in dict.fromkeys(p for p, _ in gone):
                     self._notify("removed", pool, [k[0] for p, k in gone if p == pool])
-        for path in victims:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("L3 file: evicting %s failed: %r", path, e)
+            for path in victims:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("L3 file: evicting %s failed: %r", path, e)
         self.metrics.add(pages_evicted=len(victims))
 
     def _close(self) -> None:

@@ -1,13 +1,15 @@
 """Counters for the L3 store.
 
 Threading: every update takes one lock, so the writer thread, reader threads and the owner
-may all count concurrently; ``snapshot()`` returns a consistent copy.
+may all count concurrently; ``snapshot()`` returns a consistent copy and ``reset()`` zeroes
+every counter at once (counting starts again from that moment, e.g. after a benchmark's
+warm-up; a call already counting is counted before or after it, never lost).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -51,6 +53,13 @@ class StorageMetrics:
             c.bytes_read += bytes_read
             c.read_seconds += seconds
             c.verified += verified
+
+    def reset(self) -> None:
+        """Every counter back to zero (in place: ``add_read`` holds the counters object)."""
+        zero = _Counters()
+        with self._lock:
+            for f in fields(_Counters):
+                setattr(self._c, f.name, getattr(zero, f.name))
 
     def snapshot(self) -> dict:
         with self._lock:

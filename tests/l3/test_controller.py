@@ -520,12 +520,19 @@ def test_prefetch_reads_what_fits_when_the_host_is_held(backend_factory, free_pa
     ctl.close()
 
 
-def test_prefix_not_backed_up_skips(backend_factory):
+def test_prefix_not_backed_up_prefetches_from_the_backed_up_end(backend_factory):
+    """A match ending on device-only nodes with more of the key after it is prefetched from
+    where the backed-up path ends (here the root; the pages read then give those nodes their
+    host copies: tests/cache/test_l3_device_only_match.py); a key matched whole still skips."""
     cache, be = make_cache(backend_factory, page_size=P, write_policy="write_back")
     ctl = StorageController(cache, scfg(), model="m")
     prefill_insert(cache, KVOracle(be), seq(0, 8))  # device only (write_back)
     op = ctl.prefetch(seq(0, 30))
+    assert op.status == "querying" and op.start == 0
+    assert ctl.finish_prefetch(op) == 0 and op.reason == "no storage hit"
+    op = ctl.prefetch(seq(0, 9))  # its whole pages are the tree's 8 tokens: nothing to read
     assert op.status == "skipped" and "backed up" in op.reason
+    cache.sanity_check()
     ctl.close()
 
 

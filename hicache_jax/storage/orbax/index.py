@@ -3,8 +3,11 @@
 Rebuilt at start-up from every committed segment's ``keys`` and ``crc`` arrays (all writer
 directories), and refreshed (``refresh``) to pick up segments other processes wrote and to
 forget segments that vanished. Pages are content-addressed, so the same key in two segments is
-harmless: either copy is right. A segment whose metadata cannot be read, or that fails a
-check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
+harmless: either copy is right. Such a key (two writers that each stored it before seeing the
+other's segment) is mapped to the segment indexed last, and the other copies are remembered
+(``_more``): forgetting the segment the map names moves the key to a copy that is left, and the
+key leaves the index (a ``removed`` event) only with its last copy. A segment whose metadata
+cannot be read, or that fails a check when read (``segment_failed``), is quarantined: moved to ``quarantine/`` (in-process
 only on a read-only store) and never indexed again by this process, so all its pages are
 misses from then on. A segment that vanished (evicted by any process) is simply forgotten.
 Quarantine is only for data proven corrupt (inconsistent with itself); a pool whose pages have
@@ -64,6 +67,9 @@ class SegmentIndex:
         self._lock = threading.Lock()
         # pool -> key -> (segment name, slot)
         self._slot_of: dict[str, dict[bytes, tuple[str, int]]] = {p: {} for p in self._page_bytes}
+        # pool -> key -> the key's other copies, (segment name, slot), oldest first: only keys
+        # held by more than one live segment are here (rare: see the module docstring)
+        self._more: dict[str, dict[bytes, list[tuple[str, int]]]] = {p: {} for p in self._page_bytes}
         self._segments: dict[str, Segment] = {}
         self._bad: set[str] = set()  # segment names never to index again in this process
         self._foreign: set[str] = set()  # on disk, but no pool this process can read
@@ -134,8 +140,12 @@ class SegmentIndex:
         notify = self.notify if announce else None
         for p, keys in seg.keys.items():
             idx = self._slot_of[p]
+            more = self._more[p]
             new = [k for k in keys if k not in idx] if notify is not None else None
             for slot, k in enumerate(keys):
+                old = idx.get(k)
+                if old is not None and old[0] != seg.name:  # another segment holds it too
+                    more.setdefault(k, []).append(old)
                 idx[k] = (seg.name, slot)
             if new:
                 notify("stored", p, new)
@@ -150,12 +160,21 @@ class SegmentIndex:
             notify = self.notify
             for p, keys in seg.keys.items():
                 idx = self._slot_of[p]
+                more = self._more[p]
                 gone = [] if notify is not None else None
                 for k in keys:
+                    copies = more.get(k)
                     if idx.get(k, (None,))[0] == name:
-                        del idx[k]
-                        if gone is not None:
-                            gone.append(k)
+                        if copies:  # another live segment holds it: the key moves there
+                            idx[k] = copies.pop()
+                        else:
+                            del idx[k]
+                            if gone is not None:
+                                gone.append(k)
+                    elif copies:  # the map names another segment: drop this copy from the rest
+                        copies[:] = [c for c in copies if c[0] != name]
+                    if copies is not None and not copies:
+                        del more[k]
                 if gone:
                     notify("removed", p, gone)
         self._on_forget(name)
