@@ -260,12 +260,6 @@ class Engine:
             # lags more than the one page per decoding request ``swa_pages_needed`` adds.
             raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model runs in one process "
                              "only (ranks is set)")
-        if model_config.is_hybrid and ranks is not None and cache_config.storage is not None:
-            # The L3's SWA window reads and commit markers are not agreed across ranks yet:
-            # two ranks could attach different windows of the same prefix.
-            raise ValueError("cache_config: storage (L3) with a hybrid (sliding-window) model and ranks is not "
-                             "supported yet (the L3's SWA window reads are not agreed across ranks); "
-                             "set storage=None or run in one process")
         if weights is not None:
             if not isinstance(weights, PairWeights):
                 raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")
