@@ -35,11 +35,14 @@ import json
 import os
 import sys
 
+import numpy as np
 from engine_rank import LateHandle, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder
+
+from hicache_jax.cache import RadixKey
 from hicache_jax.engine import Engine, EngineCacheConfig
 from hicache_jax.host_pool import HostPoolConfig
-from hicache_jax.reference_model import HYBRID_TINY
+from hicache_jax.reference_model import HYBRID_TINY, swa_first_needed_page
 from hicache_jax.storage import StorageConfig
 
 MODEL = HYBRID_TINY  # window 24: 6 SWA pages of 4 tokens before a hit's end
@@ -50,7 +53,13 @@ MISSING_AFTER = 8  # storage queries on rank 1 see at most this many pages (a hi
 FIRED = ("swa_host_alloc_fail", "slow_d2h", "short_read", "short_window_read", "missing_page")
 
 
-def diverge(engine, rec: AfterStepRecorder, fired: dict) -> None:
+class Armed:
+    """Whether the storage-read injections may fire (the last round only: storage is read then)."""
+
+    on = False
+
+
+def diverge(engine, rec: AfterStepRecorder, fired: dict, armed: Armed) -> None:
     """Rank 1's own faults (see the module docstring); each counts in ``fired``."""
     fail_every(engine.swa.host_allocator, 3, fired, "swa_host_alloc_fail")
     for transfer in (engine.transfer, engine.swa_transfer):
@@ -63,53 +72,119 @@ def diverge(engine, rec: AfterStepRecorder, fired: dict) -> None:
         transfer.backup = transfer.backup_owned = late
     store = engine.storage.storage
     get_multi, exists_multi, batch_get = store.get_multi, store.exists_multi, store.batch_get
+    queries = [0]
 
-    def short(transfers):  # the first full-pool read that hits more than a page stops a page short
+    def short(transfers):  # the round's first full-pool read stops a page short
         r = get_multi(transfers)
-        if r.hit_pages > 1 and not fired["short_read"]:
+        if armed.on and r.hit_pages > 1 and not fired["short_read"]:
             fired["short_read"] += 1
             return type(r)(r.hit_pages - 1, {k: max(0, v - 1) for k, v in r.pool_hits.items()})
         return r
 
-    def short_window(keys, ids, pool=None):  # the first SWA window read misses its last page
+    def short_window(keys, ids, pool=None):  # the round's first SWA window read misses its last page
         flags = list(batch_get(keys, ids, pool))
-        if pool == "swa" and len(flags) > 1 and not fired["short_window_read"]:
+        if armed.on and pool == "swa" and len(flags) > 1 and not fired["short_window_read"]:
             fired["short_window_read"] += 1
             flags[-1] = False
         return flags
 
-    def missing(transfers):
+    def missing(transfers):  # the round's second storage query sees its page MISSING_AFTER missing
         r = exists_multi(transfers)
-        if r.hit_pages > MISSING_AFTER:
-            fired["missing_page"] += 1
-            return type(r)(MISSING_AFTER, {k: min(v, MISSING_AFTER) for k, v in r.pool_hits.items()})
+        if armed.on and r.hit_pages > MISSING_AFTER:
+            queries[0] += 1
+            if queries[0] == 2:
+                fired["missing_page"] += 1
+                return type(r)(MISSING_AFTER, {k: min(v, MISSING_AFTER) for k, v in r.pool_hits.items()})
         return r
 
     store.get_multi, store.exists_multi, store.batch_get = short, missing, short_window
 
 
-def workload(engine, rounds: int) -> tuple[list, list]:
-    """Multi-turn conversations (``FIRSTS``); before round 2 the device tier is dropped (L2),
-    before round 3 the device and host tiers (L3). Returns (tokens, cached tokens by tier)."""
-    import numpy as np
+def local_pages(pool, ids) -> bytes:
+    """This rank's shard (its KV heads) of pages ``ids`` of every component and layer of ``pool``."""
+    ids = np.asarray(ids, np.int64)
+    return b"".join(np.asarray(a.addressable_data(0))[ids].tobytes()
+                    for c in pool.geom.components for a in pool.layers(c))
 
+
+class PrefixBytes:
+    """The bytes a cached prefix is served with, on this rank: its full pages and the SWA pages
+    of the window before its end (what a step after it reads). ``remember`` takes them from the
+    tree (the prefix on the device); ``check_served`` wraps the cache's ``begin_request`` so
+    every admission with a remembered prefix compares what it was served, once its load-back
+    (both pools) has landed."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.want, self.checked, self.mismatched = engine, {}, 0, []
+
+    def _read(self, req, hit: int) -> bytes:
+        e, p = self.engine, self.engine.page_size
+        first = swa_first_needed_page(hit, MODEL.sliding_window, p)
+        window = req.component_pages["swa"][first:hit // p]
+        if req.device_pages.shape[0] * p < hit or (window < 0).any():
+            return b""
+        return local_pages(e.device_pool, req.device_pages[:hit // p]) + local_pages(e.swa_pool, window)
+
+    def remember(self, tokens: list) -> None:
+        hit = (len(tokens) // self.engine.page_size) * self.engine.page_size
+        cache = self.engine.cache
+        req, _lb = cache.begin_request(RadixKey(np.asarray(tokens[:hit], np.int64)), load_back=False)
+        try:
+            got = self._read(req, hit)
+            if got:
+                self.want[tuple(tokens[:hit])] = got
+        finally:
+            if req.last_node is not None:
+                cache.dec_lock_ref(req.last_node)
+
+    def check_served(self) -> None:
+        cache, begin = self.engine.cache, self.engine.cache.begin_request
+
+        def begin_checked(key, *a, **kw):
+            req, lb = begin(key, *a, **kw)
+            hit = req.device_pages.shape[0] * self.engine.page_size
+            want = self.want.get(tuple(req.key.token_ids[:hit].tolist()))
+            if want is not None:
+                if lb is not None:  # landed: every layer of both pools
+                    for i in range(self.engine.geom.num_layers):
+                        lb.wait_layer(i)
+                    for j in range(self.engine.swa_pool.geom.num_layers):
+                        lb.handle.wait_layer(j, component="swa")
+                self.checked += 1
+                if self._read(req, hit) != want:
+                    self.mismatched.append(hit)
+            return req, lb
+
+        cache.begin_request = begin_checked
+
+
+def workload(engine, rounds: int, armed: Armed) -> tuple[list, list, PrefixBytes]:
+    """Multi-turn conversations (``FIRSTS``); before round 2 the device tier is dropped (L2),
+    before round 3 the device and host tiers (L3). Returns (tokens, cached tokens by tier, the
+    byte check of the prefixes the last round was served)."""
     rng = np.random.default_rng(13)
     hist = [rng.integers(0, MODEL.vocab_size, n).tolist() for n in FIRSTS]
     tokens, tiers = [], []
+    audit = PrefixBytes(engine)
     for r in range(rounds):
+        if r == 3:
+            engine.flush()
+            for h in hist:  # the stored keys: the last prompt and its answer but the last token
+                audit.remember(h[:-1])
+            audit.check_served()
+            engine.evict_host_cache()
+            armed.on = True
         if r:
             for h in hist:
                 h.extend(rng.integers(0, MODEL.vocab_size, TURN).tolist())
         if r == 2:
             engine.evict_device_cache()
-        if r == 3:
-            engine.evict_host_cache()
         res = engine.generate([list(h) for h in hist], ANSWER)
         for h, x in zip(hist, res):
             h.extend(x.tokens)
             tokens.append(x.tokens)
             tiers.append(x.cached_tokens)
-    return tokens, tiers
+    return tokens, tiers, audit
 
 
 def rank_context_without_exchange():
@@ -141,16 +216,17 @@ def main() -> None:
     rec = AfterStepRecorder(engine.cache)
     fired = dict.fromkeys(FIRED, 0)
     rounds = ROUNDS
+    armed = Armed()
     if ranks is not None:
         engine.cache.step_agreement.add(rec)
         engine.cache.step_agreement.check_digest = agreement != "none"
         if ranks.rank == 1 and div == "all":
-            diverge(engine, rec, fired)
+            diverge(engine, rec, fired, armed)
         elif ranks.rank == 1 and div == "swa":
             fail_every(engine.swa.host_allocator, 3, fired, "swa_host_alloc_fail")
     if div in ("swa", "calm"):
         rounds = CONTROL_ROUNDS
-    tokens, tiers = workload(engine, rounds)
+    tokens, tiers, audit = workload(engine, rounds, armed)
     engine.flush()  # every copy acknowledged: the last digest is the settled state
     rec.prepare()
     rec.apply(None)
@@ -160,7 +236,9 @@ def main() -> None:
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
-                   "swa_loaded_tokens": swa_loaded, "stats": stats}, f)
+                   "swa_loaded_tokens": swa_loaded, "stats": stats,
+                   "bytes_remembered": len(audit.want), "bytes_checked": audit.checked,
+                   "bytes_mismatched": audit.mismatched}, f)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,12 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
     # (agreed, not wrong: the tokens are the same).
     assert sum(t["storage"] for t in rounds[3]) < sum(t["storage"] for t in one["tiers"][3 * CLIENTS:])
     assert r0["stats"]["exchanges"] == r1["stats"]["exchanges"] == r0["stats"]["steps"]  # one per step
+    # The bytes each rank was served in the L3 round (its heads of the full pages and of the
+    # window's SWA pages) are those it computed (remembered from the tree before the tiers
+    # were dropped), for every request whose whole stored prefix came back.
+    for r in (one, r0, r1):
+        assert r["bytes_remembered"] == CLIENTS and r["bytes_checked"] >= 1 and not r["bytes_mismatched"], r
+    assert r0["bytes_checked"] == r1["bytes_checked"]
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "commit")  # rank 0 marked what both stored
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "swa")  # the windows went to storage
 
