@@ -14,11 +14,14 @@ dropped before the third (L2: full pages and the windows' SWA pages come back fr
 and device and host are dropped before the fourth, so its prefixes (windows included) come
 back from storage (L3).
 
-With DIVERGE=all, rank 1 alone: fails every third SWA host allocation (backups of SWA pages
-and L3 window reservations), finishes its D2H copies of both pools ``SLOW`` steps late, reads
-one page short of the full pool's first storage read, reads the SWA window of its first
-window read one page short, and sees every storage query's ninth page missing. Each
-injection counts its firings. With DIVERGE=swa (the agreement-off control) only the SWA
+With DIVERGE=all, rank 1 alone: fails every third SWA host allocation in the first two rounds
+(its backups of SWA pages: SWA host tombstones the agreement must make every rank's, so the
+L2 round is served less from the host),
+finishes its D2H copies of both pools ``SLOW`` steps late, and in the last round: sees the
+first storage query's pages from ``MISSING_AFTER`` on missing, reads the first full-pool read
+(the same request's) one page short, and reads the second SWA window read one page short (all
+of that request's prefetch is dropped); the third request comes back whole. Each injection
+counts its firings. With DIVERGE=swa (the agreement-off control) only the SWA
 host allocations fail, and only ``CONTROL_ROUNDS`` rounds run (no tier is read back: with
 trees that differ the ranks would step different programs); DIVERGE=calm runs those rounds
 without any injection.
@@ -47,21 +50,31 @@ from hicache_jax.storage import StorageConfig
 
 MODEL = HYBRID_TINY  # window 24: 6 SWA pages of 4 tokens before a hit's end
 PAGE = 4
-FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36), 4, 8, 4
+FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36, 40), 4, 8, 4
 CONTROL_ROUNDS = 2
 MISSING_AFTER = 8  # storage queries on rank 1 see at most this many pages (a hit still spans a window)
 FIRED = ("swa_host_alloc_fail", "slow_d2h", "short_read", "short_window_read", "missing_page")
 
 
-class Armed:
-    """Whether the storage-read injections may fire (the last round only: storage is read then)."""
+class Round:
+    """The workload's round (the injections fire in some rounds only)."""
 
-    on = False
+    index = 0
 
 
-def diverge(engine, rec: AfterStepRecorder, fired: dict, armed: Armed) -> None:
+def diverge(engine, rec: AfterStepRecorder, fired: dict, now: Round) -> None:
     """Rank 1's own faults (see the module docstring); each counts in ``fired``."""
-    fail_every(engine.swa.host_allocator, 3, fired, "swa_host_alloc_fail")
+    swa_alloc = engine.swa.host_allocator.alloc
+    calls = [0]
+
+    def failing_swa_alloc(n):  # every third in the first two rounds (backups of SWA pages)
+        calls[0] += 1
+        if n and now.index < 2 and calls[0] % 3 == 0:
+            fired["swa_host_alloc_fail"] += 1
+            return None
+        return swa_alloc(n)
+
+    engine.swa.host_allocator.alloc = failing_swa_alloc
     for transfer in (engine.transfer, engine.swa_transfer):
         backup = transfer.backup
 
@@ -72,30 +85,30 @@ def diverge(engine, rec: AfterStepRecorder, fired: dict, armed: Armed) -> None:
         transfer.backup = transfer.backup_owned = late
     store = engine.storage.storage
     get_multi, exists_multi, batch_get = store.get_multi, store.exists_multi, store.batch_get
-    queries = [0]
+    window_reads = [0]
 
-    def short(transfers):  # the round's first full-pool read stops a page short
+    def missing(transfers):  # the round's first storage query sees page MISSING_AFTER missing
+        r = exists_multi(transfers)
+        if now.index == 3 and r.hit_pages > MISSING_AFTER and not fired["missing_page"]:
+            fired["missing_page"] += 1
+            return type(r)(MISSING_AFTER, {k: min(v, MISSING_AFTER) for k, v in r.pool_hits.items()})
+        return r
+
+    def short(transfers):  # the round's first full-pool read (the same request's) stops a page short
         r = get_multi(transfers)
-        if armed.on and r.hit_pages > 1 and not fired["short_read"]:
+        if now.index == 3 and r.hit_pages > 1 and not fired["short_read"]:
             fired["short_read"] += 1
             return type(r)(r.hit_pages - 1, {k: max(0, v - 1) for k, v in r.pool_hits.items()})
         return r
 
-    def short_window(keys, ids, pool=None):  # the round's first SWA window read misses its last page
+    def short_window(keys, ids, pool=None):  # the round's second SWA window read misses its last page
         flags = list(batch_get(keys, ids, pool))
-        if armed.on and pool == "swa" and len(flags) > 1 and not fired["short_window_read"]:
-            fired["short_window_read"] += 1
-            flags[-1] = False
+        if now.index == 3 and pool == "swa" and len(flags) > 1:
+            window_reads[0] += 1
+            if window_reads[0] == 2:
+                fired["short_window_read"] += 1
+                flags[-1] = False
         return flags
-
-    def missing(transfers):  # the round's second storage query sees its page MISSING_AFTER missing
-        r = exists_multi(transfers)
-        if armed.on and r.hit_pages > MISSING_AFTER:
-            queries[0] += 1
-            if queries[0] == 2:
-                fired["missing_page"] += 1
-                return type(r)(MISSING_AFTER, {k: min(v, MISSING_AFTER) for k, v in r.pool_hits.items()})
-        return r
 
     store.get_multi, store.exists_multi, store.batch_get = short, missing, short_window
 
@@ -158,7 +171,7 @@ class PrefixBytes:
         cache.begin_request = begin_checked
 
 
-def workload(engine, rounds: int, armed: Armed) -> tuple[list, list, PrefixBytes]:
+def workload(engine, rounds: int, now: Round) -> tuple[list, list, PrefixBytes]:
     """Multi-turn conversations (``FIRSTS``); before round 2 the device tier is dropped (L2),
     before round 3 the device and host tiers (L3). Returns (tokens, cached tokens by tier, the
     byte check of the prefixes the last round was served)."""
@@ -167,13 +180,13 @@ def workload(engine, rounds: int, armed: Armed) -> tuple[list, list, PrefixBytes
     tokens, tiers = [], []
     audit = PrefixBytes(engine)
     for r in range(rounds):
+        now.index = r
         if r == 3:
             engine.flush()
             for h in hist:  # the stored keys: the last prompt and its answer but the last token
                 audit.remember(h[:-1])
             audit.check_served()
             engine.evict_host_cache()
-            armed.on = True
         if r:
             for h in hist:
                 h.extend(rng.integers(0, MODEL.vocab_size, TURN).tolist())
@@ -216,17 +229,17 @@ def main() -> None:
     rec = AfterStepRecorder(engine.cache)
     fired = dict.fromkeys(FIRED, 0)
     rounds = ROUNDS
-    armed = Armed()
+    now = Round()
     if ranks is not None:
         engine.cache.step_agreement.add(rec)
         engine.cache.step_agreement.check_digest = agreement != "none"
         if ranks.rank == 1 and div == "all":
-            diverge(engine, rec, fired, armed)
+            diverge(engine, rec, fired, now)
         elif ranks.rank == 1 and div == "swa":
             fail_every(engine.swa.host_allocator, 3, fired, "swa_host_alloc_fail")
     if div in ("swa", "calm"):
         rounds = CONTROL_ROUNDS
-    tokens, tiers, audit = workload(engine, rounds, armed)
+    tokens, tiers, audit = workload(engine, rounds, now)
     engine.flush()  # every copy acknowledged: the last digest is the settled state
     rec.prepare()
     rec.apply(None)

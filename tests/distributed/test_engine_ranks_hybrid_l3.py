@@ -28,7 +28,7 @@ from hicache_jax.distributed.launch import rank_env
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCRIPT = str(HERE / "hybrid_l3_engine_rank.py")
-CLIENTS = 3  # hybrid_l3_engine_rank.FIRSTS: requests per round
+CLIENTS = 4  # hybrid_l3_engine_rank.FIRSTS: requests per round
 
 
 def launch(out: Path, agreement: str, diverge: str, base: dict) -> tuple[dict, dict]:
@@ -77,15 +77,21 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
     assert r0["metrics"]["prefetch_attached_tokens"] == r1["metrics"]["prefetch_attached_tokens"] > 0
     assert r0["metrics"]["loaded_storage_tokens"] == r1["metrics"]["loaded_storage_tokens"] > 0
     assert r0["swa_loaded_tokens"] == r1["swa_loaded_tokens"] > 0
-    # Rank 1's short and missing reads made the L3 round serve less than one process does
-    # (agreed, not wrong: the tokens are the same).
-    assert sum(t["storage"] for t in rounds[3]) < sum(t["storage"] for t in one["tiers"][3 * CLIENTS:])
+    # Rank 1's faults made the L3 round serve less than one process does, the same on both
+    # ranks (agreed, not wrong: the tokens are the same): a request cut short (a missing page,
+    # then a short read), one whose window read came up short (nothing attached), and whole ones.
+    alone = one["tiers"][3 * CLIENTS:]
+    assert all(t["storage"] > 0 for t in alone), alone
+    assert any(0 < t["storage"] < u["storage"] for t, u in zip(rounds[3], alone)), rounds[3]
+    assert any(t["storage"] == 0 for t in rounds[3]), rounds[3]
+    assert any(t["storage"] == u["storage"] for t, u in zip(rounds[3], alone)), rounds[3]
     assert r0["stats"]["exchanges"] == r1["stats"]["exchanges"] == r0["stats"]["steps"]  # one per step
     # The bytes each rank was served in the L3 round (its heads of the full pages and of the
     # window's SWA pages) are those it computed (remembered from the tree before the tiers
     # were dropped), for every request whose whole stored prefix came back.
     for r in (one, r0, r1):
-        assert r["bytes_remembered"] == CLIENTS and r["bytes_checked"] >= 1 and not r["bytes_mismatched"], r
+        assert r["bytes_remembered"] == CLIENTS and r["bytes_checked"] >= 1 and not r["bytes_mismatched"], \
+            {k: r[k] for k in ("bytes_remembered", "bytes_checked", "bytes_mismatched")}
     assert r0["bytes_checked"] == r1["bytes_checked"]
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "commit")  # rank 0 marked what both stored
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "swa")  # the windows went to storage
