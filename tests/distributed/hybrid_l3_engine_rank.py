@@ -51,7 +51,7 @@ from hicache_jax.storage import StorageConfig
 MODEL = HYBRID_TINY  # window 24: 6 SWA pages of 4 tokens before a hit's end
 PAGE = 4
 FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36, 40), 4, 8, 4
-CONTROL_ROUNDS = 2
+CONTROL_ROUNDS = 1
 MISSING_AFTER = 8  # storage queries on rank 1 see at most this many pages (a hit still spans a window)
 FIRED = ("swa_host_alloc_fail", "slow_d2h", "short_read", "short_window_read", "missing_page")
 
