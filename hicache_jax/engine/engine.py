@@ -65,10 +65,12 @@ acknowledged through the agreement (``multiprocess``). Every rank gives the same
 A hybrid (SWA) model runs over ranks too: its SWA pool is sharded like the full pool, window
 slides go to the length every rank reached (``slide_window(req, written=)``: up to a step
 late, so ``swa_pages_needed`` adds a step of slack and an SWA allocation that finds no page
-first runs ``cache.agree_step()``), and SWA backups are agreed. So does speculative decoding
+first runs ``cache.agree_step()``), and SWA backups are agreed. With L3 storage the
+controller agrees the SWA windows too: an L3 hit's window pages are reserved beside its full
+pages and read in a second phase, before the agreed end of the full read, so every rank
+attaches the same pages with the same window (``l3.rank_steps``). So does speculative decoding
 (the draft pool sharded, or replicated where it has fewer KV heads than ranks). Not yet over
-ranks: a hybrid model with L3 storage, and speculative decoding of a hybrid model (refused at
-construction, with the reason).
+ranks: speculative decoding of a hybrid model (refused at construction, with the reason).
 
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
@@ -238,7 +240,7 @@ class Engine:
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
     None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
     run as one of N tensor-parallel ranks (None: one process; not yet with a hybrid model and
-    ``spec`` or L3 storage). Every device pool (full, SWA, draft) is built on the ranks'
+    ``spec``). Every device pool (full, SWA, draft) is built on the ranks'
     mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
@@ -260,12 +262,6 @@ class Engine:
             # lags more than the one page per decoding request ``swa_pages_needed`` adds.
             raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model runs in one process "
                              "only (ranks is set)")
-        if model_config.is_hybrid and ranks is not None and cache_config.storage is not None:
-            # The L3's SWA window reads and commit markers are not agreed across ranks yet:
-            # two ranks could attach different windows of the same prefix.
-            raise ValueError("cache_config: storage (L3) with a hybrid (sliding-window) model and ranks is not "
-                             "supported yet (the L3's SWA window reads are not agreed across ranks); "
-                             "set storage=None or run in one process")
         if weights is not None:
             if not isinstance(weights, PairWeights):
                 raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")

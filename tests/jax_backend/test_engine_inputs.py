@@ -96,16 +96,6 @@ def test_speculative_decoding_of_a_hybrid_model_with_several_ranks_is_refused_at
         Engine(HYBRID_TINY, EngineCacheConfig(page_size=4, device_pages=16), spec=SpecConfig(), ranks=object())
 
 
-def test_a_hybrid_model_with_several_ranks_and_storage_is_refused_at_construction():
-    """The L3's SWA window reads are not agreed across ranks yet; without storage a hybrid
-    model runs over ranks (``tests/distributed/test_engine_ranks_hybrid.py``)."""
-    from hicache_jax.reference_model import HYBRID_TINY
-
-    cfg = EngineCacheConfig(page_size=4, device_pages=16, storage=StorageConfig(backend="memory"))
-    with pytest.raises(ValueError, match="cache_config: storage .* hybrid .* ranks is not supported yet"):
-        Engine(HYBRID_TINY, cfg, ranks=object())
-
-
 def test_evict_host_cache_under_write_back_leaves_nothing_on_the_host(tmp_path):
     """write_back backs the prefix up inside the device eviction; the L3 writes of those
     backups pin the host copies until stored, so the host eviction must come after them."""
