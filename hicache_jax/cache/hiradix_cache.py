@@ -329,6 +329,9 @@ class HiRadixCache:
         self._requests.own = tuple(self._own.values())
         self.agreement = agreement
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
+        # With ranks a device-only node may sit in a backup chain reserved for the step's
+        # agreement: an L3 attach must not give it a host copy (``backed_up_prefix``).
+        self._inserter.device_only_host_copies = not self.agreed
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
         self._component_steps = None  # several ranks with own-id components: agreed window slides
@@ -717,7 +720,9 @@ class HiRadixCache:
         segs, matched = self._tree.walk(key, n)
         if not segs:
             return self._tree.root, 0, 0
-        if matched < n and segs[-1][0].host_value is None and not self._stateful:
+        if matched < n and segs[-1][0].host_value is None and not self._stateful and not self.agreed:
+            # Not with ranks: a device-only node there may be in a backup chain reserved this
+            # step (host copy pending the agreement), which an attach must not give a copy.
             # Backed-up nodes form a prefix of the path: the last one before the first that is not.
             k = next(i for i, (node, _m, _off) in enumerate(segs) if node.host_value is None)
             if k == 0:

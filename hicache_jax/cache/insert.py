@@ -44,6 +44,9 @@ class Inserter:
         self.count_hits = count_hits  # False under write_back (``decisions``)
         self.stamp_split_remainder = stamp_split_remainder
         self.hooked: tuple = ()  # components with their own residency (``components``)
+        # Whether ``insert_host`` gives device-only nodes on its path the pages read for them
+        # (False with ranks: the owner sets it; see ``insert_host``).
+        self.device_only_host_copies = True
 
     def bad_pages(self, pages: np.ndarray) -> None:
         """On a failed insert check, raise the full ``check_page_ids`` error first (duplicates),
@@ -225,7 +228,8 @@ class Inserter:
                 break
             backed, last, last_m = off + m, node, m
             k += 1
-        if ids.size == 0 or backed < start or backed >= end or (matched > backed and self.hooked):
+        if ids.size == 0 or backed < start or backed >= end or \
+                (matched > backed and (self.hooked or not self.device_only_host_copies)):
             if ids.size:
                 res.host_allocator.free(ids)
             if self.hooked:

@@ -146,3 +146,33 @@ def test_a_key_the_tree_holds_whole_reads_nothing(tmp_path):
         cache.sanity_check()
     finally:
         ctl.close()
+
+
+def test_with_ranks_a_device_only_match_keeps_its_anchor_and_gets_no_host_copies():
+    """With a collective agreement a device-only node may be in a backup chain reserved for the
+    step's agreement (its host copy pending), so the prefetch stays anchored at the deepest
+    matched node and an attach frees pages read for device-only nodes (as before the fix)."""
+    from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement
+
+    for agreement in (None, NoExchangeAgreement(0, 1)):
+        cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=32, host_pages=64)
+        if agreement is not None:
+            cache = HiRadixCache(HiCacheConfig(page_size=P), be.engine, be.device.allocator, agreement=agreement)
+        oracle = KVOracle(be)
+        head, whole = seq((0, 8)), seq((0, 16))
+        prefill_insert(cache, oracle, head)
+        cache.flush()
+        cache.evict_host(cache.host_tokens)
+        assert _device_only(cache, head) == [True]
+        node, tokens, _ = cache.backed_up_prefix(whole)
+        if agreement is None:
+            assert node is cache.root and tokens == 0
+        else:
+            assert node is not cache.root and tokens == 8 and node.host_value is None
+        ids = cache.reserve_host_pages(16 // P)  # as a prefetch of the whole key from the root
+        got, _leaf = cache.insert_host(whole, ids, 0)
+        # Without ranks: the head's node takes its 4 pages as its host copy, 4 attach after it.
+        # With ranks: the walk meets the device-only node, so every page is freed.
+        assert got == (16 if agreement is None else 0)
+        assert _device_only(cache, head) == [agreement is not None]
+        cache.sanity_check()

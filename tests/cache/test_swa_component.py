@@ -376,3 +376,21 @@ def test_insert_whose_frontier_lies_inside_a_node_that_keeps_its_swa_pages_frees
     pages = swa.request_pages(m.last_device_node, 10)
     drv.sw.check_device(k, pages[pages >= 0], int(np.flatnonzero(pages >= 0)[0]))
     cache.sanity_check(0, {"swa": 0})
+
+
+def test_a_backup_whose_swa_host_allocation_fails_twice_backs_up_the_full_pages_alone():
+    """``on_backup``: the first SWA host allocation fails (after eviction), the retry for the
+    deepest pages that fit fails too (an allocator that refuses: e.g. one rank's, in tests).
+    The backup then goes on without SWA host copies (the window's host tombstone), never with
+    a None page list."""
+    cache, drv, swa = setup(page_size=2, window=6, device_pages=40, swa_device_pages=20)
+    refused = []
+    swa.host_allocator.alloc = lambda n: refused.append(n) and None  # every SWA host allocation fails
+    k = key(np.arange(20))
+    insert_with_swa(cache, drv, k, frontier_page=4)  # write_through: backs up at insert
+    cache.flush()
+    assert len(refused) >= 2  # the allocation and its retry
+    assert [s[1:] for s in states(cache, swa, k)][1:] == [(True, False), (True, False)]  # SWA on device only
+    m = cache.match_prefix(k)
+    assert m.device_hit_length == 20
+    cache.sanity_check(0, {"swa": 0})

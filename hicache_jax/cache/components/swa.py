@@ -729,6 +729,9 @@ class SWAComponent(KVComponent):
             if not need:
                 return None
             ids = self.host_allocator.alloc(npages)
+            if ids is None:  # refused although counted free (a failing allocator): no SWA copy
+                self.metrics.alloc_failures += 1
+                return None
         return self._backup_plan(need, npages, ids)
 
     # ------------------------------------------------------------------ L2, several ranks
