@@ -66,9 +66,10 @@ A hybrid (SWA) model runs over ranks too: its SWA pool is sharded like the full 
 slides go to the length every rank reached (``slide_window(req, written=)``: up to a step
 late, so ``swa_pages_needed`` adds a step of slack and an SWA allocation that finds no page
 first runs ``cache.agree_step()``), and SWA backups are agreed. So does speculative decoding
-(the draft pool sharded, or replicated where it has fewer KV heads than ranks). Not yet over
-ranks: a hybrid model with L3 storage, and speculative decoding of a hybrid model (refused at
-construction, with the reason).
+(the draft pool sharded, or replicated where it has fewer KV heads than ranks), of a hybrid
+target too (a verify step moves the window by up to ``k + 1`` tokens, so the slack per decoding
+request is ``ceil((k + 1) / page)`` pages). Not yet over ranks: a hybrid model with L3 storage
+(refused at construction, with the reason).
 
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
@@ -238,7 +239,7 @@ class Engine:
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
     None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
     run as one of N tensor-parallel ranks (None: one process; not yet with a hybrid model and
-    ``spec`` or L3 storage). Every device pool (full, SWA, draft) is built on the ranks'
+    L3 storage). Every device pool (full, SWA, draft) is built on the ranks'
     mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
@@ -255,11 +256,6 @@ class Engine:
             raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
                              f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
                              f"cache_config.max_context is {cache_config.max_context}")
-        if spec is not None and model_config.is_hybrid and ranks is not None:
-            # Untested over processes: a verify step writes k + 1 positions, so its agreed slide
-            # lags more than the one page per decoding request ``swa_pages_needed`` adds.
-            raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model runs in one process "
-                             "only (ranks is set)")
         if model_config.is_hybrid and ranks is not None and cache_config.storage is not None:
             # The L3's SWA window reads and commit markers are not agreed across ranks yet:
             # two ranks could attach different windows of the same prefix.
@@ -351,15 +347,20 @@ class Engine:
         With several ranks (``ranks``) a window slide is agreed at the next agreement step
         (``slide_window(req, written=)``), so it lags up to a step: a prefilling request keeps
         up to one chunk's pages more (``ceil(chunk / page) + 1``, the chunk need not start on
-        a page boundary) and each decoding request one page more. Where the lag is longer
-        (prefill chunks run back to back), ``_alloc_swa`` runs an agreement step and retries."""
+        a page boundary) and each decoding request the pages one step moves its window over:
+        ``ceil(step / page)`` for a step of ``step`` tokens (1 plain, ``k + 1`` for a verify
+        step with ``spec``: its key grows by up to ``k + 1`` per round). Where the lag is
+        longer (prefill chunks run back to back), ``_alloc_swa`` runs an agreement step and
+        retries."""
         w, p = model_config.sliding_window, cache_config.page_size
         chunk = min(cache_config.prefill_chunk, cache_config.max_context)
         tree_window = -(-max(1, w - 1) // p)
         decode = swa_table_width(w, 1, p)
+        step = 1
         if spec is not None:
             decode = tree_window + 1 + -(-spec.num_draft_tokens // p)
-        lag = (-(-chunk // p) + 1 + (cache_config.max_batch - 1)) if ranks else 0
+            step = spec.num_draft_tokens + 1
+        lag = (-(-chunk // p) + 1 + (cache_config.max_batch - 1) * -(-step // p)) if ranks else 0
         return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * decode
                 + cache_config.max_batch * tree_window + lag)
 
