@@ -86,16 +86,6 @@ def test_copy_impl_is_checked_at_construction():
         PageCopyConfig(impl=impl)
 
 
-def test_speculative_decoding_of_a_hybrid_model_with_several_ranks_is_refused_at_construction():
-    """Spec over ranks runs for a full-attention model (``tests/distributed/test_engine_ranks_spec.py``);
-    with a hybrid target it is not tested over processes yet."""
-    from hicache_jax.engine import SpecConfig
-    from hicache_jax.reference_model import HYBRID_TINY
-
-    with pytest.raises(ValueError, match="spec: speculative decoding of a hybrid .* one process only"):
-        Engine(HYBRID_TINY, EngineCacheConfig(page_size=4, device_pages=16), spec=SpecConfig(), ranks=object())
-
-
 def test_a_hybrid_model_with_several_ranks_and_storage_is_refused_at_construction():
     """The L3's SWA window reads are not agreed across ranks yet; without storage a hybrid
     model runs over ranks (``tests/distributed/test_engine_ranks_hybrid.py``)."""
