@@ -9,9 +9,9 @@ layer (window 12; the full layer still sees the whole pattern of period 32 the p
 on), so the draft's proposals are accepted (accept length ``k + 1``) and every verify step
 moves the window by up to ``k + 1 = 5`` tokens, more than a page of 4; a 36-token answer (seven
 verify steps) moves the window past the pages the decode itself wrote: the slack
-``swa_pages_needed`` adds per decoding request with ranks is two pages, not one. The draft keeps full attention (its KV is the
-``draft`` sidecar on the full pool's ids). The SWA pool is sized exactly
-(``Engine.swa_pages_needed`` with ``spec`` and ranks).
+``swa_pages_needed`` adds per decoding request with ranks is two pages, not one. The draft
+keeps full attention (its KV is the ``draft`` sidecar on the full pool's ids). The SWA pool is
+sized exactly (``Engine.swa_pages_needed`` with ``spec`` and ranks).
 
 A multi-turn workload of repetitive prompts (each client a random 32-token pattern, every turn
 continuing it) without L3: the second round's prefixes come from the device (L1); the device
