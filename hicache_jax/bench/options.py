@@ -185,6 +185,18 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=_non_negative_float, default=0.0,
                    help="0: closed loop (a client sends its next turn when its answer is back; at most "
                         "--max-batch served at once); > 0: Poisson arrivals per round at this many req/s")
+    rank_arguments(p)
+    p.add_argument("--engines", type=_positive_int, default=1,
+                   help="N > 1: N reference engines in one process sharing one L3 (orbax is replaced by file; "
+                        "one store per policy), requests routed by each --router policy in alternate rounds of "
+                        "the same trace (hit rate per tier and measured TTFT per policy; no no-cache run)")
+    p.add_argument("--router", nargs="+", choices=ROUTERS, default=list(ROUTERS),
+                   help="with --engines > 1: the routing policies compared (round_robin; prefix: "
+                        "hicache_jax.routing.PrefixRouter on the engines' KV events)")
+
+
+def rank_arguments(p: argparse.ArgumentParser) -> None:
+    """``--num-processes`` and its options (``hicache_jax.bench.ranks``)."""
     p.add_argument("--num-processes", type=_positive_int, default=1,
                    help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each rank "
                         "holding its share of the KV heads; every rank's tokens are checked against rank 0's; "
@@ -194,13 +206,6 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
                         "coordination service's key-value store; device: process_allgather)")
     p.add_argument("--rank-timeout", type=_positive_float, default=3600.0,
                    help="with --num-processes > 1: seconds before every rank still running is killed")
-    p.add_argument("--engines", type=_positive_int, default=1,
-                   help="N > 1: N reference engines in one process sharing one L3 (orbax is replaced by file; "
-                        "one store per policy), requests routed by each --router policy in alternate rounds of "
-                        "the same trace (hit rate per tier and measured TTFT per policy; no no-cache run)")
-    p.add_argument("--router", nargs="+", choices=ROUTERS, default=list(ROUTERS),
-                   help="with --engines > 1: the routing policies compared (round_robin; prefix: "
-                        "hicache_jax.routing.PrefixRouter on the engines' KV events)")
 
 
 def check_multiturn(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -311,3 +316,4 @@ def spec_arguments(p: argparse.ArgumentParser) -> None:
                    help="OS priority offset of the cache's D2H and L3 threads (0: the scheduler's; on a busy "
                         "machine +19 starves the L3 reads and TTFT measures the queue)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random patterns")
+    rank_arguments(p)

@@ -111,9 +111,9 @@ def rank_out(args) -> None:
         args.out = os.path.join(os.environ[RANK_OUT_ENV], f"rank{os.environ[RANK_ENV]}-report.json")
 
 
-def report_rank(cache, payload: dict, tokens: list) -> None:
+def report_rank(cache, payload: dict, tokens) -> None:
     """In a launched rank: hand the parent this rank's payload (rank 0's is the report), its
-    tokens and the cache's agreement counts."""
+    tokens (any JSON value the parent compares with rank 0's) and the cache's agreement counts."""
     out = os.environ.get(RANK_OUT_ENV)
     if not out or not in_rank():
         return

@@ -26,6 +26,11 @@ accept length, and case 4 / L1. A table, JSON (``--out``) and a PNG beside it.
 The restart is a new engine in the same process (new pools, tree and cache; only the L3
 directory is shared), not a new process: the compiled programs are reused, so the cases time
 serving, not compilation. ``hicache-jax bench restart`` covers the cross-process restart.
+
+``--num-processes N``: the same four cases served by N tensor-parallel ranks on this machine
+(``bench.ranks``: the target's and the draft's pools sharded on the KV heads, or the draft's
+replicated where it has fewer heads than ranks; one L3 directory, created here and shared, on
+the file backend). Every rank must serve rank 0's tokens in every case; rank 0 reports.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import statistics
 import tempfile
 from typing import TYPE_CHECKING
 
-from . import plots
+from . import plots, ranks
 from .report import Progress, machine_info, print_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,16 +50,19 @@ CASES = ("cold", "L1", "L3 + draft", "L3, no draft")
 
 
 def run(args) -> dict:
-    with Progress("spec") as progress:
-        tmp = None
-        if not args.storage_dir:
-            tmp = args.storage_dir = tempfile.mkdtemp(prefix="hicache-spec-l3-")
-        try:
+    tmp = None
+    if not args.storage_dir:  # with --num-processes: made by the parent, shared by the ranks
+        tmp = args.storage_dir = tempfile.mkdtemp(prefix="hicache-spec-l3-")
+    try:
+        if ranks.wants_ranks(args):
+            return ranks.launch(args, "spec")
+        ranks.rank_out(args)
+        with Progress("spec") as progress:
             return _run(args, progress)
-        finally:
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
-                args.storage_dir = None
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+            args.storage_dir = None
 
 
 def _run(args, progress: Progress) -> dict:
@@ -66,6 +74,7 @@ def _run(args, progress: Progress) -> dict:
     from ..reference_model.weights import TOY_PAIR_PATH, load_pair
     from ..storage.config import StorageConfig
 
+    rank = ranks.rank_context(args)  # a rank of --num-processes (joins before any JAX computation), or None
     pair = load_pair(TOY_PAIR_PATH if args.weights == "toy" else args.weights)
     cfg = pair.config
     period = args.period or int(pair.meta.get("periods", [32, 32])[-1])
@@ -91,7 +100,8 @@ def _run(args, progress: Progress) -> dict:
     warm = [pattern_prompt() for _ in range(args.reps)]
 
     def engine(backing: bool, warm_prompt: list[int]) -> "Engine":
-        e = Engine(cfg, cache, spec=SpecConfig(num_draft_tokens=args.k, draft_backing=backing), weights=pair)
+        e = Engine(cfg, cache, spec=SpecConfig(num_draft_tokens=args.k, draft_backing=backing), weights=pair,
+                   ranks=rank)
         e.warmup()
         e.generate([warm_prompt], args.new_tokens)  # compiles the transfer paths; fills both pools
         e.flush()
@@ -149,5 +159,9 @@ def _run(args, progress: Progress) -> dict:
     png = plots.spec_plot(args.out.rsplit(".", 1)[0] + ".png",
                           "Speculative decoding: accept length and latency with the draft KV from each tier",
                           config, summary, args.k)
-    return {"benchmark": "spec", "machine": machine_info(), "config": vars(args), "weights_meta": pair.meta,
-            "cases": summary, "ratios": ratios, "plot": png}
+    out = {"benchmark": "spec", "machine": machine_info(), "config": vars(args), "weights_meta": pair.meta,
+           "cases": summary, "ratios": ratios, "plot": png}
+    # With --num-processes: every case's tokens, and the agreement counts of the first engine
+    # (cold and L1), go to the parent.
+    ranks.report_rank(first.cache, out, {c: [x.tokens for x in res] for c, res in results.items()})
+    return out

@@ -19,7 +19,8 @@ length (``note``), and each step agrees on it:
 * ``apply`` slides every component to the agreed MIN (never backwards), and a request whose
   MIN equals its MAX (every rank noted the same length) is clean again. A request that
   finishes or is aborted is forgotten (``forget``): its pages are then handled by the
-  insert or the abort, on every rank alike.
+  insert or the abort, on every rank alike; so is one abandoned the raw way, by
+  ``dec_lock_ref(req.last_node)`` (``lock_released``).
 
 Sliding to a length at most the current one only frees what a slide to the current one
 frees too, so a late slide keeps pages longer, never frees one a rank still reads.
@@ -32,13 +33,14 @@ BUDGET = 16  # requests reported per step (two values each)
 
 
 class _Tracked:
-    __slots__ = ("req", "noted", "applied", "dirty")
+    __slots__ = ("req", "noted", "applied", "dirty", "unsent")
 
     def __init__(self, req) -> None:
         self.req = req
         self.noted = 0  # this rank's length (tokens whose KV its forward pass wrote)
         self.applied = 0  # the agreed length slid to
         self.dirty = False  # noted since the ranks last agreed on every rank's value
+        self.unsent = False  # noted since its last exchange (``flush`` waits for it)
 
 
 class ComponentSteps:
@@ -57,11 +59,24 @@ class ComponentSteps:
         if e is None:
             e = self.tracked[id(req)] = _Tracked(req)
         e.noted = length  # the latest call says what this rank has written
-        e.dirty = True
+        e.dirty = e.unsent = True
 
     def forget(self, req) -> None:
         """The request finished or was aborted (or the cache was reset)."""
         self.tracked.pop(id(req), None)
+
+    def lock_released(self, node, locks_left: int) -> None:
+        """A caller lock on ``node`` was released (``dec_lock_ref``), ``locks_left`` caller locks
+        remain on it. A request abandoned the raw way (its own pages freed, then
+        ``dec_lock_ref(req.last_node)``) must not be slid again: its pages may be another
+        request's by the next step. Locks on one node are interchangeable, so when fewer are
+        left than tracked requests locked there, which one went is unknown: every tracked
+        request at ``node`` is forgotten (alike on every rank; a live one is noted again by its
+        next ``slide_window``, its slide only later)."""
+        at = [k for k, e in self.tracked.items() if e.req.last_node is node]
+        if len(at) > locks_left:
+            for k in at:
+                del self.tracked[k]
 
     def clear(self) -> None:
         self.tracked.clear()
@@ -90,6 +105,7 @@ class ComponentSteps:
                 for comp in self.components:
                     comp.slide_request(e.req, lo)
                 self.slides += 1
+            e.unsent = False
             if lo == hi:
                 e.dirty = False
 
@@ -98,5 +114,7 @@ class ComponentSteps:
 
     @property
     def idle(self) -> bool:
-        """No request waits for an agreed slide."""
-        return not any(e.dirty for e in self.tracked.values())
+        """Every noted length went through an exchange (its agreed slide is applied): what
+        ``flush`` waits for. A request some rank noted shorter stays dirty (reported again at
+        later steps) but idle: waiting for that rank's next note would not end."""
+        return not any(e.unsent for e in self.tracked.values())

@@ -697,10 +697,14 @@ class HiRadixCache:
             self._not_owner("dec_lock_ref")
         if isinstance(node, LockReceipt):
             self._callers.release_receipt(node)
-            return
-        self._tree.check_node(node)
-        if node is not self._tree.root:
+            node = node.device
+        else:
+            self._tree.check_node(node)
+            if node is self._tree.root:
+                return
             self._callers.release(node)
+        if self._component_steps is not None and node is not None:  # an abandoned request's slides go
+            self._component_steps.lock_released(node, len(self._callers.by_node.get(node, ())))
 
     # ------------------------------------------------------------------ L3 surface
     def backed_up_prefix(self, key: object) -> tuple[TreeNode, int, int]:
@@ -894,12 +898,14 @@ class HiRadixCache:
 
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged (with several ranks: and every
-        backup the write policy asked for is committed or rolled back)."""
+        backup the write policy asked for is committed or rolled back, and every window slide
+        noted is agreed and applied)."""
         if get_ident() != self._owner:
             self._not_owner("flush")
         if self.agreed:
-            ledger, backups = self._ledger, self._agreed_backups
-            while ledger.writes or ledger.loads or not backups.idle:  # agreed state: same on every rank
+            ledger, backups, slides = self._ledger, self._agreed_backups, self._component_steps
+            # agreed state: the same on every rank, so every rank runs the same steps
+            while ledger.writes or ledger.loads or not backups.idle or (slides is not None and not slides.idle):
                 self._step(True, True)
             return
         self.writing_check(block=True)

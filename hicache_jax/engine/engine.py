@@ -69,8 +69,10 @@ first runs ``cache.agree_step()``), and SWA backups are agreed. With L3 storage 
 controller agrees the SWA windows too: an L3 hit's window pages are reserved beside its full
 pages and read in a second phase, before the agreed end of the full read, so every rank
 attaches the same pages with the same window (``l3.rank_steps``). So does speculative decoding
-(the draft pool sharded, or replicated where it has fewer KV heads than ranks). Not yet over
-ranks: speculative decoding of a hybrid model (refused at construction, with the reason).
+(the draft pool sharded, or replicated where it has fewer KV heads than ranks), of a hybrid
+target too (a verify step moves the window by up to ``k + 1`` tokens, so the slack per decoding
+request is ``ceil((k + 1) / page)`` pages). Every combination of {full, hybrid} x {spec off,
+on} runs over ranks.
 
 Failures: a copy that still fails after the cache's retries latches ``CacheFailedError``. The
 engine recovers: every request it holds (running, or being admitted or finished) is
@@ -239,9 +241,8 @@ class Engine:
     """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
     trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
     None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
-    run as one of N tensor-parallel ranks (None: one process; not yet with a hybrid model and
-    ``spec``). Every device pool (full, SWA, draft) is built on the ranks'
-    mesh."""
+    run as one of N tensor-parallel ranks (None: one process). Every device pool (full, SWA,
+    draft) is built on the ranks' mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
                  spec: SpecConfig | None = None, weights: PairWeights | None = None, ranks=None) -> None:
@@ -257,11 +258,6 @@ class Engine:
             raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
                              f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
                              f"cache_config.max_context is {cache_config.max_context}")
-        if spec is not None and model_config.is_hybrid and ranks is not None:
-            # Untested over processes: a verify step writes k + 1 positions, so its agreed slide
-            # lags more than the one page per decoding request ``swa_pages_needed`` adds.
-            raise ValueError("spec: speculative decoding of a hybrid (sliding-window) model runs in one process "
-                             "only (ranks is set)")
         if weights is not None:
             if not isinstance(weights, PairWeights):
                 raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")
@@ -347,15 +343,20 @@ class Engine:
         With several ranks (``ranks``) a window slide is agreed at the next agreement step
         (``slide_window(req, written=)``), so it lags up to a step: a prefilling request keeps
         up to one chunk's pages more (``ceil(chunk / page) + 1``, the chunk need not start on
-        a page boundary) and each decoding request one page more. Where the lag is longer
-        (prefill chunks run back to back), ``_alloc_swa`` runs an agreement step and retries."""
+        a page boundary) and each decoding request the pages one step moves its window over:
+        ``ceil(step / page)`` for a step of ``step`` tokens (1 plain, ``k + 1`` for a verify
+        step with ``spec``: its key grows by up to ``k + 1`` per round). Where the lag is
+        longer (prefill chunks run back to back), ``_alloc_swa`` runs an agreement step and
+        retries."""
         w, p = model_config.sliding_window, cache_config.page_size
         chunk = min(cache_config.prefill_chunk, cache_config.max_context)
         tree_window = -(-max(1, w - 1) // p)
         decode = swa_table_width(w, 1, p)
+        step = 1
         if spec is not None:
             decode = tree_window + 1 + -(-spec.num_draft_tokens // p)
-        lag = (-(-chunk // p) + 1 + (cache_config.max_batch - 1)) if ranks else 0
+            step = spec.num_draft_tokens + 1
+        lag = (-(-chunk // p) + 1 + (cache_config.max_batch - 1) * -(-step // p)) if ranks else 0
         return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * decode
                 + cache_config.max_batch * tree_window + lag)
 

@@ -63,6 +63,9 @@ Hybrid (sliding-window) targets
     every prefill chunk and every round the key is synced and the window slid
     (``HiRadixCache.slide_window``), so a request holds a window's worth of SWA pages plus
     its look-ahead, however long it runs; ``release`` frees the look-ahead at the end.
+    Over several ranks the slide is agreed and lags up to a step: a round grows the key by up
+    to ``k + 1`` positions, so a decoding request may hold ``ceil((k + 1) / page)`` pages more
+    until the next agreement step (``Engine.swa_pages_needed`` with ``ranks`` counts them).
 
 Sharding: the draft pool is built on the target pool's mesh, sharded on the KV-head axis,
 and replicated where the draft has fewer KV heads than the mesh has devices

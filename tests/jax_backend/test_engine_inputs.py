@@ -86,16 +86,6 @@ def test_copy_impl_is_checked_at_construction():
         PageCopyConfig(impl=impl)
 
 
-def test_speculative_decoding_of_a_hybrid_model_with_several_ranks_is_refused_at_construction():
-    """Spec over ranks runs for a full-attention model (``tests/distributed/test_engine_ranks_spec.py``);
-    with a hybrid target it is not tested over processes yet."""
-    from hicache_jax.engine import SpecConfig
-    from hicache_jax.reference_model import HYBRID_TINY
-
-    with pytest.raises(ValueError, match="spec: speculative decoding of a hybrid .* one process only"):
-        Engine(HYBRID_TINY, EngineCacheConfig(page_size=4, device_pages=16), spec=SpecConfig(), ranks=object())
-
-
 def test_evict_host_cache_under_write_back_leaves_nothing_on_the_host(tmp_path):
     """write_back backs the prefix up inside the device eviction; the L3 writes of those
     backups pin the host copies until stored, so the host eviction must come after them."""
