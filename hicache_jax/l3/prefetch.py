@@ -76,8 +76,12 @@ class PrefetchOperation:
 
     ``reason`` says in words why it was skipped or revoked; a skipped one also has
     ``reason_code``: ``below_threshold`` (the continuation after what the tree holds is
-    shorter than ``StorageConfig.prefetch_threshold_tokens``), ``not_backed_up``,
-    ``host_budget``, ``namespace_unsupported`` or ``closed``.
+    shorter than ``StorageConfig.prefetch_threshold_tokens``), ``not_backed_up`` (the match
+    ends on a node on the device only and the cache anchors the read there: a key matched
+    whole, a cache with an SWA component, or several ranks; otherwise the read starts where
+    the backed-up prefix ends and the device-only nodes get host copies from it:
+    ``HiRadixCache.backed_up_prefix``), ``host_budget``, ``namespace_unsupported`` or
+    ``closed``.
     """
 
     def __init__(self, owner: object, key: RadixKey, page_size: int) -> None:
