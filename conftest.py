@@ -3,11 +3,14 @@
 * Gives JAX 8 CPU devices (before JAX is imported) so sharded pools run on a real mesh.
 * Turns on JAX's persistent compilation cache for the session (before JAX is imported), in a
   fresh temporary directory that the pytest-xdist workers and every subprocess a test starts
-  inherit through the environment, and that is removed at exit. Most of the JAX env's time was
-  XLA compiling the same executables again: every Engine precompiles its transfer buckets, each
-  xdist worker and each subprocess compiles for itself. A hit returns the executable that the
+  inherit through the environment, and that is removed at exit. Much of the JAX env's time is
+  XLA compiling, and much of that compiled the same executables again: every Engine precompiles
+  its transfer buckets with executables of its own, each xdist worker and each subprocess (bench
+  children, ranks, examples) compiles for itself. A hit returns the executable that the
   same computation compiled to, so no test sees anything else; JAX still records the compile
-  event on a hit (test_reference_model_swa counts those). Set JAX_COMPILATION_CACHE_DIR yourself
+  event on a hit (test_reference_model_swa counts those). The entries are written without a lock
+  (no filelock here); they are compressed, so one read while another worker writes it fails to
+  decompress, and JAX warns and compiles. Set JAX_COMPILATION_CACHE_DIR yourself
   to keep a cache across runs, or to "" to turn it off. Not in .venv-easydel: its tests keep
   their own persistent cache (hicache_jax.integrations.easydel.testing).
 * In an environment without JAX (the Python 3.11 torch env) the JAX-only test folders are
