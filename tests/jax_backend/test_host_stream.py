@@ -236,6 +236,31 @@ def test_precompile_covers_every_stream_shape():
     assert (eng.stream_executables, eng.copier.compile_count) == (built, copier_built)
 
 
+def test_a_second_engine_of_the_same_shapes_compiles_nothing_and_copies_its_own_arena():
+    """Stream executables are shared process-wide (their arena is an argument): a second
+    engine's precompile lowers and compiles nothing (JAX's compile events counted), and its
+    copies still land in its own arena, not the first engine's."""
+    from jax import monitoring
+
+    geom = GEOMS["mha-bf16-p16"]
+    dev1, host1, eng1 = _engine(geom, HostLayout.PAGE_FIRST, groups=2)
+    eng1.precompile()
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if "compile" in event else None  # noqa: E731
+    dev2, host2, eng2 = _engine(geom, HostLayout.PAGE_FIRST, groups=2)  # (its arena's zeros compile)
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        eng2.precompile()
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert eng2.stream_executables == eng1.stream_executables > 0
+    assert [e for e in compiles if "backend_compile" in e] == [], compiles
+    rng = np.random.default_rng(11)
+    before = _poison_host(host1, rng)
+    _check_round_trip(geom, HostLayout.PAGE_FIRST, dev2, host2, eng2, rng)  # byte-exact on engine 2
+    np.testing.assert_array_equal(host1.array, before)  # engine 1's arena untouched
+
+
 def test_an_arena_moved_by_xla_fails_the_backup_instead_of_serving_a_stale_view():
     """An external reference to the arena array (np.asarray of it) stops XLA from updating it
     in place; the backup must fail rather than leave the numpy view (the pool) behind."""

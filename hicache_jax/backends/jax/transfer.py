@@ -44,6 +44,7 @@ a core the model step wants.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import jax
@@ -64,6 +65,11 @@ HOST_COPIES = ("auto", "xla_stream", "numpy")
 log = logging.getLogger(__name__)
 
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
+# Stream executables shared by every engine of the process: one depends only on its plan, its
+# arena's shape, dtype and device and its bucket, not on which arena it is given (an argument),
+# so a second engine of the same shapes traces, lowers and compiles none of them.
+_SHARED_STREAM_EXES: dict = {}
+_SHARED_STREAM_LOCK = threading.Lock()
 _HEAD_AXIS = 3  # of a transfer buffer, in every order: (n | L, L | n, page, heads, width)
 
 
@@ -331,8 +337,14 @@ class JaxTransferEngine(KVTransferEngine):
         # avals costs ~1 ms of Python, and this runs on every load and backup.
         exe = self._stream_exes.get(key)
         if exe is None:
-            jitted, args = build()
-            exe = self._stream_exes[key] = jitted.trace(*args).lower().compile()
+            arena = self._arena
+            shared_key = (self._plan, arena.shape, arena.dtype, self._device) + key
+            with _SHARED_STREAM_LOCK:
+                exe = _SHARED_STREAM_EXES.get(shared_key)
+                if exe is None:
+                    jitted, args = build()
+                    exe = _SHARED_STREAM_EXES[shared_key] = jitted.trace(*args).lower().compile()
+            self._stream_exes[key] = exe
         return exe
 
     def _aval(self, shape):
