@@ -15,8 +15,8 @@ fourth, so its prefixes come back from storage (L3), draft pages read with the t
 
 With DIVERGE=all, rank 1 alone (``engine_rank.diverge``): fails every third host allocation,
 finishes its (target) D2H copies ``SLOW`` steps late, reads one page short of every storage
-read, sees every storage query's seventh page missing, and starts every round ``LATE_S`` after
-rank 0. Each injection counts its firings. With DIVERGE=alloc (the agreement-off control) only
+read (the unread page zeroed: ``zero_short_read_pages``), sees every storage query's seventh
+page missing, and starts every round ``LATE_S`` after rank 0. Each injection counts its firings. With DIVERGE=alloc (the agreement-off control) only
 the host allocations fail, and only ``CONTROL_ROUNDS`` rounds run (no tier is read back: with
 trees that differ the ranks would step different programs); DIVERGE=calm runs those rounds
 without any injection.
@@ -49,7 +49,7 @@ from hicache_jax.storage import StorageConfig
 PAGE, K = 4, 3
 CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 4, 24, 8, 6
 CONTROL_ROUNDS = 1
-FIRED = ("alloc_fail", "slow_d2h", "short_read", "missing_page", "late_start")
+FIRED = ("alloc_fail", "slow_d2h", "short_read", "short_read_zeroed", "missing_page", "late_start")
 
 
 class DraftBytes:
@@ -101,6 +101,27 @@ class DraftBytes:
             return req, lb
 
         e.cache.begin_request = begin_checked
+
+
+def zero_short_read_pages(engine: Engine, fired: dict) -> None:
+    """Rank 1: a read ``engine_rank.diverge`` cut short leaves the first page past the reported
+    hit zeroed in every pool's host page (the injection read it whole and only reported less),
+    so a page attached past the agreed hit would serve wrong bytes, not the right ones."""
+    store = engine.storage.storage
+    get_multi = store.get_multi
+
+    def zeroing(transfers):
+        before = fired["short_read"]
+        r = get_multi(transfers)
+        if fired["short_read"] > before:
+            for t in transfers:
+                ids = np.asarray(t.host_page_ids)
+                if r.hit_pages < ids.size and ids[r.hit_pages] >= 0:
+                    store.codecs[t.pool].runs().zero(int(ids[r.hit_pages]))
+                    fired["short_read_zeroed"] += 1
+        return r
+
+    store.get_multi = zeroing
 
 
 def count_draft_reads(engine: Engine, counts: dict) -> None:
@@ -172,6 +193,7 @@ def main() -> None:
         engine.cache.step_agreement.check_digest = agreement != "none"
         if ranks.rank == 1 and div == "all":
             diverge(engine, rec, fired)
+            zero_short_read_pages(engine, fired)
             late = LATE_S
         elif ranks.rank == 1 and div == "alloc":
             fail_every(engine.cache.host_allocator, 3, fired, "alloc_fail")
