@@ -33,27 +33,28 @@ SCRIPT = str(HERE / "spec_l3_engine_rank.py")
 CLIENTS, PAGE = 3, 4  # spec_l3_engine_rank: requests per round, tokens per page
 
 
-def launch(out: Path, agreement: str, diverge: str, base: dict) -> tuple[dict, dict]:
-    """The rank script as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON."""
+def launch(out: Path, agreement: str, diverge: str, base: dict, script: str = SCRIPT) -> tuple[dict, dict]:
+    """``script`` as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON."""
     out.mkdir()
     (out / "l3").mkdir()
-    launch_local([sys.executable, SCRIPT, str(out), str(out / "l3"), agreement, diverge], 2, timeout_s=300,
+    launch_local([sys.executable, script, str(out), str(out / "l3"), agreement, diverge], 2, timeout_s=300,
                  cwd=str(ROOT), env=base)
     return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
 
 
-def run_ranks_and_single(tmp_path) -> tuple[dict, dict, dict]:
-    """Two ranks under every divergence and, alongside, one process: (single, rank 0, rank 1)."""
+def run_ranks_and_single(tmp_path, script: str = SCRIPT) -> tuple[dict, dict, dict]:
+    """``script`` as two ranks under every divergence and, alongside, as one process: (single,
+    rank 0, rank 1)."""
     base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
     env = rank_env(0, 1, "", base)
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
         env.pop(k)
     one_dir = tmp_path / "single"
     (one_dir / "l3").mkdir(parents=True)
-    single = subprocess.Popen([sys.executable, SCRIPT, str(one_dir), str(one_dir / "l3"), "single", "-"],
+    single = subprocess.Popen([sys.executable, script, str(one_dir), str(one_dir / "l3"), "single", "-"],
                               cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        r0, r1 = launch(tmp_path / "ranks", "kv", "all", base)
+        r0, r1 = launch(tmp_path / "ranks", "kv", "all", base, script)
         out, _ = single.communicate(timeout=300)
     finally:
         if single.poll() is None:
