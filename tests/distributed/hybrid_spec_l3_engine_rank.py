@@ -17,8 +17,9 @@ sees every storage query's seventh page missing), fails every other SWA host all
 first two rounds, and reports every window slide of a decode round a step late
 (``LateSlides``). Each injection counts its firings. ``spec_l3_engine_rank.DraftBytes`` checks
 this rank's shard of the full and draft pages the L3 round is served against what the tree
-held for their prefixes before the tiers were dropped (the SWA pages are not compared here). The single process also serves every
-prompt with plain greedy decoding (no cache, no speculation). Writes OUT_DIR/<rank or single>.json.
+held for their prefixes before the tiers were dropped (the SWA pages are not compared here).
+The single process also serves every prompt with plain greedy decoding (no cache, no
+speculation). Writes OUT_DIR/<rank or single>.json.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import replace
 import numpy as np
 from engine_rank import diverge  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
-from hybrid_spec_engine_rank import ANSWER, CLIENTS, FIRSTS, K, PAGE, PERIOD, TURN, LateSlides, hybrid_pair  # noqa: E402
+from hybrid_spec_engine_rank import (  # noqa: E402
+    ANSWER, CLIENTS, FIRSTS, K, PAGE, PERIOD, TURN, LateSlides, hybrid_pair)
 from spec_l3_engine_rank import DraftBytes, count_draft_reads  # noqa: E402
 
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig

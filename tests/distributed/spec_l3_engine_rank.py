@@ -16,10 +16,10 @@ fourth, so its prefixes come back from storage (L3), draft pages read with the t
 With DIVERGE=all, rank 1 alone (``engine_rank.diverge``): fails every third host allocation,
 finishes its (target) D2H copies ``SLOW`` steps late, reads one page short of every storage
 read (the unread page zeroed: ``zero_short_read_pages``), sees every storage query's seventh
-page missing, and starts every round ``LATE_S`` after rank 0. Each injection counts its firings. With DIVERGE=alloc (the agreement-off control) only
-the host allocations fail, and only ``CONTROL_ROUNDS`` rounds run (no tier is read back: with
-trees that differ the ranks would step different programs); DIVERGE=calm runs those rounds
-without any injection.
+page missing, and starts every round ``LATE_S`` after rank 0. Each injection counts its
+firings. With DIVERGE=alloc (the agreement-off control) only the host allocations fail, and
+only ``CONTROL_ROUNDS`` rounds run (no tier is read back: with trees that differ the ranks
+would step different programs); DIVERGE=calm runs those rounds without any injection.
 
 What the L3 round was served, on this rank: ``DraftBytes`` remembers, before the tiers are
 dropped, this rank's shard of every cached page of the target and of the draft pool under the
