@@ -206,6 +206,7 @@ def main() -> None:
     rec.prepare()
     rec.apply(None)
     metrics = {k: v for k, v in engine.cache.metrics.as_dict().items() if "prefetch" in k or "storage" in k}
+    metrics["prefetch_skipped_by_reason"] = dict(engine.cache.metrics.prefetch_skipped_by_reason)
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

@@ -82,6 +82,9 @@ def test_two_ranks_decode_speculatively_from_l1_l2_and_l3_with_the_single_proces
     assert r0["metrics"]["loaded_storage_tokens"] == r1["metrics"]["loaded_storage_tokens"] > 0
     alone = one["tiers"][3 * CLIENTS:]
     assert sum(t["storage"] for t in rounds[3]) < sum(t["storage"] for t in alone), (rounds[3], alone)
+    # A prefix whose backup failed (agreed: rank 1's host allocation) never reached L3: its
+    # prefetch is skipped alike on both ranks.
+    assert r0["metrics"]["prefetch_skipped_by_reason"] == r1["metrics"]["prefetch_skipped_by_reason"]
     # Draft pages came from storage with the target's, on both ranks, page for page; rank 1
     # read short, and both attached no more than it read.
     for r in (one, r0, r1):
