@@ -12,9 +12,10 @@ host before the fourth, so its prefixes come back from storage (L3): full pages,
 SWA pages and the draft pages.
 
 With DIVERGE=all, rank 1 alone: everything ``engine_rank.diverge`` does (fails every third
-host allocation, finishes its target D2H copies late, reads a page short of every storage read,
-sees every storage query's seventh page missing), fails every other SWA host allocation in the
-first two rounds, and reports every window slide of a decode round a step late
+host allocation, but only until the L3 round, so that whether its reservations fail does not
+depend on how the earlier rounds' copies were timed; finishes its target D2H copies late, reads
+a page short of every storage read, sees every storage query's seventh page missing), fails
+every other SWA host allocation in the first two rounds, and reports every window slide of a decode round a step late
 (``LateSlides``). Each injection counts its firings. ``spec_l3_engine_rank.DraftBytes`` checks
 this rank's shard of the full and draft pages the L3 round is served against what the tree
 held for their prefixes before the tiers were dropped (the SWA pages are not compared here).
@@ -45,9 +46,11 @@ FIRED = ("alloc_fail", "slow_d2h", "short_read", "missing_page", "swa_host_alloc
 
 
 class Round:
-    """The workload's round (the SWA allocation failures fire in the first two only)."""
+    """The workload's round (the SWA allocation failures fire in the first two only) and what
+    runs before the L3 round (``before_l3``)."""
 
     index = 0
+    before_l3 = None
 
 
 def fail_swa_early(engine: Engine, fired: dict, now: Round) -> None:
@@ -76,6 +79,8 @@ def workload(engine: Engine, now: Round) -> tuple[list, list, list, list, DraftB
     for r in range(ROUNDS):
         now.index = r
         if r == 3:
+            if now.before_l3 is not None:
+                now.before_l3()
             engine.flush()
             for h in hist:  # what the tree holds: the last prompt and its answer
                 audit.remember(h)
@@ -121,7 +126,12 @@ def main() -> None:
         engine.cache.step_agreement.add(rec)
         engine.cache.step_agreement.check_digest = True
         if div == "all" and ranks.rank == 1:
+            host_alloc = engine.cache.host_allocator.alloc
             diverge(engine, rec, fired)
+
+            def calm_host_alloc() -> None:  # the L3 round's host reservations all succeed: its reads run
+                engine.cache.host_allocator.alloc = host_alloc
+            now.before_l3 = calm_host_alloc
             fail_swa_early(engine, fired, now)
             LateSlides(engine, fired)
     reads = {"draft_read_pages": 0, "target_read_pages": 0}
@@ -131,6 +141,7 @@ def main() -> None:
     rec.prepare()
     rec.apply(None)
     metrics = {k: v for k, v in engine.cache.metrics.as_dict().items() if "prefetch" in k or "storage" in k}
+    metrics["prefetch_skipped_by_reason"] = dict(engine.cache.metrics.prefetch_skipped_by_reason)
     out = {"tokens": tokens, "tiers": tiers, "accept_lengths": accepts, "digests": rec.digests, "fired": fired,
            "reads": reads, "metrics": metrics, "swa_loaded_tokens": engine.swa.metrics.loaded_tokens,
            "bytes_remembered": len(audit.want), "bytes_checked": audit.checked, "bytes_unknown": audit.unknown,

@@ -3,7 +3,7 @@ real processes WITH L3 storage (file; full, SWA and draft pools sharded on the K
 the same workload in one process (``hybrid_spec_l3_engine_rank.py``).
 
 Rounds are served from the device (L1), the host (L2) and storage (L3: full pages, windows and
-draft pages). Rank 1 alone fails host and SWA host allocations, finishes its D2H copies late,
+draft pages). Rank 1 alone fails host and SWA host allocations (before the L3 round), finishes its D2H copies late,
 reads a page short of every storage read, sees a storage page missing and reports its window
 slides a step late. The ranks must produce the single process's tokens, which are plain greedy
 decoding's, with the same accept lengths; their digests (SWA and draft state included) must be
@@ -43,6 +43,7 @@ def test_two_ranks_decode_a_hybrid_target_speculatively_from_l1_l2_and_l3_with_t
     alone = one["tiers"][3 * CLIENTS:]
     assert all(t["storage"] > 0 for t in alone), alone
     assert sum(t["storage"] for t in rounds[3]) < sum(t["storage"] for t in alone)
+    assert r0["metrics"]["prefetch_skipped_by_reason"] == r1["metrics"]["prefetch_skipped_by_reason"]
     for r in (one, r0, r1):  # draft pages read from storage with the target's, page for page
         assert r["reads"]["draft_read_pages"] == r["reads"]["target_read_pages"] > 0, r["reads"]
         assert r["bytes_remembered"] > 0 and r["bytes_checked"] > 0 and r["bytes_unknown"] == 0, r
