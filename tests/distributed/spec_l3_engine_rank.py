@@ -13,8 +13,9 @@ with L3 (file) in four rounds: the first computes everything, the second hits th
 the device tier is dropped before the third (L2), and device and host are dropped before the
 fourth, so its prefixes come back from storage (L3), draft pages read with the target's.
 
-With DIVERGE=all, rank 1 alone (``engine_rank.diverge``): fails every third host allocation,
-finishes its (target) D2H copies ``SLOW`` steps late, reads one page short of every storage
+With DIVERGE=all, rank 1 alone (``engine_rank.diverge``): fails every third host allocation
+(until the L3 round, so that whether its reservations fail does not depend on how the earlier
+rounds' copies were timed), finishes its (target) D2H copies ``SLOW`` steps late, reads one page short of every storage
 read (the unread page zeroed: ``zero_short_read_pages``), sees every storage query's seventh
 page missing, and starts every round ``LATE_S`` after rank 0. Each injection counts its
 firings. With DIVERGE=alloc (the agreement-off control) only the host allocations fail, and
@@ -138,15 +139,19 @@ def count_draft_reads(engine: Engine, counts: dict) -> None:
     store.get_multi = counted
 
 
-def workload(engine: Engine, rounds: int, late_s: float, fired: dict) -> tuple[list, list, DraftBytes]:
+def workload(engine: Engine, rounds: int, late_s: float, fired: dict,
+             before_l3=None) -> tuple[list, list, DraftBytes]:
     """Multi-turn conversations; before round 2 the device tier is dropped (L2), before round 3
-    the device and host tiers (L3). Returns (tokens, cached tokens by tier, the byte check)."""
+    the device and host tiers (L3), after ``before_l3()`` (if given). Returns (tokens, cached
+    tokens by tier, the byte check)."""
     rng = np.random.default_rng(5)
     hist = [rng.integers(0, MODEL.vocab_size, FIRST).tolist() for _ in range(CLIENTS)]
     tokens, tiers = [], []
     audit = DraftBytes(engine)
     for r in range(rounds):
         if r == 3:
+            if before_l3 is not None:
+                before_l3()
             engine.flush()
             for h in hist:  # what the tree holds: the last prompt and its answer
                 audit.remember(h)
@@ -188,11 +193,17 @@ def main() -> None:
     fired = dict.fromkeys(FIRED, 0)
     late = 0.0
     rounds = ROUNDS
+    before_l3 = None
     if ranks is not None:
         engine.cache.step_agreement.add(rec)
         engine.cache.step_agreement.check_digest = agreement != "none"
         if ranks.rank == 1 and div == "all":
+            host_alloc = engine.cache.host_allocator.alloc
             diverge(engine, rec, fired)
+
+            def calm_host_alloc() -> None:  # the L3 round's host reservations all succeed: its reads run
+                engine.cache.host_allocator.alloc = host_alloc
+            before_l3 = calm_host_alloc
             zero_short_read_pages(engine, fired)
             late = LATE_S
         elif ranks.rank == 1 and div == "alloc":
@@ -201,7 +212,7 @@ def main() -> None:
         rounds = CONTROL_ROUNDS
     reads = {"draft_read_pages": 0, "target_read_pages": 0}
     count_draft_reads(engine, reads)  # after rank 1's short reads: counts what the reads returned
-    tokens, tiers, audit = workload(engine, rounds, late, fired)
+    tokens, tiers, audit = workload(engine, rounds, late, fired, before_l3)
     engine.flush()  # every copy acknowledged: the last digest is the settled state
     rec.prepare()
     rec.apply(None)
