@@ -10,7 +10,8 @@ every window slide of a decode round one step late (``hybrid_spec_engine_rank.py
 must produce the single process's tokens, which are plain greedy decoding's; their digests
 (SWA and draft state included) must be equal after every agreement step and at every exchange
 (``check_digest``); both injections must have fired; and the rounds must be served from the
-device (L1) and, after a device eviction, from the host (L2) alike on both ranks.
+device (L1) and, after a device eviction, from the host (L2) alike on both ranks. The same
+served from L3 too, with rank 1's storage faults: ``test_engine_ranks_hybrid_spec_l3``.
 """
 
 from __future__ import annotations

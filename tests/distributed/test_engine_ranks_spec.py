@@ -4,7 +4,8 @@ in one process; no L3. Rank 1 alone fails every third host allocation
 (``spec_engine_rank.py``). The ranks must produce the single process's tokens, their digests
 must be equal at every exchange (``check_digest``) and after every step, the injection must
 have fired, and the rounds must be served from the device (L1) and, after a device eviction,
-from the host (L2) alike on both ranks.
+from the host (L2) alike on both ranks. The same served from L3 too, with rank 1's storage
+faults and the agreement-off control: ``test_engine_ranks_spec_l3``.
 """
 
 from __future__ import annotations
