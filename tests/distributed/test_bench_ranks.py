@@ -52,7 +52,8 @@ def test_bench_spec_runs_as_two_processes_with_the_same_tokens_on_both_ranks(tmp
 @pytest.mark.slow  # ~3 min on a loaded 2-vCPU VM
 def test_bench_multiturn_of_a_hybrid_model_runs_as_two_processes_with_the_same_tokens_on_both_ranks(tmp_path):
     """``bench multiturn --model hybrid --quick --num-processes 2`` (the tiny hybrid preset):
-    both ranks serve rank 0's tokens, equal to the no-cache run's, with prefix hits."""
-    payload, stdout = _bench(tmp_path, "multiturn", "--quick", "--model", "hybrid", "--storage-backend", "none")
+    both ranks serve rank 0's tokens, equal to the no-cache run's, with prefix hits, on the
+    shared file L3 the parent sets up for ranks."""
+    payload, stdout = _bench(tmp_path, "multiturn", "--quick", "--model", "hybrid")
     _same_on_both_ranks(payload, stdout)
     assert payload["same_tokens"] and payload["hicache"]["cache_hit_rate"] > 0
