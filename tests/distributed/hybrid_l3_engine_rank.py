@@ -14,9 +14,9 @@ dropped before the third (L2: full pages and the windows' SWA pages come back fr
 and device and host are dropped before the fourth, so its prefixes (windows included) come
 back from storage (L3).
 
-With DIVERGE=all, rank 1 alone: fails every third SWA host allocation in the first two rounds
-(its backups of SWA pages: SWA host tombstones the agreement must make every rank's, so the
-L2 round is served less from the host),
+With DIVERGE=all, rank 1 alone: fails every third SWA host allocation and every fourth full
+host allocation in the first two rounds (its backups: host tombstones and rolled-back backups
+the agreement must make every rank's, so the L2 round is served less from the host),
 finishes its D2H copies of both pools ``SLOW`` steps late, and in the last round: sees the
 first storage query's pages from ``MISSING_AFTER`` on missing, reads the first full-pool read
 (the same request's) one page short, and reads the second SWA window read one page short (all
@@ -53,7 +53,7 @@ PAGE = 4
 FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36, 40), 4, 8, 4
 CONTROL_ROUNDS = 1
 MISSING_AFTER = 8  # storage queries on rank 1 see at most this many pages (a hit still spans a window)
-FIRED = ("swa_host_alloc_fail", "slow_d2h", "short_read", "short_window_read", "missing_page")
+FIRED = ("swa_host_alloc_fail", "host_alloc_fail", "slow_d2h", "short_read", "short_window_read", "missing_page")
 
 
 class Round:
@@ -75,6 +75,17 @@ def diverge(engine, rec: AfterStepRecorder, fired: dict, now: Round) -> None:
         return swa_alloc(n)
 
     engine.swa.host_allocator.alloc = failing_swa_alloc
+    full_alloc = engine.cache.host_allocator.alloc
+    full_calls = [0]
+
+    def failing_full_alloc(n):  # every fourth in the first two rounds (backups of full pages)
+        full_calls[0] += 1
+        if n and now.index < 2 and full_calls[0] % 4 == 0:
+            fired["host_alloc_fail"] += 1
+            return None
+        return full_alloc(n)
+
+    engine.cache.host_allocator.alloc = failing_full_alloc
     for transfer in (engine.transfer, engine.swa_transfer):
         backup = transfer.backup
 
