@@ -16,7 +16,9 @@ back from storage (L3).
 
 With DIVERGE=all, rank 1 alone: fails every third SWA host allocation and every fourth full
 host allocation in the first two rounds (its backups: host tombstones and rolled-back backups
-the agreement must make every rank's, so the L2 round is served less from the host),
+the agreement must make every rank's, so the L2 round is served less from the host), reports
+each decode step's window slide with the length of the step before (its slides lag rank 0's by
+a step; the agreed slide is the minimum, so nothing may differ),
 finishes its D2H copies of both pools ``SLOW`` steps late, and in the last round: sees the
 first storage query's pages from ``MISSING_AFTER`` on missing, reads the first full-pool read
 (the same request's) one page short, and reads the second SWA window read one page short (all
@@ -53,7 +55,7 @@ PAGE = 4
 FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36, 40), 4, 8, 4
 CONTROL_ROUNDS = 1
 MISSING_AFTER = 8  # storage queries on rank 1 see at most this many pages (a hit still spans a window)
-FIRED = ("swa_host_alloc_fail", "host_alloc_fail", "slow_d2h", "short_read", "short_window_read", "missing_page")
+FIRED = ("swa_host_alloc_fail", "host_alloc_fail", "late_slide", "slow_d2h", "short_read", "short_window_read", "missing_page")
 
 
 class Round:
@@ -86,6 +88,19 @@ def diverge(engine, rec: AfterStepRecorder, fired: dict, now: Round) -> None:
         return full_alloc(n)
 
     engine.cache.host_allocator.alloc = failing_full_alloc
+    slide_window, reported = engine.cache.slide_window, {}
+
+    def late_slide(req, written=None):  # a decode step's slide reports the length of the step before
+        n = len(req.key) if written is None else written
+        last = reported.get(id(req))
+        report = n
+        if last is not None and last[0] is req and n - last[1] == 1:  # one token more: a decode step
+            report = last[1]
+            fired["late_slide"] += 1
+        reported[id(req)] = (req, n)
+        slide_window(req, written=report)
+
+    engine.cache.slide_window = late_slide
     for transfer in (engine.transfer, engine.swa_transfer):
         backup = transfer.backup
 
