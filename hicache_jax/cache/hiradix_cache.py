@@ -329,9 +329,12 @@ class HiRadixCache:
         self._requests.own = tuple(self._own.values())
         self.agreement = agreement
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
-        # With ranks a device-only node may sit in a backup chain reserved for the step's
-        # agreement: an L3 attach must not give it a host copy (``backed_up_prefix``).
-        self._inserter.device_only_host_copies = not self.agreed
+        # Whether an L3 prefetch reads for device-only nodes and gives them host copies
+        # (``backed_up_prefix``, ``insert_host``). Not with stateful components (their host
+        # state for such nodes is not built there), nor with ranks (a device-only node may sit
+        # in a backup chain reserved for the step's agreement, which must not get a copy).
+        self._device_only_host_copies = not stateful and not self.agreed
+        self._inserter.device_only_host_copies = self._device_only_host_copies
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
         self._component_steps = None  # several ranks with own-id components: agreed window slides
@@ -724,9 +727,7 @@ class HiRadixCache:
         segs, matched = self._tree.walk(key, n)
         if not segs:
             return self._tree.root, 0, 0
-        if matched < n and segs[-1][0].host_value is None and not self._stateful and not self.agreed:
-            # Not with ranks: a device-only node there may be in a backup chain reserved this
-            # step (host copy pending the agreement), which an attach must not give a copy.
+        if matched < n and segs[-1][0].host_value is None and self._device_only_host_copies:
             # Backed-up nodes form a prefix of the path: the last one before the first that is not.
             k = next(i for i, (node, _m, _off) in enumerate(segs) if node.host_value is None)
             if k == 0:

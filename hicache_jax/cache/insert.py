@@ -45,7 +45,7 @@ class Inserter:
         self.stamp_split_remainder = stamp_split_remainder
         self.hooked: tuple = ()  # components with their own residency (``components``)
         # Whether ``insert_host`` gives device-only nodes on its path the pages read for them
-        # (False with ranks: the owner sets it; see ``insert_host``).
+        # (False with stateful components or ranks: the owner sets it).
         self.device_only_host_copies = True
 
     def bad_pages(self, pages: np.ndarray) -> None:
@@ -209,9 +209,9 @@ class Inserter:
         connect because the backed-up path now ends before ``start``). Device-only nodes
         after the backed-up path (a prefetch anchored before them: ``backed_up_prefix``) take
         the pages of their tokens as host copies, parent first, the last one split at the
-        walk's end, and the rest attaches below them; with stateful components (``hooked``)
-        the pages are freed there instead (their host state for such nodes is not built
-        here). The leaf is the deepest node given pages, None when nothing was attached.
+        walk's end, and the rest attaches below them; where ``device_only_host_copies`` is off
+        (stateful components, ranks) the pages are freed there instead. The leaf is the
+        deepest node given pages, None when nothing was attached.
         ``comp_pages``: host pages of components with their own ids (by name, aligned with
         ``ids``, -1 where none), handed to their ``on_attach_host`` hook, which keeps or frees
         each one."""
@@ -229,7 +229,7 @@ class Inserter:
             backed, last, last_m = off + m, node, m
             k += 1
         if ids.size == 0 or backed < start or backed >= end or \
-                (matched > backed and (self.hooked or not self.device_only_host_copies)):
+                (matched > backed and not self.device_only_host_copies):
             if ids.size:
                 res.host_allocator.free(ids)
             if self.hooked:
