@@ -72,15 +72,15 @@ class LateHandle:
         return getattr(self.inner, name)
 
 
-def fail_every(allocator, every: int, fired: dict, key: str) -> None:
-    """Make every ``every``-th non-empty ``allocator.alloc`` fail (None), counted in ``fired[key]``
-    (this rank only: the divergence the agreement must absorb)."""
+def fail_every(allocator, every: int, fired: dict, key: str, active=lambda: True) -> None:
+    """Make every ``every``-th non-empty ``allocator.alloc`` fail (None) while ``active()``,
+    counted in ``fired[key]`` (this rank only: the divergence the agreement must absorb)."""
     alloc = allocator.alloc
     calls = [0]
 
     def failing(n):
         calls[0] += 1
-        if n and calls[0] % every == 0:
+        if n and calls[0] % every == 0 and active():
             fired[key] += 1
             return None
         return alloc(n)

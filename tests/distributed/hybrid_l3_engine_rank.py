@@ -66,28 +66,9 @@ class Round:
 
 def diverge(engine, rec: AfterStepRecorder, fired: dict, now: Round) -> None:
     """Rank 1's own faults (see the module docstring); each counts in ``fired``."""
-    swa_alloc = engine.swa.host_allocator.alloc
-    calls = [0]
-
-    def failing_swa_alloc(n):  # every third in the first two rounds (backups of SWA pages)
-        calls[0] += 1
-        if n and now.index < 2 and calls[0] % 3 == 0:
-            fired["swa_host_alloc_fail"] += 1
-            return None
-        return swa_alloc(n)
-
-    engine.swa.host_allocator.alloc = failing_swa_alloc
-    full_alloc = engine.cache.host_allocator.alloc
-    full_calls = [0]
-
-    def failing_full_alloc(n):  # every fourth in the first two rounds (backups of full pages)
-        full_calls[0] += 1
-        if n and now.index < 2 and full_calls[0] % 4 == 0:
-            fired["host_alloc_fail"] += 1
-            return None
-        return full_alloc(n)
-
-    engine.cache.host_allocator.alloc = failing_full_alloc
+    early = lambda: now.index < 2  # noqa: E731 - the first two rounds (their backups)
+    fail_every(engine.swa.host_allocator, 3, fired, "swa_host_alloc_fail", early)
+    fail_every(engine.cache.host_allocator, 4, fired, "host_alloc_fail", early)
     slide_window, reported = engine.cache.slide_window, {}
 
     def late_slide(req, written=None):  # a decode step's slide reports the length of the step before

@@ -31,7 +31,7 @@ import sys
 from dataclasses import replace
 
 import numpy as np
-from engine_rank import diverge  # noqa: E402 - this script's directory is on sys.path
+from engine_rank import diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
 from hybrid_spec_engine_rank import (  # noqa: E402
     ANSWER, CLIENTS, FIRSTS, K, PAGE, PERIOD, TURN, LateSlides, hybrid_pair)
@@ -54,17 +54,8 @@ class Round:
 
 
 def fail_swa_early(engine: Engine, fired: dict, now: Round) -> None:
-    alloc = engine.swa.host_allocator.alloc
-    calls = [0]
-
-    def failing(n):  # every other, in the first two rounds (backups of SWA pages)
-        calls[0] += 1
-        if n and now.index < 2 and calls[0] % 2 == 0:
-            fired["swa_host_alloc_fail"] += 1
-            return None
-        return alloc(n)
-
-    engine.swa.host_allocator.alloc = failing
+    """Every other SWA host allocation fails in the first two rounds (backups of SWA pages)."""
+    fail_every(engine.swa.host_allocator, 2, fired, "swa_host_alloc_fail", lambda: now.index < 2)
 
 
 def workload(engine: Engine, now: Round) -> tuple[list, list, list, list, DraftBytes]:
