@@ -13,7 +13,13 @@ length (``note``), and each step agrees on it:
 
 * ``note(req, n)`` (every rank calls ``slide_window`` at the same point, so which requests
   are tracked and *dirty*, i.e. noted since they last agreed, is the same on every rank);
-* ``prepare`` picks up to ``budget`` dirty requests, oldest first;
+* ``prepare`` picks up to ``budget`` dirty requests: first those noted since their last
+  exchange (*unsent*), then the others, each group in the tracking order; a picked request
+  then moves to the end of that order. So with more decoding requests than the budget every
+  one is reported in turn (at least every ``ceil(n / budget)`` steps), and requests a rank
+  keeps noting shorter (dirty for good) never hold a newly noted one back (``flush`` waits for
+  every noted length to be sent). Dirty and unsent flags and the order change only on
+  ``note`` / ``apply`` / ``forget``, alike on every rank, so every rank picks the same;
 * ``report`` appends two values per picked request: this rank's noted length and its
   negation (MIN and MAX over ranks);
 * ``apply`` slides every component to the agreed MIN (never backwards), and a request whose
@@ -84,12 +90,10 @@ class ComponentSteps:
 
     # ------------------------------------------------------------------ StepAgreement participant
     def prepare(self) -> None:
-        step = []
-        for e in self.tracked.values():
-            if e.dirty:
-                step.append(e)
-                if len(step) >= self.budget:
-                    break
+        unsent = [e for e in self.tracked.values() if e.unsent]
+        step = unsent[:self.budget]
+        if len(step) < self.budget:
+            step += [e for e in self.tracked.values() if e.dirty and not e.unsent][:self.budget - len(step)]
         self._step = step
 
     def report(self, out: list[int]) -> None:
@@ -108,6 +112,10 @@ class ComponentSteps:
             e.unsent = False
             if lo == hi:
                 e.dirty = False
+            k = id(e.req)
+            if self.tracked.get(k) is e:  # to the end of the order: the others go first next time
+                del self.tracked[k]
+                self.tracked[k] = e
 
     def abandon(self) -> None:
         self._step = []
