@@ -83,7 +83,8 @@ def launch(args, name: str) -> dict:
                         "agreement_steps": steps}
     per_step = steps[0]["seconds"] / max(steps[0]["exchanges"], 1)
     print(f"{n} ranks: tokens identical on every rank: {all(same)}; agreement {args.agreement}: "
-          f"{steps[0]['exchanges']} exchanges on rank 0, {per_step * 1e6:,.0f} us each on average")
+          f"{steps[0]['exchanges']} exchanges on rank 0 over {steps[0]['caches']} engine(s), "
+          f"{per_step * 1e6:,.0f} us each on average")
     if not all(same):
         raise RuntimeError(f"ranks produced different tokens (same as rank 0: {same})")
     return payload
@@ -111,13 +112,25 @@ def rank_out(args) -> None:
         args.out = os.path.join(os.environ[RANK_OUT_ENV], f"rank{os.environ[RANK_ENV]}-report.json")
 
 
-def report_rank(cache, payload: dict, tokens) -> None:
+def report_rank(caches, payload: dict, tokens) -> None:
     """In a launched rank: hand the parent this rank's payload (rank 0's is the report), its
-    tokens (any JSON value the parent compares with rank 0's) and the cache's agreement counts."""
+    tokens (any JSON value the parent compares with rank 0's) and the agreement counts summed
+    over ``caches`` (one cache, or every engine's cache the bench ran on this rank)."""
     out = os.environ.get(RANK_OUT_ENV)
     if not out or not in_rank():
         return
     rank = int(os.environ[RANK_ENV])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"payload": payload if rank == 0 else None, "tokens": tokens,
-                   "agreement": cache.step_agreement.stats()}, f, default=str)
+                   "agreement": agreement_totals(caches)}, f, default=str)
+
+
+def agreement_totals(caches) -> dict:
+    """Steps, exchanges and exchange seconds summed over the caches' step agreements (a bench
+    that restarts engines runs several caches per rank; each counts only its own steps)."""
+    if not isinstance(caches, (list, tuple)):
+        caches = [caches]
+    stats = [c.step_agreement.stats() for c in caches]
+    return {"caches": len(stats), "steps": sum(s["steps"] for s in stats),
+            "exchanges": sum(s["exchanges"] for s in stats), "seconds": sum(s["seconds"] for s in stats),
+            "participants": sorted({p for s in stats for p in s["participants"]})}

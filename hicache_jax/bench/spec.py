@@ -102,6 +102,7 @@ def _run(args, progress: Progress) -> dict:
     def engine(backing: bool, warm_prompt: list[int]) -> "Engine":
         e = Engine(cfg, cache, spec=SpecConfig(num_draft_tokens=args.k, draft_backing=backing), weights=pair,
                    ranks=rank)
+        caches.append(e.cache)
         e.warmup()
         e.generate([warm_prompt], args.new_tokens)  # compiles the transfer paths; fills both pools
         e.flush()
@@ -109,6 +110,7 @@ def _run(args, progress: Progress) -> dict:
         return e
 
     results: dict[str, list] = {c: [] for c in CASES}
+    caches = []  # every engine's cache, for the agreement counts of a rank
     progress.phase("the first engine: compiling every step shape (the later engines reuse the programs)")
     first = engine(True, warm[0])
     progress.phase("serving: per prompt an engine for cold + L1, then two restarted ones (L3 with and without "
@@ -161,7 +163,7 @@ def _run(args, progress: Progress) -> dict:
                           config, summary, args.k)
     out = {"benchmark": "spec", "machine": machine_info(), "config": vars(args), "weights_meta": pair.meta,
            "cases": summary, "ratios": ratios, "plot": png}
-    # With --num-processes: every case's tokens, and the agreement counts of the first engine
-    # (cold and L1), go to the parent.
-    ranks.report_rank(first.cache, out, {c: [x.tokens for x in res] for c, res in results.items()})
+    # With --num-processes: every case's tokens, and the agreement counts summed over every
+    # engine this rank ran (cold + L1 and each restart), go to the parent.
+    ranks.report_rank(caches, out, {c: [x.tokens for x in res] for c, res in results.items()})
     return out

@@ -31,6 +31,7 @@ def _same_on_both_ranks(payload: dict, stdout: str) -> None:
     assert ranks["num_processes"] == 2 and ranks["same_tokens_as_rank0"] == [True, True]
     steps = ranks["agreement_steps"]
     assert steps[0]["exchanges"] == steps[1]["exchanges"] > 0
+    assert steps[0]["caches"] == steps[1]["caches"] >= 1
     assert "tokens identical on every rank: True" in stdout
 
 
@@ -41,6 +42,8 @@ def test_bench_spec_runs_as_two_processes_with_the_same_tokens_on_both_ranks(tmp
     ranks (restored accept length = the L1 hit's), and without draft backing it does not."""
     payload, stdout = _bench(tmp_path, "spec", "--quick")
     _same_on_both_ranks(payload, stdout)
+    # the counts cover every engine of the rank: cold + L1, then the two restarts on L3
+    assert payload["ranks"]["agreement_steps"][0]["caches"] == 3
     cases = payload["cases"]
     assert all(c["same_tokens_as_cold"] for c in cases.values()), {k: c["same_tokens_as_cold"] for k, c in cases.items()}
     assert cases["L1"]["cached_tokens"]["device"] > 0
