@@ -15,7 +15,8 @@ fourth, so its prefixes come back from storage (L3), draft pages read with the t
 
 With DIVERGE=all, rank 1 alone (``engine_rank.diverge``): fails every third host allocation
 (until the L3 round, so that whether its reservations fail does not depend on how the earlier
-rounds' copies were timed), finishes its (target) D2H copies ``SLOW`` steps late, reads one page short of every storage
+rounds' copies were timed), finishes its target D2H copies ``SLOW`` steps late and its draft D2H
+copies one step later still (``late_draft_backups``: a backup is done when both halves are), reads one page short of every storage
 read (the unread page zeroed: ``zero_short_read_pages``), sees every storage query's seventh
 page missing, and starts every round ``LATE_S`` after rank 0. Each injection counts its
 firings. With DIVERGE=alloc (the agreement-off control) only the host allocations fail, and
@@ -39,7 +40,7 @@ import sys
 import time
 
 import numpy as np
-from engine_rank import LATE_S, MODEL, diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
+from engine_rank import LATE_S, MODEL, LateHandle, diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
 from hybrid_l3_engine_rank import local_pages, rank_context_without_exchange  # noqa: E402
 
@@ -50,7 +51,7 @@ from hicache_jax.storage import StorageConfig
 PAGE, K = 4, 3
 CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 4, 24, 8, 6
 CONTROL_ROUNDS = 1
-FIRED = ("alloc_fail", "slow_d2h", "short_read", "short_read_zeroed", "missing_page", "late_start")
+FIRED = ("alloc_fail", "slow_d2h", "slow_draft_d2h", "short_read", "short_read_zeroed", "missing_page", "late_start")
 
 
 class DraftBytes:
@@ -102,6 +103,22 @@ class DraftBytes:
             return req, lb
 
         e.cache.begin_request = begin_checked
+
+
+def late_draft_backups(engine: Engine, rec, fired: dict) -> None:
+    """Rank 1: the draft pool's D2H copies report done one step after the target's late ones,
+    so a page's backup is complete on this rank only when its draft half is."""
+    transfer = engine.spec.transfer
+    backup = transfer.backup
+
+    def late(d, h):
+        fired["slow_draft_d2h"] += 1
+        handle = LateHandle(backup(d, h), rec)
+        handle.ready_at += 1
+        return handle
+
+    transfer.backup = late
+    transfer.backup_owned = late
 
 
 def zero_short_read_pages(engine: Engine, fired: dict) -> None:
@@ -200,6 +217,7 @@ def main() -> None:
         if ranks.rank == 1 and div == "all":
             host_alloc = engine.cache.host_allocator.alloc
             diverge(engine, rec, fired)
+            late_draft_backups(engine, rec, fired)
 
             def calm_host_alloc() -> None:  # the L3 round's host reservations all succeed: its reads run
                 engine.cache.host_allocator.alloc = host_alloc
