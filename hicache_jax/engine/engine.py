@@ -58,8 +58,8 @@ and the full pool's decode reserve), sampled before every model step: the memory
 whatever the cache keeps besides.
 
 Several processes (``ranks``: a ``multiprocess.RankContext``): the engine is one tensor-parallel
-rank. Its device pool is sharded over the ranks' mesh on the KV-head axis, its host pool holds
-its own heads, the model's weights are replicated, and the cache agrees with the other ranks
+rank. Its device pool is sharded over the ranks' mesh on the KV-head axis (replicated on every
+rank for MLA or a model with fewer KV heads than ranks), its host pool holds its own heads, the model's weights are replicated, and the cache agrees with the other ranks
 once per step; arrivals are admitted by the agreed clock and a waited load-back is always
 acknowledged through the agreement (``multiprocess``). Every rank gives the same tokens.
 A hybrid (SWA) model runs over ranks too: its SWA pool is sharded like the full pool, window
@@ -270,7 +270,9 @@ class Engine:
         self.geom = model_config.kv_geometry(page)
         self.ranks = ranks
         mesh = None if ranks is None else ranks.mesh
-        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages, mesh=mesh)
+        # Fewer KV heads than ranks (e.g. 8 KV heads on 16 ranks): every rank holds every head,
+        # as an MLA pool does; its L3 pages are then written by rank 0 under rank-independent keys.
+        self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages, mesh=mesh, replicate_fewer_heads=True)
         host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)  # equal on every rank
         self.host_pool = pinned_host_pool(self.device_pool.local_geom, host_pages, cache_config.host.layout,
                                           device=self.device_pool.local_device)
@@ -375,7 +377,7 @@ class Engine:
         geom = model.swa_kv_geometry(cfg.page_size)
         # On the full pool's mesh, sharded on the KV heads as it is (its host pool: this rank's heads).
         full = self.device_pool
-        pool = JaxDevicePool(geom, pages, mesh=full.mesh, kv_axis=full.kv_axis or "tp")
+        pool = JaxDevicePool(geom, pages, mesh=full.mesh, kv_axis=full.kv_axis or "tp", replicate_fewer_heads=True)
         host = pinned_host_pool(pool.local_geom, max(1, host_pages * pages // cfg.device_pages), cfg.host.layout,
                                 device=pool.local_device)
         transfer = JaxTransferEngine(pool, host, copy_config=PageCopyConfig(impl=cfg.copy_impl, max_pages=pages),

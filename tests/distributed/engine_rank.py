@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,6 +32,11 @@ from hicache_jax.reference_model import ModelConfig
 from hicache_jax.storage import StorageConfig
 
 MODEL = ModelConfig(vocab_size=256, num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=64)
+# MODEL's variants (engine_rank.py's optional 5th argument): KV heads sharded (``mha``, each rank
+# its head), one KV head for two ranks (``one_kv_head``: the pool replicated on every rank) and
+# MLA's one latent (``mla``: replicated).
+MODELS = {"mha": MODEL, "one_kv_head": replace(MODEL, num_kv_heads=1),
+          "mla": replace(MODEL, attention="mla", kv_lora_rank=16, qk_rope_head_dim=8)}
 PAGE = 4
 CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 3, 24, 8, 4
 SLOW = 3
@@ -163,6 +169,7 @@ def workload(engine, late_s: float = 0.0, fired: dict | None = None) -> tuple[li
 
 def main() -> None:
     out_dir, storage_dir, agreement, div = sys.argv[1:5]
+    model = MODELS[sys.argv[5] if len(sys.argv) > 5 else "mha"]
     ranks, name = None, "single"
     if agreement != "single":
         from hicache_jax.engine.multiprocess import rank_context
@@ -173,7 +180,7 @@ def main() -> None:
                             prefill_chunk=16, max_context=96,
                             storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
                                                   prefetch_timeout_base_s=30.0))  # no 1 s deadline on a loaded CI box
-    engine = Engine(MODEL, cfg, ranks=ranks)
+    engine = Engine(model, cfg, ranks=ranks)
     rec = Recorder(engine.cache)
     fired = {k: 0 for k in ("alloc_fail", "slow_d2h", "short_read", "missing_page", "late_start")}
     late = 0.0
@@ -185,6 +192,8 @@ def main() -> None:
             late = LATE_S
     tokens, tiers = workload(engine, late, fired)
     metrics = {k: v for k, v in engine.cache.metrics.as_dict().items() if "prefetch" in k or "storage" in k}
+    engine.flush()
+    metrics["storage_written_pages"] = engine.storage.stats()["storage_written_pages"]  # by this process
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired,

@@ -39,8 +39,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
+KV_HEADS_ENV = "HYBRID_RANK_KV_HEADS"  # the model's KV heads, if not HYBRID_TINY's
+
 from engine_rank import LateHandle, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder
 
@@ -51,6 +54,8 @@ from hicache_jax.reference_model import HYBRID_TINY, swa_first_needed_page
 from hicache_jax.storage import StorageConfig
 
 MODEL = HYBRID_TINY  # window 24: 6 SWA pages of 4 tokens before a hit's end
+if os.environ.get(KV_HEADS_ENV):  # fewer KV heads than ranks: both pools replicated on every rank
+    MODEL = replace(MODEL, num_kv_heads=int(os.environ[KV_HEADS_ENV]))
 PAGE = 4
 FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36, 40), 4, 8, 4
 CONTROL_ROUNDS = 1

@@ -26,17 +26,24 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def test_two_ranks_serve_the_single_process_tokens_under_divergence(tmp_path):
+@pytest.mark.parametrize("model", ["mha", pytest.param("one_kv_head", marks=pytest.mark.slow),
+                                   pytest.param("mla", marks=pytest.mark.slow)])
+def test_two_ranks_serve_the_single_process_tokens_under_divergence(tmp_path, model):
+    """``model`` (``engine_rank.MODELS``): ``mha`` shards the two KV heads over the ranks;
+    ``one_kv_head`` (fewer KV heads than ranks) and ``mla`` replicate every pool on both ranks,
+    whose L3 pages rank 0 alone writes under keys without a rank (no commit markers)."""
     (tmp_path / "l3").mkdir()
     (tmp_path / "l3-single").mkdir()
     script = str(HERE / "engine_rank.py")
     env = rank_env(0, 1, "")
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
         env.pop(k)
-    single = subprocess.Popen([sys.executable, script, str(tmp_path), str(tmp_path / "l3-single"), "single", "-"],
+    single = subprocess.Popen([sys.executable, script, str(tmp_path), str(tmp_path / "l3-single"), "single", "-",
+                               model],
                               cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        launch_local([sys.executable, script, str(tmp_path), str(tmp_path / "l3"), "kv", "all"], 2, timeout_s=400,
+        launch_local([sys.executable, script, str(tmp_path), str(tmp_path / "l3"), "kv", "all", model], 2,
+                     timeout_s=400,
                      cwd=str(ROOT))
         out, _ = single.communicate(timeout=400)
     finally:
@@ -51,7 +58,19 @@ def test_two_ranks_serve_the_single_process_tokens_under_divergence(tmp_path):
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
     assert r0["tiers"] == r1["tiers"]
     assert r0["metrics"]["prefetch_attached_tokens"] == r1["metrics"]["prefetch_attached_tokens"] > 0
-    assert os.listdir(tmp_path / "l3" / "pages-v1" / "commit")  # rank 0 marked what both stored
+    pages, alone = tmp_path / "l3" / "pages-v1", tmp_path / "l3-single" / "pages-v1"
+    stored = {p.relative_to(pages) for p in pages.rglob("*.kv") if p.parent.parent.name == "target"}
+    stored_alone = {p.relative_to(alone) for p in alone.rglob("*.kv") if p.parent.parent.name == "target"}
+    assert stored and stored_alone
+    if model == "mha":  # each rank its half of every page, under keys with the rank
+        assert os.listdir(pages / "commit")  # rank 0 marked what both stored
+        assert not stored & stored_alone
+        assert r0["metrics"]["storage_written_pages"] > 0 and r1["metrics"]["storage_written_pages"] > 0
+    else:  # one copy of every page, written by rank 0 under the single process's keys, with its bytes
+        assert not (pages / "commit").exists()
+        assert r1["metrics"]["storage_written_pages"] == 0 < r0["metrics"]["storage_written_pages"]
+        assert stored <= stored_alone, sorted(map(str, stored - stored_alone))[:3]
+        assert all((pages / p).read_bytes() == (alone / p).read_bytes() for p in stored)
 
 
 def test_each_rank_moves_exactly_its_own_heads_of_every_page():

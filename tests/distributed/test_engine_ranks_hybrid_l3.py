@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hicache_jax.distributed import launch_local
 from hicache_jax.distributed.launch import rank_env
 
@@ -40,9 +42,12 @@ def launch(out: Path, agreement: str, diverge: str, base: dict) -> tuple[dict, d
     return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
 
 
-def run_ranks_and_single(tmp_path) -> tuple[dict, dict, dict]:
-    """Two ranks under every divergence and, alongside, one process: (single, rank 0, rank 1)."""
+def run_ranks_and_single(tmp_path, kv_heads: int | None = None) -> tuple[dict, dict, dict]:
+    """Two ranks under every divergence and, alongside, one process: (single, rank 0, rank 1).
+    ``kv_heads``: the model's KV heads if not the tiny hybrid's two."""
     base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
+    if kv_heads is not None:
+        base["HYBRID_RANK_KV_HEADS"] = str(kv_heads)
     env = rank_env(0, 1, "", base)
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
         env.pop(k)
@@ -61,8 +66,11 @@ def run_ranks_and_single(tmp_path) -> tuple[dict, dict, dict]:
     return json.loads((one_dir / "single.json").read_text()), r0, r1
 
 
-def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_process_tokens(tmp_path):
-    one, r0, r1 = run_ranks_and_single(tmp_path)
+@pytest.mark.parametrize("kv_heads", [None, pytest.param(1, marks=pytest.mark.slow)])
+def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_process_tokens(tmp_path, kv_heads):
+    """``kv_heads=1``: fewer KV heads than ranks, so the full and the SWA pool are replicated on
+    both ranks and rank 0 alone writes their L3 pages (no commit markers)."""
+    one, r0, r1 = run_ranks_and_single(tmp_path, kv_heads)
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
     assert len(r0["digests"]) == len(r1["digests"]) > 20 and r0["digests"] == r1["digests"]
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
@@ -93,7 +101,10 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
         assert r["bytes_remembered"] == CLIENTS and r["bytes_checked"] >= 1 and not r["bytes_mismatched"], \
             {k: r[k] for k in ("bytes_remembered", "bytes_checked", "bytes_mismatched")}
     assert r0["bytes_checked"] == r1["bytes_checked"]
-    assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "commit")  # rank 0 marked what both stored
+    if kv_heads is None:
+        assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "commit")  # rank 0 marked what both stored
+    else:
+        assert not (tmp_path / "ranks" / "l3" / "pages-v1" / "commit").exists()
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "swa")  # the windows went to storage
 
 
