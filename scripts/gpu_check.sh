@@ -17,6 +17,9 @@
 #   multiturn  hicache-jax bench multiturn on the GPU preset, L3 file
 #   determ     the same with --deterministic, when `bench multiturn --help` lists it
 #   streamvar  the other stream loop (dynamic) and the numpy path on the same bytes (log only)
+#   d2hprobe   benchmarks/probe_backup_interference.py: a model-like step's time while backups
+#              repeat, per way of copying D2H (the engine's stream path, its numpy path, a pinned
+#              device_put, copy_to_host_async): which one keeps backups off the decode path (log only)
 #   hlo        a small bench transfer with XLA's dump on: the optimized HLO of the page-copy
 #              executables (is a page loop a while loop? are its copies async?) as hlo.tar.gz
 #   kernels    pytest -m gpu over pallas_kernels (Mosaic GPU / Triton bit-exact; ~160 s, passed
@@ -41,7 +44,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar hlo kernels"}
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar d2hprobe hlo kernels"}
 BUDGET_S=${BUDGET_S:-470}
 LAYERS=${LAYERS:-}
 QUICK=${QUICK:-0}
@@ -56,7 +59,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hi
 # streamvar 23 s, hlo 5 s; pallas_kernels -m gpu ~160 s.
 CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-140} CAP_TRANSFER=${CAP_TRANSFER:-75}
 CAP_TTFT=${CAP_TTFT:-110} CAP_MULTITURN=${CAP_MULTITURN:-75} CAP_DETERM=${CAP_DETERM:-60}
-CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
+CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_D2HPROBE=${CAP_D2HPROBE:-40} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
@@ -170,6 +173,13 @@ if want streamvar; then
   step streamvar $CAP_STREAMVAR bash -c "$(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --stream-loop dynamic --out $WORK/sv1.json && $(printf '%q ' "${BENCH[@]}") transfer ${SV[*]} --host-copy numpy --out $WORK/sv2.json"
 fi
 
+# Which D2H way leaves the model's steps alone (issue 25: backups must never stall a decode step).
+if want d2hprobe; then
+  DP=(--mib 64 --steps 30)
+  [ "$QUICK" = 1 ] && DP=(--quick)
+  step d2hprobe $CAP_D2HPROBE "$PY" -m benchmarks.probe_backup_interference "${DP[@]}" --out "$WORK/d2hprobe.json"
+fi
+
 # The optimized HLO of the page-copy executables at a small size, to read here what XLA's GPU
 # compiler made of the page loops (the numbers above say how fast; this says why).
 if want hlo; then
@@ -192,7 +202,7 @@ fi
 # ---- the summary: rc per step, the pytest tally, then what each result file says ----------------
 {
   echo "===== summary ($(date -u +%FT%TZ), ${SECONDS} s of the ${BUDGET_S} s budget)"
-  for s in versions pytest transfer ttft multiturn determ streamvar hlo kernels; do
+  for s in versions pytest transfer ttft multiturn determ streamvar d2hprobe hlo kernels; do
     [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
   done
   [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"
@@ -263,6 +273,10 @@ for name in ("multiturn.json", "determ.json"):
               f"{h['hit_rate_by_tier']['storage']:.3f}), same tokens: {p['same_tokens']}"
               + (f", {json.dumps(extra)[:400]}" if extra else ""))
         verdict(name, p)
+if os.path.exists(os.path.join(work, "d2hprobe.json")):
+    p = load("d2hprobe.json")
+    print("d2hprobe (model step while backups repeat; x = vs idle): " + ", ".join(
+        f"{k} x{m['step_ratio']:.2f} at {m['copy_gbps_during']:.1f} GB/s" for k, m in p["methods"].items()))
 EOF
 } > "$WORK/summary.txt" 2>&1
 cat "$WORK/summary.txt" >> "$OUT/gpu_check.log"
