@@ -736,6 +736,14 @@ class HiRadixCache:
             return node, off + m, m
         return segs[-1][0], matched, segs[-1][1]
 
+    def tree_match_tokens(self, key: object) -> int:
+        """Read-only walk: how many tokens of ``key``'s whole pages the tree holds on any tier
+        (no split, no access-time refresh, no metrics; with an SWA component, whether their
+        window is there or not). Where ``backed_up_prefix`` ends before this, the nodes between
+        are on the device only: what an L3 read from there brings beyond the tree starts here."""
+        key = as_radix_key(key)
+        return self._tree.walk(key, len(key) - len(key) % self.page_size)[1]
+
     def pin_host(self, node: TreeNode) -> LockReceipt:
         """Keep the host copies of ``node`` and its ancestors (a host path lock) until
         ``unpin_host`` of the receipt; the root needs no pin (a receipt that does nothing)."""

@@ -92,6 +92,10 @@ class PrefetchOperation:
         self.reason = ""  # why it was skipped or revoked, in words (with the numbers)
         self.reason_code = ""  # a skipped prefetch: the label of prefetch_skipped_total{reason}
         self.start = 0  # tokens of the key already backed up in the tree at prefetch time
+        # Tokens of the key the tree held on any tier at prefetch time: past ``start`` when the
+        # match ends on device-only nodes (the read gives them host copies); the threshold
+        # counts only what a read brings past it (``new_tokens``).
+        self.tree_end = 0
         self.end = 0  # page-aligned end of the key
         self.storage_tokens = 0
         self.t0 = time.perf_counter()
@@ -123,6 +127,11 @@ class PrefetchOperation:
     @property
     def requested_tokens(self) -> int:
         return self.end - self.start
+
+    def new_tokens(self, pages: int) -> int:
+        """Tokens past what the tree held at prefetch time (``tree_end``) in the first
+        ``pages`` pages read from ``start``: what the threshold counts."""
+        return max(0, self.start + pages * self.page_size - self.tree_end)
 
     @property
     def hit_tokens(self) -> int | None:
@@ -226,13 +235,14 @@ class Prefetcher:
             return op
         anchor, matched, anchor_m = cache.backed_up_prefix(key)
         op.start, op.end = matched, n
+        op.tree_end = cache.tree_match_tokens(key)
         code = reason = ""
         if anchor is not cache.root and anchor.host_value is None:
             code, reason = "not_backed_up", "the matched prefix is not backed up"
-        elif n - matched < self.threshold:
+        elif n - op.tree_end < self.threshold:
             code = "below_threshold"
-            reason = (f"continuation below the threshold: {n - matched} tokens after the {matched} the tree "
-                      f"holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
+            reason = (f"continuation below the threshold: {n - op.tree_end} tokens after the {op.tree_end} the "
+                      f"tree holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
         elif self.inflight_pages() >= self.max_inflight_fraction * cache.host_allocator.num_pages:
             code, reason = "host_budget", "prefetches in flight hold the host budget"
         else:
@@ -286,7 +296,7 @@ class Prefetcher:
         hit = op.progress()[0]
         if hit is None:
             return
-        if hit * self.page_size < self.threshold:
+        if op.new_tokens(hit) < self.threshold:
             self.revoke(op, "storage hit below the threshold" if hit else "no storage hit", count=hit > 0)
             return
         ids = self.cache.reserve_host_pages(hit)
@@ -295,7 +305,7 @@ class Prefetcher:
             # locked): read the part of the prefix that fits rather than nothing, when that is
             # still worth a read. The pages it freed would otherwise go unused.
             fit = self.cache.host_allocator.available
-            if fit * self.page_size < self.threshold:
+            if op.new_tokens(fit) < self.threshold:
                 self.revoke(op, "no host memory for the hit")
                 return
             ids = self.cache.host_allocator.alloc(fit)  # hit_tokens still says what storage had
@@ -416,7 +426,7 @@ class Prefetcher:
                     self.free(op)
                 else:
                     self._draining.append(op)  # freed once the IO thread lets go
-            if done * self.page_size < self.threshold:
+            if op.new_tokens(done) < self.threshold:
                 if done:
                     self.cache.host_allocator.free(got)
                     for name, arr in (side_pages or {}).items():

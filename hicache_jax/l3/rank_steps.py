@@ -119,9 +119,10 @@ class RankSteps:
             if op is not waiting and (op.status == "querying" or op.status == "loading" and not self.complete(op)):
                 ops.append(op)
         self._step_ops = ops
-        min_pages = -(-self.threshold // self.page_size)
         for op in ops:
             if op.status == "querying" and op.agreed.hit is not None:
+                # The fewest pages worth reading: the threshold past what the tree held.
+                min_pages = -(-(self.threshold + op.tree_end - op.start) // self.page_size)
                 op.agreed.reservation = n, _ids = self.cache.reserve_host_pages_agreed(op.agreed.hit, min_pages)
                 # Each trailing pool's window for the pages every rank reserves (``n`` is the
                 # same on every rank, so every rank makes the same reservations).
@@ -168,7 +169,7 @@ class RankSteps:
                 if op.agreed.hit is None:
                     if a >= 0:
                         op.agreed.hit = a
-                        if a * p < self.threshold:
+                        if op.new_tokens(a) < self.threshold:
                             pf.revoke(op, "storage hit below the threshold" if a else "no storage hit", count=a > 0)
                     continue
                 (n, ids), op.agreed.reservation = op.agreed.reservation, None
@@ -195,7 +196,7 @@ class RankSteps:
                 op.agreed.finished = bool(agreed[i + 1])
                 op.agreed.late = op.agreed.late or bool(agreed[i + 2])
                 i += 3
-                if op.agreed.finished and op.reads_windows and op.agreed.done * p >= self.threshold:
+                if op.agreed.finished and op.reads_windows and op.new_tokens(op.agreed.done) >= self.threshold:
                     pf.start_window_read(op, op.agreed.done)  # phase two, at the same step on every rank
         for job in self._step_jobs:
             a = int(agreed[i])
