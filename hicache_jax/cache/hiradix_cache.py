@@ -330,10 +330,11 @@ class HiRadixCache:
         self.agreement = agreement
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
         # Whether an L3 prefetch reads for device-only nodes and gives them host copies
-        # (``backed_up_prefix``, ``insert_host``). Not with stateful components (their host
-        # state for such nodes is not built there), nor with ranks (a device-only node may sit
-        # in a backup chain reserved for the step's agreement, which must not get a copy).
-        self._device_only_host_copies = not stateful and not self.agreed
+        # (``backed_up_prefix``, ``insert_host``). Only where every stateful component places
+        # its pages on such nodes (``device_only_host_copies``: ``swa`` does), and not with
+        # ranks (a device-only node may sit in a backup chain reserved for the step's
+        # agreement, which must not get a copy).
+        self._device_only_host_copies = all(c.device_only_host_copies for c in stateful) and not self.agreed
         self._inserter.device_only_host_copies = self._device_only_host_copies
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
@@ -673,9 +674,15 @@ class HiRadixCache:
         cp = None
         if component_pages is not None:
             cp = self._check_component_pages(component_pages, ids.shape[0], "host")
+        new = end - self._tree.walk(key, end)[1]  # tokens the attach may add as new nodes
         attached, leaf = self._inserter.attach_host(key, ids, start, cp)
-        if leaf is not None:
-            self._load_backs.from_storage(leaf)  # its load-back counts as cached_tokens{storage}
+        # Their load-back counts as cached_tokens{storage}: every new node, also the upper
+        # part of one a component split while placing its pages (a window's start).
+        node = leaf
+        while node is not None and new > 0 and node.value is None:
+            self._load_backs.from_storage(node)
+            new -= node.size
+            node = node.parent
         return attached, leaf
 
     # ------------------------------------------------------------------ locks
