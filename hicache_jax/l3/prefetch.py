@@ -45,6 +45,9 @@ from .pools import TARGET_POOL, L3Pools
 log = logging.getLogger("hicache_jax.cache.storage")
 
 _EMPTY = np.zeros(0, np.int64)
+# One rank: window stops tried after the read's end has no whole window in storage (each try
+# is one existence query and one window read).
+_WINDOW_STOP_TRIES = 3
 
 
 class AgreedProgress:
@@ -586,7 +589,7 @@ class Prefetcher:
                 if got < e - s:
                     break
             if trailing:
-                done = self._read_windows(op, total)
+                done = self._read_windows_or_shorter(op, total)
                 with op._cond:
                     op._done_pages = done
                     op._cond.notify_all()
@@ -610,6 +613,24 @@ class Prefetcher:
                 op._io_finished = True
                 op._t_done = time.perf_counter()
                 op._cond.notify_all()
+
+    def _read_windows_or_shorter(self, op: PrefetchOperation, done: int) -> int:  # IO thread
+        """One rank: ``_read_windows`` at ``done``; when that window is not whole in storage (the
+        read stopped early, at a stop whose window was never stored: the pages there were out of
+        the window when backed up), the longest shorter stop whose windows storage holds (the
+        storage's trailing-pages rule over the pages read), a few times at most. Returns the
+        stop served (0: none)."""
+        stop = done
+        for _ in range(_WINDOW_STOP_TRIES):
+            got = self._read_windows(op, stop)
+            if got or stop <= 1 or op._cancel:
+                return got
+            asked, trailing = self.pools.queried_pools(), self.pools.trailing  # as the query asked
+            stop = self.storage.exists_multi([PoolTransfer(pool, ks[:stop - 1]) for pool, ks in op._keys.items()
+                                              if pool in asked or pool in trailing]).hit_pages
+            if op.new_tokens(stop) < self.threshold:
+                return 0
+        return 0
 
     def _read_windows(self, op: PrefetchOperation, done: int) -> int:  # IO thread
         """Read each trailing-pages pool's window before ``done`` into its reserved host pages:
