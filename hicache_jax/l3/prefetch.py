@@ -8,8 +8,9 @@ and queues a query: hash the continuation's page keys and count consecutive stor
 hold the window before the hit's end). On the owner thread (``advance``) a hit under the
 threshold is revoked, otherwise host pages are reserved (a truncated reservation when the host
 cannot give them all) and the IO executor reads them batch by batch (all pools per batch; a
-trailing-pages pool's window is read after, all of it or nothing; with several ranks only
-once the ranks agree where the first read ended: ``start_window_read``). ``conclude`` hands the
+trailing-pages pool's window is read after, all of it or nothing; one rank: where the read's
+end has no whole window in storage, at the longest shorter stop that has one; with several
+ranks only once the ranks agree where the first read ended: ``start_window_read``). ``conclude`` hands the
 consecutive pages that arrived to ``HiRadixCache.insert_host`` and frees (or, while the IO
 thread may still write them, parks in ``draining``) the rest.
 
@@ -78,10 +79,12 @@ class PrefetchOperation:
     ``finish_prefetch``; ``storage_tokens`` is the result), ``closed`` (controller closed).
 
     ``reason`` says in words why it was skipped or revoked; a skipped one also has
-    ``reason_code``: ``below_threshold`` (the continuation after what the tree holds is
-    shorter than ``StorageConfig.prefetch_threshold_tokens``), ``not_backed_up`` (the match
-    ends on a node on the device only and the cache anchors the read there: a key matched
-    whole, a cache with an SWA component, or several ranks; otherwise the read starts where
+    ``reason_code``: ``below_threshold`` (the continuation after what the tree holds, on any
+    tier, is shorter than ``StorageConfig.prefetch_threshold_tokens``; the threshold never
+    counts pages of device-only nodes a read gives host copies: ``new_tokens``),
+    ``not_backed_up`` (the match ends on a node on the device only and the cache anchors the
+    read there: a key matched whole, several ranks, or a stateful component without
+    ``device_only_host_copies``; otherwise the read starts where
     the backed-up prefix ends and the device-only nodes get host copies from it:
     ``HiRadixCache.backed_up_prefix``), ``host_budget``, ``namespace_unsupported`` or
     ``closed``.
