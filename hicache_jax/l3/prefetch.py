@@ -55,7 +55,7 @@ class AgreedProgress:
     """Several ranks: what every rank agreed on about one operation (owner thread)."""
 
     __slots__ = ("hit", "done", "finished", "late", "reservation", "side_reservation", "windows_pending",
-                 "windows_ok")
+                 "windows_ok", "window_phases")
 
     def __init__(self) -> None:
         self.hit: int | None = None  # agreed storage hit in pages, once every rank answered
@@ -69,6 +69,7 @@ class AgreedProgress:
         # phase, started once the first read's end is agreed; pending until its end is agreed.
         self.windows_pending = False
         self.windows_ok = False  # every rank read every window whole (agreed)
+        self.window_phases = 0  # window reads started (a shorter agreed stop starts another)
 
 
 class PrefetchOperation:
@@ -127,7 +128,7 @@ class PrefetchOperation:
         # IO thread (under _cond):
         self._done_pages = 0
         self._io_finished = False
-        self._win_ok = False  # several ranks: the second phase read every window whole
+        self._win_stop = 0  # several ranks: the stop whose windows the second phase read whole (0: none)
         self._t_done: float | None = None  # query or IO thread: when its last storage call ended
 
     @property
@@ -165,11 +166,12 @@ class PrefetchOperation:
         with self._cond:
             return self._hit_pages, self._done_pages, self._io_finished
 
-    def window_progress(self) -> tuple[bool, bool]:
-        """Several ranks, a window read (``Prefetcher.start_window_read``): (whether every
-        window arrived whole, whether the read finished), one snapshot."""
+    def window_progress(self) -> tuple[int, bool]:
+        """Several ranks, a window read (``Prefetcher.start_window_read``): (the stop whose
+        windows arrived whole on this rank: the one asked for, a shorter one, or 0 for none;
+        whether the read finished), one snapshot."""
         with self._cond:
-            return self._win_ok, self._io_finished
+            return self._win_stop, self._io_finished
 
     def stop(self) -> None:
         """Tell the worker threads to stop at their next batch."""
@@ -344,12 +346,16 @@ class Prefetcher:
 
     def start_window_read(self, op: PrefetchOperation, done: int) -> None:
         """Several ranks, the second phase of a read with trailing-pages pools: read each
-        window before the agreed ``done`` (all or nothing, as one rank does). Reopens the read
-        (``progress`` says unfinished) until the IO thread is done with the window pages."""
+        window before the agreed ``done`` (all or nothing), or, where storage has no whole
+        window there, before this rank's longest shorter stop that has one (as one rank does;
+        the ranks then agree on the shortest and read again there: ``RankSteps.apply``).
+        Reopens the read (``progress`` says unfinished) until the IO thread is done with the
+        window pages."""
         with op._cond:
             op._io_finished = False
-            op._win_ok = False
+            op._win_stop = 0
         op.agreed.windows_pending = True
+        op.agreed.window_phases += 1
         self.io.submit(self._run_windows, op, done)
 
     def deadline(self, op: PrefetchOperation) -> float:
@@ -605,20 +611,20 @@ class Prefetcher:
                 op._cond.notify_all()
 
     def _run_windows(self, op: PrefetchOperation, done: int) -> None:  # IO thread
-        ok = False
+        stop = 0
         try:
-            ok = self._read_windows(op, done) == done
+            stop = self._read_windows_or_shorter(op, done)
         except Exception:
             log.exception("L3: prefetch window read failed")
         finally:
             with op._cond:
-                op._win_ok = ok
+                op._win_stop = stop
                 op._io_finished = True
                 op._t_done = time.perf_counter()
                 op._cond.notify_all()
 
     def _read_windows_or_shorter(self, op: PrefetchOperation, done: int) -> int:  # IO thread
-        """One rank: ``_read_windows`` at ``done``; when that window is not whole in storage (the
+        """``_read_windows`` at ``done``; when that window is not whole in storage (the
         read stopped early, at a stop whose window was never stored: the pages there were out of
         the window when backed up), the longest shorter stop whose windows storage holds (the
         storage's trailing-pages rule over the pages read), a few times at most. Returns the
