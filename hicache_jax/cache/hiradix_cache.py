@@ -648,8 +648,10 @@ class HiRadixCache:
         already holds, or pages that no longer connect because the backed-up path now ends
         before ``start``). Where the path goes on after its backed-up part with nodes on the
         device only, those nodes (the last one split where the pages end or the key leaves it)
-        take the pages of their tokens as their host copies, and the rest attaches after them;
-        with a stateful component (``swa``) such pages are freed instead. The tokens attached
+        take the pages of their tokens as their host copies, and the rest attaches after them
+        (a component's pages go to the nodes they belong to, e.g. an ``swa`` window; with
+        ranks, or a stateful component without ``device_only_host_copies``, such pages are
+        freed instead). The tokens attached
         count every page taken (host copies included); the leaf is the deepest node given
         pages (a new host-only node, or the last device-only one), None when nothing was
         attached. ``component_pages``: per component with its own page ids,
@@ -727,7 +729,8 @@ class HiRadixCache:
         device-only nodes get their host copies from what it reads (``insert_host``) instead of
         the pages after them being lost to storage. Where the key is matched whole, the deepest
         matched node is returned whatever its tiers (there is nothing after it to read), and
-        so it is with a stateful component (``swa``: ``insert_host`` would free such pages).
+        so it is with ranks or a stateful component without ``device_only_host_copies``
+        (``insert_host`` would free such pages).
         The node is backed up when its ``host_value`` is not None (contiguity: so is its path)."""
         key = as_radix_key(key)
         n = len(key) - len(key) % self.page_size
