@@ -46,8 +46,8 @@ from .pools import TARGET_POOL, L3Pools
 log = logging.getLogger("hicache_jax.cache.storage")
 
 _EMPTY = np.zeros(0, np.int64)
-# One rank: window stops tried after the read's end has no whole window in storage (each try
-# is one existence query and one window read).
+# Window stops a rank tries when the read's end has no whole window in storage (each try is
+# one existence query and one window read).
 _WINDOW_STOP_TRIES = 3
 
 
