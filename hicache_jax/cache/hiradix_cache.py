@@ -330,10 +330,11 @@ class HiRadixCache:
         self.agreement = agreement
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
         # Whether an L3 prefetch reads for device-only nodes and gives them host copies
-        # (``backed_up_prefix``, ``insert_host``). Not with stateful components (their host
-        # state for such nodes is not built there), nor with ranks (a device-only node may sit
-        # in a backup chain reserved for the step's agreement, which must not get a copy).
-        self._device_only_host_copies = not stateful and not self.agreed
+        # (``backed_up_prefix``, ``insert_host``). Only where every stateful component places
+        # its pages on such nodes (``device_only_host_copies``: ``swa`` does), and not with
+        # ranks (a device-only node may sit in a backup chain reserved for the step's
+        # agreement, which must not get a copy).
+        self._device_only_host_copies = all(c.device_only_host_copies for c in stateful) and not self.agreed
         self._inserter.device_only_host_copies = self._device_only_host_copies
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
@@ -647,8 +648,10 @@ class HiRadixCache:
         already holds, or pages that no longer connect because the backed-up path now ends
         before ``start``). Where the path goes on after its backed-up part with nodes on the
         device only, those nodes (the last one split where the pages end or the key leaves it)
-        take the pages of their tokens as their host copies, and the rest attaches after them;
-        with a stateful component (``swa``) such pages are freed instead. The tokens attached
+        take the pages of their tokens as their host copies, and the rest attaches after them
+        (a component's pages go to the nodes they belong to, e.g. an ``swa`` window; with
+        ranks, or a stateful component without ``device_only_host_copies``, such pages are
+        freed instead). The tokens attached
         count every page taken (host copies included); the leaf is the deepest node given
         pages (a new host-only node, or the last device-only one), None when nothing was
         attached. ``component_pages``: per component with its own page ids,
@@ -673,9 +676,15 @@ class HiRadixCache:
         cp = None
         if component_pages is not None:
             cp = self._check_component_pages(component_pages, ids.shape[0], "host")
+        new = end - self._tree.walk(key, end)[1]  # tokens the attach may add as new nodes
         attached, leaf = self._inserter.attach_host(key, ids, start, cp)
-        if leaf is not None:
-            self._load_backs.from_storage(leaf)  # its load-back counts as cached_tokens{storage}
+        # Their load-back counts as cached_tokens{storage}: every new node, also the upper
+        # part of one a component split while placing its pages (a window's start).
+        node = leaf
+        while node is not None and new > 0 and node.value is None:
+            self._load_backs.from_storage(node)
+            new -= node.size
+            node = node.parent
         return attached, leaf
 
     # ------------------------------------------------------------------ locks
@@ -720,7 +729,8 @@ class HiRadixCache:
         device-only nodes get their host copies from what it reads (``insert_host``) instead of
         the pages after them being lost to storage. Where the key is matched whole, the deepest
         matched node is returned whatever its tiers (there is nothing after it to read), and
-        so it is with a stateful component (``swa``: ``insert_host`` would free such pages).
+        so it is with ranks or a stateful component without ``device_only_host_copies``
+        (``insert_host`` would free such pages).
         The node is backed up when its ``host_value`` is not None (contiguity: so is its path)."""
         key = as_radix_key(key)
         n = len(key) - len(key) % self.page_size
@@ -735,6 +745,14 @@ class HiRadixCache:
             node, m, off = segs[k - 1]
             return node, off + m, m
         return segs[-1][0], matched, segs[-1][1]
+
+    def tree_match_tokens(self, key: object) -> int:
+        """Read-only walk: how many tokens of ``key``'s whole pages the tree holds on any tier
+        (no split, no access-time refresh, no metrics; with an SWA component, whether their
+        window is there or not). Where ``backed_up_prefix`` ends before this, the nodes between
+        are on the device only: what an L3 read from there brings beyond the tree starts here."""
+        key = as_radix_key(key)
+        return self._tree.walk(key, len(key) - len(key) % self.page_size)[1]
 
     def pin_host(self, node: TreeNode) -> LockReceipt:
         """Keep the host copies of ``node`` and its ancestors (a host path lock) until

@@ -210,7 +210,7 @@ class Inserter:
         after the backed-up path (a prefetch anchored before them: ``backed_up_prefix``) take
         the pages of their tokens as host copies, parent first, the last one split at the
         walk's end, and the rest attaches below them; where ``device_only_host_copies`` is off
-        (stateful components, ranks) the pages are freed there instead. The leaf is the
+        (ranks, or a stateful component without it) the pages are freed there instead. The leaf is the
         deepest node given pages, None when nothing was attached.
         ``comp_pages``: host pages of components with their own ids (by name, aligned with
         ``ids``, -1 where none), handed to their ``on_attach_host`` hook, which keeps or frees

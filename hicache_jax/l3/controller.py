@@ -43,7 +43,9 @@ Pools and keys
     stored (the storage's trailing-pages rule). Such a pool is queried, read and attached
     after the target's pages: a prefetch's pages count as arrived only once the window before
     their end has arrived too (all of a window or nothing: a short read of the window attaches
-    nothing of the prefetch), and a prefetch from a mid-tree anchor needs the whole window
+    nothing at that end; one rank then tries the longest shorter stop whose window storage
+    holds, as for a read of the full pages that stopped early), and a prefetch from a mid-tree
+    anchor needs the whole window
     from storage (the tree's own pages above the anchor are not searched for it).
     Page keys are SHA-256 chains (``storage.keys``) seeded with a per-pool ``Namespace`` of: the
     model id with the KV geometry folded in (kind, layers, heads, width), ``weights_revision``,
@@ -68,8 +70,11 @@ L3 backup (write-through from L2, no threshold)
 
 Prefetch (upstream HiCache's flow; policies in ``storage.config``)
     ``prefetch(key)`` walks the tree read-only. It starts only when the match ends on a
-    backed-up node (or the root), the continuation after it is >= the threshold
-    (``max(prefetch_threshold_tokens, page_size)``) and prefetches in flight hold less than
+    backed-up node (or the root; or, in one process, on device-only nodes: the read then starts
+    where the backed-up prefix ends and gives them host copies), the continuation after the
+    tree's whole match is >= the threshold (``max(prefetch_threshold_tokens, page_size)``; it
+    counts only tokens a read brings past what the tree holds, here and for the hit and the
+    pages arrived: ``PrefetchOperation.new_tokens``) and prefetches in flight hold less than
     ``max_inflight_fraction`` of the host pool. A skipped prefetch says why (``op.reason``,
     ``op.reason_code``), counts in ``metrics.prefetch_skipped_by_reason`` and logs it (debug). It host-locks the anchor node (the match's
     deepest node) and queues a query on the query thread: hash the continuation's page keys

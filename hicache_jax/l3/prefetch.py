@@ -8,8 +8,9 @@ and queues a query: hash the continuation's page keys and count consecutive stor
 hold the window before the hit's end). On the owner thread (``advance``) a hit under the
 threshold is revoked, otherwise host pages are reserved (a truncated reservation when the host
 cannot give them all) and the IO executor reads them batch by batch (all pools per batch; a
-trailing-pages pool's window is read after, all of it or nothing; with several ranks only
-once the ranks agree where the first read ended: ``start_window_read``). ``conclude`` hands the
+trailing-pages pool's window is read after, all of it or nothing; one rank: where the read's
+end has no whole window in storage, at the longest shorter stop that has one; with several
+ranks only once the ranks agree where the first read ended: ``start_window_read``). ``conclude`` hands the
 consecutive pages that arrived to ``HiRadixCache.insert_host`` and frees (or, while the IO
 thread may still write them, parks in ``draining``) the rest.
 
@@ -45,13 +46,16 @@ from .pools import TARGET_POOL, L3Pools
 log = logging.getLogger("hicache_jax.cache.storage")
 
 _EMPTY = np.zeros(0, np.int64)
+# Window stops a rank tries when the read's end has no whole window in storage (each try is
+# one existence query and one window read).
+_WINDOW_STOP_TRIES = 3
 
 
 class AgreedProgress:
     """Several ranks: what every rank agreed on about one operation (owner thread)."""
 
     __slots__ = ("hit", "done", "finished", "late", "reservation", "side_reservation", "windows_pending",
-                 "windows_ok")
+                 "windows_ok", "window_phases")
 
     def __init__(self) -> None:
         self.hit: int | None = None  # agreed storage hit in pages, once every rank answered
@@ -65,6 +69,7 @@ class AgreedProgress:
         # phase, started once the first read's end is agreed; pending until its end is agreed.
         self.windows_pending = False
         self.windows_ok = False  # every rank read every window whole (agreed)
+        self.window_phases = 0  # window reads started (a shorter agreed stop starts another)
 
 
 class PrefetchOperation:
@@ -75,10 +80,12 @@ class PrefetchOperation:
     ``finish_prefetch``; ``storage_tokens`` is the result), ``closed`` (controller closed).
 
     ``reason`` says in words why it was skipped or revoked; a skipped one also has
-    ``reason_code``: ``below_threshold`` (the continuation after what the tree holds is
-    shorter than ``StorageConfig.prefetch_threshold_tokens``), ``not_backed_up`` (the match
-    ends on a node on the device only and the cache anchors the read there: a key matched
-    whole, a cache with an SWA component, or several ranks; otherwise the read starts where
+    ``reason_code``: ``below_threshold`` (the continuation after what the tree holds, on any
+    tier, is shorter than ``StorageConfig.prefetch_threshold_tokens``; the threshold never
+    counts pages of device-only nodes a read gives host copies: ``new_tokens``),
+    ``not_backed_up`` (the match ends on a node on the device only and the cache anchors the
+    read there: a key matched whole, several ranks, or a stateful component without
+    ``device_only_host_copies``; otherwise the read starts where
     the backed-up prefix ends and the device-only nodes get host copies from it:
     ``HiRadixCache.backed_up_prefix``), ``host_budget``, ``namespace_unsupported`` or
     ``closed``.
@@ -92,6 +99,10 @@ class PrefetchOperation:
         self.reason = ""  # why it was skipped or revoked, in words (with the numbers)
         self.reason_code = ""  # a skipped prefetch: the label of prefetch_skipped_total{reason}
         self.start = 0  # tokens of the key already backed up in the tree at prefetch time
+        # Tokens of the key the tree held on any tier at prefetch time: past ``start`` when the
+        # match ends on device-only nodes (the read gives them host copies); the threshold
+        # counts only what a read brings past it (``new_tokens``).
+        self.tree_end = 0
         self.end = 0  # page-aligned end of the key
         self.storage_tokens = 0
         self.t0 = time.perf_counter()
@@ -117,12 +128,17 @@ class PrefetchOperation:
         # IO thread (under _cond):
         self._done_pages = 0
         self._io_finished = False
-        self._win_ok = False  # several ranks: the second phase read every window whole
+        self._win_stop = 0  # several ranks: the stop whose windows the second phase read whole (0: none)
         self._t_done: float | None = None  # query or IO thread: when its last storage call ended
 
     @property
     def requested_tokens(self) -> int:
         return self.end - self.start
+
+    def new_tokens(self, pages: int) -> int:
+        """Tokens past what the tree held at prefetch time (``tree_end``) in the first
+        ``pages`` pages read from ``start``: what the threshold counts."""
+        return max(0, self.start + pages * self.page_size - self.tree_end)
 
     @property
     def hit_tokens(self) -> int | None:
@@ -150,11 +166,12 @@ class PrefetchOperation:
         with self._cond:
             return self._hit_pages, self._done_pages, self._io_finished
 
-    def window_progress(self) -> tuple[bool, bool]:
-        """Several ranks, a window read (``Prefetcher.start_window_read``): (whether every
-        window arrived whole, whether the read finished), one snapshot."""
+    def window_progress(self) -> tuple[int, bool]:
+        """Several ranks, a window read (``Prefetcher.start_window_read``): (the stop whose
+        windows arrived whole on this rank: the one asked for, a shorter one, or 0 for none;
+        whether the read finished), one snapshot."""
         with self._cond:
-            return self._win_ok, self._io_finished
+            return self._win_stop, self._io_finished
 
     def stop(self) -> None:
         """Tell the worker threads to stop at their next batch."""
@@ -226,13 +243,14 @@ class Prefetcher:
             return op
         anchor, matched, anchor_m = cache.backed_up_prefix(key)
         op.start, op.end = matched, n
+        op.tree_end = cache.tree_match_tokens(key)
         code = reason = ""
         if anchor is not cache.root and anchor.host_value is None:
             code, reason = "not_backed_up", "the matched prefix is not backed up"
-        elif n - matched < self.threshold:
+        elif n - op.tree_end < self.threshold:
             code = "below_threshold"
-            reason = (f"continuation below the threshold: {n - matched} tokens after the {matched} the tree "
-                      f"holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
+            reason = (f"continuation below the threshold: {n - op.tree_end} tokens after the {op.tree_end} the "
+                      f"tree holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
         elif self.inflight_pages() >= self.max_inflight_fraction * cache.host_allocator.num_pages:
             code, reason = "host_budget", "prefetches in flight hold the host budget"
         else:
@@ -286,7 +304,7 @@ class Prefetcher:
         hit = op.progress()[0]
         if hit is None:
             return
-        if hit * self.page_size < self.threshold:
+        if op.new_tokens(hit) < self.threshold:
             self.revoke(op, "storage hit below the threshold" if hit else "no storage hit", count=hit > 0)
             return
         ids = self.cache.reserve_host_pages(hit)
@@ -295,7 +313,7 @@ class Prefetcher:
             # locked): read the part of the prefix that fits rather than nothing, when that is
             # still worth a read. The pages it freed would otherwise go unused.
             fit = self.cache.host_allocator.available
-            if fit * self.page_size < self.threshold:
+            if op.new_tokens(fit) < self.threshold:
                 self.revoke(op, "no host memory for the hit")
                 return
             ids = self.cache.host_allocator.alloc(fit)  # hit_tokens still says what storage had
@@ -328,12 +346,16 @@ class Prefetcher:
 
     def start_window_read(self, op: PrefetchOperation, done: int) -> None:
         """Several ranks, the second phase of a read with trailing-pages pools: read each
-        window before the agreed ``done`` (all or nothing, as one rank does). Reopens the read
-        (``progress`` says unfinished) until the IO thread is done with the window pages."""
+        window before the agreed ``done`` (all or nothing), or, where storage has no whole
+        window there, before this rank's longest shorter stop that has one (as one rank does;
+        the ranks then agree on the shortest and read again there: ``RankSteps.apply``).
+        Reopens the read (``progress`` says unfinished) until the IO thread is done with the
+        window pages."""
         with op._cond:
             op._io_finished = False
-            op._win_ok = False
+            op._win_stop = 0
         op.agreed.windows_pending = True
+        op.agreed.window_phases += 1
         self.io.submit(self._run_windows, op, done)
 
     def deadline(self, op: PrefetchOperation) -> float:
@@ -416,7 +438,7 @@ class Prefetcher:
                     self.free(op)
                 else:
                     self._draining.append(op)  # freed once the IO thread lets go
-            if done * self.page_size < self.threshold:
+            if op.new_tokens(done) < self.threshold:
                 if done:
                     self.cache.host_allocator.free(got)
                     for name, arr in (side_pages or {}).items():
@@ -576,7 +598,7 @@ class Prefetcher:
                 if got < e - s:
                     break
             if trailing:
-                done = self._read_windows(op, total)
+                done = self._read_windows_or_shorter(op, total)
                 with op._cond:
                     op._done_pages = done
                     op._cond.notify_all()
@@ -589,17 +611,35 @@ class Prefetcher:
                 op._cond.notify_all()
 
     def _run_windows(self, op: PrefetchOperation, done: int) -> None:  # IO thread
-        ok = False
+        stop = 0
         try:
-            ok = self._read_windows(op, done) == done
+            stop = self._read_windows_or_shorter(op, done)
         except Exception:
             log.exception("L3: prefetch window read failed")
         finally:
             with op._cond:
-                op._win_ok = ok
+                op._win_stop = stop
                 op._io_finished = True
                 op._t_done = time.perf_counter()
                 op._cond.notify_all()
+
+    def _read_windows_or_shorter(self, op: PrefetchOperation, done: int) -> int:  # IO thread
+        """``_read_windows`` at ``done``; when that window is not whole in storage (the
+        read stopped early, at a stop whose window was never stored: the pages there were out of
+        the window when backed up), the longest shorter stop whose windows storage holds (the
+        storage's trailing-pages rule over the pages read), a few times at most. Returns the
+        stop served (0: none)."""
+        stop = done
+        for _ in range(_WINDOW_STOP_TRIES):
+            got = self._read_windows(op, stop)
+            if got or stop <= 1 or op._cancel:
+                return got
+            asked, trailing = self.pools.queried_pools(), self.pools.trailing  # as the query asked
+            stop = self.storage.exists_multi([PoolTransfer(pool, ks[:stop - 1]) for pool, ks in op._keys.items()
+                                              if pool in asked or pool in trailing]).hit_pages
+            if op.new_tokens(stop) < self.threshold:
+                return 0
+        return 0
 
     def _read_windows(self, op: PrefetchOperation, done: int) -> int:  # IO thread
         """Read each trailing-pages pool's window before ``done`` into its reserved host pages:

@@ -14,8 +14,10 @@ rank:
 * per read: the pages delivered (MIN), whether it finished, whether some rank's ``timeout``
   deadline passed (negated, so the MIN is a MAX). With trailing-pages pools the read has a
   second phase in the same three slots: once the first phase's end ``done`` is agreed, every
-  rank reads the windows before ``done`` (whether all arrived whole: MIN, whether it
-  finished, late); a read without its windows attaches nothing;
+  rank reads the windows before ``done``, or where its storage has none whole there, before
+  its longest shorter stop that has them (the stop read: MIN, whether it finished, late); an
+  agreed stop short of ``done`` becomes the new ``done`` and every rank reads again there (a
+  few phases at most); a read without its windows on every rank attaches nothing;
 * per L3 backup job: 0 running / 1 failed / 2 stored; a job every rank stored is settled as
   stored everywhere and rank 0 writes one commit marker per page (pool ``commit``), which
   makes a page group of a sharded pool visible to a query only once every rank's shard is
@@ -40,6 +42,7 @@ from .pools import COMMIT_POOL, L3Pools
 from .prefetch import Prefetcher, PrefetchOperation
 
 OP_BUDGET, JOB_BUDGET, DRAIN_BUDGET = 24, 32, 16
+WINDOW_PHASES = 3  # window reads per prefetch at most (each later one at a shorter agreed stop)
 
 
 class RankSteps:
@@ -119,9 +122,10 @@ class RankSteps:
             if op is not waiting and (op.status == "querying" or op.status == "loading" and not self.complete(op)):
                 ops.append(op)
         self._step_ops = ops
-        min_pages = -(-self.threshold // self.page_size)
         for op in ops:
             if op.status == "querying" and op.agreed.hit is not None:
+                # The fewest pages worth reading: the threshold past what the tree held.
+                min_pages = -(-(self.threshold + op.tree_end - op.start) // self.page_size)
                 op.agreed.reservation = n, _ids = self.cache.reserve_host_pages_agreed(op.agreed.hit, min_pages)
                 # Each trailing pool's window for the pages every rank reserves (``n`` is the
                 # same on every rank, so every rank makes the same reservations).
@@ -144,9 +148,9 @@ class RankSteps:
                     whole = all(sid is not None for _k, sid in op.agreed.side_reservation.values())
                     out.append(1 if n and ids is not None and whole else 0)
             elif op.agreed.windows_pending:
-                ok, finished = op.window_progress()
+                stop, finished = op.window_progress()
                 late = self.config.prefetch_policy == "timeout" and now >= self.prefetcher.deadline(op)
-                out.extend((1 if ok else 0, 1 if finished else 0, -1 if late else 0))
+                out.extend((stop, 1 if finished else 0, -1 if late else 0))
             else:
                 late = self.config.prefetch_policy == "timeout" and now >= self.prefetcher.deadline(op)
                 out.extend((done, 1 if finished else 0, -1 if late else 0))
@@ -168,7 +172,7 @@ class RankSteps:
                 if op.agreed.hit is None:
                     if a >= 0:
                         op.agreed.hit = a
-                        if a * p < self.threshold:
+                        if op.new_tokens(a) < self.threshold:
                             pf.revoke(op, "storage hit below the threshold" if a else "no storage hit", count=a > 0)
                     continue
                 (n, ids), op.agreed.reservation = op.agreed.reservation, None
@@ -185,9 +189,18 @@ class RankSteps:
                         self.cache.settle_host_pages(n, ids, False)
                     pf.revoke(op, "no host memory for the hit" if not n else "a rank could not reserve host pages")
             elif op.agreed.windows_pending:
-                if agreed[i + 1]:  # every rank's window read ended: whole on every rank, or not
-                    op.agreed.windows_pending = False
-                    op.agreed.windows_ok = bool(agreed[i])
+                if agreed[i + 1]:  # every rank's window read ended: the shortest stop read whole
+                    stop = int(agreed[i])
+                    if stop == op.agreed.done:  # every rank has the windows there
+                        op.agreed.windows_pending = False
+                        op.agreed.windows_ok = True
+                    elif stop and op.agreed.window_phases < WINDOW_PHASES and \
+                            op.new_tokens(stop) >= self.threshold:
+                        op.agreed.done = stop  # some rank has no window at done: all read at stop
+                        pf.start_window_read(op, stop)
+                    else:
+                        op.agreed.windows_pending = False
+                        op.agreed.windows_ok = False
                 op.agreed.late = op.agreed.late or bool(agreed[i + 2])
                 i += 3
             else:
@@ -195,7 +208,7 @@ class RankSteps:
                 op.agreed.finished = bool(agreed[i + 1])
                 op.agreed.late = op.agreed.late or bool(agreed[i + 2])
                 i += 3
-                if op.agreed.finished and op.reads_windows and op.agreed.done * p >= self.threshold:
+                if op.agreed.finished and op.reads_windows and op.new_tokens(op.agreed.done) >= self.threshold:
                     pf.start_window_read(op, op.agreed.done)  # phase two, at the same step on every rank
         for job in self._step_jobs:
             a = int(agreed[i])

@@ -10,8 +10,8 @@ stored) and an SWA component (``swa`` pool, the trailing-pages policy). Two SWA 
 documented limits, not bugs, and are left out of the comparison: a tree whose full-KV match
 is not SWA-usable (tombstones) and a mid-tree continuation shorter than the window (a prefetch
 from a mid-tree anchor reads the whole window from storage: ``l3.controller``). Left out for
-both kinds: a match ending on a device node whose host copy was evicted (the prefetch needs a
-backed-up anchor to pin, so it is skipped: ``not_backed_up``; a lost hit, reported on issue 28).
+both kinds: a prefetch skipped as ``not_backed_up`` (now only a key the tree holds whole on
+the device: a match ending on device-only nodes reads from the backed-up end, SWA included).
 Bounded in CI
 (a few examples); ``-m slow`` runs more.
 """

@@ -20,8 +20,11 @@ k)``                         pages (after the full component's split)
 pages)``                     refuse it (ValueError) over this component's ``pages``
 ``on_insert_span(last,       an insert ended at ``last``; the inserted span is its last
 span, pages)``               ``span`` tokens, ``pages`` the caller's (taken or freed, each one)
-``on_attach_host(leaf,       ``insert_host`` attached ``leaf`` (host-only; None: nothing) from
-pages, first)``              page ``first`` of this component's ``pages`` (keeps or frees each)
+``on_attach_host(leaf,       ``insert_host`` gave host pages up to ``leaf``'s end (None:
+pages, first)``              nothing); this component's ``pages[first:]`` are the last pages of
+                             the path ending there: device-only nodes given host copies (only
+                             with ``device_only_host_copies``), then ``leaf`` (host-only, or
+                             the last of those nodes); it keeps or frees each page
 ``on_backup(nodes)``         these nodes (root first) were just marked backed up; their copy is
                              issued right after; returns this component's ``CopyPlan`` or None
 ``reserve_backup(nodes)``,   several ranks: the backup of ``nodes`` as reserve -> agree ->
@@ -152,6 +155,10 @@ class KVComponent:
     # L3: None stores every page (ALL_PAGES); n >= 1 stores and requires only the n pages
     # before a hit's end (TRAILING_PAGES, e.g. a sliding window's pages).
     l3_trailing_pages: int | None = None
+    # L3: True when ``on_attach_host`` places pages on device-only nodes that ``insert_host``
+    # gave full host copies (a prefetch read from the backed-up end of a match); a stateful
+    # component without it makes such a prefetch anchor at the match's end (not read).
+    device_only_host_copies = False
 
     def __init__(self, name: str, engine: KVTransferEngine) -> None:
         if not isinstance(name, str) or not name:

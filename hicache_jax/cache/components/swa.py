@@ -199,6 +199,7 @@ class SWAComponent(KVComponent):
 
     stateful = True
     own_page_ids = True
+    device_only_host_copies = True  # on_attach_host places a window on the path's nodes
 
     def __init__(self, engine: KVTransferEngine, device_allocator: PageAllocator, window: int,
                  name: str = SWA) -> None:
@@ -667,15 +668,30 @@ class SWAComponent(KVComponent):
             self.host_allocator.free(drop)
         if leaf is None:
             return
+        # ``mine`` covers the last pages of the path ending at ``leaf``'s end: device-only
+        # nodes that just got full host copies (none of their own SWA host pages: those need
+        # full host KV), then ``leaf``. The ids are a suffix (a window): walk up from ``leaf``
+        # until they run out, splitting the node where they start.
         mine = pages[first:]
         valid = mine >= 0
         if not valid.any():
             return
         f = int(valid.argmax())
-        if f:
-            self.tree.split(leaf, f * self.page_size)
-        st = self._make(leaf)
-        self._set_host(st, mine[f:].astype(ID_DTYPE))
+        p = self.page_size
+        node, end = leaf, mine.shape[0]
+        while end > f:
+            lo = end - node.size // p
+            above = node.parent
+            if lo < f:  # the window starts inside: the upper part stays an SWA host tombstone
+                self.tree.split(node, (f - lo) * p)
+                lo = f
+            st = self._make(node)
+            ids = mine[lo:end].astype(ID_DTYPE)
+            if st.host is None:
+                self._set_host(st, ids)
+            else:  # never after a device-only match (SWA host implies full host); kept anyway
+                self.host_allocator.free(ids)
+            node, end = above, lo
 
     # ------------------------------------------------------------------ L2
     def _backup_need(self, nodes: list) -> tuple[list, int]:
