@@ -400,15 +400,14 @@ class HiRadixCache:
         for name in _REFUSED_AFTER_FAILURE:
             self.__dict__.pop(name, None)
 
-    @staticmethod
-    def _split_hook(res: Residency, stateful: tuple):
-        if not stateful:
-            return res.split
-
+    def _split_hook(self, res: Residency, stateful: tuple):
+        """What the tree calls on a split: residency, every stateful component, and the
+        load-back issuer's storage origin (built after the tree, so looked up per split)."""
         def split(upper: TreeNode, lower: TreeNode, k: int) -> None:
             res.split(upper, lower, k)
             for comp in stateful:
                 comp.on_split(upper, lower, k)
+            self._load_backs.on_split(upper, lower)
 
         return split
 

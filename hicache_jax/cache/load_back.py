@@ -24,7 +24,8 @@ Storage origin: nodes an L3 prefetch attached (``insert_host``) are remembered u
 first load-back, whose tokens then count in ``loaded_storage_tokens`` as well (the metric
 ``cached_tokens{cache_source="storage"}``; the rest of ``loaded_tokens`` is the host source).
 The set is empty without L3, so the check costs one truth test per load-back. A split of
-such a node before its load-back leaves the upper part counted as a host hit.
+such a node before its load-back puts the new upper part in the set too (``on_split``): both
+parts came from storage.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class LoadBackIssuer:
         if len(origin) > self._prune_at:  # nodes evicted before any load-back
             origin.difference_update([n for n in origin if n.deleted or n.value is not None])
             self._prune_at = max(1024, 2 * len(origin))
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """The tree split ``lower`` (which keeps its identity) under a new ``upper``."""
+        origin = self.storage_origin
+        if origin and lower in origin:
+            origin.add(upper)
 
     def load_back(self, node: TreeNode, mem_quota: int | None) -> LoadBackResult | None:
         if self.hooked:

@@ -229,3 +229,32 @@ def test_register_prometheus_rejects_bad_arguments(backend_factory):
     register_prometheus(cache, registry)
     with pytest.raises(ValueError, match="already registered"):
         register_prometheus(cache, registry)
+
+
+def test_a_storage_attached_node_split_before_its_load_back_counts_both_parts_as_storage(backend_factory):
+    """A request that shares only the first half of an L3-attached node splits it before any
+    load-back: the upper part (a new node) came from storage too, and so its load-back counts."""
+    cache, be = make_cache(backend_factory, page_size=2, load_back_threshold=0)
+    oracle = KVOracle(be)
+    key = seq(0, 8)
+    prefill_insert(cache, oracle, key)
+    cache.flush()
+    cache.evict(8)
+    cache.evict_host(8)
+    ids = cache.host_allocator.alloc(4)
+    for c, arr in oracle.pages(key, 0, 4).items():
+        be.host.write_pages(c, ids, {"lnp": arr, "nlp": arr.transpose(1, 0, 2, 3, 4),
+                                     "npl": arr.transpose(1, 2, 0, 3, 4)}[be.host.layout.transfer_order])
+    assert cache.insert_host(key, ids, 0)[0] == 8
+    half = RadixKey(np.concatenate([key.token_ids[:4], [900, 901]]))  # shares two pages: splits the node there
+    req, lb = cache.begin_request(half)
+    cache.flush()
+    oracle.check_device(key.prefix(4), req.device_pages[:2])
+    cache.dec_lock_ref(req.last_node)
+    assert cache.stats()["cached_tokens"] == {"device": 0, "host": 0, "storage": 4}
+    req, lb = cache.begin_request(key)  # the lower part
+    cache.flush()
+    oracle.check_device(key, req.device_pages)
+    cache.dec_lock_ref(req.last_node)
+    assert cache.stats()["cached_tokens"] == {"device": 4, "host": 0, "storage": 8}
+    cache.sanity_check()
