@@ -195,6 +195,17 @@ class SWAMachine(RuleBasedStateMachine):
         self.reqs.remove(entry)
         self.drv.abort(entry[0])
 
+    def deepest_node(self, key: RadixKey):
+        """The deepest tree node whose whole path ``key`` spells, on any tier, windows or not
+        (``backed_up_prefix`` stops at the backed-up end: not the nodes on the device only)."""
+        node, off, p, kb = self.cache.root, 0, self.p, key.token_bytes
+        while True:
+            page = kb[8 * off:8 * off + 8 * p]
+            child = node.children.get((key.namespace, page) if node is self.cache.root else page)
+            if child is None or len(page) < 8 * p or not kb.startswith(child.kb, 8 * off):
+                return node
+            node, off = child, off + child.size
+
     # ------------------------------------------------------------------ rules: raw calls
     @rule(toks=tokens, ns=ns)
     def match(self, toks, ns):
@@ -206,8 +217,8 @@ class SWAMachine(RuleBasedStateMachine):
         """A raw caller lock on the match's device end, or on any on-device node of its path
         (one whose window may hold tombstones that an insert or a load-back revives later)."""
         key = self.key(toks, ns)
-        m = self.cache.match_prefix(key)
-        node, on_dev = self.cache.backed_up_prefix(key)[0], [m.last_device_node]
+        m = self.cache.match_prefix(key)  # splits a node the match ends inside: whole nodes below
+        node, on_dev = self.deepest_node(key), [m.last_device_node]
         while node is not self.cache.root:
             if node.value is not None:
                 on_dev.append(node)
@@ -222,7 +233,8 @@ class SWAMachine(RuleBasedStateMachine):
         """Lock a node whose window holds a device tombstone, then serve its prefix again: the
         insert revives the tombstone inside the locked window (the hold must take it in)."""
         done = data.draw(st.sampled_from(self.done))
-        node = self.cache.backed_up_prefix(done)[0]
+        self.cache.match_prefix(done)
+        node = self.deepest_node(done)
         path = []
         while node is not self.cache.root:
             path.append(node)
