@@ -4,6 +4,10 @@
 usage: hybrid_spec_engine_rank.py OUT_DIR AGREEMENT DIVERGE   (launched: HICACHE_RANK set)
        hybrid_spec_engine_rank.py OUT_DIR single -            (one process, the reference)
 
+AGREEMENT: ``kv`` (the coordination service's store) or ``none`` (the agreement-off control:
+the same protocol with the exchange switched off, ``NoExchangeAgreement``; every rank acts on
+its own values).
+
 The model is the trained toy pair (``load_pair``) with its first layer made a sliding-window
 layer (window 12; the full layer still sees the whole pattern of period 32 the pair was trained
 on), so the draft's proposals are accepted (accept length ``k + 1``) and every verify step
@@ -25,7 +29,16 @@ agreement step (``AfterStepRecorder``) and compared at every exchange (``check_d
 single process also serves every prompt with plain greedy decoding (same weights, no cache,
 no speculation) for comparison. ``VerifyLag`` records the most SWA pages a decoding request
 held at a verify step only because its slides lagged, beside the slack ``swa_pages_needed``
-adds per decoding request with ranks. Writes OUT_DIR/<rank or single>.json.
+adds per decoding request with ranks.
+
+With AGREEMENT=none only ``CONTROL_ROUNDS`` rounds run (no tier is read back: with trees that
+differ the ranks would step different programs), DIVERGE=swa injects as above and
+DIVERGE=calm nothing; then ``flush()`` settles each rank (every backup and load-back
+acknowledged, every backup committed or rolled back, every noted slide applied) and a last
+digest is recorded. Without the exchange the digests mid-run depend on timing (each rank
+acknowledges its own copies as they finish, so the copies in flight and the locks they hold
+differ step by step) but the settled state does not: what is compared is the digest after
+the flush. Writes OUT_DIR/<rank or single>.json.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from hicache_jax.reference_model.weights import load_pair
 WINDOW, PERIOD = 12, 32
 PAGE, K = 4, 4  # a verify step writes k + 1 = 5 positions: more than a page
 CLIENTS, ROUNDS, FIRSTS, TURN, ANSWER = 3, 3, (72, 40, 44), 8, 36
+CONTROL_ROUNDS = 1  # the agreement-off control: enough for both injections to fire
 
 
 def hybrid_pair():
@@ -126,14 +140,14 @@ def lag_granted_per_decoding_request(model, cfg: EngineCacheConfig, spec: SpecCo
     return per_request(True) - per_request(False)
 
 
-def workload(engine: Engine) -> tuple[list, list, list, list]:
+def workload(engine: Engine, rounds: int) -> tuple[list, list, list, list]:
     """Returns (prompts, tokens, cached tokens by tier, accept lengths) per request."""
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(3)
     patterns = [rng.integers(0, vocab, PERIOD) for _ in range(CLIENTS)]
     hist = [np.resize(p, n).tolist() for p, n in zip(patterns, FIRSTS)]
     prompts, tokens, tiers, accepts = [], [], [], []
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r:  # the next turn continues the client's pattern
             for h, p in zip(hist, patterns):
                 h.extend(p[(len(h) + i) % PERIOD] for i in range(TURN))
@@ -153,10 +167,15 @@ def workload(engine: Engine) -> tuple[list, list, list, list]:
 def main() -> None:
     out_dir, agreement, div = sys.argv[1:4]
     ranks, name = None, "single"
-    if agreement != "single":
+    if agreement == "none":
+        from hybrid_l3_engine_rank import rank_context_without_exchange  # noqa: E402
+
+        ranks = rank_context_without_exchange()
+    elif agreement != "single":
         from hicache_jax.engine.multiprocess import rank_context
 
         ranks = rank_context(agreement, timeout_s=60)
+    if ranks is not None:
         name = f"rank{ranks.rank}"
     pair = hybrid_pair()
     spec = SpecConfig(num_draft_tokens=K)
@@ -169,16 +188,24 @@ def main() -> None:
     fired = {"swa_host_alloc_fail": 0, "late_slide": 0}
     if ranks is not None:
         engine.cache.step_agreement.add(rec)
-        engine.cache.step_agreement.check_digest = True
+        engine.cache.step_agreement.check_digest = agreement != "none"
         if div == "swa" and ranks.rank == 1:
             fail_every(engine.swa.host_allocator, 2, fired, "swa_host_alloc_fail")
             LateSlides(engine, fired)
-    prompts, tokens, tiers, accepts = workload(engine)
+    control = agreement == "none"
+    prompts, tokens, tiers, accepts = workload(engine, CONTROL_ROUNDS if control else ROUNDS)
+    settled_swa = None
+    if control:
+        engine.flush()  # each rank's own copies acknowledged, backups and slides settled
+        rec.prepare()
+        rec.apply(None)  # the last digest: the settled state
+        settled_swa = engine.swa.digest_state()
     out = {"tokens": tokens, "tiers": tiers, "accept_lengths": accepts, "digests": rec.digests, "fired": fired,
            "slides": engine.cache.stats().get("agreement", {}).get("agreed_slides", 0),
            "swa_allocs_after_agreed_slides": engine.metrics.swa_allocs_after_agreed_slides,
            "verify_lag_pages": lag.max_pages,
-           "lag_granted_per_decoding_request": lag_granted_per_decoding_request(pair.config, cfg, spec)}
+           "lag_granted_per_decoding_request": lag_granted_per_decoding_request(pair.config, cfg, spec),
+           "settled_swa": settled_swa}
     engine.close()
     if ranks is None:  # plain greedy decoding of the same prompts: what speculation must reproduce
         plain = Engine(pair.config, replace(cfg, swa_device_pages=None), weights=pair)

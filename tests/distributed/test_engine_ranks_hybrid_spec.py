@@ -12,21 +12,36 @@ must produce the single process's tokens, which are plain greedy decoding's; the
 (``check_digest``); both injections must have fired; and the rounds must be served from the
 device (L1) and, after a device eviction, from the host (L2) alike on both ranks. The same
 served from L3 too, with rank 1's storage faults: ``test_engine_ranks_hybrid_spec_l3``.
+
+The agreement-off control runs one round with the exchange switched off
+(``NoExchangeAgreement``): rank 1's two injections must leave the ranks' settled trees
+different, and without them the settled trees must be equal, so the digests can see what the
+agreement prevents. Settled: each rank flushes (all its copies acknowledged, backups and
+slides settled) before the last digest. Mid-run digests are not compared there: without the
+exchange each rank acknowledges its own D2H copies as they finish, so the copies in flight
+(and the locks they hold), which the digest covers, differ step by step with timing alone.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
 from test_engine_ranks_hybrid import run_ranks_and_single
 
+from hicache_jax.distributed import launch_local
+
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SCRIPT = str(HERE / "hybrid_spec_engine_rank.py")
 CLIENTS, K = 3, 4  # hybrid_spec_engine_rank: requests per round, draft tokens per verify
 
 
 def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_tokens_under_swa_divergence(
         tmp_path):
-    one, r0, r1 = run_ranks_and_single(tmp_path, str(HERE / "hybrid_spec_engine_rank.py"), "swa")
+    one, r0, r1 = run_ranks_and_single(tmp_path, SCRIPT, "swa")
     assert one["tokens"] == one["plain_tokens"]  # exact: speculation serves plain greedy decoding's tokens
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
     assert r0["accept_lengths"] == r1["accept_lengths"]
@@ -48,3 +63,30 @@ def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_
     # The windows whose SWA backup failed on rank 1 are host tombstones on both ranks: their
     # prefixes are served shorter from the host than in the single process (agreed, not wrong).
     assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS:])
+
+
+def launch_without_exchange(out: Path, diverge: str) -> tuple[dict, dict]:
+    """The rank script as two ranks with the exchange switched off: rank 0's and rank 1's JSON."""
+    out.mkdir()
+    base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
+    launch_local([sys.executable, SCRIPT, str(out), "none", diverge], 2, timeout_s=300, cwd=str(ROOT), env=base)
+    return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+
+
+def test_without_the_exchange_rank_1s_swa_divergence_splits_the_settled_hybrid_speculative_trees(tmp_path):
+    """The agreement-off control (module docstring): the injections of the test above, one
+    round, ``NoExchangeAgreement``; then the same without the injections."""
+    r0, r1 = launch_without_exchange(tmp_path / "swa", "swa")
+    c0, c1 = launch_without_exchange(tmp_path / "calm", "calm")
+    assert r1["fired"]["swa_host_alloc_fail"] > 0 and r1["fired"]["late_slide"] > 0, r1["fired"]
+    assert not any(r0["fired"].values()) and not any(c0["fired"].values()) and not any(c1["fired"].values())
+    assert r0["tokens"] == r1["tokens"] == c0["tokens"]  # the divergence is in what the trees keep
+    # Without the injections the ranks settle equal; with them rank 1 alone leaves that state
+    # (rank 0 injects nothing and, without the exchange, takes none of rank 1's values: it
+    # settles as in the calm run), so the difference is the injections', not timing's.
+    assert c0["digests"][-1] == c1["digests"][-1], (c0["settled_swa"], c1["settled_swa"])
+    assert r0["digests"][-1] == c0["digests"][-1]
+    assert r1["digests"][-1] != r0["digests"][-1]
+    # ... in the SWA component's state, which both injections act on: rank 1's failed SWA
+    # backups are host tombstones on rank 1 only, and its late slides keep window pages longer.
+    assert r1["settled_swa"] != r0["settled_swa"] == c1["settled_swa"]
