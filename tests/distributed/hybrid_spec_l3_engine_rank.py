@@ -14,7 +14,8 @@ SWA pages and the draft pages.
 With DIVERGE=all, rank 1 alone: everything ``engine_rank.diverge`` does (fails every third
 host allocation, but only until the L3 round, so that whether its reservations fail does not
 depend on how the earlier rounds' copies were timed; finishes its target D2H copies late, reads
-a page short of every storage read, sees every storage query's seventh page missing), fails
+a page short of every storage read, sees the seventh page missing: here in the first storage
+query it cuts only, ``missing_once``), fails
 every other SWA host allocation in the first two rounds, and reports every window slide of a decode round a step late
 (``LateSlides``). Each injection counts its firings. ``spec_l3_engine_rank.DraftBytes`` checks
 this rank's shard of the full and draft pages the L3 round is served against what the tree
@@ -51,6 +52,19 @@ class Round:
 
     index = 0
     before_l3 = None
+
+
+def missing_once(engine: Engine, exists_multi, fired: dict) -> None:
+    """``diverge``'s missing page only on the first storage query it cuts (one request of the L3
+    round): on every query it caps each hit at 6 pages, where these prompts (40+ tokens) have
+    no stored window, so nothing attached on either rank and the test saw no L3 hit at all."""
+    store = engine.storage.storage
+    missing = store.exists_multi
+
+    def first_only(transfers):
+        return missing(transfers) if not fired["missing_page"] else exists_multi(transfers)
+
+    store.exists_multi = first_only
 
 
 def fail_swa_early(engine: Engine, fired: dict, now: Round) -> None:
@@ -118,7 +132,9 @@ def main() -> None:
         engine.cache.step_agreement.check_digest = True
         if div == "all" and ranks.rank == 1:
             host_alloc = engine.cache.host_allocator.alloc
+            exists_multi = engine.storage.storage.exists_multi
             diverge(engine, rec, fired)
+            missing_once(engine, exists_multi, fired)
 
             def calm_host_alloc() -> None:  # the L3 round's host reservations all succeed: its reads run
                 engine.cache.host_allocator.alloc = host_alloc
