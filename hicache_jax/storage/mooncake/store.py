@@ -378,9 +378,9 @@ class MooncakeStorage(HiCacheStorage):
 
     def _get(self, pool: str, keys: list[bytes], heads: np.ndarray, runs: list[list], zero) -> list[bool]:
         """Read each key's value into ``heads[i]`` (its 64-byte header) and the page's ``runs[i]``
-        (``(address, nbytes)`` in page order) with one batch call, then check the pages
-        (header, CRC) on the CRC threads in parallel; ``zero(i)`` scrubs page i after a failed
-        read."""
+        (``(address, nbytes)`` in page order), a batch call per piece of ``_chunks``, and check
+        each piece's pages (header, CRC) on the CRC threads in parallel while the next piece
+        moves; ``zero(i)`` scrubs page i after a failed read."""
         names = [object_name(pool, k) for k in keys]
         pb = self.codecs[pool].page_bytes
         hp = heads.ctypes.data
@@ -419,7 +419,15 @@ class MooncakeStorage(HiCacheStorage):
                     fut = self._start(what, get, names[a:b], ptrs[a:b], sizes[a:b])
                 except _StoreDown:
                     pass  # the pages of the pieces not read are misses, left untouched
-            ok[lo:hi] = self._in_parallel(hi - lo, lambda x, y: check(lo + x, lo + y))
+            try:
+                ok[lo:hi] = self._in_parallel(hi - lo, lambda x, y: check(lo + x, lo + y))
+            except BaseException:  # never return with the next piece still landing in host pages
+                if fut is not None:
+                    try:
+                        self._wait(what, fut)
+                    except Exception:
+                        pass
+                raise
             if fut is None:
                 break
         bad, failed = [], []

@@ -116,3 +116,27 @@ def test_pieces_after_the_store_went_down_are_misses_left_untouched(master, monk
         chk.assert_pages_equal(src, range(4), dst, range(4))
         chk.assert_poisoned(dst, range(4, N))
         assert st.metrics.corrupt == 0
+
+
+def test_a_failing_check_waits_for_the_piece_in_flight(master, monkeypatch):
+    """A check that raises (a bug) while the next piece moves: the call ends only after that
+    piece landed (no transfer keeps writing into host pages the caller got back), all misses."""
+    monkeypatch.setattr(mst, "PIPELINE_CHUNK_BYTES", 4 * GEOM.bytes_per_page)
+    src, keys = _stored(master, 34)
+    with mc_store(master, {"target": src}) as st:
+        assert st.batch_set(keys, range(N)) == [True] * N
+        log: list = []
+        st._store = _SlowClient(st._store, log, delay=0.2)
+
+        def check(*a):
+            log.append(("check",))
+            raise RuntimeError("a bug in a check")
+
+        monkeypatch.setattr(st, "_check", check)
+        dst = chk.poisoned(GEOM, N, "page_first")
+        st.codecs["target"].pool = dst
+        assert st.batch_get(keys, range(N)) == [False] * N
+        log.append(("returned",))
+        assert [e[2] for e in log if e[0] == "get"] == ["start", "end", "start", "end"], log
+        assert log.index(("returned",)) > max(i for i, e in enumerate(log) if e[0] == "get"), log
+        st._store = st._store._real
