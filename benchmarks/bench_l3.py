@@ -10,8 +10,9 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
          raw:   one file per page, ``write`` + ``fsync`` of the same bytes (no header, no CRC);
          raw per segment: one file per ``--segment-pages`` pages, one ``fsync`` each (orbax's
                 durability granularity: fewer, larger syncs)
-                Durability matches orbax's: tensorstore fsyncs every file it writes and, like
-                raw, no directory (checked with strace); both publish by name (orbax renames
+                Durability: raw fsyncs each file it writes; the orbax segment log fsyncs every
+                file and directory of a segment once before orbax publishes it (orbax's merge
+                commit syncs its own; checked with strace); both publish by name (orbax renames
                 the step directory).
 * cold read, one page at a time (orbax and raw interleaved page by page) and 16 in flight
   (whole passes, the order alternating per round), in a random order:

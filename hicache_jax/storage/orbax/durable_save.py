@@ -1,0 +1,112 @@
+"""How a segment reaches the disk durably: one fsync pass per save instead of one per commit.
+
+An orbax save of a segment is five OCDBT commits (one per array's metadata and small arrays,
+one for the page data, one for orbax's merge of the per-process tree), and tensorstore, by
+default, fsyncs around every commit: the data file, its directory, the manifest, the
+manifest's directory, ~20 ``fsync`` calls per segment, each waiting for a journal commit of
+its own (strace on the project VM; ~0.1 s per segment of waits with the disk shared, where a
+raw writer of the same bytes makes one). Here the segment's arrays are written through a
+tensorstore context with ``file_io_sync`` off (``SegmentArrayHandler``), and once the save's
+files are all written, before orbax publishes the step (its rename of the item's temporary
+directory, ``SegmentTreeHandler.finalize``), every file and directory under it is fsync'ed
+(``sync_tree``): the first fsync commits the journal with every file's metadata in it, the
+others then only wait for their own data. Durability is what it was: when ``flush`` returns the
+segment's files are on disk, and a step that carries a committed name was synced before it got
+it. The merge commit orbax itself makes keeps tensorstore's default (its own context).
+
+Where the override cannot apply (an orbax whose ``NumpyHandler`` no longer writes through
+``_open_and_write``) tensorstore syncs as before and the pass here syncs again: slower, never
+less durable.
+
+Threading: a ``SegmentArrayHandler`` serves one ``CheckpointManager``, whose saves run on the
+segment writer's thread only; ``begin_save`` / ``end_save`` bracket one save there, so every
+array of a save goes through the same context (one OCDBT writer per step directory).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+# orbax's own context for OCDBT saves (tensorstore_utils.get_ts_context), with no fsync per write
+_NOSYNC_CONTEXT = {"file_io_concurrency": {"limit": 128},
+                   "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+                   "file_io_sync": False}
+
+
+def sync_tree(root: str) -> int:
+    """fsync every file under ``root``, then every directory (deepest first, ``root`` last), so
+    that the files and their names are on disk; returns the number of fsync calls."""
+    n = 0
+    dirs = []
+    for d, _, files in os.walk(root):
+        dirs.append(d)
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            n += 1
+    for d in reversed(dirs):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        n += 1
+    return n
+
+
+class SegmentArrayHandler(ocp.type_handlers.NumpyHandler):
+    """orbax's numpy handler, without its defensive deep copy and, inside ``begin_save`` /
+    ``end_save``, writing through a tensorstore context that does not fsync.
+
+    No deep copy: saves are synchronous (``enable_async_checkpointing=False``) and a segment
+    buffer is neither written nor recycled until the save has returned. The copy cost a fresh
+    ``page_bytes * segment_pages`` allocation per save (save CPU 1.0 s -> 0.2 s for 128 MiB
+    on the project VM)."""
+
+    def __init__(self) -> None:
+        super().__init__(deepcopy_host_arrays=False)
+        self.save_context: ts.Context | None = None
+
+    def begin_save(self) -> None:
+        self.save_context = ts.Context(_NOSYNC_CONTEXT)  # fresh per save: nothing cached across steps
+
+    def end_save(self) -> None:
+        self.save_context = None
+
+    async def _open_and_write(self, value: np.ndarray, tspec, ts_context: ts.Context):
+        ctx = self.save_context
+        return await super()._open_and_write(value, tspec, ts_context if ctx is None else ctx)
+
+
+class SegmentTreeHandler(ocp.PyTreeCheckpointHandler):
+    """``PyTreeCheckpointHandler`` whose ``finalize`` (called on the item's temporary
+    directory, before orbax renames it into place) ends with ``sync_tree`` over it."""
+
+    def finalize(self, directory) -> None:
+        super().finalize(directory)
+        sync_tree(os.fspath(directory))
+
+
+@ocp.args.register_with_handler(SegmentTreeHandler, for_save=True)
+class SegmentSave(ocp.args.PyTreeSave):
+    """``PyTreeSave`` for ``SegmentTreeHandler`` (orbax finds a handler by its args' exact class:
+    registering ``PyTreeSave`` itself would change every orbax user's handler in the process)."""
+
+
+@ocp.args.register_with_handler(SegmentTreeHandler, for_restore=True)
+class SegmentRestore(ocp.args.PyTreeRestore):
+    """Registered beside ``SegmentSave`` (orbax wants both); segments are read without orbax."""
+
+
+def type_handler_registry(array_handler: SegmentArrayHandler):
+    """orbax's default handlers, numpy arrays through ``array_handler``."""
+    th = ocp.type_handlers
+    handlers = [(ty, array_handler if ty is np.ndarray else th.get_type_handler(ty)) for ty in th.supported_types()]
+    return th.create_type_handler_registry(*handlers)

@@ -1,0 +1,142 @@
+"""The ``mooncake`` backend's pipelined reads: a call's pages move in pieces, piece k+1 on a store
+worker while piece k is checked on the CRC threads; bytes come back exact, a damaged object in a
+middle piece is a miss between hits, and pieces not read after the store went down are left
+untouched (against a real master)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from hicache_jax import HostKVPool
+from hicache_jax.storage.mooncake import store as mst
+from hicache_jax.storage.mooncake.store import HEADER_BYTES, object_name
+
+import host_io_checks as chk
+from mooncake_helpers import mc_store
+from storage_helpers import fill_random, keys_for
+
+GEOM = chk.GEOMS["bf16"]
+N = 12
+
+
+class _SlowClient:
+    """The real client, its batch reads logged and slowed (so that a piece's checks, when they
+    overlap the next piece's read, do so every time)."""
+
+    def __init__(self, real, log, delay=0.05):
+        self._real, self._log, self._delay = real, log, delay
+
+    def batch_get_into_multi_buffers(self, names, ptrs, sizes):
+        self._log.append(("get", len(names), "start"))
+        time.sleep(self._delay)
+        try:
+            return self._real.batch_get_into_multi_buffers(names, ptrs, sizes)
+        finally:
+            self._log.append(("get", len(names), "end"))
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _stored(master, seed):
+    src = HostKVPool(GEOM, N, "page_first")
+    fill_random(src, seed)
+    keys = keys_for(N, seed=seed, ns=chk.namespace(GEOM, "page_first", model=f"pipeline-{seed}"))
+    return src, keys
+
+
+def test_pieces_overlap_checks_and_bytes_come_back(master, monkeypatch):
+    monkeypatch.setattr(mst, "PIPELINE_CHUNK_BYTES", 4 * GEOM.bytes_per_page)  # 3 pieces of 4 pages
+    src, keys = _stored(master, 31)
+    with mc_store(master, {"target": src}) as st:
+        assert st.batch_set(keys, range(N)) == [True] * N
+        log: list = []
+        st._store = _SlowClient(st._store, log)
+        real_check = st._check
+
+        def check(*a):
+            log.append(("check", threading.current_thread().name))
+            return real_check(*a)
+
+        monkeypatch.setattr(st, "_check", check)
+        dst = chk.poisoned(GEOM, N, "page_first")
+        st.codecs["target"].pool = dst
+        assert st.batch_get(keys, range(N)) == [True] * N
+        chk.assert_pages_equal(src, range(N), dst, range(N))
+        assert st.metrics.verified == N
+        gets = [e for e in log if e[0] == "get"]
+        assert [e[1] for e in gets if e[2] == "start"] == [4, 4, 4]  # three pieces, in order
+        # piece 1's checks ran while piece 2 was in flight: after piece 1 arrived, before piece 2 did
+        ends = [i for i, e in enumerate(log) if e[0] == "get" and e[2] == "end"]
+        assert sum(e[0] == "check" for e in log[ends[0]:ends[1]]) == 4, log
+        assert all(e[1].startswith("l3-mooncake-crc") for e in log if e[0] == "check")
+        st._store = st._store._real
+
+
+def test_damaged_object_in_a_middle_piece_is_a_miss_between_hits(master, monkeypatch):
+    monkeypatch.setattr(mst, "PIPELINE_CHUNK_BYTES", 4 * GEOM.bytes_per_page)
+    src, keys = _stored(master, 32)
+    with mc_store(master, {"target": src}) as st:
+        assert st.batch_set(keys, range(N)) == [True] * N
+        name = object_name("target", keys[6])
+        bad = bytearray(st._store.get(name))
+        bad[HEADER_BYTES + 7] ^= 0x01
+        st._store.remove(name, True)
+        assert st._store.put(name, bytes(bad)) == 0
+        dst = chk.poisoned(GEOM, N, "page_first")
+        st.codecs["target"].pool = dst
+        got = st.batch_get(keys, range(N))
+        assert got == [i != 6 for i in range(N)]
+        ok = [i for i in range(N) if i != 6]
+        chk.assert_pages_equal(src, ok, dst, ok)
+        assert not st.codecs["target"].pack(np.array([6])).any()  # zero-filled: no bytes that failed the check
+        assert st.metrics.corrupt == 1
+
+
+def test_pieces_after_the_store_went_down_are_misses_left_untouched(master, monkeypatch):
+    monkeypatch.setattr(mst, "PIPELINE_CHUNK_BYTES", 4 * GEOM.bytes_per_page)
+    src, keys = _stored(master, 33)
+    with mc_store(master, {"target": src}) as st:
+        assert st.batch_set(keys, range(N)) == [True] * N
+        real_start, starts = st._start, []
+
+        def start(what, fn, *args):  # the second piece finds the store down (another thread's fault)
+            starts.append(what)
+            if len(starts) == 2:
+                raise mst._StoreDown(what)
+            return real_start(what, fn, *args)
+
+        monkeypatch.setattr(st, "_start", start)
+        dst = chk.poisoned(GEOM, N, "page_first")
+        st.codecs["target"].pool = dst
+        assert st.batch_get(keys, range(N)) == [True] * 4 + [False] * 8
+        chk.assert_pages_equal(src, range(4), dst, range(4))
+        chk.assert_poisoned(dst, range(4, N))
+        assert st.metrics.corrupt == 0
+
+
+def test_a_failing_check_waits_for_the_piece_in_flight(master, monkeypatch):
+    """A check that raises (a bug) while the next piece moves: the call ends only after that
+    piece landed (no transfer keeps writing into host pages the caller got back), all misses."""
+    monkeypatch.setattr(mst, "PIPELINE_CHUNK_BYTES", 4 * GEOM.bytes_per_page)
+    src, keys = _stored(master, 34)
+    with mc_store(master, {"target": src}) as st:
+        assert st.batch_set(keys, range(N)) == [True] * N
+        log: list = []
+        st._store = _SlowClient(st._store, log, delay=0.2)
+
+        def check(*a):
+            log.append(("check",))
+            raise RuntimeError("a bug in a check")
+
+        monkeypatch.setattr(st, "_check", check)
+        dst = chk.poisoned(GEOM, N, "page_first")
+        st.codecs["target"].pool = dst
+        assert st.batch_get(keys, range(N)) == [False] * N
+        log.append(("returned",))
+        assert [e[2] for e in log if e[0] == "get"] == ["start", "end", "start", "end"], log
+        assert log.index(("returned",)) > max(i for i, e in enumerate(log) if e[0] == "get"), log
+        st._store = st._store._real

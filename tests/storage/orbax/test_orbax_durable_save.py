@@ -1,0 +1,93 @@
+"""Segment saves reach the disk through one fsync pass (``orbax.durable_save``): tensorstore's
+own writes of a segment do not sync, every file and directory of the segment is fsync'ed
+before orbax publishes the step under its committed name, and the pages read back (needs orbax)."""
+
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from hicache_jax import HostKVPool
+
+from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, segment_dirs
+
+TMP = ".orbax-checkpoint-tmp"
+
+
+def _spy_fsync(monkeypatch):
+    """Record the path of every ``os.fsync`` (and still sync)."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def _spy_contexts(monkeypatch):
+    """Record the tensorstore context spec of every array write orbax's numpy handler makes."""
+    specs = []
+    real = ocp.type_handlers.NumpyHandler._open_and_write
+
+    async def open_and_write(self, value, tspec, ts_context):
+        specs.append(ts_context.spec.to_json())
+        return await real(self, value, tspec, ts_context)
+
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "_open_and_write", open_and_write)
+    return specs
+
+
+def test_segment_files_synced_once_before_publish_and_read_back(tmp_path, monkeypatch):
+    synced = _spy_fsync(monkeypatch)
+    specs = _spy_contexts(monkeypatch)
+    src = HostKVPool(GEOM, 16, "page_first")
+    fill_random(src, 5)
+    keys = keys_for(8, seed=3)
+    st = make_store("orbax", tmp_path, {"target": src}, segment_pages=4)
+    assert all(st.batch_set(keys, range(8)))
+    assert st.flush(60)
+    segs = segment_dirs(tmp_path)
+    assert len(segs) == 2
+
+    # every array of both saves (data, keys, crc) went through a context that does not sync
+    assert len(specs) == 6 and all(s.get("file_io_sync") is False for s in specs), specs
+
+    for seg in segs:
+        parent, name = os.path.split(seg)
+        tmp_step = os.path.join(parent, name + TMP, "default" + TMP)
+        # (orbax's commit_success.txt marker is written as it publishes: after the pass, unsynced as before)
+        files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(seg, "default")) for f in fs
+                 if f != "commit_success.txt"]
+        assert any(os.path.getsize(f) >= 4 * src.geom.bytes_per_page for f in files)  # the page data file
+        for f in files:  # each synced under the item's temporary name: before orbax published it
+            rel = os.path.relpath(f, os.path.join(seg, "default"))
+            assert os.path.join(tmp_step, rel) in synced, (rel, synced)
+        dirs = [d for d, _, _ in os.walk(os.path.join(seg, "default"))]
+        for d in dirs:
+            rel = os.path.relpath(d, os.path.join(seg, "default"))
+            assert os.path.normpath(os.path.join(tmp_step, rel)) in synced, (rel, synced)
+        assert not any(p.startswith(seg + os.sep) for p in synced)  # nothing synced after the rename
+
+    dst = HostKVPool(GEOM, 16, "page_first")
+    st.codecs["target"].pool = dst
+    assert all(st.batch_get(keys, range(8)))
+    assert_pages_equal(src, range(8), dst, range(8))
+    assert st.metrics.verified == 8 and st.metrics.corrupt == 0
+    st.close()
+
+
+def test_orbax_users_outside_the_store_keep_synced_writes(tmp_path, monkeypatch):
+    """The store's handler and args classes change nothing for other orbax users in the process:
+    a plain ``PyTreeSave`` still goes to orbax's own handler and tensorstore's default context."""
+    specs = _spy_contexts(monkeypatch)
+    src = HostKVPool(GEOM, 4, "page_first")
+    st = make_store("orbax", tmp_path / "l3", {"target": src}, segment_pages=4)  # registers the store's classes
+    with ocp.CheckpointManager(str(tmp_path / "other"), options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=False)) as mgr:
+        mgr.save(0, args=ocp.args.PyTreeSave({"w": np.arange(8, dtype=np.float32)}))
+        mgr.wait_until_finished()
+    assert specs and all(s.get("file_io_sync", True) is not False for s in specs), specs
+    st.close()
