@@ -47,7 +47,7 @@ def test_master_killed_during_write_through(own_master):
     results: list[list[bool]] = []
     stop, errors, durations = threading.Event(), [], []
     state = {"i": 0}
-    with mc_store(own_master, {"target": src}, fresh=True) as st:
+    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         def step():
             i = state["i"] % 100
             state["i"] += 1
@@ -82,7 +82,7 @@ def test_master_killed_during_prefetch(own_master):
     ids = list(range(n))
     dst = {p: HostKVPool(GEOM, 64, pools[p].layout) for p in pools}
     hits, stop, errors, durations = [], threading.Event(), [], []
-    with mc_store(own_master, pools, fresh=True) as st:
+    with mc_store(own_master, pools, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         assert all(all(v) for v in st.set_multi([PoolTransfer(p, keys[p], ids) for p in pools]).values())
         for p in pools:
             st.codecs[p].pool = dst[p]
@@ -118,7 +118,7 @@ def test_master_hung_calls_are_bounded_then_recover(own_master):
     src = HostKVPool(GEOM, 8, "page_first")
     fill_random(src, 2)
     keys = keys_for(4, seed=6)
-    with mc_store(own_master, {"target": src}, fresh=True) as st:
+    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         assert st.batch_set(keys[:2], [0, 1]) == [True, True]
         dst = HostKVPool(GEOM, 8, "page_first")
         st.codecs["target"].pool = dst
@@ -146,7 +146,7 @@ def test_master_restarted_misses_cleanly_then_reconnects(own_master):
     src = HostKVPool(GEOM, 8, "page_first")
     fill_random(src, 3)
     keys = keys_for(6, seed=7)
-    with mc_store(own_master, {"target": src}, fresh=True) as st:
+    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         assert st.batch_set(keys[:3], [0, 1, 2]) == [True] * 3
         own_master.restart_master()  # same ports, empty store
         dst = HostKVPool(GEOM, 8, "page_first")
@@ -181,7 +181,7 @@ def test_pages_evicted_by_mooncake_are_misses(own_master):
     src = HostKVPool(BIG, n, "page_first")
     fill_random(src, 4)
     keys = keys_for(n, seed=8, ns=namespace(BIG), page_size=BIG.page_size)
-    with mc_store(own_master, {"target": src}, fresh=True) as st:
+    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         stored = []
         for i in range(0, n, 8):
             stored += st.batch_set(keys[i:i + 8], list(range(i, i + 8)))
@@ -257,7 +257,7 @@ def test_close_never_closes_the_client_under_a_running_call(own_master, monkeypa
     _HeldClient.closed_under_a_call.clear()
     src = HostKVPool(GEOM, 8, "page_first")
     fill_random(src, 5)
-    st = create_storage(mc_config(own_master), {"target": src})
+    st = create_storage(mc_config(own_master, mooncake_op_timeout_s=OP_TIMEOUT_S), {"target": src})
     flags, dt = _timed(st.batch_set, keys_for(2, seed=5), [0, 1])
     assert flags == [False, False] and dt < BOUND_S  # our side gave up at the op timeout
     assert _HeldClient.inside.is_set()

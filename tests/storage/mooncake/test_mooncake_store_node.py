@@ -44,12 +44,12 @@ def test_pages_outlive_the_client_that_wrote_them_only_with_a_store_node(own_mas
     src = HostKVPool(GEOM, 8, "page_first")
     fill_random(src, 21)
     keys = keys_for(4, seed=21)
-    with mc_store(own_master, {"target": src}, fresh=True) as writer:
+    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as writer:
         assert writer.batch_set(keys, [7, 5, 3, 1]) == [True] * 4
         assert writer.batch_exists(keys) == 4
     # the writer's client is closed: an engine that exited
     dst = HostKVPool(GEOM, 8, "page_first")
-    with mc_store(own_master, {"target": dst}, fresh=True) as reader:
+    with mc_store(own_master, {"target": dst}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as reader:
         if own_master.store_node_bytes:
             assert reader.batch_exists(keys) == 4
             assert reader.batch_get(keys, [0, 1, 2, 3]) == [True] * 4
@@ -69,7 +69,7 @@ def test_store_node_killed_reads_miss_cleanly_then_writes_resume(own_master):
     src = HostKVPool(GEOM, 8, "page_first")
     fill_random(src, 22)
     keys = keys_for(4, seed=22)
-    with mc_store(own_master, {"target": src}, fresh=True) as st:
+    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         assert st.batch_set(keys, [0, 1, 2, 3]) == [True] * 4
         dst = HostKVPool(GEOM, 8, "page_first")
         st.codecs["target"].pool = dst
