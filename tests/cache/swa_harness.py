@@ -61,6 +61,20 @@ def make_swa_cache(*, page_size=2, window=5, device_pages=24, host_pages=48, swa
     return cache, full, swa_be, swa
 
 
+def insert_with_frontier(cache, drv, k, frontier_page):
+    """Insert ``k`` on the device with SWA pages from page ``frontier_page`` on (the window's
+    pages; -1 before them), every page's bytes written through ``drv`` first."""
+    n = len(k) // cache.page_size
+    full = cache.alloc_device(n)
+    sw = cache.alloc_component("swa", n - frontier_page)
+    drv.full.write(k, full)
+    ids = np.full(n, -1, np.int32)
+    ids[frontier_page:] = sw
+    for i in range(frontier_page, n):
+        drv.sw.write(k, np.array([ids[i]]), i)
+    return cache.insert(k, full, component_pages={"swa": ids})
+
+
 class SWADriver:
     """Serves requests through the cache the way an engine must (module docstring), writing
     oracle bytes as the forward passes would and checking every byte it is served."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from swa_harness import SWADriver, make_swa_cache
+from swa_harness import SWADriver, insert_with_frontier, make_swa_cache
 
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3 import StorageController
@@ -55,18 +55,6 @@ def make(storage_cls=None, backend="memory", path=None):
         storage = storage_cls(scfg(), pools, [PoolSpec("target"), PoolSpec("swa", PoolHitPolicy.TRAILING_PAGES, 3)])
     ctl = StorageController(cache, scfg(backend, path), model="m", storage=storage)
     return cache, SWADriver(cache, full, swa_be, swa), swa, ctl
-
-
-def insert_with_frontier(cache, drv, k, frontier_page):
-    n = len(k) // P
-    full = cache.alloc_device(n)
-    sw = cache.alloc_component("swa", n - frontier_page)
-    drv.full.write(k, full)
-    ids = np.full(n, -1, np.int32)
-    ids[frontier_page:] = sw
-    for i in range(frontier_page, n):
-        drv.sw.write(k, np.array([ids[i]]), i)
-    return cache.insert(k, full, component_pages={"swa": ids})
 
 
 def drop_everything(cache, ctl):

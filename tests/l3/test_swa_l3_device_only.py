@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from swa_harness import SWADriver, make_swa_cache
+from swa_harness import SWADriver, insert_with_frontier, make_swa_cache
 
 from cache_harness import node_path_pages
 from hicache_jax.cache import RadixKey
@@ -30,19 +30,6 @@ def make():
     cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=4, prefetch_policy="wait_complete",
                         worker_nice=0)
     return cache, SWADriver(cache, full, swa_be, swa), swa, StorageController(cache, cfg, model="m")
-
-
-def insert_with_frontier(cache, drv, k, frontier_page):
-    """``k`` inserted on the device with SWA pages from ``frontier_page`` on (bytes written)."""
-    n = len(k) // P
-    full = cache.alloc_device(n)
-    sw = cache.alloc_component("swa", n - frontier_page)
-    drv.full.write(k, full)
-    ids = np.full(n, -1, np.int32)
-    ids[frontier_page:] = sw
-    for i in range(frontier_page, n):
-        drv.sw.write(k, np.array([ids[i]]), i)
-    cache.insert(k, full, component_pages={"swa": ids})
 
 
 def path_nodes(cache, key):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from swa_harness import SWADriver, make_swa_cache
+from swa_harness import SWADriver, insert_with_frontier, make_swa_cache
 
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3 import StorageController
@@ -60,16 +60,9 @@ def make():
 
 
 def insert_turn(cache, drv, k, frontier_page):
-    n = len(k) // P
-    full = cache.alloc_device(n)
-    sw = cache.alloc_component("swa", n - frontier_page)
-    drv.full.write(k, full)
-    ids = np.full(n, -1, np.int32)
-    ids[frontier_page:] = sw
-    for i in range(frontier_page, n):
-        drv.sw.write(k, np.array([ids[i]]), i)
-    cache.insert(k, full, component_pages={"swa": ids})
+    out = insert_with_frontier(cache, drv, k, frontier_page)
     cache.flush()
+    return out
 
 
 @pytest.mark.parametrize("fault", ["read", "index", "window"])

@@ -15,23 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 from rank_threads import ThreadGroup, run_ranks
+from swa_harness import insert_with_frontier
 from test_swa_ranks import drop_everything, rank_setup, short_reads
 
 from hicache_jax.cache import RadixKey
 
 P = 2
-
-
-def insert_turn(cache, drv, k, frontier_page):
-    n = len(k) // P
-    full = cache.alloc_device(n)
-    sw = cache.alloc_component("swa", n - frontier_page)
-    drv.full.write(k, full)
-    ids = np.full(n, -1, np.int32)
-    ids[frontier_page:] = sw
-    for i in range(frontier_page, n):
-        drv.sw.write(k, np.array([ids[i]]), i)
-    cache.insert(k, full, component_pages={"swa": ids})
 
 
 def test_an_agreed_end_without_a_stored_window_falls_back_to_a_stop_with_one_on_every_rank(tmp_path):
@@ -40,9 +29,9 @@ def test_an_agreed_end_without_a_stored_window_falls_back_to_a_stop_with_one_on_
     def rank(r):
         cache, drv, swa, ctl, _draft = rank_setup(group.agreement(r), tmp_path)
         turn2 = RadixKey(np.arange(300, 348))  # 24 pages
-        insert_turn(cache, drv, RadixKey(turn2.token_ids[:24]), 9)  # SWA pages 9..11
+        insert_with_frontier(cache, drv, RadixKey(turn2.token_ids[:24]), 9)  # SWA pages 9..11
         cache.flush()
-        insert_turn(cache, drv, turn2, 21)  # SWA pages 21..23
+        insert_with_frontier(cache, drv, turn2, 21)  # SWA pages 21..23
         drop_everything(cache, ctl)
         if r == 1:
             short_reads(ctl, "target", 4)
