@@ -110,21 +110,29 @@ def test_stats_use_the_family_names(backend_factory):
     assert s["in_flight_operations"] == {"backup": 0, "load_back": 0}
 
 
-def test_cached_tokens_sources_do_not_overlap(backend_factory):
-    """Pages attached with insert_host (an L3 prefetch) count as storage when loaded back, once;
-    the next load-back of the same tokens is a host hit."""
+def _attached_from_l3(backend_factory):
+    """A cache whose 8 tokens were dropped from both tiers (as after a restart) and attached
+    again with ``insert_host``, their host pages holding the right bytes (what an L3 read
+    writes): (cache, oracle, key)."""
     cache, be = make_cache(backend_factory, page_size=2, load_back_threshold=0)
     oracle = KVOracle(be)
     key = seq(0, 8)
     prefill_insert(cache, oracle, key)
     cache.flush()
     cache.evict(8)
-    cache.evict_host(8)  # gone from both tiers, as after a restart
+    cache.evict_host(8)
     ids = cache.host_allocator.alloc(4)
-    for c, arr in oracle.pages(key, 0, 4).items():  # what an L3 read writes into host pages
+    for c, arr in oracle.pages(key, 0, 4).items():
         be.host.write_pages(c, ids, {"lnp": arr, "nlp": arr.transpose(1, 0, 2, 3, 4),
                                      "npl": arr.transpose(1, 2, 0, 3, 4)}[be.host.layout.transfer_order])
     assert cache.insert_host(key, ids, 0)[0] == 8
+    return cache, oracle, key
+
+
+def test_cached_tokens_sources_do_not_overlap(backend_factory):
+    """Pages attached with insert_host (an L3 prefetch) count as storage when loaded back, once;
+    the next load-back of the same tokens is a host hit."""
+    cache, oracle, key = _attached_from_l3(backend_factory)
     m = cache.metrics
     loaded0 = m.loaded_tokens
     req, lb = cache.begin_request(key)
@@ -234,18 +242,7 @@ def test_register_prometheus_rejects_bad_arguments(backend_factory):
 def test_a_storage_attached_node_split_before_its_load_back_counts_both_parts_as_storage(backend_factory):
     """A request that shares only the first half of an L3-attached node splits it before any
     load-back: the upper part (a new node) came from storage too, and so its load-back counts."""
-    cache, be = make_cache(backend_factory, page_size=2, load_back_threshold=0)
-    oracle = KVOracle(be)
-    key = seq(0, 8)
-    prefill_insert(cache, oracle, key)
-    cache.flush()
-    cache.evict(8)
-    cache.evict_host(8)
-    ids = cache.host_allocator.alloc(4)
-    for c, arr in oracle.pages(key, 0, 4).items():
-        be.host.write_pages(c, ids, {"lnp": arr, "nlp": arr.transpose(1, 0, 2, 3, 4),
-                                     "npl": arr.transpose(1, 2, 0, 3, 4)}[be.host.layout.transfer_order])
-    assert cache.insert_host(key, ids, 0)[0] == 8
+    cache, oracle, key = _attached_from_l3(backend_factory)
     half = RadixKey(np.concatenate([key.token_ids[:4], [900, 901]]))  # shares two pages: splits the node there
     req, lb = cache.begin_request(half)
     cache.flush()
