@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from swa_harness import SWADriver, make_swa_cache
+from swa_harness import SWADriver, insert_with_frontier, make_swa_cache
 
 from hicache_jax.cache import CacheRequest, RadixKey
 from hicache_jax.cache.components import SWAComponent
@@ -39,16 +39,7 @@ def states(cache, swa, k):
 
 def insert_with_swa(cache, drv, k, frontier_page=0):
     """Raw insert of ``k``'s whole pages with full pages and SWA pages from ``frontier_page`` on."""
-    p = cache.page_size
-    n = len(k) // p
-    full = cache.alloc_device(n)
-    sw = cache.alloc_component("swa", n - frontier_page)
-    drv.full.write(k, full)
-    ids = np.full(n, -1, np.int32)
-    ids[frontier_page:] = sw
-    for i in range(frontier_page, n):
-        drv.sw.write(k, np.array([ids[i]]), i)
-    return cache.insert(k, full, component_pages={"swa": ids})
+    return insert_with_frontier(cache, drv, k, frontier_page)
 
 
 # ---------------------------------------------------------------- insert

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from swa_harness import SWADriver, make_swa_cache
+from swa_harness import insert_with_frontier as insert_with_swa_pages
 
 from hicache_jax.cache import CacheInvariantError, RadixKey
 from hicache_jax.cache.components import SWAComponent
@@ -53,16 +54,8 @@ def build(cls=SWAComponent, **kw):
 
 
 def insert_with_frontier(cache, drv, k, frontier_page):
-    p = cache.page_size
-    n = len(k) // p
-    full = cache.alloc_device(n)
-    sw = cache.alloc_component("swa", n - frontier_page)
-    drv.full.write(k, full)
-    ids = np.full(n, -1, np.int32)
-    ids[frontier_page:] = sw
-    for i in range(frontier_page, n):
-        drv.sw.write(k, np.array([ids[i]]), i)
-    return cache.insert(k, full, component_pages={"swa": ids}).last_node
+    """``swa_harness.insert_with_frontier``, returning the insert's last node."""
+    return insert_with_swa_pages(cache, drv, k, frontier_page).last_node
 
 
 # ---------------------------------------------------------------- crash 1
