@@ -162,3 +162,29 @@ def test_pages_arriving_below_the_threshold_past_a_device_only_match_are_not_att
                 assert serve(cache, oracle, seq(24)) == {"device": 8, "host": 0, "storage": past}
         finally:
             ctl.close()
+
+
+def test_a_truncated_reservation_counts_only_the_tokens_past_a_device_only_match():
+    """Storage holds 24 tokens, the device 8 of them only; the host has room for 7 or 8 pages
+    of the 12 the read needs (the rest held outside the tree until the prefetch is done, so host
+    eviction cannot free them). 7 pages bring 6 tokens past the match: below the threshold, revoked; 8 bring 8: the
+    truncated read runs and its pages serve."""
+    for room, past in ((7, 6), (8, 8)):
+        cache, oracle, ctl = rig()
+        try:
+            stored_then_device_only_head(cache, oracle, ctl, 24, 8)
+            held = cache.host_allocator.alloc(cache.host_allocator.available - room)
+            op = ctl.prefetch(seq(24))
+            got = ctl.finish_prefetch(op)
+            cache.host_allocator.free(held)  # before any sanity check (it counts them as leaked)
+            assert op.hit_tokens == 24, op
+            if past < T:
+                assert got == 0 and op.status == "revoked" and op.reason == "no host memory for the hit", op
+                assert cache.metrics.prefetch_truncated == 0
+                assert serve(cache, oracle, seq(24)) == {"device": 8, "host": 0, "storage": 0}
+            else:
+                assert got == room * P and op.status == "finished", op
+                assert cache.metrics.prefetch_truncated == 1
+                assert serve(cache, oracle, seq(24)) == {"device": 8, "host": 0, "storage": past}
+        finally:
+            ctl.close()
