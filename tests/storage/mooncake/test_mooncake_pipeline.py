@@ -55,13 +55,13 @@ def test_pieces_overlap_checks_and_bytes_come_back(master, monkeypatch):
         assert st.batch_set(keys, range(N)) == [True] * N
         log: list = []
         st._store = _SlowClient(st._store, log)
-        real_check = st._check
+        real_checksum = mst.integrity.checksum_at
 
-        def check(*a):
+        def checksum(*a, **kw):  # every page's check computes one (integrity "full")
             log.append(("check", threading.current_thread().name))
-            return real_check(*a)
+            return real_checksum(*a, **kw)
 
-        monkeypatch.setattr(st, "_check", check)
+        monkeypatch.setattr(mst.integrity, "checksum_at", checksum)
         dst = chk.poisoned(GEOM, N, "page_first")
         st.codecs["target"].pool = dst
         assert st.batch_get(keys, range(N)) == [True] * N
@@ -128,11 +128,11 @@ def test_a_failing_check_waits_for_the_piece_in_flight(master, monkeypatch):
         log: list = []
         st._store = _SlowClient(st._store, log, delay=0.2)
 
-        def check(*a):
+        def checksum(*a, **kw):
             log.append(("check",))
             raise RuntimeError("a bug in a check")
 
-        monkeypatch.setattr(st, "_check", check)
+        monkeypatch.setattr(mst.integrity, "checksum_at", checksum)
         dst = chk.poisoned(GEOM, N, "page_first")
         st.codecs["target"].pool = dst
         assert st.batch_get(keys, range(N)) == [False] * N
