@@ -44,6 +44,21 @@ def drop_everything(cache, ctl):
     assert cache.host_tokens == 0
 
 
+def count_window_reads(ctl, pool="swa") -> list[int]:
+    """The pages of each of this rank's reads of ``pool`` (its window reads), in order; the
+    returned list grows as reads happen."""
+    reads: list[int] = []
+    batch_get = ctl.storage.batch_get
+
+    def counted_get(keys, ids, p=None):
+        if p == pool:
+            reads.append(len(keys))
+        return batch_get(keys, ids, p)
+
+    ctl.storage.batch_get = counted_get
+    return reads
+
+
 def short_reads(ctl, pool, pages):
     """This rank's reads of ``pool`` stop ``pages`` pages short of every request."""
     get_multi, batch_get = ctl.storage.get_multi, ctl.storage.batch_get
@@ -95,15 +110,7 @@ def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False, replica
         if r == 1 and diverge is not None:
             diverge(ctl)
         free = (cache.host_allocator.available, swa.host_allocator.available)
-        window_reads = []  # the swa pool's reads: one window read per prefetch, at the agreed end
-        batch_get = ctl.storage.batch_get
-
-        def counted_get(keys, ids, pool=None):
-            if pool == "swa":
-                window_reads.append(len(keys))
-            return batch_get(keys, ids, pool)
-
-        ctl.storage.batch_get = counted_get
+        window_reads = count_window_reads(ctl)  # one window read per prefetch, at the agreed end
         key = RadixKey(np.r_[final.token_ids, 7])
         op = ctl.prefetch(key)
         got = ctl.finish_prefetch(op)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from rank_threads import ThreadGroup, run_ranks
 from swa_harness import insert_with_frontier
-from test_swa_ranks import drop_everything, rank_setup, short_reads
+from test_swa_ranks import count_window_reads, drop_everything, rank_setup, short_reads
 
 from hicache_jax.cache import RadixKey
 
@@ -35,15 +35,7 @@ def test_an_agreed_end_without_a_stored_window_falls_back_to_a_stop_with_one_on_
         drop_everything(cache, ctl)
         if r == 1:
             short_reads(ctl, "target", 4)
-        windows = []  # the pages of each window read of the swa pool
-        batch_get = ctl.storage.batch_get
-
-        def counted_get(keys, ids, pool=None):
-            if pool == "swa":
-                windows.append(len(keys))
-            return batch_get(keys, ids, pool)
-
-        ctl.storage.batch_get = counted_get
+        windows = count_window_reads(ctl)  # the pages of each window read of the swa pool
         key = RadixKey(np.r_[turn2.token_ids, 7])
         op = ctl.prefetch(key)
         got = ctl.finish_prefetch(op)
