@@ -22,6 +22,9 @@ less durable.
 Threading: a ``SegmentArrayHandler`` serves one ``CheckpointManager``, whose saves run on the
 segment writer's thread only; ``begin_save`` / ``end_save`` bracket one save there, so every
 array of a save goes through the same context (one OCDBT writer per step directory).
+``sync_tree``'s threads are started by the thread calling it (the writer's, inside orbax's
+finalize), inherit its priority (``StorageConfig.worker_nice``) and have all ended when it
+returns.
 """
 
 from __future__ import annotations
