@@ -11,9 +11,9 @@ files are all written, before orbax publishes the step (its rename of the item's
 directory, ``SegmentTreeHandler.finalize``), every file and directory under it is fsync'ed
 (``sync_tree``), all at once on threads of their own: ext4 merges the journal commits and
 device cache flushes of concurrent fsyncs (measured in one process, 4 rounds of 256 pages: the
-pass took 168-183 ms per 128 MiB segment against 207-210 ms one call after another). Durability is what it was: when ``flush`` returns the
-segment's files are on disk, and a step that carries a committed name was synced before it got
-it. The merge commit orbax itself makes keeps tensorstore's default (its own context).
+pass took 168-183 ms per 128 MiB segment against 207-210 ms one call after another).
+Durability is what it was: when ``flush`` returns the segment's files are on disk, and a step
+that carries a committed name was synced before it got it. The merge commit orbax itself makes keeps tensorstore's default (its own context).
 
 Where the override cannot apply (an orbax whose ``NumpyHandler`` no longer writes through
 ``_open_and_write``) tensorstore syncs as before and the pass here syncs again: slower, never

@@ -7,10 +7,11 @@ the device ahead (``POSIX_FADV_WILLNEED``, asynchronous) of the one being read, 
 keeps that many pages in flight without a pool of blocking readers (no GIL handoffs between
 readers: ~1.2 instead of ~1.6 ms of CPU per cold 2 MiB page on the project VM).
 ``read_into_host`` reads each page in place into its host page (``preadv`` straight into the
-page's runs in the pool, ``host_pages.PageRuns``, no staging copy) and checks its CRC; a lone page is requested in 256 KiB pieces
-(the device starts sooner and serves them in parallel) and, where its CRC is checked, read and
-checksummed in 128 KiB groups (``ocdbt_direct.CHUNK_BYTES``). A page whose read fails after it started (bad CRC, truncated file, damaged shard
-index) is zero-filled: it is not loaded and its host page never keeps bytes that failed a
+page's runs in the pool, ``host_pages.PageRuns``, no staging copy) and checks its CRC; a lone
+page is requested in 256 KiB pieces (the device starts sooner and serves them in parallel) and,
+where its CRC is checked, read and checksummed in 128 KiB groups (``ocdbt_direct.CHUNK_BYTES``).
+A page whose read fails after it started (bad CRC, truncated file, damaged shard index) is
+zero-filled: it is not loaded and its host page never keeps bytes that failed a
 check; host pages of keys that are not stored are never touched.
 
 Tensorstore: where a segment's layout is not the expected one it is read through tensorstore
