@@ -3,7 +3,7 @@
 In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per round:
 
 * write  orbax: ``batch_set`` of every page (copied out of the host pool) + ``flush`` (segments
-         of ``--segment-pages`` pages, one orbax step each, fsync'ed by tensorstore). One
+         of ``--segment-pages`` pages, one orbax step each, fsync'ed once before it is published). One
          store object writes every round (steady state, as in a server: its reusable segment
          buffers are warm after the untimed warm-up, which writes as many pages as a round)
          file:  the ``file`` backend (header + CRC, temp file, fsync, rename)

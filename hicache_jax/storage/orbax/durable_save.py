@@ -9,10 +9,11 @@ raw writer of the same bytes makes one). Here the segment's arrays are written t
 tensorstore context with ``file_io_sync`` off (``SegmentArrayHandler``), and once the save's
 files are all written, before orbax publishes the step (its rename of the item's temporary
 directory, ``SegmentTreeHandler.finalize``), every file and directory under it is fsync'ed
-(``sync_tree``): the first fsync commits the journal with every file's metadata in it, the
-others then only wait for their own data. Durability is what it was: when ``flush`` returns the
-segment's files are on disk, and a step that carries a committed name was synced before it got
-it. The merge commit orbax itself makes keeps tensorstore's default (its own context).
+(``sync_tree``), all at once on threads of their own: ext4 merges the journal commits and
+device cache flushes of concurrent fsyncs (measured in one process, 4 rounds of 256 pages: the
+pass took 168-183 ms per 128 MiB segment against 207-210 ms one call after another).
+Durability is what it was: when ``flush`` returns the segment's files are on disk, and a step
+that carries a committed name was synced before it got it. The merge commit orbax itself makes keeps tensorstore's default (its own context).
 
 Where the override cannot apply (an orbax whose ``NumpyHandler`` no longer writes through
 ``_open_and_write``) tensorstore syncs as before and the pass here syncs again: slower, never
@@ -21,11 +22,15 @@ less durable.
 Threading: a ``SegmentArrayHandler`` serves one ``CheckpointManager``, whose saves run on the
 segment writer's thread only; ``begin_save`` / ``end_save`` bracket one save there, so every
 array of a save goes through the same context (one OCDBT writer per step directory).
+``sync_tree``'s threads are started by the thread calling it (the writer's, inside orbax's
+finalize), inherit its priority (``StorageConfig.worker_nice``) and have all ended when it
+returns.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -35,30 +40,39 @@ import tensorstore as ts
 _NOSYNC_CONTEXT = {"file_io_concurrency": {"limit": 128},
                    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
                    "file_io_sync": False}
+_SYNC_THREADS = 32  # a segment has ~13 files and directories per save (more with several pools)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sync_tree(root: str) -> int:
-    """fsync every file under ``root``, then every directory (deepest first, ``root`` last), so
-    that the files and their names are on disk; returns the number of fsync calls."""
-    n = 0
-    dirs = []
+    """fsync every file and directory under ``root`` (``root`` included), so that the files
+    and their names are on disk; returns the number of fsync calls.
+
+    The calls run at once, one thread each (``os.fsync`` releases the GIL): each fsync on its
+    own waits for a device cache flush (~3-5 ms on the project VM) and sometimes a journal
+    commit, and ext4 merges the flushes and commits of concurrent calls, so the pass takes
+    about as long as its largest file's writeback instead of the sum over ~13 files and
+    directories. Durability is what the serial pass gave: every call has returned (all data
+    and names on disk) before this returns, and the caller publishes only after that."""
+    paths = []
     for d, _, files in os.walk(root):
-        dirs.append(d)
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            n += 1
-    for d in reversed(dirs):
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        n += 1
-    return n
+        paths.append(d)
+        paths.extend(os.path.join(d, f) for f in files)
+    if len(paths) <= 1:
+        for p in paths:
+            _fsync_path(p)
+        return len(paths)
+    with ThreadPoolExecutor(max_workers=min(len(paths), _SYNC_THREADS), thread_name_prefix="l3-orbax-sync") as ex:
+        for f in [ex.submit(_fsync_path, p) for p in paths]:
+            f.result()  # the first failure propagates (the save fails, nothing is published)
+    return len(paths)
 
 
 class SegmentArrayHandler(ocp.type_handlers.NumpyHandler):

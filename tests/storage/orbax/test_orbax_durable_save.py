@@ -91,3 +91,56 @@ def test_orbax_users_outside_the_store_keep_synced_writes(tmp_path, monkeypatch)
         mgr.wait_until_finished()
     assert specs and all(s.get("file_io_sync", True) is not False for s in specs), specs
     st.close()
+
+
+def _tree(root):
+    """A small step-like tree: two files at the top, one in a subdirectory."""
+    (root / "d").mkdir(parents=True)
+    for rel in ("manifest", "meta", "d/data"):
+        (root / rel).write_bytes(b"x" * 100)
+    return {str(root), str(root / "d"), str(root / "manifest"), str(root / "meta"), str(root / "d" / "data")}
+
+
+def test_sync_tree_syncs_every_file_and_directory(tmp_path, monkeypatch):
+    from hicache_jax.storage.orbax.durable_save import sync_tree
+
+    synced = _spy_fsync(monkeypatch)
+    want = _tree(tmp_path / "step")
+    assert sync_tree(str(tmp_path / "step")) == len(want)
+    assert sorted(synced) == sorted(want)  # each exactly once
+
+
+def test_sync_tree_waits_for_every_fsync_and_raises_the_first_failure(tmp_path, monkeypatch):
+    """The fsyncs run concurrently, but ``sync_tree`` returns only after all of them have
+    returned (the caller publishes the step right after), and a failed fsync fails the pass."""
+    import threading
+    import time
+
+    import pytest
+
+    from hicache_jax.storage.orbax.durable_save import sync_tree
+
+    _tree(tmp_path / "step")
+    real = os.fsync
+    done = []
+
+    def slow_fsync(fd):  # the data file's writeback takes longest
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("data"):
+            time.sleep(0.3)
+        real(fd)
+        done.append(path)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    sync_tree(str(tmp_path / "step"))
+    assert len(done) == 5 and done[-1].endswith("data"), done  # returned after the slow one
+
+    def failing_fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("meta"):
+            raise OSError(5, "EIO")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError):
+        sync_tree(str(tmp_path / "step"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("l3-orbax-sync")]  # no thread left behind
