@@ -320,6 +320,10 @@ def run(args) -> dict:
         rec("read1_raw_split", t1["raw_split"])
         rec("read1_raw_split_host", t1["raw_split_host"])
         st.close()
+        # The raw reader above lands the packed page (the file's byte order, not the pool's row
+        # layout) in the host page: put the pool's own bytes back (untimed), so the next round's
+        # writes store the bytes the raw writers write.
+        PageCodec(host).unpack(ids, pages_raw)
 
         # ---- cold reads: 16 in flight (who goes first alternates per round) ----
         def r16_orbax() -> None:
