@@ -18,6 +18,10 @@
   .venv-easydel) the eSurge integration tests are not collected.
 * Tests marked ``slow`` (long stress runs) are skipped, with the reason, unless selected with
   ``-m slow``; CI runs their bounded variants.
+* The files whose tests take longest (``LONGEST_FIRST``, from CI's ``--durations``) are moved,
+  whole and in that order, to the front of the collection: the xdist workers take tests in
+  collection order, and a 60-90 s test taken last leaves the other worker idle that long at the
+  end of the run. Only the order changes (every worker collects the same order).
 """
 
 import atexit
@@ -59,7 +63,30 @@ if not HAVE_EASYDEL:  # the eSurge tests run in .venv-easydel (scripts/test, ste
     collect_ignore_glob += ["tests/integrations/test_easydel_*"]
 
 
+# Files of the longest tests, longest first (CI durations, 2026-11; seconds per file, about).
+LONGEST_FIRST = (
+    "pallas_kernels/page_copy/test_page_copy_mgpu.py",  # one 88 s interpreter case
+    "tests/jax_backend/test_wheel_example.py",  # ~100 s: a fresh venv
+    "tests/distributed/",  # launches of three JAX processes, 40-90 s each
+    "tests/jax_backend/test_serving_bench_smoke.py",  # five 40-55 s bench runs
+    "tests/jax_backend/test_quickstart_bench.py",
+    "tests/jax_backend/test_engine_spec.py",
+    "tests/jax_backend/test_reference_model.py",
+    "tests/jax_backend/test_gpu_preset.py",
+    "tests/cache/test_cache_fuzz.py",
+)
+
+
+def _longest_first_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if path.startswith(prefix):
+            return i
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_longest_first_rank)  # stable: within a file (and among the rest) the order stays
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="long stress run: select with -m slow")
