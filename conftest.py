@@ -19,9 +19,10 @@
 * Tests marked ``slow`` (long stress runs) are skipped, with the reason, unless selected with
   ``-m slow``; CI runs their bounded variants.
 * The files whose tests take longest (``LONGEST_FIRST``, from CI's ``--durations``) are moved,
-  whole and in that order, to the front of the collection: the xdist workers take tests in
-  collection order, and a 60-90 s test taken last leaves the other worker idle that long at the
-  end of the run. Only the order changes (every worker collects the same order).
+  whole and in that order, to the front of the collection: the xdist workers take files in
+  collection order (``scripts/test``: ``--dist loadfile --no-loadscope-reorder``), and a
+  long file taken last leaves the other worker idle that long at the end of the run. Only the
+  order changes (every worker collects the same order).
 """
 
 import atexit
@@ -63,16 +64,26 @@ if not HAVE_EASYDEL:  # the eSurge tests run in .venv-easydel (scripts/test, ste
     collect_ignore_glob += ["tests/integrations/test_easydel_*"]
 
 
-# Files of the longest tests, longest first (CI durations, 2026-11; seconds per file, about).
+# The files that take longest in all (worker-seconds per file, s15's measurements at load 4-5
+# and CI's --durations, 2026-11), longest first.
 LONGEST_FIRST = (
-    "pallas_kernels/page_copy/test_page_copy_mgpu.py",  # one 88 s interpreter case
-    "tests/jax_backend/test_wheel_example.py",  # ~100 s: a fresh venv
-    "tests/distributed/",  # launches of three JAX processes, 40-90 s each
-    "tests/jax_backend/test_serving_bench_smoke.py",  # five 40-55 s bench runs
+    "tests/jax_backend/test_serving_bench_smoke.py",  # ~370 s: seven bench runs of 38-91 s
+    "tests/jax_backend/test_engine.py",  # ~360 s, 28 tests
+    "tests/jax_backend/test_wheel_example.py",  # ~100-290 s: the wheel, a fresh venv, the example
+    "tests/jax_backend/test_engine_spec_hybrid.py",  # ~240 s
+    "tests/jax_backend/test_engine_spec.py",  # ~210 s
+    "tests/jax_backend/test_engine_deterministic.py",  # ~210 s
+    "tests/distributed/",  # launches of three JAX processes, 40-90 s each, 50-150 s per file
+    "pallas_kernels/page_copy/test_page_copy_mgpu.py",  # a 60-90 s interpreter case and more
+    "tests/jax_backend/test_reference_model.py",  # ~140 s
+    "tests/jax_backend/test_reference_model_swa.py",  # ~120 s
+    "tests/jax_backend/test_host_stream.py",  # ~100 s
+    "tests/jax_backend/test_engine_swa.py",
+    "tests/jax_backend/test_routed_bench_smoke.py",
+    "tests/jax_backend/test_draft_model.py",
+    "tests/jax_backend/test_engine_l3_after_split.py",
     "tests/jax_backend/test_quickstart_bench.py",
-    "tests/jax_backend/test_engine_spec.py",
-    "tests/jax_backend/test_reference_model.py",
-    "tests/jax_backend/test_gpu_preset.py",
+    "tests/jax_backend/test_transfer_engine.py",
     "tests/cache/test_cache_fuzz.py",
 )
 

@@ -14,8 +14,8 @@ different, while without them they settle equal: the digests can see what the ag
 prevents. The launcher kills both ranks at its deadline, so a hang fails the test.
 
 Cost: one launch of the ranks serves the CI case and the control (``launched``: the controls
-run in the rank processes after the agreed run), instead of three; the tests share an xdist
-group so that one worker runs it.
+run in the rank processes after the agreed run), instead of three; CI's ``--dist loadfile``
+keeps both tests on one worker, so it launches once.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ ROOT = HERE.parents[1]
 SCRIPT = str(HERE / "hybrid_l3_engine_rank.py")
 CLIENTS = 4  # hybrid_l3_engine_rank.FIRSTS: requests per round
 CONTROLS = ("swa", "calm")  # the agreement-off control's runs: rank 1's failing SWA allocations, none
-
-pytestmark = pytest.mark.xdist_group("engine_ranks_hybrid_l3")  # one worker: one launch
 
 
 def launch(out: Path, agreement: str, diverge: str, base: dict, controls: tuple[str, ...] = ()) -> tuple[dict, dict]:

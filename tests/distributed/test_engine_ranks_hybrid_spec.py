@@ -22,8 +22,8 @@ exchange each rank acknowledges its own D2H copies as they finish, so the copies
 (and the locks they hold), which the digest covers, differ step by step with timing alone.
 
 Cost: one launch of the ranks serves both tests (the ``launched`` fixture; the controls run
-in the rank processes after the agreed run, each on a fresh engine), instead of three; the
-tests share an xdist group so that one worker runs the launch.
+in the rank processes after the agreed run, each on a fresh engine), instead of three; CI's
+``--dist loadfile`` keeps both tests on one worker, so it launches once.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "hybrid_spec_engine_rank.py")
 CLIENTS, K = 3, 4  # hybrid_spec_engine_rank: requests per round, draft tokens per verify
 CONTROLS = ("swa", "calm")  # the agreement-off control's runs: rank 1's injections, none
-
-pytestmark = pytest.mark.xdist_group("engine_ranks_hybrid_spec")  # one worker: one launch
 
 
 @pytest.fixture(scope="module")

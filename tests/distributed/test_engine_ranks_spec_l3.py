@@ -16,8 +16,8 @@ digests can see what the agreement prevents. The launcher kills both ranks at it
 a hang fails the test.
 
 Cost: one launch of the ranks serves both tests (``launched``: the controls run in the rank
-processes after the agreed run), instead of three; the tests share an xdist group so that one
-worker runs it.
+processes after the agreed run), instead of three; CI's ``--dist loadfile`` keeps both tests
+on one worker, so it launches once.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCRIPT = str(HERE / "spec_l3_engine_rank.py")
 CLIENTS, PAGE = 3, 4  # spec_l3_engine_rank: requests per round, tokens per page
-
-pytestmark = pytest.mark.xdist_group("engine_ranks_spec_l3")  # one worker: one launch
 
 
 def launch(out: Path, agreement: str, diverge: str, base: dict, script: str = SCRIPT,

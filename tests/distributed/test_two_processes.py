@@ -9,8 +9,8 @@ With the exchange switched off (``NoExchangeAgreement``) the same divergence mus
 trees: the digests can see what the agreement prevents.
 
 Cost: each agreement-off control runs in the launch of its kv test (``kv+none``: the ranks run
-the control after the kv trace, on a fresh cache), read through a module fixture; the tests
-share an xdist group so that one worker launches each once.
+the control after the kv trace, on a fresh cache), read through a module fixture; CI's
+``--dist loadfile`` keeps the file on one worker, so each pair launches once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from hicache_jax.distributed import RanksFailed, launch_local
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STEPS = 30
-SHARED = pytest.mark.xdist_group("two_processes")  # one worker launches each kv+none pair once
 
 
 def run_pair(tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None,
@@ -63,7 +62,6 @@ def swa_and_control(tmp_path_factory) -> Path:
     return tmp / "out"
 
 
-@SHARED
 @pytest.mark.parametrize("agreement", ["kv", "device"])
 def test_two_processes_stay_identical_under_every_divergence(request, tmp_path, agreement):
     if agreement == "kv":
@@ -78,13 +76,11 @@ def test_two_processes_stay_identical_under_every_divergence(request, tmp_path, 
     assert r0["exchanges"] == r1["exchanges"] >= STEPS
 
 
-@SHARED
 def test_two_processes_without_the_exchange_diverge(kv_and_control):
     r0, r1 = pair_json(kv_and_control / "none")
     assert r0["digests"] != r1["digests"]
 
 
-@SHARED
 @pytest.mark.parametrize("components", ["swa", "draft+swa"])
 def test_two_processes_with_swa_stay_identical_under_every_divergence(request, tmp_path, components):
     """A hybrid cache (and a draft sidecar) across two processes: rank 1's full and SWA host
@@ -102,7 +98,6 @@ def test_two_processes_with_swa_stay_identical_under_every_divergence(request, t
     assert r0["exchanges"] == r1["exchanges"] == STEPS
 
 
-@SHARED
 def test_two_processes_with_swa_without_the_exchange_diverge(swa_and_control):
     r0, r1 = pair_json(swa_and_control / "none")
     assert r0["digests"] != r1["digests"]
