@@ -18,6 +18,11 @@
   .venv-easydel) the eSurge integration tests are not collected.
 * Tests marked ``slow`` (long stress runs) are skipped, with the reason, unless selected with
   ``-m slow``; CI runs their bounded variants.
+* The files whose tests take longest (``LONGEST_FIRST``, from CI's ``--durations``) are moved,
+  whole and in that order, to the front of the collection: the xdist workers take files in
+  collection order (``scripts/test``: ``--dist loadfile --no-loadscope-reorder``), and a
+  long file taken last leaves the other worker idle that long at the end of the run. Only the
+  order changes (every worker collects the same order).
 """
 
 import atexit
@@ -59,7 +64,40 @@ if not HAVE_EASYDEL:  # the eSurge tests run in .venv-easydel (scripts/test, ste
     collect_ignore_glob += ["tests/integrations/test_easydel_*"]
 
 
+# The files that take longest in all (worker-seconds per file, s15's measurements at load 4-5
+# and CI's --durations, 2026-11), longest first.
+LONGEST_FIRST = (
+    "tests/jax_backend/test_serving_bench_smoke.py",  # ~370 s: seven bench runs of 38-91 s
+    "tests/jax_backend/test_engine.py",  # ~360 s, 28 tests
+    "tests/jax_backend/test_wheel_example.py",  # ~100-290 s: the wheel, a fresh venv, the example
+    "tests/jax_backend/test_engine_spec_hybrid.py",  # ~240 s
+    "tests/jax_backend/test_engine_spec.py",  # ~210 s
+    "tests/jax_backend/test_engine_deterministic.py",  # ~210 s
+    "tests/distributed/",  # launches of three JAX processes, 40-90 s each, 50-150 s per file
+    "pallas_kernels/page_copy/test_page_copy_mgpu.py",  # a 60-90 s interpreter case and more
+    "tests/jax_backend/test_reference_model.py",  # ~140 s
+    "tests/jax_backend/test_reference_model_swa.py",  # ~120 s
+    "tests/jax_backend/test_host_stream.py",  # ~100 s
+    "tests/jax_backend/test_engine_swa.py",
+    "tests/jax_backend/test_routed_bench_smoke.py",
+    "tests/jax_backend/test_draft_model.py",
+    "tests/jax_backend/test_engine_l3_after_split.py",
+    "tests/jax_backend/test_quickstart_bench.py",
+    "tests/jax_backend/test_transfer_engine.py",
+    "tests/cache/test_cache_fuzz.py",
+)
+
+
+def _longest_first_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if path.startswith(prefix):
+            return i
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_longest_first_rank)  # stable: within a file (and among the rest) the order stays
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="long stress run: select with -m slow")

@@ -57,6 +57,10 @@ def _ids(rng, n, num_pages=NUM_PAGES):
 
 
 # (dtype, page size, geometry, orders): every dtype, every page size, every order, MHA and MLA.
+# Every order also runs with counts 0 and 1 (padding only) in a case of its own; the case with
+# all three orders runs those counts for its first order alone (each interpreted call costs
+# ~1 s on a loaded 2-core VM: the other two orders' 0 and 1 took 19 s of 81 and see nothing
+# the other cases do not).
 CASES = [
     ("bfloat16", 16, "mha", ORDERS),
     ("float16", 33, "mha", ("npl",)),
@@ -76,9 +80,9 @@ def test_mgpu_interpret_bit_exact(dtype, page, geometry, orders):
     assert copier.impl == "mgpu" and copier.interpret
     pools = _pools(rng, dtype, page, geometry)
     page_shape = pools[0].shape[1:]
-    for order in orders:
+    for i, order in enumerate(orders):
         page_axis = 1 if order == "lnp" else 0
-        for n in (0, 1, 37):
+        for n in (0, 1, 37) if i == 0 else (37,):
             ids, dest = _ids(rng, n), _ids(rng, n)
             nb = copier.bucket_for(n)
             expected = _numpy_gather(pools, ids, order)

@@ -1,8 +1,12 @@
 """One rank of the two-process hybrid (sliding-window) engine test with L3 storage
 (``test_engine_ranks_hybrid_l3``), or the single-process run.
 
-usage: hybrid_l3_engine_rank.py OUT_DIR STORAGE_DIR AGREEMENT DIVERGE   (launched: HICACHE_RANK set)
-       hybrid_l3_engine_rank.py OUT_DIR STORAGE_DIR single -           (one process, the reference)
+usage: hybrid_l3_engine_rank.py OUT_DIR STORAGE_DIR AGREEMENT DIVERGE [CONTROLS]  (launched: HICACHE_RANK set)
+       hybrid_l3_engine_rank.py OUT_DIR STORAGE_DIR single -                      (one process, the reference)
+
+CONTROLS (comma-separated DIVERGE values, e.g. ``swa,calm``): after the run, each rank also
+runs the agreement-off control (below) for each, in the same process, over a fresh store
+OUT_DIR/<control>/l3, writing OUT_DIR/<control>/rank<r>.json (one launch instead of three).
 
 AGREEMENT: ``kv`` (the coordination service's store) or ``none`` (the same protocol with the
 exchange switched off: ``NoExchangeAgreement``, every rank acts on its own values).
@@ -222,8 +226,17 @@ def rank_context_without_exchange():
     return ranks
 
 
+def without_exchange(ranks):
+    """``ranks`` (an agreed run's context, left as it is) with a fresh ``NoExchangeAgreement``:
+    an agreement-off control after the agreed run, in the same process."""
+    from hicache_jax.cache import NoExchangeAgreement
+
+    return replace(ranks, agreement=NoExchangeAgreement(ranks.rank, ranks.num_processes))
+
+
 def main() -> None:
     out_dir, storage_dir, agreement, div = sys.argv[1:5]
+    controls = sys.argv[5].split(",") if len(sys.argv) > 5 else []
     ranks, name = None, "single"
     if agreement == "none":
         ranks = rank_context_without_exchange()
@@ -233,6 +246,23 @@ def main() -> None:
         ranks = rank_context(agreement, timeout_s=60)
     if ranks is not None:
         name = f"rank{ranks.rank}"
+    write_json(os.path.join(out_dir, f"{name}.json"), serve(storage_dir, ranks, agreement, div))
+    # The agreement-off controls in the same processes, after the agreed run (CONTROLS: one
+    # launch instead of one per control; each a fresh engine, store and NoExchangeAgreement).
+    for control in controls:
+        store = os.path.join(out_dir, control, "l3")
+        os.makedirs(store, exist_ok=True)
+        write_json(os.path.join(out_dir, control, f"{name}.json"),
+                   serve(store, without_exchange(ranks), "none", control))
+
+
+def write_json(path: str, out: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
+    """One run of the workload over ``storage_dir`` (the engine built, served, closed)."""
     cfg = EngineCacheConfig(page_size=PAGE, device_pages=96, host=HostPoolConfig(ratio=2.0), max_batch=3,
                             prefill_chunk=16, max_context=128,
                             storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
@@ -259,11 +289,9 @@ def main() -> None:
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     swa_loaded = engine.swa.metrics.loaded_tokens
     engine.close()
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
-                   "swa_loaded_tokens": swa_loaded, "stats": stats,
-                   "bytes_remembered": len(audit.want), "bytes_checked": audit.checked,
-                   "bytes_mismatched": audit.mismatched}, f)
+    return {"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
+            "swa_loaded_tokens": swa_loaded, "stats": stats, "bytes_remembered": len(audit.want),
+            "bytes_checked": audit.checked, "bytes_mismatched": audit.mismatched}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
 """One rank of the two-process test of speculative decoding of a hybrid (sliding-window) target
 (``test_engine_ranks_hybrid_spec``), or the single-process run.
 
-usage: hybrid_spec_engine_rank.py OUT_DIR AGREEMENT DIVERGE   (launched: HICACHE_RANK set)
-       hybrid_spec_engine_rank.py OUT_DIR single -            (one process, the reference)
+usage: hybrid_spec_engine_rank.py OUT_DIR AGREEMENT DIVERGE [CONTROLS]  (launched: HICACHE_RANK set)
+       hybrid_spec_engine_rank.py OUT_DIR single -                       (one process, the reference)
+
+CONTROLS (comma-separated DIVERGE values, e.g. ``swa,calm``): after the run, each rank also runs
+the agreement-off control (below) for each, in the same process, writing
+OUT_DIR/<control>/rank<r>.json: one launch serves the test and its controls (each launch of the
+ranks costs their start-up and compiles).
 
 AGREEMENT: ``kv`` (the coordination service's store) or ``none`` (the agreement-off control:
 the same protocol with the exchange switched off, ``NoExchangeAgreement``; every rank acts on
@@ -164,19 +169,8 @@ def workload(engine: Engine, rounds: int) -> tuple[list, list, list, list]:
     return prompts, tokens, tiers, accepts
 
 
-def main() -> None:
-    out_dir, agreement, div = sys.argv[1:4]
-    ranks, name = None, "single"
-    if agreement == "none":
-        from hybrid_l3_engine_rank import rank_context_without_exchange  # noqa: E402
-
-        ranks = rank_context_without_exchange()
-    elif agreement != "single":
-        from hicache_jax.engine.multiprocess import rank_context
-
-        ranks = rank_context(agreement, timeout_s=60)
-    if ranks is not None:
-        name = f"rank{ranks.rank}"
+def serve(ranks, agreement: str, div: str) -> dict:
+    """One run of the workload (the engine built, served, closed): what ``main`` writes."""
     pair = hybrid_pair()
     spec = SpecConfig(num_draft_tokens=K)
     cfg = EngineCacheConfig(page_size=PAGE, device_pages=256, host=HostPoolConfig(ratio=2.0), max_batch=CLIENTS,
@@ -211,7 +205,35 @@ def main() -> None:
         plain = Engine(pair.config, replace(cfg, swa_device_pages=None), weights=pair)
         out["plain_tokens"] = [r.tokens for r in plain.generate(prompts, ANSWER, use_cache=False)]
         plain.close()
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    return out
+
+
+def main() -> None:
+    out_dir, agreement, div = sys.argv[1:4]
+    controls = sys.argv[4].split(",") if len(sys.argv) > 4 else []
+    ranks, name = None, "single"
+    if agreement == "none":
+        from hybrid_l3_engine_rank import rank_context_without_exchange  # noqa: E402
+
+        ranks = rank_context_without_exchange()
+    elif agreement != "single":
+        from hicache_jax.engine.multiprocess import rank_context
+
+        ranks = rank_context(agreement, timeout_s=60)
+    if ranks is not None:
+        name = f"rank{ranks.rank}"
+    write_json(os.path.join(out_dir, f"{name}.json"), serve(ranks, agreement, div))
+    # The agreement-off controls in the same processes, after the agreed run (CONTROLS: one
+    # launch instead of one per control; each a fresh engine over a fresh NoExchangeAgreement).
+    for control in controls:
+        from hybrid_l3_engine_rank import without_exchange  # noqa: E402 - its JAX imports only when needed
+
+        os.makedirs(os.path.join(out_dir, control), exist_ok=True)
+        write_json(os.path.join(out_dir, control, f"{name}.json"), serve(without_exchange(ranks), "none", control))
+
+
+def write_json(path: str, out: dict) -> None:
+    with open(path, "w") as f:
         json.dump(out, f)
 
 

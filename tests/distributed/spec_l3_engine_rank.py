@@ -1,8 +1,12 @@
 """One rank of the two-process speculative-decoding engine test WITH L3 storage
 (``test_engine_ranks_spec_l3``), or the single-process run.
 
-usage: spec_l3_engine_rank.py OUT_DIR STORAGE_DIR AGREEMENT DIVERGE   (launched: HICACHE_RANK set)
-       spec_l3_engine_rank.py OUT_DIR STORAGE_DIR single -           (one process, the reference)
+usage: spec_l3_engine_rank.py OUT_DIR STORAGE_DIR AGREEMENT DIVERGE [CONTROLS]  (launched: HICACHE_RANK set)
+       spec_l3_engine_rank.py OUT_DIR STORAGE_DIR single -                      (one process, the reference)
+
+CONTROLS (comma-separated DIVERGE values, e.g. ``alloc,calm``): after the run, each rank also
+runs the agreement-off control (below) for each, in the same process, over a fresh store
+OUT_DIR/<control>/l3, writing OUT_DIR/<control>/rank<r>.json (one launch instead of three).
 
 AGREEMENT: ``kv`` (the coordination service's store) or ``none`` (the same protocol with the
 exchange switched off: ``NoExchangeAgreement``, every rank acts on its own values).
@@ -42,7 +46,7 @@ import time
 import numpy as np
 from engine_rank import LATE_S, MODEL, LateHandle, diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
-from hybrid_l3_engine_rank import local_pages, rank_context_without_exchange  # noqa: E402
+from hybrid_l3_engine_rank import local_pages, rank_context_without_exchange, without_exchange  # noqa: E402
 
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
 from hicache_jax.host_pool import HostPoolConfig
@@ -192,6 +196,7 @@ def workload(engine: Engine, rounds: int, late_s: float, fired: dict,
 
 def main() -> None:
     out_dir, storage_dir, agreement, div = sys.argv[1:5]
+    controls = sys.argv[5].split(",") if len(sys.argv) > 5 else []
     ranks, name = None, "single"
     if agreement == "none":
         ranks = rank_context_without_exchange()
@@ -201,6 +206,23 @@ def main() -> None:
         ranks = rank_context(agreement, timeout_s=60)
     if ranks is not None:
         name = f"rank{ranks.rank}"
+    write_json(os.path.join(out_dir, f"{name}.json"), serve(storage_dir, ranks, agreement, div))
+    # The agreement-off controls in the same processes, after the agreed run (CONTROLS: one
+    # launch instead of one per control; each a fresh engine, store and NoExchangeAgreement).
+    for control in controls:
+        store = os.path.join(out_dir, control, "l3")
+        os.makedirs(store, exist_ok=True)
+        write_json(os.path.join(out_dir, control, f"{name}.json"),
+                   serve(store, without_exchange(ranks), "none", control))
+
+
+def write_json(path: str, out: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
+    """One run of the workload over ``storage_dir`` (the engine built, served, closed)."""
     cfg = EngineCacheConfig(page_size=PAGE, device_pages=64, host=HostPoolConfig(ratio=2.0), max_batch=3,
                             prefill_chunk=16, max_context=96,
                             storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
@@ -238,11 +260,9 @@ def main() -> None:
     metrics["prefetch_skipped_by_reason"] = dict(engine.cache.metrics.prefetch_skipped_by_reason)
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     engine.close()
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
-                   "stats": stats, "reads": reads, "bytes_remembered": len(audit.want),
-                   "bytes_checked": audit.checked, "bytes_unknown": audit.unknown,
-                   "bytes_mismatched": audit.mismatched}, f)
+    return {"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
+            "stats": stats, "reads": reads, "bytes_remembered": len(audit.want), "bytes_checked": audit.checked,
+            "bytes_unknown": audit.unknown, "bytes_mismatched": audit.mismatched}
 
 
 if __name__ == "__main__":

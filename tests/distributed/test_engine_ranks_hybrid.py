@@ -29,9 +29,10 @@ ROOT = HERE.parents[1]
 CLIENTS = 3  # hybrid_engine_rank.CLIENTS: requests per round
 
 
-def run_ranks_and_single(tmp_path, script: str, diverge: str) -> tuple[dict, dict, dict]:
+def run_ranks_and_single(tmp_path, script: str, diverge: str, *controls: str) -> tuple[dict, dict, dict]:
     """``script`` as two ranks (DIVERGE ``diverge``) and, alongside, as one process: the
-    single run's, rank 0's and rank 1's JSON."""
+    single run's, rank 0's and rank 1's JSON. ``controls``: the agreement-off controls the
+    ranks also run after theirs (``script``'s CONTROLS; results in ``tmp_path / control``)."""
     base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
     env = rank_env(0, 1, "", base)
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
@@ -39,8 +40,9 @@ def run_ranks_and_single(tmp_path, script: str, diverge: str) -> tuple[dict, dic
     single = subprocess.Popen([sys.executable, script, str(tmp_path), "single", "-"],
                               cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        launch_local([sys.executable, script, str(tmp_path), "kv", diverge], 2, timeout_s=300, cwd=str(ROOT),
-                     env=base)
+        launch_local([sys.executable, script, str(tmp_path), "kv", diverge,
+                      *([",".join(controls)] if controls else [])], 2, timeout_s=300 + 120 * len(controls),
+                     cwd=str(ROOT), env=base)
         out, _ = single.communicate(timeout=300)
     finally:
         if single.poll() is None:

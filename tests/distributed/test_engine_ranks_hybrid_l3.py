@@ -12,6 +12,10 @@ the same pages (and windows) on both ranks. With the exchange switched off
 (``NoExchangeAgreement``) the SWA allocation failures alone must leave the ranks' settled trees
 different, while without them they settle equal: the digests can see what the agreement
 prevents. The launcher kills both ranks at its deadline, so a hang fails the test.
+
+Cost: one launch of the ranks serves the CI case and the control (``launched``: the controls
+run in the rank processes after the agreed run), instead of three; CI's ``--dist loadfile``
+keeps both tests on one worker, so it launches once.
 """
 
 from __future__ import annotations
@@ -31,20 +35,30 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCRIPT = str(HERE / "hybrid_l3_engine_rank.py")
 CLIENTS = 4  # hybrid_l3_engine_rank.FIRSTS: requests per round
+CONTROLS = ("swa", "calm")  # the agreement-off control's runs: rank 1's failing SWA allocations, none
 
 
-def launch(out: Path, agreement: str, diverge: str, base: dict) -> tuple[dict, dict]:
-    """The rank script as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON."""
+def launch(out: Path, agreement: str, diverge: str, base: dict, controls: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The rank script as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON.
+    ``controls``: the agreement-off controls the ranks also run after theirs (the script's
+    CONTROLS; results in ``out / control``)."""
     out.mkdir()
     (out / "l3").mkdir()
-    launch_local([sys.executable, SCRIPT, str(out), str(out / "l3"), agreement, diverge], 2, timeout_s=300,
+    launch_local([sys.executable, SCRIPT, str(out), str(out / "l3"), agreement, diverge,
+                  *([",".join(controls)] if controls else [])], 2, timeout_s=300 + 120 * len(controls),
                  cwd=str(ROOT), env=base)
+    return ranks_json(out)
+
+
+def ranks_json(out: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
 
 
-def run_ranks_and_single(tmp_path, kv_heads: int | None = None) -> tuple[dict, dict, dict]:
-    """Two ranks under every divergence and, alongside, one process: (single, rank 0, rank 1).
-    ``kv_heads``: the model's KV heads if not the tiny hybrid's two."""
+def run_ranks_and_single(tmp_path, kv_heads: int | None = None,
+                         controls: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
+    """Two ranks under every divergence (then ``controls``: see ``launch``) and, alongside, one
+    process: (single, rank 0, rank 1). ``kv_heads``: the model's KV heads if not the tiny
+    hybrid's two."""
     base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
     if kv_heads is not None:
         base["HYBRID_RANK_KV_HEADS"] = str(kv_heads)
@@ -56,7 +70,7 @@ def run_ranks_and_single(tmp_path, kv_heads: int | None = None) -> tuple[dict, d
     single = subprocess.Popen([sys.executable, SCRIPT, str(one_dir), str(one_dir / "l3"), "single", "-"],
                               cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        r0, r1 = launch(tmp_path / "ranks", "kv", "all", base)
+        r0, r1 = launch(tmp_path / "ranks", "kv", "all", base, controls)
         out, _ = single.communicate(timeout=300)
     finally:
         if single.poll() is None:
@@ -66,11 +80,22 @@ def run_ranks_and_single(tmp_path, kv_heads: int | None = None) -> tuple[dict, d
     return json.loads((one_dir / "single.json").read_text()), r0, r1
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, tuple[dict, dict, dict]]:
+    """The CI case's launch (the tiny hybrid's two KV heads), with the controls, once."""
+    out = tmp_path_factory.mktemp("hybrid_l3")
+    return out, run_ranks_and_single(out, None, CONTROLS)
+
+
 @pytest.mark.parametrize("kv_heads", [None, pytest.param(1, marks=pytest.mark.slow)])
-def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_process_tokens(tmp_path, kv_heads):
+def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_process_tokens(request, tmp_path,
+                                                                                      kv_heads):
     """``kv_heads=1``: fewer KV heads than ranks, so the full and the SWA pool are replicated on
     both ranks and rank 0 alone writes their L3 pages (no commit markers)."""
-    one, r0, r1 = run_ranks_and_single(tmp_path, kv_heads)
+    if kv_heads is None:
+        tmp_path, (one, r0, r1) = request.getfixturevalue("launched")
+    else:
+        one, r0, r1 = run_ranks_and_single(tmp_path, kv_heads)
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
     assert len(r0["digests"]) == len(r1["digests"]) > 20 and r0["digests"] == r1["digests"]
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
@@ -108,15 +133,17 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "swa")  # the windows went to storage
 
 
-def test_without_the_exchange_an_swa_allocation_failing_on_one_rank_splits_the_trees(tmp_path):
+def test_without_the_exchange_an_swa_allocation_failing_on_one_rank_splits_the_trees(launched):
     """The agreement-off control: the same protocol with ``NoExchangeAgreement``. Rank 1's failing
     SWA host allocations alone leave the settled trees different; without them the settled
-    trees are equal (the mid-run digests may differ either way: copies land at each rank's pace)."""
-    base = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r0, r1 = launch(tmp_path / "swa", "none", "swa", base)
+    trees are equal (the mid-run digests may differ either way: copies land at each rank's pace).
+    Run by the ranks of the CI case above, after theirs (``launched``), each on a fresh engine
+    and store."""
+    ranks_dir = launched[0] / "ranks"
+    r0, r1 = ranks_json(ranks_dir / "swa")
     assert r1["fired"]["swa_host_alloc_fail"] > 0
     assert r0["tokens"] == r1["tokens"]  # the divergence is in what the trees keep, not in the steps
     assert r0["digests"][-1] != r1["digests"][-1]
-    c0, c1 = launch(tmp_path / "calm", "none", "calm", base)
+    c0, c1 = ranks_json(ranks_dir / "calm")
     assert not any(c1["fired"].values())
     assert c0["digests"][-1] == c1["digests"][-1]

@@ -20,28 +20,41 @@ agreement prevents. Settled: each rank flushes (all its copies acknowledged, bac
 slides settled) before the last digest. Mid-run digests are not compared there: without the
 exchange each rank acknowledges its own D2H copies as they finish, so the copies in flight
 (and the locks they hold), which the digest covers, differ step by step with timing alone.
+
+Cost: one launch of the ranks serves both tests (the ``launched`` fixture; the controls run
+in the rank processes after the agreed run, each on a fresh engine), instead of three; CI's
+``--dist loadfile`` keeps both tests on one worker, so it launches once.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
+import pytest
 from test_engine_ranks_hybrid import run_ranks_and_single
 
-from hicache_jax.distributed import launch_local
-
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 SCRIPT = str(HERE / "hybrid_spec_engine_rank.py")
 CLIENTS, K = 3, 4  # hybrid_spec_engine_rank: requests per round, draft tokens per verify
+CONTROLS = ("swa", "calm")  # the agreement-off control's runs: rank 1's injections, none
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """The ranks (DIVERGE swa, then the controls) and the single process, once for the module."""
+    out = tmp_path_factory.mktemp("hybrid_spec")
+    run_ranks_and_single(out, SCRIPT, "swa", *CONTROLS)
+    return out
+
+
+def results(out: Path, names=("single", "rank0", "rank1")) -> tuple[dict, ...]:
+    return tuple(json.loads((out / f"{n}.json").read_text()) for n in names)
 
 
 def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_tokens_under_swa_divergence(
-        tmp_path):
-    one, r0, r1 = run_ranks_and_single(tmp_path, SCRIPT, "swa")
+        launched):
+    one, r0, r1 = results(launched)
     assert one["tokens"] == one["plain_tokens"]  # exact: speculation serves plain greedy decoding's tokens
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
     assert r0["accept_lengths"] == r1["accept_lengths"]
@@ -65,19 +78,11 @@ def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_
     assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS:])
 
 
-def launch_without_exchange(out: Path, diverge: str) -> tuple[dict, dict]:
-    """The rank script as two ranks with the exchange switched off: rank 0's and rank 1's JSON."""
-    out.mkdir()
-    base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
-    launch_local([sys.executable, SCRIPT, str(out), "none", diverge], 2, timeout_s=300, cwd=str(ROOT), env=base)
-    return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
-
-
-def test_without_the_exchange_rank_1s_swa_divergence_splits_the_settled_hybrid_speculative_trees(tmp_path):
+def test_without_the_exchange_rank_1s_swa_divergence_splits_the_settled_hybrid_speculative_trees(launched):
     """The agreement-off control (module docstring): the injections of the test above, one
     round, ``NoExchangeAgreement``; then the same without the injections."""
-    r0, r1 = launch_without_exchange(tmp_path / "swa", "swa")
-    c0, c1 = launch_without_exchange(tmp_path / "calm", "calm")
+    r0, r1 = results(launched / "swa", ("rank0", "rank1"))
+    c0, c1 = results(launched / "calm", ("rank0", "rank1"))
     assert r1["fired"]["swa_host_alloc_fail"] > 0 and r1["fired"]["late_slide"] > 0, r1["fired"]
     assert not any(r0["fired"].values()) and not any(c0["fired"].values()) and not any(c1["fired"].values())
     assert r0["tokens"] == r1["tokens"] == c0["tokens"]  # the divergence is in what the trees keep

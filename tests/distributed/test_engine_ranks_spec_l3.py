@@ -14,6 +14,10 @@ for its prefix. With the exchange switched off (``NoExchangeAgreement``) the all
 alone must leave the ranks' settled trees different, while without them they settle equal: the
 digests can see what the agreement prevents. The launcher kills both ranks at its deadline, so
 a hang fails the test.
+
+Cost: one launch of the ranks serves both tests (``launched``: the controls run in the rank
+processes after the agreed run), instead of three; CI's ``--dist loadfile`` keeps both tests
+on one worker, so it launches once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hicache_jax.distributed import launch_local
 from hicache_jax.distributed.launch import rank_env
 
@@ -33,18 +39,26 @@ SCRIPT = str(HERE / "spec_l3_engine_rank.py")
 CLIENTS, PAGE = 3, 4  # spec_l3_engine_rank: requests per round, tokens per page
 
 
-def launch(out: Path, agreement: str, diverge: str, base: dict, script: str = SCRIPT) -> tuple[dict, dict]:
-    """``script`` as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON."""
+def launch(out: Path, agreement: str, diverge: str, base: dict, script: str = SCRIPT,
+           controls: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """``script`` as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON.
+    ``controls``: the agreement-off controls the ranks also run after theirs (``script``'s
+    CONTROLS; results in ``out / control``)."""
     out.mkdir()
     (out / "l3").mkdir()
-    launch_local([sys.executable, script, str(out), str(out / "l3"), agreement, diverge], 2, timeout_s=300,
+    launch_local([sys.executable, script, str(out), str(out / "l3"), agreement, diverge,
+                  *([",".join(controls)] if controls else [])], 2, timeout_s=300 + 120 * len(controls),
                  cwd=str(ROOT), env=base)
+    return ranks_json(out)
+
+
+def ranks_json(out: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
 
 
-def run_ranks_and_single(tmp_path, script: str = SCRIPT) -> tuple[dict, dict, dict]:
-    """``script`` as two ranks under every divergence and, alongside, as one process: (single,
-    rank 0, rank 1)."""
+def run_ranks_and_single(tmp_path, script: str = SCRIPT, controls: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
+    """``script`` as two ranks under every divergence (then ``controls``: see ``launch``) and,
+    alongside, as one process: (single, rank 0, rank 1)."""
     base = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's hicache_jax, not an installed one
     env = rank_env(0, 1, "", base)
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
@@ -54,7 +68,7 @@ def run_ranks_and_single(tmp_path, script: str = SCRIPT) -> tuple[dict, dict, di
     single = subprocess.Popen([sys.executable, script, str(one_dir), str(one_dir / "l3"), "single", "-"],
                               cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        r0, r1 = launch(tmp_path / "ranks", "kv", "all", base, script)
+        r0, r1 = launch(tmp_path / "ranks", "kv", "all", base, script, controls)
         out, _ = single.communicate(timeout=300)
     finally:
         if single.poll() is None:
@@ -64,8 +78,19 @@ def run_ranks_and_single(tmp_path, script: str = SCRIPT) -> tuple[dict, dict, di
     return json.loads((one_dir / "single.json").read_text()), r0, r1
 
 
-def test_two_ranks_decode_speculatively_from_l1_l2_and_l3_with_the_single_process_tokens(tmp_path):
-    one, r0, r1 = run_ranks_and_single(tmp_path)
+CONTROLS = ("alloc", "calm")  # the agreement-off control's runs: rank 1's failing allocations, none
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, tuple[dict, dict, dict]]:
+    """The ranks (every divergence, then the controls) and the single process, once for the
+    module (one launch for both tests: each launch costs the ranks' start-up and compiles)."""
+    out = tmp_path_factory.mktemp("spec_l3")
+    return out, run_ranks_and_single(out, controls=CONTROLS)
+
+
+def test_two_ranks_decode_speculatively_from_l1_l2_and_l3_with_the_single_process_tokens(launched):
+    tmp_path, (one, r0, r1) = launched
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
     assert len(r0["digests"]) == len(r1["digests"]) > 20 and r0["digests"] == r1["digests"]
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
@@ -103,15 +128,16 @@ def test_two_ranks_decode_speculatively_from_l1_l2_and_l3_with_the_single_proces
     assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "draft")  # the draft pages went to storage
 
 
-def test_without_the_exchange_a_host_allocation_failing_on_one_rank_splits_the_speculative_trees(tmp_path):
+def test_without_the_exchange_a_host_allocation_failing_on_one_rank_splits_the_speculative_trees(launched):
     """The agreement-off control: the same protocol with ``NoExchangeAgreement``. Rank 1's failing
     host allocations (its backups of target and draft pages) alone leave the settled trees
-    different; without them the settled trees are equal."""
-    base = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r0, r1 = launch(tmp_path / "alloc", "none", "alloc", base)
+    different; without them the settled trees are equal. Run by the ranks of the test above,
+    after theirs (``launched``), each control on a fresh engine and store."""
+    ranks_dir = launched[0] / "ranks"
+    r0, r1 = ranks_json(ranks_dir / "alloc")
     assert r1["fired"]["alloc_fail"] > 0
     assert r0["tokens"] == r1["tokens"]  # the divergence is in what the trees keep, not in the steps
     assert r0["digests"][-1] != r1["digests"][-1]
-    c0, c1 = launch(tmp_path / "calm", "none", "calm", base)
+    c0, c1 = ranks_json(ranks_dir / "calm")
     assert not any(c1["fired"].values())
     assert c0["digests"][-1] == c1["digests"][-1]

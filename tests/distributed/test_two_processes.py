@@ -7,6 +7,10 @@ the ranks, and the served prefixes too. Every barrier is bounded (``KVStoreAgree
 timeouts) and the launcher kills both processes at its deadline, so a hang fails the test.
 With the exchange switched off (``NoExchangeAgreement``) the same divergence must split the
 trees: the digests can see what the agreement prevents.
+
+Cost: each agreement-off control runs in the launch of its kv test (``kv+none``: the ranks run
+the control after the kv trace, on a fresh cache), read through a module fixture; CI's
+``--dist loadfile`` keeps the file on one worker, so each pair launches once.
 """
 
 from __future__ import annotations
@@ -28,17 +32,42 @@ STEPS = 30
 
 def run_pair(tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None,
              components: str = "full") -> list[dict]:
+    """Both ranks' JSON (``agreement`` ``kv+none``: the kv run's; ``pair_json(tmp_path / "out" /
+    "none")`` reads the control's)."""
     store, out = tmp_path / "l3", tmp_path / "out"
     store.mkdir()
     out.mkdir()
     launch_local([sys.executable, str(HERE / "trace_rank.py"), agreement, divergence, str(store), str(out),
                   str(STEPS), components], 2, timeout_s=timeout_s, cwd=str(ROOT), env=env)
+    return pair_json(out)
+
+
+def pair_json(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def kv_and_control(tmp_path_factory) -> Path:
+    """The kv run under every divergence, then its agreement-off control, in one launch."""
+    tmp = tmp_path_factory.mktemp("kv_and_control")
+    run_pair(tmp, "kv+none", timeout_s=360)
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def swa_and_control(tmp_path_factory) -> Path:
+    """The same over a hybrid cache (``components`` swa)."""
+    tmp = tmp_path_factory.mktemp("swa_and_control")
+    run_pair(tmp, "kv+none", timeout_s=360, components="swa")
+    return tmp / "out"
+
+
 @pytest.mark.parametrize("agreement", ["kv", "device"])
-def test_two_processes_stay_identical_under_every_divergence(tmp_path, agreement):
-    r0, r1 = run_pair(tmp_path, agreement)
+def test_two_processes_stay_identical_under_every_divergence(request, tmp_path, agreement):
+    if agreement == "kv":
+        r0, r1 = pair_json(request.getfixturevalue("kv_and_control"))
+    else:
+        r0, r1 = run_pair(tmp_path, agreement)
     assert len(r0["digests"]) == STEPS + 1
     assert r0["digests"] == r1["digests"]
     assert r0["served"] == r1["served"] and sum(r0["served"]) > 0
@@ -47,17 +76,20 @@ def test_two_processes_stay_identical_under_every_divergence(tmp_path, agreement
     assert r0["exchanges"] == r1["exchanges"] >= STEPS
 
 
-def test_two_processes_without_the_exchange_diverge(tmp_path):
-    r0, r1 = run_pair(tmp_path, "none")
+def test_two_processes_without_the_exchange_diverge(kv_and_control):
+    r0, r1 = pair_json(kv_and_control / "none")
     assert r0["digests"] != r1["digests"]
 
 
 @pytest.mark.parametrize("components", ["swa", "draft+swa"])
-def test_two_processes_with_swa_stay_identical_under_every_divergence(tmp_path, components):
+def test_two_processes_with_swa_stay_identical_under_every_divergence(request, tmp_path, components):
     """A hybrid cache (and a draft sidecar) across two processes: rank 1's full and SWA host
     allocations fail, its copies finish late and its window slides a step late; the digests
     (SWA state included) stay equal after every step, one exchange per step."""
-    r0, r1 = run_pair(tmp_path, "kv", components=components)
+    if components == "swa":
+        r0, r1 = pair_json(request.getfixturevalue("swa_and_control"))
+    else:
+        r0, r1 = run_pair(tmp_path, "kv", components=components)
     assert len(r0["digests"]) == STEPS + 1
     assert r0["digests"] == r1["digests"]
     assert r0["served"] == r1["served"] and sum(r0["served"]) > 0
@@ -66,8 +98,8 @@ def test_two_processes_with_swa_stay_identical_under_every_divergence(tmp_path, 
     assert r0["exchanges"] == r1["exchanges"] == STEPS
 
 
-def test_two_processes_with_swa_without_the_exchange_diverge(tmp_path):
-    r0, r1 = run_pair(tmp_path, "none", components="swa")
+def test_two_processes_with_swa_without_the_exchange_diverge(swa_and_control):
+    r0, r1 = pair_json(swa_and_control / "none")
     assert r0["digests"] != r1["digests"]
 
 

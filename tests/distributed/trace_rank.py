@@ -2,7 +2,9 @@
 ``hicache_jax.distributed.launch_local``.
 
 usage: trace_rank.py AGREEMENT DIVERGENCE STORAGE_DIR OUT_DIR STEPS [COMPONENTS]
-  AGREEMENT   kv | device | none (``NoExchangeAgreement``: the protocol without the exchange)
+  AGREEMENT   kv | device | none (``NoExchangeAgreement``: the protocol without the exchange);
+              ``kv+none``: the kv run, then in the same processes the none run (the agreement-off
+              control; a fresh cache, over STORAGE_DIR/none, written to OUT_DIR/none): one launch
   DIVERGENCE  one of rank_trace.divergences(), ``all``, or ``-``; injected on rank 1 only; ``stall``:
               rank 1 never takes part (sleeps), so rank 0's bounded barrier must time out
   COMPONENTS  full (default: the full pool with an L3 controller on STORAGE_DIR), swa or draft+swa
@@ -28,9 +30,20 @@ from hicache_jax.distributed import initialize_from_env, make_agreement, run_ran
 
 
 def main() -> None:
-    kind, divergence, storage_dir, out_dir, steps = sys.argv[1:6]
+    kinds, divergence, storage_dir, out_dir, steps = sys.argv[1:6]
     components = sys.argv[6] if len(sys.argv) > 6 else "full"
     rank, n = initialize_from_env()
+    first, *then = kinds.split("+")
+    run(first, rank, n, divergence, storage_dir, out_dir, steps, components)
+    for kind in then:  # the controls after the first run, each on a fresh cache (and store)
+        sub_store, sub_out = os.path.join(storage_dir, kind), os.path.join(out_dir, kind)
+        os.makedirs(sub_store, exist_ok=True)
+        os.makedirs(sub_out, exist_ok=True)
+        run(kind, rank, n, divergence, sub_store, sub_out, steps, components)
+
+
+def run(kind: str, rank: int, n: int, divergence: str, storage_dir: str, out_dir: str, steps: str,
+        components: str) -> None:
     timeout = float(os.environ.get("HICACHE_AGREEMENT_TIMEOUT", "60"))
     if kind == "none":
         agreement = NoExchangeAgreement(rank, n)
