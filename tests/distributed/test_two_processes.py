@@ -77,6 +77,11 @@ def test_two_processes_stay_identical_under_every_divergence(request, tmp_path, 
 
 
 def test_two_processes_without_the_exchange_diverge(kv_and_control):
+    """What this control shows, and what it does not: without the exchange the two ranks' trees
+    differ, so the kv test's equal digests are not vacuous. It does not tie the split to rank
+    1's injections: with L3 on, each rank's prefetch hits depend on when its own write-through
+    reached the store, so a run without injections splits too (seen: steps 24 and 29 of a
+    calm run differ). The SWA control below has no L3 and does fail without its injections."""
     r0, r1 = pair_json(kv_and_control / "none")
     assert r0["digests"] != r1["digests"]
 
