@@ -234,31 +234,58 @@ def without_exchange(ranks):
     return replace(ranks, agreement=NoExchangeAgreement(ranks.rank, ranks.num_processes))
 
 
-def main() -> None:
-    out_dir, storage_dir, agreement, div = sys.argv[1:5]
-    controls = sys.argv[5].split(",") if len(sys.argv) > 5 else []
-    ranks, name = None, "single"
+def open_ranks(agreement: str):
+    """``(ranks, name)`` for an AGREEMENT argument: ``single``: ``(None, "single")``; ``none``:
+    ``rank_context_without_exchange()``; otherwise ``rank_context(agreement)``; ``name`` is
+    ``rank<r>`` for a rank (the JSON's name)."""
+    if agreement == "single":
+        return None, "single"
     if agreement == "none":
         ranks = rank_context_without_exchange()
-    elif agreement != "single":
+    else:
         from hicache_jax.engine.multiprocess import rank_context
 
         ranks = rank_context(agreement, timeout_s=60)
-    if ranks is not None:
-        name = f"rank{ranks.rank}"
-    write_json(os.path.join(out_dir, f"{name}.json"), serve(storage_dir, ranks, agreement, div))
-    # The agreement-off controls in the same processes, after the agreed run (CONTROLS: one
-    # launch instead of one per control; each a fresh engine, store and NoExchangeAgreement).
-    for control in controls:
-        store = os.path.join(out_dir, control, "l3")
-        os.makedirs(store, exist_ok=True)
-        write_json(os.path.join(out_dir, control, f"{name}.json"),
-                   serve(store, without_exchange(ranks), "none", control))
+    return ranks, f"rank{ranks.rank}"
 
 
 def write_json(path: str, out: dict) -> None:
     with open(path, "w") as f:
         json.dump(out, f)
+
+
+def write_with_controls(out_dir: str, name: str, first: dict, controls: list[str], serve_control) -> None:
+    """Writes ``first`` (the agreed run's result) to OUT_DIR/<name>.json, then runs the
+    agreement-off controls in this process, after the agreed run (one launch instead of one per
+    control): ``serve_control(control_dir, control)`` for each, written to
+    OUT_DIR/<control>/<name>.json."""
+    write_json(os.path.join(out_dir, f"{name}.json"), first)
+    for control in controls:
+        control_dir = os.path.join(out_dir, control)
+        os.makedirs(control_dir, exist_ok=True)
+        write_json(os.path.join(control_dir, f"{name}.json"), serve_control(control_dir, control))
+
+
+def control_store(control_dir: str) -> str:
+    """A fresh L3 directory for a control run: CONTROL_DIR/l3."""
+    path = os.path.join(control_dir, "l3")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def run_l3_script(serve) -> None:
+    """An L3 rank script's ``main``: ``OUT_DIR STORAGE_DIR AGREEMENT DIVERGE [CONTROLS]`` (the
+    usage above), ``serve(storage_dir, ranks, agreement, div)`` for the run and each control
+    (over a fresh store, ``control_store``)."""
+    out_dir, storage_dir, agreement, div = sys.argv[1:5]
+    controls = sys.argv[5].split(",") if len(sys.argv) > 5 else []
+    ranks, name = open_ranks(agreement)
+    write_with_controls(out_dir, name, serve(storage_dir, ranks, agreement, div), controls,
+                        lambda d, control: serve(control_store(d), without_exchange(ranks), "none", control))
+
+
+def main() -> None:
+    run_l3_script(serve)
 
 
 def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:

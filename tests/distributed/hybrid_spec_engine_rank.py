@@ -48,7 +48,6 @@ the flush. Writes OUT_DIR/<rank or single>.json.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import replace
@@ -57,6 +56,7 @@ import numpy as np
 
 from engine_rank import fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
+from hybrid_l3_engine_rank import open_ranks, without_exchange, write_with_controls  # noqa: E402
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
 from hicache_jax.host_pool import HostPoolConfig
 from hicache_jax.reference_model.weights import load_pair
@@ -211,30 +211,9 @@ def serve(ranks, agreement: str, div: str) -> dict:
 def main() -> None:
     out_dir, agreement, div = sys.argv[1:4]
     controls = sys.argv[4].split(",") if len(sys.argv) > 4 else []
-    ranks, name = None, "single"
-    if agreement == "none":
-        from hybrid_l3_engine_rank import rank_context_without_exchange  # noqa: E402
-
-        ranks = rank_context_without_exchange()
-    elif agreement != "single":
-        from hicache_jax.engine.multiprocess import rank_context
-
-        ranks = rank_context(agreement, timeout_s=60)
-    if ranks is not None:
-        name = f"rank{ranks.rank}"
-    write_json(os.path.join(out_dir, f"{name}.json"), serve(ranks, agreement, div))
-    # The agreement-off controls in the same processes, after the agreed run (CONTROLS: one
-    # launch instead of one per control; each a fresh engine over a fresh NoExchangeAgreement).
-    for control in controls:
-        from hybrid_l3_engine_rank import without_exchange  # noqa: E402 - its JAX imports only when needed
-
-        os.makedirs(os.path.join(out_dir, control), exist_ok=True)
-        write_json(os.path.join(out_dir, control, f"{name}.json"), serve(without_exchange(ranks), "none", control))
-
-
-def write_json(path: str, out: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(out, f)
+    ranks, name = open_ranks(agreement)
+    write_with_controls(out_dir, name, serve(ranks, agreement, div), controls,
+                        lambda _, control: serve(without_exchange(ranks), "none", control))
 
 
 if __name__ == "__main__":

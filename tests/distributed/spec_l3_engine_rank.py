@@ -38,15 +38,14 @@ exchange compare them too (not with ``none``). Writes OUT_DIR/<rank or single>.j
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 import numpy as np
 from engine_rank import LATE_S, MODEL, LateHandle, diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
-from hybrid_l3_engine_rank import local_pages, rank_context_without_exchange, without_exchange  # noqa: E402
+from hybrid_l3_engine_rank import (  # noqa: E402
+    local_pages, run_l3_script)
 
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
 from hicache_jax.host_pool import HostPoolConfig
@@ -195,30 +194,7 @@ def workload(engine: Engine, rounds: int, late_s: float, fired: dict,
 
 
 def main() -> None:
-    out_dir, storage_dir, agreement, div = sys.argv[1:5]
-    controls = sys.argv[5].split(",") if len(sys.argv) > 5 else []
-    ranks, name = None, "single"
-    if agreement == "none":
-        ranks = rank_context_without_exchange()
-    elif agreement != "single":
-        from hicache_jax.engine.multiprocess import rank_context
-
-        ranks = rank_context(agreement, timeout_s=60)
-    if ranks is not None:
-        name = f"rank{ranks.rank}"
-    write_json(os.path.join(out_dir, f"{name}.json"), serve(storage_dir, ranks, agreement, div))
-    # The agreement-off controls in the same processes, after the agreed run (CONTROLS: one
-    # launch instead of one per control; each a fresh engine, store and NoExchangeAgreement).
-    for control in controls:
-        store = os.path.join(out_dir, control, "l3")
-        os.makedirs(store, exist_ok=True)
-        write_json(os.path.join(out_dir, control, f"{name}.json"),
-                   serve(store, without_exchange(ranks), "none", control))
-
-
-def write_json(path: str, out: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(out, f)
+    run_l3_script(serve)
 
 
 def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
