@@ -85,6 +85,10 @@ LONGEST_FIRST = (
     "tests/jax_backend/test_quickstart_bench.py",
     "tests/jax_backend/test_transfer_engine.py",
     "tests/cache/test_cache_fuzz.py",
+    "tests/npu_bridge/test_cache_suite_torch.py",  # the torch env's longest after the fuzz (~75 s)
+    "tests/cache/test_bench_tree_differential.py",
+    "tests/cache/test_swa_fuzz.py",
+    "tests/cache/test_swa_fuzz_ranks.py",
 )
 
 
