@@ -74,7 +74,9 @@ def test_a_step_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
     """A stand-in interpreter that hangs (but runs the summary): both steps time out after
     their 10 s cap, each rc is printed, the script finishes and keeps only its two logs."""
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = - ]; then exec {sys.executable} \"$@\"; fi\nsleep 60\n")
+    # (pip too: a checkout with wheels in .whl/ installs them first, untimed)
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = - ] || [ \"$2\" = pip ]; then exec {sys.executable} \"$@\"; fi\n"
+                    "sleep 60\n")
     fake.chmod(0o755)
     r = _run(tmp_path, PYTHON=fake, STEPS="pytest transfer", CAP_PYTEST=10, CAP_TRANSFER=10)
     assert r.returncode == 0, r.stderr
