@@ -101,6 +101,13 @@ class CacheDebugView:
         backups = self._agreed_backups
         return self._evictor.phantom_pages, 0 if backups is None else len(backups.pending)
 
+    @property
+    def reserved_backup_nodes(self) -> int:
+        """Several ranks: nodes of backup chains reserved and not yet committed or released
+        (``BackupIssuer.reserved``, which keeps an L3 attach off them); 0 outside an agreement."""
+        backups = self._agreed_backups
+        return 0 if backups is None else len(backups.issuer.reserved)
+
     def inject_phantom_pages(self, n: int) -> None:
         """Fault injection for tests of ``sanity_check``: a reservation left counting ``n``
         phantom host pages after its step."""
