@@ -471,7 +471,8 @@ class HiRadixCache:
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
-                              self._stateful, self._evictor, self._agreed_backups, self._component_steps)
+                              self._stateful, self._evictor, self._agreed_backups, self._component_steps,
+                              self._backups.reserved)
 
     # ------------------------------------------------------------------ residency watches
     def add_watch(self, watch: ResidencyWatch) -> None:
