@@ -3,7 +3,8 @@ reclaimed, or not made yet) reads the rest as one process does (``test_l3_device
 
 Two ranks as threads exchanging through a real barrier (``rank_threads``), a file store both
 write their shards to, the tree's digests compared at every step (``check_digest``). Storage
-holds the whole prompt; each rank holds its head on the device only. Checked per rank: the
+holds the whole prompt; each rank holds its head on the device only (write_through: its host
+copy reclaimed; write_back: never made; a hybrid SWA cache too). Checked per rank: the
 prefetch is not skipped and starts where the backed-up prefix ends, the tokens attached, the
 store's reads, the head's host copy against the oracle, the tiers and bytes served,
 ``sanity_check``; across ranks: the same results and digests.
@@ -15,7 +16,9 @@ Then the head's backup in the ranks' agreement:
 * reserved for the step's agreement while an attach runs inside that step (a participant after
   the cache's own): the attach gives the head nothing (its copy is promised to the backup) and
   frees every page; the backup then commits, or, when a rank's allocation failed, rolls back
-  and a later prefetch gives the head its copy from storage. No node ever holds two copies.
+  and a later prefetch gives the head its copy from storage; the same inside write_back's
+  agreement within an eviction. No node ever holds two copies (without the rule,
+  ``sanity_check`` finds the double-owned host pages).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ def seq(*runs):
     return RadixKey(np.concatenate([np.arange(a, a + n) for a, n in runs]).astype(np.int64))
 
 
-def rank_rig(agreement, path):
+def rank_rig(agreement, path, policy="write_through"):
     be = numpy_backend_factory(small_geom(P, "mha"), 32, 64, "page_first", False)
-    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
-                         agreement=agreement)
+    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy), be.engine,
+                         be.device.allocator, agreement=agreement)
     cache.step_agreement.check_digest = True  # every step: the ranks' trees are identical
     ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=4,
                                                  prefetch_policy="wait_complete", worker_nice=0), model="ranks")
@@ -49,8 +52,8 @@ def rank_rig(agreement, path):
 def to_storage_only(cache, oracle, ctl, key):
     prefill_insert(cache, oracle, key)
     cache.flush()  # reserve -> agree -> commit, copy, ack: the L3 job is queued
+    cache.evict(cache.evictable_tokens)  # write_back: the backup (agreed inside the eviction) is made here
     assert ctl.flush()  # every rank's shard stored, rank 0's markers written
-    cache.evict(cache.evictable_tokens)
     cache.evict_host(cache.host_tokens)
     assert cache.host_tokens == 0 and cache.evictable_tokens == 0
 
@@ -84,13 +87,14 @@ def check_head_host_copy(cache, oracle, head):
     oracle.check_host(head, node_path_pages(cache, node, host=True))
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_two_ranks_read_the_continuation_after_a_device_only_match(nodes, tmp_path):
+@pytest.mark.parametrize("nodes,policy", [(1, "write_through"), (2, "write_through"), (2, "write_back")])
+def test_two_ranks_read_the_continuation_after_a_device_only_match(nodes, policy, tmp_path):
+    """write_through: the head's host copy reclaimed; write_back: never made."""
     group = ThreadGroup(2, timeout=60)
     whole, head = seq((0, 16)), seq((0, 8))
 
     def rank(r):
-        cache, oracle, ctl = rank_rig(group.agreement(r), tmp_path)
+        cache, oracle, ctl = rank_rig(group.agreement(r), tmp_path, policy)
         try:
             to_storage_only(cache, oracle, ctl, whole)
             if nodes == 2:
@@ -99,6 +103,7 @@ def test_two_ranks_read_the_continuation_after_a_device_only_match(nodes, tmp_pa
             cache.flush()
             assert ctl.flush()
             cache.evict_host(cache.host_tokens)  # the head's host copy is reclaimed on every rank
+            assert cache.host_tokens == 0
             assert device_only(cache, whole) == [True] * nodes
             cache.sanity_check(0)
             reads0 = ctl.storage.metrics.hits
@@ -309,3 +314,51 @@ def test_two_hybrid_ranks_read_the_continuation_after_a_device_only_match(head_p
     attached, reads, hits, _digest = r0
     assert attached == 24 and reads == 12 + 3  # every full page from the root, the window's SWA pages
     assert hits == {"device": head_pages * P, "host": 0, "storage": 24 - head_pages * P}
+
+
+def test_an_attach_during_write_backs_agreement_inside_an_eviction_gives_the_evicted_node_no_copy(tmp_path):
+    """write_back: evicting the device-only head reserves its backup and agrees on it inside
+    the eviction (``StepAgreement.exchange``). An attach there (the exchange wrapped, as a
+    callback the agreement might run) finds the head reserved and frees every page; the backup
+    commits, the head leaves the device with that one copy, and a later prefetch attaches only
+    the 8 tokens after it."""
+    group = ThreadGroup(2, timeout=60)
+    whole, head = seq((0, 16)), seq((0, 8))
+
+    def rank(r):
+        cache, oracle, ctl = rank_rig(group.agreement(r), tmp_path, "write_back")
+        try:
+            to_storage_only(cache, oracle, ctl, whole)
+            prefill_insert(cache, oracle, head)  # write_back: on the device only
+            ids = cache.reserve_host_pages(16 // P)
+            steps, seen = cache.step_agreement, []
+            real_exchange = steps.exchange
+
+            def exchange(values):
+                if not seen:
+                    seen.append((cache.debug_view().reserved_backup_nodes, cache.insert_host(whole, ids, 0)))
+                return real_exchange(values)
+
+            steps.exchange = exchange
+            assert cache.evict(8) == 8  # the head: backed up (agreed inside), then off the device
+            steps.exchange = real_exchange
+            (reserved, (attached, leaf)), = seen
+            assert reserved == 1 and attached == 0 and leaf is None
+            cache.flush()
+            cache.sanity_check(0)
+            node = cache.match_prefix(head).last_host_node
+            assert node.value is None and node.host_value is not None  # host-only: the backup's copy
+            oracle.check_host(head, node_path_pages(cache, node, host=True))
+            op = ctl.prefetch(whole)
+            later = ctl.finish_prefetch(op)
+            hits = serve(cache, oracle, whole)
+            cache.sanity_check(0)
+            return later, hits, cache.host_tokens, cache.debug_view().digest()
+        finally:
+            ctl.close()
+
+    r0, r1 = run_ranks(group, rank)
+    assert r0 == r1
+    later, hits, host_tokens, _digest = r0
+    assert later == 8 and host_tokens == 16
+    assert hits == {"device": 0, "host": 8, "storage": 8}
