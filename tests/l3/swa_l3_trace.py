@@ -4,8 +4,8 @@ per step, the window slid after each pass) with a prefetch per arriving request,
 admission, and every third step both tiers dropped so prefixes come back from storage. The
 L3 divergences of ``rank_trace.inject`` (``short_read``, ``missing_page``) fire on the ranks
 given. Prefetches whose match ends on device-only nodes (a backup the ranks have not agreed
-yet) read from the backed-up end (``device_only_reads``). Every byte served (target, SWA window, draft) is checked against the oracles; the
-tree's digest is recorded after every step.
+yet) read from the backed-up end (``device_only_reads``). Every byte served (target, SWA
+window, draft) is checked against the oracles; the tree's digest is recorded after every step.
 
 Threading: one call per rank thread (``rank_threads``); pure numpy.
 """
