@@ -39,8 +39,9 @@ def seq(*runs):
     return RadixKey(np.concatenate([np.arange(a, a + n) for a, n in runs]).astype(np.int64))
 
 
-def rank_rig(agreement, path, policy="write_through"):
-    be = numpy_backend_factory(small_geom(P, "mha"), 32, 64, "page_first", False)
+def rank_rig(agreement, path, policy="write_through", deferred=False):
+    """``deferred``: the engine's copies finish only when waited for (or ``complete``d)."""
+    be = numpy_backend_factory(small_geom(P, "mha"), 32, 64, "page_first", deferred)
     cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy), be.engine,
                          be.device.allocator, agreement=agreement)
     cache.step_agreement.check_digest = True  # every step: the ranks' trees are identical
@@ -130,16 +131,18 @@ def test_two_ranks_read_the_continuation_after_a_device_only_match(nodes, policy
     assert hits == {"device": 8, "host": 0, "storage": 8}
 
 
-def test_a_head_backed_up_by_the_agreement_during_the_read_keeps_one_host_copy(tmp_path):
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_head_backed_up_by_the_agreement_during_the_read_keeps_one_host_copy(in_flight, tmp_path):
     """The head is inserted (write_through: its backup wanted, agreed at the next step) and the
     prefetch starts before any step, from the root. The steps ``finish_prefetch`` runs commit
     the head's backup; the attach then frees the read's pages for the head and attaches the 8
-    tokens after it."""
+    tokens after it. ``in_flight``: the backup's copy is still unacknowledged at the attach
+    (a deferred engine)."""
     group = ThreadGroup(2, timeout=60)
     whole, head = seq((0, 16)), seq((0, 8))
 
     def rank(r):
-        cache, oracle, ctl = rank_rig(group.agreement(r), tmp_path)
+        cache, oracle, ctl = rank_rig(group.agreement(r), tmp_path, deferred=in_flight)
         try:
             to_storage_only(cache, oracle, ctl, whole)
             prefill_insert(cache, oracle, head)  # its backup is deferred to the next step
@@ -148,6 +151,7 @@ def test_a_head_backed_up_by_the_agreement_during_the_read_keeps_one_host_copy(t
             assert (op.status, op.start, op.tree_end) == ("querying", 0, 8), (op.status, op.reason)
             attached = ctl.finish_prefetch(op)
             assert op.status == "finished", (op.status, op.reason)
+            assert cache.in_flight[0] == (1 if in_flight else 0)  # the head's copy, unacknowledged
             cache.flush()
             cache.sanity_check(0)
             check_head_host_copy(cache, oracle, head)  # the backup's copy (device bytes)
