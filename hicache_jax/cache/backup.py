@@ -30,6 +30,13 @@ The full part commits when every rank got its full pages; the components' part t
 only when every rank also got its component pages, else those nodes stay component host
 tombstones (as a short SWA host pool leaves them in one process). The copy carries the
 components' plans (``PendingOp.plans``: issued again with it on a retry).
+
+While a reservation waits for its decision its chain's nodes are still on the device only
+(``host_value`` None) but already promised a host copy: ``reserved`` counts them, so an L3
+attach never gives one of them a copy of its own (``Inserter.attach_host``: it would get two,
+or lose one on a rollback). Reservations live inside one agreement (a step's ``prepare`` to its
+``apply``, or write_back's exchange inside an eviction), so between steps ``reserved`` is empty;
+the chains are chosen from agreed state, so it is the same set on every rank.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class BackupIssuer:
         self.metrics = metrics
         self.page_size = page_size
         self.hooked: tuple = ()  # components with their own residency (``components``)
+        # Nodes of chains reserved and not yet committed or released (several ranks), with how
+        # many reservations hold each (module docstring).
+        self.reserved: dict[TreeNode, int] = {}
 
     def backup(self, node: TreeNode, ack_now: bool = True) -> PendingOp | None:
         """Back up ``node`` and its un-backed ancestors, parent first, in one transfer.
@@ -209,6 +219,9 @@ class BackupIssuer:
             chain = chain[:fit]
             tokens = fit_tokens
         r = Reservation(chain, anchor, guard, tokens, ev.reserve_host(tokens // p))
+        reserved = self.reserved
+        for c in chain:
+            reserved[c] = reserved.get(c, 0) + 1
         if self.hooked:  # components with host pages of their own reserve theirs (module docstring)
             r.components = {c.name: c.reserve_backup(chain) for c in self.hooked}
         return r
@@ -220,6 +233,7 @@ class BackupIssuer:
         res = self.res
         if r.guard:
             self.locks.unguard_host_copy(r.anchor)
+        self._unreserve(r)
         chain, host_ids, tokens = r.chain, r.host_ids, r.tokens
         self.evictor.settle_host(tokens // self.page_size, host_ids, True)
         node = chain[-1]
@@ -256,7 +270,15 @@ class BackupIssuer:
             comp.release_backup(r.components.get(comp.name))
         if r.guard:
             self.locks.unguard_host_copy(r.anchor)
+        self._unreserve(r)
         self.res.refresh(r.anchor)
+
+    def _unreserve(self, r: "Reservation") -> None:
+        reserved = self.reserved
+        for c in r.chain:
+            k = reserved.pop(c, 0) - 1
+            if k > 0:
+                reserved[c] = k
 
     def _mark(self, chain: list, host_ids: np.ndarray, tokens: int) -> None:
         """set_host for the whole chain at once: every chain node but the last has a backed-up

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class CacheDebugView:
     def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
                  callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None,
-                 agreed_backups=None, component_steps=None) -> None:
+                 agreed_backups=None, component_steps=None, reserved_backups: dict | None = None) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -42,6 +42,7 @@ class CacheDebugView:
         self._evictor = evictor
         self._agreed_backups = agreed_backups  # several ranks' backup reservations, or None
         self._component_steps = component_steps  # several ranks' agreed window slides, or None
+        self._reserved_backups = {} if reserved_backups is None else reserved_backups  # BackupIssuer.reserved
 
     @property
     def root(self) -> TreeNode:
@@ -100,6 +101,17 @@ class CacheDebugView:
         reservations waiting for their agreement); both 0 outside a step."""
         backups = self._agreed_backups
         return self._evictor.phantom_pages, 0 if backups is None else len(backups.pending)
+
+    @property
+    def reserved_backup_nodes(self) -> int:
+        """Several ranks: nodes of backup chains reserved and not yet committed or released
+        (``BackupIssuer.reserved``, which keeps an L3 attach off them); 0 outside an agreement."""
+        return len(self._reserved_backups)
+
+    def inject_reserved_backup(self, node: TreeNode) -> None:
+        """Fault injection for tests of ``sanity_check``: ``node`` left counted as reserved for
+        a backup after its agreement."""
+        self._reserved_backups[node] = self._reserved_backups.get(node, 0) + 1
 
     def inject_phantom_pages(self, n: int) -> None:
         """Fault injection for tests of ``sanity_check``: a reservation left counting ``n``

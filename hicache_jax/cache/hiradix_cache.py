@@ -331,11 +331,12 @@ class HiRadixCache:
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
         # Whether an L3 prefetch reads for device-only nodes and gives them host copies
         # (``backed_up_prefix``, ``insert_host``). Only where every stateful component places
-        # its pages on such nodes (``device_only_host_copies``: ``swa`` does), and not with
-        # ranks (a device-only node may sit in a backup chain reserved for the step's
-        # agreement, which must not get a copy).
-        self._device_only_host_copies = all(c.device_only_host_copies for c in stateful) and not self.agreed
+        # its pages on such nodes (``device_only_host_copies``: ``swa`` does). With ranks too:
+        # the walk reads agreed state only, and a node whose backup is reserved for an
+        # agreement and not yet decided never takes a copy from an attach (``reserved``).
+        self._device_only_host_copies = all(c.device_only_host_copies for c in stateful)
         self._inserter.device_only_host_copies = self._device_only_host_copies
+        self._inserter.reserved = backups.reserved
         self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
         self._agreed_backups = None
         self._component_steps = None  # several ranks with own-id components: agreed window slides
@@ -470,7 +471,8 @@ class HiRadixCache:
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
         return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
-                              self._stateful, self._evictor, self._agreed_backups, self._component_steps)
+                              self._stateful, self._evictor, self._agreed_backups, self._component_steps,
+                              self._backups.reserved)
 
     # ------------------------------------------------------------------ residency watches
     def add_watch(self, watch: ResidencyWatch) -> None:
@@ -648,9 +650,11 @@ class HiRadixCache:
         before ``start``). Where the path goes on after its backed-up part with nodes on the
         device only, those nodes (the last one split where the pages end or the key leaves it)
         take the pages of their tokens as their host copies, and the rest attaches after them
-        (a component's pages go to the nodes they belong to, e.g. an ``swa`` window; with
-        ranks, or a stateful component without ``device_only_host_copies``, such pages are
-        freed instead). The tokens attached
+        (a component's pages go to the nodes they belong to, e.g. an ``swa`` window; with a
+        stateful component without ``device_only_host_copies``, such pages are freed instead,
+        and so they are, with the rest, where one of those nodes is in a backup chain reserved
+        for the ranks' agreement and not yet decided: only from inside an agreement, see
+        ``backup``). The tokens attached
         count every page taken (host copies included); the leaf is the deepest node given
         pages (a new host-only node, or the last device-only one), None when nothing was
         attached. ``component_pages``: per component with its own page ids,
@@ -728,9 +732,13 @@ class HiRadixCache:
         device-only nodes get their host copies from what it reads (``insert_host``) instead of
         the pages after them being lost to storage. Where the key is matched whole, the deepest
         matched node is returned whatever its tiers (there is nothing after it to read), and
-        so it is with ranks or a stateful component without ``device_only_host_copies``
-        (``insert_host`` would free such pages).
-        The node is backed up when its ``host_value`` is not None (contiguity: so is its path)."""
+        so it is with a stateful component without ``device_only_host_copies`` (``insert_host``
+        would free such pages).
+        The node is backed up when its ``host_value`` is not None (contiguity: so is its path).
+        Several ranks: the same on every rank, since it reads only tree state, which the ranks
+        change alike at agreed points. The device-only nodes may get backed up by the ranks'
+        agreement before the read ends; ``insert_host`` then frees their pages (each node gets
+        one host copy: the backup's, or the read's)."""
         key = as_radix_key(key)
         n = len(key) - len(key) % self.page_size
         segs, matched = self._tree.walk(key, n)
@@ -1114,6 +1122,7 @@ class HiRadixCache:
         self._load_backs.storage_origin.clear()
         if self._agreed_backups is not None:
             self._agreed_backups.clear()
+        self._backups.reserved.clear()  # (empty between agreements; the same dict as the inserter's)
         if self._component_steps is not None:
             self._component_steps.clear()
         for comp in self._stateful:

@@ -45,8 +45,11 @@ class Inserter:
         self.stamp_split_remainder = stamp_split_remainder
         self.hooked: tuple = ()  # components with their own residency (``components``)
         # Whether ``insert_host`` gives device-only nodes on its path the pages read for them
-        # (False with stateful components or ranks: the owner sets it).
+        # (False with a stateful component that cannot place its pages there: the owner sets it).
         self.device_only_host_copies = True
+        # Several ranks: nodes of backup chains reserved for an agreement and not yet decided
+        # (``BackupIssuer.reserved``, the same dict); such a node never takes pages here.
+        self.reserved: dict = {}
 
     def bad_pages(self, pages: np.ndarray) -> None:
         """On a failed insert check, raise the full ``check_page_ids`` error first (duplicates),
@@ -210,8 +213,11 @@ class Inserter:
         after the backed-up path (a prefetch anchored before them: ``backed_up_prefix``) take
         the pages of their tokens as host copies, parent first, the last one split at the
         walk's end, and the rest attaches below them; where ``device_only_host_copies`` is off
-        (ranks, or a stateful component without it) the pages are freed there instead. The leaf is the
-        deepest node given pages, None when nothing was attached.
+        (a stateful component without it), or one of those nodes is in a backup chain reserved
+        for the ranks' agreement and not yet decided (``reserved``: its host copy is promised
+        to that backup; only reachable from inside an agreement), the pages are freed there
+        instead, and so is the rest (it would not connect). The leaf is the deepest node given
+        pages, None when nothing was attached.
         ``comp_pages``: host pages of components with their own ids (by name, aligned with
         ``ids``, -1 where none), handed to their ``on_attach_host`` hook, which keeps or frees
         each one."""
@@ -228,8 +234,9 @@ class Inserter:
                 break
             backed, last, last_m = off + m, node, m
             k += 1
-        if ids.size == 0 or backed < start or backed >= end or \
-                (matched > backed and not self.device_only_host_copies):
+        if ids.size == 0 or backed < start or backed >= end or matched > backed and (
+                not self.device_only_host_copies or
+                self.reserved and any(node in self.reserved for node, _m, _off in segs[k:])):
             if ids.size:
                 res.host_allocator.free(ids)
             if self.hooked:

@@ -193,6 +193,8 @@ def collect_violations(view: "CacheDebugView", external_device_pages: int | None
     phantom, pending = view.reservations
     if phantom or pending:
         errs.append(f"reservations outlive their agreement step: {pending} pending, {phantom} phantom host pages")
+    if view.reserved_backup_nodes:  # they would keep L3 attaches off those nodes for good
+        errs.append(f"{view.reserved_backup_nodes} nodes still count as reserved for a backup outside an agreement")
 
     # ---- plug-in components -------------------------------------------------------------------
     for comp in view.components:

@@ -70,8 +70,8 @@ L3 backup (write-through from L2, no threshold)
 
 Prefetch (upstream HiCache's flow; policies in ``storage.config``)
     ``prefetch(key)`` walks the tree read-only. It starts only when the match ends on a
-    backed-up node (or the root; or, in one process, on device-only nodes: the read then starts
-    where the backed-up prefix ends and gives them host copies), the continuation after the
+    backed-up node (or the root; or on device-only nodes, with several ranks too: the read then
+    starts where the backed-up prefix ends and gives them host copies), the continuation after the
     tree's whole match is >= the threshold (``max(prefetch_threshold_tokens, page_size)``; it
     counts only tokens a read brings past what the tree holds, here and for the hit and the
     pages arrived: ``PrefetchOperation.new_tokens``) and prefetches in flight hold less than

@@ -84,11 +84,12 @@ class PrefetchOperation:
     tier, is shorter than ``StorageConfig.prefetch_threshold_tokens``; the threshold never
     counts pages of device-only nodes a read gives host copies: ``new_tokens``),
     ``not_backed_up`` (the match ends on a node on the device only and the cache anchors the
-    read there: a key matched whole, several ranks, or a stateful component without
-    ``device_only_host_copies``; otherwise the read starts where
-    the backed-up prefix ends and the device-only nodes get host copies from it:
-    ``HiRadixCache.backed_up_prefix``), ``host_budget``, ``namespace_unsupported`` or
-    ``closed``.
+    read there: a key matched whole, or a stateful component without
+    ``device_only_host_copies``; otherwise the read starts where the backed-up prefix ends
+    and the device-only nodes get host copies from it, with several ranks too:
+    ``HiRadixCache.backed_up_prefix``; a device-only node backed up meanwhile keeps that
+    backup's copy and the read's pages for it are freed), ``host_budget``,
+    ``namespace_unsupported`` or ``closed``.
     """
 
     def __init__(self, owner: object, key: RadixKey, page_size: int) -> None:

@@ -165,13 +165,16 @@ def run_trace(cache, be, ctl=None, *, divergence: set[str] = frozenset(), steps:
     convs = [list(rng.integers(0, 997, 8 * p)) for _ in range(5)]
     waiting: deque = deque()
     issued: dict = {}  # deferred handle -> step it was issued
-    digests, served = [], []
+    digests, served, device_only_reads = [], [], 0
     for step in range(steps):
         for _ in range(int(rng.integers(1, 3))):
             c = int(rng.integers(0, len(convs)))
             convs[c] = convs[c] + list(rng.integers(0, 997, p * int(rng.integers(1, 5))))
             key = RadixKey(np.asarray(convs[c], np.int64))
-            waiting.append((key, ctl.prefetch(key) if ctl is not None else None))
+            op = ctl.prefetch(key) if ctl is not None else None
+            # Read from the backed-up end, before device-only nodes (not skipped as not_backed_up).
+            device_only_reads += op is not None and op.status != "skipped" and op.tree_end > op.start
+            waiting.append((key, op))
         for _ in range(min(2, len(waiting) - 1)):
             key, op = waiting.popleft()
             if op is not None:
@@ -205,7 +208,8 @@ def run_trace(cache, be, ctl=None, *, divergence: set[str] = frozenset(), steps:
     digests.append(cache.debug_view().digest())
     cache.sanity_check(0)
     return {"digests": digests, "served": served, "fired": fired,
-            "storage_tokens": cache.metrics.storage_hit_tokens, "host_tokens_loaded": cache.metrics.loaded_tokens}
+            "storage_tokens": cache.metrics.storage_hit_tokens, "host_tokens_loaded": cache.metrics.loaded_tokens,
+            "device_only_reads": device_only_reads}
 
 
 def _serve(cache, oracle: KVOracle, key: RadixKey) -> int:

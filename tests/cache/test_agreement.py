@@ -260,6 +260,7 @@ def test_ranks_stay_identical_under_divergence(tmp_path, divergence):
     for k in kinds:
         assert r1["fired"][k] > 0, f"{k} never fired: the trace does not exercise it"
     assert sum(r0["served"]) > 0 and r0["storage_tokens"] == r1["storage_tokens"] > 0  # L3 hits too
+    assert r0["device_only_reads"] == r1["device_only_reads"]  # reads from before device-only nodes
 
 
 @pytest.mark.parametrize("divergence", CASES)

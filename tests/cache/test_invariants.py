@@ -177,6 +177,8 @@ CASES = [
     # ---- several ranks
     ("reservation-outlives-step", lambda s: s.view.inject_phantom_pages(3),
      r"reservations outlive their agreement step: 0 pending, 3 phantom host pages"),
+    ("reserved-backup-outlives-step", lambda s: s.view.inject_reserved_backup(s.B),
+     r"1 nodes still count as reserved for a backup outside an agreement"),
     # ---- caller locks
     ("caller-locks", lambda s: (s.cache.inc_lock_ref(s.B), _set(s.B, lock_ref=0), _set(s.A, lock_ref=0)),
      r"1 caller locks but only 0 device path locks reach the root"),
@@ -300,5 +302,5 @@ def test_disabling_any_check_fails_a_case(monkeypatch):
             m.setattr(swa_module.SWAComponent, "check", ns["check"])
             if not caught(collect_violations, swa_only=True):
                 uncaught.append(f"SWAComponent.check check #{i}")
-    assert n_checks == 44 + 24
+    assert n_checks == 45 + 24
     assert not uncaught, f"checks no case sees: {uncaught}"

@@ -148,10 +148,11 @@ def test_a_key_the_tree_holds_whole_reads_nothing(tmp_path):
         ctl.close()
 
 
-def test_with_ranks_a_device_only_match_keeps_its_anchor_and_gets_no_host_copies():
-    """With a collective agreement a device-only node may be in a backup chain reserved for the
-    step's agreement (its host copy pending), so the prefetch stays anchored at the deepest
-    matched node and an attach frees pages read for device-only nodes (as before the fix)."""
+def test_with_ranks_a_device_only_match_is_walked_and_attached_as_in_one_process():
+    """A collective agreement (one rank without the exchange: the ranks' code paths) walks and
+    attaches as one process does: the walk ends at the backed-up end (the root), the head's
+    node takes its 4 pages as its host copy and 4 attach after it. Two ranks, the prefetch and
+    a backup reserved for the step's agreement: ``tests/l3/test_ranks_device_only_match.py``."""
     from hicache_jax.cache import HiCacheConfig, HiRadixCache, NoExchangeAgreement
 
     for agreement in (None, NoExchangeAgreement(0, 1)):
@@ -165,14 +166,10 @@ def test_with_ranks_a_device_only_match_keeps_its_anchor_and_gets_no_host_copies
         cache.evict_host(cache.host_tokens)
         assert _device_only(cache, head) == [True]
         node, tokens, _ = cache.backed_up_prefix(whole)
-        if agreement is None:
-            assert node is cache.root and tokens == 0
-        else:
-            assert node is not cache.root and tokens == 8 and node.host_value is None
+        assert node is cache.root and tokens == 0
         ids = cache.reserve_host_pages(16 // P)  # as a prefetch of the whole key from the root
-        got, _leaf = cache.insert_host(whole, ids, 0)
-        # Without ranks: the head's node takes its 4 pages as its host copy, 4 attach after it.
-        # With ranks: the walk meets the device-only node, so every page is freed.
-        assert got == (16 if agreement is None else 0)
-        assert _device_only(cache, head) == [agreement is not None]
+        got, leaf = cache.insert_host(whole, ids, 0)
+        assert got == 16 and len(leaf.key) == 8
+        assert _device_only(cache, head) == [False]
+        assert cache.host_tokens == 16 and cache.host_allocator.used == 16 // P  # every page taken once
         cache.sanity_check()

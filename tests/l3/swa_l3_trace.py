@@ -3,8 +3,9 @@ several ranks: ``rank_trace.run_swa_trace``'s requests (admission, prefill, a pa
 per step, the window slid after each pass) with a prefetch per arriving request, finished at
 admission, and every third step both tiers dropped so prefixes come back from storage. The
 L3 divergences of ``rank_trace.inject`` (``short_read``, ``missing_page``) fire on the ranks
-given. Every byte served (target, SWA window, draft) is checked against the oracles; the
-tree's digest is recorded after every step.
+given. Prefetches whose match ends on device-only nodes (a backup the ranks have not agreed
+yet) read from the backed-up end (``device_only_reads``). Every byte served (target, SWA
+window, draft) is checked against the oracles; the tree's digest is recorded after every step.
 
 Threading: one call per rank thread (``rank_threads``); pure numpy.
 """
@@ -40,7 +41,7 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
     convs = [list(rng.integers(0, 997, 6 * p)) for _ in range(4)]
     waiting: deque = deque()
     active: list = []
-    digests, served, from_l3 = [], [], 0
+    digests, served, from_l3, device_only_reads = [], [], 0, 0
 
     def extend(req, key) -> bool:
         before = len(req.key)
@@ -62,7 +63,11 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
             grow = list(rng.integers(0, 997, p * int(rng.integers(1, 4))))
             out = list(rng.integers(0, 997, p * int(rng.integers(1, 3))))
             key = RadixKey(np.asarray(convs[c] + grow, np.int64))
-            waiting.append((c, key, out, ctl.prefetch(key)))
+            op = ctl.prefetch(key)
+            # Read from the backed-up end, before device-only nodes (a backup not yet agreed):
+            # the read's pages for them are freed, or become their host copies.
+            device_only_reads += op.status != "skipped" and op.tree_end > op.start
+            waiting.append((c, key, out, op))
         still = []
         for entry in active:
             req, c, todo = entry
@@ -117,4 +122,4 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
     digests.append(cache.debug_view().digest())
     cache.sanity_check(0, {"swa": 0})
     return {"digests": digests, "served": served, "fired": fired, "from_l3": from_l3,
-            "swa_loaded": be.swa.metrics.loaded_tokens}
+            "swa_loaded": be.swa.metrics.loaded_tokens, "device_only_reads": device_only_reads}

@@ -33,6 +33,7 @@ def test_swa_and_draft_l3_trace_on_two_ranks(tmp_path, divergence):
     assert first is None, f"the ranks' trees differ from step {first}"
     assert a["served"] == b["served"] and a["from_l3"] == b["from_l3"]
     assert a["from_l3"] > 0 and a["swa_loaded"] > 0, (a["from_l3"], a["swa_loaded"])
+    assert a["device_only_reads"] == b["device_only_reads"] > 0  # not skipped as not_backed_up
     for d in divergence:
         assert b["fired"][d] > 0, b["fired"]
 
