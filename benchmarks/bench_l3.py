@@ -455,7 +455,7 @@ def run(args) -> dict:
     print_table(f"L3: {n} pages x {pb / 2**20:.2f} MiB, segments of {args.segment_pages}, {args.rounds} rounds, "
                 f"dir {base}", ["op", "backend", "raw baseline", "GB/s", "raw GB/s", "ratio (paired)",
                                 "ratio of medians"], rows)
-    print("goal ratios (vs the faster raw baseline, goal >= 0.9): "
+    print("goal ratios (vs the fastest raw baseline, goal >= 0.9): "
           + ", ".join(f"{k} {v:.2f}" for k, v in goal.items() if "orbax +" in k or "orbax segments" in k))
     print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
           f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs")
