@@ -1,6 +1,7 @@
 """Segment saves reach the disk through one fsync pass (``orbax.durable_save``): tensorstore's
 own writes of a segment do not sync, every file and directory of the segment is fsync'ed
-before orbax publishes the step under its committed name, and the pages read back (needs orbax)."""
+under its staging name before the step is renamed to its committed name (on the publisher
+thread, beside the next save), and the pages read back (needs orbax)."""
 
 import os
 
@@ -11,7 +12,7 @@ from hicache_jax import HostKVPool
 
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, segment_dirs
 
-TMP = ".orbax-checkpoint-tmp"
+STAGED = ".staged"
 
 
 def _spy_fsync(monkeypatch):
@@ -40,7 +41,7 @@ def _spy_contexts(monkeypatch):
     return specs
 
 
-def test_segment_files_synced_once_before_publish_and_read_back(tmp_path, monkeypatch):
+def test_segment_files_synced_before_their_committed_name_and_read_back(tmp_path, monkeypatch):
     synced = _spy_fsync(monkeypatch)
     specs = _spy_contexts(monkeypatch)
     src = HostKVPool(GEOM, 16, "page_first")
@@ -57,22 +58,21 @@ def test_segment_files_synced_once_before_publish_and_read_back(tmp_path, monkey
 
     for seg in segs:
         parent, name = os.path.split(seg)
-        tmp_step = os.path.join(parent, name + TMP, "default" + TMP)
-        # (orbax's commit_success.txt marker is written as it publishes: after the pass, unsynced as before)
-        files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(seg, "default")) for f in fs
-                 if f != "commit_success.txt"]
+        staged = os.path.join(parent, name + STAGED)
+        files = [os.path.join(d, f) for d, _, fs in os.walk(seg) for f in fs]
         # the page data: tensorstore may spread one save's chunks over several OCDBT data files
         # (how many depends on how its writes batch up), so count their bytes together
         data_files = [f for f in files if os.path.basename(os.path.dirname(f)) == "d"]
         assert sum(os.path.getsize(f) for f in data_files) >= 4 * src.geom.bytes_per_page, files
-        for f in files:  # each synced under the item's temporary name: before orbax published it
-            rel = os.path.relpath(f, os.path.join(seg, "default"))
-            assert os.path.join(tmp_step, rel) in synced, (rel, synced)
-        dirs = [d for d, _, _ in os.walk(os.path.join(seg, "default"))]
-        for d in dirs:
-            rel = os.path.relpath(d, os.path.join(seg, "default"))
-            assert os.path.normpath(os.path.join(tmp_step, rel)) in synced, (rel, synced)
-        assert not any(p.startswith(seg + os.sep) for p in synced)  # nothing synced after the rename
+        for f in files:  # each synced under the staging name: before the step got its committed one
+            rel = os.path.relpath(f, seg)
+            assert os.path.join(staged, rel) in synced, (rel, synced)
+        for d in [d for d, _, _ in os.walk(seg)]:
+            rel = os.path.relpath(d, seg)
+            assert os.path.normpath(os.path.join(staged, rel)) in synced, (rel, synced)
+        assert not any(p == seg or p.startswith(seg + os.sep) for p in synced)  # nothing synced after the rename
+        # the committed name itself is synced: the writer directory, after the staged tree
+        assert parent in synced[synced.index(os.path.join(staged, "default")):]
 
     dst = HostKVPool(GEOM, 16, "page_first")
     st.codecs["target"].pool = dst
