@@ -1,4 +1,4 @@
-"""Writes to the orbax log: segment buffers, the writer thread, saves and the capacity bound.
+"""Writes to the orbax log: segment buffers, the writer and publisher threads, saves and the capacity bound.
 
 Buffering: ``enqueue`` puts pages straight into their pool's open segment buffer (a
 ``uint8[segment_pages, page_bytes]`` array, ``StorageConfig.segment_pages_for(page_bytes)``
@@ -7,16 +7,23 @@ then until its segment is saved (or dropped), and pending pages are served to re
 buffer (``serve_pending``). At most ``max_pending_pages`` are pending: beyond that pages are
 refused (back-pressure; L3 is best effort and the writer is behind).
 
-Saving: one writer thread saves a segment (one buffer per pool, oldest first) when a buffer is
-full, on ``flush()``, or ``flush_interval_s`` after the oldest pending page arrived. Orbax
-saves the buffer without its defensive deep copy (the save is synchronous and the buffer is
-not touched until it returns) and with one fsync pass over the segment's files before orbax
-publishes the step, instead of tensorstore's syncs around each of its commits (``durable_save``).
-A saved segment is added to the index before its pages stop
-being pending, so a reader that finds a page in neither place looked after it left both
-(it was evicted). A failed save (disk full, read-only directory) drops that segment's pages
-(counted, logged), removes what the save left and reopens the checkpoint manager; the next
-save tries again. Without a writer directory (``claim``) nothing is accepted.
+Saving, in two stages on two threads. The writer thread saves a segment (one buffer per pool,
+oldest first) when a buffer is full, on ``flush()``, or ``flush_interval_s`` after the oldest
+pending page arrived: an orbax ``Checkpointer`` writes it under its staging name
+(``segment.staged_dir_name``, never read), without orbax's defensive deep copy (the save is
+synchronous and the buffer is not touched until the publisher is done with it) and without
+tensorstore's syncs around each of its commits (``durable_save``). It then hands the segment to
+the publisher thread and saves the next one, while the publisher fsyncs the segment's files,
+gives it its committed name (``durable_save.publish_step``) and indexes it: the fsync pass
+(~175 ms per 128 MiB segment on the project VM) overlaps the next segment's encoding and write
+instead of following it. At most two segments are in flight (the writer hands over the next
+only once the publisher is idle), so buffers in flight stay bounded as before
+(``max_pending_pages``, ``write_buffer_bytes``). A published segment is added to the index
+before its pages stop being pending, so a reader that finds a page in neither place looked
+after it left both (it was evicted); commit (eviction) order is save order. A failed save (disk
+full, read-only directory) or a failed sync or rename drops that segment's pages (counted,
+logged, ``removed`` told), removes what it left under either name, and the next save tries
+again. Without a writer directory (``claim``) nothing is accepted.
 
 Capacity (``evict_to_capacity``): while the index holds more than ``capacity_bytes``, whole
 segments are evicted, oldest commit first: forgotten by the index, then renamed into
@@ -31,18 +38,21 @@ the I/O: hence reused buffers, packed into in place.
 
 Contents listeners (``notify``, set by the store; ``HiCacheStorage.add_listener``): ``stored``
 when pages become pending (readable from the buffer), under ``_cond``'s lock in the caller's
-thread; ``removed`` for the pages of a failed save, under that lock in the writer thread. Saved
-pages stay stored (the index takes them over without a second ``stored``).
+thread; ``removed`` for the pages of a failed save (writer thread) or a failed publish
+(publisher thread), under that lock. Saved pages stay stored (the index takes them over
+without a second ``stored``).
 
 Threading and locking: ``enqueue``, ``serve_pending``, ``pending_flags``, ``flush`` and
 ``writes_pending`` may be called from any thread. One lock (``_cond``'s) guards the pending
-table, the open, sealed and free buffers and the writer's flags; it is never held across I/O
-(copies of pending rows into a reader's destination happen under it, which is what keeps a
-row from being recycled under the copy). ``_fill_lock`` serialises packing into the open
-buffers (taken before ``_cond``'s lock, never after) so the lock is not held while pages are
-packed. Neither is held while the index's lock is taken. The writer thread is the only user
-of the orbax ``CheckpointManager`` and of the step counter; ``close`` joins it before closing
-the manager and releasing the claim.
+table, the open, sealed and free buffers, the segment handed to the publisher and both threads'
+flags; it is never held across I/O (copies of pending rows into a reader's destination happen
+under it, which is what keeps a row from being recycled under the copy). ``_fill_lock``
+serialises packing into the open buffers (taken before ``_cond``'s lock, never after) so the
+lock is not held while pages are packed. Neither is held while the index's lock is taken. The
+writer thread is the only user of the orbax ``Checkpointer`` and of the step counter; the
+publisher the only one to rename, index and release a saved segment, and it calls
+``after_save`` (eviction). ``close`` joins both (the publisher after the writer) before closing
+the checkpointer and releasing the claim.
 """
 
 from __future__ import annotations
