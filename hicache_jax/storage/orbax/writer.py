@@ -421,6 +421,12 @@ class SegmentWriter:
             self._recycle(b)
         self._pending_since = time.monotonic()
         self._saving -= 1
+        if not self._pending and not self._saving:
+            # the flush asked for is done: clear the request here, in the step that completes
+            # it, so pages enqueued after ``flush`` returns are not sealed early by a stale one
+            # (the writer thread, which also clears it, may not run before the caller's next
+            # ``enqueue``; a batch split that way could commit half of it)
+            self._flush_requested = False
         self._cond.notify_all()
 
     def _open_checkpointer(self) -> None:

@@ -9,6 +9,7 @@ order) is save order."""
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -168,3 +169,23 @@ def test_a_failed_rename_leaves_nothing_under_either_name(tmp_path, monkeypatch)
     assert st.batch_exists(keys) == 0 and st.metrics.pages_dropped == 4
     assert _entries(st) == []
     st.close()
+
+
+def test_pages_enqueued_after_a_flush_are_not_sealed_by_it(tmp_path):
+    """``flush`` asks the writer to seal what is pending; once it has returned, pages enqueued
+    after it wait for a full segment (or ``flush_interval_s``) again: a request left standing
+    after the publisher finished would seal the next batch's first half on its own."""
+    src = HostKVPool(GEOM, 16, "page_first")
+    fill_random(src, 49)
+    keys = keys_for(40, seed=50)
+    st = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, flush_interval_s=60)
+    try:
+        for i in range(0, 40, 4):
+            assert all(st.batch_set(keys[i:i + 2], range(2)))
+            time.sleep(0.05)  # the writer has every chance to act on a standing request
+            assert all(st.batch_set(keys[i + 2:i + 4], range(2, 4)))
+            assert st.flush(60)
+        assert st.metrics.segments_written == 10
+        assert sorted(s.counts["target"] for s in st.index.segments.values()) == [4] * 10
+    finally:
+        st.close()
