@@ -4,17 +4,19 @@ On disk (``{path}/segments-v1/``)::
 
     w0000/LOCK            flock'ed by the one live process writing into w0000 (``claim``)
     w0000/{gen}_{step}/default
-                          one segment = one orbax CheckpointManager step (OCDBT + zarr3, no
+                          one segment = one orbax checkpoint step (OCDBT + zarr3, no
                           compression); per pool present: ``{pool}.data uint8[S, page_bytes]``
                           (one zarr chunk per page: chunk_byte_size=page_bytes, shard_axes=(0,)),
                           ``{pool}.keys uint8[S, 32]`` and ``{pool}.crc uint32[S]``
                           (CRC-32C of key || page bytes)
+    w0000/{gen}_{step}.staged
+                          a saved step waiting for its fsync pass and its committed name
     quarantine/           segments that failed a check (moved aside, never read again)
     trash/                evicted segments on their way to deletion
 
 Segment names (``w0000/{gen}_{step}``) are never reused: ``gen`` (``new_generation``: ``g`` and
-16 random hex digits) is drawn afresh by every claim of a writer directory and is orbax's step
-prefix, and steps count up from 0 within one claim. A writer directory is reused by the next
+16 random hex digits) is drawn afresh by every claim of a writer directory and prefixes its step
+directories, and steps count up from 0 within one claim. A writer directory is reused by the next
 claimer once its owner is gone, and its step numbers restart, but under a new generation; so a
 process whose index still lists a segment that was evicted meanwhile finds its directory gone
 (a miss; ``refresh`` forgets it) and can never read another segment's bytes under that name.
