@@ -19,9 +19,10 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
                 write ratio is against the fastest of the three raw writers. The serial
                 writers stay in the table.
                 Durability: raw fsyncs each file it writes; the orbax segment log fsyncs every
-                file and directory of a segment once before orbax publishes it (orbax's merge
-                commit syncs its own; checked with strace); both publish by name (orbax renames
-                the step directory).
+                file and directory of a segment once before it renames the step to its
+                committed name, then the writer directory (orbax's merge commit syncs its own;
+                checked with strace); both publish by name. Orbax, like the pipelined raw
+                writer, syncs one segment while it writes the next.
 * cold read, one page at a time (orbax and raw interleaved page by page) and 16 in flight
   (whole passes, the order alternating per round), in a random order:
          orbax: ``batch_get`` into host pages (direct OCDBT reads, in place), CRC-32C checked
