@@ -51,7 +51,8 @@ serialises packing into the open buffers (taken before ``_cond``'s lock, never a
 lock is not held while pages are packed. Neither is held while the index's lock is taken. The
 writer thread is the only user of the orbax ``Checkpointer`` and of the step counter; the
 publisher the only one to rename, index and release a saved segment, and it calls
-``after_save`` (eviction). ``close`` joins both (the publisher after the writer) before closing
+``after_save`` (eviction). ``_ORBAX_SAVE_LOCK`` (process-wide, one orbax save at a time
+across stores) is held around each save only, with no other lock. ``close`` joins both (the publisher after the writer) before closing
 the checkpointer and releasing the claim.
 """
 
@@ -82,6 +83,13 @@ from .index import SegmentIndex
 from .segment import TRASH_DIR, Segment, staged_dir_name, step_dir_name
 
 log = logging.getLogger("hicache_jax.storage")
+
+# One orbax save at a time in the process, across stores: orbax numbers the steps of a save by a
+# process-wide operation id (``futures.synchronization.OperationIdGenerator``) that a save in
+# another thread advances, and a save then waits on a signal under the wrong id (seen: two
+# stores of one process saving at once, one save stuck for orbax's 300 s signal timeout, then
+# failed). One store never has two saves at once (one writer thread); the lock is for two.
+_ORBAX_SAVE_LOCK = threading.Lock()
 
 
 class _ChunkSizeWarningFilter(logging.Filter):
@@ -461,11 +469,12 @@ class SegmentWriter:
         nbytes = sum(t["data"].nbytes for t in tree.values())
         t0 = time.perf_counter()
         try:
-            self._arrays.begin_save()
-            try:
-                self._ckpt.save(staged, args=ocp.args.Composite(default=SegmentSave(tree, save_args=save_args)))
-            finally:
-                self._arrays.end_save()
+            with _ORBAX_SAVE_LOCK:
+                self._arrays.begin_save()
+                try:
+                    self._ckpt.save(staged, args=ocp.args.Composite(default=SegmentSave(tree, save_args=save_args)))
+                finally:
+                    self._arrays.end_save()
             if not os.path.isdir(os.path.join(staged, "default")):  # readers would never find its arrays
                 raise RuntimeError(f"step {step} was not saved as {staged}/default")
         except Exception as e:

@@ -189,3 +189,50 @@ def test_pages_enqueued_after_a_flush_are_not_sealed_by_it(tmp_path):
         assert sorted(s.counts["target"] for s in st.index.segments.values()) == [4] * 10
     finally:
         st.close()
+
+
+def test_two_stores_in_one_process_never_run_two_orbax_saves_at_once(tmp_path, monkeypatch):
+    """orbax's save steps share a process-wide operation id: two saves at once in one process
+    (two stores) can wait forever on each other's signals, so saves are serialised across
+    stores (a store's publisher still overlaps its syncs with the other's saves)."""
+    import orbax.checkpoint as ocp
+
+    real = ocp.Checkpointer.save
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def save(self, *a, **k):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.05)  # long enough for the other store's save to arrive meanwhile
+            return real(self, *a, **k)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(ocp.Checkpointer, "save", save)
+    srcs, stores, keys = [], [], []
+    for i in range(2):
+        src = HostKVPool(GEOM, 16, "page_first")
+        fill_random(src, 51 + i)
+        srcs.append(src)
+        stores.append(make_store("orbax", tmp_path / f"s{i}", {"target": src}, segment_pages=4, flush_interval_s=60))
+        keys.append(keys_for(16, seed=60 + i))
+    try:
+        def write(i):
+            for j in range(0, 16, 4):
+                assert all(stores[i].batch_set(keys[i][j:j + 4], range(j, j + 4)))
+            assert stores[i].flush(60)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join(120) for t in threads]
+        assert most[0] == 1
+        for i in range(2):
+            assert stores[i].metrics.segments_written == 4 and stores[i].metrics.write_errors == 0
+            assert stores[i].batch_exists(keys[i]) == 16
+    finally:
+        for st in stores:
+            st.close()
