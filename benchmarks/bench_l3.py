@@ -10,10 +10,19 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
          raw:   one file per page, ``write`` + ``fsync`` of the same bytes (no header, no CRC);
          raw per segment: one file per ``--segment-pages`` pages, one ``fsync`` each (orbax's
                 durability granularity: fewer, larger syncs)
+         raw per segment, pipelined: the same files, each file's ``fsync`` on a second thread
+                while the next file is written (at most two in flight; every file synced
+                before the pass ends). Serially the disk idles while the next file goes into
+                the page cache; overlapping the two is what the platform does best with these
+                bytes (1.4x the serial writer on the project VM, 2026-11-28: 1.11-1.16 s against
+                1.56-1.65 s for 256 x 2 MiB at load 0.7), so it is a baseline too, and the goal's
+                write ratio is against the fastest of the three raw writers. The serial
+                writers stay in the table.
                 Durability: raw fsyncs each file it writes; the orbax segment log fsyncs every
-                file and directory of a segment once before orbax publishes it (orbax's merge
-                commit syncs its own; checked with strace); both publish by name (orbax renames
-                the step directory).
+                file and directory of a segment once before it renames the step to its
+                committed name, then the writer directory (orbax's merge commit syncs its own;
+                checked with strace); both publish by name. Orbax, like the pipelined raw
+                writer, syncs one segment while it writes the next.
 * cold read, one page at a time (orbax and raw interleaved page by page) and 16 in flight
   (whole passes, the order alternating per round), in a random order:
          orbax: ``batch_get`` into host pages (direct OCDBT reads, in place), CRC-32C checked
@@ -32,7 +41,7 @@ Ratios are backend GB/s / raw GB/s of the same bytes in the same round, the medi
 of those per-round (paired) ratios; the ratio of the median GB/s is reported beside it. The
 16-in-flight reads run ``--read-reps`` times per round (each pass pairs with the raw pass
 beside it), since one pass takes well under a second and the disk's speed drifts. The
-goal's ratio (``goal_ratios``) is the one against the faster raw baseline of each op.
+goal's ratio (``goal_ratios``) is the one against the fastest raw baseline of each op.
 Raw reads go into 2 MiB buffers the reader reuses; orbax reads go straight into the host
 pages (the 256 pages of the pool, all resident). A lone orbax page is requested from the
 device in 256 KiB pieces, which the device serves in parallel: a plain ``read`` does not, so
@@ -166,6 +175,40 @@ def raw_write_segments(root: str, pages: np.ndarray, per_file: int) -> None:
             os.close(fd)
 
 
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_write_segments_pipelined(root: str, pages: np.ndarray, per_file: int) -> None:
+    """``raw_write_segments`` with each file's ``fsync`` on a second thread while the next file
+    is written: the same bytes, files and durability (every file fsync'ed before this returns),
+    but the disk is no longer idle while the next file goes into the page cache. At most two
+    files are in flight: the one being written and the one being synced (the write of file
+    k+1 waits for nothing; file k+1's sync starts once file k's has returned)."""
+    os.makedirs(root, exist_ok=True)
+    with ThreadPoolExecutor(1, thread_name_prefix="raw-fsync") as ex:
+        syncing = None  # the previous file's fsync + close
+        try:
+            for s in range(0, pages.shape[0], per_file):
+                fd = os.open(os.path.join(root, f"seg{s}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    mv = memoryview(np.ascontiguousarray(pages[s:s + per_file]).reshape(-1))
+                    while mv:
+                        mv = mv[os.write(fd, mv):]
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if syncing is not None:
+                    syncing.result()  # at most two files in flight
+                syncing = ex.submit(_fsync_close, fd)
+        finally:
+            if syncing is not None:
+                syncing.result()  # every file synced (and closed) before the pass ends
+
+
 def raw_read_one_split(root: str, i: int, buf: np.ndarray, piece: int = 256 << 10) -> None:
     """``raw_read_one`` that first asks the kernel for the page in ``piece``-byte requests
     (``POSIX_FADV_WILLNEED`` each), as the orbax backend does for a lone page: the project
@@ -214,7 +257,7 @@ def run(args) -> dict:
     pb = geom.bytes_per_page
     total = n * pb
 
-    steps = args.rounds * (8 + 4 * args.read_reps)
+    steps = args.rounds * (9 + 4 * args.read_reps)
     host_bytes = host.array.reshape(n, -1).view(np.uint8)  # page-first: one contiguous row per page
     bar = _progress(steps)
     res: dict[str, list[float]] = {}
@@ -250,7 +293,7 @@ def run(args) -> dict:
         keys = page_keys(ns, tokens)  # new keys every round: nothing is skipped as already stored
         rdir = os.path.join(base, f"round{r}")
         shutil.rmtree(rdir, ignore_errors=True)
-        fdir, raw_dir, seg_dir = (os.path.join(rdir, x) for x in ("file", "raw", "raw_seg"))
+        fdir, raw_dir, seg_dir, pipe_dir = (os.path.join(rdir, x) for x in ("file", "raw", "raw_seg", "raw_pipe"))
         ids = np.arange(n)
         B = args.segment_pages
 
@@ -275,6 +318,11 @@ def run(args) -> dict:
             raw_write_segments(seg_dir, pages_raw, B)
             rec("write_raw_seg", time.perf_counter() - t0)
 
+        def w_raw_seg_pipe() -> None:
+            t0 = time.perf_counter()
+            raw_write_segments_pipelined(pipe_dir, pages_raw, B)
+            rec("write_raw_seg_pipe", time.perf_counter() - t0)
+
         def w_file() -> None:
             fs = store("file", fdir)
             t0 = time.perf_counter()
@@ -285,7 +333,8 @@ def run(args) -> dict:
 
         if pages_raw is None:
             pages_raw = PageCodec(host).pack(ids)  # the exact page bytes the stores hold
-        for w in ((w_orbax, w_raw, w_raw_seg, w_file) if r % 2 == 0 else (w_raw_seg, w_raw, w_file, w_orbax)):
+        writers = (w_orbax, w_raw_seg_pipe, w_raw, w_raw_seg, w_file)
+        for w in (writers if r % 2 == 0 else writers[::-1]):
             os.sync()  # start each timed write with no dirty data of others in flight
             w()
 
@@ -385,15 +434,16 @@ def run(args) -> dict:
         return statistics.median(r / b for b, r in zip(res[name], res[ref]))
 
     # Each row against every raw baseline of its op; the goal's ratio is the one against the
-    # faster raw (per-page files vs one file per segment for writes; one whole-page request vs
+    # fastest raw (per-page files, one file per segment serial or pipelined for writes; one whole-page request vs
     # the split requests the backend itself uses for a lone page, for reads one at a time).
-    spec = [("write", "orbax segments", "write_orbax", ("write_raw", "write_raw_seg")),
+    spec = [("write", "orbax segments", "write_orbax", ("write_raw", "write_raw_seg", "write_raw_seg_pipe")),
             ("write", "file backend", "write_file", ("write_raw",)),
             ("cold read, 1 at a time", "orbax + CRC", "read1_orbax", ("read1_raw", "read1_raw_split", "read1_raw_split_host")),
             ("cold read, 16 in flight", "orbax + CRC", "read16_orbax", ("read16_raw",)),
             ("cold read, 16 in flight", "orbax, no CRC", "read16_orbax_nocrc", ("read16_raw",)),
             ("cold read, 16 in flight", "file backend + CRC", "read16_file", ("read16_raw",))]
-    raw_name = {"write_raw": "file per page", "write_raw_seg": "file per segment", "read1_raw": "whole-page read",
+    raw_name = {"write_raw": "file per page", "write_raw_seg": "file per segment",
+                "write_raw_seg_pipe": "file per segment, pipelined", "read1_raw": "whole-page read",
                 "read1_raw_split": "split requests", "read1_raw_split_host": "split, into host page",
                 "read16_raw": "16 threads"}
     rows = []
@@ -406,7 +456,7 @@ def run(args) -> dict:
     print_table(f"L3: {n} pages x {pb / 2**20:.2f} MiB, segments of {args.segment_pages}, {args.rounds} rounds, "
                 f"dir {base}", ["op", "backend", "raw baseline", "GB/s", "raw GB/s", "ratio (paired)",
                                 "ratio of medians"], rows)
-    print("goal ratios (vs the faster raw baseline, goal >= 0.9): "
+    print("goal ratios (vs the fastest raw baseline, goal >= 0.9): "
           + ", ".join(f"{k} {v:.2f}" for k, v in goal.items() if "orbax +" in k or "orbax segments" in k))
     print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
           f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs")

@@ -8,7 +8,7 @@ composes, each with one job:
 * ``claim``: the writer directory this process saves into (``flock``);
 * ``index``: key -> (segment, slot) per pool, the live segments, refresh and quarantine;
 * ``reader``: reads of indexed pages (direct OCDBT byte ranges, or through tensorstore);
-* ``writer``: segment buffers, the writer thread, saves and the capacity bound;
+* ``writer``: segment buffers, the writer and publisher threads, saves and the capacity bound;
 * ``ocdbt_direct``: the OCDBT parsing and page requests the direct reads use.
 
 ``OrbaxSegmentStorage`` implements ``HiCacheStorage``'s hooks over them; the base class keeps
@@ -26,13 +26,14 @@ Threading: public methods may be called from any threads. The components' locks 
 independent and never nested in one another: the index's lock (key maps, segment table), the
 handle cache's lock, and the writer's ``_fill_lock`` -> writer lock pair (pending pages and
 buffers); none is held across I/O. The writer thread is the only caller of the orbax
-CheckpointManager. Reads run in their caller's thread. ``refresh`` (explicit, or every
-``refresh_interval_s`` from a lookup) runs in its caller's thread and then applies the
-capacity bound, as the writer thread does after each save.
+Checkpointer; its publisher thread names and indexes each saved segment. Reads run in their
+caller's thread. ``refresh`` (explicit, or every ``refresh_interval_s`` from a lookup) runs in
+its caller's thread and then applies the capacity bound, as the publisher does after each
+segment it indexes.
 
 Contents listeners (``HiCacheStorage.add_listener``): the writer reports pages as ``stored`` when
-they become pending and ``removed`` when a failed save drops them; the index reports the keys a
-forgotten segment (evicted, quarantined, vanished) takes with it, and the keys a refresh finds in
+they become pending and ``removed`` when a failed save (or sync) drops them; the index reports
+the keys a forgotten segment (evicted, quarantined, vanished) takes with it, and the keys a refresh finds in
 other processes' segments. A segment another process evicts is reported once a refresh sees it
 gone (``refresh_interval_s``).
 """

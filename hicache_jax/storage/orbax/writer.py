@@ -1,4 +1,4 @@
-"""Writes to the orbax log: segment buffers, the writer thread, saves and the capacity bound.
+"""Writes to the orbax log: segment buffers, the writer and publisher threads, saves and the capacity bound.
 
 Buffering: ``enqueue`` puts pages straight into their pool's open segment buffer (a
 ``uint8[segment_pages, page_bytes]`` array, ``StorageConfig.segment_pages_for(page_bytes)``
@@ -7,16 +7,23 @@ then until its segment is saved (or dropped), and pending pages are served to re
 buffer (``serve_pending``). At most ``max_pending_pages`` are pending: beyond that pages are
 refused (back-pressure; L3 is best effort and the writer is behind).
 
-Saving: one writer thread saves a segment (one buffer per pool, oldest first) when a buffer is
-full, on ``flush()``, or ``flush_interval_s`` after the oldest pending page arrived. Orbax
-saves the buffer without its defensive deep copy (the save is synchronous and the buffer is
-not touched until it returns) and with one fsync pass over the segment's files before orbax
-publishes the step, instead of tensorstore's syncs around each of its commits (``durable_save``).
-A saved segment is added to the index before its pages stop
-being pending, so a reader that finds a page in neither place looked after it left both
-(it was evicted). A failed save (disk full, read-only directory) drops that segment's pages
-(counted, logged), removes what the save left and reopens the checkpoint manager; the next
-save tries again. Without a writer directory (``claim``) nothing is accepted.
+Saving, in two stages on two threads. The writer thread saves a segment (one buffer per pool,
+oldest first) when a buffer is full, on ``flush()``, or ``flush_interval_s`` after the oldest
+pending page arrived: an orbax ``Checkpointer`` writes it under its staging name
+(``segment.staged_dir_name``, never read), without orbax's defensive deep copy (the save is
+synchronous and the buffer is not touched until the publisher is done with it) and without
+tensorstore's syncs around each of its commits (``durable_save``). It then hands the segment to
+the publisher thread and saves the next one, while the publisher fsyncs the segment's files,
+gives it its committed name (``durable_save.publish_step``) and indexes it: the fsync pass
+(~175 ms per 128 MiB segment on the project VM) overlaps the next segment's encoding and write
+instead of following it. At most two segments are in flight (the writer hands over the next
+only once the publisher is idle), so buffers in flight stay bounded as before
+(``max_pending_pages``, ``write_buffer_bytes``). A published segment is added to the index
+before its pages stop being pending, so a reader that finds a page in neither place looked
+after it left both (it was evicted); commit (eviction) order is save order. A failed save (disk
+full, read-only directory) or a failed sync or rename drops that segment's pages (counted,
+logged, ``removed`` told), removes what it left under either name, and the next save tries
+again. Without a writer directory (``claim``) nothing is accepted.
 
 Capacity (``evict_to_capacity``): while the index holds more than ``capacity_bytes``, whole
 segments are evicted, oldest commit first: forgotten by the index, then renamed into
@@ -31,18 +38,22 @@ the I/O: hence reused buffers, packed into in place.
 
 Contents listeners (``notify``, set by the store; ``HiCacheStorage.add_listener``): ``stored``
 when pages become pending (readable from the buffer), under ``_cond``'s lock in the caller's
-thread; ``removed`` for the pages of a failed save, under that lock in the writer thread. Saved
-pages stay stored (the index takes them over without a second ``stored``).
+thread; ``removed`` for the pages of a failed save (writer thread) or a failed publish
+(publisher thread), under that lock. Saved pages stay stored (the index takes them over
+without a second ``stored``).
 
 Threading and locking: ``enqueue``, ``serve_pending``, ``pending_flags``, ``flush`` and
 ``writes_pending`` may be called from any thread. One lock (``_cond``'s) guards the pending
-table, the open, sealed and free buffers and the writer's flags; it is never held across I/O
-(copies of pending rows into a reader's destination happen under it, which is what keeps a
-row from being recycled under the copy). ``_fill_lock`` serialises packing into the open
-buffers (taken before ``_cond``'s lock, never after) so the lock is not held while pages are
-packed. Neither is held while the index's lock is taken. The writer thread is the only user
-of the orbax ``CheckpointManager`` and of the step counter; ``close`` joins it before closing
-the manager and releasing the claim.
+table, the open, sealed and free buffers, the segment handed to the publisher and both threads'
+flags; it is never held across I/O (copies of pending rows into a reader's destination happen
+under it, which is what keeps a row from being recycled under the copy). ``_fill_lock``
+serialises packing into the open buffers (taken before ``_cond``'s lock, never after) so the
+lock is not held while pages are packed. Neither is held while the index's lock is taken. The
+writer thread is the only user of the orbax ``Checkpointer`` and of the step counter; the
+publisher the only one to rename, index and release a saved segment, and it calls
+``after_save`` (eviction). ``_ORBAX_SAVE_LOCK`` (process-wide, one orbax save at a time
+across stores) is held around each save only, with no other lock. ``close`` joins both (the publisher after the writer) before closing
+the checkpointer and releasing the claim.
 """
 
 from __future__ import annotations
@@ -67,11 +78,18 @@ from ..config import StorageConfig
 from ..keys import keys_to_array
 from ..metrics import StorageMetrics
 from .claim import WriterClaim
-from .durable_save import SegmentArrayHandler, SegmentSave, SegmentTreeHandler, type_handler_registry
+from .durable_save import SegmentArrayHandler, SegmentSave, SegmentTreeHandler, publish_step, type_handler_registry
 from .index import SegmentIndex
-from .segment import TRASH_DIR, Segment, step_dir_name
+from .segment import TRASH_DIR, Segment, staged_dir_name, step_dir_name
 
 log = logging.getLogger("hicache_jax.storage")
+
+# One orbax save at a time in the process, across stores: orbax numbers the steps of a save by a
+# process-wide operation id (``futures.synchronization.OperationIdGenerator``) that a save in
+# another thread advances, and a save then waits on a signal under the wrong id (seen: two
+# stores of one process saving at once, one save stuck for orbax's 300 s signal timeout, then
+# failed). One store never has two saves at once (one writer thread); the lock is for two.
+_ORBAX_SAVE_LOCK = threading.Lock()
 
 
 class _ChunkSizeWarningFilter(logging.Filter):
@@ -126,6 +144,34 @@ def evict_to_capacity(index: SegmentIndex, capacity_bytes: int, metrics: Storage
             index.never_index(victim.name)  # do not re-index it on refresh
 
 
+class _Staged:
+    """A segment the writer thread has saved under its staging name, on its way to the
+    publisher (sync, committed name, index)."""
+
+    __slots__ = ("buffers", "step_dir", "staged", "path", "crcs", "npages", "nbytes", "save_seconds")
+
+    def __init__(self, buffers: list[SegmentBuffer], step_dir: str, staged: str, path: str,
+                 crcs: dict[str, np.ndarray], npages: int, nbytes: int, save_seconds: float) -> None:
+        self.buffers, self.step_dir, self.staged, self.path = buffers, step_dir, staged, path
+        self.crcs, self.npages, self.nbytes, self.save_seconds = crcs, npages, nbytes, save_seconds
+
+
+def _remove_step(path: str, trash_root: str) -> None:
+    """Remove a step directory that may carry a committed name: renamed into ``trash_root``
+    first (as eviction does), so no reader of another process that listed it meanwhile sees it
+    half-deleted; removed in place if that rename fails."""
+    if not os.path.lexists(path):
+        return
+    try:
+        os.makedirs(trash_root, exist_ok=True)
+        dst = os.path.join(trash_root, f"{os.path.basename(path)}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, dst)
+        path = dst
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class SegmentWriter:
     """Buffers accepted pages and saves them as segments from its own thread."""
 
@@ -148,23 +194,33 @@ class SegmentWriter:
         self._free_bytes = 0
         self._pending_since = 0.0
         self._flush_requested = False
-        self._saving = 0
+        self._saving = 0      # segments taken from _sealed and not yet published (or dropped)
         self._closed = False
+        # saved segments the publisher syncs, names and indexes, oldest first; the head is the
+        # one being published (removed when done), so at most two segments are in flight: one
+        # saving, one publishing (``_run`` waits to hand over the next until this is empty)
+        self._to_publish: deque[_Staged] = deque()
+        self._writer_done = False  # the writer thread has returned: the publisher may too
         self._claim = claim
-        self._mgr = None
-        # numpy arrays of a save: no deep copy, one fsync pass per save (``durable_save``)
+        self._ckpt = None
+        # numpy arrays of a save: no deep copy, no fsync per commit (``durable_save``)
         self._arrays = SegmentArrayHandler()
         self._next_step = 0
         if claim is not None:
             try:
-                self._open_manager()
+                # We hold the flock, so no live process writes here: clear temp and staged steps
+                # a killed owner left (synchronously; orbax's own cleanup runs in the background).
+                claim.clear_uncommitted()
+                self._open_checkpointer()
             except Exception as e:  # a broken writer directory: still serve reads
-                log.warning("L3 orbax: opening a checkpoint manager in %s failed (%r); storing disabled",
+                log.warning("L3 orbax: opening a checkpointer in %s failed (%r); storing disabled",
                             claim.path, e)
                 claim.release()
                 self._claim = None
         self._thread = threading.Thread(target=self._run, name="l3-orbax-writer", daemon=True)
+        self._publisher = threading.Thread(target=self._run_publisher, name="l3-orbax-publish", daemon=True)
         self._thread.start()
+        self._publisher.start()
 
     # ---- read-only views (tests, diagnostics) ----------------------------------------------------
     @property
@@ -177,10 +233,14 @@ class SegmentWriter:
         return self._thread
 
     @property
+    def publisher(self) -> threading.Thread:
+        return self._publisher
+
+    @property
     def manager(self):
-        """The orbax ``CheckpointManager`` (None: storing disabled). Only the writer thread
-        calls it."""
-        return self._mgr
+        """The orbax ``Checkpointer`` that saves segments (None: storing disabled). Only the
+        writer thread calls it."""
+        return self._ckpt
 
     @property
     def free_buffer_bytes(self) -> int:
@@ -214,8 +274,8 @@ class SegmentWriter:
         S = self._seg_pages[pool]
         with self._fill_lock:
             with self._cond:
-                if self._mgr is None or self._closed:
-                    self.metrics.add(write_errors=1 if self._mgr is None else 0, pages_dropped=len(keys))
+                if self._ckpt is None or self._closed:
+                    self.metrics.add(write_errors=1 if self._ckpt is None else 0, pages_dropped=len(keys))
                     return [False] * len(keys)
                 ok = []
                 accept = []
@@ -295,23 +355,31 @@ class SegmentWriter:
         # Below the scheduler's priority (StorageConfig.worker_nice); orbax's commit threads,
         # started from here, inherit it.
         lower_thread_priority(self.config.worker_nice)
+        try:
+            self._write_loop()
+        finally:
+            with self._cond:
+                self._writer_done = True
+                self._cond.notify_all()
+
+    def _write_loop(self) -> None:
         while True:
             seal = False
             with self._cond:
                 while True:
                     if self._sealed:
                         break
-                    if self._pending:
+                    if any(b.n for b in self._open.values()):  # pages no save has taken yet
                         age = time.monotonic() - self._pending_since
                         if self._flush_requested or self._closed or age >= self.config.flush_interval_s:
                             seal = True
                             break
                         wait = max(0.001, self.config.flush_interval_s - age)
                     else:
-                        if self._flush_requested:
+                        if self._flush_requested and not self._saving:
                             self._flush_requested = False
                             self._cond.notify_all()
-                        if self._closed:
+                        if self._closed and not self._saving:
                             return
                         wait = None
                     self._cond.wait(wait)
@@ -331,43 +399,57 @@ class SegmentWriter:
                         segment.append(b)
                         self._sealed.remove(b)
                 self._saving += 1
-            saved = False
+            staged = None
             try:
-                saved = self._save(segment)
+                staged = self._save(segment)
             except Exception as e:  # never let the writer thread die
                 log.warning("L3 orbax: writer error: %r", e)
                 self.metrics.add(write_errors=1)
-            finally:
-                with self._cond:  # after the index has the segment: a page is always in one of them
-                    for b in segment:
-                        lost = []
-                        for k in b.keys:
-                            if self._pending.get((b.pool, k), (None,))[0] is b:
-                                del self._pending[(b.pool, k)]
-                                lost.append(k)
-                        if not saved and lost and self.notify is not None:
-                            self.notify("removed", b.pool, lost)  # a failed save dropped them
-                        self._recycle(b)
-                    self._pending_since = time.monotonic()
-                    self._saving -= 1
-                    self._cond.notify_all()
+            with self._cond:
+                if staged is None:
+                    self._release(segment, saved=False)
+                    continue
+                while self._to_publish:  # at most one segment publishing while the next saves
+                    self._cond.wait()
+                self._to_publish.append(staged)
+                self._cond.notify_all()
 
-    def _open_manager(self) -> None:
-        # We hold the flock, so no live process writes here: clear temp steps a killed owner
-        # left (synchronously; orbax's own cleanup option runs in the background).
-        self._claim.clear_uncommitted()
-        self._mgr = ocp.CheckpointManager(
-            self._claim.path,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=None, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=False,
-                save_root_metadata=False, lightweight_initialize=True, step_prefix=self._claim.generation),
-            item_handlers=SegmentTreeHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                             type_handler_registry=type_handler_registry(self._arrays)))
+    def _release(self, segment: list[SegmentBuffer], saved: bool) -> None:
+        """Under ``_cond``: ``segment``'s pages stop pending (after the index has them, if
+        ``saved``; else they are dropped and ``removed`` is notified) and its buffers are
+        recycled: both stages are done with them."""
+        for b in segment:
+            lost = []
+            for k in b.keys:
+                if self._pending.get((b.pool, k), (None,))[0] is b:
+                    del self._pending[(b.pool, k)]
+                    lost.append(k)
+            if not saved and lost and self.notify is not None:
+                self.notify("removed", b.pool, lost)  # a failed save or sync dropped them
+            self._recycle(b)
+        self._pending_since = time.monotonic()
+        self._saving -= 1
+        if not self._pending and not self._saving:
+            # the flush asked for is done: clear the request here, in the step that completes
+            # it, so pages enqueued after ``flush`` returns are not sealed early by a stale one
+            # (the writer thread, which also clears it, may not run before the caller's next
+            # ``enqueue``; a batch split that way could commit half of it)
+            self._flush_requested = False
+        self._cond.notify_all()
+
+    def _open_checkpointer(self) -> None:
+        # A plain Checkpointer saving each step to an explicit (staging) path, in the layout
+        # CheckpointManager gave (the item in ``{step}/default``); nothing in orbax tracks the
+        # steps, so the publisher may rename them away.
+        handler = SegmentTreeHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                     type_handler_registry=type_handler_registry(self._arrays))
+        self._ckpt = ocp.Checkpointer(ocp.CompositeCheckpointHandler(default=handler))
         # Steps are saved as "{generation}_{step}": the generation is this claim's own, so step
         # numbers start at 0 without ever reusing a segment name (see ``segment``).
 
-    def _save(self, segment: list[SegmentBuffer]) -> bool:
-        """Save ``segment`` and index it; False if the save failed (its pages are dropped)."""
+    def _save(self, segment: list[SegmentBuffer]) -> _Staged | None:
+        """Save ``segment`` under its staging name; None if the save failed (the caller drops
+        its pages). The publisher gives it its committed name."""
         tree, save_args = {}, {}
         npages = 0
         for b in segment:
@@ -383,41 +465,32 @@ class SegmentWriter:
         step = self._next_step
         self._next_step += 1
         step_dir = step_dir_name(self._claim.generation, step)
-        path = os.path.join(self._claim.path, step_dir)
+        staged = os.path.join(self._claim.path, staged_dir_name(self._claim.generation, step))
         nbytes = sum(t["data"].nbytes for t in tree.values())
         t0 = time.perf_counter()
         try:
-            self._arrays.begin_save()
-            try:
-                saved = self._mgr.save(step, args=SegmentSave(tree, save_args=save_args))
-                self._mgr.wait_until_finished()
-            finally:
-                self._arrays.end_save()
-            if saved is False:
-                raise RuntimeError(f"orbax declined to save step {step}")
-            if not os.path.isdir(path):  # orbax named the step otherwise: readers would never see it
-                raise RuntimeError(f"step {step} was not saved as {path}")
+            with _ORBAX_SAVE_LOCK:
+                self._arrays.begin_save()
+                try:
+                    self._ckpt.save(staged, args=ocp.args.Composite(default=SegmentSave(tree, save_args=save_args)))
+                finally:
+                    self._arrays.end_save()
+            if not os.path.isdir(os.path.join(staged, "default")):  # readers would never find its arrays
+                raise RuntimeError(f"step {step} was not saved as {staged}/default")
         except Exception as e:
             log.warning("L3 orbax: saving segment %s/%s (%d pages) failed: %r; pages dropped",
                         self._claim.name, step_dir, npages, e)
             self.metrics.add(write_errors=1, pages_dropped=npages)
             self._cleanup_failed_step(step)
-            return False
-        dt = time.perf_counter() - t0
-        name = f"{self._claim.name}/{step_dir}"
-        seg = Segment(name, path, (time.time(), name), {b.pool: b.n for b in segment},
-                      crcs={p: tree[p]["crc"] for p in tree},
-                      keys={b.pool: list(b.keys) for b in segment}, nbytes=nbytes)
+            return None
+        crcs = {p: tree[p]["crc"] for p in tree}
         tree.clear()  # drop our references to the buffers' views
-        self.index.add(seg)
-        self.metrics.add(pages_written=npages, bytes_written=nbytes, write_seconds=dt, segments_written=1)
-        log.debug("L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, npages, nbytes / 2**20, dt)
-        self._after_save()
-        return True
+        return _Staged(segment, step_dir, staged, os.path.join(self._claim.path, step_dir), crcs, npages, nbytes,
+                       time.perf_counter() - t0)
 
     def _cleanup_failed_step(self, step: int) -> None:
-        # A failed save may leave a temp dir (or, if it failed after the rename, a step that
-        # readers must not trust: we never indexed it, so remove it too).
+        # A failed save may leave a temp dir or a staged step: remove this step's, and only
+        # this step's (the publisher may be syncing the step before it).
         wdir = self._claim.path
         step_dir = step_dir_name(self._claim.generation, step)
         try:
@@ -426,13 +499,61 @@ class SegmentWriter:
                     shutil.rmtree(os.path.join(wdir, n), ignore_errors=True)
         except OSError:
             pass
-        try:  # the manager may have cached the failed step; start from a clean view
-            self._mgr.close()
-            self._open_manager()
+        try:  # start from a fresh checkpointer: nothing of the failed save cached
+            self._ckpt.close()
+            self._open_checkpointer()
             self._next_step = max(self._next_step, step + 1)
         except Exception as e:
-            log.warning("L3 orbax: reopening the checkpoint manager failed: %r; storing disabled", e)
-            self._mgr = None
+            log.warning("L3 orbax: reopening the checkpointer failed: %r; storing disabled", e)
+            self._ckpt = None
+
+    # ---- the publisher thread ------------------------------------------------------------------
+    def _run_publisher(self) -> None:
+        lower_thread_priority(self.config.worker_nice)
+        while True:
+            with self._cond:
+                while not self._to_publish:
+                    if self._writer_done:
+                        return
+                    self._cond.wait()
+                staged = self._to_publish[0]
+            published = False
+            try:
+                published = self._publish(staged)
+            except Exception as e:  # never let the publisher die
+                log.warning("L3 orbax: publisher error: %r", e)
+                self.metrics.add(write_errors=1)
+            finally:
+                with self._cond:
+                    self._to_publish.popleft()
+                    self._release(staged.buffers, saved=published)
+
+    def _publish(self, staged: _Staged) -> bool:
+        """Sync ``staged``, give it its committed name and index it; False (its pages dropped,
+        nothing left under either name) if the sync or the rename failed."""
+        t0 = time.perf_counter()
+        try:
+            publish_step(staged.staged, staged.path)
+        except Exception as e:
+            log.warning("L3 orbax: publishing segment %s/%s (%d pages) failed: %r; pages dropped",
+                        self._claim.name, staged.step_dir, staged.npages, e)
+            self.metrics.add(write_errors=1, pages_dropped=staged.npages)
+            trash = os.path.join(self.index.root, TRASH_DIR)
+            _remove_step(staged.path, trash)  # renamed, but its name may not be on disk: unsure
+            _remove_step(staged.staged, trash)
+            return False
+        dt = staged.save_seconds + time.perf_counter() - t0
+        name = f"{self._claim.name}/{staged.step_dir}"
+        bufs = staged.buffers
+        seg = Segment(name, staged.path, (time.time(), name), {b.pool: b.n for b in bufs}, crcs=staged.crcs,
+                      keys={b.pool: list(b.keys) for b in bufs}, nbytes=staged.nbytes)
+        self.index.add(seg)
+        self.metrics.add(pages_written=staged.npages, bytes_written=staged.nbytes, write_seconds=dt,
+                         segments_written=1)
+        log.debug("L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, staged.npages,
+                  staged.nbytes / 2**20, dt)
+        self._after_save()
+        return True
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def writes_pending(self) -> bool:
@@ -440,12 +561,13 @@ class SegmentWriter:
             return bool(self._pending or self._saving)
 
     def flush(self, timeout: float | None) -> bool:
+        """Wait until every pending page's segment is published and indexed (or dropped)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._flush_requested = True
             self._cond.notify_all()
             while self._pending or self._saving:
-                if not self._thread.is_alive():
+                if not (self._thread.is_alive() and self._publisher.is_alive()):
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -454,17 +576,19 @@ class SegmentWriter:
             return True
 
     def close(self) -> None:
-        """Save what is pending, stop the thread, close the manager, release the claim."""
+        """Save and publish what is pending, stop both threads, close the checkpointer, release
+        the claim."""
         self.flush(None)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        self._publisher.join()  # returns once the writer has and nothing is left to publish
         try:
-            if self._mgr is not None:
-                self._mgr.close()
+            if self._ckpt is not None:
+                self._ckpt.close()
         except Exception as e:
-            log.warning("L3 orbax: closing the checkpoint manager: %r", e)
+            log.warning("L3 orbax: closing the checkpointer: %r", e)
         with self._cond:
             self._free = {p: [] for p in self.codecs}
             self._free_bytes = 0

@@ -1,6 +1,7 @@
 """Segment saves reach the disk through one fsync pass (``orbax.durable_save``): tensorstore's
 own writes of a segment do not sync, every file and directory of the segment is fsync'ed
-before orbax publishes the step under its committed name, and the pages read back (needs orbax)."""
+under its staging name before the step is renamed to its committed name (on the publisher
+thread, beside the next save), and the pages read back (needs orbax)."""
 
 import os
 
@@ -11,7 +12,7 @@ from hicache_jax import HostKVPool
 
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, segment_dirs
 
-TMP = ".orbax-checkpoint-tmp"
+STAGED = ".staged"
 
 
 def _spy_fsync(monkeypatch):
@@ -40,8 +41,8 @@ def _spy_contexts(monkeypatch):
     return specs
 
 
-def test_segment_files_synced_once_before_publish_and_read_back(tmp_path, monkeypatch):
-    synced = _spy_fsync(monkeypatch)
+def test_segment_files_synced_before_their_committed_name_and_read_back(tmp_path, monkeypatch):
+    events = _spy_sync_and_rename(monkeypatch)
     specs = _spy_contexts(monkeypatch)
     src = HostKVPool(GEOM, 16, "page_first")
     fill_random(src, 5)
@@ -57,22 +58,27 @@ def test_segment_files_synced_once_before_publish_and_read_back(tmp_path, monkey
 
     for seg in segs:
         parent, name = os.path.split(seg)
-        tmp_step = os.path.join(parent, name + TMP, "default" + TMP)
-        # (orbax's commit_success.txt marker is written as it publishes: after the pass, unsynced as before)
-        files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(seg, "default")) for f in fs
-                 if f != "commit_success.txt"]
+        staged = os.path.join(parent, name + STAGED)
+        # the one rename that gives the step its committed name comes after every fsync of it
+        named = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == seg]
+        assert len(named) == 1 and events[named[0]][1] == staged, events
+        synced = [e[1] for e in events[:named[0]] if e[0] == "fsync"]
+        # (the publisher's own calls: the writer thread may already be saving the next step)
+        after = [e[1] for e in events[named[0]:] if e[0] == "fsync" and e[2] == events[named[0]][3]]
+        files = [os.path.join(d, f) for d, _, fs in os.walk(seg) for f in fs]
         # the page data: tensorstore may spread one save's chunks over several OCDBT data files
         # (how many depends on how its writes batch up), so count their bytes together
         data_files = [f for f in files if os.path.basename(os.path.dirname(f)) == "d"]
         assert sum(os.path.getsize(f) for f in data_files) >= 4 * src.geom.bytes_per_page, files
-        for f in files:  # each synced under the item's temporary name: before orbax published it
-            rel = os.path.relpath(f, os.path.join(seg, "default"))
-            assert os.path.join(tmp_step, rel) in synced, (rel, synced)
-        dirs = [d for d, _, _ in os.walk(os.path.join(seg, "default"))]
-        for d in dirs:
-            rel = os.path.relpath(d, os.path.join(seg, "default"))
-            assert os.path.normpath(os.path.join(tmp_step, rel)) in synced, (rel, synced)
-        assert not any(p.startswith(seg + os.sep) for p in synced)  # nothing synced after the rename
+        for f in files:  # each synced under the staging name: before the step got its committed one
+            rel = os.path.relpath(f, seg)
+            assert os.path.join(staged, rel) in synced, (rel, synced)
+        for d in [d for d, _, _ in os.walk(seg)]:
+            rel = os.path.relpath(d, seg)
+            assert os.path.normpath(os.path.join(staged, rel)) in synced, (rel, synced)
+        assert not any(p == seg or p.startswith(seg + os.sep) for e in events[named[0]:] if e[0] == "fsync"
+                       for p in [e[1]])  # nothing of it synced after, by any thread
+        assert after and after[0] == parent  # then the committed name itself: the writer directory
 
     dst = HostKVPool(GEOM, 16, "page_first")
     st.codecs["target"].pool = dst
@@ -147,3 +153,65 @@ def test_sync_tree_waits_for_every_fsync_and_raises_the_first_failure(tmp_path, 
     with pytest.raises(OSError):
         sync_tree(str(tmp_path / "step"))
     assert not [t for t in threading.enumerate() if t.name.startswith("l3-orbax-sync")]  # no thread left behind
+
+
+def _spy_sync_and_rename(monkeypatch):
+    """Record ("fsync", path, thread) and ("rename", src, dst, thread) events in order (both
+    still happen)."""
+    import threading
+
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        real_fsync(fd)
+        events.append(("fsync", path, threading.get_ident()))
+
+    def rename(src, dst, *a, **k):
+        events.append(("rename", os.fspath(src), os.fspath(dst), threading.get_ident()))
+        return real_rename(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    return events
+
+
+def test_publish_step_names_a_step_only_after_all_of_it_is_synced(tmp_path, monkeypatch):
+    from hicache_jax.storage.orbax.durable_save import publish_step
+
+    staged = tmp_path / "w0000" / "g0123456789abcdef_3.staged"
+    want = _tree(staged)
+    committed = str(tmp_path / "w0000" / "g0123456789abcdef_3")
+    events = _spy_sync_and_rename(monkeypatch)
+    publish_step(str(staged), committed)
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert [events[i][:3] for i in renames] == [("rename", str(staged), committed)]
+    before = {e[1] for e in events[:renames[0]] if e[0] == "fsync"}
+    assert before == want  # every file and directory synced before it had the name
+    assert [e[:2] for e in events[renames[0] + 1:]] == [("fsync", str(tmp_path / "w0000"))]  # then the name
+    assert sorted(os.listdir(tmp_path / "w0000")) == ["g0123456789abcdef_3"]
+    assert (tmp_path / "w0000" / "g0123456789abcdef_3" / "d" / "data").read_bytes() == b"x" * 100
+
+
+def test_publish_step_that_fails_to_sync_never_names_the_step(tmp_path, monkeypatch):
+    import pytest
+
+    from hicache_jax.storage.orbax.durable_save import publish_step
+
+    staged = tmp_path / "w0000" / "s.staged"
+    _tree(staged)
+    real = os.fsync
+
+    def failing(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("data"):
+            raise OSError(5, "EIO")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError):
+        publish_step(str(staged), str(tmp_path / "w0000" / "s"))
+    assert os.listdir(tmp_path / "w0000") == ["s.staged"]  # never renamed
+    with pytest.raises(ValueError, match="committed"):
+        publish_step(str(staged), str(tmp_path / "elsewhere" / "s"))
+    assert os.listdir(tmp_path / "w0000") == ["s.staged"]
