@@ -145,6 +145,45 @@ def node_path_pages(cache: HiRadixCache, node, host: bool = False) -> np.ndarray
     return np.concatenate(vals) if vals else np.zeros(0, np.int32)
 
 
+def fail_next_allocs(allocator, count: int = 1) -> None:
+    """Make ``allocator.alloc`` return None for its next ``count`` calls (a rank's failed
+    allocation), then allocate as before."""
+    real, left = allocator.alloc, [count]
+
+    def alloc(n):
+        if left[0]:
+            left[0] -= 1
+            return None
+        return real(n)
+
+    allocator.alloc = alloc
+
+
+def device_only_path(cache: HiRadixCache, key: RadixKey) -> list[bool]:
+    """The nodes of ``key``'s device match, root first: whether each is on the device only
+    (device pages, no host copy)."""
+    node = cache.match_prefix(key).last_device_node
+    out = []
+    while node is not cache.root:
+        out.append(node.value is not None and node.host_value is None)
+        node = node.parent
+    return out[::-1]
+
+
+def serve_checked(cache: HiRadixCache, oracle: KVOracle, key: RadixKey) -> dict[str, int]:
+    """Begin a request for ``key`` (waiting for its load-back), check the device bytes it is
+    served against the oracle, release it; returns its hit tokens per tier."""
+    req, load = cache.begin_request(key)
+    if load is not None:
+        load.handle.wait()
+    cache.flush()
+    n = req.cached_pages
+    oracle.check_device(RadixKey(key.token_ids[:n * cache.page_size]), req.device_pages[:n])
+    hits = dict(req.hit_tokens)
+    cache.dec_lock_ref(req.last_node)
+    return hits
+
+
 def prefill_insert(cache: HiRadixCache, oracle: KVOracle, key: RadixKey, chunked: bool = False):
     """Match, allocate the rest, write KV, insert (no load-back, no lock). Returns the insert result."""
     p = cache.page_size

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_harness import KVOracle, numpy_backend_factory, prefill_insert, small_geom
+from cache_harness import KVOracle, fail_next_allocs, numpy_backend_factory, prefill_insert, small_geom
 from rank_threads import ThreadGroup, run_ranks
 from rank_trace import P, divergences, rank_cache, run_trace
 
@@ -65,17 +65,8 @@ def test_a_backup_is_reserved_agreed_then_committed_or_rolled_back_on_every_rank
     def rank(r):
         cache, be, _ = rank_cache(group.agreement(r))
         oracle = KVOracle(be)
-        real_alloc = cache.host_allocator.alloc
         if r == 1:  # rank 1's first host allocation fails
-            fails = [1]
-
-            def alloc(n):
-                if fails[0]:
-                    fails[0] -= 1
-                    return None
-                return real_alloc(n)
-
-            cache.host_allocator.alloc = alloc
+            fail_next_allocs(cache.host_allocator)
         a = prefill_insert(cache, oracle, seq(0, 8)).last_node
         assert a.host_value is None and cache.in_flight == (0, 0)  # deferred to the step
         cache.check_events()  # reserve (fails on rank 1) -> agree -> roll back everywhere
@@ -105,17 +96,8 @@ def test_a_failed_reservation_counts_as_taken_for_the_rest_of_its_step():
         prefill_insert(cache, oracle, seq(0, 16))  # 8 pages
         cache.flush()
         cache.evict(16)  # host-only now: 8 of the 12 host pages, an eviction candidate
-        real = cache.host_allocator.alloc
         if r == 1:
-            fails = [1]
-
-            def alloc(n):
-                if fails[0]:
-                    fails[0] -= 1
-                    return None
-                return real(n)
-
-            cache.host_allocator.alloc = alloc
+            fail_next_allocs(cache.host_allocator)
         prefill_insert(cache, oracle, seq(100, 8))  # 4 pages: fit in the 4 free ones
         prefill_insert(cache, oracle, seq(200, 8))  # 4 more: the host-only node must go
         cache.check_events()

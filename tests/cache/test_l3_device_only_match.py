@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_harness import KVOracle, make_cache, node_path_pages, numpy_backend_factory, prefill_insert
+from cache_harness import (KVOracle, device_only_path, make_cache, node_path_pages, numpy_backend_factory,
+                           prefill_insert, serve_checked)
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
@@ -42,28 +43,6 @@ def _to_storage_only(cache, ctl):
     assert cache.host_tokens == 0 and cache.evictable_tokens == 0
 
 
-def _device_only(cache, key):
-    """The nodes of ``key``'s match, root first, and whether each is on the device only."""
-    node = cache.match_prefix(key).last_device_node
-    path = []
-    while node is not cache.root:
-        path.append(node)
-        node = node.parent
-    return [(n.value is not None and n.host_value is None) for n in reversed(path)]
-
-
-def _serve_and_check(cache, oracle, key):
-    req, load = cache.begin_request(key)
-    if load is not None:
-        load.handle.wait()
-    cache.flush()
-    n = req.cached_pages
-    oracle.check_device(RadixKey(key.token_ids[:n * P]), req.device_pages[:n])  # the bytes served
-    hits = dict(req.hit_tokens)
-    cache.dec_lock_ref(req.last_node)
-    return hits
-
-
 @pytest.mark.parametrize("store,nodes", [("memory", 1), ("file", 1), ("memory", 2)])
 def test_a_continuation_after_a_reclaimed_prefix_comes_from_storage(store, nodes, tmp_path):
     cache, oracle, ctl = _rig(store, tmp_path)
@@ -78,7 +57,7 @@ def test_a_continuation_after_a_reclaimed_prefix_comes_from_storage(store, nodes
         cache.flush()
         assert ctl.flush(10)
         cache.evict_host(cache.host_tokens)  # the head's host copy is reclaimed (device keeps it)
-        assert _device_only(cache, whole) == [True] * nodes
+        assert device_only_path(cache, whole) == [True] * nodes
         cache.sanity_check()
         reads0 = ctl.storage.metrics.hits
 
@@ -93,9 +72,9 @@ def test_a_continuation_after_a_reclaimed_prefix_comes_from_storage(store, nodes
         cache.sanity_check()
         # The head is on both tiers now (host bytes = the oracle's), the rest host-only.
         node = cache.match_prefix(head).last_device_node
-        assert _device_only(cache, head) == [False] * nodes
+        assert device_only_path(cache, head) == [False] * nodes
         oracle.check_host(head, node_path_pages(cache, node, host=True))
-        assert _serve_and_check(cache, oracle, whole) == {"device": 8, "host": 0, "storage": 8}
+        assert serve_checked(cache, oracle, whole) == {"device": 8, "host": 0, "storage": 8}
         cache.sanity_check()
     finally:
         ctl.close()
@@ -113,7 +92,7 @@ def test_a_match_ending_inside_a_device_only_node_is_split_and_continued(store, 
         cache.flush()
         assert ctl.flush(10)
         cache.evict_host(cache.host_tokens)
-        assert _device_only(cache, other) == [True]
+        assert device_only_path(cache, other) == [True]
         reads0 = ctl.storage.metrics.hits
 
         op = ctl.prefetch(wanted)
@@ -121,9 +100,9 @@ def test_a_match_ending_inside_a_device_only_node_is_split_and_continued(store, 
         assert ctl.storage.metrics.hits - reads0 == 16 // P
         cache.sanity_check()
         # `other`'s node was split at 8: its head has a host copy now, its last 4 tokens do not.
-        assert _device_only(cache, other) == [False, True]
-        assert _serve_and_check(cache, oracle, wanted) == {"device": 8, "host": 0, "storage": 8}
-        assert _serve_and_check(cache, oracle, other) == {"device": 12, "host": 0, "storage": 0}
+        assert device_only_path(cache, other) == [False, True]
+        assert serve_checked(cache, oracle, wanted) == {"device": 8, "host": 0, "storage": 8}
+        assert serve_checked(cache, oracle, other) == {"device": 12, "host": 0, "storage": 0}
         cache.sanity_check()
     finally:
         ctl.close()
@@ -139,7 +118,7 @@ def test_a_key_the_tree_holds_whole_reads_nothing(tmp_path):
         cache.flush()
         assert ctl.flush(10)
         cache.evict_host(cache.host_tokens)
-        assert _device_only(cache, key) == [True]
+        assert device_only_path(cache, key) == [True]
         op = ctl.prefetch(key)
         assert ctl.finish_prefetch(op) == 0 and op.status == "skipped"
         assert ctl.storage.metrics.hits == 0 and cache.metrics.prefetched_tokens == 0
@@ -164,12 +143,12 @@ def test_with_ranks_a_device_only_match_is_walked_and_attached_as_in_one_process
         prefill_insert(cache, oracle, head)
         cache.flush()
         cache.evict_host(cache.host_tokens)
-        assert _device_only(cache, head) == [True]
+        assert device_only_path(cache, head) == [True]
         node, tokens, _ = cache.backed_up_prefix(whole)
         assert node is cache.root and tokens == 0
         ids = cache.reserve_host_pages(16 // P)  # as a prefetch of the whole key from the root
         got, leaf = cache.insert_host(whole, ids, 0)
         assert got == 16 and len(leaf.key) == 8
-        assert _device_only(cache, head) == [False]
+        assert device_only_path(cache, head) == [False]
         assert cache.host_tokens == 16 and cache.host_allocator.used == 16 // P  # every page taken once
         cache.sanity_check()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert
+from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert, serve_checked
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
@@ -72,15 +72,8 @@ def stored_then_device_only_head(cache, oracle, ctl, stored, head):
 
 
 def serve(cache, oracle, key):
-    """begin_request: the tokens per tier, the device bytes checked against the oracle."""
-    req, load = cache.begin_request(key)
-    if load is not None:
-        load.handle.wait()
-    cache.flush()
-    n = req.cached_pages
-    oracle.check_device(RadixKey(key.token_ids[:n * P]), req.device_pages[:n])
-    hits = dict(req.hit_tokens)
-    cache.dec_lock_ref(req.last_node)
+    """``serve_checked``, then every invariant."""
+    hits = serve_checked(cache, oracle, key)
     cache.sanity_check(0)
     return hits
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_harness import KVOracle, node_path_pages, numpy_backend_factory, prefill_insert, small_geom
+from cache_harness import (KVOracle, device_only_path, fail_next_allocs, node_path_pages, numpy_backend_factory,
+                           prefill_insert, serve_checked, small_geom)
 from rank_threads import ThreadGroup, run_ranks
 
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
@@ -59,29 +60,6 @@ def to_storage_only(cache, oracle, ctl, key):
     assert cache.host_tokens == 0 and cache.evictable_tokens == 0
 
 
-def device_only(cache, key):
-    """The nodes of ``key``'s device match, root first: whether each is on the device only."""
-    node = cache.match_prefix(key).last_device_node
-    out = []
-    while node is not cache.root:
-        out.append(node.value is not None and node.host_value is None)
-        node = node.parent
-    return out[::-1]
-
-
-def serve(cache, oracle, key):
-    """Begin a request for ``key``: the bytes served against the oracle, the hit per tier."""
-    req, load = cache.begin_request(key)
-    if load is not None:
-        load.handle.wait()
-    cache.flush()
-    n = req.cached_pages
-    oracle.check_device(RadixKey(key.token_ids[:n * P]), req.device_pages[:n])
-    hits = dict(req.hit_tokens)
-    cache.dec_lock_ref(req.last_node)
-    return hits
-
-
 def check_head_host_copy(cache, oracle, head):
     node = cache.match_prefix(head).last_device_node
     assert node.host_value is not None
@@ -105,7 +83,7 @@ def test_two_ranks_read_the_continuation_after_a_device_only_match(nodes, policy
             assert ctl.flush()
             cache.evict_host(cache.host_tokens)  # the head's host copy is reclaimed on every rank
             assert cache.host_tokens == 0
-            assert device_only(cache, whole) == [True] * nodes
+            assert device_only_path(cache, whole) == [True] * nodes
             cache.sanity_check(0)
             reads0 = ctl.storage.metrics.hits
 
@@ -116,9 +94,9 @@ def test_two_ranks_read_the_continuation_after_a_device_only_match(nodes, policy
             assert op.status == "finished", (op.status, op.reason)
             reads = ctl.storage.metrics.hits - reads0
             cache.sanity_check(0)
-            assert device_only(cache, head) == [False] * nodes  # host copies from the pages read
+            assert device_only_path(cache, head) == [False] * nodes  # host copies from the pages read
             check_head_host_copy(cache, oracle, head)
-            hits = serve(cache, oracle, whole)
+            hits = serve_checked(cache, oracle, whole)
             cache.sanity_check(0)
             return attached, reads, hits, cache.metrics.prefetched_tokens, cache.debug_view().digest()
         finally:
@@ -146,7 +124,7 @@ def test_a_head_backed_up_by_the_agreement_during_the_read_keeps_one_host_copy(i
         try:
             to_storage_only(cache, oracle, ctl, whole)
             prefill_insert(cache, oracle, head)  # its backup is deferred to the next step
-            assert device_only(cache, head) == [True]
+            assert device_only_path(cache, head) == [True]
             op = ctl.prefetch(whole)
             assert (op.status, op.start, op.tree_end) == ("querying", 0, 8), (op.status, op.reason)
             attached = ctl.finish_prefetch(op)
@@ -155,7 +133,7 @@ def test_a_head_backed_up_by_the_agreement_during_the_read_keeps_one_host_copy(i
             cache.flush()
             cache.sanity_check(0)
             check_head_host_copy(cache, oracle, head)  # the backup's copy (device bytes)
-            hits = serve(cache, oracle, whole)
+            hits = serve_checked(cache, oracle, whole)
             cache.sanity_check(0)
             return (attached, cache.metrics.prefetched_tokens, cache.metrics.backup_tokens, hits,
                     cache.host_tokens, cache.debug_view().digest())
@@ -210,22 +188,14 @@ def test_an_attach_inside_a_step_gives_a_node_reserved_for_backup_no_copy(rollba
             part = AttachInStep(cache, whole, ids)
             cache.step_agreement.add(part)
             if rollback and r == 1:  # rank 1's host allocation for the head's backup fails
-                real, fails = cache.host_allocator.alloc, [1]
-
-                def alloc(n):
-                    if fails[0]:
-                        fails[0] -= 1
-                        return None
-                    return real(n)
-
-                cache.host_allocator.alloc = alloc
+                fail_next_allocs(cache.host_allocator)
             cache.check_events()  # reserve the head's chain -> the attach -> agree -> commit / roll back
             cache.step_agreement.remove(part)
             attached, leaf = part.result
             assert part.reserved_then == 1 and leaf is None  # the head was reserved: nothing attached
             cache.flush()
             cache.sanity_check(0)
-            out = [attached, free0 - cache.host_allocator.available, device_only(cache, head)]
+            out = [attached, free0 - cache.host_allocator.available, device_only_path(cache, head)]
             if not rollback:
                 check_head_host_copy(cache, oracle, head)  # the backup's copy, the only one
             # Outside the step: the head's copy comes from the backup, or, rolled back, from the read.
@@ -234,7 +204,7 @@ def test_an_attach_inside_a_step_gives_a_node_reserved_for_backup_no_copy(rollba
             cache.flush()
             cache.sanity_check(0)
             check_head_host_copy(cache, oracle, head)
-            out += [serve(cache, oracle, whole), cache.host_tokens, cache.debug_view().digest()]
+            out += [serve_checked(cache, oracle, whole), cache.host_tokens, cache.debug_view().digest()]
             cache.sanity_check(0)
             return out
         finally:
@@ -355,7 +325,7 @@ def test_an_attach_during_write_backs_agreement_inside_an_eviction_gives_the_evi
             oracle.check_host(head, node_path_pages(cache, node, host=True))
             op = ctl.prefetch(whole)
             later = ctl.finish_prefetch(op)
-            hits = serve(cache, oracle, whole)
+            hits = serve_checked(cache, oracle, whole)
             cache.sanity_check(0)
             return later, hits, cache.host_tokens, cache.debug_view().digest()
         finally:

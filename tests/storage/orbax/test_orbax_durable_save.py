@@ -4,9 +4,12 @@ under its staging name before the step is renamed to its committed name (on the 
 thread, beside the next save), and the pages read back (needs orbax)."""
 
 import os
+import threading
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from hicache_jax import HostKVPool
 
@@ -102,6 +105,18 @@ def test_orbax_users_outside_the_store_keep_synced_writes(tmp_path, monkeypatch)
     st.close()
 
 
+def _fail_fsync_of(monkeypatch, suffix: str) -> None:
+    """``os.fsync`` fails with EIO for a path ending with ``suffix`` (and syncs the others)."""
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(suffix):
+            raise OSError(5, "EIO")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
 def _tree(root):
     """A small step-like tree: two files at the top, one in a subdirectory."""
     (root / "d").mkdir(parents=True)
@@ -122,11 +137,6 @@ def test_sync_tree_syncs_every_file_and_directory(tmp_path, monkeypatch):
 def test_sync_tree_waits_for_every_fsync_and_raises_the_first_failure(tmp_path, monkeypatch):
     """The fsyncs run concurrently, but ``sync_tree`` returns only after all of them have
     returned (the caller publishes the step right after), and a failed fsync fails the pass."""
-    import threading
-    import time
-
-    import pytest
-
     from hicache_jax.storage.orbax.durable_save import sync_tree
 
     _tree(tmp_path / "step")
@@ -144,12 +154,8 @@ def test_sync_tree_waits_for_every_fsync_and_raises_the_first_failure(tmp_path, 
     sync_tree(str(tmp_path / "step"))
     assert len(done) == 5 and done[-1].endswith("data"), done  # returned after the slow one
 
-    def failing_fsync(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith("meta"):
-            raise OSError(5, "EIO")
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", failing_fsync)
+    monkeypatch.setattr(os, "fsync", real)
+    _fail_fsync_of(monkeypatch, "meta")
     with pytest.raises(OSError):
         sync_tree(str(tmp_path / "step"))
     assert not [t for t in threading.enumerate() if t.name.startswith("l3-orbax-sync")]  # no thread left behind
@@ -158,8 +164,6 @@ def test_sync_tree_waits_for_every_fsync_and_raises_the_first_failure(tmp_path, 
 def _spy_sync_and_rename(monkeypatch):
     """Record ("fsync", path, thread) and ("rename", src, dst, thread) events in order (both
     still happen)."""
-    import threading
-
     events = []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -195,20 +199,11 @@ def test_publish_step_names_a_step_only_after_all_of_it_is_synced(tmp_path, monk
 
 
 def test_publish_step_that_fails_to_sync_never_names_the_step(tmp_path, monkeypatch):
-    import pytest
-
     from hicache_jax.storage.orbax.durable_save import publish_step
 
     staged = tmp_path / "w0000" / "s.staged"
     _tree(staged)
-    real = os.fsync
-
-    def failing(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith("data"):
-            raise OSError(5, "EIO")
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", failing)
+    _fail_fsync_of(monkeypatch, "data")
     with pytest.raises(OSError):
         publish_step(str(staged), str(tmp_path / "w0000" / "s"))
     assert os.listdir(tmp_path / "w0000") == ["s.staged"]  # never renamed

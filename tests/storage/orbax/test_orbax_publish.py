@@ -38,8 +38,6 @@ def _gate_sync(monkeypatch):
 
 
 def _wait_for(cond, timeout=60.0):
-    import time
-
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
