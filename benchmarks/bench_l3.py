@@ -147,32 +147,18 @@ def _geometry(page_mib: float) -> KVGeometry:
     return KVGeometry.mha(layers, 16, 8, 128, "bfloat16")
 
 
-def raw_write(root: str, pages: np.ndarray) -> None:
-    os.makedirs(root, exist_ok=True)
-    for i, page in enumerate(pages):
-        fd = os.open(os.path.join(root, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            mv = memoryview(page)
-            while mv:
-                mv = mv[os.write(fd, mv):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def raw_write_segments(root: str, pages: np.ndarray, per_file: int) -> None:
-    """Raw writes with orbax's durability granularity: one file per segment of ``per_file``
-    pages, written whole and fsync'ed once (fewer, larger syncs than one file per page)."""
-    os.makedirs(root, exist_ok=True)
-    for s in range(0, pages.shape[0], per_file):
-        fd = os.open(os.path.join(root, f"seg{s}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            mv = memoryview(np.ascontiguousarray(pages[s:s + per_file]).reshape(-1))
-            while mv:
-                mv = mv[os.write(fd, mv):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _write_whole(path: str, data: np.ndarray) -> int:
+    """Create ``path`` and write every byte of ``data`` (C-contiguous) into it; returns the
+    open descriptor (closed here only if the write fails)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        mv = memoryview(data.reshape(-1))
+        while mv:
+            mv = mv[os.write(fd, mv):]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _fsync_close(fd: int) -> None:
@@ -180,6 +166,20 @@ def _fsync_close(fd: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def raw_write(root: str, pages: np.ndarray) -> None:
+    os.makedirs(root, exist_ok=True)
+    for i, page in enumerate(pages):
+        _fsync_close(_write_whole(os.path.join(root, f"{i}.bin"), page))
+
+
+def raw_write_segments(root: str, pages: np.ndarray, per_file: int) -> None:
+    """Raw writes with orbax's durability granularity: one file per segment of ``per_file``
+    pages, written whole and fsync'ed once (fewer, larger syncs than one file per page)."""
+    os.makedirs(root, exist_ok=True)
+    for s in range(0, pages.shape[0], per_file):
+        _fsync_close(_write_whole(os.path.join(root, f"seg{s}.bin"), np.ascontiguousarray(pages[s:s + per_file])))
 
 
 def raw_write_segments_pipelined(root: str, pages: np.ndarray, per_file: int) -> None:
@@ -193,14 +193,7 @@ def raw_write_segments_pipelined(root: str, pages: np.ndarray, per_file: int) ->
         syncing = None  # the previous file's fsync + close
         try:
             for s in range(0, pages.shape[0], per_file):
-                fd = os.open(os.path.join(root, f"seg{s}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    mv = memoryview(np.ascontiguousarray(pages[s:s + per_file]).reshape(-1))
-                    while mv:
-                        mv = mv[os.write(fd, mv):]
-                except BaseException:
-                    os.close(fd)
-                    raise
+                fd = _write_whole(os.path.join(root, f"seg{s}.bin"), np.ascontiguousarray(pages[s:s + per_file]))
                 if syncing is not None:
                     syncing.result()  # at most two files in flight
                 syncing = ex.submit(_fsync_close, fd)
