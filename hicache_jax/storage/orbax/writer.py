@@ -119,6 +119,15 @@ class SegmentBuffer:
         self.pool, self.data, self.keys, self.crcs, self.n, self.view_ref = pool, data, [], [], 0, None
 
 
+def _into_trash(path: str, trash_root: str, label: str) -> str:
+    """Rename the step directory ``path`` into ``trash_root`` under a fresh name starting with
+    ``label``; returns the new path. Raises ``OSError`` (nothing moved)."""
+    os.makedirs(trash_root, exist_ok=True)
+    dst = os.path.join(trash_root, f"{label}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, dst)
+    return dst
+
+
 def evict_to_capacity(index: SegmentIndex, capacity_bytes: int, metrics: StorageMetrics) -> None:
     """Evict whole segments, oldest commit first, until the index holds at most
     ``capacity_bytes`` (0: no bound)."""
@@ -132,10 +141,7 @@ def evict_to_capacity(index: SegmentIndex, capacity_bytes: int, metrics: Storage
             continue  # another thread evicted it first
         metrics.add(segments_evicted=1, pages_evicted=sum(victim.counts.values()))
         try:  # rename first so no reader ever sees a half-deleted segment
-            trash = os.path.join(index.root, TRASH_DIR)
-            os.makedirs(trash, exist_ok=True)
-            dst = os.path.join(trash, f"{victim.name.replace('/', '-')}-{uuid.uuid4().hex[:8]}")
-            os.rename(victim.path, dst)
+            dst = _into_trash(victim.path, os.path.join(index.root, TRASH_DIR), victim.name.replace("/", "-"))
             shutil.rmtree(dst, ignore_errors=True)
         except FileNotFoundError:
             pass  # another process evicted it first
@@ -163,10 +169,7 @@ def _remove_step(path: str, trash_root: str) -> None:
     if not os.path.lexists(path):
         return
     try:
-        os.makedirs(trash_root, exist_ok=True)
-        dst = os.path.join(trash_root, f"{os.path.basename(path)}-{uuid.uuid4().hex[:8]}")
-        os.rename(path, dst)
-        path = dst
+        path = _into_trash(path, trash_root, os.path.basename(path))
     except OSError:
         pass
     shutil.rmtree(path, ignore_errors=True)
