@@ -25,6 +25,14 @@ def test_bench_l3_quick(tmp_path):
         data["ratios"]["write / orbax segments / raw file per page"],
         data["ratios"]["write / orbax segments / raw file per segment"],
         data["ratios"]["write / orbax segments / raw file per segment, pipelined"])
+    # each goal with its own threshold (issue 25: write 0.9, cold reads 0.95) and a verdict
+    goals = data["goals"]
+    assert {k: g["goal"] for k, g in goals.items()} == {
+        "write / orbax segments": 0.9, "cold read, 1 at a time / orbax + CRC": 0.95,
+        "cold read, 16 in flight / orbax + CRC": 0.95}
+    for k, g in goals.items():
+        assert g["ratio"] == data["goal_ratios"][k] and g["met"] == (g["ratio"] >= g["goal"])
+    assert "goal >= 0.95: " in r.stdout and "goal >= 0.9: " in r.stdout
     assert data["crc32c"]["gbps"] > 0 and "machine" in data
     assert not os.listdir(tmp_path / "store")  # rounds cleaned up
 
@@ -46,12 +54,18 @@ def test_raw_pipelined_segment_writer_same_bytes_every_file_synced_two_in_flight
     synced, max_unsynced = [], [0]
     lock = threading.Lock()
 
-    def fsync(fd):
-        path = os.readlink(f"/proc/self/fd/{fd}")
+    def unsynced() -> None:
         with lock:  # files opened so far that are not yet synced (this one included)
             opened = len(os.listdir(tmp_path / "pipe"))
             max_unsynced[0] = max(max_unsynced[0], opened - len(synced))
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        unsynced()
         time.sleep(0.05)  # a slow disk: the writer thread runs ahead if it may
+        # counted again after the sleep: right at the call the writer may not have opened the
+        # next file yet (a race this test once lost on a loaded machine: max 1)
+        unsynced()
         real_fsync(fd)
         with lock:
             synced.append(path)
