@@ -5,7 +5,7 @@
 # Steps (STEPS selects; each runs even if an earlier one failed; its rc and time are printed),
 # the most informative first (the first H200 run, 2026-11-27, cut pytest, transfer and ttft at
 # their old caps: the caps below come from its timings):
-#   versions   python, jax / jaxlib / flax / orbax / tensorstore / google_crc32c, devices, nvidia-smi
+#   versions   python, jax / jaxlib / flax / orbax / tensorstore / google_crc32c / crc32c, devices, nvidia-smi
 #   pytest     pytest -m gpu over tests/ (the engine's exactness, the stream copies, the torch
 #              bridge on CUDA; -v and --durations: a step cut by its timeout still shows what passed)
 #   transfer   hicache-jax bench transfer --page-sizes 16 64 --page-counts 1024 (256 MiB / 1 GiB per
@@ -25,8 +25,8 @@
 #   kernels    pytest -m gpu over pallas_kernels (Mosaic GPU / Triton bit-exact; ~160 s, passed
 #              on an H100 and an H200 before): last, with whatever time is left
 # Wheels: a `.whl/` folder (scripts/gpu_wheels.sh fills it; name it in the device call's carry)
-# is installed into a scratch site first: google-crc32c, which the GPU image lacks (the L3
-# then checksums with zlib's CRC-32, slower).
+# is installed into a scratch site first: crc32c and google-crc32c, which the GPU image lacks
+# (the L3 then checksums with zlib's CRC-32, slower).
 # then a compact summary (every goal and verdict line, the transfer GB/s, the token checks).
 # L3 is the file backend: the GPU image's orbax-checkpoint (0.12.4) disables the orbax L3.
 #
@@ -122,7 +122,7 @@ if want versions; then
   step versions $CAP_VERSIONS "$PY" -c "
 import importlib, platform, sys
 print('python', platform.python_version(), sys.executable)
-for m in ('jax', 'jaxlib', 'flax', 'orbax.checkpoint', 'tensorstore', 'numpy', 'matplotlib', 'google_crc32c'):
+for m in ('jax', 'jaxlib', 'flax', 'orbax.checkpoint', 'tensorstore', 'numpy', 'matplotlib', 'google_crc32c', 'crc32c'):
     try:
         print(m, getattr(importlib.import_module(m), '__version__', '?'))
     except ImportError as e:

@@ -1,8 +1,8 @@
 """L3 (persistent) KV page storage: keys, the storage interface and its backends.
 
 Imports with numpy alone. The default ``orbax`` backend (the ``orbax`` subpackage,
-``OrbaxSegmentStorage``) needs the ``jax`` extra (orbax-checkpoint, tensorstore,
-google-crc32c) and is imported only when it is created; ``file`` and ``memory`` need nothing beyond numpy;
+``OrbaxSegmentStorage``) needs the ``storage`` extra (orbax-checkpoint, tensorstore,
+crc32c or google-crc32c) and is imported only when it is created; ``file`` and ``memory`` need nothing beyond numpy;
 ``mooncake`` (a shared Mooncake Store) needs the ``mooncake`` extra, also imported only when created.
 ``disabled`` (``DisabledStorage``, no L3) is what ``create_storage`` returns for a store that could
 not be set up when ``StorageConfig.strict`` is False.
@@ -56,7 +56,7 @@ def _create(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSpec] | N
     try:
         from .orbax import OrbaxSegmentStorage
     except ImportError as e:
-        raise ImportError("the 'orbax' L3 backend needs orbax-checkpoint, tensorstore and google-crc32c "
+        raise ImportError("the 'orbax' L3 backend needs orbax-checkpoint, tensorstore and crc32c (or google-crc32c) "
                           "(pip install 'hicache-jax[storage]', Python 3.12+); use backend='file' without them") from e
     return OrbaxSegmentStorage(config, pools, specs)
 

@@ -1,6 +1,9 @@
-"""Page checksums: every entry point agrees with the reference CRCs, and the large-buffer
-CRC-32C runs without the GIL (so several worker threads checksum in parallel)."""
+"""Page checksums: every entry point agrees with the reference CRCs through every CRC-32C engine
+installed (``crc32c`` and ``google-crc32c``; google's ``value`` is the reference), the faster
+engine is the one used, and the large-buffer CRC-32C runs without the GIL (so several worker
+threads checksum in parallel)."""
 
+import importlib.util
 import sys
 import threading
 import zlib
@@ -19,8 +22,23 @@ def _ref(algo, key, data: bytes) -> int:
     return zlib.crc32(key + data) & 0xFFFFFFFF
 
 
+@pytest.fixture(params=sorted(integrity.ENGINES) or [None])
+def engine(request, monkeypatch):
+    """Each installed CRC-32C engine in turn, as the one every entry point goes through."""
+    if request.param is not None:
+        monkeypatch.setattr(integrity, "CRC32C_ENGINE", request.param)
+        monkeypatch.setattr(integrity, "_extend", integrity.ENGINES[request.param])
+    return request.param
+
+
+def test_the_faster_engine_is_used_where_installed():
+    assert "google-crc32c" in integrity.ENGINES  # gcrc imported above
+    want = "crc32c" if importlib.util.find_spec("crc32c") is not None else "google-crc32c"
+    assert integrity.CRC32C_ENGINE == want and integrity.HAVE_CRC32C and integrity.NOGIL_CRC32C
+
+
 @pytest.mark.parametrize("algo", [integrity.ALGO_CRC32C, integrity.ALGO_ZLIB_CRC32])
-def test_every_entry_point_matches_the_reference(algo):
+def test_every_entry_point_matches_the_reference(algo, engine):
     rng = np.random.default_rng(0)
     t = integrity.NOGIL_MIN_BYTES
     for n in (0, 1, 100, t - 1, t, t + 1, 3 * t + 17, 1 << 20):
@@ -35,15 +53,17 @@ def test_every_entry_point_matches_the_reference(algo):
         if algo == integrity.ALGO_CRC32C:
             assert integrity.crc32c(data, key) == want == integrity.crc32c(data, key, release_gil=False)
             assert integrity.crc32c_extend(int(gcrc.value(key)), data) == want
+            assert integrity.crc32c_extend(int(gcrc.value(key)), data, release_gil=False) == want
+            assert integrity.crc32c_value(key + data.tobytes()) == want
             assert integrity.crc32c(data.view(np.uint8)[::-1].copy()[::-1], key) == want  # non-contiguous input
     with pytest.raises(integrity.ChecksumUnavailable):
         integrity.checksum_at([], 99)
 
 
-def test_large_crc32c_releases_the_gil():
+def test_large_crc32c_releases_the_gil(engine):
     """With a 10 s switch interval a thread holding the GIL keeps it; the main thread, woken
     while the worker is inside its CRC loop, can only run then if the CRC released it."""
-    if not integrity.NOGIL_CRC32C:
+    if engine == "google-crc32c" and integrity._nogil_extend is None:
         pytest.skip("google_crc32c's C library symbol is not reachable here (pure-Python build)")
     buf = np.random.default_rng(1).integers(0, 256, 32 << 20, dtype=np.uint8)
     started, state = threading.Event(), {"done": False}

@@ -38,9 +38,10 @@ import os
 import re
 import struct
 
-import google_crc32c as _gcrc
 import numpy as np
 import tensorstore as ts
+
+from .. import integrity
 
 SHARD_TAIL = 20  # 16-byte shard index (offset, nbytes) + its CRC-32C
 _TAIL = struct.Struct("<QQI")
@@ -149,7 +150,7 @@ def _check_tail(tail, page_bytes: int) -> None:
     off, nbytes, crc = _TAIL.unpack_from(tail)
     if off == _MISSING and nbytes == _MISSING:
         raise DirectReadError("shard holds no chunk (missing page)")
-    if _gcrc.value(bytes(tail[:16])) != crc:
+    if integrity.crc32c_value(bytes(tail[:16])) != crc:
         raise DirectReadError("shard index CRC mismatch")
     if off != 0 or nbytes != page_bytes:
         raise DirectReadError(f"unexpected shard layout (chunk at {off}, {nbytes} bytes)")
@@ -287,7 +288,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
             p[...] = src[pos:pos + p.nbytes]
             pos += p.nbytes
             if crc is not None:
-                crc = _gcrc.extend(crc, p)
+                crc = integrity.crc32c_extend(crc, p, release_gil=False)
         return None if crc is None else int(crc)
     fd, path, offset, length = req.fd, req.path, req.offset, req.length
     tail = bytearray(SHARD_TAIL)
@@ -304,7 +305,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
             for x in g:
                 pos += x.nbytes
                 if crc is not None:
-                    crc = _gcrc.extend(crc, x)
+                    crc = integrity.crc32c_extend(crc, x, release_gil=False)
     finally:
         req.close()
     _check_tail(tail, pb)

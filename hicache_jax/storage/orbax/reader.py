@@ -42,11 +42,11 @@ the hit), and a failed page is zero-filled instead.
 Threading: reads run in their caller's thread, any number at once; the reader keeps no
 per-call state between calls. The descriptors a call holds (one per page requested ahead) are
 its own and closed exactly once, however the call ends. ``HandleCache`` has its own lock (a
-leaf, never held while opening an array). The CRC-32C here is ``google_crc32c``'s, which keeps
-the GIL over numpy buffers, on purpose: with the GIL-free one (``integrity.crc32c_extend``)
-the cold reads of ``benchmarks/bench_l3.py`` (16 in flight) ran at 0.59 / 0.56 / 0.79 of the
-raw baseline against 0.97 / 0.87 / 1.14 for the code before (which kept it), three A/B pairs
-on the project VM (2 vCPUs, load 8-11); with the GIL kept again, 0.87 against 0.84. A reader
+leaf, never held while opening an array). The CRC-32C here keeps the GIL (``integrity``'s
+``release_gil=False``), on purpose: with the GIL released the cold reads of
+``benchmarks/bench_l3.py`` (16 in flight) ran at 0.59 / 0.56 / 0.79 of the raw baseline
+against 0.97 / 0.87 / 1.14 for the code that kept it, three A/B pairs on the project VM (2
+vCPUs, load 8-11; google-crc32c then); with the GIL kept again, 0.87 against 0.84. A reader
 that drops the GIL between its page reads and its CRCs plausibly waits to get it back from
 other Python threads of the process (not investigated further).
 The ``file`` and ``mooncake`` backends, whose CRCs run on pools of worker threads, use the
@@ -60,7 +60,6 @@ import threading
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
-import google_crc32c as _gcrc
 import numpy as np
 import tensorstore as ts
 
@@ -281,7 +280,7 @@ class SegmentReader:
                 if got == crc or not check:
                     _scatter(page, dst if isinstance(dst, list) else [dst])
             else:
-                got = ocdbt_direct.read_requested(req, dst, _gcrc.value(key) if check else None,
+                got = ocdbt_direct.read_requested(req, dst, integrity.crc32c_value(key) if check else None,
                                                   ocdbt_direct.CHUNK_BYTES if lone and check else None)
         except Exception as e:
             self._page_failed(seg, slot, pool, e)

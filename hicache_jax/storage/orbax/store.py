@@ -1,6 +1,7 @@
 """The default L3 backend: an orbax-managed segment log, read page by page (OCDBT byte ranges).
 
-Needs orbax-checkpoint, tensorstore and google-crc32c (the ``jax`` extra); imported lazily by
+Needs orbax-checkpoint, tensorstore and a CRC-32C engine (``crc32c`` or ``google-crc32c``; the
+``storage`` extra); imported lazily by
 ``create_storage``. Design and measurements: the modules this one
 composes, each with one job:
 
@@ -49,6 +50,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...host_pool import HostKVPool
+from .. import integrity
 from ..base import HiCacheStorage, PoolSpec
 from ..config import StorageConfig, prepare_store_dir
 from .claim import WriterClaim, claim_writer_dir
@@ -56,6 +58,9 @@ from .index import SegmentIndex
 from .reader import HandleCache, SegmentReader
 from .segment import LOG_DIR
 from .writer import SegmentWriter, evict_to_capacity, pack_into
+
+if not integrity.HAVE_CRC32C:  # every page of the log is CRC-32C checked: no engine, no backend
+    raise ImportError("the orbax L3 backend needs a CRC-32C engine: the crc32c or google-crc32c package")
 
 log = logging.getLogger("hicache_jax.storage")
 
