@@ -96,10 +96,14 @@ def _engines() -> dict:
     """The CRC-32C engines importable here that compute the check value, fastest first:
     name -> ``extend(crc, contiguous buffer, release_gil) -> int``."""
     out = {}
-    if _icrar is not None and _icrar.crc32c(_CHECK_INPUT) == _CHECK_VALUE:
+    icrar_ok = _icrar is not None and _icrar.crc32c(_CHECK_INPUT) == _CHECK_VALUE
+    # crc32c first only where it runs on CRC instructions (its software mode is no faster)
+    if icrar_ok and getattr(_icrar, "hardware_based", False):
         out["crc32c"] = _icrar_extend
     if _gcrc is not None and int(_gcrc.value(_CHECK_INPUT)) == _CHECK_VALUE:
         out["google-crc32c"] = _google_extend
+    if icrar_ok:
+        out.setdefault("crc32c", _icrar_extend)
     return out
 
 
