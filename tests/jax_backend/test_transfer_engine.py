@@ -184,7 +184,7 @@ def test_pinned_host_pool_roundtrip_and_staging_reuse(layout):
     if getattr(host, "memory_kind", None) != "pinned_host":
         pytest.skip("this JAX runtime has no pinned_host memory kind")
     eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), host_copy="numpy")
-    assert eng._ring is not None
+    assert eng.h2d_staging == "pinned"
     data = _fill(dev, np.random.default_rng(5))
     eng.backup(np.arange(8), np.arange(8)).wait()
     # several loads of the same bucket shape in a row: staging buffers are recycled
@@ -233,3 +233,61 @@ def test_load_handle_readiness_is_per_layer():
     assert log == ["k0", "v0"] and [h.layer_done(l) for l in range(3)] == [True, True, False]
     h.wait_layer(2)
     assert log == ["k0", "v0", "k2", "v2"] and h.done()
+
+
+def test_pinned_staging_that_fails_its_probe_falls_back_to_numpy_staging(monkeypatch, caplog):
+    """A runtime whose pinned staging buffers cannot be moved to the device (jax 0.12's CPU client
+    refused jit-made ones): the engine warns once, stages in numpy, and moves the right bytes."""
+    from hicache_jax.backends.jax import memory
+    from hicache_jax.backends.jax.memory import pinned_host_pool, staging_works
+
+    geom = GEOMS["mha-bf16-p16"]
+    dev = JaxDevicePool(geom, DEVICE_PAGES)
+    host = pinned_host_pool(geom, HOST_PAGES, HostLayout.PAGE_FIRST)
+    if getattr(host, "memory_kind", None) != "pinned_host":
+        pytest.skip("this JAX runtime has no pinned_host memory kind")
+    assert staging_works(dev.local_device) == ""
+
+    def refused(*a, **k):
+        raise RuntimeError("UNIMPLEMENTED: Unsupported layout used for PjRt CPU buffers")
+
+    monkeypatch.setattr(memory, "host_buffer", refused)
+    assert "Unsupported layout" in staging_works(dev.local_device)
+    with caplog.at_level("WARNING"):
+        eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), host_copy="numpy")
+    assert eng.h2d_staging == "numpy" and caplog.text.count("Unsupported layout") == 1
+    data = _fill(dev, np.random.default_rng(6))
+    eng.backup(np.arange(4), np.arange(4)).wait()
+    eng.load(np.arange(4), np.arange(20, 24)).wait()
+    for c in geom.components:
+        np.testing.assert_array_equal(dev.read_pages_host(c, np.arange(20, 24)), data[c][:, :4])
+
+
+def test_staging_probe_sees_a_device_copy_that_aliases_its_buffer(monkeypatch):
+    """If the device array a staging buffer was moved into shared its memory, the ring would
+    overwrite a load still in flight: the probe must say so."""
+    import jax
+
+    from hicache_jax.backends.jax import memory
+
+    dev = jax.devices()[0]
+    if memory.host_memory_kind(dev) != "pinned_host":
+        pytest.skip("this JAX runtime has no pinned_host memory kind")
+
+    class Aliasing:  # what an aliasing device_put would give back: the staging bytes themselves
+        def __init__(self, view):
+            self.view = view
+
+        def block_until_ready(self):
+            return self
+
+        def __array__(self, dtype=None, copy=None):
+            return self.view.copy() if copy else self.view
+
+    made = []
+    real_buffer, real_put = memory.host_buffer, jax.device_put
+    monkeypatch.setattr(memory, "host_buffer", lambda *a, **k: made.append(real_buffer(*a, **k)) or made[-1])
+    # allocations (to pinned host) stay real; the move to the device hands back the staging bytes
+    monkeypatch.setattr(memory.jax, "device_put", lambda x, s: real_put(x, s) if s.memory_kind == "pinned_host"
+                        else Aliasing(made[-1][0]))
+    assert "aliases" in memory.staging_works(dev)

@@ -15,7 +15,6 @@ import logging
 from collections import deque
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ...host_layout import HostLayout
@@ -45,13 +44,39 @@ def host_memory_kind(device: jax.Device | None = None) -> str | None:
 
 def host_buffer(shape: tuple[int, ...], dtype, device: jax.Device | None = None,
                 memory_kind: str = "pinned_host") -> tuple[np.ndarray, jax.Array]:
-    """(writable numpy view, owning JAX array) of a zeroed buffer in ``memory_kind``."""
+    """(writable numpy view, owning JAX array) of a zeroed buffer in ``memory_kind``.
+
+    The buffer is made by an eager ``device_put`` of numpy zeros, not as the output of a
+    ``jit``: since jax 0.12 a jit output in host memory carries the memory space in its layout
+    (``S(5)``), and the CPU client refuses to ``device_put`` such an array to the device
+    ("Unsupported layout used for PjRt CPU buffers"); an eager transfer's buffer has the plain
+    layout on every version. The transfer copies: the buffer never aliases the numpy zeros."""
     device = device or jax.local_devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
     dtype = np.dtype(dtype)
-    owner = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    owner = jax.device_put(np.zeros(shape, dtype), sharding)
     owner.block_until_ready()
     return numpy_view(owner.unsafe_buffer_pointer(), owner.nbytes, dtype, shape, owner), owner
+
+
+def staging_works(device: jax.Device, memory_kind: str = "pinned_host") -> str:
+    """'' if a ``host_buffer`` written through its view reaches ``device`` by ``device_put`` with
+    those bytes and without aliasing them (so a ring may rewrite it once the copy is done), else
+    what went wrong. Costs one small allocation and copy; run once per engine."""
+    try:
+        view, owner = host_buffer((2, 64), np.float32, device, memory_kind)
+        view[...] = np.arange(view.size, dtype=np.float32).reshape(view.shape) + 1
+        moved = jax.device_put(owner, jax.sharding.SingleDeviceSharding(device))
+        moved.block_until_ready()
+        got = np.array(moved, copy=True)  # a copy: the check below compares against these bytes
+        if not np.array_equal(got, np.arange(view.size, dtype=np.float32).reshape(view.shape) + 1):
+            return "a staging buffer's bytes did not reach the device"
+        view[...] = 0
+        if not np.array_equal(np.asarray(moved), got):
+            return "the device copy of a staging buffer aliases it (a rewrite of the buffer changed it)"
+    except Exception as e:  # noqa: BLE001 - a runtime that cannot place or move pinned buffers
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,

@@ -59,7 +59,7 @@ from ...workers import DEFAULT_WORKER_NICE, check_nice
 from .device_pool import JaxDevicePool
 from .host_stream import (HostArenaMovedError, PinnedHostArena, StreamPlan, default_group_layers, default_stream_loop,
                           layer_groups)
-from .memory import StagingRing, host_memory_kind
+from .memory import StagingRing, host_memory_kind, staging_works
 
 HOST_COPIES = ("auto", "xla_stream", "numpy")
 log = logging.getLogger(__name__)
@@ -218,7 +218,15 @@ class JaxTransferEngine(KVTransferEngine):
         # Pinned H2D staging for single-device pools (sharded pools take numpy -> device_put).
         self._ring = None
         if self.host_memory_kind == "pinned_host" and device_pool.mesh is None:
-            self._ring = StagingRing(next(iter(device_pool.sharding.device_set)), "pinned_host")
+            ring_device = next(iter(device_pool.sharding.device_set))
+            failed = staging_works(ring_device, "pinned_host")
+            if failed:
+                log.warning("H2D staging falls back to pageable numpy buffers (pinned staging failed on this "
+                            "runtime): %s", failed)
+            else:
+                self._ring = StagingRing(ring_device, "pinned_host")
+        # What the numpy path's loads stage host pages in: reused pinned buffers, or fresh numpy arrays.
+        self.h2d_staging = "pinned" if self._ring is not None else "numpy"
         self._d2h = SerialWorker("hicache-d2h", check_nice(worker_nice))
         why_not = self._why_no_stream(use_host_memory_kind)
         if host_copy == "xla_stream" and why_not:
