@@ -12,6 +12,9 @@ resolve to jax 0.10 and no orbax there; the torch env has no JAX). The 3.12 case
 installed wheel; the package itself is tested on 3.12 from source everywhere else) is marked
 ``slow``: ``pytest -m slow tests/jax_backend/test_wheel_example.py`` runs it (before a release).
 
+The dependencies are those of ``locks/wheel-py3XX.txt`` (pip's constraints): what CI tested, not
+whatever the index serves that day (``./scripts/test --latest`` watches the newest).
+
 Offline-capable: packages come from a local wheelhouse (``$HICACHE_WHEELHOUSE``, default
 ``~/.cache/hicache_jax/wheelhouse``) that ``pip download`` fills while the registry is
 reachable (pip's own cache makes that quick after the first time); the install itself runs
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +55,14 @@ def _find_python(version: str) -> str | None:
                        capture_output=True, text=True, timeout=60)
     path = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     return path or None
+
+
+def _lock(python: str) -> Path:
+    """The lock of the README's install on ``python``; its extras must be the README's."""
+    name = f"wheel-py{python.replace('.', '')}"
+    spec = re.search(rf"\[{name}\]=\"[0-9.]+\|([a-z,]+)\"", (ROOT / "scripts" / "_env.sh").read_text())
+    assert spec and spec.group(1) == EXTRAS, f"scripts/_env.sh locks {name} for other extras than the README's {EXTRAS}"
+    return ROOT / "locks" / f"{name}.txt"
 
 
 def _clean_env() -> dict:
@@ -105,15 +117,17 @@ def test_wheel_installs_into_a_fresh_venv_and_the_example_hits_every_tier(tmp_pa
     assert r.returncode == 0, r.stderr
     py = str(target / "bin" / "python")
     spec = f"{wheel}[{EXTRAS}]"
+    lock = ["-c", str(_lock(python))]
     # The project's own wheel is passed by path, never taken from the wheelhouse; pip download
     # also saves it there, and a build of the same version left from an earlier run would stand
     # in for this one ("already downloaded"), dependencies included: with a new dependency
     # (crc32c) the install then found nothing and the case skipped as offline.
     for stale in house.glob("hicache_jax-*.whl"):
         stale.unlink()
-    _run([py, "-m", "pip", "download", "-q", "-d", str(house), "--find-links", str(wheel.parent), spec],
+    _run([py, "-m", "pip", "download", "-q", "-d", str(house), "--find-links", str(wheel.parent), *lock, spec],
          tmp_path, env, 900)
-    r = _run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(house), spec], tmp_path, env, 900)
+    r = _run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(house), *lock, spec], tmp_path, env,
+             900)
     if r.returncode:
         if "No matching distribution" in r.stderr or "Could not find a version" in r.stderr:
             pytest.skip(f"the wheelhouse {house} lacks dependencies and the registry is unreachable: "
