@@ -59,7 +59,7 @@ _share_compiled_executables()
 collect_ignore_glob = []
 if not HAVE_JAX:
     collect_ignore_glob += ["pallas_kernels/*", "tests/jax_backend/*", "tests/distributed/*", "benchmarks/*",
-                            "tests/integrations/*"]
+                            "tests/integrations/*", "tests/models/*"]
 if not HAVE_EASYDEL:  # the eSurge tests run in .venv-easydel (scripts/test, step 3)
     collect_ignore_glob += ["tests/integrations/test_easydel_*"]
 
@@ -75,6 +75,7 @@ LONGEST_FIRST = (
     "tests/jax_backend/test_engine_deterministic.py",  # ~210 s
     "tests/distributed/",  # launches of three JAX processes, 40-90 s each, 50-150 s per file
     "pallas_kernels/page_copy/test_page_copy_mgpu.py",  # a 60-90 s interpreter case and more
+    "tests/models/test_gemma_oracle.py",  # the transformers oracle (~80 s) and the JAX model
     "tests/jax_backend/test_reference_model.py",  # ~140 s
     "tests/jax_backend/test_reference_model_swa.py",  # ~120 s
     "tests/jax_backend/test_host_stream.py",  # ~100 s

@@ -29,7 +29,7 @@ LOCKS="$ROOT/locks"
 # lock name -> "python-version|extras of the project"; locks/<name>.in adds requirements beyond
 # the project's (pip, so every venv has one; torch's CPU build for the torch env).
 declare -A ENV_SPECS=(
-  [jax-py312]="3.12|jax,engine,storage,metrics,bench,dev,mooncake"
+  [jax-py312]="3.12|jax,engine,storage,metrics,bench,dev,mooncake,models"
   [torch-py311]="3.11|dev"
   [easydel-py312]="3.12|easydel,storage,metrics,dev"
   [wheel-py311]="3.11|jax,storage,metrics"

@@ -1,0 +1,189 @@
+"""Gemma 3 270M in JAX (``hicache_jax.models.gemma3``) against an implementation someone else
+wrote: Hugging Face transformers' ``Gemma3ForCausalLM`` in float32 on the same GGUF.
+
+The oracle runs in the torch environment (``.venv-torch``, or ``$HICACHE_ORACLE_PYTHON``), a
+separate process started once for this file (``tests/models/gemma_oracle.py``); the JAX side
+imports neither torch nor transformers. Checked: token ids and decodes of every string in
+``gemma_texts.STRINGS``; teacher-forced logits on eight prompts of ~16 to ~1,500 tokens (four
+cross the 512-token window): top-1 agreement >= 99.5% of positions, the largest difference
+over each position's oracle top-k and over full rows, printed; greedy continuations of 64
+tokens from eight prompts identical, or the first divergence at a near-tie in the oracle.
+
+Skips (with the reason) where the weights package or the oracle's environment is missing; in
+CI both are installed from the locks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from gemma_texts import STRINGS, prompts  # noqa: E402
+
+GREEDY_TOKENS = 64
+TOPK, FULL_EVERY = 4, 128
+NEAR_TIE = 1e-3  # oracle top-2 gap under which a greedy divergence is float rounding
+# Shapes shared by every prompt (few XLA compiles): prompts padded to BUCKET tokens in a cache of
+# CACHE_LEN positions; the head runs on ROWS positions at a time.
+BUCKET, CACHE_LEN, ROWS = 512, 2048, 256
+
+
+def _oracle_python() -> str | None:
+    path = os.environ.get("HICACHE_ORACLE_PYTHON") or str(ROOT / ".venv-torch" / "bin" / "python")
+    if not Path(path).exists():
+        return None
+    r = subprocess.run([path, "-c", "import transformers, accelerate, gguf, torch"], capture_output=True, text=True,
+                       timeout=300)
+    return path if r.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    from hicache_jax.models.gemma3 import model_file
+
+    try:
+        return model_file("gemma3-270m")
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def oracle_started(gguf, tmp_path_factory):
+    """The oracle's process, started at once: it runs (~2 minutes on one thread) while the JAX
+    side computes its own results; ``oracle`` waits for it."""
+    python = _oracle_python()
+    if python is None:
+        pytest.skip("no oracle environment: .venv-torch (or $HICACHE_ORACLE_PYTHON) with torch, transformers, "
+                    "accelerate and gguf (./scripts/test builds it from locks/torch-py311.txt)")
+    out = tmp_path_factory.mktemp("gemma-oracle")
+    texts = prompts()  # read once: the oracle and the JAX side see the same text
+    spec = {"gguf": str(gguf), "strings": STRINGS, "prompts": texts, "greedy": {n: GREEDY_TOKENS for n in texts},
+            "topk": TOPK, "full_every": FULL_EVERY}
+    (out / "spec.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    log = open(out / "oracle.log", "w")
+    proc = subprocess.Popen([python, str(Path(__file__).parent / "gemma_oracle.py"), str(out / "spec.json"), str(out)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    yield proc, out, texts
+    if proc.poll() is None:  # a test failed before waiting: the oracle dies with the module
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def ours(gguf, oracle_started):
+    import jax.numpy as jnp
+
+    from hicache_jax.models.gemma3 import Gemma3Tokenizer, load_gguf
+    from hicache_jax.models.gemma3 import model as gm
+
+    cfg, weights = load_gguf(gguf)
+    params = gm.params_from_gguf(cfg, weights, jnp.float32)
+    del weights
+    return cfg, params, Gemma3Tokenizer.from_gguf(gguf)
+
+
+@pytest.fixture(scope="module")
+def ours_results(ours, oracle_started):
+    """Everything the JAX side computes, before the oracle's results are read: ids of every
+    string and prompt, each prompt's top-1 token at every position and its full logit rows at
+    the oracle's saved positions, and the greedy continuations."""
+    import jax.numpy as jnp
+
+    from hicache_jax.models.gemma3 import model as gm
+
+    cfg, params, tok = ours
+    _, _, texts = oracle_started
+    res = {"strings": [tok.encode(s) for s in STRINGS], "prompts": {}}
+    for name, text in texts.items():
+        ids = tok.encode(text)
+        n = len(ids)
+        h, _ = gm.prefill_padded(params, cfg, ids, gm.init_cache(cfg, 1, CACHE_LEN), BUCKET)
+        h = jnp.pad(h, ((0, -n % ROWS), (0, 0)))  # whole row chunks: one compiled head
+        top1, full = [], {}
+        full_pos = sorted(set(range(0, n, FULL_EVERY)) | {n - 1})  # the oracle's rule
+        for a in range(0, n, ROWS):
+            logits = np.asarray(gm.lm_head_jit(params, h[a:a + ROWS], cfg=cfg))
+            top1.append(logits.argmax(-1))
+            full.update({p: logits[p - a] for p in full_pos if a <= p < a + ROWS})
+        res["prompts"][name] = {"ids": ids, "top1": np.concatenate(top1)[:n],
+                                "full_logits": np.stack([full[p] for p in full_pos])}
+    greedy = gm.greedy_generate_many(params, cfg, [res["prompts"][n]["ids"] for n in texts], GREEDY_TOKENS,
+                                     suppress_ids=(cfg.eos_token_id,), cache_len=CACHE_LEN, bucket=BUCKET)
+    for name, g in zip(texts, greedy):
+        res["prompts"][name]["greedy"] = g
+    return res
+
+
+@pytest.fixture(scope="module")
+def oracle(oracle_started, ours_results) -> tuple[dict, Path]:
+    proc, out, texts = oracle_started
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log = (out / "oracle.log").read_text(errors="replace")
+    assert proc.returncode == 0, f"the oracle failed (exit {proc.returncode}):\n{log[-5000:]}"
+    result = json.loads((out / "oracle.json").read_text(encoding="utf-8"))
+    print(f"oracle: {result['versions']}, tokenizer {result['tokenizer_load_s']:.1f} s, "
+          f"model {result['model_load_s']:.1f} s, greedy (batched) {result.get('greedy_s', 0):.1f} s")
+    result["texts"] = texts
+    return result, out
+
+
+def test_gemma_tokenizer_gives_transformers_ids_and_decodes(oracle, ours, ours_results):
+    result, _ = oracle
+    _, _, tok = ours
+    assert len(result["strings"]) == len(STRINGS) >= 30
+    for ref, ids in zip(result["strings"], ours_results["strings"]):
+        assert ids == ref["ids"], f"{ref['text']!r}: {ids} != transformers' {ref['ids']}"
+        assert tok.decode(ids) == ref["decoded"], ref["text"]
+        assert tok.decode(ids, skip_special_tokens=True) == ref["decoded_skip"], ref["text"]
+    for name in result["texts"]:
+        assert ours_results["prompts"][name]["ids"] == result["prompts"][name]["ids"], name
+    assert "torch" not in sys.modules and "transformers" not in sys.modules, "the JAX side imported torch"
+
+
+def test_gemma_teacher_forced_logits_match_transformers(oracle, ours_results):
+    """Top-1 at every position, full rows at every FULL_EVERY-th position and the last (four
+    prompts reach past the 512-token window, where a wrong window moves logits by ~0.2)."""
+    result, out = oracle
+    lengths = []
+    for name in result["texts"]:
+        ref, got = np.load(out / f"{name}.npz"), ours_results["prompts"][name]
+        n = len(ref["ids"])
+        lengths.append(n)
+        agree = float((got["top1"] == ref["topk_ids"][:, 0]).mean())
+        full_diff = float(np.abs(got["full_logits"] - ref["full_logits"]).max())
+        print(f"{name:15s} {n:5d} tokens  top-1 agreement {agree:.4f}  max |logit diff| over "
+              f"{len(ref['full_pos'])} full rows {full_diff:.2e}")
+        assert agree >= 0.995, f"{name}: top-1 agrees at {agree:.4f} of {n} positions"
+        assert full_diff < 0.05, f"{name}: a full logit row differs by {full_diff}"
+    assert len(lengths) >= 8 and min(lengths) <= 24 and max(lengths) >= 1200 and sum(n > 512 for n in lengths) >= 3, \
+        lengths
+
+
+def test_gemma_greedy_continuations_match_transformers(oracle, ours, ours_results):
+    result, _ = oracle
+    _, _, tok = ours
+    assert len(result["texts"]) >= 8
+    for name in result["texts"]:
+        ref, ids = result["prompts"][name], ours_results["prompts"][name]["greedy"]
+        assert len(ids) == len(ref["greedy"]) == GREEDY_TOKENS
+        if ids == ref["greedy"]:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(ids, ref["greedy"])) if a != b)
+        gap = ref["greedy_top2_gap"][first]
+        print(f"{name}: first divergence at generated token {first}, oracle top-2 gap {gap:.2e}\n"
+              f"  ours:   {tok.decode(ids)!r}\n  oracle: {tok.decode(ref['greedy'])!r}")
+        assert gap < NEAR_TIE, f"{name}: greedy diverges at token {first} where the oracle's top-2 gap is {gap}"
