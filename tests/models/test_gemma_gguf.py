@@ -12,14 +12,6 @@ from hicache_jax.models import gemma3
 from hicache_jax.models.gemma3 import gguf_loader, load_gguf, model_file
 
 
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    try:
-        return model_file("gemma3-270m")
-    except ModuleNotFoundError as e:
-        pytest.skip(str(e))
-
-
 def _bad_copy(src: Path, dst: Path, keep: int | None = None, patch: tuple[int, bytes] | None = None) -> Path:
     with open(src, "rb") as f, open(dst, "wb") as g:
         if keep is None:

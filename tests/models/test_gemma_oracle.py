@@ -46,16 +46,6 @@ def _oracle_python() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def gguf() -> Path:
-    from hicache_jax.models.gemma3 import model_file
-
-    try:
-        return model_file("gemma3-270m")
-    except ModuleNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def oracle_started(gguf, tmp_path_factory):
     """The oracle's process, started at once: it runs (~2 minutes on one thread) while the JAX
     side computes its own results; ``oracle`` waits for it."""
