@@ -46,6 +46,15 @@ def init_cache(cfg: Gemma3Config, batch: int, max_len: int, dtype=jnp.float32) -
                    tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
+# A block's parameters: our name -> the GGUF tensor's (blk.{i}.<name>.weight). Norms end in "norm".
+_LAYER_TENSORS = {
+    "input_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm", "wo": "attn_output", "post_attn_norm": "post_attention_norm",
+    "pre_ffw_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
+    "post_ffw_norm": "post_ffw_norm",
+}
+
+
 def params_from_gguf(cfg: Gemma3Config, weights: Mapping[str, np.ndarray], dtype=jnp.float32) -> Params:
     """JAX params from ``load_gguf``'s weights: matrices transposed to ``[in, out]``, norms as HF ``w``."""
     def mat(name):
@@ -54,24 +63,8 @@ def params_from_gguf(cfg: Gemma3Config, weights: Mapping[str, np.ndarray], dtype
     def norm(name):
         return jnp.asarray(hf_norm_weight(weights[name]), dtype)
 
-    layers = []
-    for i in range(cfg.num_layers):
-        b = f"blk.{i}."
-        layers.append({
-            "input_norm": norm(b + "attn_norm.weight"),
-            "wq": mat(b + "attn_q.weight"),
-            "wk": mat(b + "attn_k.weight"),
-            "wv": mat(b + "attn_v.weight"),
-            "q_norm": norm(b + "attn_q_norm.weight"),
-            "k_norm": norm(b + "attn_k_norm.weight"),
-            "wo": mat(b + "attn_output.weight"),
-            "post_attn_norm": norm(b + "post_attention_norm.weight"),
-            "pre_ffw_norm": norm(b + "ffn_norm.weight"),
-            "w_gate": mat(b + "ffn_gate.weight"),
-            "w_up": mat(b + "ffn_up.weight"),
-            "w_down": mat(b + "ffn_down.weight"),
-            "post_ffw_norm": norm(b + "post_ffw_norm.weight"),
-        })
+    layers = [{key: (norm if key.endswith("norm") else mat)(f"blk.{i}.{name}.weight")
+               for key, name in _LAYER_TENSORS.items()} for i in range(cfg.num_layers)]
     return {"embed": jnp.asarray(weights["token_embd.weight"], dtype),
             "final_norm": norm("output_norm.weight"), "layers": layers}
 
