@@ -306,15 +306,33 @@ def _dequantize_all(reader, path: Path, cfg: Gemma3Config) -> dict[str, np.ndarr
 # the cache
 
 
-def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: the weights and
+# the tokenizer are both cached under the file's digest, and hashing 250 MB twice costs a second
+
+
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256 (hex), computed once per path, size and modification time."""
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        with open(path, "rb") as f:
+            _DIGESTS[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return _DIGESTS[key]
+
+
+def replace_atomically(p: Path, write) -> None:
+    """Make ``p`` by ``write(temporary path)`` in its directory, then rename: readers never see
+    a partial file, and a failed write leaves nothing behind."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def default_cache_dir() -> Path:
@@ -343,28 +361,22 @@ def _read_cache(p: Path) -> tuple[Gemma3Config, dict[str, np.ndarray]] | None:
 
 
 def _write_cache(p: Path, cfg: Gemma3Config, weights: Mapping[str, np.ndarray]) -> None:
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             np.savez(f, **{_CONFIG_KEY: np.array(cfg.to_json())}, **weights)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+
+    replace_atomically(p, write)
+
+
+def _config_of(reader, path: Path) -> Gemma3Config:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return config_from_metadata(read_metadata(reader, path), path, None if tokens is None else len(tokens.data))
 
 
 def load_config(path: str | os.PathLike) -> Gemma3Config:
     """The validated config of a Gemma 3 GGUF (metadata only; no tensors read)."""
     path = Path(path)
-    reader = _open_reader(path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return config_from_metadata(read_metadata(reader, path), path,
-                                None if tokens is None else len(tokens.data))
+    return _config_of(_open_reader(path), path)
 
 
 def load_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
@@ -381,8 +393,7 @@ def load_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = 
         if hit is not None:
             return hit
     reader = _open_reader(path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    cfg = config_from_metadata(read_metadata(reader, path), path, None if tokens is None else len(tokens.data))
+    cfg = _config_of(reader, path)
     weights = _dequantize_all(reader, path, cfg)
     del reader
     if use_cache:

@@ -18,19 +18,18 @@ token types but no merges. This builds the same tokenizer transformers builds fr
   to spaces and fuses byte-fallback pieces.
 
 Building takes a few seconds; the result is cached as ``tokenizer.json`` in the weight cache dir,
-named by the GGUF's sha256 (pass ``digest`` if you already have it).
+named by the GGUF's sha256 (computed once per file: ``gguf_loader.file_sha256``).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .gguf_loader import _open_reader, default_cache_dir, file_sha256
+from .gguf_loader import _open_reader, default_cache_dir, file_sha256, replace_atomically
 
 SPIECE_SPACE = "\u2581"
 TOKEN_TYPE_CONTROL = 3
@@ -118,12 +117,12 @@ class Gemma3Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-                  use_cache: bool = True, digest: str | None = None) -> "Gemma3Tokenizer":
+                  use_cache: bool = True) -> "Gemma3Tokenizer":
         from tokenizers import Tokenizer
 
         path = Path(path)
         cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        cp = cdir / f"{digest or file_sha256(path)}.tokenizer.v{TOKENIZER_FORMAT}.json"
+        cp = cdir / f"{file_sha256(path)}.tokenizer.v{TOKENIZER_FORMAT}.json"
         if use_cache and cp.is_file():
             try:
                 return cls(Tokenizer.from_file(str(cp)))
@@ -132,16 +131,7 @@ class Gemma3Tokenizer:
         tokens, types, bos, unk, add_bos = _read_vocab(path)
         tk = build_tokenizer(tokens, types, bos_token_id=bos, unk_token_id=unk, add_bos_token=add_bos)
         if use_cache:
-            cp.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=cp.name + ".", suffix=".tmp", dir=cp.parent)
-            os.close(fd)
-            try:
-                tk.save(tmp)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, cp)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            replace_atomically(cp, tk.save)
         return cls(tk)
 
     @property
