@@ -182,26 +182,6 @@ def _greedy_step(params, token, start, cache, suppress, *, cfg):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-def greedy_generate(params: Params, cfg: Gemma3Config, prompt: list[int], max_new_tokens: int, *,
-                    suppress_ids: tuple[int, ...] = (), dtype=None) -> list[int]:
-    """Greedy continuation of one prompt (no early stop; ``suppress_ids`` are never chosen)."""
-    dtype = dtype or params["embed"].dtype
-    T = len(prompt)
-    cache = init_cache(cfg, 1, T + max_new_tokens, dtype)
-    suppress = np.zeros(cfg.vocab_size, bool)
-    suppress[list(suppress_ids)] = True
-    suppress = jnp.asarray(suppress)
-    h, cache = forward(params, jnp.asarray([prompt], jnp.int32), jnp.zeros((1,), jnp.int32), cache, cfg=cfg)
-    logits = jnp.where(suppress[None, :], -jnp.inf, lm_head(params, h[:, -1], cfg))
-    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    out = [int(tok[0])]
-    for n in range(1, max_new_tokens):
-        tok, cache = _greedy_step(params, tok[:, None], jnp.asarray([T + n - 1], jnp.int32), cache, suppress,
-                                  cfg=cfg)
-        out.append(int(tok[0]))
-    return out
-
-
 def prefill_padded(params: Params, cfg: Gemma3Config, ids: list[int], cache: KVCache, bucket: int = 256):
     """One prompt into a fresh one-row ``cache``, its length padded to a multiple of ``bucket``
     (so prompts of nearby lengths share one compiled step): the final hidden states of its
@@ -224,12 +204,13 @@ lm_head_jit = jax.jit(lm_head, static_argnames=("cfg",))
 def greedy_generate_many(params: Params, cfg: Gemma3Config, prompts: list[list[int]], max_new_tokens: int, *,
                          suppress_ids: tuple[int, ...] = (), cache_len: int | None = None,
                          bucket: int = 256) -> list[list[int]]:
-    """``greedy_generate`` of several prompts, decoded together (one batched step per token).
+    """Greedy continuations of several prompts (no early stop; ``suppress_ids`` are never
+    chosen), decoded together (one batched step per token).
 
     Each prompt is prefilled alone (``prefill_padded``) into its row of one batched cache of
     ``cache_len`` positions (default: the longest prompt, padded, plus ``max_new_tokens``); the
     decode steps then run every row at its own position (``start`` per row), so each row's
-    tokens are what ``greedy_generate`` gives it: a row's cache beyond its position is never
+    tokens are what it would get decoded alone: a row's cache beyond its position is never
     attended."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("prompts: expected a non-empty list of non-empty token lists")
@@ -258,3 +239,9 @@ def greedy_generate_many(params: Params, cfg: Gemma3Config, prompts: list[list[i
         for row, t in zip(out, np.asarray(tok)):
             row.append(int(t))
     return out
+
+
+def greedy_generate(params: Params, cfg: Gemma3Config, prompt: list[int], max_new_tokens: int, *,
+                    suppress_ids: tuple[int, ...] = ()) -> list[int]:
+    """Greedy continuation of one prompt (no early stop; ``suppress_ids`` are never chosen)."""
+    return greedy_generate_many(params, cfg, [prompt], max_new_tokens, suppress_ids=suppress_ids, bucket=1)[0]
