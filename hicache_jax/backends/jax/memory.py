@@ -65,11 +65,12 @@ def staging_works(device: jax.Device, memory_kind: str = "pinned_host") -> str:
     what went wrong. Costs one small allocation and copy; run once per engine."""
     try:
         view, owner = host_buffer((2, 64), np.float32, device, memory_kind)
-        view[...] = np.arange(view.size, dtype=np.float32).reshape(view.shape) + 1
+        pattern = np.arange(view.size, dtype=np.float32).reshape(view.shape) + 1
+        view[...] = pattern
         moved = jax.device_put(owner, jax.sharding.SingleDeviceSharding(device))
         moved.block_until_ready()
         got = np.array(moved, copy=True)  # a copy: the check below compares against these bytes
-        if not np.array_equal(got, np.arange(view.size, dtype=np.float32).reshape(view.shape) + 1):
+        if not np.array_equal(got, pattern):
             return "a staging buffer's bytes did not reach the device"
         view[...] = 0
         if not np.array_equal(np.asarray(moved), got):

@@ -225,8 +225,6 @@ class JaxTransferEngine(KVTransferEngine):
                             "runtime): %s", failed)
             else:
                 self._ring = StagingRing(ring_device, "pinned_host")
-        # What the numpy path's loads stage host pages in: reused pinned buffers, or fresh numpy arrays.
-        self.h2d_staging = "pinned" if self._ring is not None else "numpy"
         self._d2h = SerialWorker("hicache-d2h", check_nice(worker_nice))
         why_not = self._why_no_stream(use_host_memory_kind)
         if host_copy == "xla_stream" and why_not:
@@ -287,6 +285,12 @@ class JaxTransferEngine(KVTransferEngine):
     def replicated(self) -> bool:
         """The device pool's ``replicated``: every rank holds every head of its pages."""
         return self.device_pool.replicated
+
+    @property
+    def h2d_staging(self) -> str:
+        """What the numpy path's loads stage host pages in: ``pinned`` (a ring of reused pinned
+        buffers) or ``numpy`` (fresh pageable arrays: no pinned memory, or its probe failed)."""
+        return "pinned" if self._ring is not None else "numpy"
 
     @property
     def stream_executables(self) -> int:
