@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -22,24 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VENV_LOCKS = {".venv": "jax-py312", ".venv-torch": "torch-py311", ".venv-easydel": "easydel-py312"}
 PROJECT = "hicache-jax"
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def parse_lock(text: str) -> dict[str, str]:
-    """{normalized name: version} of a ``uv pip compile`` lock."""
-    pins = {}
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;]+)(\s*;.*)?", line)
-        if not m:
-            raise ValueError(f"lock line {line!r}: expected name==version")
-        pins[_norm(m.group(1))] = m.group(3)
-    return pins
+sys.path.insert(0, str(ROOT / "scripts"))
+from lock_diff import norm, parse_lock  # noqa: E402  (scripts/lock reads the locks with the same parser)
 
 
 def drift(locked: dict[str, str], installed: dict[str, str]) -> list[str]:
@@ -76,7 +59,7 @@ def test_the_venv_holds_exactly_its_locked_versions():
     # The venv's own site-packages only: a package may put a vendored copy's metadata on sys.path
     # at import (ray adds ray/thirdparty_files, which holds colorama's, in the easydel venv).
     site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-    installed = {_norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
+    installed = {norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     problems = drift(locked, installed)
     assert not problems, (f"{sys.prefix} differs from {lock.relative_to(ROOT)} (./scripts/lock refreshes the "
                           f"locks; ./scripts/test rebuilds the venv from them):\n  " + "\n  ".join(problems))
