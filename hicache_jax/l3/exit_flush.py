@@ -11,15 +11,19 @@ When: CPython forbids starting threads once interpreter shutdown has begun (3.12
 first use) and ``orbax`` (every segment save) start threads to write. So the flush runs at
 the first of:
 
-1. the return of the main script's module code (``sys.monitoring``, Python 3.12+: one local
-   ``PY_RETURN`` event on that one code object, armed when the first controller is built on
-   the main thread; no cost anywhere else; not under ``python -i`` or in a REPL, where the
-   session goes on), when the main thread owns the cache: the interpreter is still whole, so
-   every store writes;
+1. the end of the main script's module code (``sys.monitoring``, Python 3.12+, armed when
+   the first controller is built on the main thread; not under ``python -i`` or in a REPL,
+   where the session goes on), when the main thread owns the cache: the interpreter is still
+   whole, so every store writes (``orbax`` included, which starts a thread per save). Both
+   ways out are caught: its return (one local ``PY_RETURN`` event on that one code object,
+   no cost anywhere else) and its unwinding by an exception, ``sys.exit()`` / ``SystemExit``,
+   an uncaught exception or ``KeyboardInterrupt`` (``PY_UNWIND``, an event CPython only
+   delivers globally: while armed, every Python frame that an exception unwinds costs one
+   identity check; disarmed once the flush ran);
 2. interpreter shutdown (``threading._register_atexit``, the hook ``concurrent.futures`` uses
-   to stop its workers; ours runs before that): covers ``sys.exit()``, an uncaught exception
-   and 3.11. Our executors still take work, but a store that must start a thread fails its
-   write there, and the loss is reported with its count.
+   to stop its workers; ours runs before that): covers 3.11, a ``python -i`` session, and
+   whatever the first could not flush. Our executors still take work, but a store that must
+   start a thread fails its write there, and the loss is reported with its count.
 
 Not flushed, error logged with the count: several ranks (``cache.agreed``: closing needs
 agreement steps, and the other ranks may be gone), a cache owned by another thread. A killed
@@ -57,8 +61,8 @@ def _register() -> None:
 
 
 def _arm_main_return() -> bool:
-    """Call ``flush_at_main_return`` when the main script's module code returns (see the
-    module docstring). False where that cannot be armed (before 3.12, not on the main thread,
+    """Call ``flush_at_main_return`` when the main script's module code returns or an
+    exception unwinds it (see the module docstring). False where that cannot be armed (before 3.12, not on the main thread,
     no free monitoring tool id, no main script frame on this stack)."""
     mon = getattr(sys, "monitoring", None)
     main = sys.modules.get("__main__")
@@ -79,12 +83,21 @@ def _arm_main_return() -> bool:
 
     def on_return(returned_code, _offset, _value):
         if returned_code is code:
+            mon.set_events(tool, 0)  # the unwind hook below is no longer needed
             flush_at_main_return()
         return mon.DISABLE
 
+    def on_unwind(unwound_code, _offset, _exc):
+        # Global event (no DISABLE): called for every frame an exception unwinds, any thread.
+        if unwound_code is code:  # the main script ends by an exception: the process is exiting
+            mon.set_events(tool, 0)
+            flush_at_main_return()
+
     mon.use_tool_id(tool, "hicache_jax L3 exit flush")
     mon.register_callback(tool, mon.events.PY_RETURN, on_return)
+    mon.register_callback(tool, mon.events.PY_UNWIND, on_unwind)
     mon.set_local_events(tool, code, mon.events.PY_RETURN)
+    mon.set_events(tool, mon.events.PY_UNWIND)
     return True
 
 
@@ -163,7 +176,7 @@ def flush_one(controller) -> bool:
 
 
 def flush_at_main_return() -> None:
-    """The main script returned: flush the controllers this (the main) thread owns; the others
+    """The main script returned or an exception ended it: flush the controllers this (the main) thread owns; the others
     are left to ``flush_at_exit`` (their owner thread may still be serving)."""
     for controller in open_controllers():
         try:
