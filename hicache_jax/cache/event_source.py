@@ -43,6 +43,18 @@ whole contents, ``resync=True``), counted in ``stats()["resyncs"]``. A source's 
 (``seq`` 0) is such a snapshot too: it may attach to a cache that holds pages already, and a
 receiver that followed an earlier source of the same engine (a restart) starts over.
 
+Subscribers: ``subscribe(fn)`` delivers each ``check_events``'s batch to every subscriber, in
+subscription order; subscribing the same callable twice (``==``: one bound method of one
+object) is refused (``ValueError``), ``unsubscribe(fn)`` ends a delivery. A subscriber that
+raises (an ``Exception``) does not stop the others: the error is logged and counted
+(``stats()["subscriber_errors"]``), and that subscriber alone is sent a resync at the next
+``check_events`` (``cleared`` device and host, their whole contents, then, when stores are
+observed, ``cleared(storage)`` and the step's storage events: the storage events it may have
+lost are forgotten, so it under-reports L3, never over-reports), with the same ``seq`` as the
+others' batch. A subscriber that raises on ``MAX_SUBSCRIBER_FAILURES`` batches in a row is
+detached (logged as an error, ``stats()["subscribers_detached"]``). A subscriber added after
+the source's first batch starts with such a resync too (it missed the earlier batches).
+
 Threading: owner thread (the cache's), except the storage listener (any thread; it only
 appends to the storage queue under ``_storage_lock``, a leaf lock).
 """
@@ -50,6 +62,7 @@ appends to the storage queue under ``_storage_lock``, a leaf lock).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -58,11 +71,16 @@ from typing import Callable
 from ..storage.keys import Namespace, page_keys
 from .components import FULL
 from .events import EventBatch, KVEvent
+from .hiradix_cache import HiRadixCache
 from .radix_key import as_radix_key, encode_namespace
 from .residency_watch import ResidencyWatch
 from .tree_node import TreeNode
 
 TARGET_POOL = "target"  # the L3 controller's pool name for the full component
+# A subscriber raising on this many batches in a row is detached (the module docstring).
+MAX_SUBSCRIBER_FAILURES = 3
+
+log = logging.getLogger(__name__)
 
 
 def target_namespace(cache, model: str, weights_revision: str = "", tp_size: int | None = None,
@@ -86,6 +104,8 @@ class KVEventSource(ResidencyWatch):
 
     def __init__(self, cache, *, model: str, engine: str = "", weights_revision: str = "", salt: str = "",
                  tp_size: int | None = None, tp_rank: int | None = None, max_pending: int = 1 << 16) -> None:
+        if not isinstance(cache, HiRadixCache):
+            raise TypeError(f"cache: expected a HiRadixCache, got {type(cache).__name__}")
         if not isinstance(engine, str):
             raise TypeError(f"engine: expected a str, got {type(engine).__name__}")
         if not isinstance(salt, str):
@@ -108,19 +128,38 @@ class KVEventSource(ResidencyWatch):
         # (tap, kind, keys) in the order the stores reported them; appended by any thread.
         self._storage_q: list = []
         self._storage_lock = threading.Lock()
-        self._subscribers: list[Callable[[EventBatch], None]] = []
+        self._subscribers: list[_Subscriber] = []
         self._seq = 0
         self.emitted = 0
         self.resyncs = 0
+        self.subscriber_errors = 0
+        self.subscribers_detached = 0
         self._taps: list = []
         cache.add_watch(self)
 
     # ------------------------------------------------------------------ public
     def subscribe(self, fn: Callable[[EventBatch], None]) -> None:
-        """Deliver every batch to ``fn`` at each ``check_events`` (owner thread)."""
+        """Deliver every batch to ``fn`` at each ``check_events`` (owner thread); see the module
+        docstring for a subscriber that raises, and for one added after the first batch."""
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
-        self._subscribers.append(fn)
+        if any(s.fn == fn for s in self._subscribers):
+            raise ValueError(f"fn: {fn!r} is already subscribed to this source (each batch is delivered to it once; "
+                             f"unsubscribe it first)")
+        self._subscribers.append(_Subscriber(fn, resync=self._seq > 0))
+
+    def unsubscribe(self, fn: Callable[[EventBatch], None]) -> None:
+        """Stop delivering batches to ``fn`` (owner thread)."""
+        for i, s in enumerate(self._subscribers):
+            if s.fn == fn:
+                del self._subscribers[i]
+                return
+        raise ValueError(f"fn: {fn!r} is not subscribed to this source")
+
+    @property
+    def subscribers(self) -> tuple:
+        """The subscribed callables, in delivery order."""
+        return tuple(s.fn for s in self._subscribers)
 
     def drain(self) -> EventBatch:
         """The events since the last drain, in the order they took effect (see the module
@@ -187,6 +226,7 @@ class KVEventSource(ResidencyWatch):
         with self._storage_lock:
             queued = len(self._storage_q)
         return {"events_emitted": self.emitted, "events_pending": len(self._pending), "resyncs": self.resyncs,
+                "subscriber_errors": self.subscriber_errors, "subscribers_detached": self.subscribers_detached,
                 "keyed_nodes": len(self._keys), "storage_probes": sum(t.probes for t in self._taps),
                 "storage_probe_removed_pages": sum(t.probe_removed for t in self._taps),
                 "storage_changes_queued": queued}
@@ -238,10 +278,34 @@ class KVEventSource(ResidencyWatch):
                               KVEvent("cleared", "host", model=self.model)]
 
     def step(self) -> None:
-        if self._subscribers:
-            batch = self.drain()
-            for fn in self._subscribers:
-                fn(batch)
+        if not self._subscribers:
+            return
+        batch = self.drain()
+        resync = None  # built once, for the subscribers that need one
+        for sub in tuple(self._subscribers):
+            b = batch
+            if sub.resync and (self._taps or not batch.resync):
+                if resync is None:
+                    resync = self._resync_batch(batch)
+                b = resync
+            try:
+                sub.fn(b)
+            except Exception:
+                self.subscriber_errors += 1
+                sub.failures += 1
+                if sub.failures >= MAX_SUBSCRIBER_FAILURES:
+                    if sub in self._subscribers:  # (it may have unsubscribed itself)
+                        self._subscribers.remove(sub)
+                    self.subscribers_detached += 1
+                    log.error("KV events %r: subscriber %r raised on %d batches in a row; detached", self.engine,
+                              sub.fn, sub.failures, exc_info=True)
+                else:
+                    sub.resync = True
+                    log.warning("KV events %r: subscriber %r raised on batch %d; it gets a resync next", self.engine,
+                                sub.fn, b.seq, exc_info=True)
+            else:
+                sub.failures = 0
+                sub.resync = False
 
     # ------------------------------------------------------------------ internals
     def _namespace(self, radix_ns: tuple) -> tuple[Namespace, str]:
@@ -284,6 +348,16 @@ class KVEventSource(ResidencyWatch):
                 out.append(KVEvent("removed", "storage", gone, None, len(gone) * P, model))
         return out
 
+    def _resync_batch(self, batch: EventBatch) -> EventBatch:
+        """``batch`` for a subscriber that missed earlier batches: the device / host snapshot
+        (it reflects ``batch``'s events), then, with stores observed, ``cleared(storage)`` and
+        ``batch``'s storage events."""
+        events = [e for e in batch.events if e.tier != "storage"] if batch.resync else self._snapshot()
+        if self._taps:
+            events.append(KVEvent("cleared", "storage", model=self.model))
+            events += [e for e in batch.events if e.tier == "storage"]
+        return EventBatch(batch.engine, batch.seq, tuple(events), True)
+
     def _snapshot(self) -> list[KVEvent]:
         """``cleared`` device and host, then every node's pages on each tier (parents first)."""
         out = [KVEvent("cleared", "device", model=self.model), KVEvent("cleared", "host", model=self.model)]
@@ -300,6 +374,18 @@ class KVEventSource(ResidencyWatch):
                 out.append(KVEvent("stored", "host", ks, prev, node.size, self.model, ns))
             stack.extend(node.children.values())
         return out
+
+
+class _Subscriber:
+    """One subscriber: its callable, whether its next batch must be a resync, and how many
+    batches in a row it raised on. Owner thread."""
+
+    __slots__ = ("fn", "resync", "failures")
+
+    def __init__(self, fn, resync: bool) -> None:
+        self.fn = fn
+        self.resync = resync
+        self.failures = 0
 
 
 class _StorageTap:

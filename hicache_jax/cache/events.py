@@ -14,11 +14,21 @@ Schema 1
   outlive the engine: forget what this engine reported there, its source dropped storage
   events it could not queue; ``keys`` empty);
 * ``tier``: ``"device"`` (L1), ``"host"`` (L2) or ``"storage"`` (L3);
-* ``keys``: the pages' L3 page keys (32-byte SHA-256 chains, ``storage.keys.page_keys``) in
-  prefix order; the same key on several engines sharing one L3 is the same page of the same
-  prefix under the same model, geometry, TP shard and tenant. JSON: lowercase hex.
-* ``parent_key``: the key of the page before ``keys[0]`` (None: the prefix starts at the
-  namespace seed); a router can chain ``stored`` runs into prefixes without the tokens.
+* ``keys``: the pages' L3 page keys (32-byte SHA-256 chains, ``storage.keys.page_keys``); on
+  device and host, one run of one prefix in prefix order; the same key on several engines
+  sharing one L3 is the same page of the same prefix under the same model, geometry, TP shard
+  and tenant. JSON: lowercase hex. On ``storage``: the pages one change of the store covered,
+  in the order the store made it, which need not be one run of one prefix (a backup batch may
+  hold several prefixes' pages, an orbax segment leaving the index takes whatever it held, the
+  file store reports each page on its own).
+* ``parent_key``: device and host: the key of the page before ``keys[0]`` (None: the run
+  starts at the tenant's first page); a router can chain ``stored`` runs into prefixes without
+  the tokens. Storage: always None, also for pages after a tenant's first: the store reports
+  page keys alone (it never sees the tokens or the tree), a key is a one-way hash of its parent
+  key and its tokens, so the parent cannot be recovered from it, and the keys need not form one
+  chain. A receiver needs no parent there: a storage page counts for a request when the walk
+  over the request's own keys reaches it (``TierContents`` records storage pages with parent
+  None, never chaining a storage event's keys).
 * ``token_count``: tokens the pages hold (``len(keys) * page_size``).
 * ``model``: the model identity the keys were built with.
 * ``namespace``: the tenant (``radix_key.encode_namespace("", namespace)``: ``""`` for the
@@ -95,7 +105,8 @@ class EventBatch:
 
 class TierContents:
     """One engine's pages per tier, rebuilt from its events alone: ``tiers[tier]`` maps a
-    page key to its parent key (None at a namespace seed). Owner: whoever applies batches."""
+    page key to its parent key (None at a namespace seed, and for every storage page: see
+    ``parent_key``). Owner: whoever applies batches."""
 
     def __init__(self) -> None:
         self.tiers: dict[str, dict[bytes, bytes | None]] = {t: {} for t in EVENT_TIERS}
@@ -113,6 +124,10 @@ class TierContents:
         if e.kind == "cleared":
             pages.clear()
         elif e.kind == "stored":
+            if e.tier == "storage":  # keys in the store's order, not a chain (module docstring)
+                for k in e.keys:
+                    pages[k] = None
+                return
             prev = e.parent_key
             for k in e.keys:
                 pages[k] = prev

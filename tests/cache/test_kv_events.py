@@ -244,7 +244,10 @@ def test_subscribers_get_one_batch_per_check_events_and_json_round_trips():
         assert got == []
         t.cache.check_events()
         t.cache.check_events()
-        assert [b.seq for b in got] == [1, 2] and len(got[0].events) == 2 and got[1].events == ()
+        assert [b.seq for b in got] == [1, 2] and got[1].events == () and not got[1].resync
+        # Subscribed after the source's first batch: its first batch is a resync (it missed seq 0).
+        assert got[0].resync and [(e.kind, e.tier) for e in got[0].events] == [
+            ("cleared", "device"), ("cleared", "host"), ("stored", "device"), ("stored", "host")]
         d = json.loads(json.dumps(got[0].to_dict()))
         assert d["schema"] == 1 and d["events"][0]["schema"] == 1
         assert EventBatch.from_dict(d) == got[0]
