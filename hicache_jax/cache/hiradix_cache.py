@@ -513,7 +513,7 @@ class HiRadixCache:
             raise ValueError("config: retention is already enabled on this cache")
         if self.agreed:  # expiry reads a per-process clock: ranks' trees would diverge
             raise ValueError("config: retention is not supported with a collective agreement (several ranks) yet")
-        self._retention = ret = install(self._res, config)
+        self._retention = self._requests.retention = ret = install(self._res, config)
         self.add_watch(ret)
         return ret
 
@@ -1060,13 +1060,15 @@ class HiRadixCache:
         owns (its ``device_pages`` from ``cached_pages`` on, and likewise its own pages of
         components such as ``swa``), release its lock on the tree, and insert nothing. The
         tree's pages it matched stay cached. The request is emptied (no pages, no lock); a
-        second abort does nothing. Validates first: ids that are not the request's to free
+        second abort does nothing. It may hold fewer pages than its tokens need: a request as
+        ``begin_request`` returned it (the cached prefix's pages only) when ``alloc_device``
+        found no room for the rest. Validates first: ids that are not the request's to free
         raise ValueError with nothing changed."""
         if get_ident() != self._owner:
             self._not_owner("abort_request")
         if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size:
             return  # holds nothing (aborted or finished already)
-        self._requests.abort(self._requests.check(req))
+        self._requests.abort(self._requests.check(req, partial=True))
         if self._component_steps is not None:
             self._component_steps.forget(req)
 

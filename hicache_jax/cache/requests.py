@@ -58,6 +58,7 @@ class RequestHelpers:
         self.page_size = page_size
         self.metrics = metrics
         self.own: tuple = ()  # stateful components with their own page ids (the facade sets them)
+        self.retention = None  # the cache's ``retention.Retention`` once enabled (the facade sets it)
 
     def begin(self, key: RadixKey, mem_quota: int | None, load_back: bool,
               priority: int) -> tuple[CacheRequest, LoadBackResult | None]:
@@ -84,9 +85,12 @@ class RequestHelpers:
             req.component_pages = {c.name: c.request_pages(last, pages.shape[0]) for c in self.own}
         return req, lb
 
-    def check(self, req: object) -> CacheRequest:
+    def check(self, req: object, partial: bool = False) -> CacheRequest:
         """``req`` as a well-formed request of this cache; TypeError/ValueError naming the bad
-        field otherwise (cheap: it runs on every request helper call)."""
+        field otherwise (cheap: it runs on every request helper call). ``partial`` (abort):
+        the request may hold fewer device pages than its tokens need (as ``begin_request``
+        returns it: pages for the cached prefix only, before ``extend``), at least its
+        ``cached_pages``."""
         if not isinstance(req, CacheRequest):
             raise TypeError(f"req: expected a CacheRequest, got {type(req).__name__}")
         if req.owner is not None and req.owner is not self:
@@ -105,16 +109,24 @@ class RequestHelpers:
             raise TypeError(f"req.device_pages: expected a 1-D integer array of device page ids, got "
                             f"{type(pages).__name__}{shape}")
         n = key.token_ids.shape[0]
-        if pages.shape[0] != -(-n // p):
+        if pages.shape[0] != -(-n // p) and not (partial and pages.shape[0] < -(-n // p)):
             raise ValueError(f"req: {n} tokens need {-(-n // p)} device pages, it holds {pages.shape[0]}")
         prio, cached = req.priority, req.cached_pages
         if type(prio) is not int and (isinstance(prio, bool) or not isinstance(prio, np.integer)):
             raise TypeError(f"req.priority: expected an int, got {type(prio).__name__}")
         if type(cached) is not int and (isinstance(cached, bool) or not isinstance(cached, np.integer)):
             raise TypeError(f"req.cached_pages: expected an int, got {type(cached).__name__}")
-        if cached < 0 or cached > n // p:
-            raise ValueError(f"req.cached_pages: expected an int in [0, {n // p}] (the request's whole pages), "
-                             f"got {cached}")
+        if cached < 0 or cached > min(n // p, pages.shape[0]):
+            raise ValueError(f"req.cached_pages: expected an int in [0, {min(n // p, pages.shape[0])}] (the "
+                             f"request's whole pages it holds), got {cached}")
+        retain = req.retain
+        if retain is not None:
+            from .retention import RetentionHint
+
+            if not isinstance(retain, RetentionHint):
+                raise TypeError(f"req.retain: expected a RetentionHint or None, got {type(retain).__name__}")
+            if self.retention is None:
+                raise ValueError("req.retain: retention is not enabled on this cache (retention.enable_retention)")
         node = req.last_node
         if node is not None:
             self.tree.check_node(node, "req.last_node")
