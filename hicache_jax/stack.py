@@ -17,7 +17,9 @@ Usage (your engine builds the parts; the stack owns their shutdown)::
 3. the controller (``StorageController.close``): cancels the prefetches in flight (their host
    pages are freed once their reads let go), waits for every L3 write, makes the store durable
    and closes the store it built;
-4. the transfer engines, then any other ``closers``, in the order given.
+4. the cache itself (``HiRadixCache.close``): from then on the raw ``cache`` object refuses to
+   serve too (``CacheClosedError``), not only ``stack.cache``;
+5. the transfer engines, then any other ``closers``, in the order given.
 
 A step that raises does not stop the later ones (a transfer engine is closed even if the store
 failed); the first error is raised at the end. ``close()`` is idempotent: a second call does
@@ -25,7 +27,9 @@ nothing. Without ``close()`` a process exit still flushes the controller's pendi
 where it can, or logs how many it loses (``hicache_jax.l3.exit_flush``).
 
 Threading: like the cache, the stack belongs to the cache's owner thread; ``close()`` runs
-there. The stack owns nothing but the order: each part keeps its own threads and state.
+there: from another thread it raises ``OwnerThreadError`` before anything changes (the stack
+stays open, and a close() on the owner thread then closes it). The stack owns nothing but the
+order: each part keeps its own threads and state.
 """
 
 from __future__ import annotations
@@ -101,9 +105,11 @@ class CacheStack:
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Shut everything down in order (see the module docstring). Idempotent."""
+        """Shut everything down in order (see the module docstring). Idempotent. Owner
+        thread only: ``OwnerThreadError`` from another, with nothing changed."""
         if self._closed:
             return
+        self._cache.check_owner("CacheStack.close")  # before anything changes
         self._closed = True  # 1. stop admitting
         errors: list[BaseException] = []
 
@@ -115,10 +121,12 @@ class CacheStack:
                 errors.append(e)
 
         cache = self._cache
-        step("finishing the cache's copies", lambda: (cache.reset() if cache.failure is not None else None,
-                                                      cache.flush()))
+        if not cache.closed:  # (closed by hand already: its copies are finished)
+            step("finishing the cache's copies", lambda: (cache.reset() if cache.failure is not None else None,
+                                                          cache.flush()))
         if self._storage is not None:
             step("closing the L3 controller", self._storage.close)
+        step("closing the cache", cache.close)
         for t in self._transfers:
             step(f"closing {type(t).__name__}", t.close)
         for c in self._closers:

@@ -11,7 +11,7 @@ from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, M
 from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 from .debug_view import CacheDebugView
 from .digest import tree_digest
-from .errors import CacheFailedError, CacheInvariantError, OwnerThreadError
+from .errors import CacheClosedError, CacheFailedError, CacheInvariantError, OwnerThreadError
 from .eviction_index import EvictionIndex
 from .eviction_policies import EvictionStrategy
 from .hiradix_cache import HiRadixCache
@@ -24,7 +24,7 @@ from .step_agreement import StepAgreement
 from .tree_node import TreeNode
 
 __all__ = [
-    "FULL", "Agreement", "AgreementError", "CacheDebugView", "CacheFailedError", "CacheInvariantError",
+    "FULL", "Agreement", "AgreementError", "CacheClosedError", "CacheDebugView", "CacheFailedError", "CacheInvariantError",
     "CacheMetrics", "CacheRequest", "ComponentRegistry", "DeviceFit", "EvictionIndex", "EvictionPolicy",
     "EvictionStrategy", "HiCacheConfig", "HiRadixCache", "InsertResult", "KVComponent", "LoadBackResult",
     "LockReceipt", "MatchResult", "MultiLoadHandle", "MultiTransferHandle", "NoExchangeAgreement",

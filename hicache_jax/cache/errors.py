@@ -16,3 +16,8 @@ class OwnerThreadError(RuntimeError):
     """A cache call came from a thread other than the cache's owner thread (see
     ``HiRadixCache``: the first thread that called it). The cache is not thread-safe: one
     thread, the scheduler's, makes every call; nothing changed."""
+
+
+class CacheClosedError(RuntimeError):
+    """The cache was closed (``HiRadixCache.close``, which ``CacheStack.close`` calls): it
+    serves nothing any more; build a new cache to serve again. Nothing changed."""

@@ -178,7 +178,7 @@ from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import EvictionPolicy, HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
 from .decisions import resolve
-from .errors import CacheFailedError, CacheInvariantError, OwnerThreadError
+from .errors import CacheClosedError, CacheFailedError, CacheInvariantError, OwnerThreadError
 from .eviction_index import EvictionIndex
 from .eviction_policies import strategy_for
 from .evictor import Evictor
@@ -199,7 +199,7 @@ from .tree import RadixTree
 from .tree_node import TreeNode
 from .write_policy import WritePolicyDriver
 
-__all__ = ["CacheFailedError", "CacheInvariantError", "DeviceFit", "HiRadixCache", "InsertResult", "LoadBackResult",
+__all__ = ["CacheClosedError", "CacheFailedError", "CacheInvariantError", "DeviceFit", "HiRadixCache", "InsertResult", "LoadBackResult",
            "MatchResult", "OwnerThreadError"]
 
 
@@ -209,6 +209,13 @@ _REFUSED_AFTER_FAILURE = (
     "loading_check", "check_events", "agree_step", "flush", "alloc_device", "evict", "evict_host", "load_back",
     "begin_request", "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages",
     "reserve_component_host_pages_agreed", "slide_window", "abort_request",
+)
+
+# The public calls a closed cache refuses (``close``): every one that serves or changes it.
+_REFUSED_WHEN_CLOSED = _REFUSED_AFTER_FAILURE + (
+    "reset", "enable_retention", "add_watch", "remove_watch", "backed_up_prefix", "tree_match_tokens", "pin_host",
+    "unpin_host", "reserve_host_pages", "reserve_host_pages_agreed", "settle_host_pages",
+    "settle_component_host_pages", "device_fit",
 )
 
 
@@ -295,6 +302,7 @@ class HiRadixCache:
                                     config.host_reclaim)
         self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
         self._retention = None  # ``retention.enable_retention``
+        self._closed = False  # ``close``
         self._tree = tree = RadixTree(p, self, self._split_hook(res, stateful))
         res.adopt_root(tree.root)
         self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
@@ -356,12 +364,50 @@ class HiRadixCache:
         """The failure latch closed: until ``reset``, every public call in
         ``_REFUSED_AFTER_FAILURE`` raises ``failure`` before doing anything. The refusal is an
         instance attribute shadowing the method, so an open latch costs the calls nothing."""
+        if self._closed:
+            return  # a closed cache refuses every call already, for good
 
         def refuse(*_args, **_kwargs):
             raise failure
 
         for name in _REFUSED_AFTER_FAILURE:
             setattr(self, name, refuse)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Close the cache for good: finish the copies in flight (``flush``; after a
+        ``CacheFailedError``, ``reset`` first: the failed copies' bytes are dropped), then
+        refuse every call that serves or changes the cache (``_REFUSED_WHEN_CLOSED``) with
+        ``CacheClosedError``, even if the flush raised. Read-only views (``stats``,
+        ``gauges``, ``sanity_check``, ``debug_view``, the properties) still answer.
+
+        Owner thread only (``OwnerThreadError`` from another, with nothing changed);
+        idempotent. An L3 controller attached to the cache must be closed first (it still
+        uses the cache while closing): ``CacheStack.close`` does both in that order."""
+        if self._closed:
+            return
+        if get_ident() != self._owner:
+            self._not_owner("close")
+        try:
+            if self._ledger.failure is not None:
+                self.reset()
+            self.flush()
+        finally:
+            self._closed = True
+
+            def refusal(name: str):
+                def refuse(*_args, **_kwargs):
+                    raise CacheClosedError(f"{name}: the cache is closed (close() or CacheStack.close() was "
+                                           f"called); build a new cache to serve again")
+                return refuse
+
+            for name in _REFUSED_WHEN_CLOSED:
+                setattr(self, name, refusal(name))
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
 
     # ------------------------------------------------------------------ owner thread
     def _not_owner(self, call: str) -> None:

@@ -123,3 +123,79 @@ def test_a_latched_copy_failure_is_reset_before_the_rest_closes(tmp_path):
     stack.close()  # no error: the failed copies' bytes are dropped, not written to L3
     assert cache.failure is None and ctl.closed and order == [("transfer", True)]
     assert storage_hit(tmp_path) == 0
+
+
+# ---------------------------------------------------------------------------------------------- closed means closed
+def on_thread(fn):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    import threading
+    t = threading.Thread(target=run, name="not-the-owner")
+    t.start()
+    t.join(30)
+    return out.get("error", out.get("value"))
+
+
+def test_close_from_a_thread_that_does_not_own_the_cache_changes_nothing(tmp_path):
+    from hicache_jax.cache import OwnerThreadError
+
+    cache, be, ctl = build(tmp_path)
+    stack = CacheStack(cache, ctl)
+    prefill_insert(cache, KVOracle(be), KEY)  # this thread owns the cache
+    err = on_thread(stack.close)
+    assert isinstance(err, OwnerThreadError) and "CacheStack.close" in str(err), err
+    assert not stack.closed and "open" in repr(stack) and not ctl.closed and not cache.closed
+    assert stack.cache is cache and stack.storage is ctl  # still serving
+    stack.check_events()
+    assert cache.match_prefix(KEY).device_hit_length == len(KEY)
+    stack.close()  # the owner closes it, losing nothing
+    assert stack.closed and ctl.closed and cache.closed
+    assert storage_hit(tmp_path) == len(KEY)
+
+
+def test_after_close_the_raw_cache_refuses_to_serve_too(tmp_path):
+    from hicache_jax.cache import CacheClosedError
+    from hicache_jax.cache.hiradix_cache import _REFUSED_WHEN_CLOSED
+
+    cache, be, ctl = build(tmp_path)
+    with CacheStack(cache, ctl):
+        prefill_insert(cache, KVOracle(be), KEY)
+    assert cache.closed
+    n_args = {"insert": 2, "insert_host": 3, "begin_request": 1, "match_prefix": 1, "alloc_device": 1}
+    for name in _REFUSED_WHEN_CLOSED:
+        with pytest.raises(CacheClosedError, match=f"{name}: the cache is closed"):
+            getattr(cache, name)(*([KEY] * n_args.get(name, 0)))
+    # read-only views still answer, and what was cached is intact
+    assert cache.stats()["device_used_tokens"] == len(KEY) and cache.in_flight == (0, 0)
+    cache.sanity_check(0)
+    cache.close()  # idempotent
+
+
+def test_a_cache_closed_by_hand_refuses_and_close_from_another_thread_is_refused():
+    from hicache_jax.cache import CacheClosedError, OwnerThreadError
+
+    cache, be = make_cache(numpy_backend_factory, page_size=P, deferred=True)
+    prefill_insert(cache, KVOracle(be), KEY)
+    err = on_thread(cache.close)
+    assert isinstance(err, OwnerThreadError) and not cache.closed
+    be.complete_all()
+    cache.close()  # finishes the copies in flight first
+    assert cache.closed and cache.in_flight == (0, 0) and cache.metrics.backup_tokens == len(KEY)
+    with pytest.raises(CacheClosedError):
+        cache.begin_request(KEY)
+
+
+def test_a_stack_without_a_controller_still_acknowledges_every_copy():
+    cache, be = make_cache(numpy_backend_factory, page_size=P, deferred=True)
+    stack = CacheStack(cache)
+    prefill_insert(cache, KVOracle(be), KEY)
+    be.complete_all()  # the backup copy is done, its acknowledgement is not
+    assert cache.in_flight == (1, 0)
+    stack.close()
+    assert cache.in_flight == (0, 0) and cache.metrics.backup_tokens == len(KEY)
