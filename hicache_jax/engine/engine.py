@@ -126,7 +126,7 @@ from ..cache.components import SWAComponent
 from ..l3 import PrefetchOperation, StorageController
 from ..stack import CacheStack
 from ..reference_model import ModelConfig, PagedRunner, swa_table_width
-from ..reference_model.weights import PairWeights
+from ..reference_model.weights import ModelWeights
 from .config import EngineCacheConfig
 from .multiprocess import AgreedClock
 from .page_audit import PageAudit
@@ -196,6 +196,11 @@ class _Seq:
     spec: SpecState | None = None  # speculative decoding only
     audited: int = 0  # pages of its own the page audit has recorded
     audit_s: float = 0.0  # time the page audit spent on it (left out of its TTFT and latency)
+    stop: frozenset = frozenset()  # token ids that end it early (emitted, then it finishes)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.out) >= self.max_new or (bool(self.out) and self.out[-1] in self.stop)
 
     def abandon(self) -> None:
         """Forget everything admission and serving produced (the request is queued again)."""
@@ -238,14 +243,16 @@ def _check_arrivals(arrivals: object, n: int) -> list[float]:
 
 
 class Engine:
-    """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``: a
-    trained target + draft pair (``reference_model.weights.load_pair``) for ``model_config``;
-    None builds both from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
+    """``spec``: speculative decoding options (None: plain greedy decoding). ``weights``:
+    trained weights for ``model_config`` (``reference_model.weights.ModelWeights``: a target +
+    draft pair from ``load_pair``, or a real checkpoint such as
+    ``models.gemma3.load_model()``, which a config of another family than ``reference``
+    requires); None builds the reference model and draft from ``model_config.seed``. ``ranks``: a ``multiprocess.RankContext`` to
     run as one of N tensor-parallel ranks (None: one process). Every device pool (full, SWA,
     draft) is built on the ranks' mesh."""
 
     def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
-                 spec: SpecConfig | None = None, weights: PairWeights | None = None, ranks=None) -> None:
+                 spec: SpecConfig | None = None, weights: ModelWeights | None = None, ranks=None) -> None:
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config: expected a ModelConfig, got {type(model_config).__name__}")
         cache_config = cache_config or EngineCacheConfig()
@@ -259,10 +266,14 @@ class Engine:
                              f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
                              f"cache_config.max_context is {cache_config.max_context}")
         if weights is not None:
-            if not isinstance(weights, PairWeights):
-                raise TypeError(f"weights: expected PairWeights or None, got {type(weights).__name__}")
+            if not isinstance(weights, ModelWeights):
+                raise TypeError(f"weights: expected ModelWeights (e.g. PairWeights, Gemma3Weights) or None, got "
+                                f"{type(weights).__name__}")
             if weights.config != model_config:
                 raise ValueError(f"weights: trained for {weights.config}, not for model_config {model_config}")
+        elif model_config.family != "reference":
+            raise ValueError(f"weights: required for model family {model_config.family!r} (a checkpoint, e.g. "
+                             "hicache_jax.models.gemma3.load_model())")
         from pallas_kernels.page_copy import PageCopyConfig
 
         self.model_config, self.cache_config = model_config, cache_config
@@ -285,6 +296,10 @@ class Engine:
                 spec.num_draft_tokens + 1 > cache_config.deterministic_step_tokens:
             raise ValueError(f"cache_config: deterministic_step_tokens {cache_config.deterministic_step_tokens} must "
                              f"hold a verify step of num_draft_tokens + 1 = {spec.num_draft_tokens + 1} tokens")
+        draft = weights.draft() if weights is not None else None
+        if spec is not None and weights is not None and draft is None:
+            raise ValueError("spec: speculative decoding needs a draft head, and these weights have none "
+                             f"({type(weights).__name__})")
         self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
                                   model=weights.target() if weights is not None else None,
                                   fixed_shape=cache_config.fixed_step_shape)
@@ -292,7 +307,7 @@ class Engine:
             self.runner.state = ranks.replicate(self.runner.state)
         self.spec = None if spec is None else SpecDecoder(
             spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
-            head=weights.draft() if weights is not None else None)
+            head=draft)
         if self.spec is not None:
             self.spec.before_target_step = self._sample_peaks
         self.hybrid = model_config.is_hybrid
@@ -435,12 +450,15 @@ class Engine:
         self.audit.add_seconds(dt)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
-                 arrivals: list[float] | None = None) -> list[RequestResult]:
+                 arrivals: list[float] | None = None, stop_tokens=()) -> list[RequestResult]:
         """Greedy-decode every prompt; results in prompt order.
 
         ``use_cache=False``: no prefix reuse (every prompt prefilled from scratch, nothing
         inserted) - the baseline. ``arrivals``: per prompt, seconds after the call at which
         the request arrives (it is not admitted earlier; TTFT and latency count from it).
+        ``stop_tokens``: token ids that end a request early (e.g. a chat model's end of turn):
+        the stop token is the last one returned, and the cache keeps the sequence up to it.
+        Not with speculative decoding (a verify step emits several tokens at once).
         """
         # Everything is validated before anything runs: a bad prompt fails the call before any
         # match touches the tree and before any other prompt is served (no lost results).
@@ -452,6 +470,7 @@ class Engine:
             raise TypeError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
         if arrivals is not None:
             arrivals = _check_arrivals(arrivals, len(prompts))
+        stop = self._check_stop_tokens(stop_tokens)
         seqs = []
         now = time.perf_counter() if self._clock is None else self._clock.restart()
         device_pages = self.cache_config.device_pages
@@ -472,7 +491,8 @@ class Engine:
             if need > device_pages:
                 raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new need {need} device pages, "
                                  f"the pool has {device_pages}")
-            seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0)))
+            seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0),
+                             stop=stop))
         waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
         if self.cache.failure is not None:  # latched by an earlier call (flush, eviction...)
             self._recover([], waiting)
@@ -492,6 +512,18 @@ class Engine:
                 running.clear()
                 removed_seen = -1
         return [done[i] for i in range(len(seqs))]
+
+    def _check_stop_tokens(self, stop_tokens) -> frozenset:
+        if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (list, tuple, set, frozenset)):
+            raise TypeError(f"stop_tokens: expected a list of int token ids, got {type(stop_tokens).__name__}")
+        vocab = self.model_config.vocab_size
+        for t in stop_tokens:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"stop_tokens: expected token ids in [0, {vocab}), got {t!r}")
+        if stop_tokens and self.spec is not None:
+            raise ValueError("stop_tokens: not supported with speculative decoding (a verify step emits several "
+                             "tokens at once)")
+        return frozenset(int(t) for t in stop_tokens)
 
     def _schedule(self, waiting: deque, running: list, done: dict, use_cache: bool,
                   removed_seen: int) -> tuple[int, bool]:
@@ -516,7 +548,7 @@ class Engine:
                 self._audit_computed(seq)
             if use_cache:  # the prompt's pages become shareable (and backed up) right away
                 self.cache.cache_unfinished_req(seq.req)
-            if len(seq.out) >= seq.max_new:
+            if seq.finished:
                 done[seq.index] = self._finish(seq, use_cache)
             else:
                 running.append(seq)
@@ -530,7 +562,7 @@ class Engine:
                 self._decode_step(running)
             if hook is not None:
                 hook("end")
-            for seq in [s for s in running if len(s.out) >= s.max_new]:
+            for seq in [s for s in running if s.finished]:
                 done[seq.index] = self._finish(seq, use_cache)
                 running.remove(seq)  # after the finish: a failed one is abandoned with the others
         self.cache.check_events()

@@ -10,12 +10,14 @@ layer as full attention with its KV in the full pool: the "SWA as full" memory b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from ..kv_geometry import KVGeometry
 
 LayerType = Literal["full", "sliding"]
+FAMILIES = ("reference", "gemma3")
 _PATTERN_CHARS = {"F": "full", "S": "sliding"}
 
 
@@ -70,6 +72,10 @@ class ModelConfig:
     layer_types: tuple[LayerType, ...] | str = "F"
     sliding_window: int | None = None
     swa_as_full: bool = False
+    family: Literal["reference", "gemma3"] = "reference"
+    rope_theta_local: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rms_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn",
@@ -104,6 +110,18 @@ class ModelConfig:
             raise ValueError(f"sliding_window: expected >= 1, got {self.sliding_window}")
         if not isinstance(self.swa_as_full, bool):
             raise TypeError(f"swa_as_full: expected a bool, got {type(self.swa_as_full).__name__}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {list(FAMILIES)}, got {self.family!r}")
+        if self.family != "reference" and self.attention != "mha":
+            raise ValueError(f"attention: family {self.family!r} has per-head K/V ('mha'), got {self.attention!r}")
+        for name in ("rope_theta", "rope_theta_local", "query_pre_attn_scalar", "rms_norm_eps"):
+            v = getattr(self, name)
+            if v is None and name in ("rope_theta_local", "query_pre_attn_scalar"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
 
     # ---- which layer keeps its KV where ---------------------------------------------------
     @property
@@ -124,6 +142,14 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         """True when some layer uses the SWA pool (the step then needs SWA pools and tables)."""
         return bool(self.swa_layers)
+
+    def attention_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends over (None: the whole prefix). A sliding layer
+        keeps its window in the SWA pool, and in the full pool under ``swa_as_full`` except for
+        the reference family (see the module docstring)."""
+        if self.layer_types[layer] != "sliding" or (self.swa_as_full and self.family == "reference"):
+            return None
+        return self.sliding_window
 
     def pool_slot(self, layer: int) -> tuple[str, int]:
         """``("full" | "swa", index)``: the pool a layer's KV lives in and its layer index there."""

@@ -117,6 +117,12 @@ class Block(nnx.Module):
     def mlp(self, x: jax.Array) -> jax.Array:
         return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
 
+    def finish(self, x: jax.Array, attn_out: jax.Array) -> jax.Array:
+        """The block after attention: the residual add, then the MLP's (the paged step's hook:
+        each model family keeps its own norms and residuals here)."""
+        x = x + attn_out
+        return x + self.mlp(self.norm2(x))
+
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None) -> None:

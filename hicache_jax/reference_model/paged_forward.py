@@ -84,8 +84,11 @@ class _PoolView(NamedTuple):
     mask: jax.Array  # (B, T, S) slots each query attends to
 
 
-def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int) -> _PoolView:
-    """Full attention: table column j is logical page j; causal over ``[0, kv_len)``."""
+def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int,
+               window: int | None = None) -> _PoolView:
+    """Full pool: table column j is logical page j; causal over ``[0, kv_len)``, and over the
+    last ``window`` positions only for a sliding layer kept in the full pool
+    (``ModelConfig.attention_window``)."""
     # New tokens' slots; padding tokens go to an out-of-range page and are dropped.
     slot_page = jnp.take_along_axis(page_tables, positions // page, axis=1)
     slot_page = jnp.where(valid, slot_page, num_pages)
@@ -94,6 +97,8 @@ def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int
     kpos = jnp.arange(s)
     kv_valid = kpos[None, :] < kv_lens[:, None]  # (B, S)
     mask = (kpos[None, None, :] <= positions[:, :, None]) & kv_valid[:, None, :]
+    if window is not None:
+        mask &= kpos[None, None, :] > positions[:, :, None] - window
     return _PoolView(page_tables, slot_page, slot_off, kv_valid, mask)
 
 
@@ -151,8 +156,13 @@ def _forward(graph: StaticGraph, state, pools: Pools, tokens, positions, valid, 
     for layer, block in enumerate(model.blocks):
         h = block.norm1(x)
         kind, index = cfg.pool_slot(layer)
-        x = x + _attention(block, h, positions, new[kind], index, views[kind])
-        x = x + block.mlp(block.norm2(x))
+        view = views[kind]
+        if kind == "full" and cfg.attention_window(layer) is not None:  # a window kept in the full pool
+            if "full_windowed" not in views:
+                views["full_windowed"] = _full_view(page_tables, positions, valid, kv_lens, num_pages, page,
+                                                    cfg.sliding_window)
+            view = views["full_windowed"]
+        x = block.finish(x, _attention(block, h, positions, new[kind], index, view))
     if all_positions:  # logits and final hidden states of every position
         hidden = model.norm(x)
         out = (model.lm_head(hidden), hidden)
@@ -205,6 +215,9 @@ class PagedRunner:
         self.token_buckets = tuple(sorted(token_buckets))
         if model is not None and model.cfg != config:
             raise ValueError(f"model: built for {model.cfg}, not for config {config}")
+        if model is None and config.family != "reference":
+            raise ValueError(f"model: required for family {config.family!r} (its weights come from a checkpoint, "
+                             "e.g. hicache_jax.models.gemma3.load_model)")
         self.model = model if model is not None else Transformer(config)
         self.graphdef, self.state = nnx.split(self.model)
         self.static_graph = static_graph(self.graphdef)  # what the jitted step takes (hashed once)

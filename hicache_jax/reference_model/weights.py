@@ -19,6 +19,7 @@ import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +52,21 @@ def apply_params(model: nnx.Module, params: dict[str, np.ndarray], what: str) ->
             raise ValueError(f"{what}: parameter {name} has shape {arr.shape}, the model expects {var[...].shape}")
         var[...] = jnp.asarray(arr, dtype=var[...].dtype)
     nnx.update(model, nnx.from_flat_state(flat))
+
+
+@runtime_checkable
+class ModelWeights(Protocol):
+    """What ``Engine(weights=...)`` takes: trained weights for ``config``. ``target()`` builds
+    the model the paged step runs (any family: ``paged_forward``), ``draft()`` its speculative
+    draft head or None (the weights have none), ``digest`` identifies the weights (L3 keys).
+    ``PairWeights`` (the toy pair) and ``models.gemma3.paged.Gemma3Weights`` are two."""
+
+    config: ModelConfig
+    digest: str
+
+    def target(self) -> nnx.Module: ...
+
+    def draft(self) -> "DraftHead | None": ...
 
 
 @dataclass(frozen=True)
