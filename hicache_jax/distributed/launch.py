@@ -12,15 +12,26 @@ output as it is written (its Python output unbuffered), so a long run shows its 
 ``initialize_from_env()`` is the child's side: gloo CPU collectives, then
 ``jax.distributed.initialize`` with what the launcher set. Returns ``(rank, num_processes)``.
 ``run_rank(main)`` runs a rank's body and ends the process at once when it raises.
+
+No orphans: a rank must not outlive its launcher (a killed pytest left ranks blocked in a
+collective for good). ``initialize_from_env`` calls ``exit_with_launcher()``: the rank is
+SIGKILLed when the launcher dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere, and as a
+backstop, a daemon thread that polls the launcher's pid, ``HICACHE_LAUNCHER_PID``, every
+``LAUNCHER_POLL_S``), and SIGTERM ends it at once again (``jax.distributed.initialize``
+installs a SIGTERM handler, for its preemption notices, that a rank blocked in a collective
+never acts on; the default action is restored after it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import TextIO
@@ -54,6 +65,7 @@ def rank_env(rank: int, num_processes: int, coordinator: str, base: dict | None 
     env["XLA_FLAGS"] = " ".join(flags)
     env["HICACHE_RANK"], env["HICACHE_NUM_PROCESSES"] = str(rank), str(num_processes)
     env["HICACHE_COORDINATOR"] = coordinator
+    env["HICACHE_LAUNCHER_PID"] = str(os.getpid())  # the rank exits when this process dies
     return env
 
 
@@ -126,11 +138,60 @@ def initialize_from_env(initialization_timeout: int = 120, shutdown_timeout: int
     import jax
 
     rank, n = int(os.environ["HICACHE_RANK"]), int(os.environ["HICACHE_NUM_PROCESSES"])
+    exit_with_launcher()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(os.environ["HICACHE_COORDINATOR"], n, rank,
                                initialization_timeout=initialization_timeout,
                                shutdown_timeout_seconds=shutdown_timeout)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # over jax's handler: SIGTERM ends the rank
     return rank, n
+
+
+LAUNCHER_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
+_watching = False
+
+
+def exit_with_launcher() -> None:
+    """In a launched rank: end this process (SIGKILL, or ``os._exit(1)`` from the watchdog)
+    when the launcher (``HICACHE_LAUNCHER_PID``) dies; see the module docstring. A no-op
+    outside a launched rank and on a second call. The launcher may be the parent (the usual
+    case: the parent-death signal and a ``getppid()`` poll) or an ancestor (a wrapper between
+    them: its pid is polled)."""
+    global _watching
+    pid = os.environ.get("HICACHE_LAUNCHER_PID")
+    if _watching or not pid or not pid.isdigit():
+        return
+    _watching = True
+    launcher = int(pid)
+    direct = os.getppid() == launcher
+    if direct and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog alone
+            pass
+
+    def gone() -> bool:
+        if direct:
+            return os.getppid() != launcher  # re-parented: the launcher died
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    if gone():  # it died before the death signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(LAUNCHER_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hicache-launcher-watchdog", daemon=True).start()
 
 
 def run_rank(main) -> None:
