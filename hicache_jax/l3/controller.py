@@ -73,8 +73,10 @@ Prefetch (upstream HiCache's flow; policies in ``storage.config``)
     backed-up node (or the root; or on device-only nodes, with several ranks too: the read then
     starts where the backed-up prefix ends and gives them host copies), the continuation after the
     tree's whole match is >= the threshold (``max(prefetch_threshold_tokens, page_size)``; it
-    counts only tokens a read brings past what the tree holds, here and for the hit and the
-    pages arrived: ``PrefetchOperation.new_tokens``) and prefetches in flight hold less than
+    counts only tokens a read brings past what the tree holds usable, here and for the hit and
+    the pages arrived: ``PrefetchOperation.new_tokens``; with an SWA component a match whose
+    window is gone serves less than its full-KV length, and a read that brings the window back
+    counts from there) and prefetches in flight hold less than
     ``max_inflight_fraction`` of the host pool. A skipped prefetch says why (``op.reason``,
     ``op.reason_code``), counts in ``metrics.prefetch_skipped_by_reason`` and logs it (debug). It host-locks the anchor node (the match's
     deepest node) and queues a query on the query thread: hash the continuation's page keys

@@ -100,9 +100,10 @@ class PrefetchOperation:
         self.reason = ""  # why it was skipped or revoked, in words (with the numbers)
         self.reason_code = ""  # a skipped prefetch: the label of prefetch_skipped_total{reason}
         self.start = 0  # tokens of the key already backed up in the tree at prefetch time
-        # Tokens of the key the tree held on any tier at prefetch time: past ``start`` when the
-        # match ends on device-only nodes (the read gives them host copies); the threshold
-        # counts only what a read brings past it (``new_tokens``).
+        # Tokens of the key the tree held usable on any tier at prefetch time (with an SWA
+        # component: not past a match whose window is gone): past ``start`` when the match ends
+        # on device-only nodes (the read gives them host copies); the threshold counts only what
+        # a read brings past it (``new_tokens``).
         self.tree_end = 0
         self.end = 0  # page-aligned end of the key
         self.storage_tokens = 0
@@ -244,7 +245,11 @@ class Prefetcher:
             return op
         anchor, matched, anchor_m = cache.backed_up_prefix(key)
         op.start, op.end = matched, n
-        op.tree_end = cache.tree_match_tokens(key)
+        # What the tree holds *usable*: with an SWA component, a match whose window is gone
+        # (tombstones) serves less than the tree's full-KV match, and a read that brings the
+        # window back is worth its tokens up to the full match too. Never before ``start``:
+        # the read brings nothing there.
+        op.tree_end = max(matched, min(cache.tree_match_tokens(key), sum(cache.peek_prefix(key))))
         code = reason = ""
         if anchor is not cache.root and anchor.host_value is None:
             code, reason = "not_backed_up", "the matched prefix is not backed up"
