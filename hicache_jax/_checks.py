@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 
@@ -16,3 +18,12 @@ def check_int(name: str, value: object, minimum: int, maximum: int | None = None
         want = f">= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
         raise ValueError(f"{name}: expected {want}, got {value}")
     return int(value)
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory, or None where the platform cannot tell (sizes beyond it
+    are refused up front instead of dying in an allocation)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -19,7 +19,11 @@ from typing import Iterable
 
 import numpy as np
 
+from ._checks import physical_memory_bytes
+
 ID_DTYPE = np.int32
+MAX_PAGES = int(np.iinfo(ID_DTYPE).max) + 1  # page ids [0, MAX_PAGES) fit ID_DTYPE
+_BYTES_PER_PAGE = 1 + np.dtype(np.intp).itemsize  # an allocator's bitmap and free stack
 
 
 _I32 = np.iinfo(ID_DTYPE)
@@ -116,8 +120,14 @@ class PageAllocator:
     def __init__(self, num_pages: int, name: str = "pages") -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
             raise TypeError(f"num_pages: expected an int, got {type(num_pages).__name__}")
-        if num_pages < 0:
-            raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        if not 0 <= num_pages <= MAX_PAGES:
+            raise ValueError(f"num_pages: expected an int in [0, {MAX_PAGES}] (page ids are int32), got {num_pages}")
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        ram = physical_memory_bytes()
+        if ram is not None and num_pages * _BYTES_PER_PAGE > ram:
+            raise ValueError(f"num_pages: expected bookkeeping that fits this machine's {ram / 2**30:.1f} GiB of "
+                             f"memory, got {num_pages} pages ({num_pages * _BYTES_PER_PAGE / 2**30:.1f} GiB)")
         self.name = name
         self.num_pages = int(num_pages)
         self._allocated = np.zeros(self.num_pages, dtype=bool)

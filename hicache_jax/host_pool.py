@@ -16,11 +16,13 @@ else belong to the owner thread.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .allocator import PageAllocator, check_page_ids
+from ._checks import check_int, physical_memory_bytes
+from .allocator import MAX_PAGES, PageAllocator, check_page_ids
 from .host_layout import HostLayout, host_array_shape, page_major_shape
 from .kv_geometry import KVGeometry
 
@@ -41,8 +43,8 @@ class HostPoolConfig:
         object.__setattr__(self, "layout", HostLayout.parse(self.layout))
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
             raise TypeError(f"ratio: expected a number, got {type(self.ratio).__name__}")
-        if not self.ratio > 0:
-            raise ValueError(f"ratio: expected > 0, got {self.ratio}")
+        if not (self.ratio > 0 and math.isfinite(self.ratio)):
+            raise ValueError(f"ratio: expected a finite number > 0, got {self.ratio}")
         if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int):
             raise TypeError(f"size_bytes: expected an int, got {type(self.size_bytes).__name__}")
         if self.size_bytes < 0:
@@ -67,6 +69,12 @@ class HostKVPool:
                  buffer: np.ndarray | None = None, buffer_owner: object = None) -> None:
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
+        check_int("num_pages", num_pages, 0, MAX_PAGES)
+        ram = physical_memory_bytes()
+        if buffer is None and ram is not None and num_pages * geom.bytes_per_page > ram:
+            raise ValueError(f"num_pages: expected a pool that fits this machine's {ram / 2**30:.1f} GiB of memory, "
+                             f"got {num_pages} pages of {geom.bytes_per_page} bytes "
+                             f"({num_pages * geom.bytes_per_page / 2**30:.1f} GiB)")
         self.geom = geom
         self.layout = HostLayout.parse(layout)
         self.allocator = PageAllocator(num_pages, name="host")

@@ -34,6 +34,7 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8
                   "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
 
 AttentionKind = Literal["mha", "mla"]
+MAX_DIM = (1 << 31) - 1  # every dimension of a page fits an int32 (kernels index with int32)
 
 
 def canonical_dtype(dtype: object) -> str:
@@ -61,16 +62,15 @@ class KVGeometry:
     def __post_init__(self) -> None:
         if self.kind not in ("mha", "mla"):
             raise ValueError(f"kind: expected 'mha' or 'mla', got {self.kind!r}")
-        check_int("num_layers", self.num_layers, 1)
-        check_int("page_size", self.page_size, 1)
+        check_int("num_layers", self.num_layers, 1, MAX_DIM)
+        check_int("page_size", self.page_size, 1, MAX_DIM)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.kind == "mha":
-            check_int("num_kv_heads", self.num_kv_heads, 1)
-            check_int("head_dim", self.head_dim, 1)
+            check_int("num_kv_heads", self.num_kv_heads, 1, MAX_DIM)
+            check_int("head_dim", self.head_dim, 1, MAX_DIM)
         else:
-            check_int("kv_lora_rank", self.kv_lora_rank, 1)
-            if self.qk_rope_head_dim < 0:
-                raise ValueError(f"qk_rope_head_dim: expected >= 0, got {self.qk_rope_head_dim}")
+            check_int("kv_lora_rank", self.kv_lora_rank, 1, MAX_DIM)
+            check_int("qk_rope_head_dim", self.qk_rope_head_dim, 0, MAX_DIM)
 
     @classmethod
     def mha(cls, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

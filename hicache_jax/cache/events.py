@@ -69,6 +69,20 @@ class KVEvent:
             raise ValueError(f"kind: expected one of {EVENT_KINDS}, got {self.kind!r}")
         if self.tier not in EVENT_TIERS:
             raise ValueError(f"tier: expected one of {EVENT_TIERS}, got {self.tier!r}")
+        if isinstance(self.keys, (bytes, str)) or not isinstance(self.keys, (tuple, list)) or \
+                any(not isinstance(k, bytes) for k in self.keys):
+            raise TypeError(f"keys: expected a tuple of page keys (bytes), got {type(self.keys).__name__}")
+        object.__setattr__(self, "keys", tuple(self.keys))
+        if self.kind == "cleared" and self.keys:
+            raise ValueError(f"keys: expected none on a 'cleared' event, got {len(self.keys)}")
+        if self.parent_key is not None and not isinstance(self.parent_key, bytes):
+            raise TypeError(f"parent_key: expected bytes or None, got {type(self.parent_key).__name__}")
+        if isinstance(self.token_count, bool) or not isinstance(self.token_count, int) or self.token_count < 0:
+            raise ValueError(f"token_count: expected an int >= 0, got {self.token_count!r}")
+        if not isinstance(self.model, str):
+            raise TypeError(f"model: expected a str, got {type(self.model).__name__}")
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise TypeError(f"namespace: expected a str or None, got {type(self.namespace).__name__}")
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, "kind": self.kind, "tier": self.tier,
@@ -91,6 +105,17 @@ class EventBatch:
     seq: int
     events: tuple = field(default=())
     resync: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, str):
+            raise TypeError(f"engine: expected a str, got {type(self.engine).__name__}")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+            raise ValueError(f"seq: expected an int >= 0, got {self.seq!r}")
+        if not isinstance(self.events, (tuple, list)) or any(not isinstance(e, KVEvent) for e in self.events):
+            raise TypeError(f"events: expected a tuple of KVEvent, got {type(self.events).__name__}")
+        object.__setattr__(self, "events", tuple(self.events))
+        if not isinstance(self.resync, bool):
+            raise TypeError(f"resync: expected a bool, got {type(self.resync).__name__}")
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, "engine": self.engine, "seq": self.seq, "resync": self.resync,

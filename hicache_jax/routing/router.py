@@ -120,6 +120,16 @@ def tier_costs_from_stats(stats: Mapping | Sequence[Mapping]) -> dict[str, float
     return {"host": host, "storage": storage}
 
 
+def _check_keys(keys: object) -> Sequence[bytes]:
+    """``keys`` as given when it is a sequence of page keys (a list or tuple of bytes: an
+    iterator would be consumed by the check); TypeError otherwise."""
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys: expected a sequence (list or tuple) of page keys (bytes), got {type(keys).__name__}")
+    if any(not isinstance(k, bytes) for k in keys):
+        raise TypeError("keys: expected a sequence of page keys (bytes), got an item that is not bytes")
+    return keys
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     engine: str
@@ -133,16 +143,21 @@ class PrefixRouter:
 
     def __init__(self, engines: Sequence[str], weights: TierWeights | None = None, *, shared_storage: bool = True,
                  balance_abs: float = 32, balance_rel: float = 1.5) -> None:
+        if isinstance(engines, (str, bytes)) or not isinstance(engines, (Sequence, set, frozenset)):
+            raise TypeError(f"engines: expected a sequence of engine names (e.g. a list of str), got "
+                            f"{type(engines).__name__} {engines!r}")
         engines = list(engines)
-        if not engines or any(not isinstance(e, str) for e in engines) or len(set(engines)) != len(engines):
-            raise ValueError(f"engines: expected distinct engine names (str), got {engines!r}")
+        if not engines or any(not isinstance(e, str) or not e for e in engines) or len(set(engines)) != len(engines):
+            raise ValueError(f"engines: expected distinct, non-empty engine names (str), got {engines!r}")
         if weights is None:
             weights = TierWeights()
         if not isinstance(weights, TierWeights):
             raise TypeError(f"weights: expected a TierWeights, got {type(weights).__name__}")
+        if not isinstance(shared_storage, bool):
+            raise TypeError(f"shared_storage: expected a bool, got {type(shared_storage).__name__} {shared_storage!r}")
         for name, v in (("balance_abs", balance_abs), ("balance_rel", balance_rel)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
         self.engines = engines
         self.weights = weights
         self.shared_storage = shared_storage
@@ -186,6 +201,9 @@ class PrefixRouter:
 
     def score(self, engine: str, keys: Sequence[bytes]) -> tuple[float, dict]:
         """(weighted prefix score, pages per tier) of ``keys`` on ``engine``."""
+        if engine not in self.views:
+            raise ValueError(f"engine: expected one of {self.engines}, got {engine!r}")
+        keys = _check_keys(keys)
         tiers = self.views[engine].tiers
         dev, host = tiers["device"], tiers["host"]
         shared = [v.tiers["storage"] for v in self.views.values()] if self.shared_storage else [tiers["storage"]]
@@ -208,15 +226,17 @@ class PrefixRouter:
 
     def route(self, keys: Sequence[bytes], loads: Mapping[str, float] | None = None) -> RouteDecision:
         """The engine for a request whose page keys are ``keys`` (see the module docstring)."""
-        if isinstance(keys, (bytes, str)) or any(not isinstance(k, bytes) for k in keys):
-            raise TypeError("keys: expected a sequence of page keys (bytes)")
+        keys = _check_keys(keys)
         if loads is None:
             loads = {}
         if not isinstance(loads, Mapping):
             raise TypeError(f"loads: expected a mapping engine -> load, got {type(loads).__name__}")
         unknown = set(loads) - set(self.engines)
         if unknown:
-            raise ValueError(f"loads: unknown engines {sorted(unknown)}")
+            raise ValueError(f"loads: unknown engines {sorted(unknown, key=repr)}")
+        for e, v in loads.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"loads: expected a finite number >= 0 per engine, got {e!r}: {v!r}")
         load = {e: float(loads.get(e, 0)) for e in self.engines}
         lo, hi = min(load.values()), max(load.values())
         least = [e for e in self.engines if load[e] == lo]

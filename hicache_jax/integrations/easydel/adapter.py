@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -142,6 +143,10 @@ class EsurgeHiCache:
             raise ValueError(f"model: expected a non-empty str, got {model!r}")
         if not isinstance(weights_revision, str):
             raise TypeError(f"weights_revision: expected a str, got {type(weights_revision).__name__}")
+        if isinstance(prefetch_timeout_s, bool) or not isinstance(prefetch_timeout_s, (int, float)) or \
+                not math.isfinite(prefetch_timeout_s) or prefetch_timeout_s <= 0:
+            raise ValueError(f"prefetch_timeout_s: expected finite seconds > 0 (how long an admission waits for its "
+                             f"L3 prefetch), got {prefetch_timeout_s!r}")
         if config.write_policy is not WritePolicy.WRITE_THROUGH or config.write_through_threshold != 1:
             raise ValueError(f"config: expected write_policy='write_through' with write_through_threshold=1 "
                              f"(pages are backed up when eSurge frees them), got {config.write_policy.value} "
