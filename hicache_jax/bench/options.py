@@ -8,10 +8,14 @@ module ``cli.py`` names (imported only when it runs). ``QUICK`` holds each bench
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import tempfile
 
 from ..host_layout import HostLayout
-from ..storage.config import BACKENDS, PREFETCH_POLICIES
-from ..workers import DEFAULT_WORKER_NICE
+from ..kv_geometry import _DTYPE_ALIASES, KV_DTYPES, KVGeometry
+from ..storage.config import BACKENDS, PREFETCH_POLICIES, StorageConfig
+from ..workers import DEFAULT_WORKER_NICE, MAX_NICE
 from .report import results_path
 
 # hicache_jax.bench.serving.MODEL_PRESETS (a test keeps them equal).
@@ -93,30 +97,90 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
         args.model = QUICK_MODEL[args.model]
 
 
-def _bounded(kind: type, lo: float, hi: float | None = None, lo_open: bool = False):
-    """An argparse type: ``kind`` in [lo, hi] (or (lo, hi] with ``lo_open``), a usage error otherwise,
-    so a bad size stops the benchmark before it builds an engine."""
-    want = f"{'an int' if kind is int else 'a number'} {'>' if lo_open else '>='} {lo}" + \
-        (f" and <= {hi}" if hi is not None else "")
+def _bounded(kind: type, lo: float, hi: float, lo_open: bool = False):
+    """An argparse type: ``kind`` in [lo, hi] (or (lo, hi] with ``lo_open``; floats finite), a
+    usage error otherwise, so a bad size stops the benchmark before it builds an engine. Every
+    size has an upper bound: a value no machine could hold is refused at once instead of
+    allocating for minutes and dying out of memory."""
+    fmt = (lambda x: str(int(x))) if kind is int else (lambda x: f"{x:g}")
+    want = f"{'an int' if kind is int else 'a finite number'} {'>' if lo_open else '>='} {fmt(lo)} and <= {fmt(hi)}"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if (value <= lo if lo_open else value < lo) or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"expected {want}, got {value}")
+        if (kind is float and not math.isfinite(value)) or (value <= lo if lo_open else value < lo) or value > hi:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
         return value
 
-    parse.__name__ = f"{kind.__name__} {'>' if lo_open else '>='} {lo}"  # argparse names it in errors
+    parse.__name__ = f"{kind.__name__} in {'(' if lo_open else '['}{fmt(lo)}, {fmt(hi)}]"  # argparse names it in errors
+    parse.bounds = (kind, lo, hi, lo_open)  # (tests derive the values to refuse from them)
     return parse
 
 
-_positive_int = _bounded(int, 1)
-_non_negative_int = _bounded(int, 0)
-_positive_float = _bounded(float, 0, lo_open=True)
-_non_negative_float = _bounded(float, 0)
+# Upper bounds of the sizes (far above any run the benchmarks make; see ``_bounded``).
+MAX_TOKENS = 1 << 20  # tokens of one prompt / turn / answer / chunk / context
+MAX_PAGE_SIZE = 4096
+MAX_PAGES = 1 << 24  # pages of one pool or one transfer
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 8192
+MAX_COUNT = 1 << 16  # clients, rounds, prompts, batch slots, repetitions, steps
+MAX_PROCESSES = 64
+MAX_ENGINES = 256
+MAX_BYTES = 1 << 50
+MAX_SEED = (1 << 32) - 1
+MAX_SECONDS = 7 * 24 * 3600.0
+
+_positive_int = _bounded(int, 1, MAX_COUNT)
+_non_negative_int = _bounded(int, 0, MAX_COUNT)
+_tokens = _bounded(int, 1, MAX_TOKENS)
+_non_negative_tokens = _bounded(int, 0, MAX_TOKENS)
+_page_size = _bounded(int, 1, MAX_PAGE_SIZE)
+_pages = _bounded(int, 1, MAX_PAGES)
+_non_negative_pages = _bounded(int, 0, MAX_PAGES)
+_layers = _bounded(int, 1, MAX_LAYERS)
+_bytes = _bounded(int, 0, MAX_BYTES)
+_seed = _bounded(int, 0, MAX_SEED)
+_nice = _bounded(int, 0, MAX_NICE)
+_positive_float = _bounded(float, 0, 1024.0, lo_open=True)  # a ratio
+_rate = _bounded(float, 0, 1e6)  # requests per second
+_seconds = _bounded(float, 0, MAX_SECONDS, lo_open=True)
 _fraction = _bounded(float, 0, 1)
+
+
+def _kv_dtype(text: str) -> str:
+    """An argparse type: a KV dtype name (``kv_geometry.KV_DTYPES`` or an alias), canonical."""
+    names = sorted(KV_DTYPES) + sorted(_DTYPE_ALIASES)
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
+    return _DTYPE_ALIASES.get(text, text)
+
+
+_kv_dtype.__name__ = "KV dtype"
+
+
+def _host_port(text: str) -> str:
+    """An argparse type: ``host:port`` with a port in [1, 65535]."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected host:port with a port in [1, 65535], got {text!r}")
+    return text
+
+
+_host_port.__name__ = "host:port"
+
+
+def _store_node_bytes(text: str) -> int:
+    """An argparse type: 0 (no store node) or at least 1 MiB (``MooncakeMaster``'s rule)."""
+    value = _bytes(text)
+    if 0 < value < (1 << 20):
+        raise argparse.ArgumentTypeError(f"expected 0 (no store node) or at least 1 MiB ({1 << 20}), got {text!r}")
+    return value
+
+
+_store_node_bytes.__name__ = "bytes"
 
 
 def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, host_ratio: float = 4.0,
@@ -130,11 +194,11 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
                         f"{GPU_MODEL}: Llama-3-8B's layer shape with bf16 KV; hybrid: sliding-window layers in an "
                         f"SWA pool; --quick takes the tiny preset of the same kind: "
                         + ", ".join(f"{k} -> {v}" for k, v in QUICK_MODEL.items()) + f", {AUTO_MODEL} -> tiny)")
-    p.add_argument("--layers", type=_positive_int, default=None,
+    p.add_argument("--layers", type=_layers, default=None,
                    help=f"layers of the model preset (default: the preset's; {GPU_MODEL}: 8)")
     p.add_argument("--attention", choices=["mha", "mla"], default="mha", help="per-head K/V or an MLA-style latent")
-    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=_positive_int, default=device_pages, help="L1 (device) pool size in pages")
+    p.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=_pages, default=device_pages, help="L1 (device) pool size in pages")
     p.add_argument("--host-ratio", type=_positive_float, default=host_ratio, help="L2 (host) pool size / L1 pool size")
     p.add_argument("--host-layout", choices=[l.value for l in HostLayout], default=HostLayout.PAGE_FIRST.value,
                    help="L2 (host) pool layout (page_first_direct: each page's layers one contiguous run)")
@@ -142,22 +206,22 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
                    choices=["write_through", "write_through_selective", "write_back"], help="when L1 pages are backed up to L2")
     p.add_argument("--max-batch", type=_positive_int, default=max_batch,
                    help="requests the engine serves at once (the max-parallel bound)")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=512, help="tokens per prefill step")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--prefill-chunk", type=_tokens, default=512, help="tokens per prefill step")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random prompts")
     p.add_argument("--storage-backend", choices=[*BACKENDS, "none"], default="orbax",
                    help="L3 backend (none: L1 + L2 only)")
     p.add_argument("--storage-dir", default=None,
                    help="L3 directory (default %(default)s: a fresh temporary one, removed after)")
-    p.add_argument("--mooncake-master", default=None,
+    p.add_argument("--mooncake-master", type=_host_port, default=None,
                    help="mooncake: the master's host:port (default: start a local store for the run)")
     p.add_argument("--mooncake-metadata", default=None, help="mooncake: the metadata URL (with --mooncake-master)")
-    p.add_argument("--mooncake-segment-bytes", type=_non_negative_int, default=0,
+    p.add_argument("--mooncake-segment-bytes", type=_bytes, default=0,
                    help="mooncake: memory each engine lends the store (0: none, the store node holds the pages)")
-    p.add_argument("--mooncake-node-bytes", type=_non_negative_int, default=2 << 30,
+    p.add_argument("--mooncake-node-bytes", type=_store_node_bytes, default=2 << 30,
                    help="mooncake: memory of the local store's store node")
     p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES), default="wait_complete",
                    help="how long admission waits for an L3 prefetch")
-    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
+    p.add_argument("--worker-nice", type=_nice, default=DEFAULT_WORKER_NICE,
                    help="OS priority offset of the cache's worker threads (0: same as the scheduler)")
 
 
@@ -179,14 +243,14 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
                             f"--{k.replace('_', '-')} {v}" for k, v in ENGINE_DEFAULTS["easydel"].items()))
     p.add_argument("--clients", type=_positive_int, default=8, help="conversations")
     p.add_argument("--rounds", type=_positive_int, default=4, help="turns per conversation")
-    p.add_argument("--first-len", type=_positive_int, default=512, help="tokens of each conversation's first prompt")
-    p.add_argument("--turn-len", type=_non_negative_int, default=96, help="tokens each later turn appends (after the answer)")
-    p.add_argument("--answer-len", type=_positive_int, default=16, help="tokens generated per turn")
-    p.add_argument("--request-rate", type=_non_negative_float, default=0.0,
+    p.add_argument("--first-len", type=_tokens, default=512, help="tokens of each conversation's first prompt")
+    p.add_argument("--turn-len", type=_non_negative_tokens, default=96, help="tokens each later turn appends (after the answer)")
+    p.add_argument("--answer-len", type=_tokens, default=16, help="tokens generated per turn")
+    p.add_argument("--request-rate", type=_rate, default=0.0,
                    help="0: closed loop (a client sends its next turn when its answer is back; at most "
                         "--max-batch served at once); > 0: Poisson arrivals per round at this many req/s")
     rank_arguments(p)
-    p.add_argument("--engines", type=_positive_int, default=1,
+    p.add_argument("--engines", type=_bounded(int, 1, MAX_ENGINES), default=1,
                    help="N > 1: N reference engines in one process sharing one L3 (orbax is replaced by file; "
                         "one store per policy), requests routed by each --router policy in alternate rounds of "
                         "the same trace (hit rate per tier and measured TTFT per policy; no no-cache run)")
@@ -197,14 +261,14 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
 
 def rank_arguments(p: argparse.ArgumentParser) -> None:
     """``--num-processes`` and its options (``hicache_jax.bench.ranks``)."""
-    p.add_argument("--num-processes", type=_positive_int, default=1,
+    p.add_argument("--num-processes", type=_bounded(int, 1, MAX_PROCESSES), default=1,
                    help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each rank "
                         "holding its share of the KV heads; every rank's tokens are checked against rank 0's; "
                         "L3 orbax is replaced by file)")
     p.add_argument("--agreement", choices=["kv", "device"], default="kv",
                    help="with --num-processes > 1: how the ranks agree once per scheduler step (kv: the "
                         "coordination service's key-value store; device: process_allgather)")
-    p.add_argument("--rank-timeout", type=_positive_float, default=3600.0,
+    p.add_argument("--rank-timeout", type=_seconds, default=3600.0,
                    help="with --num-processes > 1: seconds before every rank still running is killed")
 
 
@@ -226,32 +290,145 @@ def check_multiturn(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                      "leave it out (a local store per policy) or give one --router")
 
 
+def path_problem(path: str, directory: bool = False) -> str | None:
+    """Why ``path`` cannot be written (a file; with ``directory``, a directory used or made
+    there), or None: its nearest existing ancestor must be a writable directory, and the path
+    itself, when it exists, a writable file (a directory). Leaves nothing behind (a probe file
+    is made in that ancestor and removed)."""
+    if not isinstance(path, str) or not path:
+        return "expected a non-empty path"
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        if directory != os.path.isdir(full):
+            return f"{full} is {'not ' if directory else ''}a directory"
+        if not os.access(full, os.W_OK | (os.X_OK if directory else 0)):
+            return f"{full} is not writable"
+        return None
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    try:  # a real write (os.access says yes to root, also in /proc or on a read-only mount)
+        fd, probe = tempfile.mkstemp(prefix=".hicache-write-probe-", dir=parent)
+    except OSError as e:
+        return f"cannot create it in {parent}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the machine can still give (``MemAvailable``; the physical memory where there is
+    no /proc/meminfo), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def default_page_count(bytes_per_page: int, min_bytes: int = 64 << 20) -> int:
+    """``bench transfer``'s pages per transfer by default: the smallest power-of-two page count
+    moving >= ``min_bytes`` (at least 16 pages)."""
+    n = max(16, -(-min_bytes // bytes_per_page))
+    return 1 << (n - 1).bit_length()
+
+
+def transfer_case_bytes(args: argparse.Namespace, page: int) -> int:
+    """Memory one page size's largest case of ``bench transfer`` holds at once, about: the
+    device pool of max(2n, 64) pages and its random source, the host pool and the transfer
+    buffer of n pages."""
+    bpp = KVGeometry.mha(args.layers, page, args.heads, args.head_dim, args.dtype).bytes_per_page
+    counts = args.page_counts or [default_page_count(bpp)]
+    return max((2 * max(2 * n, 64) + 2 * n) * bpp for n in counts)
+
+
+def check_transfer(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a sweep whose largest case cannot fit in memory (before JAX starts)."""
+    need = max(transfer_case_bytes(args, page) for page in args.page_sizes)
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        parser.error(f"argument --heads/--head-dim/--layers/--page-sizes/--page-counts: expected sizes whose largest "
+                     f"case fits the {have / 2**30:.1f} GiB this machine has available, got about "
+                     f"{need / 2**30:.1f} GiB")
+
+
+def check_serving(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The serving benchmarks' L3 options, checked as ``StorageConfig`` will check them, and a
+    lower bound of the pools' memory (one byte per token: any model needs more)."""
+    if args.mooncake_metadata is not None and args.mooncake_master is None:
+        parser.error("argument --mooncake-metadata: expected only with --mooncake-master (the metadata URL of "
+                     "that store)")
+    if args.storage_backend == "mooncake" and args.mooncake_master is not None:
+        try:
+            StorageConfig(backend="mooncake", mooncake_master=args.mooncake_master,
+                          mooncake_metadata=args.mooncake_metadata,
+                          mooncake_global_segment_bytes=args.mooncake_segment_bytes)
+        except (ValueError, TypeError) as e:
+            field = str(e).split(":", 1)[0]
+            option = {"mooncake_master": "--mooncake-master", "mooncake_metadata": "--mooncake-metadata",
+                      "mooncake_global_segment_bytes": "--mooncake-segment-bytes"}.get(field, "--mooncake-master")
+            parser.error(f"argument {option}: {e}")
+    tokens = args.device_pages * args.page_size * (1 + args.host_ratio) * getattr(args, "engines", 1)
+    have = available_memory_bytes()
+    if have is not None and tokens > have:
+        parser.error(f"argument --device-pages/--page-size/--host-ratio: expected pools this machine's "
+                     f"{have / 2**30:.1f} GiB could hold, got {tokens:.3g} tokens (over a byte each)")
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Paths the run writes, checked before it starts (a run is not lost to a bad ``--out``)."""
+    why = path_problem(args.out)
+    if why is not None:
+        parser.error(f"argument --out: expected a file path the results can be written to, got {args.out!r} "
+                     f"({why})")
+    storage_dir = getattr(args, "storage_dir", None)
+    if storage_dir is not None:
+        why = path_problem(storage_dir, directory=True)
+        if why is not None:
+            parser.error(f"argument --storage-dir: expected a directory the L3 can use or create, got "
+                         f"{storage_dir!r} ({why})")
+    weights = getattr(args, "weights", None)
+    if weights is not None and weights != "toy" and not os.path.isfile(weights):
+        parser.error(f"argument --weights: expected 'toy' or an existing .npz file, got {weights!r}")
+
+
 # Per benchmark: checks of option combinations (after parsing, before ``--quick``).
-CHECKS = {"multiturn": check_multiturn}
+CHECKS = {"multiturn": [check_multiturn, check_serving], "two-run": [check_serving], "ttft": [check_serving],
+          "restart": [check_serving], "transfer": [check_transfer]}
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
-    """Run ``name``'s combination checks (``parser.error``: exit 2 with the usage line)."""
-    fn = CHECKS.get(name)
-    if fn is not None:
+    """Run ``name``'s checks (``parser.error``: exit 2 with the usage line): the output paths
+    first, then the combinations no single option's type checks (before ``--quick``, JAX or
+    any engine)."""
+    check_outputs(parser, args)
+    for fn in CHECKS.get(name, ()):
         fn(parser, args)
 
 
 def two_run_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "two_run")
     p.add_argument("--num-prompts", type=_positive_int, default=8, help="prompts per run")
-    p.add_argument("--prompt-len", type=_positive_int, default=3584, help="tokens per prompt")
-    p.add_argument("--answer-len", type=_positive_int, default=1, help="tokens generated per prompt")
+    p.add_argument("--prompt-len", type=_tokens, default=3584, help="tokens per prompt")
+    p.add_argument("--answer-len", type=_tokens, default=1, help="tokens generated per prompt")
 
 
 def ttft_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "ttft")
     _deterministic(p)
-    p.add_argument("--prompt-len", type=_positive_int, default=2048, help="tokens per prompt")
+    p.add_argument("--prompt-len", type=_tokens, default=2048, help="tokens per prompt")
     p.add_argument("--reuse", type=_fraction, default=0.95, help="fraction of the prompt that is a cached prefix")
     p.add_argument("--reps", type=_positive_int, default=9,
                    help="rounds; each measures every tier once, in rotating order (medians over rounds)")
-    p.add_argument("--answer-len", type=_positive_int, default=1, help="tokens generated per prompt")
+    p.add_argument("--answer-len", type=_tokens, default=1, help="tokens generated per prompt")
     p.add_argument("--decode-steps", type=_positive_int, default=16, help="decode steps per round of the decode test")
     p.add_argument("--decode-reps", type=_positive_int, default=10, help="interleaved with/without rounds of the decode test")
 
@@ -259,8 +436,8 @@ def ttft_arguments(p: argparse.ArgumentParser) -> None:
 def restart_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "restart")
     p.add_argument("--num-prompts", type=_positive_int, default=4, help="prompts written, then re-sent after the restart")
-    p.add_argument("--prompt-len", type=_positive_int, default=1024, help="tokens per prompt")
-    p.add_argument("--answer-len", type=_positive_int, default=4, help="tokens generated per prompt")
+    p.add_argument("--prompt-len", type=_tokens, default=1024, help="tokens per prompt")
+    p.add_argument("--answer-len", type=_tokens, default=4, help="tokens generated per prompt")
     p.add_argument("--phase", choices=["both", "write", "read"], default="both", help=argparse.SUPPRESS)
 
 
@@ -272,20 +449,21 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
                         "gpu = Pallas Triton; a kernel on CPU runs interpreted)")
     p.add_argument("--compare-impls", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure xla / mgpu / gpu gather and scatter side by side (default: on a GPU)")
-    p.add_argument("--layers", type=_positive_int, default=8, help="KV layers")
-    p.add_argument("--heads", type=_positive_int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension")
-    p.add_argument("--dtype", default="bfloat16", help="KV dtype")
-    p.add_argument("--page-sizes", type=_positive_int, nargs="+", default=[1, 16, 64], help="tokens per page")
-    p.add_argument("--page-counts", type=_positive_int, nargs="+", default=None,
+    p.add_argument("--layers", type=_layers, default=8, help="KV layers")
+    p.add_argument("--heads", type=_bounded(int, 1, MAX_HEADS), default=8, help="KV heads")
+    p.add_argument("--head-dim", type=_bounded(int, 1, MAX_HEAD_DIM), default=128, help="head dimension")
+    p.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="KV dtype")
+    p.add_argument("--page-sizes", type=_page_size, nargs="+", default=[1, 16, 64], help="tokens per page")
+    p.add_argument("--page-counts", type=_pages, nargs="+", default=None,
                    help="pages per transfer (default: per page size, the smallest power of two moving >= 64 MiB)")
-    p.add_argument("--layouts", nargs="+", default=[l.value for l in HostLayout], help="host pool layouts")
+    p.add_argument("--layouts", nargs="+", choices=[l.value for l in HostLayout], default=[l.value for l in HostLayout],
+                   help="host pool layouts")
     p.add_argument("--host-copy", default="auto", choices=["auto", "xla_stream", "numpy"],
                    help="how pages cross host<->device (auto: xla_stream where the host pool is pinned)")
     p.add_argument("--stream-loop", default=None, choices=["dynamic", "static"],
                    help="xla_stream page loops: over the live count, or over the whole bucket (known trip count); "
                         "default: the platform's (static on a GPU, dynamic elsewhere)")
-    p.add_argument("--stream-unroll", type=_positive_int, default=None,
+    p.add_argument("--stream-unroll", type=_bounded(int, 1, 1024), default=None,
                    help="unroll factor of static page loops (default: the platform's, 8 on a GPU)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per op (median)")
 
@@ -297,23 +475,23 @@ def spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="toy",
                    help="target + draft pair (.npz written by scripts/train_spec_pair.py); toy: the package's "
                         "trained toy pair")
-    p.add_argument("--prompt-len", type=_positive_int, default=512, help="tokens per repetitive prompt")
-    p.add_argument("--period", type=_non_negative_int, default=0,
+    p.add_argument("--prompt-len", type=_tokens, default=512, help="tokens per repetitive prompt")
+    p.add_argument("--period", type=_non_negative_tokens, default=0,
                    help="pattern length of the repetitive prompt (0: the period the pair was trained on)")
-    p.add_argument("--new-tokens", type=_positive_int, default=32, help="tokens generated per prompt")
-    p.add_argument("--k", type=_positive_int, default=4, help="draft tokens per verify step (chain drafting)")
+    p.add_argument("--new-tokens", type=_tokens, default=32, help="tokens generated per prompt")
+    p.add_argument("--k", type=_bounded(int, 1, 1024), default=4, help="draft tokens per verify step (chain drafting)")
     p.add_argument("--reps", type=_positive_int, default=5, help="prompts (patterns) per case; times are medians over them")
-    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=_non_negative_int, default=0, help="L1 pool size in pages (0: three requests' worth)")
-    p.add_argument("--max-context", type=_non_negative_int, default=0,
+    p.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=_non_negative_pages, default=0, help="L1 pool size in pages (0: three requests' worth)")
+    p.add_argument("--max-context", type=_non_negative_tokens, default=0,
                    help="tokens per request (0: prompt + new tokens + 2k + a page)")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=512, help="tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=_tokens, default=512, help="tokens per prefill step")
     p.add_argument("--storage-backend", choices=["orbax", "file"], default="orbax",
                    help="L3 backend (a directory: the restarted engine reads what the first one wrote)")
     p.add_argument("--storage-dir", default=None,
                    help="L3 directory (default %(default)s: a fresh temporary one, removed after)")
-    p.add_argument("--worker-nice", type=int, default=DEFAULT_WORKER_NICE,
+    p.add_argument("--worker-nice", type=_nice, default=DEFAULT_WORKER_NICE,
                    help="OS priority offset of the cache's D2H and L3 threads (0: the scheduler's; on a busy "
                         "machine +19 starves the L3 reads and TTFT measures the queue)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random patterns")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random patterns")
     rank_arguments(p)

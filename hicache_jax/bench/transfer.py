@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from . import options
+from .options import default_page_count
 from .report import Progress, gbps, machine_info, median_seconds, print_table, write_json
 from .. import HostLayout, KVGeometry
 from ..backends.jax import JaxDevicePool, JaxTransferEngine, host_memory_kind
@@ -88,12 +89,6 @@ class HostCopyCounter:
     def take(self) -> int:
         n, self.bytes = self.bytes, 0
         return n
-
-
-def default_page_count(bytes_per_page: int, min_bytes: int = 64 << 20) -> int:
-    """The smallest power-of-two page count moving >= ``min_bytes`` (at least 16 pages)."""
-    n = max(16, -(-min_bytes // bytes_per_page))
-    return 1 << (n - 1).bit_length()
 
 
 def run(args) -> dict:

@@ -303,7 +303,8 @@ class StorageConfig:
         try:
             url.port
         except ValueError:
-            raise ValueError(f"mooncake_metadata: bad port in {self.mooncake_metadata!r}") from None
+            raise ValueError(f"mooncake_metadata: expected a port in [0, 65535] in the URL, got "
+                             f"{self.mooncake_metadata!r}") from None
         check_host("mooncake_metadata", url.hostname)
         check_host("mooncake_local_hostname", self.mooncake_local_hostname)
         if self.capacity_bytes:

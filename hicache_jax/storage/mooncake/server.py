@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import math
 import os
 import signal
 import socket
@@ -248,8 +249,18 @@ class MooncakeMaster:
             raise ValueError(f"store_node_bytes: expected 0 (no store node) or at least 1 MiB, got {store_node_bytes}")
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: expected one of {list(LOG_LEVELS)}, got {log_level!r}")
-        if not (isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1):
+        if isinstance(eviction_high_watermark, bool) or \
+                not (isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1):
             raise ValueError(f"eviction_high_watermark: expected a number in (0, 1], got {eviction_high_watermark!r}")
+        for name, v, lo in (("start_timeout_s", start_timeout_s, "> 0"), ("max_lifetime_s", max_lifetime_s, ">= 0")):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+                    (lo == "> 0" and v == 0):
+                raise ValueError(f"{name}: expected finite seconds {lo}{' (0: no limit)' if lo == '>= 0' else ''}, "
+                                 f"got {v!r}")
+        if isinstance(extra_args, (str, bytes)) or any(not isinstance(a, str) for a in extra_args):
+            raise TypeError(f"extra_args: expected a sequence of str (arguments for the master), got {extra_args!r}")
+        if log_dir is not None and not isinstance(log_dir, str):
+            raise TypeError(f"log_dir: expected a str or None, got {type(log_dir).__name__}")
         self.host = host
         self.rpc_port, self.metadata_port, self.admin_port = rpc_port, metadata_port, 0
         self.lease_ttl_ms, self.eviction_high_watermark, self.client_ttl_s = lease_ttl_ms, eviction_high_watermark, client_ttl_s
@@ -524,18 +535,59 @@ def _stop_all() -> None:
             pass
 
 
+def _arg_type(kind: type, lo: float, hi: float, want: str):
+    """An argparse type: ``kind`` in [lo, hi] (floats finite), a usage error naming ``want`` otherwise."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if (kind is float and not math.isfinite(v)) or not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return v
+
+    parse.__name__ = want
+    parse.bounds = (kind, lo, hi, False)  # (tests derive the values to refuse from them)
+    return parse
+
+
+def _node_bytes(text: str) -> int:
+    import argparse
+
+    v = _arg_type(int, 0, 1 << 50, "bytes in [0, 2**50]")(text)
+    if 0 < v < (1 << 20):
+        raise argparse.ArgumentTypeError(f"expected 0 (no store node) or at least 1 MiB ({1 << 20}), got {text!r}")
+    return v
+
+
+def _host(text: str) -> str:
+    import argparse
+
+    if not text or text != text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected an IP address, got {text!r}")
+    return text
+
+
+_host.__name__ = "IP address"
+
+
 def add_arguments(ap) -> None:
-    """The server's options (``hicache-jax mooncake-server`` and ``python -m`` share them)."""
-    ap.add_argument("--host", default="127.0.0.1",
+    """The server's options (``hicache-jax mooncake-server`` and ``python -m`` share them); a bad
+    value is a usage error before anything starts."""
+    port = _arg_type(int, 0, 65535, "a port in [0, 65535]")
+    ap.add_argument("--host", type=_host, default="127.0.0.1",
                     help="IP address the master, metadata server and store node listen on (every client's "
                          "transfer engine still listens on all interfaces: see the README's Mooncake section)")
-    ap.add_argument("--rpc-port", type=int, default=0, help="the master's RPC port (0: a free one)")
-    ap.add_argument("--metadata-port", type=int, default=0, help="the HTTP metadata server's port (0: a free one)")
-    ap.add_argument("--lease-ttl-ms", type=int, default=10000,
+    ap.add_argument("--rpc-port", type=port, default=0, help="the master's RPC port (0: a free one)")
+    ap.add_argument("--metadata-port", type=port, default=0, help="the HTTP metadata server's port (0: a free one)")
+    ap.add_argument("--lease-ttl-ms", type=_arg_type(int, 0, 1 << 31, "ms in [0, 2**31]"), default=10000,
                     help="how long an object is protected from eviction after a put or get, in ms")
-    ap.add_argument("--store-node-bytes", type=int, default=DEFAULT_STORE_NODE_BYTES,
+    ap.add_argument("--store-node-bytes", type=_node_bytes, default=DEFAULT_STORE_NODE_BYTES,
                     help="memory the store node lends the store (0: no store node; engines must lend their own)")
-    ap.add_argument("--max-lifetime-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
+    ap.add_argument("--max-lifetime-s", type=_arg_type(float, 0, 365 * 24 * 3600.0, "finite seconds >= 0"),
+                    default=0.0, help="stop after this long (0: until Ctrl-C)")
     ap.add_argument("--log-level", choices=list(LOG_LEVELS), default=DEFAULT_LOG_LEVEL,
                     help="glog's minimum level in the master and store node (info: Mooncake's own default, "
                          "~20 lines per process); their logs go to files in the directory printed at start")
