@@ -14,7 +14,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from hicache_jax import HostKVPool, HostPoolConfig, KVGeometry, PageAllocator
+from hicache_jax import CacheStack, HostKVPool, HostPoolConfig, KVGeometry, PageAllocator
 from hicache_jax.backends.numpy_backend import make_numpy_backend
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
 from hicache_jax.cache.event_source import KVEventSource
@@ -32,6 +32,18 @@ G = KVGeometry.mha(2, 4, 1, 8, "float32")
 def make_cache():
     device, _host, engine = make_numpy_backend(G, 16, 32, "page_first", False)
     return HiRadixCache(HiCacheConfig(page_size=4), engine, device.allocator)
+
+
+def _backend():
+    device, _host, engine = make_numpy_backend(G, 16, 32, "page_first", False)
+    return engine, device.allocator
+
+
+def _controller(cache, config=None, **kw):
+    from hicache_jax.l3 import StorageController
+
+    return StorageController(cache, StorageConfig(backend="memory") if config is None else config,
+                             **{"model": "m", **kw})
 
 
 def router():
@@ -184,6 +196,29 @@ CASES = [
     ("StorageConfig(capacity nan)", None, lambda _: StorageConfig(backend="memory", capacity_bytes=NAN), TypeError,
      "capacity_bytes"),
     ("RadixKey(floats)", None, lambda _: RadixKey(np.array([1.5, 2.0])), TypeError, "token"),
+    # ---------------------------------------------------------------- the cache, its L3 controller, the stack
+    ("HiRadixCache(config dict)", None, lambda _: HiRadixCache({}, *_backend()), TypeError, "config"),
+    ("HiRadixCache(engine None)", None, lambda _: HiRadixCache(HiCacheConfig(page_size=4), None, _backend()[1]),
+     TypeError, "engine"),
+    ("HiRadixCache(allocator None)", None, lambda _: HiRadixCache(HiCacheConfig(page_size=4), _backend()[0], None),
+     TypeError, "device_allocator"),
+    ("HiRadixCache(page_size 8 != 4)", None, lambda _: HiRadixCache(HiCacheConfig(page_size=8), *_backend()),
+     ValueError, "config: page_size"),
+    ("StorageController(model '')", make_cache, lambda c: _controller(c, model=""), ValueError, "model"),
+    ("StorageController(weights_revision 1)", make_cache, lambda c: _controller(c, weights_revision=1), TypeError,
+     "weights_revision"),
+    ("StorageController(salt 1)", make_cache, lambda c: _controller(c, salt=1), TypeError, "salt"),
+    ("StorageController(batch_pages 0)", make_cache, lambda c: _controller(c, batch_pages=0), ValueError, "batch_pages"),
+    ("StorageController(max_inflight_fraction nan)", make_cache, lambda c: _controller(c, max_inflight_fraction=NAN),
+     ValueError, "max_inflight_fraction"),
+    ("StorageController(tp_rank 3 of 2)", make_cache, lambda c: _controller(c, tp_size=2, tp_rank=3), ValueError,
+     "tp_rank"),
+    ("StorageController(config dict)", make_cache, lambda c: _controller(c, config={}), TypeError, "storage_config"),
+    ("CacheStack(None)", None, lambda _: CacheStack(None), TypeError, "cache: expected a HiRadixCache"),
+    ("CacheStack(storage object)", make_cache, lambda c: CacheStack(c, storage=object()), TypeError, "storage"),
+    ("CacheStack(transfers without close)", make_cache, lambda c: CacheStack(c, transfers=[object()]), TypeError,
+     "transfers"),
+    ("CacheStack(closers str)", make_cache, lambda c: CacheStack(c, closers="ab"), TypeError, "closers"),
     # ---------------------------------------------------------------- the local Mooncake Store
     ("MooncakeMaster(max_lifetime_s -5)", None, lambda _: MooncakeMaster(max_lifetime_s=-5), ValueError,
      "max_lifetime_s: expected finite seconds >= 0"),
@@ -215,17 +250,17 @@ CASES = [
 def test_bad_input_is_a_clear_error_with_no_state_change(name, make, call, exc, match):
     obj = make() if make is not None else None
     state = {router: router_state, source: source_state}.get(make)
-    if make is make_cache:
-        before = obj.debug_view().watch  # a refused source attaches nothing
+    if make is make_cache:  # a refused source / controller / stack attaches nothing
+        before = (obj.debug_view().watch, obj.storage_hook)
     elif state is not None:
         before = state(obj)
     with pytest.raises(exc, match=match) as e:
         call(obj)
     msg = str(e.value)
     assert "expected" in msg or "already" in msg or "not subscribed" in msg or "unknown" in msg or \
-        "not after" in msg or "not one of" in msg or "schema" in msg, msg
+        "not after" in msg or "not one of" in msg or "schema" in msg or "!=" in msg, msg
     if make is make_cache:
-        assert obj.debug_view().watch is before
+        assert (obj.debug_view().watch, obj.storage_hook) == before
     elif state is not None:
         assert state(obj) == before
 
