@@ -16,7 +16,8 @@ keys (one SHA-256 per page, computed once per node and kept until the node is de
 Keys: the L3 controller's own chain (``storage.keys.page_keys`` under the ``target`` pool's
 ``Namespace``, built from the same fields as ``hicache_jax.l3.StorageController``'s: model
 identity with the KV geometry folded in, ``weights_revision``, KV dtype, page size, host
-layout, TP size / rank and the tenant via ``encode_namespace(salt, namespace)``), so pages
+layout, TP size / rank (none for a KV the same on every rank, an MLA latent: as the controller
+keys its replicated pools) and the tenant via ``encode_namespace(salt, namespace)``), so pages
 line up across engines and with what L3 holds. Pass the controller's ``model``,
 ``weights_revision`` and ``salt``. A split changes no page's key; the source divides the
 node's cached keys at each split (``split`` hook).
@@ -68,6 +69,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+from .._checks import check_int
 from ..storage.keys import Namespace, page_keys
 from .components import FULL
 from .events import EventBatch, KVEvent
@@ -94,6 +96,10 @@ def target_namespace(cache, model: str, weights_revision: str = "", tp_size: int
     agreement = cache.agreement
     tp_size = agreement.num_processes if tp_size is None else tp_size
     tp_rank = agreement.rank if tp_rank is None else tp_rank
+    tp_size = check_int("tp_size", tp_size, 1)
+    tp_rank = check_int("tp_rank", tp_rank, 0, tp_size - 1)
+    if tp_size > 1 and (g.kind == "mla" or bool(getattr(eng, "replicated", False))):
+        tp_size, tp_rank = 1, 0  # the same KV on every rank: keyed rank-independently (l3.pools, ``replicated``)
     ident = f"{model}#{g.kind}:L{g.num_layers}:H{g.heads}:D{g.width}"
     return Namespace.from_geometry(g, eng.host_pool.layout, model=ident, weights_revision=weights_revision,
                                    pool=TARGET_POOL, tp_size=tp_size, tp_rank=tp_rank)

@@ -216,3 +216,23 @@ def test_storage_events_have_no_parent_and_are_folded_without_a_chain():
     view = TierContents()
     view.apply(EventBatch("e", 0, (KVEvent("stored", "storage", (b"a" * 32, b"b" * 32), None, 2 * P),), True))
     assert view.tiers["storage"] == {b"a" * 32: None, b"b" * 32: None}
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("tp", [(1, 0), (2, 1)])
+def test_event_keys_are_the_l3_keys_under_tensor_parallelism(kind, tp):
+    """The source's namespace is the L3 controller's for the ``target`` pool, also with several
+    TP ranks, where an MLA latent (the same on every rank) is keyed rank-independently."""
+    from hicache_jax.l3.pools import L3Pools
+    from hicache_jax.storage import page_keys
+
+    cache, _be = make_cache(numpy_backend_factory, page_size=P, kind=kind)
+    tp_size, tp_rank = tp
+    src = KVEventSource(cache, model=MODEL, weights_revision="r1", salt="s", tp_size=tp_size, tp_rank=tp_rank)
+    pools = L3Pools(cache.components, model=MODEL, weights_revision="r1", tp_size=tp_size, tp_rank=tp_rank, salt="s")
+    key = RadixKey(np.arange(8, dtype=np.int64), extra_key="t1")
+    assert src.request_keys(key) == page_keys(pools.namespaces(key.namespace)["target"], key.token_ids)
+    src.close()
+    if kind == "mla" and tp_size > 1:
+        with pytest.raises(ValueError, match="tp_rank"):
+            KVEventSource(cache, model=MODEL, tp_size=2, tp_rank=5)  # checked before the rank is dropped
