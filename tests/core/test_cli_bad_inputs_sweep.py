@@ -71,10 +71,18 @@ MEMORY = [
 ]
 
 
+# The commands whose runners ``no_run`` blocks (a value not refused must not start a run); a new
+# command joins once its runner is blocked there too (test_every_option_has_bad_values covers
+# every command's options already).
+SWEPT = {"bench", "mooncake-server"}
+
+
 def cases() -> list[tuple[str, list[str], str]]:
     """(id, argv, the option the error names)."""
     out = []
     for prefix, p in commands():
+        if prefix[0] not in SWEPT:
+            continue
         for a in p._actions:
             if not a.option_strings or a.option_strings[-1] in FREE or a.option_strings[0] in FREE:
                 continue
