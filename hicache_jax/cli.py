@@ -31,6 +31,8 @@ _USAGE = """hicache_jax: a hierarchical KV cache (device / host / storage) for J
 commands:
   hicache-jax bench BENCHMARK [--quick] [--out PATH]   run a benchmark (table, JSON and PNG)
   hicache-jax bench BENCHMARK -h                       its options and defaults
+  hicache-jax chat [--context FILE] [--turns ...]      chat with Gemma 3 270M through the cache (models extra)
+  hicache-jax generate PROMPT                          one greedy continuation through the cache
   hicache-jax mooncake-server [-h]                     a local Mooncake Store for the mooncake L3 backend
   hicache-jax --version                                the installed version
 
@@ -75,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
         bp = bench.add_parser(b.name, help=b.help, description=b.help, formatter_class=_Formatter)
         b.arguments(bp)
         bp.set_defaults(benchmark=b, subparser=bp)
+    from . import chat  # nothing heavy at -h: the model and JAX load when the command runs
+
+    for mode, text in (("chat", chat.DESCRIPTION_CHAT), ("generate", chat.DESCRIPTION_GENERATE)):
+        cp = sub.add_parser(mode, help=text, description=chat.__doc__, formatter_class=_Formatter)
+        chat.add_arguments(cp, mode)
+        cp.set_defaults(subparser=cp)
     from .storage.mooncake import server  # standard library only: nothing heavy at -h
 
     mp = sub.add_parser("mooncake-server", help="run a local Mooncake Store", description=server.DESCRIPTION,
@@ -100,6 +108,13 @@ def run_benchmark(b: Benchmark, args: argparse.Namespace, subparser: argparse.Ar
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command in ("chat", "generate"):
+        from . import chat
+
+        mode, sub = args.command, args.subparser
+        del args.command, args.subparser
+        chat.check(sub, args)
+        return chat.run(args, mode)
     if args.command == "mooncake-server":
         from .storage.mooncake import server
 

@@ -23,6 +23,23 @@ MODEL_PRESET_NAMES = ("tiny", "bench", "hybrid-tiny", "hybrid", "llama3-8b-shape
 # ``--model``'s default: resolved when the benchmark runs (serving.resolve_model: the backend is
 # known only once JAX is imported): GPU_MODEL on a GPU or TPU, CPU_MODEL on a CPU.
 AUTO_MODEL, GPU_MODEL, CPU_MODEL = "auto", "llama3-8b-shape", "bench"
+# Real checkpoints (``hicache_jax.models``: weights from a package on the index, the ``models``
+# extra), served as they are: ``multiturn`` only, in real text (``bench.text_conversations``).
+REAL_MODELS = ("gemma3-270m",)
+# Their multiturn sizes (options left at their default), and what --quick changes on top. L1 holds
+# about two thirds of the working set (two shared documents of ~1,000 and ~2,200 tokens plus each
+# conversation's turns) and L2 as much, so prefixes come back from every tier.
+REAL_MODEL_DEFAULTS = dict(clients=4, rounds=4, answer_len=32, page_size=16, device_pages=224, host_ratio=1.0,
+                           max_batch=4, prefill_chunk=512)
+REAL_MODEL_QUICK = dict(clients=2, rounds=2, answer_len=8)
+# option -> (the only value a real model takes, why)
+REAL_MODEL_UNSUPPORTED = {
+    "layers": (None, "the checkpoint has its own layers"),
+    "attention": ("mha", "the checkpoint has per-head K/V"),
+    "num_processes": (1, "one process (the ranks run the reference model)"),
+    "engines": (1, "one engine"),
+    "deterministic": (False, "the default numerics (tokens are checked against no cache)"),
+}
 # ``--quick`` with a full-size preset given on the command line takes its tiny shape of the same kind.
 QUICK_MODEL = {"bench": "tiny", "hybrid": "hybrid-tiny", "llama3-8b-shape": "llama3-8b-shape-tiny"}
 # pallas_kernels.page_copy's implementations (its dispatcher's IMPLS; a test keeps them equal).
@@ -79,7 +96,19 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
     engine = getattr(args, "engine", "reference")
     at_default = {k for k in vars(args) if getattr(args, k) == parser.get_default(k)}
     table = dict(ENGINE_DEFAULTS.get(engine, {}))
-    if getattr(args, "quick", False):
+    real = getattr(args, "model", None) in REAL_MODELS
+    if real:
+        if name != "multiturn" or engine != "reference":
+            parser.error(f"--model {args.model}: a real checkpoint runs in bench multiturn on the reference engine "
+                         "only")
+        for k, (want, why) in REAL_MODEL_UNSUPPORTED.items():
+            if getattr(args, k, want) != want:
+                parser.error(f"--{k.replace('_', '-')} {getattr(args, k)}: --model {args.model} takes only {want} "
+                             f"({why})")
+        table.update(REAL_MODEL_DEFAULTS)
+        if getattr(args, "quick", False):
+            table.update(REAL_MODEL_QUICK)
+    elif getattr(args, "quick", False):
         table.update(QUICK.get(name, {}) if engine == "reference" else ENGINE_QUICK.get(engine, {}))
     for k, v in table.items():
         if k in at_default:
@@ -189,8 +218,10 @@ def _common(p: argparse.ArgumentParser, name: str, *, device_pages: int = 1024, 
     p.add_argument("--quick", action="store_true", help="small sizes (seconds to a minute), for a first look or CI")
     p.add_argument("--out", default=results_path(name),
                    help="JSON result (the PNG goes beside it); relative paths are under the current directory")
-    p.add_argument("--model", choices=(AUTO_MODEL, *MODEL_PRESET_NAMES), default=AUTO_MODEL,
-                   help=f"reference model preset ({AUTO_MODEL}: {GPU_MODEL} on a GPU or TPU, {CPU_MODEL} on a CPU; "
+    p.add_argument("--model", choices=(AUTO_MODEL, *MODEL_PRESET_NAMES, *REAL_MODELS), default=AUTO_MODEL,
+                   help=f"reference model preset or real checkpoint ({', '.join(REAL_MODELS)}: multiturn only, real "
+                        f"text, weights from the models extra; {AUTO_MODEL}: {GPU_MODEL} on a GPU or TPU, "
+                        f"{CPU_MODEL} on a CPU; "
                         f"{GPU_MODEL}: Llama-3-8B's layer shape with bf16 KV; hybrid: sliding-window layers in an "
                         f"SWA pool; --quick takes the tiny preset of the same kind: "
                         + ", ".join(f"{k} -> {v}" for k, v in QUICK_MODEL.items()) + f", {AUTO_MODEL} -> tiny)")

@@ -71,7 +71,7 @@ from ..reference_model.config import LLAMA3_8B_SHAPE, LLAMA3_8B_SHAPE_TINY
 from ..storage.config import StorageConfig
 from . import goals as bench_goals
 from . import plots, ranks
-from .options import AUTO_MODEL, CPU_MODEL, GPU_MODEL
+from .options import AUTO_MODEL, CPU_MODEL, GPU_MODEL, REAL_MODELS
 from .report import Progress, machine_info, print_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,7 +129,28 @@ def with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
     return replace(cfg, num_layers=layers, layer_types=tuple(types[i % len(types)] for i in range(layers)))
 
 
+_REAL_WEIGHTS: dict = {}  # model name -> its loaded weights, shared by every engine of the process
+
+
+def real_weights(name: str):
+    """A real checkpoint's weights (``hicache_jax.models``), loaded once per process."""
+    if name not in _REAL_WEIGHTS:
+        from ..models.gemma3.paged import load_model
+
+        _REAL_WEIGHTS[name] = load_model(name)
+    return _REAL_WEIGHTS[name]
+
+
+def real_tokenizer(name: str):
+    """A real checkpoint's tokenizer (from its GGUF; the weights are not loaded)."""
+    from ..models.gemma3 import Gemma3Tokenizer, model_file
+
+    return Gemma3Tokenizer.from_gguf(model_file(name))
+
+
 def model_config(args) -> ModelConfig:
+    if args.model in REAL_MODELS:
+        return real_weights(args.model).config
     cfg = MODEL_PRESETS[resolve_model(args)]
     if getattr(args, "layers", None) is not None:
         cfg = with_layers(cfg, args.layers)
@@ -175,8 +196,9 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
                               prefill_chunk=args.prefill_chunk, max_context=max_context,
                               storage=storage_config(args) if storage else None, worker_nice=args.worker_nice,
                               deterministic=getattr(args, "deterministic", False))
-    engine = Engine(model_config(args) if model is None else model, cache,
-                    ranks=ranks.rank_context(args))  # a rank of --num-processes
+    cfg = model_config(args) if model is None else model
+    weights = real_weights(args.model).with_config(cfg) if args.model in REAL_MODELS else None
+    engine = Engine(cfg, cache, weights=weights, ranks=ranks.rank_context(args))  # a rank of --num-processes
     engine.warmup()
     return engine
 
@@ -184,7 +206,8 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
 def describe(args, *extra: str) -> str:
     """The configuration line under every figure's title."""
     l3 = "no L3" if args.storage_backend == "none" else f"L3 {args.storage_backend}"
-    layers = args.layers or (MODEL_PRESETS[args.model].num_layers if args.model in MODEL_PRESETS else "?")
+    layers = args.layers or (MODEL_PRESETS[args.model].num_layers if args.model in MODEL_PRESETS else
+                             _REAL_WEIGHTS[args.model].config.num_layers if args.model in _REAL_WEIGHTS else "?")
     parts = [f"model {args.model} ({args.attention}, {layers} layers)", f"page {args.page_size}",
              f"L1 {args.device_pages} pages",
              f"L2 x{args.host_ratio:g}" + (f" {args.host_layout}" if getattr(args, "host_layout", "page_first")
@@ -320,7 +343,8 @@ class _Conversations:
 def _serve_round(engine: "Engine", conv: _Conversations, use_cache: bool) -> _Round:
     prompts, arrivals = conv.prompts()
     t0 = time.perf_counter()
-    results = engine.generate(prompts, conv.args.answer_len, use_cache=use_cache, arrivals=arrivals)
+    results = engine.generate(prompts, conv.args.answer_len, use_cache=use_cache, arrivals=arrivals,
+                              stop_tokens=getattr(conv, "stop_tokens", ()))
     r = _Round(results, time.perf_counter() - t0)
     conv.answered(results)
     return r
@@ -372,8 +396,21 @@ def multiturn(args) -> dict:
         return _multiturn(args, progress)
 
 
+def _new_conversations(args, vocab: int, seed: int, warm: bool = False):
+    """The clients' conversations: random token ids for a preset, real text for a checkpoint
+    (``text_conversations``; the warm-up's start with other words, so they share no prefix)."""
+    if args.model in REAL_MODELS:
+        from .text_conversations import TextConversations
+
+        return TextConversations(args, real_tokenizer(args.model), seed, salt="Warm-up copy. " if warm else "")
+    return _Conversations(args, vocab, seed)
+
+
 def _multiturn(args, progress: Progress) -> dict:
     max_context = args.first_len + args.rounds * (args.turn_len + args.answer_len) + 16
+    if args.model in REAL_MODELS:
+        progress.phase(f"loading {args.model} (the first run assembles and dequantizes it)")
+        max_context = _new_conversations(args, 0, args.seed).max_context(args.rounds, args.answer_len)
     resolve_model(args)
     progress.phase(f"building and compiling two engines (model {args.model}; the first build imports JAX)", 2)
     cached_engine = build_engine(args, max_context)
@@ -397,7 +434,7 @@ def _multiturn(args, progress: Progress) -> dict:
                                  "request_rate": 0})
     progress.phase("warm-up (untimed, other tokens)", len(runs) * warm.rounds)
     for _name, engine, use in runs:
-        conv = _Conversations(warm, vocab, args.seed + 1000)
+        conv = _new_conversations(warm, vocab, args.seed + 1000, warm=True)
         for _ in range(warm.rounds):
             _serve_round(engine, conv, use)
             progress.advance(1)
@@ -408,7 +445,7 @@ def _multiturn(args, progress: Progress) -> dict:
             engine.cache.metrics.reset()
     audit = enable_audit(cached_engine)  # after the warm-up's reset: the measured rounds only
     # The same trace through every engine, alternate rounds: the no-cache round first.
-    convs = {name: _Conversations(args, vocab, args.seed) for name, _e, _u in runs}
+    convs = {name: _new_conversations(args, vocab, args.seed) for name, _e, _u in runs}
     rounds: dict[str, list[_Round]] = {name: [] for name, _e, _u in runs}
     progress.phase(f"{args.clients} clients x {args.rounds} rounds, {' / '.join(rounds)} alternating",
                    len(runs) * args.rounds)
@@ -461,6 +498,9 @@ def _multiturn(args, progress: Progress) -> dict:
           f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
           f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
     print_exactness(divergence, audit, cached_engine.cache_config.deterministic)
+    transcript = None
+    if args.model in REAL_MODELS:
+        transcript = _side_by_side(convs["no cache"], convs["hicache"], rounds["hicache"])
     swa_vs_full = None
     if "hicache, SWA as full" in summaries:
         as_full = summaries["hicache, SWA as full"]
@@ -485,10 +525,32 @@ def _multiturn(args, progress: Progress) -> dict:
            "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(), "cache_stats": stats,
            "plot": png}
     out["goals"], out["verdict"] = goals, verdict
+    if transcript is not None:
+        out["transcript"] = transcript
     if swa_vs_full is not None:
         out["swa_as_full"] = summaries["hicache, SWA as full"]
         out["hybrid_vs_swa_as_full"] = swa_vs_full
     ranks.report_rank(cached_engine.cache, out, served)
+    return out
+
+
+def _side_by_side(base, cached, cached_rounds: list[_Round], client: int = 1, width: int = 60) -> list[dict]:
+    """Print one conversation's answers without and with the cache, side by side, with what the
+    cache served of each turn's prompt; returns them for the JSON."""
+    import textwrap
+
+    out = []
+    print(f"\nconversation {client} (document {base.doc_of[client]}), answers generated without | with the cache:")
+    for r, ((q, a0), (_q, a1)) in enumerate(zip(base.transcript(client), cached.transcript(client))):
+        res = cached_rounds[r].results[client]
+        served = ", ".join(f"{t} {n}" for t, n in res.cached_tokens.items() if n) or "nothing"
+        print(f"turn {r + 1}: Q: {q}   [prompt {res.prompt_len} tokens; cache served {served}; "
+              f"{'same text' if a0 == a1 else 'TEXT DIFFERS'}]")
+        left, right = textwrap.wrap(a0, width) or [""], textwrap.wrap(a1, width) or [""]
+        for i in range(max(len(left), len(right))):
+            print(f"  {left[i] if i < len(left) else '':{width}s} | {right[i] if i < len(right) else ''}")
+        out.append({"question": q, "no_cache": a0, "hicache": a1, "prompt_tokens": res.prompt_len,
+                    "cached_tokens": dict(res.cached_tokens)})
     return out
 
 

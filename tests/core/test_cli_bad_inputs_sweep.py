@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from hicache_jax import cli
+from hicache_jax import chat, cli
 from hicache_jax.storage.mooncake import server
 
 
@@ -59,9 +59,11 @@ EXPLICIT: dict[str, list[tuple[str, list[str]]]] = {
     "--weights": [("/nonexistent/pair.npz", [])],
     "--host": [("", []), ("127.0.0.1 ", [])],
     "--store-node-bytes": [("1", []), ("-1", []), ("nan", []), (str(1 << 51), [])],
+    "--context": [("/nonexistent/doc.txt", []), ("/", [])],
 }
 # Options with nothing to refuse (flags).
-FREE = {"--help", "--quick", "--deterministic", "--compare-impls", "--version"}
+FREE = {"--help", "--quick", "--deterministic", "--compare-impls", "--version", "--no-storage",
+        "--turns"}  # --turns: any text is a turn
 # Sizes each within bounds whose product cannot fit any machine: refused up front too.
 MEMORY = [
     (["bench", "transfer"], ["--heads", "1024", "--head-dim", "8192", "--layers", "1024"], "--heads"),
@@ -74,7 +76,7 @@ MEMORY = [
 # The commands whose runners ``no_run`` blocks (a value not refused must not start a run); a new
 # command joins once its runner is blocked there too (test_every_option_has_bad_values covers
 # every command's options already).
-SWEPT = {"bench", "mooncake-server"}
+SWEPT = {"bench", "mooncake-server", "chat"}
 
 
 def cases() -> list[tuple[str, list[str], str]]:
@@ -125,6 +127,7 @@ def no_run(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli, "run_benchmark", refuse)
     monkeypatch.setattr(server, "run", refuse)
+    monkeypatch.setattr(chat, "run", refuse)
     monkeypatch.chdir(tmp_path)
     yield tmp_path
     assert not list(tmp_path.iterdir()), "a refused command wrote output"
