@@ -1112,8 +1112,10 @@ class HiRadixCache:
         raise ValueError with nothing changed."""
         if get_ident() != self._owner:
             self._not_owner("abort_request")
-        if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size:
-            return  # holds nothing (aborted or finished already)
+        if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size \
+                and req.owner in (None, self._requests):
+            req.released = True  # holds nothing (aborted or finished already, or begun on no match)
+            return
         self._requests.abort(self._requests.check(req, partial=True))
         if self._component_steps is not None:
             self._component_steps.forget(req)

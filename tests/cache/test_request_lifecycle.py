@@ -155,3 +155,21 @@ def test_a_retain_on_a_cache_without_retention_is_refused_like_begin_requests(ca
     req.retain = None
     getattr(cache, call)(req)
     cache.sanity_check(own_pages(req))
+
+
+def test_aborting_a_request_begun_on_no_match_ends_it():
+    """Found by the lifecycle fuzz: a request begun on nothing cached holds nothing, and its
+    abort was a silent no-op that left it open (``released`` False): a later
+    ``cache_finished_req`` of it was then accepted."""
+    cache, be = make_cache(numpy_backend_factory, page_size=2, device_pages=16, host_pages=16)
+    req, _ = cache.begin_request(RadixKey(np.arange(5)))
+    assert req.last_node is None and req.device_pages.size == 0
+    cache.abort_request(req)
+    assert req.released
+    req.extend(RadixKey(np.arange(6)), cache.alloc_device(3))
+    before = state(cache, be, req)
+    with pytest.raises(ValueError, match="already finished or aborted"):
+        cache.cache_finished_req(req)
+    assert state(cache, be, req) == before
+    be.device.allocator.free(req.device_pages)
+    cache.sanity_check(0)
