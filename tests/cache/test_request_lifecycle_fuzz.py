@@ -219,7 +219,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             req.device_pages = np.r_[req.device_pages, page].astype(req.device_pages.dtype)
             # finished: a whole page, inserted (the tree's page under another key: refused);
             # abort: one of its own pages to free (a tree page: refused)
-            exc, match = ValueError, "req.device_pages"
+            exc, match = ValueError, "device_pages"  # (the insert names it device_pages)
         try:
             self.refused(lambda: getattr(self.cache, call)(req), exc, req, match)
         finally:
