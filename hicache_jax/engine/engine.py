@@ -260,6 +260,9 @@ class Engine:
             raise TypeError(f"cache_config: expected an EngineCacheConfig, got {type(cache_config).__name__}")
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig or None, got {type(spec).__name__}")
+        if model_config.max_positions is not None and cache_config.max_context > model_config.max_positions:
+            raise ValueError(f"cache_config: max_context {cache_config.max_context} exceeds the model's context of "
+                             f"{model_config.max_positions} positions")
         if spec is not None and 2 + spec.extra_positions > cache_config.max_context:
             # The shortest request (1 prompt token, 1 new) writes 2 * k - 1 positions past its end.
             raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "

@@ -4,8 +4,18 @@ Hybrid models: ``layer_types`` names each layer ``"full"`` (causal attention ove
 prefix) or ``"sliding"`` (attention over the last ``sliding_window`` positions, the current one
 included: see ``window``). The two kinds keep their KV in two pools: the full layers in the
 pool of ``kv_geometry(page)``, the sliding layers in an SWA pool of ``swa_kv_geometry(page)``,
-with its own page ids. ``swa_as_full=True`` keeps the same layers and weights but runs every
-layer as full attention with its KV in the full pool: the "SWA as full" memory baseline.
+with its own page ids. ``swa_as_full=True`` keeps the same layers and weights but keeps every
+layer's KV in the full pool: the "SWA as full" memory baseline. The reference family (random
+weights: no trained model to stay faithful to) then runs its sliding layers as full attention; a
+real model's family (``gemma3``) keeps each layer's window as trained, so only where its KV lives
+changes and the tokens stay the same (``attention_window``).
+
+``family``: which module family runs the config: ``"reference"`` (``reference_model.model``,
+weights from the seed) or ``"gemma3"`` (``models.gemma3.paged``: Gemma 3's blocks, weights from
+a checkpoint; ``rope_theta`` is then the full layers' RoPE base, ``rope_theta_local`` the sliding
+layers', ``query_pre_attn_scalar`` the score scale's base, ``rms_norm_eps`` its norms' epsilon).
+``max_positions``: the longest context the model was trained for (None: no limit; the engine
+refuses a larger ``max_context``).
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ class ModelConfig:
     rope_theta_local: float | None = None
     query_pre_attn_scalar: float | None = None
     rms_norm_eps: float = 1e-6
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn",
@@ -110,6 +121,9 @@ class ModelConfig:
             raise ValueError(f"sliding_window: expected >= 1, got {self.sliding_window}")
         if not isinstance(self.swa_as_full, bool):
             raise TypeError(f"swa_as_full: expected a bool, got {type(self.swa_as_full).__name__}")
+        if self.max_positions is not None and (isinstance(self.max_positions, bool) or
+                                               not isinstance(self.max_positions, int) or self.max_positions < 2):
+            raise ValueError(f"max_positions: expected None or an int >= 2, got {self.max_positions!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family: expected one of {list(FAMILIES)}, got {self.family!r}")
         if self.family != "reference" and self.attention != "mha":

@@ -128,3 +128,5 @@ def test_gemma_engine_tokens_equal_the_plain_greedy_with_every_tier(tmp_path):
         engine.close()
     with pytest.raises(ValueError, match="weights: required for model family 'gemma3'"):
         Engine(w.config, cache)
+    with pytest.raises(ValueError, match="max_context 4097 exceeds the model's context of 4096 positions"):
+        Engine(w.config, EngineCacheConfig(page_size=PAGE, max_context=4097), weights=w)

@@ -54,7 +54,8 @@ def model_config(cfg: Gemma3Config, *, kv_dtype: str = "float32", swa_as_full: b
                        ffn=cfg.intermediate_size, rope_theta=float(cfg.rope_theta_global), kv_dtype=kv_dtype,
                        layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, swa_as_full=swa_as_full,
                        family="gemma3", rope_theta_local=float(cfg.rope_theta_local),
-                       query_pre_attn_scalar=float(cfg.query_pre_attn_scalar), rms_norm_eps=float(cfg.rms_norm_eps))
+                       query_pre_attn_scalar=float(cfg.query_pre_attn_scalar), rms_norm_eps=float(cfg.rms_norm_eps),
+                       max_positions=cfg.max_position_embeddings)
 
 
 class Norm(nnx.Module):
