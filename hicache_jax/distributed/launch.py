@@ -13,6 +13,22 @@ output as it is written (its Python output unbuffered), so a long run shows its 
 ``jax.distributed.initialize`` with what the launcher set. Returns ``(rank, num_processes)``.
 ``run_rank(main)`` runs a rank's body and ends the process at once when it raises.
 
+Same program, same executable on every rank: jaxlib seeds each execution's launch id (XLA's
+``RunId``) from the executable's fingerprint, and jaxlib >= 0.12 derives the gloo tags of a
+program's collectives from the ``RunId`` (``GlooCommunicator::NextTag``; 0.11 used tag 0), so
+ranks whose executables of one program have different fingerprints wait, for good, each for a
+message on a tag the other never sends on. ``initialize_from_env`` removes the two ways the
+ranks' fingerprints came apart:
+
+* full Python tracebacks in the IR's locations (``jax_include_full_tracebacks_in_locations``
+  off): with them a program that one rank first traced through another call stack (a wrapper
+  only that rank has) compiles to another fingerprint. Each op keeps its innermost user frame
+  (the traced code's own line), the same on every rank.
+* the persistent compilation cache (``jax_enable_compilation_cache`` off): only process 0
+  writes it, under keys that only process 0 reads, and an executable loaded from it has
+  another fingerprint than the same program compiled, so rank 0 hitting an entry an earlier
+  launch wrote (pytest's session cache, ``conftest.py``) while rank 1 compiles hangs too.
+
 No orphans: a rank must not outlive its launcher (a killed pytest left ranks blocked in a
 collective for good). ``initialize_from_env`` calls ``exit_with_launcher()``: the rank is
 SIGKILLed when the launcher dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere, and as a
@@ -140,6 +156,10 @@ def initialize_from_env(initialization_timeout: int = 120, shutdown_timeout: int
     rank, n = int(os.environ["HICACHE_RANK"]), int(os.environ["HICACHE_NUM_PROCESSES"])
     exit_with_launcher()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Same program, same executable fingerprint on every rank (module docstring): one that
+    # differs gives the ranks' collectives different gloo tags on jaxlib >= 0.12, a hang.
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)  # whatever called the trace
+    jax.config.update("jax_enable_compilation_cache", False)  # compiled on every rank, none loaded
     jax.distributed.initialize(os.environ["HICACHE_COORDINATOR"], n, rank,
                                initialization_timeout=initialization_timeout,
                                shutdown_timeout_seconds=shutdown_timeout)
