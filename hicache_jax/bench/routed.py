@@ -103,8 +103,11 @@ class _PolicyRun:
             if engine.storage is not None:  # the store's counters too: the rounds' reads and writes only
                 engine.storage.storage.metrics.reset()
             engine.metrics.peak_device_pages = engine.metrics.peak_swa_device_pages = 0
-            src = KVEventSource(engine.cache, model=engine.storage_model_id, engine=n,
-                                weights_revision=engine.storage_weights_revision)
+            # With L3 the source takes the model identity from the engine's controller (its keys
+            # are the L3's); without, the same identity the controller would have been given.
+            ident = {} if engine.storage is not None else {"model": engine.storage_model_id,
+                                                           "weights_revision": engine.storage_weights_revision}
+            src = KVEventSource(engine.cache, engine=n, **ident)
             if engine.storage is not None:
                 src.observe_storage(engine.storage.storage)
             src.subscribe(self.router.apply)

@@ -4,7 +4,8 @@ contents, into ``KVEvent`` batches.
 
 Usage::
 
-    source = KVEventSource(cache, model="llama-3-8b", engine="engine-0")   # attaches itself
+    source = KVEventSource(cache, engine="engine-0")   # attaches itself; keyed as the cache's L3 controller
+    source = KVEventSource(cache, model="llama-3-8b", engine="engine-0")   # a cache without L3
     source.observe_storage(controller.storage)     # optional: L3 stores / removals become storage events
     source.subscribe(router.apply)                  # delivered once per cache.check_events()
     batch = source.drain()                          # or drain by hand, once per step
@@ -18,8 +19,13 @@ Keys: the L3 controller's own chain (``storage.keys.page_keys`` under the ``targ
 identity with the KV geometry folded in, ``weights_revision``, KV dtype, page size, host
 layout, TP size / rank (none for a KV the same on every rank, an MLA latent: as the controller
 keys its replicated pools) and the tenant via ``encode_namespace(salt, namespace)``), so pages
-line up across engines and with what L3 holds. Pass the controller's ``model``,
-``weights_revision`` and ``salt``. A split changes no page's key; the source divides the
+line up across engines and with what L3 holds. With a ``StorageController`` attached to the
+cache (its ``storage_hook``) the source takes ``model``, ``weights_revision`` and ``salt`` from
+it (``model``, ``weights_revision``, ``salt`` left out); one given that differs from the
+controller's is refused (``ValueError`` naming it: its keys would never match the L3's), as is
+a ``tp_size`` / ``tp_rank`` that keys the ``target`` pool otherwise than the controller
+(``key_namespace``). Without a controller ``model`` is required. A source built before the
+controller is checked the same way when it observes that controller's store. A split changes no page's key; the source divides the
 node's cached keys at each split (``split`` hook).
 
 Storage: the cache never learns what L3 holds. ``observe_storage(storage)`` registers a
@@ -74,7 +80,7 @@ from ..storage.keys import Namespace, page_keys
 from .components import FULL
 from .events import EventBatch, KVEvent
 from .hiradix_cache import HiRadixCache
-from .radix_key import as_radix_key, encode_namespace
+from .radix_key import DEFAULT_NAMESPACE, as_radix_key, encode_namespace
 from .residency_watch import ResidencyWatch
 from .tree_node import TreeNode
 
@@ -108,21 +114,42 @@ def target_namespace(cache, model: str, weights_revision: str = "", tp_size: int
 class KVEventSource(ResidencyWatch):
     """See the module docstring."""
 
-    def __init__(self, cache, *, model: str, engine: str = "", weights_revision: str = "", salt: str = "",
-                 tp_size: int | None = None, tp_rank: int | None = None, max_pending: int = 1 << 16) -> None:
+    def __init__(self, cache, *, model: str | None = None, engine: str = "", weights_revision: str | None = None,
+                 salt: str | None = None, tp_size: int | None = None, tp_rank: int | None = None,
+                 max_pending: int = 1 << 16) -> None:
         if not isinstance(cache, HiRadixCache):
             raise TypeError(f"cache: expected a HiRadixCache, got {type(cache).__name__}")
         if not isinstance(engine, str):
             raise TypeError(f"engine: expected a str, got {type(engine).__name__}")
-        if not isinstance(salt, str):
+        if salt is not None and not isinstance(salt, str):
             raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
+        if weights_revision is not None and not isinstance(weights_revision, str):
+            raise TypeError(f"weights_revision: expected a str, got {type(weights_revision).__name__}")
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending: expected an int >= 1, got {max_pending!r}")
+        ctl = _controller(cache)
+        if ctl is not None:  # the identity is the controller's; a different one given here is refused
+            for name, given, have in (("model", model, ctl.model), ("weights_revision", weights_revision,
+                                                                     ctl.weights_revision), ("salt", salt, ctl.salt)):
+                if given is not None and given != have:
+                    raise ValueError(f"{name}: {given!r} differs from the attached StorageController's {have!r} (the "
+                                     f"events' page keys would never match the L3's); leave it out to use the "
+                                     f"controller's")
+            model, weights_revision, salt = ctl.model, ctl.weights_revision, ctl.salt
+        elif model is None:
+            raise ValueError("model: expected a non-empty str (the model identity in every page key; required when no "
+                             "StorageController is attached to the cache), got None")
+        weights_revision = "" if weights_revision is None else weights_revision
+        salt = "" if salt is None else salt
         self._base = target_namespace(cache, model, weights_revision, tp_size, tp_rank)
         self.cache = cache
         self.model = model
+        self.weights_revision = weights_revision
         self.engine = engine
         self.salt = salt
+        self._checked = None  # the controller whose keys were found equal to the source's
+        if ctl is not None:
+            self._check_controller(ctl)
         self.page_size = cache.page_size
         self.max_pending = max_pending
         self._ns: dict[tuple, tuple[Namespace, str]] = {}
@@ -197,6 +224,9 @@ class KVEventSource(ResidencyWatch):
             raise ValueError(f"probe_interval_s: expected finite seconds >= 0, got {probe_interval_s!r}")
         if any(t.storage is storage for t in self._taps):
             raise ValueError("storage: already observed by this source")
+        ctl = _controller(self.cache)
+        if ctl is not None and ctl.storage is storage:  # a controller attached after the source was built
+            self._check_controller(ctl)
         tap = _StorageTap(storage, probe_pages, probe_interval_s)
         q, lock, bound = self._storage_q, self._storage_lock, self.max_pending
 
@@ -314,6 +344,25 @@ class KVEventSource(ResidencyWatch):
                 sub.resync = False
 
     # ------------------------------------------------------------------ internals
+    def _check_controller(self, ctl) -> None:
+        """Refuse (``ValueError`` naming the argument) an identity whose page keys differ from
+        the L3 controller's ``target`` keys."""
+        if ctl is self._checked:
+            return
+        for name in ("model", "weights_revision", "salt"):
+            mine, have = getattr(self, name), getattr(ctl, name)
+            if mine != have:
+                raise ValueError(f"{name}: the source was built with {mine!r}, the StorageController attached to its "
+                                 f"cache with {have!r} (the events' page keys would never match the L3's)")
+        want = replace(ctl.key_namespace(TARGET_POOL, DEFAULT_NAMESPACE), extra_key=self._base.extra_key)
+        if self._base != want:
+            diff = [f for f in ("tp_size", "tp_rank", "model", "weights_revision", "kv_dtype", "page_size", "layout")
+                    if getattr(self._base, f) != getattr(want, f)]
+            raise ValueError(f"{'/'.join(diff) or 'namespace'}: the source's page keys would differ from the attached "
+                             f"StorageController's ({self._base} != {want}); leave tp_size/tp_rank out to use the "
+                             f"cache's")
+        self._checked = ctl
+
     def _namespace(self, radix_ns: tuple) -> tuple[Namespace, str]:
         out = self._ns.get(radix_ns)
         if out is None:
@@ -380,6 +429,13 @@ class KVEventSource(ResidencyWatch):
                 out.append(KVEvent("stored", "host", ks, prev, node.size, self.model, ns))
             stack.extend(node.children.values())
         return out
+
+
+def _controller(cache):
+    """The L3 controller attached to ``cache`` (its ``storage_hook``, when it tells its page
+    keys' identity: ``key_namespace``, ``model``, ``weights_revision``, ``salt``), or None."""
+    hook = cache.storage_hook
+    return hook if hook is not None and callable(getattr(hook, "key_namespace", None)) else None
 
 
 class _Subscriber:

@@ -17,6 +17,8 @@ Signatures::
 
     StorageController(cache, storage_config=None, *, model, weights_revision="", tp_size=None, tp_rank=None,
                       salt="", storage=None, batch_pages=128, max_inflight_fraction=0.5)
+    key_namespace(pool="target", namespace=DEFAULT_NAMESPACE) -> Namespace   # seeds the pool's page keys
+    model, weights_revision, salt               # the identity given above (attributes)
     prefetch(key) -> PrefetchOperation
     prefetch_ready(op) -> bool
     finish_prefetch(op) -> int                 # tokens attached to the tree from storage
@@ -178,7 +180,7 @@ import time
 import numpy as np
 
 from ..cache.hiradix_cache import HiRadixCache
-from ..cache.radix_key import as_radix_key, encode_namespace
+from ..cache.radix_key import DEFAULT_NAMESPACE, as_radix_key, encode_namespace
 from ..storage import HiCacheStorage, Namespace, StorageConfig, create_storage
 from ..workers import background_executor
 from .backup import L3Backups
@@ -226,6 +228,8 @@ class StorageController:
         self.max_inflight_fraction = float(max_inflight_fraction)
         self.threshold = max(storage_config.prefetch_threshold_tokens, self.page_size)
         self.salt = salt
+        self.model = model
+        self.weights_revision = weights_revision
         agreement = cache.agreement
         self._agreed = cache.agreed
         tp_size = agreement.num_processes if tp_size is None else tp_size
@@ -269,6 +273,20 @@ class StorageController:
 
     def _namespaces(self, radix_ns: tuple) -> dict[str, Namespace] | None:
         return self._layout.namespaces(radix_ns)
+
+    def key_namespace(self, pool: str = "target", namespace: tuple = DEFAULT_NAMESPACE) -> Namespace:
+        """The ``Namespace`` that seeds ``pool``'s page keys for a tree namespace (a
+        ``RadixKey``'s ``namespace``; ``(None, None)`` the default tenant): ``storage.page_keys(ns, tokens)``
+        are the keys this controller stores those pages under. What a KV event source or
+        another process keys pages with to match this L3."""
+        if not isinstance(pool, str) or pool not in self.pools:
+            raise ValueError(f"pool: expected one of {sorted(self.pools)}, got {pool!r}")
+        if not isinstance(namespace, tuple) or len(namespace) != 2:
+            raise TypeError(f"namespace: expected a RadixKey's namespace (a 2-tuple), got {namespace!r}")
+        out = self._layout.namespaces(namespace)
+        if out is None:
+            raise ValueError(f"namespace: {namespace!r} has no stable encoding (its pages skip storage)")
+        return out[pool]
 
     # ------------------------------------------------------------------ hooks (owner thread)
     def on_backup_acked(self, node) -> None:

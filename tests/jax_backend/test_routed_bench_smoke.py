@@ -51,8 +51,8 @@ def test_an_engines_event_keys_are_its_l3_keys(tmp_path):
     options.apply_quick(p, args, "multiturn")
     engine = serving.build_engine(args, 256)
     try:
-        src = KVEventSource(engine.cache, model=engine.storage_model_id, engine="e0",
-                            weights_revision=engine.storage_weights_revision)
+        src = KVEventSource(engine.cache, engine="e0")  # keyed as the engine's L3 controller
+        assert (src.model, src.weights_revision) == (engine.storage_model_id, engine.storage_weights_revision)
         src.observe_storage(engine.storage.storage)
         src.drain()
         prompt = list(range(1, 41))  # 5 pages of 8
