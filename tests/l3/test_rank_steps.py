@@ -24,10 +24,11 @@ P = 2
 
 
 class Rank0:
-    def __init__(self):
+    def __init__(self, threshold_tokens: int = 4):
         self.cache, self.be = make_cache(numpy_backend_factory, page_size=P)
         self.oracle = KVOracle(self.be)
-        self.config = StorageConfig(backend="memory", prefetch_policy="best_effort", prefetch_threshold_tokens=4)
+        self.config = StorageConfig(backend="memory", prefetch_policy="best_effort",
+                                    prefetch_threshold_tokens=threshold_tokens)
         self.pools = L3Pools(self.cache.components, model="m", weights_revision="", tp_size=2, tp_rank=0, salt="")
         self.digests = NodeDigests(lambda: self.cache.root, P, self.pools.namespaces)
         self.storage = create_storage(self.config, self.pools.pools, self.pools.specs)
@@ -179,3 +180,35 @@ def test_an_exchange_that_fails_gives_back_the_reservation_and_the_next_step_res
     assert r0.cache.host_allocator.available == free and op.agreed.reservation is None
     r0.cache.sanity_check(0)
     assert r0.step() == [1] and op.status == "loading" and op.reserved_pages == 8
+
+
+def test_a_reservation_that_cannot_hold_the_threshold_reserves_nothing():
+    """The fewest pages worth reading are the threshold's tokens rounded up to whole pages: with
+    a 5-token threshold (pages of 2) and 2 host pages free, 8 agreed pages reserve nothing (2
+    pages are 4 tokens, below the threshold) and the prefetch is revoked; 3 free pages are read."""
+    for free_pages, status in ((2, "revoked"), (3, "loading")):
+        r0 = Rank0(threshold_tokens=5)
+        try:
+            a = seq(0, 16)
+            _store_committed(r0, a)
+            op = r0.pf.start(a)
+            _answered(r0, op)
+            r0.step()
+            assert op.agreed.hit == 8 and op.status == "querying"
+            hold = r0.cache.host_allocator.alloc(r0.cache.host_allocator.available - free_pages)  # not evictable
+            r0.step()
+            assert op.status == status, (free_pages, op.status, op.reason)
+            if status == "revoked":
+                assert op.reason == "no host memory for the hit" and op.reserved_pages == 0
+                assert r0.cache.host_allocator.available == free_pages  # nothing reserved, nothing leaked
+            else:
+                assert op.reserved_pages == 3 and r0.cache.metrics.prefetch_truncated == 1
+                t = time.perf_counter() + 10
+                while not op.progress()[2]:
+                    assert time.perf_counter() < t
+                    time.sleep(0.002)
+                r0.step()
+                r0.steps.finish(op)
+            r0.cache.host_allocator.free(hold)
+        finally:
+            r0.close()
