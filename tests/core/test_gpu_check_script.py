@@ -42,7 +42,7 @@ def test_dry_run_keeps_the_budget(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     steps = dict(re.findall(r"^\[(\w+)\] timeout (\d+)s: ", out, re.M))
-    assert set(steps) == {*MANDATORY, "determ", "streamvar", "d2hprobe", "hlo", "kernels"}, out
+    assert set(steps) == {*MANDATORY, "gemma", "determ", "streamvar", "d2hprobe", "hlo", "kernels"}, out
     budget = int(re.search(r"^BUDGET_S=\$\{BUDGET_S:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
     assert budget <= 480  # the whole script within 8 minutes
     assert sum(int(steps[s]) for s in MANDATORY) < budget  # the later steps get what is left
