@@ -223,6 +223,40 @@ def test_load_lands_group_by_group_and_layer_arrays_are_the_pools():
     assert h.done()
 
 
+def test_a_load_handle_waits_on_the_installed_layers_not_on_the_staging_buffer():
+    """Each layer's readiness is the readiness of the arrays the load installed in the pool for
+    that layer: a handle that held the group's staging buffer (or the donated layer it replaced)
+    would say a layer landed once the host -> staging copy had, before the scatter into the
+    layer, and would keep the staging buffer alive."""
+    geom = KVGeometry.mha(4, 8, 2, 16, "bfloat16")
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT, groups=3)
+    assert eng.host_copy == "xla_stream"
+    _fill_device(dev, np.random.default_rng(8))
+    eng.backup([1, 2, 3], [4, 5, 6]).wait()
+    h = eng.load([4, 5, 6], [20, 21, 22])
+    for layer in range(geom.num_layers):
+        held = h._per_layer[layer]  # what layer_done / wait_layer poll
+        assert len(held) == len(geom.components)
+        assert all(a is dev.buffers[c][layer] for a, c in zip(held, geom.components)), layer
+    h.wait()
+
+
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
+def test_the_d2h_token_is_the_count_of_the_copies(loop):
+    """A stream backup's token (what its handle polls) is the copy loop's count, so it depends on
+    every copy: ``n`` pages with a dynamic loop, the bucket's ``nb`` with a static one (padding
+    repeats the last page). A token that did not count the copies would not depend on them."""
+    geom = GEOMS["mha-fp32-p1"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST, stream_loop=loop)
+    data = _fill_device(dev, np.random.default_rng(9))
+    h = eng.backup([1, 2, 3], [4, 5, 6])
+    token = h._token  # (the handle drops it once done)
+    h.wait()
+    assert int(token) == (3 if loop == "dynamic" else eng.copier.bucket_for(3))
+    for c in geom.components:
+        np.testing.assert_array_equal(_host_pages(host, c, [4, 5, 6]), data[c][:, [1, 2, 3]])
+
+
 def test_precompile_covers_every_stream_shape():
     geom = GEOMS["mha-bf16-p16"]
     dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST, groups=2)
