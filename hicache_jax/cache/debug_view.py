@@ -151,6 +151,10 @@ class CacheDebugView:
         """Locks callers hold (``inc_lock_ref`` and the request helpers)."""
         return self._callers.count()
 
+    def caller_locks_by_node(self) -> dict:
+        """Locks callers hold, per node (only nodes with at least one): ``{node: count}``."""
+        return {node: len(r) for node, r in self._callers.by_node.items() if r}
+
     def reserved_host_pages(self, component: str | None = None) -> np.ndarray:
         """Host pages the attached L3 controller holds for prefetches (not the tree's): of the
         full component, or of ``component`` (one with its own page ids)."""

@@ -182,6 +182,11 @@ class Retention(ResidencyWatch):
     def retained_tokens(self) -> int:
         return self.total
 
+    @property
+    def scheduled_expiries(self) -> int:
+        """Entries in the expiry schedule, stale ones (extended or gone, dropped lazily) included."""
+        return len(self._expiry)
+
     def stats(self) -> dict:
         return {"retained_tokens": self.retained_tokens,
                 "retained_tokens_by_namespace": {repr(k): v for k, v in self.by_namespace.items() if v},

@@ -23,7 +23,7 @@ def state(cache, be, req=None):
     r = None
     if ret is not None:
         r = (sorted((n.id, e.until, e.bonus) for n, e in ret.entries.items()), copy.deepcopy(ret.stats()),
-             len(ret._expiry))
+             ret.scheduled_expiries)
     q = None
     if req is not None:
         q = (req.key.token_ids.tolist(), req.device_pages.tolist(), req.cached_pages, req.last_node, req.released,

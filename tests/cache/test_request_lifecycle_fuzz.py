@@ -278,7 +278,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def every_lock_released_exactly_once(self):
         if not hasattr(self, "cache"):
             return
-        held = Counter({node: len(r) for node, r in self.cache.debug_view()._callers.by_node.items() if r})
+        held = Counter(self.cache.debug_view().caller_locks_by_node())
         want = Counter(r.last_node for r in self.open if r.last_node is not None)
         assert held == want, (held, want)
         if not self.open:
