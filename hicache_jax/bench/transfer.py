@@ -37,7 +37,7 @@ from .. import HostLayout, KVGeometry
 from ..backends.jax import JaxDevicePool, JaxTransferEngine, host_memory_kind
 from ..backends.jax.memory import pinned_host_pool
 from pallas_kernels.page_copy import PageCopyConfig
-from pallas_kernels.page_copy.bench_page_copy import compare_impls, gather_scatter_seconds, raw_device_copy_seconds
+from pallas_kernels.page_copy.bench_page_copy import compare_impls, gather_scatter_seconds
 
 
 def _raw_seconds(nbytes: int, reps: int) -> dict[str, float]:
@@ -128,8 +128,7 @@ def _run(args, progress: Progress) -> dict:
         one_comp = n * geom.bytes_per_page // len(geom.components)
         both = n * geom.bytes_per_page
         order = HostLayout(layout).transfer_order
-        g_s, s_s = gather_scatter_seconds(eng.copier, dev.layers("k"), src, dst, order, args.reps, median_seconds)
-        raw_dd = raw_device_copy_seconds(one_comp, args.reps, median_seconds)
+        g_s, s_s, raw_dd = gather_scatter_seconds(eng.copier, dev.layers("k"), src, dst, order, args.reps, one_comp)
         counter.take()
         d2h_s = median_seconds(lambda: eng.backup(src, hst).wait(), args.reps)
         d2h_cpu = counter.take() / (both * (args.reps + 1))  # + 1: the warm-up call
@@ -183,10 +182,10 @@ def _compare(args) -> list[dict]:
     """Gather / scatter of each GPU implementation vs a raw device copy (one KV component)."""
     orders = sorted({HostLayout(l).transfer_order for l in args.layouts})
     rows = compare_impls(["xla", "mgpu", "gpu"], args.page_sizes, args.page_counts or [16, 256, 1024], orders, args.layers,
-                         args.heads, args.head_dim, args.dtype, args.reps, median_seconds)
+                         args.heads, args.head_dim, args.dtype, args.reps)
     table = [[r["impl"], r["page_size"], r["pages"], r["order"], r["mib"], r.get("gather_gbps", "-"),
               r.get("gather_vs_raw", "-"), r.get("scatter_gbps", "-"), r.get("scatter_vs_raw", "-"),
-              r["raw_copy_gbps"], r.get("error", "")] for r in rows]
+              r.get("raw_copy_gbps", "-"), r.get("error", "")] for r in rows]
     print_table(f"Page gather / scatter by implementation, backend {jax.default_backend()} "
                 f"(GB/s; x = ratio to a raw device copy of the same bytes)",
                 ["impl", "page", "pages", "order", "MiB", "gather", "x dev copy", "scatter", "x dev copy",

@@ -6,6 +6,8 @@ measured in the same process, so the reported ratio is hardware-independent.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,15 +17,20 @@ from .dispatch import PageCopier, PageCopyConfig
 _raw_copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # forces a read and a write of every byte
 
 
-def raw_device_copy_seconds(nbytes: int, reps: int, median_seconds) -> float:
-    """Median time of a plain device copy of ``nbytes`` (contiguous, uint8)."""
+def _raw_copy_run(nbytes: int):
     x = jnp.asarray(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
-    return median_seconds(lambda: _raw_copy(x).block_until_ready(), reps)
+    return lambda: _raw_copy(x).block_until_ready()
 
 
 def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.ndarray, dest: np.ndarray,
-                           order: str, reps: int, median_seconds) -> tuple[float, float]:
-    """(gather, scatter) median seconds: all layers gathered once; each layer scattered back."""
+                           order: str, reps: int, raw_nbytes: int) -> tuple[float, float, float]:
+    """(gather, scatter, raw copy) median seconds: all layers gathered once; each layer scattered
+    back; a plain device copy of ``raw_nbytes``.
+
+    The three run in alternating rounds (one of each per round, after one warm-up each), so a
+    slow spell of a shared machine (another process, the kernel reclaiming memory) lands on the
+    measurement and its baseline alike instead of skewing their ratio: measured one after the
+    other on a 2-core VM, the same gather read 0.18x or 1.1x its baseline from run to run."""
     buf, _ = copier.gather(pools, ids, order)
     jax.block_until_ready(buf)
 
@@ -37,29 +44,27 @@ def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.n
         jax.block_until_ready(new)
         state["pools"] = new  # donated: keep the replacements
 
-    return median_seconds(gather, reps), median_seconds(scatter, reps)
-
-
-def _median(run, reps: int) -> float:
-    import time
-    run()  # warm-up (compiles)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+    runs = (gather, scatter, _raw_copy_run(raw_nbytes))
+    for run in runs:  # warm-up (compiles)
         run()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for run, t in zip(runs, times):
+            t0 = time.perf_counter()
+            run()
+            t.append(time.perf_counter() - t0)
+    g, s, raw = (float(np.median(t)) for t in times)
+    return g, s, raw
 
 
 def compare_impls(impls, page_sizes, page_counts, orders, num_layers: int = 8, heads: int = 8, head_dim: int = 128,
-                  dtype="bfloat16", reps: int = 10, median_seconds=None) -> list[dict]:
+                  dtype="bfloat16", reps: int = 10) -> list[dict]:
     """Gather / scatter GB/s of each implementation in ``impls`` and its ratio to a raw device copy.
 
     One K (or V) component: ``num_layers`` pool layers of ``(pool pages, page, heads, head_dim)``;
     gather moves every layer of ``n`` pages, scatter writes every layer back (one call per layer).
     An implementation that fails (e.g. not supported here) gets its error instead of numbers.
     """
-    median_seconds = median_seconds or _median
     rows = []
     rng = np.random.default_rng(0)
     for page in page_sizes:
@@ -69,16 +74,15 @@ def compare_impls(impls, page_sizes, page_counts, orders, num_layers: int = 8, h
                      .view(dtype) for _ in range(num_layers)]
             ids, dest = rng.permutation(pool_pages)[:n], rng.permutation(pool_pages)[:n]
             nbytes = n * num_layers * page * heads * head_dim * jnp.dtype(dtype).itemsize
-            raw = raw_device_copy_seconds(nbytes, reps, median_seconds)
             for order in orders:
                 for impl in impls:
-                    row = dict(impl=impl, page_size=page, pages=n, order=order, mib=nbytes / 2**20,
-                               raw_copy_gbps=nbytes / raw / 1e9)
+                    row = dict(impl=impl, page_size=page, pages=n, order=order, mib=nbytes / 2**20)
                     try:
                         copier = PageCopier(PageCopyConfig(impl=impl, max_pages=pool_pages))
                         row["impl"] = copier.impl + (" (interpret)" if copier.interpret else "")
-                        g, s = gather_scatter_seconds(copier, pools, ids, dest, order, reps, median_seconds)
-                        row.update(gather_gbps=nbytes / g / 1e9, scatter_gbps=nbytes / s / 1e9)
+                        g, s, raw = gather_scatter_seconds(copier, pools, ids, dest, order, reps, nbytes)
+                        row.update(raw_copy_gbps=nbytes / raw / 1e9, gather_gbps=nbytes / g / 1e9,
+                                   scatter_gbps=nbytes / s / 1e9)
                         row.update(gather_vs_raw=row["gather_gbps"] / row["raw_copy_gbps"],
                                    scatter_vs_raw=row["scatter_gbps"] / row["raw_copy_gbps"])
                     except Exception as e:  # noqa: BLE001 - reported per row
