@@ -30,7 +30,16 @@ set of *slots* that exist only for the moment of a backup: a slot stands for an 
 page size, bytes per page) into every L3 key.
 
 Threading: every hook runs on eSurge's scheduler thread under ``engine._scheduler_lock``; the
-handle's public methods take that lock too. One data-parallel replica, full attention only.
+handle's public methods take that lock too. One data-parallel replica.
+
+Models: full attention (one KV cache group), or hybrid full / sliding-window models such as
+Gemma 3. For those eSurge 0.3.0 makes one full-attention group and sliding-window groups
+(``HybridCacheCoordinator``), but its runner reads and writes every layer's KV through the
+full-attention group's page table (``eSurgeRunner._get_full_attention_page_table_index``): the
+full group's pages hold every layer's full KV and are what the adapter copies; the window
+groups' pages hold no KV, and a host hit registers fresh ones for the last pages of the hit only
+so that eSurge's sliding-window lookup counts it (``KVLayout``). A runner that does not read
+every layer through the full group's pages is refused.
 """
 
 from __future__ import annotations
@@ -111,12 +120,29 @@ def _set_arrays(engine, arrays) -> None:
         views=[v.replace(kv_pages=a) for v, a in zip(views, arrays)])
 
 
-def _check_supported(engine) -> None:
+@dataclass(frozen=True)
+class KVLayout:
+    """Where eSurge keeps a request's KV (``_check_supported``'s answer).
+
+    ``kv_group``: the KV cache group whose pages hold every layer's K/V (eSurge's page ids that
+    the adapter copies). ``window_groups``: ``(group id, pages)`` of each sliding-window group of
+    a hybrid model: eSurge 0.3.0 gives those groups pages of their own for prefix-cache
+    bookkeeping, but its runner reads and writes every layer, sliding ones included, through the
+    full-attention group's page table, so their pages never hold KV; a prefix hit still needs
+    the last ``pages`` of the hit (or all of it, when shorter) registered in each such group."""
+
+    kv_group: int = 0
+    window_groups: tuple[tuple[int, int], ...] = ()
+
+
+def _check_supported(engine) -> KVLayout:
     sched = getattr(engine, "scheduler", None)
     kvm = getattr(sched, "kv_cache_manager", None)
     if kvm is None or not hasattr(engine, "runner"):
         raise TypeError(f"engine: expected an easydel eSurge engine, got {type(engine).__name__}")
-    supported = "supported: full-attention models (one KV cache group), one data-parallel replica, prefix caching on"
+    supported = ("supported: full-attention models (one KV cache group), or one full-attention group plus "
+                 "sliding-window groups whose KV eSurge keeps in the full-attention group's pages; one "
+                 "data-parallel replica, prefix caching on")
     dp = int(getattr(sched, "data_parallel_size", 1) or 1)
     if dp != 1:
         raise UnsupportedEngineError(f"engine: {dp} data-parallel replicas; {supported}")
@@ -124,11 +150,35 @@ def _check_supported(engine) -> None:
         raise UnsupportedEngineError(f"engine: prefix caching is off; {supported}")
     groups = kvm.kv_cache_groups
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) != 1 or kinds[0] != "FullAttentionSpec":
+    full = [i for i, k in enumerate(kinds) if k == "FullAttentionSpec"]
+    if len(full) != 1 or any(k not in ("FullAttentionSpec", "SlidingWindowSpec") for k in kinds):
         raise UnsupportedEngineError(f"engine: KV cache groups {kinds}; {supported}")
+    layout = KVLayout(kv_group=full[0])
+    if len(groups) > 1:
+        # eSurge 0.3.0's runner (eSurgeRunner._get_full_attention_page_table_index) hands the
+        # full-attention group's page table to every layer: sliding layers' KV lives in those
+        # pages too. A runner without it may keep sliding KV in the sliding groups' pages.
+        pick = getattr(engine.runner, "_get_full_attention_page_table_index", None)
+        where = pick() if callable(pick) else None
+        if where != full[0]:
+            raise UnsupportedEngineError(
+                f"engine: KV cache groups {kinds}, but its runner does not read every layer's KV through the "
+                f"full-attention group's page table (group {full[0]}; got {where!r}); {supported}")
+        page = kvm.page_size
+        eagle = 1 if getattr(kvm, "use_eagle", False) else 0
+        wins = []
+        for i, g in enumerate(groups):
+            spec = g.kv_cache_spec
+            if spec.page_size != page:
+                raise UnsupportedEngineError(f"engine: KV cache group {i} has page_size {spec.page_size}, "
+                                             f"group {full[0]} {page}; {supported}")
+            if i != full[0]:  # eSurge's SlidingWindowManager.find_longest_cache_hit: contiguous pages
+                wins.append((i, -(-(int(spec.sliding_window) - 1) // page) + eagle))
+        layout = KVLayout(kv_group=full[0], window_groups=tuple(wins))
     views = _kv_views(engine)[1]
     if any(v is None or getattr(v, "kv_pages", None) is None for v in views):
         raise UnsupportedEngineError(f"engine: a layer without ragged KV pages; {supported}")
+    return layout
 
 
 class EsurgeHiCache:
@@ -151,7 +201,7 @@ class EsurgeHiCache:
             raise ValueError(f"config: expected write_policy='write_through' with write_through_threshold=1 "
                              f"(pages are backed up when eSurge frees them), got {config.write_policy.value} "
                              f"threshold {config.write_through_threshold}")
-        _check_supported(engine)
+        self.layout = _check_supported(engine)
         kvm = engine.scheduler.kv_cache_manager
         if config.page_size != kvm.page_size:
             raise ValueError(f"config: page_size {config.page_size} != eSurge's page_size {kvm.page_size}")
@@ -348,26 +398,41 @@ class EsurgeHiCache:
         l1 = pages.pages
         pool.touch(l1)  # else get_new_pages may evict the L1 hit itself
         try:
-            want = min(want, pool.get_num_free_pages() - 1)  # leave eSurge room for the uncached tail
+            # Leave eSurge a page per group for the uncached tail; a hybrid model's window groups
+            # need their own (KV-less) pages for the last pages of the hit (KVLayout).
+            room = pool.get_num_free_pages() - 1 - len(self.layout.window_groups)
+            want = min(want, room)
+            while want > 0 and want + sum(min(want, w) for _, w in self.layout.window_groups) > room:
+                want -= 1
             if want <= 0:
                 return pages, n
             new = pool.get_new_pages(want)
+            marks = [(g, pool.get_new_pages(min(want, w))) for g, w in self.layout.window_groups]
             t0 = time.perf_counter()
             try:
                 self.transfer.load_pages(host_ids[first:first + want], [pg.page_id for pg in new])
             except Exception:  # noqa: BLE001 - a failed load is a miss, never wrong KV
                 self.counters.load_failures += 1
                 pool.free_pages(new)
+                for _, got in marks:
+                    pool.free_pages(got)
                 return pages, n
             finally:
                 self.counters.blocked_seconds["load"] += time.perf_counter() - t0
             hashes = kvm.req_to_page_hashes[rid]
             from easydel.inference.esurge.core.utils import PageHashWithGroupId  # noqa: PLC0415
 
-            for i, pg in enumerate(new):
-                h = PageHashWithGroupId(hashes[first + i], 0)
+            def register(pg, i, group):
+                h = PageHashWithGroupId(hashes[i], group)
                 pg.page_hash = h
                 pool.cached_page_hash_to_page[h][pg.page_id] = pg
+
+            for group, got in marks:  # the window's last pages, never read (no KV, no _page_keys)
+                for j, pg in enumerate(got):
+                    register(pg, first + want - len(got) + j, group)
+                pool.free_pages(got[::-1])
+            for i, pg in enumerate(new):
+                register(pg, first + i, self.layout.kv_group)
                 self._page_keys[pg.page_id] = key[: (first + i + 1) * p]
             pool.free_pages(new[::-1])  # tail first in eSurge's LRU, as its own free does
             self.counters.loaded_pages += want
@@ -441,7 +506,7 @@ class EsurgeHiCache:
         toks = np.asarray(list(request.all_token_ids)[: full * p], np.int64)
         if len(toks) < full * p:
             return
-        page_ids = list(kvm.get_page_ids(request.request_id)[0][:full])
+        page_ids = list(kvm.get_page_ids(request.request_id)[self.layout.kv_group][:full])
         if len(page_ids) < full:
             return
         for i, pid in enumerate(page_ids):
@@ -451,8 +516,8 @@ class EsurgeHiCache:
     def _on_evict(self, page) -> None:
         self.counters.evictions_seen += 1
         key = self._page_keys.pop(page.page_id, None)
-        if key is None:
-            return
+        if key is None or getattr(page.page_hash, "group_id", self.layout.kv_group) != self.layout.kv_group:
+            return  # a window group's page holds no KV (KVLayout), whatever it held before
         _, matched, _ = self._host_path(key)
         p = self.page_size
         if matched >= len(key) or matched < len(key) - p:

