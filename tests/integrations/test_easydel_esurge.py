@@ -233,7 +233,34 @@ def test_refuses_unsupported_setups(engine, l3_dir):
             attach(engine, HiCacheConfig(page_size=F.PAGE), model=MODEL)
     finally:
         sched.data_parallel_size = old
+    kvm = sched.kv_cache_manager
+    kvm.enable_caching = False  # eSurge would never look up, so a host hit could never land
+    try:
+        with pytest.raises(UnsupportedEngineError, match="prefix caching is off"):
+            attach(engine, HiCacheConfig(page_size=F.PAGE), model=MODEL)
+    finally:
+        kvm.enable_caching = True
     assert "get_computed_pages" not in vars(sched.kv_cache_manager)  # refused: nothing changed
+
+
+def test_page_aligned_prompt_is_served_but_its_last_page(engine, l3_dir):
+    """eSurge always computes a prompt's last token, so of a 96-token prompt (6 whole pages) the
+    host tier serves 5 pages and eSurge prefills the 16 tokens of the last one."""
+    c = F.prompt(7, 96)
+    _reset_l1(engine)
+    cold = F.greedy(engine, c)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV)
+    try:
+        assert F.greedy(engine, c) == cold
+        assert _last(h).prompt_tokens == 96
+        _reset_l1(engine)  # eSurge's pool forgets it: the host tier serves it
+        assert F.greedy(engine, c) == cold
+        adm = _last(h)
+        assert (adm.device, adm.host, adm.storage, adm.scheduled) == (0, 80, 0, 16), adm
+        assert h.counters.loaded_pages == 5
+    finally:
+        h.detach()
 
 
 def test_pause_resume_never_serves_destroyed_pages(engine, l3_dir):
