@@ -64,6 +64,21 @@ def test_quickstart_is_near_the_top_and_runs_the_scripts_ci_runs():
     for c in cmds:
         if c[0] == "./scripts/bench":
             p.parse_args(c[1:])
+    # ... and every one it passes to ./scripts/chat, one `hicache-jax chat` accepts (files relative
+    # to the clone's root, where the Quickstart runs).
+    assert 'hicache-jax" chat "$@"' in (ROOT / "scripts" / "chat").read_text()
+    from hicache_jax import chat
+
+    cp = argparse.ArgumentParser()
+    chat.add_arguments(cp, "chat")
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        for c in cmds:
+            if c[0] == "./scripts/chat":
+                chat.check(cp, cp.parse_args(c[1:]))
+    finally:
+        os.chdir(cwd)
 
 
 def test_install_line_names_this_version_and_the_extras_the_wheel_test_installs():
