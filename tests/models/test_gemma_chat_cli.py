@@ -39,7 +39,11 @@ def _served(stderr: str) -> list[dict[str, int]]:
 
 
 def test_gemma_chat_second_process_is_served_from_storage(gguf, tmp_path):
-    args = ["chat", "--context", str(DOC), "--turns", *TURNS, "--max-new-tokens", "12", "--max-context", "2048",
+    # The document's first 4,000 characters (~1,100 tokens; at most ~1,600 at 2.5 characters a
+    # token), so that editing docs/models.md cannot push the prompt past --max-context.
+    doc = tmp_path / "doc.md"
+    doc.write_text(DOC.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    args = ["chat", "--context", str(doc), "--turns", *TURNS, "--max-new-tokens", "12", "--max-context", "2048",
             "--storage-dir", str(tmp_path / "l3")]
     first = _cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
