@@ -375,3 +375,39 @@ def test_sliding_window_evictions_sweep_expired_hints_first():
     assert ret.expired_tokens == 8 and ret.retained_tokens == 0
     assert ret.overridden_tokens == {"device": 0, "host": 0}
     cache.sanity_check(0)
+
+
+def test_an_extended_hint_outlives_its_first_deadline():
+    """A hint renewed before its time is up stays until the later deadline: the first deadline's
+    schedule entry is stale and skipped, not taken as the end."""
+    cache, be, oracle, ret, clock = setup()
+    r = seq(0, 4)
+    prefill_insert(cache, oracle, r)
+    ids = cache.match_prefix(r).device_indices
+    cache.insert(r, ids, retain=RetentionHint(seconds=5))
+    clock.t = 1.0
+    cache.insert(r, ids, retain=RetentionHint(seconds=20))  # until 21
+    clock.t = 10.0
+    ret.expire()
+    assert ret.retained_tokens == 4 and ret.expired_tokens == 0
+    clock.t = 21.0
+    ret.expire()
+    assert ret.retained_tokens == 0 and ret.expired_tokens == 4
+    cache.sanity_check(0)
+
+
+def test_a_hint_whose_node_left_the_tree_expires_quietly():
+    """The schedule still lists a retained node that pressure evicted from every tier; when its
+    time comes it is skipped (nothing is counted twice, nothing raises)."""
+    cache, be, oracle, ret, clock = setup(device_pages=8, host_pages=8)
+    r = seq(0, 4)
+    prefill_insert(cache, oracle, r)
+    cache.insert(r, cache.match_prefix(r).device_indices, retain=RetentionHint(seconds=5))
+    cache.evict(8)
+    cache.evict_host(8)
+    assert cache.peek_prefix(r) == (0, 0)  # on no tier
+    assert ret.retained_tokens == 0 and ret.scheduled_expiries >= 1
+    clock.t = 6.0
+    ret.expire()
+    assert ret.retained_tokens == 0 and ret.expired_tokens == 0 and ret.scheduled_expiries == 0
+    cache.sanity_check(0)

@@ -63,9 +63,10 @@ def test_close_flushes_an_unacknowledged_backup_to_storage_then_closes_the_trans
 def test_close_twice_is_fine_and_every_use_after_close_raises(tmp_path):
     cache, _be, ctl = build(tmp_path)
     stack = CacheStack(cache, ctl)
+    assert repr(stack) == "CacheStack(open, storage=yes, transfers=0, closers=0)"
     stack.close()
     stack.close()
-    assert stack.closed and "closed" in repr(stack)
+    assert stack.closed and repr(stack) == "CacheStack(closed, storage=yes, transfers=0, closers=0)"
     for use in (lambda: stack.cache, lambda: stack.storage, lambda: stack.transfers, stack.check_events,
                 lambda: stack.__enter__()):
         with pytest.raises(StackClosedError, match="the stack is closed"):
@@ -194,6 +195,7 @@ def test_a_cache_closed_by_hand_refuses_and_close_from_another_thread_is_refused
 def test_a_stack_without_a_controller_still_acknowledges_every_copy():
     cache, be = make_cache(numpy_backend_factory, page_size=P, deferred=True)
     stack = CacheStack(cache)
+    assert repr(stack) == "CacheStack(open, storage=no, transfers=0, closers=0)"
     prefill_insert(cache, KVOracle(be), KEY)
     be.complete_all()  # the backup copy is done, its acknowledgement is not
     assert cache.in_flight == (1, 0)
