@@ -70,6 +70,7 @@ from ..reference_model import HYBRID_BENCH, HYBRID_TINY, ModelConfig
 from ..reference_model.config import LLAMA3_8B_SHAPE, LLAMA3_8B_SHAPE_TINY
 from ..storage.config import StorageConfig
 from . import goals as bench_goals
+from .text_conversations import arrival_times
 from . import plots, ranks
 from .options import AUTO_MODEL, CPU_MODEL, GPU_MODEL, REAL_MODELS
 from .report import Progress, machine_info, print_table
@@ -328,12 +329,7 @@ class _Conversations:
             for h in self.histories:
                 h.extend(self.rng.integers(0, self.vocab, a.turn_len).tolist())
         self.round += 1
-        if a.request_rate > 0:
-            gaps = self.rng.exponential(1.0 / a.request_rate, a.clients)
-            arrivals = (np.cumsum(gaps) - gaps[0]).tolist()
-        else:
-            arrivals = [0.0] * a.clients
-        return [list(h) for h in self.histories], arrivals
+        return [list(h) for h in self.histories], arrival_times(self.rng, a.request_rate, a.clients)
 
     def answered(self, results: list) -> None:
         for h, res in zip(self.histories, results):

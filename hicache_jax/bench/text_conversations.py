@@ -47,6 +47,15 @@ QUESTIONS = (
 )
 
 
+def arrival_times(rng: np.random.Generator, rate: float, n: int) -> list[float]:
+    """A round's ``n`` arrival offsets in seconds: a Poisson process of ``rate`` requests per
+    second starting at 0, or all at 0 when ``rate`` <= 0 (closed loop)."""
+    if rate > 0:
+        gaps = rng.exponential(1.0 / rate, n)
+        return (np.cumsum(gaps) - gaps[0]).tolist()
+    return [0.0] * n
+
+
 def module_docstring(name: str) -> str:
     """A module's docstring read from its source file (the module is not imported)."""
     spec = importlib.util.find_spec(name)
@@ -115,12 +124,7 @@ class TextConversations:
         for c, h in enumerate(self.histories):
             h.extend(self._question_ids(c, self.round))
         self.round += 1
-        if a.request_rate > 0:
-            gaps = self.rng.exponential(1.0 / a.request_rate, a.clients)
-            arrivals = (np.cumsum(gaps) - gaps[0]).tolist()
-        else:
-            arrivals = [0.0] * a.clients
-        return [list(h) for h in self.histories], arrivals
+        return [list(h) for h in self.histories], arrival_times(self.rng, a.request_rate, a.clients)
 
     def answered(self, results: list) -> None:
         for c, (h, res) in enumerate(zip(self.histories, results)):
