@@ -182,6 +182,23 @@ def test_an_exchange_that_fails_gives_back_the_reservation_and_the_next_step_res
     assert r0.step() == [1] and op.status == "loading" and op.reserved_pages == 8
 
 
+def test_an_exchange_that_fails_before_a_hit_was_agreed_gives_back_nothing(r0):
+    """``abandon`` of a step in which a querying prefetch reserved nothing (its hit is not agreed
+    yet) settles no pages, and the prefetch goes on as if the step had not run."""
+    a = seq(0, 16)
+    _store_committed(r0, a)
+    op = r0.pf.start(a)
+    _answered(r0, op)
+    free = r0.cache.host_allocator.available
+    r0.steps.prepare()
+    assert op.status == "querying" and op.agreed.reservation is None
+    r0.steps.abandon()
+    assert r0.cache.host_allocator.available == free and op.status == "querying"
+    r0.cache.sanity_check(0)
+    r0.step()
+    assert op.agreed.hit == 8 and op.status == "querying"
+
+
 def test_a_reservation_that_cannot_hold_the_threshold_reserves_nothing():
     """The fewest pages worth reading are the threshold's tokens rounded up to whole pages: with
     a 5-token threshold (pages of 2) and 2 host pages free, 8 agreed pages reserve nothing (2
