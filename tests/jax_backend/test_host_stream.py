@@ -133,6 +133,22 @@ def test_stream_makes_no_host_side_copy_of_kv_bytes(layout, monkeypatch):
     assert "write_pages_unchecked" in copied and "read_pages" in copied
 
 
+def test_arena_install_refuses_an_array_of_another_shape_or_dtype():
+    """The arena only takes what a D2H executable returns for it: its own shape and dtype. A
+    wrong shape with the right dtype (or the reverse) is refused and the arena keeps its array."""
+    geom = GEOMS["mha-bf16-p16"]
+    dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT)
+    arena = host.buffer_owner
+    before = arena.array
+    wrong_shape = jax.numpy.zeros((arena.shape[0] + 1,) + arena.shape[1:], arena.dtype)
+    wrong_dtype = jax.numpy.zeros(arena.shape, np.float32 if arena.dtype != np.float32 else np.float16)
+    for bad in (wrong_shape, wrong_dtype):
+        with pytest.raises(ValueError, match="new: expected"):
+            arena.install(bad)
+        assert arena.array is before
+    eng.close()
+
+
 def test_arena_keeps_its_address_and_the_d2h_never_copies_the_whole_arena():
     geom = GEOMS["mha-bf16-p16"]
     dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT)
