@@ -126,6 +126,7 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
         assert h.counters.backed_up_pages == 6  # 107 computed tokens: 6 full pages
         F.greedy(engine, B)  # B takes A's pages: the eviction hook sees them go
         assert h.counters.evictions_seen == 4  # A's cached pages 3..6 (A's pages 1, 2 stay in L1)
+        assert h.counters.eviction_backups == 0  # all four were backed up when A finished
         assert F.greedy(engine, A) == cold
         adm = _last(h)
         assert (adm.device, adm.host, adm.storage) == (32, 64, 0)
