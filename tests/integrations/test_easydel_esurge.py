@@ -14,7 +14,6 @@ and the module checks that none survived.
 
 from __future__ import annotations
 
-import gc
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,20 +28,15 @@ from hicache_jax.integrations.easydel import testing as F  # noqa: E402
 
 F.prepare_cpu(str(Path(__file__).resolve().parents[2] / ".cache"))  # before easydel is imported
 
+from esurge_support import close_checked, last_admission as _last, reset_l1 as _reset_l1  # noqa: E402
+from esurge_support import hicache_config as _config  # noqa: E402
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey  # noqa: E402
 from hicache_jax.integrations.easydel import (  # noqa: E402
     FusedKVTransfer, UnsupportedEngineError, attach, fused_geometry)
-from hicache_jax.storage import StorageConfig  # noqa: E402
 
 NUM_PAGES = 10  # eSurge's pool, page 0 its null page: 9 usable pages of 16 tokens
 MODEL, REV = "tiny-llama-test", "r1"
 A, B = F.prompt(1, 100), F.prompt(2, 100)
-
-
-def _config(l3_dir: str) -> HiCacheConfig:
-    # prefetch_threshold_tokens: these prompts are short (the default 256 skips every L3 read).
-    return HiCacheConfig(page_size=F.PAGE, load_back_threshold=F.PAGE,
-                         storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=F.PAGE))
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +65,7 @@ class EngineSlot:
         engine, self.engine = self.engine, None
         if engine is None:
             return
-        pids = F.worker_pids(engine)
-        F.close_engine(engine)
-        gc.collect()
-        assert len(pids) == 2, f"expected eSurge's tokenizer and detokenizer workers, found pids {pids}"
-        alive = [pid for pid in pids if F.process_alive(pid)]
-        assert not alive, f"eSurge worker processes {alive} outlived close_engine"
+        close_checked(engine, workers=2)  # eSurge's tokenizer and detokenizer workers
 
     def restart(self) -> None:
         self.close()
@@ -95,21 +84,6 @@ def engine_slot(request, tokenizer_dir):
 @pytest.fixture
 def engine(engine_slot):
     return engine_slot.engine
-
-
-@pytest.fixture
-def l3_dir():
-    d = tempfile.mkdtemp(prefix="esurge-l3-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _reset_l1(engine) -> None:
-    assert engine.scheduler.kv_cache_manager.reset_prefix_cache(), "eSurge still holds pages"
-
-
-def _last(handle):
-    return handle.admissions[-1]
 
 
 def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):

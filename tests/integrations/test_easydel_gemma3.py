@@ -12,7 +12,6 @@ outside the window), and, where its GGUF is on this machine, the real Gemma 3 27
 
 from __future__ import annotations
 
-import gc
 import shutil
 import tempfile
 import time
@@ -27,28 +26,17 @@ from hicache_jax.integrations.easydel import testing as F  # noqa: E402
 
 F.prepare_cpu(str(Path(__file__).resolve().parents[2] / ".cache"))  # before easydel is imported
 
-from hicache_jax.cache import HiCacheConfig  # noqa: E402
+from esurge_support import close_checked as _close  # noqa: E402
+from esurge_support import hicache_config as _config  # noqa: E402
+from esurge_support import last_admission as _last  # noqa: E402
+from esurge_support import reset_l1 as _reset_l1  # noqa: E402
 from hicache_jax.integrations.easydel import UnsupportedEngineError, attach  # noqa: E402
 from hicache_jax.integrations.easydel.adapter import KVLayout, _get_arrays, _set_arrays  # noqa: E402
-from hicache_jax.storage import StorageConfig  # noqa: E402
 
 NUM_PAGES = 16  # 15 usable: a 107-token request holds 7 full-group pages and up to 7 sliding ones
 WINDOW = 48  # the tiny model's sliding window: 3 pages (eSurge: cdiv(48 - 1, 16))
 MODEL, REV = "tiny-gemma3-test", "r1"
 A, B = F.prompt(1, 100), F.prompt(2, 100)
-
-
-def _config(l3_dir: str, page_size: int = F.PAGE) -> HiCacheConfig:
-    return HiCacheConfig(page_size=page_size, load_back_threshold=page_size,
-                         storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=page_size))
-
-
-def _close(engine) -> None:
-    pids = F.worker_pids(engine)
-    F.close_engine(engine)
-    gc.collect()
-    alive = [pid for pid in pids if F.process_alive(pid)]
-    assert not alive, f"eSurge worker processes {alive} outlived close_engine"
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +49,6 @@ def engine():
     finally:
         _close(eng)
         shutil.rmtree(tok, ignore_errors=True)
-
-
-@pytest.fixture
-def l3_dir():
-    d = tempfile.mkdtemp(prefix="esurge-l3-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _reset_l1(engine) -> None:
-    assert engine.scheduler.kv_cache_manager.reset_prefix_cache(), "eSurge still holds pages"
 
 
 def _cached_pages(engine, group: int) -> list[int]:
@@ -181,10 +158,6 @@ def test_refuses_a_runner_that_reads_sliding_kv_elsewhere(engine, l3_dir):
     finally:
         del runner._get_full_attention_page_table_index
     assert "get_computed_pages" not in vars(engine.scheduler.kv_cache_manager)  # refused: nothing changed
-
-
-def _last(handle):
-    return handle.admissions[-1]
 
 
 # --------------------------------------------------------------------------- Gemma 3 270M
