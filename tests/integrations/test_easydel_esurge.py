@@ -14,8 +14,6 @@ and the module checks that none survived.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +35,6 @@ from hicache_jax.integrations.easydel import (  # noqa: E402
 NUM_PAGES = 10  # eSurge's pool, page 0 its null page: 9 usable pages of 16 tokens
 MODEL, REV = "tiny-llama-test", "r1"
 A, B = F.prompt(1, 100), F.prompt(2, 100)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir():
-    d = tempfile.mkdtemp(prefix="esurge-tok-")
-    F.build_tokenizer(d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class EngineSlot:

@@ -40,15 +40,12 @@ A, B = F.prompt(1, 100), F.prompt(2, 100)
 
 
 @pytest.fixture(scope="module")
-def engine():
-    tok = tempfile.mkdtemp(prefix="esurge-tok-")
-    F.build_tokenizer(tok)
-    eng = F.start_engine(F.random_gemma3(sliding_window=WINDOW), tok, num_pages=NUM_PAGES)
+def engine(tokenizer_dir):
+    eng = F.start_engine(F.random_gemma3(sliding_window=WINDOW), tokenizer_dir, num_pages=NUM_PAGES)
     try:
         yield eng
     finally:
         _close(eng)
-        shutil.rmtree(tok, ignore_errors=True)
 
 
 def _cached_pages(engine, group: int) -> list[int]:
