@@ -17,14 +17,14 @@ from hicache_jax.l3.backup import L3Backups
 from hicache_jax.l3.digests import NEW, STORED, NodeDigests
 from hicache_jax.l3.pools import COMMIT_POOL, L3Pools
 from hicache_jax.l3.prefetch import Prefetcher
-from hicache_jax.l3.rank_steps import RankSteps
+from hicache_jax.l3.rank_steps import OP_BUDGET, RankSteps
 from hicache_jax.storage import StorageConfig, create_storage, page_keys
 
 P = 2
 
 
 class Rank0:
-    def __init__(self, threshold_tokens: int = 4):
+    def __init__(self, threshold_tokens: int = 4, max_inflight_fraction: float = 0.5):
         self.cache, self.be = make_cache(numpy_backend_factory, page_size=P)
         self.oracle = KVOracle(self.be)
         self.config = StorageConfig(backend="memory", prefetch_policy="best_effort",
@@ -36,7 +36,7 @@ class Rank0:
         self.backups = L3Backups(self.cache, self.pools, self.digests, self.storage, self.executors[0], agreed=True)
         self.pf = Prefetcher(self.cache, self.pools, self.digests, self.storage, self.config, owner=self,
                              query=self.executors[1], io=self.executors[2], batch_pages=128,
-                             max_inflight_fraction=0.5, agreed=True)
+                             max_inflight_fraction=max_inflight_fraction, agreed=True)
         self.steps = RankSteps(self.cache, self.pools, self.pf, self.backups, self.storage, self.config)
 
     def step(self, other=None):
@@ -229,3 +229,24 @@ def test_a_reservation_that_cannot_hold_the_threshold_reserves_nothing():
             r0.cache.host_allocator.free(hold)
         finally:
             r0.close()
+
+
+def test_at_most_op_budget_operations_report_in_a_step_and_the_rest_at_the_next():
+    """The agreement vector has a fixed width: a step reports ``OP_BUDGET`` operations at most,
+    in start order; the others wait for a later step (none is lost or reported twice)."""
+    r0 = Rank0(max_inflight_fraction=1.0)  # 30 queries of 2 pages each fit the 64 host pages
+    try:
+        _report_budget(r0)
+    finally:
+        r0.close()
+
+
+def _report_budget(r0):
+    ops = [r0.pf.start(seq(1000 * i, 4)) for i in range(OP_BUDGET + 6)]
+    assert all(op.status == "querying" for op in ops)
+    for op in ops:
+        _answered(r0, op)
+    assert r0.step() == [0] * OP_BUDGET  # no storage hit anywhere
+    assert [op.status for op in ops] == ["revoked"] * OP_BUDGET + ["querying"] * 6
+    assert r0.step() == [0] * 6
+    assert all(op.status == "revoked" and op.reason == "no storage hit" for op in ops)
