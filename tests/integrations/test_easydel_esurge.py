@@ -354,3 +354,32 @@ def test_new_engine_on_the_same_l3_directory_hits_storage(engine_slot, l3_dir):
         assert h2.stats()["blocked_seconds"]["prefetch"] > 0  # the scheduler waited for the L3 read
     finally:
         h2.detach()
+
+
+def test_eviction_backs_up_nothing_when_the_pages_prefix_left_the_host_tier(engine, l3_dir):
+    """The eviction hook's other branch: A's whole backup is dropped from the host tier while
+    eSurge still caches A's pages. When B makes eSurge evict them, no page can be backed up (a
+    page is only worth its KV after its prefix's pages, which the host lost and the evicting
+    page cannot supply): nothing is copied, the host tier stays empty for A, and A is then
+    served eSurge's own tokens."""
+    a96 = _tokens(A, 96)
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)
+    _reset_l1(engine)
+    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-evict-gone")
+    try:
+        F.greedy(engine, A)  # A's 6 full pages backed up
+        assert len(h.host_pages(a96)) == 6
+        with engine._scheduler_lock:  # as on the scheduler thread
+            assert h.l3.flush(timeout=30)  # the L3 backup lets go of its host pages
+            h.cache.evict_host(h.cache.host_tokens)
+        assert len(h.host_pages(a96)) == 0
+        backups, seen = h.counters.eviction_backups, h.counters.evictions_seen
+        F.greedy(engine, B)  # eSurge evicts A's cached pages 3..6
+        assert h.counters.evictions_seen == seen + 4
+        assert h.counters.eviction_backups == backups
+        assert len(h.host_pages(a96)) == 0, "an evicted page was backed up behind a prefix the host lacks"
+        assert F.greedy(engine, A) == cold
+        assert h.counters.hook_failures == 0
+    finally:
+        h.detach()
