@@ -105,6 +105,23 @@ def test_the_probe_waits_its_interval_and_checks_only_its_last_pages(tmp_path, m
         t.close()
 
 
+def test_a_probe_is_due_once_exactly_its_interval_has_passed(monkeypatch):
+    clock = [1000.0]  # the source's monotonic clock, frozen and moved by hand
+    monkeypatch.setattr(event_source, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    t = Trace(11, storage={"backend": "memory"})
+    try:
+        _probed_source_after_four_inserts(t, probe_pages=2, probe_interval_s=5.0)
+        last = t.src.probed_pages(t.ctl.storage)
+        for k in last:
+            del t.ctl.storage._pages[("target", k)]
+        clock[0] = 1004.75
+        assert t.src.drain().events == ()  # a quarter second early
+        clock[0] = 1005.0
+        assert [(e.kind, e.tier, e.keys) for e in t.src.drain().events] == [("removed", "storage", last)]
+    finally:
+        t.close()
+
+
 def test_a_storage_queue_nobody_drains_is_bounded_and_the_receiver_forgets(tmp_path):
     t = Trace(10, max_pending=4, storage={"backend": "memory"})
     try:

@@ -361,7 +361,7 @@ def test_eviction_backs_up_nothing_when_the_pages_prefix_left_the_host_tier(engi
     eSurge still caches A's pages. When B makes eSurge evict them, no page can be backed up (a
     page is only worth its KV after its prefix's pages, which the host lost and the evicting
     page cannot supply): nothing is copied, the host tier stays empty for A, and A is then
-    served eSurge's own tokens."""
+    served eSurge's own tokens. And a prompt eSurge holds whole is not looked up in storage."""
     a96 = _tokens(A, 96)
     _reset_l1(engine)
     cold = F.greedy(engine, A)
@@ -380,6 +380,15 @@ def test_eviction_backs_up_nothing_when_the_pages_prefix_left_the_host_tier(engi
         assert h.counters.eviction_backups == backups
         assert len(h.host_pages(a96)) == 0, "an evicted page was backed up behind a prefix the host lacks"
         assert F.greedy(engine, A) == cold
+        # eSurge now caches all of A's prompt key again; with the host tier emptied once more, a
+        # full device hit still asks storage nothing (no prefetch for what eSurge holds).
+        with engine._scheduler_lock:
+            assert h.l3.flush(timeout=30)
+            h.cache.evict_host(h.cache.host_tokens)
+        waited = h.counters.blocked_seconds["prefetch"]
+        assert F.greedy(engine, A) == cold
+        assert _last(h).device == 96
+        assert h.counters.blocked_seconds["prefetch"] == waited
         assert h.counters.hook_failures == 0
     finally:
         h.detach()

@@ -488,3 +488,13 @@ def test_stream_loop_defaults_by_platform():
     eng = JaxTransferEngine(dev, pinned_host_pool(geom, 4, "page_first"), stream_loop="static")
     assert (eng.stream_loop, eng.stream_unroll) == ("static", 1)
     eng.close()
+
+
+@pytest.mark.skipif(not hasattr(getattr(jax, "memory", None), "Space"), reason="jax < 0.7: no jax.memory.Space")
+def test_the_stream_moves_between_memory_spaces_named_by_the_public_api():
+    """On a jax that has ``jax.memory.Space`` the copies inside ``jit`` name it, not the private
+    ``TransferToMemoryKind`` an older jax needed (which a later jax may drop without notice)."""
+    from hicache_jax.backends.jax import host_stream
+
+    assert host_stream._space("device") is jax.memory.Space.Device
+    assert host_stream._space("host") is jax.memory.Space.Host
