@@ -32,6 +32,7 @@ Python 3.11 install (jax 0.10) may lack, and a copier running ``xla`` needs none
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -207,7 +208,9 @@ class PageCopier:
         if impl == "xla":
             # XLA:CPU: per-page copies beat its element-wise scatter loop (see ``reference``).
             cpu = self.platform == "cpu"
-            return reference.gather_layers, reference.scatter_layer_pages if cpu else reference.scatter_layer
+            if cpu:
+                return functools.partial(reference.gather_layers, branch_full=True), reference.scatter_layer_pages
+            return reference.gather_layers, reference.scatter_layer
         mod = kernel_module(impl)
         g = lambda pools, ids, n, out, order: mod.gather_layers.__wrapped__(pools, ids, n, out, order, interp)
         s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(pool, ids, n, buf, layer, order,
