@@ -146,11 +146,11 @@ def _run(args, progress: Progress) -> dict:
         r.update(gather_vs_raw=r["gather_gbps"] / r["raw_device_copy_gbps"],
                  scatter_vs_raw=r["scatter_gbps"] / r["raw_device_copy_gbps"],
                  d2h_vs_raw=r["d2h_gbps"] / r["raw_d2h_gbps"], d2h_vs_memcpy=r["d2h_gbps"] / r["host_memcpy_gbps"],
-                 h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"])
+                 h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"], h2d_vs_memcpy=r["h2d_gbps"] / r["host_memcpy_gbps"])
         results.append(r)
         rows.append([page, n, layout, r["mib_per_component"], r["gather_gbps"], r["gather_vs_raw"],
-                     r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], d2h_cpu,
-                     r["h2d_gbps"], r["h2d_vs_raw"], h2d_cpu])
+                     r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], r["d2h_vs_memcpy"],
+                     d2h_cpu, r["h2d_gbps"], r["h2d_vs_raw"], r["h2d_vs_memcpy"], h2d_cpu])
         progress.advance(1, f"page {page}, {n} pages, {layout}")
         if getattr(args, "out", None) and len(results) < len(cases):  # a run cut short keeps the cases it finished
             write_json(args.out, _payload(args, eng, host, results) | {"partial": True})
@@ -160,10 +160,11 @@ def _run(args, progress: Progress) -> dict:
                 f"copy impl {impl}, host copies {eng.host_copy}"
                 f"{f' ({eng.stream_loop} loops x{eng.stream_unroll})' if eng.host_copy == 'xla_stream' else ''}, "
                 f"backend {jax.default_backend()} "
-                f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy for gather/scatter, "
-                f"device_put to/from {raw_kind} for D2H/H2D; CPU B/B = bytes host code copied per byte moved)",
+                f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy into a reused buffer for "
+                f"gather/scatter, device_put to/from {raw_kind} for D2H/H2D and, the hardware's best there, a "
+                f"host memcpy into a reused buffer; CPU B/B = bytes host code copied per byte moved)",
                 ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
-                 "D2H", "x raw D2H", "CPU B/B", "H2D", "x raw H2D", "CPU B/B"], rows)
+                 "D2H", "x raw D2H", "x memcpy", "CPU B/B", "H2D", "x raw H2D", "x memcpy", "CPU B/B"], rows)
     payload = _payload(args, eng, host, results)
     if args.compare_impls:
         progress.phase("comparing gather / scatter implementations")

@@ -2,6 +2,14 @@
 
 Each measurement is paired with a raw device-to-device copy of the same number of bytes
 measured in the same process, so the reported ratio is hardware-independent.
+
+Every copy measured writes into memory it wrote before: the gather into a donated staging
+buffer, the scatter into the donated pools, the raw copy into a donated buffer of its own. A
+copy into a fresh output measures the allocator, not the copy: on XLA:CPU each fresh 256 MiB -
+1 GiB output is new ``mmap`` memory, so every call takes one page fault per 4 KiB (262,144 per
+GiB, more system time than the copy itself), and the same gather read 0.18x or 1.1x a
+freshly allocating raw copy from run to run (a GPU's caching allocator hands back mapped
+memory, so there the two agree).
 """
 
 from __future__ import annotations
@@ -14,28 +22,37 @@ import numpy as np
 
 from .dispatch import PageCopier, PageCopyConfig
 
-_raw_copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # forces a read and a write of every byte
+# Reads every byte of ``x`` and writes it over ``out`` (donated: the same memory every call).
+_raw_copy_into = jax.jit(lambda x, out: jax.lax.dynamic_update_slice(out, x, (0,)), donate_argnums=1)
 
 
 def _raw_copy_run(nbytes: int):
+    """A plain device copy of ``nbytes`` into a buffer it reuses (see the module docstring)."""
     x = jnp.asarray(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
-    return lambda: _raw_copy(x).block_until_ready()
+    state = {"out": jnp.zeros(nbytes, jnp.uint8)}
+
+    def run():
+        state["out"] = _raw_copy_into(x, state["out"])
+        state["out"].block_until_ready()
+    return run
 
 
 def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.ndarray, dest: np.ndarray,
                            order: str, reps: int, raw_nbytes: int) -> tuple[float, float, float]:
-    """(gather, scatter, raw copy) median seconds: all layers gathered once; each layer scattered
-    back; a plain device copy of ``raw_nbytes``.
+    """(gather, scatter, raw copy) median seconds: all layers gathered once into a reused staging
+    buffer; each layer scattered back; a plain device copy of ``raw_nbytes`` into a reused
+    buffer (each writes memory it wrote before: see the module docstring).
 
     The three run in alternating rounds (one of each per round, after one warm-up each), so a
     slow spell of a shared machine (another process, the kernel reclaiming memory) lands on the
-    measurement and its baseline alike instead of skewing their ratio: measured one after the
-    other on a 2-core VM, the same gather read 0.18x or 1.1x its baseline from run to run."""
+    measurement and its baseline alike instead of skewing their ratio."""
     buf, _ = copier.gather(pools, ids, order)
     jax.block_until_ready(buf)
+    staging = {"buf": jnp.copy(buf)}
 
-    def gather():
-        jax.block_until_ready(copier.gather(pools, ids, order)[0])
+    def gather():  # into the donated staging buffer, as a transfer engine that keeps one would
+        staging["buf"] = copier.gather(pools, ids, order, out=staging["buf"])[0]
+        jax.block_until_ready(staging["buf"])
 
     state = {"pools": [jnp.copy(p) for p in pools]}
 
