@@ -79,6 +79,13 @@ def multiturn_goals(input_throughput_ratio: float, ttft_mean_ratio: float) -> li
             Goal("ttft_mean", "TTFT mean, hicache / no cache", ttft_mean_ratio, "<=", 0.6)]
 
 
+def no_reuse_goals(input_throughput_ratio: float, ttft_mean_ratio: float) -> list[Goal]:
+    """``bench multiturn --no-reuse`` (nothing can hit): the cache costs at most 3% of input
+    throughput and of mean TTFT. An overhead, so judged on any backend and model at full sizes."""
+    return [Goal("input_throughput", "input throughput, hicache / no cache", input_throughput_ratio, ">=", 0.97),
+            Goal("ttft_mean", "TTFT mean, hicache / no cache", ttft_mean_ratio, "<=", 1.03)]
+
+
 def comparability(*, quick: bool, backend: str, model: str) -> list[str]:
     """Why a run cannot be judged against the goals (empty: it can). The goals are GPU figures,
     for the GPU preset (``options.GPU_MODEL``, any layer count) on an accelerator at full sizes."""

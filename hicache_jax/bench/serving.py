@@ -392,9 +392,33 @@ def multiturn(args) -> dict:
         return _multiturn(args, progress)
 
 
+class _NewPrompts:
+    """``--no-reuse``: every request a new random prompt, as long as that turn's prompt would be
+    in a conversation (first prompt + a turn and an answer per round), so nothing can hit."""
+
+    def __init__(self, args, vocab: int, seed: int) -> None:
+        self.args = args
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.round = 0
+
+    def prompts(self) -> tuple[list[list[int]], list[float]]:
+        a = self.args
+        n = a.first_len + self.round * (a.turn_len + a.answer_len)
+        self.round += 1
+        return ([self.rng.integers(0, self.vocab, n).tolist() for _ in range(a.clients)],
+                arrival_times(self.rng, a.request_rate, a.clients))
+
+    def answered(self, results: list) -> None:
+        pass
+
+
 def _new_conversations(args, vocab: int, seed: int, warm: bool = False):
     """The clients' conversations: random token ids for a preset, real text for a checkpoint
-    (``text_conversations``; the warm-up's start with other words, so they share no prefix)."""
+    (``text_conversations``; the warm-up's start with other words, so they share no prefix);
+    with ``--no-reuse`` a new random prompt per request."""
+    if getattr(args, "no_reuse", False):
+        return _NewPrompts(args, vocab, seed)
     if args.model in REAL_MODELS:
         from .text_conversations import TextConversations
 
@@ -482,7 +506,8 @@ def _multiturn(args, progress: Progress) -> dict:
                      s["hit_rate_by_tier"]["storage"], s["peak_device_pages"]["full"], s["peak_device_pages"]["swa"],
                      s["peak_kv_bytes"] / 2**20])
     load = "closed loop" if args.request_rate <= 0 else f"{args.request_rate:g} req/s per round"
-    print_table(f"multi-turn: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}"
+    trace = "no reuse (a new prompt per request)" if getattr(args, "no_reuse", False) else "multi-turn"
+    print_table(f"{trace}: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}"
                 f"{bench_goals.size_label(_not_comparable_because(args))}",
                 ["run", "reqs", "TTFT p50 ms", "p90", "mean", "queue mean", "service mean", "input tok/s",
                  "hit rate", "L1", "L2", "L3", "peak full pages", "peak SWA pages", "peak KV MiB"], rows)
@@ -507,12 +532,21 @@ def _multiturn(args, progress: Progress) -> dict:
               f"x{swa_vs_full['peak_kv_bytes']:.3f} ({cached['peak_kv_bytes'] / 2**20:.2f} vs "
               f"{as_full['peak_kv_bytes'] / 2**20:.2f} MiB), TTFT mean x{swa_vs_full['ttft_mean']:.3f}, input "
               f"throughput x{swa_vs_full['input_throughput']:.2f}")
-    if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none":
+    no_reuse = bool(getattr(args, "no_reuse", False))
+    if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none" and not no_reuse:
         print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
-    goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
+    if no_reuse:  # the cache's overhead: judged wherever it runs at full size
+        goals, verdict = bench_goals.judge(bench_goals.no_reuse_goals(ratios["input_throughput"],
+                                                                      ratios["ttft_mean"]),
+                                           ["--quick sizes"] if getattr(args, "quick", False) else [])
+        print("\n".join(bench_goals.lines(goals, verdict)))
+    else:
+        goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
     sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
                    f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
-    png = plots.multiturn_plot(_png(args), "Multi-turn serving: TTFT with hicache vs without", sub, base, cached,
+    title = ("No reuse (what the cache costs): TTFT with hicache vs without" if no_reuse
+             else "Multi-turn serving: TTFT with hicache vs without")
+    png = plots.multiturn_plot(_png(args), title, sub, base, cached,
                                note=bench_goals.plot_note(verdict))
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
            "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,

@@ -62,7 +62,7 @@ EXPLICIT: dict[str, list[tuple[str, list[str]]]] = {
     "--context": [("/nonexistent/doc.txt", []), ("/", [])],
 }
 # Options with nothing to refuse (flags).
-FREE = {"--help", "--quick", "--deterministic", "--compare-impls", "--version", "--no-storage",
+FREE = {"--help", "--quick", "--deterministic", "--compare-impls", "--version", "--no-storage", "--no-reuse",
         "--turns"}  # --turns: any text is a turn
 # Sizes each within bounds whose product cannot fit any machine: refused up front too.
 MEMORY = [

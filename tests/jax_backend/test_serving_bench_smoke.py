@@ -155,6 +155,36 @@ def test_multiturn_hybrid_quick_smoke(tmp_path, capsys):
     assert "peak SWA pages" in capsys.readouterr().out
 
 
+def test_multiturn_no_reuse_smoke(tmp_path, capsys):
+    """``bench multiturn --no-reuse``: every request a new prompt, so the cache serves nothing
+    (counted by the engine's admissions, not by the trace), the same tokens with and without
+    it, each round's prompts as long as a conversation's would be, and the overhead goals
+    (0.97x / 1.03x) judged, here "not comparable" at --quick sizes only (not for the CPU)."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "multiturn", "--model", "tiny", "--quick", "--no-reuse", "--clients", "3", "--rounds", "2",
+            "--first-len", "40", "--turn-len", "12", "--answer-len", "3", "--page-size", "4",
+            "--storage-backend", "file", "--out", str(out)]
+    assert cli.main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["same_tokens"] and payload["config"]["no_reuse"]
+    for run in ("hicache", "no_cache"):
+        assert payload[run]["cache_hit_rate"] == 0 and payload[run]["requests"] == 6
+    assert payload["cache_stats"]["backup_tokens"] > 0  # the cache did its work: backups, with nothing to hit
+    goals = {g["name"]: g for g in payload["goals"]}
+    assert (goals["input_throughput"]["threshold"], goals["ttft_mean"]["threshold"]) == (0.97, 1.03)
+    assert payload["verdict"]["not_comparable_because"] == ["--quick sizes"]
+    text = capsys.readouterr().out
+    assert "no reuse (a new prompt per request)" in " ".join(text.split())
+
+
+def test_no_reuse_is_refused_where_it_means_nothing(capsys):
+    for extra in (["--model", "gemma3-270m"], ["--engines", "2"], ["--num-processes", "2"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", "multiturn", "--no-reuse", *extra])
+        assert e.value.code == 2
+        assert "--no-reuse" in capsys.readouterr().err
+
+
 def test_model_preset_names_match_the_presets():
     from hicache_jax.bench.options import MODEL_PRESET_NAMES
     from hicache_jax.bench.serving import MODEL_PRESETS
