@@ -6,6 +6,7 @@
     hicache-jax bench restart     # write to L3, then a fresh process re-sends and hits L3
     hicache-jax bench transfer    # KV page transfers (gather/scatter/D2H/H2D) vs raw copies
     hicache-jax bench spec        # speculative decoding: accept length with the draft KV cold / from L1 / L3
+    hicache-jax bench step-cost   # the cache's CPU per scheduler step at 512 in flight (no model, no JAX)
 
 Every benchmark prints progress (at least every few seconds), a table, and writes JSON to
 ``--out`` (default ``./hicache-results/<name>.json``) with a PNG beside it; ``--quick`` runs
@@ -23,7 +24,7 @@ import sys
 from typing import Callable, NamedTuple
 
 from . import __version__
-from .bench import options
+from .bench import options, step_cost
 
 # The top-level ``-h``: what a user can run (the module docstring adds how to extend it).
 _USAGE = """hicache_jax: a hierarchical KV cache (device / host / storage) for JAX LLM serving.
@@ -60,6 +61,9 @@ BENCHMARKS = (
     Benchmark("spec", "speculative decoding on the trained toy pair: accept length, TPOT, E2E, TTFT with the "
                       "draft KV cold / from L1 / from L3 after a restart with and without draft backing",
               options.spec_arguments, "hicache_jax.bench.spec:run"),
+    Benchmark("step-cost", "the cache's CPU time per scheduler step at 512 in flight and 64 finishes a step "
+                           "(tree, backups, KV events; numpy backend, no model), with a profile",
+              step_cost.step_cost_arguments, "hicache_jax.bench.step_cost:run"),
 )
 
 
