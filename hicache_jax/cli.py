@@ -24,7 +24,7 @@ import sys
 from typing import Callable, NamedTuple
 
 from . import __version__
-from .bench import options, step_cost
+from .bench import options
 
 # The top-level ``-h``: what a user can run (the module docstring adds how to extend it).
 _USAGE = """hicache_jax: a hierarchical KV cache (device / host / storage) for JAX LLM serving.
@@ -63,7 +63,7 @@ BENCHMARKS = (
               options.spec_arguments, "hicache_jax.bench.spec:run"),
     Benchmark("step-cost", "the cache's CPU time per scheduler step at 512 in flight and 64 finishes a step "
                            "(tree, backups, KV events; numpy backend, no model), with a profile",
-              step_cost.step_cost_arguments, "hicache_jax.bench.step_cost:run"),
+              options.step_cost_arguments, "hicache_jax.bench.step_cost:run"),
 )
 
 

@@ -52,6 +52,7 @@ ROUTERS = ("round_robin", "prefix")
 
 # Per benchmark: what --quick changes (applied to options left at their default).
 QUICK: dict[str, dict[str, object]] = {
+    "step-cost": dict(steps=16, warmup_steps=12, prompt_len=256, profile_steps=4),
     "multiturn": dict(model="tiny", clients=4, rounds=3, first_len=96, turn_len=32, answer_len=4, page_size=8,
                       device_pages=48, host_ratio=1.0, max_batch=2),
     "two-run": dict(model="tiny", num_prompts=3, prompt_len=256, device_pages=128),
@@ -74,6 +75,7 @@ ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
                     host_ratio=4.0, max_batch=1, storage_backend="file"),
 }
 ENGINE_QUICK: dict[str, dict[str, object]] = {
+    "step-cost": dict(steps=16, warmup_steps=12, prompt_len=256, profile_steps=4),
     "easydel": dict(model="tiny", clients=4, rounds=3, first_len=96, turn_len=24, device_pages=16),
 }
 # option -> (the only value the engine takes, why)
@@ -445,8 +447,68 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 # Per benchmark: checks of option combinations (after parsing, before ``--quick``).
+# ---------------------------------------------------------------------------------- step-cost
+STEP_COST_GOAL_IN_FLIGHT, STEP_COST_GOAL_FINISHES = 512, 64  # the goal's sizes (hicache_jax.bench.step_cost)
+STEP_COST_DEVICE_HEADROOM = 1.25  # device pool / pages the running requests can need
+
+
+def pages_for(tokens: int, page: int) -> int:
+    return -(-tokens // page)
+
+
+def step_cost_max_new(args: argparse.Namespace) -> int:
+    """Tokens a request can generate: the prefill's first one, then one per step it runs (a
+    request lives about in_flight / finishes steps; FIFO finishing bounds it by the ceiling + 1)."""
+    return -(-args.in_flight // args.finishes_per_step) + 2
+
+
+def step_cost_max_conversation(args: argparse.Namespace) -> int:
+    """The longest prompt: a follow-up is only sent while its conversation is within this."""
+    return 2 * args.prompt_len
+
+
+def step_cost_device_pages(args: argparse.Namespace) -> int:
+    per_request = pages_for(step_cost_max_conversation(args) + step_cost_max_new(args), args.page_size)
+    return max(64, math.ceil(STEP_COST_DEVICE_HEADROOM * args.in_flight * per_request))
+
+
+def step_cost_arguments(p: argparse.ArgumentParser) -> None:
+    """``bench step-cost``'s options (the benchmark needs no JAX)."""
+    p.add_argument("--quick", action="store_true",
+                   help="short run (a few seconds): " + ", ".join(f"{k}={v}" for k, v in QUICK["step-cost"].items()))
+    p.add_argument("--out", default=results_path("step_cost"),
+                   help="JSON result; relative paths are under the current directory")
+    p.add_argument("--in-flight", type=_bounded(int, 1, MAX_COUNT), default=STEP_COST_GOAL_IN_FLIGHT,
+                   help="requests running at every decode step")
+    p.add_argument("--finishes-per-step", type=_positive_int, default=STEP_COST_GOAL_FINISHES,
+                   help="requests finishing (and new ones admitted) per scheduler step; <= --in-flight")
+    p.add_argument("--steps", type=_positive_int, default=200, help="measured scheduler steps (after the warm-up)")
+    p.add_argument("--warmup-steps", type=_bounded(int, 0, MAX_COUNT), default=48,
+                   help="steps before measuring (the pools fill and eviction starts within them)")
+    p.add_argument("--profile-steps", type=_bounded(int, 0, MAX_COUNT), default=20,
+                   help="steps run under cProfile after the measured ones (0: no profile)")
+    p.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV page")
+    p.add_argument("--prompt-len", type=_bounded(int, 8, MAX_TOKENS // 4), default=1024,
+                   help="tokens of a new conversation's prompt (a follow-up turn adds a quarter of it; "
+                        "conversations grow to twice it)")
+    p.add_argument("--events", choices=["on", "off"], default="on",
+                   help="a KVEventSource subscribed (off: none attached, to see what the events cost)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random prompts")
+
+
+def check_step_cost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations no single option's type checks (a usage error before anything runs)."""
+    if args.finishes_per_step > args.in_flight:
+        parser.error(f"argument --finishes-per-step: expected at most --in-flight ({args.in_flight}), got "
+                     f"{args.finishes_per_step}")
+    pages = step_cost_device_pages(args)
+    if pages > MAX_PAGES:
+        parser.error(f"argument --in-flight/--prompt-len/--page-size: expected sizes whose device pool is at most "
+                     f"{MAX_PAGES} pages, got {pages}")
+
+
 CHECKS = {"multiturn": [check_multiturn, check_serving], "two-run": [check_serving], "ttft": [check_serving],
-          "restart": [check_serving], "transfer": [check_transfer]}
+          "restart": [check_serving], "transfer": [check_transfer], "step-cost": [check_step_cost]}
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:

@@ -36,7 +36,6 @@ The goal (the issue's acceptance figure): <= 1 ms of CPU per scheduler step per 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
@@ -44,94 +43,25 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from . import options
-from .options import MAX_COUNT, MAX_TOKENS, _bounded, _page_size, _positive_int, _seed
+from .options import (STEP_COST_GOAL_FINISHES as GOAL_FINISHES, STEP_COST_GOAL_IN_FLIGHT as GOAL_IN_FLIGHT,
+                      pages_for as _pages_for, step_cost_device_pages as _device_pages,
+                      step_cost_max_conversation as _max_conversation, step_cost_max_new as _max_new)
 from .report import results_path
 
 if TYPE_CHECKING:
     import cProfile
 
 NAME = "step-cost"
-# --quick: options left at their default take these (see ``register_quick``).
-QUICK: dict[str, object] = dict(steps=16, warmup_steps=12, prompt_len=256, profile_steps=4)
-GOAL_CPU_MS = 1.0  # the issue's acceptance figure: CPU ms per scheduler step ...
-GOAL_FINISHES = 64  # ... per this many finishes ...
-GOAL_IN_FLIGHT = 512  # ... at this many requests in flight
+GOAL_CPU_MS = 1.0  # the acceptance figure: CPU ms per scheduler step per GOAL_FINISHES at GOAL_IN_FLIGHT
 SYSTEM_PROMPTS = 8  # shared system prompts (prompt_len // 4 tokens each)
 SYSTEM_SHARE = 0.25  # fraction of new conversations that start with one
 FOLLOW_UP = 0.5  # fraction of admissions that continue a finished conversation
-DEVICE_HEADROOM = 1.25  # device pool / pages the running requests can need
 HOST_RATIO = 2.0  # host pool / device pool
 VOCAB = 32000
 TOP = 15  # profile rows
 
 
-def register_quick() -> None:
-    """Make ``--quick`` and the option checks known to ``options.apply_quick`` / ``options.check``
-    (no-ops once ``options.QUICK`` / ``options.CHECKS`` name this benchmark themselves)."""
-    options.QUICK.setdefault(NAME, dict(QUICK))
-    options.CHECKS.setdefault(NAME, [check_step_cost])
-
-
-def step_cost_arguments(p: argparse.ArgumentParser) -> None:
-    """``bench step-cost``'s options (no JAX: the benchmark itself needs none)."""
-    p.add_argument("--quick", action="store_true",
-                   help="short run (a few seconds): " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
-    p.add_argument("--out", default=results_path("step_cost"),
-                   help="JSON result; relative paths are under the current directory")
-    p.add_argument("--in-flight", type=_bounded(int, 1, MAX_COUNT), default=GOAL_IN_FLIGHT,
-                   help="requests running at every decode step")
-    p.add_argument("--finishes-per-step", type=_positive_int, default=GOAL_FINISHES,
-                   help="requests finishing (and new ones admitted) per scheduler step; <= --in-flight")
-    p.add_argument("--steps", type=_positive_int, default=200, help="measured scheduler steps (after the warm-up)")
-    p.add_argument("--warmup-steps", type=_bounded(int, 0, MAX_COUNT), default=48,
-                   help="steps before measuring (the pools fill and eviction starts within them)")
-    p.add_argument("--profile-steps", type=_bounded(int, 0, MAX_COUNT), default=20,
-                   help="steps run under cProfile after the measured ones (0: no profile)")
-    p.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV page")
-    p.add_argument("--prompt-len", type=_bounded(int, 8, MAX_TOKENS // 4), default=1024,
-                   help="tokens of a new conversation's prompt (a follow-up turn adds a quarter of it; "
-                        "conversations grow to twice it)")
-    p.add_argument("--events", choices=["on", "off"], default="on",
-                   help="a KVEventSource subscribed (off: none attached, to see what the events cost)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the random prompts")
-
-
-def check_step_cost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Combinations no single option's type checks (a usage error before anything runs)."""
-    if args.finishes_per_step > args.in_flight:
-        parser.error(f"argument --finishes-per-step: expected at most --in-flight ({args.in_flight}), got "
-                     f"{args.finishes_per_step}")
-    pages = _device_pages(args)
-    if pages > options.MAX_PAGES:
-        parser.error(f"argument --in-flight/--prompt-len/--page-size: expected sizes whose device pool is at most "
-                     f"{options.MAX_PAGES} pages, got {pages}")
-
-
-register_quick()
-
-
 # ------------------------------------------------------------------------------ sizes
-def _pages_for(tokens: int, page: int) -> int:
-    return -(-tokens // page)
-
-
-def _max_new(args) -> int:
-    """Tokens a request can generate: the prefill's first one, then one per step it runs (a
-    request lives about in_flight / finishes steps; FIFO finishing bounds it by the ceiling + 1)."""
-    return -(-args.in_flight // args.finishes_per_step) + 2
-
-
-def _max_conversation(args) -> int:
-    """The longest prompt: a follow-up is only sent while its conversation is within this."""
-    return 2 * args.prompt_len
-
-
-def _device_pages(args) -> int:
-    per_request = _pages_for(_max_conversation(args) + _max_new(args), args.page_size)
-    return max(64, math.ceil(DEVICE_HEADROOM * args.in_flight * per_request))
-
-
 # ------------------------------------------------------------------------------ the run
 def run(args) -> dict:
     from .report import Progress
