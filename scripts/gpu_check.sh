@@ -19,6 +19,8 @@
 #              when the image can import the models extra (gguf, tokenizers and the ~240 MB weights
 #              package; the lent machine reaches no index and a carry holds 64 MiB), else skipped
 #   determ     the same with --deterministic, when `bench multiturn --help` lists it
+#   noreuse    bench multiturn --no-reuse on the GPU preset: what the cache costs when nothing hits
+#              (goals: input throughput >= 0.97x, TTFT mean <= 1.03x of no cache; summary only)
 #   streamvar  the other stream loop (dynamic) and the numpy path on the same bytes (log only)
 #   d2hprobe   benchmarks/probe_backup_interference.py: a model-like step's time while backups
 #              repeat, per way of copying D2H (the engine's stream path, its numpy path, a pinned
@@ -47,7 +49,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./gpu_check_out}
-STEPS=${STEPS:-"versions pytest transfer ttft multiturn gemma determ streamvar d2hprobe hlo kernels"}
+STEPS=${STEPS:-"versions pytest transfer ttft multiturn gemma determ noreuse streamvar d2hprobe hlo kernels"}
 BUDGET_S=${BUDGET_S:-470}
 LAYERS=${LAYERS:-}
 QUICK=${QUICK:-0}
@@ -62,7 +64,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/hi
 # streamvar 23 s, hlo 5 s; pallas_kernels -m gpu ~160 s.
 CAP_VERSIONS=${CAP_VERSIONS:-30} CAP_PYTEST=${CAP_PYTEST:-140} CAP_TRANSFER=${CAP_TRANSFER:-75}
 CAP_TTFT=${CAP_TTFT:-110} CAP_MULTITURN=${CAP_MULTITURN:-75} CAP_DETERM=${CAP_DETERM:-60}
-CAP_GEMMA=${CAP_GEMMA:-120} CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_D2HPROBE=${CAP_D2HPROBE:-40} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
+CAP_GEMMA=${CAP_GEMMA:-120} CAP_NOREUSE=${CAP_NOREUSE:-75} CAP_STREAMVAR=${CAP_STREAMVAR:-45} CAP_D2HPROBE=${CAP_D2HPROBE:-40} CAP_HLO=${CAP_HLO:-30} CAP_KERNELS=${CAP_KERNELS:-200}
 
 BENCH=("$PY" -m hicache_jax.cli bench)
 MODEL=(--model llama3-8b-shape ${LAYERS:+--layers "$LAYERS"})
@@ -177,6 +179,14 @@ if want determ; then
     echo "[determ] skipped: bench multiturn --help lists no --deterministic"; RC[determ]=absent
   fi
 fi
+if want noreuse; then
+  if [ "$DRY_RUN" = 1 ] || "${BENCH[@]}" multiturn --help 2>/dev/null | grep -q -- "--no-reuse"; then
+    step noreuse $CAP_NOREUSE "${BENCH[@]}" multiturn "${MODEL[@]}" "${Q[@]}" "${MULTITURN[@]}" --no-reuse \
+      --storage-backend file --out "$WORK/noreuse.json"  # in the summary only (8 files come back)
+  else
+    echo "[noreuse] skipped: bench multiturn --help lists no --no-reuse"; RC[noreuse]=absent
+  fi
+fi
 # With what time is left: the stream copies' other loop form (the GPU default is static x8) and the
 # numpy path on the same bytes (tables in gpu_check.log only), to check the transfer engine's defaults.
 if want streamvar; then
@@ -214,7 +224,7 @@ fi
 # ---- the summary: rc per step, the pytest tally, then what each result file says ----------------
 {
   echo "===== summary ($(date -u +%FT%TZ), ${SECONDS} s of the ${BUDGET_S} s budget)"
-  for s in versions pytest transfer ttft multiturn determ streamvar d2hprobe hlo kernels; do
+  for s in versions pytest transfer ttft multiturn gemma determ noreuse streamvar d2hprobe hlo kernels; do
     [ -n "${RC[$s]+x}" ] && echo "step $s: rc=${RC[$s]}"
   done
   [ -f "$WORK/versions.out" ] && sed 's/^/  /' "$WORK/versions.out"
@@ -272,8 +282,8 @@ if p:
         f"; ordered in {p['ordering']['held_rounds']}/{p['ordering']['rounds']} rounds; "
         f"decode x{p['decode']['ratio'] if p['decode']['ratio'] is None else round(p['decode']['ratio'], 3)}")
     verdict("ttft", p)
-for name in ("multiturn.json", "determ.json"):
-    if name == "determ.json" and not os.path.exists(os.path.join(work, name)):
+for name in ("multiturn.json", "determ.json", "noreuse.json"):
+    if name != "multiturn.json" and not os.path.exists(os.path.join(work, name)):
         continue  # not run (no --deterministic, or not selected): its rc line says which
     p = load(name)
     if p:

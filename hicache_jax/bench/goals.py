@@ -99,10 +99,11 @@ def comparability(*, quick: bool, backend: str, model: str) -> list[str]:
     return reasons
 
 
-def judge(goals: Sequence[Goal], reasons: Sequence[str]) -> tuple[list[dict], dict]:
+def judge(goals: Sequence[Goal], reasons: Sequence[str], note: str = OVERHEAD_NOTE) -> tuple[list[dict], dict]:
     """Each goal as a JSON record with its ``status`` and ``would_meet``, and the verdict:
     ``{"status", "text", "not_comparable_because"}``. Not comparable when ``reasons`` is not
-    empty; else met when every measured goal is met (and at least one was measured)."""
+    empty (its text gives the reasons and ``note``: why such a run does not measure the goals);
+    else met when every measured goal is met (and at least one was measured)."""
     records = []
     for g in goals:
         would = g.holds()
@@ -119,7 +120,7 @@ def judge(goals: Sequence[Goal], reasons: Sequence[str]) -> tuple[list[dict], di
     if reasons:
         would = sum(r["would_meet"] for r in measured)
         status = NOT_COMPARABLE
-        text = (f"{NOT_COMPARABLE_TEXT} ({'; '.join(reasons)}): {OVERHEAD_NOTE} "
+        text = (f"{NOT_COMPARABLE_TEXT} ({'; '.join(reasons)}): {note} "
                 f"({would} of {len(measured)} goals would be met{tail})")
     elif not measured:
         status, text = NOT_MEASURED, f"{NOT_MEASURED}: no goal had a value"

@@ -538,7 +538,9 @@ def _multiturn(args, progress: Progress) -> dict:
     if no_reuse:  # the cache's overhead: judged wherever it runs at full size
         goals, verdict = bench_goals.judge(bench_goals.no_reuse_goals(ratios["input_throughput"],
                                                                       ratios["ttft_mean"]),
-                                           ["--quick sizes"] if getattr(args, "quick", False) else [])
+                                           ["--quick sizes"] if getattr(args, "quick", False) else [],
+                                           note="on a model this small a request's fixed costs weigh more than at "
+                                                "full size")
         print("\n".join(bench_goals.lines(goals, verdict)))
     else:
         goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))

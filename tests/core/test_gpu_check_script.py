@@ -42,7 +42,7 @@ def test_dry_run_keeps_the_budget(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     steps = dict(re.findall(r"^\[(\w+)\] timeout (\d+)s: ", out, re.M))
-    assert set(steps) == {*MANDATORY, "gemma", "determ", "streamvar", "d2hprobe", "hlo", "kernels"}, out
+    assert set(steps) == {*MANDATORY, "gemma", "determ", "noreuse", "streamvar", "d2hprobe", "hlo", "kernels"}, out
     budget = int(re.search(r"^BUDGET_S=\$\{BUDGET_S:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
     assert budget <= 480  # the whole script within 8 minutes
     assert sum(int(steps[s]) for s in MANDATORY) < budget  # the later steps get what is left
@@ -53,10 +53,10 @@ def test_dry_run_keeps_the_budget(tmp_path):
     assert "-m pytest tests -m gpu" in lines["pytest"] and "-m pytest pallas_kernels -m gpu" in lines["kernels"]
     assert "bench transfer --page-sizes 16 64 --page-counts 1024 " in lines["transfer"]
     assert "--prompt-len 2048" in lines["ttft"]
-    for name in ("ttft", "multiturn", "determ"):
+    for name in ("ttft", "multiturn", "determ", "noreuse"):
         assert "--model llama3-8b-shape" in lines[name] and "--storage-backend file" in lines[name], lines[name]
         assert "--quick" not in lines[name]
-    assert "--deterministic" in lines["determ"]
+    assert "--deterministic" in lines["determ"] and "--no-reuse" in lines["noreuse"]
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
