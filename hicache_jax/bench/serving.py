@@ -360,6 +360,7 @@ def _summarize(rounds: list[_Round]) -> dict:
         "latency_mean_s": statistics.fmean(x.latency_s for x in res),
         "duration_s": sum(r.seconds for r in rounds),
         "input_tok_per_s": prompt / sum(r.seconds for r in rounds),
+        "prompt_tokens": prompt, "prefill_tokens": sum(x.prefill_tokens for x in res),
         "cache_hit_rate": sum(x.cached_total for x in res) / prompt,
         "hit_rate_by_tier": {t: sum(x.cached_tokens[t] for x in res) / prompt for t in ("device", "host", "storage")},
         "hit_rate_per_round": [sum(x.cached_total for x in r.results) / sum(x.prompt_len for x in r.results)
@@ -514,10 +515,14 @@ def _multiturn(args, progress: Progress) -> dict:
     ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
               "ttft_p50": cached["ttft_p50_s"] / base["ttft_p50_s"],
               "service_mean": cached["service_mean_s"] / base["service_mean_s"],
-              "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"]}
+              "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"],
+              "prefill_tokens": cached["prefill_tokens"] / base["prefill_tokens"]}
     print(f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
           f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
           f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
+    # Work, not time: the same at any size and on any machine (the time ratios are not at --quick sizes).
+    print(f"prefill work: hicache computed {cached['prefill_tokens']:,} of {cached['prompt_tokens']:,} prompt "
+          f"tokens, x{ratios['prefill_tokens']:.3f} of no cache's {base['prefill_tokens']:,} (comparable at any size)")
     print_exactness(divergence, audit, cached_engine.cache_config.deterministic)
     transcript = None
     if args.model in REAL_MODELS:

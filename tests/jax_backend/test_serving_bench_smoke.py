@@ -74,6 +74,9 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["hicache"]["cache_hit_rate"] == pytest.approx(3 * 40 / (3 * 40 + 3 * 55)), \
             (payload["hicache"]["per_request"], payload["cache_stats"])
         assert payload["no_cache"]["cache_hit_rate"] == 0
+        # The work saved (comparable at any size): the engines' own per-request prefill counts.
+        assert payload["ratios_vs_no_cache"]["prefill_tokens"] == pytest.approx(3 * 55 / (3 * 40 + 3 * 55))
+        assert "prefill work: hicache computed 165 of 285 prompt tokens" in captured.out
         for r in payload["hicache"]["per_request"]:
             assert r["queue_s"] >= 0 and r["service_s"] > 0
             assert r["queue_s"] + r["service_s"] == pytest.approx(r["ttft_s"])
@@ -170,6 +173,8 @@ def test_multiturn_no_reuse_smoke(tmp_path, capsys):
     for run in ("hicache", "no_cache"):
         assert payload[run]["cache_hit_rate"] == 0 and payload[run]["requests"] == 6
     assert payload["cache_stats"]["backup_tokens"] > 0  # the cache did its work: backups, with nothing to hit
+    assert payload["ratios_vs_no_cache"]["prefill_tokens"] == 1.0  # every prompt token computed in both
+    assert payload["no_cache"]["prefill_tokens"] == payload["no_cache"]["prompt_tokens"] == 3 * (40 + 55)
     goals = {g["name"]: g for g in payload["goals"]}
     assert (goals["input_throughput"]["threshold"], goals["ttft_mean"]["threshold"]) == (0.97, 1.03)
     assert payload["verdict"]["not_comparable_because"] == ["--quick sizes"]
