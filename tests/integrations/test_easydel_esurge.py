@@ -291,16 +291,22 @@ def _tokens(text: str, n: int) -> np.ndarray:
     return np.asarray(F.tokenize(text)[:n], np.int64)
 
 
+def _cold_then_attached(engine, l3_dir, revision: str):
+    """A's greedy tokens from eSurge alone, then the adapter attached (L3 keys under ``revision``)
+    to an engine whose L1 holds nothing."""
+    _reset_l1(engine)
+    cold = F.greedy(engine, A)
+    _reset_l1(engine)
+    return cold, attach(engine, _config(l3_dir), model=MODEL, weights_revision=revision)
+
+
 def test_eviction_backs_up_a_cached_page_the_host_tier_lost(engine, l3_dir):
     """The eviction hook's copy path: A's last page (tokens 80..96) is dropped from the host tier
     while eSurge still caches it; when B makes eSurge evict it, the hook copies it to the host
     first, and the host page holds exactly that eSurge page's bytes (captured before B)."""
     a_fork = " ".join(A.split()[:80] + F.prompt(4, 20).split())  # shares A's first 5 pages
     a96 = _tokens(A, 96)
-    _reset_l1(engine)
-    cold = F.greedy(engine, A)
-    _reset_l1(engine)
-    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-evict")
+    cold, h = _cold_then_attached(engine, l3_dir, REV + "-evict")
     try:
         F.greedy(engine, A)  # A's 6 full pages backed up: one 96-token host node
         F.greedy(engine, a_fork)  # its backup splits that node at 80 tokens
@@ -363,10 +369,7 @@ def test_eviction_backs_up_nothing_when_the_pages_prefix_left_the_host_tier(engi
     page cannot supply): nothing is copied, the host tier stays empty for A, and A is then
     served eSurge's own tokens. And a prompt eSurge holds whole is not looked up in storage."""
     a96 = _tokens(A, 96)
-    _reset_l1(engine)
-    cold = F.greedy(engine, A)
-    _reset_l1(engine)
-    h = attach(engine, _config(l3_dir), model=MODEL, weights_revision=REV + "-evict-gone")
+    cold, h = _cold_then_attached(engine, l3_dir, REV + "-evict-gone")
     try:
         F.greedy(engine, A)  # A's 6 full pages backed up
         assert len(h.host_pages(a96)) == 6
