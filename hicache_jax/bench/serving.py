@@ -525,6 +525,8 @@ def _multiturn(args, progress: Progress) -> dict:
     print(f"prefill work: hicache computed {cached['prefill_tokens']:,} of {cached['prompt_tokens']:,} prompt "
           f"tokens, x{ratios['prefill_tokens']:.3f} of no cache's {base['prefill_tokens']:,} (comparable at any size)")
     print_exactness(divergence, audit, cached_engine.cache_config.deterministic)
+    moved = bytes_moved(stats)
+    print("bytes moved per tier: " + moved["text"])
     transcript = None
     if args.model in REAL_MODELS:
         transcript = _side_by_side(convs["no cache"], convs["hicache"], rounds["hicache"])
@@ -557,6 +559,7 @@ def _multiturn(args, progress: Progress) -> dict:
     png = plots.multiturn_plot(_png(args), title, sub, base, cached,
                                note=bench_goals.plot_note(verdict))
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
+           "bytes_moved": {k: v for k, v in moved.items() if k != "text"},
            "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
            "deterministic": cached_engine.cache_config.deterministic, "token_divergence": divergence,
            "page_audit": audit.stats() if audit is not None else None,
@@ -569,6 +572,24 @@ def _multiturn(args, progress: Progress) -> dict:
         out["swa_as_full"] = summaries["hicache, SWA as full"]
         out["hybrid_vs_swa_as_full"] = swa_vs_full
     ranks.report_rank(cached_engine.cache, out, served)
+    return out
+
+
+def bytes_moved(stats: dict) -> dict:
+    """KV bytes each tier moved in a run, from the cache's counters (``stats()``), and the L3
+    backend's own GB/s where it times its reads and writes (the device <-> host copies are timed
+    from issue to completion, queueing included, so no rate is given for them)."""
+    mib = 2**20
+    out = {"d2h_backup_bytes": int(stats.get("backup_bytes", 0)), "h2d_load_bytes": int(stats.get("load_back_bytes", 0)),
+           "l3_written_bytes": int(stats.get("storage_written_bytes", 0)),
+           "l3_read_bytes": int(stats.get("storage_read_bytes", 0))}
+    parts = [f"D2H backups {out['d2h_backup_bytes'] / mib:,.1f} MiB", f"H2D loads {out['h2d_load_bytes'] / mib:,.1f} MiB"]
+    for op, sec in (("written", "storage_write_seconds"), ("read", "storage_read_seconds")):
+        n, t = out[f"l3_{op}_bytes"], float(stats.get(sec, 0.0))
+        out[f"l3_{op}_gbps"] = n / t / 1e9 if n and t > 0 else None
+        rate = f" at {out[f'l3_{op}_gbps']:.2f} GB/s" if out[f"l3_{op}_gbps"] is not None else ""
+        parts.append(f"L3 {op} {n / mib:,.1f} MiB{rate}")
+    out["text"] = ", ".join(parts)
     return out
 
 

@@ -170,15 +170,22 @@ def test_multiturn_no_reuse_smoke(tmp_path, capsys):
     assert cli.main(argv) == 0
     payload = json.loads(out.read_text())
     assert payload["same_tokens"] and payload["config"]["no_reuse"]
+    text = capsys.readouterr().out
     for run in ("hicache", "no_cache"):
         assert payload[run]["cache_hit_rate"] == 0 and payload[run]["requests"] == 6
     assert payload["cache_stats"]["backup_tokens"] > 0  # the cache did its work: backups, with nothing to hit
     assert payload["ratios_vs_no_cache"]["prefill_tokens"] == 1.0  # every prompt token computed in both
+    moved = payload["bytes_moved"]  # nothing hits: bytes go down the tiers only
+    h = payload["hicache"]
+    page_bytes = h["peak_kv_bytes"] / h["peak_device_pages"]["full"]  # the engine's geometry
+    assert moved["d2h_backup_bytes"] == payload["cache_stats"]["backup_tokens"] // 4 * page_bytes
+    assert moved["h2d_load_bytes"] == moved["l3_read_bytes"] == 0 and moved["l3_read_gbps"] is None
+    assert moved["l3_written_bytes"] > 0 and moved["l3_written_gbps"] > 0  # (some may still be in flight)
+    assert "bytes moved per tier: D2H backups " in text
     assert payload["no_cache"]["prefill_tokens"] == payload["no_cache"]["prompt_tokens"] == 3 * (40 + 55)
     goals = {g["name"]: g for g in payload["goals"]}
     assert (goals["input_throughput"]["threshold"], goals["ttft_mean"]["threshold"]) == (0.97, 1.03)
     assert payload["verdict"]["not_comparable_because"] == ["--quick sizes"]
-    text = capsys.readouterr().out
     assert "no reuse (a new prompt per request)" in " ".join(text.split())
 
 
