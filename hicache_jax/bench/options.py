@@ -75,7 +75,6 @@ ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
                     host_ratio=4.0, max_batch=1, storage_backend="file"),
 }
 ENGINE_QUICK: dict[str, dict[str, object]] = {
-    "step-cost": dict(steps=16, warmup_steps=12, prompt_len=256, profile_steps=4),
     "easydel": dict(model="tiny", clients=4, rounds=3, first_len=96, turn_len=24, device_pages=16),
 }
 # option -> (the only value the engine takes, why)
@@ -446,7 +445,6 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"argument --weights: expected 'toy' or an existing .npz file, got {weights!r}")
 
 
-# Per benchmark: checks of option combinations (after parsing, before ``--quick``).
 # ---------------------------------------------------------------------------------- step-cost
 STEP_COST_GOAL_IN_FLIGHT, STEP_COST_GOAL_FINISHES = 512, 64  # the goal's sizes (hicache_jax.bench.step_cost)
 STEP_COST_DEVICE_HEADROOM = 1.25  # device pool / pages the running requests can need
@@ -507,6 +505,7 @@ def check_step_cost(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                      f"{MAX_PAGES} pages, got {pages}")
 
 
+# Per benchmark: checks of option combinations (after parsing, before ``--quick``).
 CHECKS = {"multiturn": [check_multiturn, check_serving], "two-run": [check_serving], "ttft": [check_serving],
           "restart": [check_serving], "transfer": [check_transfer], "step-cost": [check_step_cost]}
 
