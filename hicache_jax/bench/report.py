@@ -93,6 +93,14 @@ def median_seconds(run: Callable[[], object], reps: int, warmup: int = 1) -> flo
     return statistics.median(times)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100, linear interpolation between order statistics, numpy's
+    default) of ``values``; NaN when there are none."""
+    import numpy as np  # here: the CLI's --help imports this module
+
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 

@@ -73,7 +73,7 @@ from . import goals as bench_goals
 from .text_conversations import arrival_times
 from . import plots, ranks
 from .options import AUTO_MODEL, CPU_MODEL, GPU_MODEL, REAL_MODELS
-from .report import Progress, machine_info, print_table
+from .report import Progress, machine_info, percentile, print_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
@@ -95,10 +95,6 @@ MODEL_PRESETS = {
     "llama3-8b-shape-tiny": LLAMA3_8B_SHAPE_TINY,
 }
 TIERS = ("cold", "device", "host", "storage")
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def serving_tier(result) -> str:
@@ -352,11 +348,11 @@ def _summarize(rounds: list[_Round]) -> dict:
     prompt = sum(x.prompt_len for x in res)
     return {
         "requests": len(res),
-        "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
-        "ttft_p99_s": _pct(ttft, 99), "ttft_max_s": max(ttft),
-        "queue_mean_s": statistics.fmean(x.queue_s for x in res), "queue_p50_s": _pct([x.queue_s for x in res], 50),
+        "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99), "ttft_max_s": max(ttft),
+        "queue_mean_s": statistics.fmean(x.queue_s for x in res), "queue_p50_s": percentile([x.queue_s for x in res], 50),
         "service_mean_s": statistics.fmean(x.service_s for x in res),
-        "service_p50_s": _pct([x.service_s for x in res], 50),
+        "service_p50_s": percentile([x.service_s for x in res], 50),
         "latency_mean_s": statistics.fmean(x.latency_s for x in res),
         "duration_s": sum(r.seconds for r in rounds),
         "input_tok_per_s": prompt / sum(r.seconds for r in rounds),
@@ -647,7 +643,7 @@ def _two_run(args, progress: Progress) -> dict:
     for i, (res, secs) in enumerate(runs):
         ttft = [r.ttft_s for r in res]
         tier = {t: sum(serving_tier(r) == t for r in res) for t in TIERS}
-        d = {"run": i + 1, "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 50), "duration_s": secs,
+        d = {"run": i + 1, "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": percentile(ttft, 50), "duration_s": secs,
              "input_tok_per_s": sum(r.prompt_len for r in res) / secs, "requests_by_tier": tier,
              "same_tokens_as_run1": [r.tokens for r in res] == [r.tokens for r in runs[0][0]]}
         out.append(d)
@@ -730,7 +726,7 @@ def _ttft(args, progress: Progress) -> dict:
                for i in range(args.reps))
     rows = [[k, statistics.median(r.cached_total for r in v),
              statistics.median(r.cached_tokens[k] for r in v) if k != "cold" else 0,
-             med[k] * 1e3, _pct([r.ttft_s for r in v], 25) * 1e3, _pct([r.ttft_s for r in v], 75) * 1e3,
+             med[k] * 1e3, percentile([r.ttft_s for r in v], 25) * 1e3, percentile([r.ttft_s for r in v], 75) * 1e3,
              min(r.ttft_s for r in v) * 1e3, med[k] / med["cold"]] for k, v in results.items()]
     print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, {args.reps} rounds, "
                 f"{describe(args)}{bench_goals.size_label(_not_comparable_because(args))}",

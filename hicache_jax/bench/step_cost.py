@@ -36,7 +36,6 @@ The goal (the issue's acceptance figure): <= 1 ms of CPU per scheduler step per 
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import time
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING
 from .options import (STEP_COST_GOAL_FINISHES as GOAL_FINISHES, STEP_COST_GOAL_IN_FLIGHT as GOAL_IN_FLIGHT,
                       pages_for as _pages_for, step_cost_device_pages as _device_pages,
                       step_cost_max_conversation as _max_conversation, step_cost_max_new as _max_new)
-from .report import results_path
+from .report import percentile
 
 if TYPE_CHECKING:
     import cProfile
@@ -61,7 +60,6 @@ VOCAB = 32000
 TOP = 15  # profile rows
 
 
-# ------------------------------------------------------------------------------ sizes
 # ------------------------------------------------------------------------------ the run
 def run(args) -> dict:
     from .report import Progress
@@ -274,19 +272,8 @@ class _Sim:
         clock.stop()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by linear interpolation between order statistics."""
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    pos = q * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _summary(values: list[float]) -> dict:
-    return {"median": _percentile(values, 0.5), "p90": _percentile(values, 0.9), "p99": _percentile(values, 0.99),
+    return {"median": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
             "mean": sum(values) / len(values) if values else float("nan"), "max": max(values, default=float("nan"))}
 
 
