@@ -162,10 +162,11 @@ def _not_comparable_because(args) -> list[str]:
                                      model=args.model)
 
 
-def _judge(args, goals: list) -> tuple[list[dict], dict]:
-    """The goals' records and the verdict, printed (comparable only on the GPU preset, on an
-    accelerator, at full sizes)."""
-    records, verdict = bench_goals.judge(goals, _not_comparable_because(args))
+def _judge(args, goals: list, reasons: list[str] | None = None,
+           note: str = bench_goals.OVERHEAD_NOTE) -> tuple[list[dict], dict]:
+    """The goals' records and the verdict, printed (by default comparable only on the GPU
+    preset, on an accelerator, at full sizes; ``reasons``: other reasons a run is not)."""
+    records, verdict = bench_goals.judge(goals, _not_comparable_because(args) if reasons is None else reasons, note)
     print("\n".join(bench_goals.lines(records, verdict)))
     return records, verdict
 
@@ -504,7 +505,8 @@ def _multiturn(args, progress: Progress) -> dict:
                      s["hit_rate_by_tier"]["storage"], s["peak_device_pages"]["full"], s["peak_device_pages"]["swa"],
                      s["peak_kv_bytes"] / 2**20])
     load = "closed loop" if args.request_rate <= 0 else f"{args.request_rate:g} req/s per round"
-    trace = "no reuse (a new prompt per request)" if getattr(args, "no_reuse", False) else "multi-turn"
+    no_reuse = bool(getattr(args, "no_reuse", False))
+    trace = "no reuse (a new prompt per request)" if no_reuse else "multi-turn"
     print_table(f"{trace}: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}"
                 f"{bench_goals.size_label(_not_comparable_because(args))}",
                 ["run", "reqs", "TTFT p50 ms", "p90", "p99", "mean", "queue mean", "service mean", "input tok/s",
@@ -521,8 +523,8 @@ def _multiturn(args, progress: Progress) -> dict:
     print(f"prefill work: hicache computed {cached['prefill_tokens']:,} of {cached['prompt_tokens']:,} prompt "
           f"tokens, x{ratios['prefill_tokens']:.3f} of no cache's {base['prefill_tokens']:,} (comparable at any size)")
     print_exactness(divergence, audit, cached_engine.cache_config.deterministic)
-    moved = bytes_moved(stats)
-    print("bytes moved per tier: " + moved["text"])
+    moved, moved_text = bytes_moved(stats)
+    print("bytes moved per tier: " + moved_text)
     transcript = None
     if args.model in REAL_MODELS:
         transcript = _side_by_side(convs["no cache"], convs["hicache"], rounds["hicache"])
@@ -536,16 +538,12 @@ def _multiturn(args, progress: Progress) -> dict:
               f"x{swa_vs_full['peak_kv_bytes']:.3f} ({cached['peak_kv_bytes'] / 2**20:.2f} vs "
               f"{as_full['peak_kv_bytes'] / 2**20:.2f} MiB), TTFT mean x{swa_vs_full['ttft_mean']:.3f}, input "
               f"throughput x{swa_vs_full['input_throughput']:.2f}")
-    no_reuse = bool(getattr(args, "no_reuse", False))
     if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none" and not no_reuse:
         print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
     if no_reuse:  # the cache's overhead: judged wherever it runs at full size
-        goals, verdict = bench_goals.judge(bench_goals.no_reuse_goals(ratios["input_throughput"],
-                                                                      ratios["ttft_mean"]),
-                                           ["--quick sizes"] if getattr(args, "quick", False) else [],
-                                           note="on a model this small a request's fixed costs weigh more than at "
-                                                "full size")
-        print("\n".join(bench_goals.lines(goals, verdict)))
+        goals, verdict = _judge(args, bench_goals.no_reuse_goals(ratios["input_throughput"], ratios["ttft_mean"]),
+                                ["--quick sizes"] if getattr(args, "quick", False) else [],
+                                note="on a model this small a request's fixed costs weigh more than at full size")
     else:
         goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
     sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
@@ -555,7 +553,7 @@ def _multiturn(args, progress: Progress) -> dict:
     png = plots.multiturn_plot(_png(args), title, sub, base, cached,
                                note=bench_goals.plot_note(verdict))
     out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-           "bytes_moved": {k: v for k, v in moved.items() if k != "text"},
+           "bytes_moved": moved,
            "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
            "deterministic": cached_engine.cache_config.deterministic, "token_divergence": divergence,
            "page_audit": audit.stats() if audit is not None else None,
@@ -571,10 +569,11 @@ def _multiturn(args, progress: Progress) -> dict:
     return out
 
 
-def bytes_moved(stats: dict) -> dict:
+def bytes_moved(stats: dict) -> tuple[dict, str]:
     """KV bytes each tier moved in a run, from the cache's counters (``stats()``), and the L3
     backend's own GB/s where it times its reads and writes (the device <-> host copies are timed
-    from issue to completion, queueing included, so no rate is given for them)."""
+    from issue to completion, queueing included, so no rate is given for them); and the line
+    that says so."""
     mib = 2**20
     out = {"d2h_backup_bytes": int(stats.get("backup_bytes", 0)), "h2d_load_bytes": int(stats.get("load_back_bytes", 0)),
            "l3_written_bytes": int(stats.get("storage_written_bytes", 0)),
@@ -585,8 +584,7 @@ def bytes_moved(stats: dict) -> dict:
         out[f"l3_{op}_gbps"] = n / t / 1e9 if n and t > 0 else None
         rate = f" at {out[f'l3_{op}_gbps']:.2f} GB/s" if out[f"l3_{op}_gbps"] is not None else ""
         parts.append(f"L3 {op} {n / mib:,.1f} MiB{rate}")
-    out["text"] = ", ".join(parts)
-    return out
+    return out, ", ".join(parts)
 
 
 def _side_by_side(base, cached, cached_rounds: list[_Round], client: int = 1, width: int = 60) -> list[dict]:
