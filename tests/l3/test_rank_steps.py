@@ -236,17 +236,13 @@ def test_at_most_op_budget_operations_report_in_a_step_and_the_rest_at_the_next(
     in start order; the others wait for a later step (none is lost or reported twice)."""
     r0 = Rank0(max_inflight_fraction=1.0)  # 30 queries of 2 pages each fit the 64 host pages
     try:
-        _report_budget(r0)
+        ops = [r0.pf.start(seq(1000 * i, 4)) for i in range(OP_BUDGET + 6)]
+        assert all(op.status == "querying" for op in ops)
+        for op in ops:
+            _answered(r0, op)
+        assert r0.step() == [0] * OP_BUDGET  # no storage hit anywhere
+        assert [op.status for op in ops] == ["revoked"] * OP_BUDGET + ["querying"] * 6
+        assert r0.step() == [0] * 6
+        assert all(op.status == "revoked" and op.reason == "no storage hit" for op in ops)
     finally:
         r0.close()
-
-
-def _report_budget(r0):
-    ops = [r0.pf.start(seq(1000 * i, 4)) for i in range(OP_BUDGET + 6)]
-    assert all(op.status == "querying" for op in ops)
-    for op in ops:
-        _answered(r0, op)
-    assert r0.step() == [0] * OP_BUDGET  # no storage hit anywhere
-    assert [op.status for op in ops] == ["revoked"] * OP_BUDGET + ["querying"] * 6
-    assert r0.step() == [0] * 6
-    assert all(op.status == "revoked" and op.reason == "no storage hit" for op in ops)
