@@ -582,7 +582,7 @@ def bytes_moved(stats: dict) -> tuple[dict, str]:
     for op, sec in (("written", "storage_write_seconds"), ("read", "storage_read_seconds")):
         n, t = out[f"l3_{op}_bytes"], float(stats.get(sec, 0.0))
         out[f"l3_{op}_gbps"] = n / t / 1e9 if n and t > 0 else None
-        rate = f" at {out[f'l3_{op}_gbps']:.2f} GB/s" if out[f"l3_{op}_gbps"] is not None else ""
+        rate = f" at {out[f'l3_{op}_gbps']:.3g} GB/s" if out[f"l3_{op}_gbps"] is not None else ""
         parts.append(f"L3 {op} {n / mib:,.1f} MiB{rate}")
     return out, ", ".join(parts)
 
