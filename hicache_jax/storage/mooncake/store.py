@@ -33,20 +33,20 @@ of the page: one per component in the page-first layouts, one per component and 
 ``layer_first``) after the header; reads are ``batch_get_into_multi_buffers`` straight into the
 host pages, verified there. The headers go through a small per-call buffer.
 
-CRCs in parallel: a write's pages move in one batch call (measured on the project VM, 2 vCPUs,
-64 x 2 MiB pages to a store node: splitting them into 4-16 concurrent batch calls ran at
-~0.6x the speed of one; in sequential pieces of 32 MiB, pipelined with their CRCs, ~0.8x with
-the client's own segment), after their CRCs ran on ``read_concurrency`` CRC threads in
-parallel, the CRC-32C without the GIL (``integrity``).
-
-Pipelined reads: a read's pages move in sequential pieces of about ``PIPELINE_CHUNK_BYTES``
-(one batch call each, one in flight at a time), and piece k is checked on the CRC threads while
-piece k+1 moves on a store worker, so the CRCs no longer wait for the last byte of the call
-(measured, 128 x 2 MiB pages in the client's own segment, 2 vCPUs at load ~11, median of 4
-paired rounds: 1.37 GB/s in one call, 1.54-1.70 GB/s in pieces of 64 / 32 MiB; with pages in a
-store node the loopback transfer dominates and both ran at the raw client's speed). A piece that
-cannot start because the store went down meanwhile is a miss for its pages, whose host pages
-are left untouched.
+Pipelined: a call's pages move in sequential pieces of about ``PIPELINE_CHUNK_BYTES`` (one
+batch call each, one in flight at a time, on a store worker); the CRCs of the piece before
+(reads: checks) or after (writes: headers) run meanwhile on ``read_concurrency`` CRC threads,
+the CRC-32C without the GIL (``integrity``). Concurrent batch calls are slower than one
+(4-16 of them ran at ~0.6x one call, 64 x 2 MiB pages to a store node), and small pieces pay a
+batch call's fixed cost (master RPCs) each: measured on the project VM (2 vCPUs, quiet,
+2026-12-07, 256 x 2 MiB pages, median of 6 paired rounds), writes took 135 ms in one call after
+every CRC, 142 / 134 / 123 ms in pieces of 32 / 64 / 128 MiB with the client's own segment
+(456 / 486 / 457 / 459 ms to a store node, where the loopback transfer keeps both cores busy
+and nothing overlaps for free); reads 135 / 142 / 125 ms in one call / pieces of 32 / 128 MiB
+(436 / 482 / 449 ms from a store node). A piece that cannot start because the store went down
+meanwhile is a miss (reads: its host pages left untouched) or a dropped write for its pages.
+No call returns, nor raises, with a piece still in flight (its transfer reads or writes the
+caller's host pages), except one abandoned at the op timeout (below).
 
 Timeouts and faults: every store call runs on a worker thread and the caller waits at most
 ``mooncake_op_timeout_s`` (the client's own RPC timeout, ``MC_RPC_TIMEOUT_MS``, is set to the
@@ -118,8 +118,8 @@ _RPC_FAIL_MAX = -900  # -900 RPC_FAIL, -901 RPC_TIMEOUT, ...: the master is unre
 # Page ranges per CRC thread in one call (see ``_in_parallel``).
 RANGES_PER_THREAD = 2
 # A call's pages move in pieces of about this many bytes, one batch call each, so that the
-# CRCs of one piece run while the next moves (see "Pipelined" in the module doc).
-PIPELINE_CHUNK_BYTES = 32 << 20
+# CRCs of one piece run while another moves (see "Pipelined" in the module doc).
+PIPELINE_CHUNK_BYTES = 128 << 20
 
 
 class _StoreDown(Exception):
@@ -491,11 +491,13 @@ class MooncakeStorage(HiCacheStorage):
 
     def _put(self, pool: str, keys: list[bytes], runs: list[list]) -> list[bool]:
         """Store page i from the bytes at ``runs[i]`` (registered memory) after a 64-byte
-        header: the headers' CRCs on the CRC threads in parallel, then one batch call."""
+        header, a batch call per piece of ``_chunks``: piece k+1's CRCs run on the CRC threads
+        while piece k moves on a store worker (see "Pipelined" in the module doc). Pages of
+        pieces not started (the store went down meanwhile) are dropped (False)."""
         t0 = time.perf_counter()
         algo = integrity.DEFAULT_ALGO
         pb = self.codecs[pool].page_bytes
-        heads = np.empty((len(keys), HEADER_BYTES), np.uint8)
+        heads = np.empty((len(keys), HEADER_BYTES), np.uint8)  # alive until no piece is in flight
 
         def head(lo: int, hi: int) -> list[None]:  # a CRC thread (the CRC releases the GIL)
             for i in range(lo, hi):
@@ -503,30 +505,54 @@ class MooncakeStorage(HiCacheStorage):
                 heads[i] = np.frombuffer(_HEADER.pack(MAGIC, algo, 0, 0, crc, pb, keys[i]), np.uint8)
             return [None] * (hi - lo)
 
-        self._in_parallel(len(keys), head)
         hp = heads.ctypes.data
         names = [object_name(pool, k) for k in keys]
         ptrs = [[hp + i * HEADER_BYTES] + [a for a, _ in runs[i]] for i in range(len(keys))]
         sizes = [[HEADER_BYTES] + [n for _, n in runs[i]] for i in range(len(keys))]
+        what = "batch_put_from_multi_buffers"
+        put = self._store.batch_put_from_multi_buffers
+        codes: list = [None] * len(keys)  # None: not written (the store went down mid-call)
+        fut, moving = None, (0, 0)
         try:
-            codes = list(self._call("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
-                                    names, ptrs, sizes))
-        except _StoreDown:
-            self.metrics.add(pages_dropped=len(keys))
-            return [False] * len(keys)
-        if len(codes) != len(keys):
-            raise RuntimeError(f"batch_put_from_multi_buffers returned {len(codes)} results for {len(keys)} keys")
+            for lo, hi in self._chunks(len(keys), pb):
+                self._in_parallel(hi - lo, lambda x, y: head(lo + x, lo + y))  # while the last piece moves
+                if fut is not None:  # (cleared first: a call that timed out is not waited for twice)
+                    f, fut = fut, None
+                    codes[moving[0]:moving[1]] = self._got(what, self._wait(what, f), moving)
+                try:
+                    fut, moving = self._start(what, put, names[lo:hi], ptrs[lo:hi], sizes[lo:hi]), (lo, hi)
+                except _StoreDown:
+                    break  # this piece and the later ones are not written
+            if fut is not None:
+                f, fut = fut, None
+                codes[moving[0]:moving[1]] = self._got(what, self._wait(what, f), moving)
+        finally:  # never return (nor raise) with a piece still reading ``heads`` and host pages
+            if fut is not None:
+                try:
+                    self._wait(what, fut)
+                except Exception:
+                    pass
         ok = [c == 0 for c in codes]
         n = sum(ok)
         if n < len(keys):
-            log.warning("L3 mooncake: %d of %d puts failed (first code %d)", len(keys) - n, len(keys),
-                        next(c for c in codes if c != 0))
-            self.metrics.add(write_errors=1, pages_dropped=len(keys) - n)
-            self._rpc_codes("batch_put_from_multi_buffers", codes)
+            failed = [c for c in codes if c is not None and c != 0]
+            self.metrics.add(pages_dropped=len(keys) - n)
+            if failed:
+                log.warning("L3 mooncake: %d of %d puts failed (first code %d)", len(failed), len(keys), failed[0])
+                self.metrics.add(write_errors=1)
+                self._rpc_codes(what, failed)
         self.metrics.add(pages_written=n, bytes_written=n * pb, write_seconds=time.perf_counter() - t0)
         if n and self._notify is not None:
             self._notify("stored", pool, [k for k, good in zip(keys, ok) if good])
         return ok
+
+    @staticmethod
+    def _got(what: str, codes, piece: tuple[int, int]) -> list:
+        """A piece's result codes, checked for one per key."""
+        codes = list(codes)
+        if len(codes) != piece[1] - piece[0]:
+            raise RuntimeError(f"{what} returned {len(codes)} results for {piece[1] - piece[0]} keys")
+        return codes
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
         pages = np.ascontiguousarray(pages)
