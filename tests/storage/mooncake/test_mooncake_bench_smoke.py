@@ -108,9 +108,22 @@ def test_bench_l3_mooncake_quick(tmp_path, placement):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["config"]["placement"] == placement
+    assert list(data["configs"]) == [placement] and data["runs"] == 1
+    run = data["configs"][placement]["runs"][0]
+    assert run["config"]["placement"] == placement
     for k in ("write_mooncake", "write_raw", "write_rawm", "read_mooncake", "read_raw", "read_rawm", "read1_mooncake",
               "read1_raw", "read1_rawm"):
-        assert data["gbps"][k] > 0
-    m = data["backend_metrics"]
+        assert run["gbps"][k] > 0
+    m = run["backend_metrics"]
     assert m["corrupt"] == 0 and m["hits"] > 0 and m["hits"] == m["verified"]
+    # the goal ratio is against the faster raw call, paired per round; the summary is over runs
+    for op, s in data["configs"][placement]["summary"].items():
+        ratio = run["ratios"][op]["paired"]
+        assert s["runs"] == [ratio] and s["median"] == s["min"] == s["max"] == ratio
+        assert s["met_every_run"] == (ratio >= s["goal"])
+    assert {op: s["goal"] for op, s in data["configs"][placement]["summary"].items()} == {
+        "write, one batch": 0.9, "read, one batch": 0.9, "read, one page per call": 0.8}
+    secs = run["seconds"]
+    w = [min(b, c) / a for a, b, c in zip(secs["write_mooncake"], secs["write_raw"], secs["write_rawm"])]
+    assert run["ratios"]["write, one batch"]["paired"] == sorted(w)[len(w) // 2]  # one round: its own ratio
+    assert "n/a (--quick sizes: not comparable)" in r.stdout and "NOT met" not in r.stdout  # no verdict at --quick

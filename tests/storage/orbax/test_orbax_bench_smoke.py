@@ -14,7 +14,9 @@ def test_bench_l3_quick(tmp_path):
                         "--dir", str(tmp_path / "store")], cwd=REPO, env=child_env(), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    data = json.loads(out.read_text())
+    top = json.loads(out.read_text())
+    assert list(top["configs"]) == ["orbax"] and top["runs"] == 1
+    data = top["configs"]["orbax"]["runs"][0]
     for k in ("write_orbax", "write_raw", "write_raw_seg", "write_raw_seg_pipe", "read1_orbax", "read1_raw", "read1_raw_split",
               "read16_orbax", "read16_raw"):
         assert data["gbps"][k] > 0
@@ -34,6 +36,10 @@ def test_bench_l3_quick(tmp_path):
         assert g["ratio"] == data["goal_ratios"][k] and g["met"] == (g["ratio"] >= g["goal"])
     assert "goal >= 0.95: " in r.stdout and "goal >= 0.9: " in r.stdout
     assert data["crc32c"]["gbps"] > 0 and "machine" in data
+    summary = top["configs"]["orbax"]["summary"]  # over runs (one here): median, range, verdict
+    for k, g in goals.items():
+        assert summary[k]["runs"] == [g["ratio"]] and summary[k]["goal"] == g["goal"]
+        assert summary[k]["met_every_run"] == g["met"]
     assert not os.listdir(tmp_path / "store")  # rounds cleaned up
 
 
