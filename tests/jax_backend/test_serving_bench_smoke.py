@@ -106,6 +106,19 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["same_tokens"] and payload["write"]["pid"] != payload["read"]["pid"]
         assert payload["read"]["cached"]["storage"] == 2 * 36  # each prompt's 39 tokens, page-aligned
         assert payload["write"]["cached"]["storage"] == 0
+        # time to the first token from process start: each step from the stamp before it, the
+        # first from the parent's spawn, summing to the total (both processes)
+        for phase in ("write", "read"):
+            ready, child = payload["time_to_first_token"][phase], payload[phase]
+            stamps = [child["spawned"]] + [child["stamps"][k] for k in
+                                           ("entered", "engine_built", "warm", "first_token")]
+            assert all(b > a for a, b in zip(stamps, stamps[1:])), stamps  # in order, every step takes time
+            assert ready["total"] == pytest.approx(stamps[-1] - stamps[0])
+            assert ready["first_token"] == pytest.approx(child["stamps"]["first_token"] - child["stamps"]["warm"])
+            assert ready["first_token"] >= child["ttft_s"][0]  # its first request's own TTFT is inside it
+        assert payload["time_to_first_token_ratio"] == pytest.approx(
+            payload["time_to_first_token"]["read"]["total"] / payload["time_to_first_token"]["write"]["total"])
+        assert "time to the first token from process start" in captured.out
 
 
 def test_spec_benchmark_smoke(tmp_path, capsys):
