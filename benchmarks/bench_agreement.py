@@ -63,7 +63,7 @@ def _rank_main(args) -> None:
     cache = HiRadixCache(HiCacheConfig(page_size=1), engine, engine.device_pool.allocator,
                          agreement=KVStoreAgreement("bench-step"))
     impls["step(kv)"] = lambda _v: cache.check_events()
-    for name, fn in impls.items():  # warm-up: compiles the device collective, opens channels
+    for fn in impls.values():  # warm-up: compiles the device collective, opens channels
         for _ in range(5):
             fn(vec)
     per_round: dict[str, list[list[float]]] = {k: [] for k in impls}

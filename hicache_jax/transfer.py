@@ -177,7 +177,7 @@ class KVTransferEngine(ABC):
         """``load`` of ids the cache owns (see above)."""
         return self.load(host_ids, device_ids)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op default: engines with workers override it)
         """Finish outstanding work and release workers."""
 
 

@@ -28,7 +28,7 @@ _LAZY = {
     "MissingDependencyError": "_lazy",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted(_LAZY)  # noqa: PLE0605 (a list: the lazy table's names)
 
 
 def __getattr__(name: str):

@@ -175,7 +175,6 @@ built, and shuts them down in ``close`` in that order: prefetch threads, backup 
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 

@@ -162,7 +162,6 @@ class RankSteps:
     def apply(self, agreed) -> None:
         """Act on the agreed values, the same way on every rank."""
         m = self.cache.metrics
-        p = self.page_size
         pf = self.prefetcher
         i = 0
         for op in self._step_ops:

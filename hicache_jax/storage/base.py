@@ -354,7 +354,7 @@ class HiCacheStorage(ABC):
     def _flush(self, timeout: float | None) -> bool:
         return True
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 (a no-op default: backends with workers override it)
         pass
 
     # ---- lifecycle -----------------------------------------------------------------------------

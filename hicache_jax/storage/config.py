@@ -301,7 +301,7 @@ class StorageConfig:
         if url.scheme != "http" or not url.hostname or not url.path:
             raise ValueError(f"mooncake_metadata: expected 'http://host:port/path', got {self.mooncake_metadata!r}")
         try:
-            url.port
+            _ = url.port  # raises ValueError for a port out of range
         except ValueError:
             raise ValueError(f"mooncake_metadata: expected a port in [0, 65535] in the URL, got "
                              f"{self.mooncake_metadata!r}") from None

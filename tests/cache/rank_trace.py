@@ -254,7 +254,6 @@ def run_swa_trace(cache, be, *, divergence: set[str] = frozenset(), steps: int =
     active: list = []  # [req, conv, tokens still to decode]
     issued: dict = {}
     digests, served = [], []
-    written: dict = {}  # id(req) -> tokens of its key before its last extension (late_slide)
 
     def extend(req, key) -> bool:
         before = len(req.key)

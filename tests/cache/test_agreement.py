@@ -19,7 +19,7 @@ from cache_harness import KVOracle, fail_next_allocs, numpy_backend_factory, pre
 from rank_threads import ThreadGroup, run_ranks
 from rank_trace import P, divergences, rank_cache, run_trace
 
-from hicache_jax.cache import (Agreement, CacheFailedError, HiCacheConfig, HiRadixCache, NoExchangeAgreement,
+from hicache_jax.cache import (CacheFailedError, HiCacheConfig, HiRadixCache, NoExchangeAgreement,
                                RadixKey, RankDivergenceError, SingleProcessAgreement)
 
 

@@ -1,5 +1,7 @@
 """HiCacheConfig and RadixKey validation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def test_bad_config(kwargs, exc, match):
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         HiCacheConfig().page_size = 2
 
 

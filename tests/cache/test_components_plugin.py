@@ -51,7 +51,7 @@ def test_a_stateful_component_mirrors_the_tree_through_every_path(policy):
     kv = _Both(full, side)
     rng = random.Random(7)
     keys = []
-    for step in range(300):
+    for _step in range(300):
         op = rng.random()
         if op < 0.45 or not keys:  # insert a new branch or extend an old one (splits happen)
             base = rng.choice(keys) if keys and rng.random() < 0.6 else seq(rng.randrange(1000) * 100, 0)

@@ -26,7 +26,6 @@ def _three_leaves(cache, oracle, priorities=(0, 0, 0)):
         new = cache.alloc_device(4)
         oracle.write(seq(start, 4), new)
         nodes.append(cache.insert(seq(start, 4), np.concatenate([m.device_indices, new]), priority=prio).last_node)
-    a = nodes[0]
     cache.insert(seq(0, 4), cache.match_prefix(seq(0, 4)).device_indices)  # A: 2nd hit, newest access
     cache.flush()
     return nodes

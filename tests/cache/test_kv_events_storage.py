@@ -37,7 +37,7 @@ def _bounded_trace(seed: int, backend: str, tmp_path) -> Trace:
 def test_a_bounded_store_evicts_and_the_events_alone_rebuild_it_after_every_step(backend, tmp_path):
     t = _bounded_trace(7, backend, tmp_path)
     try:
-        for i in range(160):
+        for _i in range(160):
             op = t.rng.choices(OPS, WEIGHTS)[0]
             t.do(op)
             t.check(settle=True)  # L3 writes flushed, then exact (device, host, storage)

@@ -19,7 +19,6 @@ seed, printed (``LIFECYCLE_FUZZ_SEED=<n>`` replays it).
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 from collections import Counter

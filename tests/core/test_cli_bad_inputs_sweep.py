@@ -146,7 +146,7 @@ def test_bad_option_value_is_a_usage_error_naming_it(argv, option, no_run, capsy
 
 def test_good_values_at_the_bounds_pass(no_run):
     """The bounds are inclusive where they say so: each command's parser takes them."""
-    for prefix, p in commands():
+    for _prefix, p in commands():
         for a in p._actions:
             bounds = getattr(a.type, "bounds", None)
             if bounds is None:

@@ -77,7 +77,7 @@ def test_pool_pages_outside_the_table_are_untouched():
     pools = _pools(cfg, 4)
     poison = {c: [jnp.full_like(a, 7.0) for a in layers] for c, layers in pools.items()}
     _, new = runner.step(poison, [[1, 2, 3, 4, 5]], [0], [np.array([10, 11])])
-    for c, layers in new.items():
+    for _c, layers in new.items():
         for a in layers:
             a = np.asarray(a)
             assert (a[np.r_[0:10, 12:POOL_PAGES]] == 7.0).all()

@@ -110,7 +110,7 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
         complete_copies()
         cache.check_events()
         digests.append(cache.debug_view().digest())
-    for req, c, _todo in active:
+    for req, _c, _todo in active:
         cache.cache_finished_req(req)
     for _, _, _, op in waiting:
         ctl.cancel(op)

@@ -116,7 +116,7 @@ def serve(cache, key):
 def test_routes_real_engines_by_their_events():
     engines = {n: make_engine(n) for n in ("e0", "e1")}
     r = PrefixRouter(list(engines))
-    for cache, _dev, src in engines.values():
+    for _cache, _dev, src in engines.values():
         src.subscribe(r.apply)
     conv = RadixKey(np.arange(32, dtype=np.int64))
     serve(engines["e1"][0], RadixKey(np.arange(16, dtype=np.int64)))

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 
 from hicache_jax import HostKVPool, KVGeometry
@@ -164,7 +163,7 @@ def test_two_writer_processes_file(tmp_path):
 def _run_readonly(backend: str, path: str, count: int | None = None, mode: str = "readonly"):
     """Run the child in ``mode`` against a store it cannot write (root: drop capabilities)."""
     env = child_env()
-    for d, dirs, files in os.walk(path):
+    for d, _dirs, files in os.walk(path):
         os.chmod(d, 0o555)
         for f in files:
             os.chmod(os.path.join(d, f), 0o444)
@@ -177,7 +176,7 @@ def _run_readonly(backend: str, path: str, count: int | None = None, mode: str =
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     finally:
-        for d, dirs, files in os.walk(path):
+        for d, _dirs, _files in os.walk(path):
             os.chmod(d, 0o755)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

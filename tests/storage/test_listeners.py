@@ -8,7 +8,6 @@ import dataclasses
 import os
 import random
 
-import numpy as np
 import pytest
 
 from hicache_jax import HostKVPool

@@ -5,14 +5,12 @@ Faults after construction stay counted misses (test_faults.py)."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import subprocess
 
 import numpy as np
 import pytest
 
-from storage_helpers import BACKENDS, GEOM, HAVE_ORBAX, HostKVPool, child_cmd, child_env, keys_for, make_store
+from storage_helpers import GEOM, HAVE_ORBAX, HostKVPool, keys_for, make_store
 from test_faults import _run_readonly
 
 from hicache_jax.storage import StorageConfig, StorageSetupError, create_storage

@@ -31,4 +31,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_NAMES))
 
 
-__all__ = sorted(_NAMES)
+__all__ = sorted(_NAMES)  # noqa: PLE0605 (a list: the lazy table's names)

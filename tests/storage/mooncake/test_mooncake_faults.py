@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from hicache_jax import HostKVPool, KVGeometry

@@ -210,7 +210,7 @@ def test_overwritten_value_is_a_miss_never_wrong_kv(master, raw, how):
 
 
 def test_integrity_off_still_checks_header_and_size(master, raw):
-    from hicache_jax.storage.mooncake.store import HEADER_BYTES, object_name
+    from hicache_jax.storage.mooncake.store import object_name
 
     src = HostKVPool(GEOM, 4, "page_first")
     fill_random(src, 12)

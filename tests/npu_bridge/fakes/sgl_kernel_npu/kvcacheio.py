@@ -9,7 +9,7 @@ page, all layers at once, V skipped when empty.
 import inspect
 import os
 
-import torch
+import torch  # noqa: F401 (the real extension loads torch: so does the fake)
 
 import fake_log
 import torch_npu
