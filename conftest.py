@@ -58,8 +58,14 @@ _share_compiled_executables()
 
 collect_ignore_glob = []
 if not HAVE_JAX:
-    collect_ignore_glob += ["pallas_kernels/*", "tests/jax_backend/*", "tests/distributed/*", "benchmarks/*",
-                            "tests/integrations/*", "tests/models/*"]
+    collect_ignore_glob += [
+        "pallas_kernels/*",
+        "tests/jax_backend/*",
+        "tests/distributed/*",
+        "benchmarks/*",
+        "tests/integrations/*",
+        "tests/models/*",
+    ]
 if not HAVE_EASYDEL:  # the eSurge tests run in .venv-easydel (scripts/test, step 3)
     collect_ignore_glob += ["tests/integrations/test_easydel_*"]
 

@@ -60,8 +60,9 @@ def _rank_main(args) -> None:
         "device": DeviceAgreement("bench-dev").agree_min,
         "device-unguarded": DeviceAgreement("bench-dev-u", arrival_timeout_s=None).agree_min,
     }
-    cache = HiRadixCache(HiCacheConfig(page_size=1), engine, engine.device_pool.allocator,
-                         agreement=KVStoreAgreement("bench-step"))
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=1), engine, engine.device_pool.allocator, agreement=KVStoreAgreement("bench-step")
+    )
     impls["step(kv)"] = lambda _v: cache.check_events()
     for fn in impls.values():  # warm-up: compiles the device collective, opens channels
         for _ in range(5):
@@ -91,10 +92,14 @@ def _summarize(rank0: dict, impls) -> dict:
         rounds = rank0["per_round"][name]
         allt = np.array([x for t in rounds for x in t]) * 1e6
         meds = [statistics.median(t) for t in rounds]
-        res[name] = {"median_us": float(np.median(allt)), "p10_us": float(np.percentile(allt, 10)),
-                     "p90_us": float(np.percentile(allt, 90)), "mean_us": float(allt.mean()),
-                     "round_medians_us": [m * 1e6 for m in meds],
-                     "ratio_to_kv": statistics.median(m / k for m, k in zip(meds, kv_meds))}
+        res[name] = {
+            "median_us": float(np.median(allt)),
+            "p10_us": float(np.percentile(allt, 10)),
+            "p90_us": float(np.percentile(allt, 90)),
+            "mean_us": float(allt.mean()),
+            "round_medians_us": [m * 1e6 for m in meds],
+            "ratio_to_kv": statistics.median(m / k for m, k in zip(meds, kv_meds)),
+        }
     return res
 
 
@@ -121,16 +126,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench-agreement-") as tmp:
         env = {**os.environ, "BENCH_AGREEMENT_OUT": tmp}
-        print(f"{args.processes} ranks x {len(IMPLS)} implementations x {args.rounds} rounds x {args.calls} calls",
-              file=sys.stderr)
-        launch_local([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])],
-                     args.processes, args.timeout, env=env)
+        print(
+            f"{args.processes} ranks x {len(IMPLS)} implementations x {args.rounds} rounds x {args.calls} calls",
+            file=sys.stderr,
+        )
+        launch_local(
+            [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])],
+            args.processes,
+            args.timeout,
+            env=env,
+        )
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.processes)]
     res = _summarize(ranks[0], IMPLS)
     rows = [[name, r["median_us"], r["p10_us"], r["p90_us"], r["ratio_to_kv"]] for name, r in res.items()]
-    print_table(f"one agreement of {ranks[0]['width']} int64s, {args.processes} processes on this machine "
-                f"(rank 0; {args.rounds} alternating rounds x {args.calls} calls)",
-                ["implementation", "median us", "p10 us", "p90 us", "x kv (paired)"], rows)
+    print_table(
+        f"one agreement of {ranks[0]['width']} int64s, {args.processes} processes on this machine "
+        f"(rank 0; {args.rounds} alternating rounds x {args.calls} calls)",
+        ["implementation", "median us", "p10 us", "p90 us", "x kv (paired)"],
+        rows,
+    )
     payload = {"benchmark": "agreement", "machine": machine_info(), "config": vars(args), "results": res}
     path = write_json(args.out, payload)
     print(f"JSON written to {path}")

@@ -32,20 +32,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=d.pages, help="eSurge's KV pool (pages of 16 tokens)")
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--host-pages", type=int, default=None,
-                   help="the adapter's host pool (default: 4x eSurge's pool; smaller: more L3 reads)")
+    p.add_argument(
+        "--host-pages",
+        type=int,
+        default=None,
+        help="the adapter's host pool (default: 4x eSurge's pool; smaller: more L3 reads)",
+    )
     p.add_argument("--storage-backend", choices=bench.L3_BACKENDS, default=d.storage_backend)
     p.add_argument("--passes", type=int, default=d.passes, help="measured passes per mode (alternating)")
-    p.add_argument("--warmup", type=int, default=d.warmup,
-                   help="unmeasured passes per mode first (compiles the adapter's copy shapes, as eSurge "
-                        "compiles its own at start)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        help="unmeasured passes per mode first (compiles the adapter's copy shapes, as eSurge "
+        "compiles its own at start)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default="hicache-results/easydel.json")
     args = p.parse_args(argv)
-    cfg = bench.TraceConfig(conversations=args.conversations, turns=args.turns, first=args.first,
-                            follow=args.follow, pages=args.pages, hidden=args.hidden, layers=args.layers,
-                            host_pages=args.host_pages or 4 * args.pages, storage_backend=args.storage_backend,
-                            passes=args.passes, warmup=args.warmup, seed=args.seed)
+    cfg = bench.TraceConfig(
+        conversations=args.conversations,
+        turns=args.turns,
+        first=args.first,
+        follow=args.follow,
+        pages=args.pages,
+        hidden=args.hidden,
+        layers=args.layers,
+        host_pages=args.host_pages or 4 * args.pages,
+        storage_backend=args.storage_backend,
+        passes=args.passes,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
     try:
         cfg.check()
     except ValueError as e:

@@ -62,22 +62,31 @@ print(json.dumps({"file": hicache_jax.__file__, "rps": out["manager_req_per_cpu_
 
 def default_base() -> str:
     """The commit before the one that added the residency-watch hooks."""
-    added = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "--diff-filter=A", "--",
-                            "hicache_jax/cache/residency_watch.py"], capture_output=True, text=True, check=True)
+    added = subprocess.run(
+        ["git", "-C", ROOT, "log", "--format=%H", "--diff-filter=A", "--", "hicache_jax/cache/residency_watch.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     first = added.stdout.split()[-1]
     return f"{first}^"
 
 
 def export(rev: str, dest: str) -> None:
-    data = subprocess.run(["git", "-C", ROOT, "archive", rev, "hicache_jax", "benchmarks"], capture_output=True,
-                          check=True).stdout
+    data = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev, "hicache_jax", "benchmarks"], capture_output=True, check=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
 
 
 def replay(tree: str, variant: str, args) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, tree, variant, str(args.clients), str(args.turns),
-                        str(args.warmup)], capture_output=True, text=True, cwd=tree)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, tree, variant, str(args.clients), str(args.turns), str(args.warmup)],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )
     if r.returncode:
         raise RuntimeError(f"{variant} replay failed:\n{r.stderr[-3000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         export(base, tmp)
         for rnd in range(args.rounds):
-            order = variants[rnd % 3:] + variants[:rnd % 3]
+            order = variants[rnd % 3 :] + variants[: rnd % 3]
             for v in order:
                 out = replay(tmp if v == "base" else ROOT, v, args)
                 rps[v].append(out["rps"])
@@ -115,9 +124,17 @@ def main(argv: list[str] | None = None) -> dict:
     for v in variants:
         print(f"{v:8} {statistics.median(rps[v]):17.0f} {ratios[v]:21.3f}")
     load = os.getloadavg()
-    doc = {"benchmark": "events_overhead", "base": base, "clients": args.clients, "turns": args.turns,
-           "rounds": args.rounds, "loadavg": load, "req_per_cpu_s": rps, "median_ratio_to_base": ratios,
-           "hit_rate": hits["base"]}
+    doc = {
+        "benchmark": "events_overhead",
+        "base": base,
+        "clients": args.clients,
+        "turns": args.turns,
+        "rounds": args.rounds,
+        "loadavg": load,
+        "req_per_cpu_s": rps,
+        "median_ratio_to_base": ratios,
+        "hit_rate": hits["base"],
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

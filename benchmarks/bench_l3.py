@@ -120,13 +120,17 @@ from hicache_jax.storage.host_pages import PageRuns
 
 
 # Issue 25's goals for the orbax backend, each against the fastest raw baseline of its op.
-GOALS = {"write / orbax segments": 0.9, "cold read, 1 at a time / orbax + CRC": 0.95,
-         "cold read, 16 in flight / orbax + CRC": 0.95}
+GOALS = {
+    "write / orbax segments": 0.9,
+    "cold read, 1 at a time / orbax + CRC": 0.95,
+    "cold read, 16 in flight / orbax + CRC": 0.95,
+}
 
 
 def _progress(total: int):
     try:
         from tqdm import tqdm
+
         return tqdm(total=total, desc="L3 bench", unit="step", file=sys.stderr)
     except ImportError:  # pragma: no cover
         return None
@@ -173,7 +177,7 @@ def _write_whole(path: str, data: np.ndarray) -> int:
     try:
         mv = memoryview(data.reshape(-1))
         while mv:
-            mv = mv[os.write(fd, mv):]
+            mv = mv[os.write(fd, mv) :]
     except BaseException:
         os.close(fd)
         raise
@@ -198,7 +202,7 @@ def raw_write_segments(root: str, pages: np.ndarray, per_file: int) -> None:
     pages, written whole and fsync'ed once (fewer, larger syncs than one file per page)."""
     os.makedirs(root, exist_ok=True)
     for s in range(0, pages.shape[0], per_file):
-        _fsync_close(_write_whole(os.path.join(root, f"seg{s}.bin"), np.ascontiguousarray(pages[s:s + per_file])))
+        _fsync_close(_write_whole(os.path.join(root, f"seg{s}.bin"), np.ascontiguousarray(pages[s : s + per_file])))
 
 
 def raw_write_segments_pipelined(root: str, pages: np.ndarray, per_file: int) -> None:
@@ -212,7 +216,7 @@ def raw_write_segments_pipelined(root: str, pages: np.ndarray, per_file: int) ->
         syncing = None  # the previous file's fsync + close
         try:
             for s in range(0, pages.shape[0], per_file):
-                fd = _write_whole(os.path.join(root, f"seg{s}.bin"), np.ascontiguousarray(pages[s:s + per_file]))
+                fd = _write_whole(os.path.join(root, f"seg{s}.bin"), np.ascontiguousarray(pages[s : s + per_file]))
                 if syncing is not None:
                     syncing.result()  # at most two files in flight
                 syncing = ex.submit(_fsync_close, fd)
@@ -250,9 +254,11 @@ def raw_read_one(root: str, i: int, buf: np.ndarray) -> None:
 def _parallel_crc_gbps(pages: np.ndarray, threads: int) -> float:
     """CRC-32C of every row of ``pages`` on ``threads`` threads at once (median of 3 passes):
     above the one-core figure only where the CRC releases the GIL."""
+
     def one_pass() -> None:
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(lambda i: integrity.crc32c(pages[i], b"k" * 32), range(len(pages))))
+
     return gbps(pages.nbytes, median_seconds(one_pass, reps=3))
 
 
@@ -280,10 +286,17 @@ def run(args) -> dict:
             bar.update(1)
 
     def store(kind: str, path: str, integ: str = "full"):
-        cfg = StorageConfig(backend=kind, path=path, segment_pages=args.segment_pages,
-                            max_pending_pages=max(1024, 2 * args.segment_pages), read_concurrency=16,
-                            integrity=integ, refresh_interval_s=0.0, flush_interval_s=5.0,
-                            worker_nice=args.worker_nice)
+        cfg = StorageConfig(
+            backend=kind,
+            path=path,
+            segment_pages=args.segment_pages,
+            max_pending_pages=max(1024, 2 * args.segment_pages),
+            read_concurrency=16,
+            integrity=integ,
+            refresh_interval_s=0.0,
+            flush_interval_s=5.0,
+            worker_nice=args.worker_nice,
+        )
         return create_storage(cfg, {"target": host})
 
     # warm-up (untimed): the first orbax save in a process pays one-off setup costs, and the
@@ -293,7 +306,7 @@ def run(args) -> dict:
     ow = store("orbax", odir)
     wkeys = page_keys(ns, rng.integers(0, 150_000, n * geom.page_size))
     for i in range(0, n, args.segment_pages):
-        ow.batch_set(wkeys[i:i + args.segment_pages], np.arange(i, min(n, i + args.segment_pages)))
+        ow.batch_set(wkeys[i : i + args.segment_pages], np.arange(i, min(n, i + args.segment_pages)))
     ow.flush(600)
     rst = store("orbax", odir)
     rst.batch_get(wkeys[:2], [0, 1])
@@ -315,7 +328,7 @@ def run(args) -> dict:
             before = ow.metrics.pages_written
             t0 = time.perf_counter()
             for i in range(0, n, B):
-                ow.batch_set(keys[i:i + B], ids[i:i + B])
+                ow.batch_set(keys[i : i + B], ids[i : i + B])
             assert ow.flush(600)
             rec("write_orbax", time.perf_counter() - t0)
             assert ow.metrics.pages_written - before == n, ow.metrics
@@ -339,14 +352,14 @@ def run(args) -> dict:
             fs = store("file", fdir)
             t0 = time.perf_counter()
             for i in range(0, n, B):
-                fs.batch_set(keys[i:i + B], ids[i:i + B])
+                fs.batch_set(keys[i : i + B], ids[i : i + B])
             rec("write_file", time.perf_counter() - t0)
             fs.close()
 
         if pages_raw is None:
             pages_raw = PageCodec(host).pack(ids)  # the exact page bytes the stores hold
         writers = (w_orbax, w_raw_seg_pipe, w_raw, w_raw_seg, w_file)
-        for w in (writers if r % 2 == 0 else writers[::-1]):
+        for w in writers if r % 2 == 0 else writers[::-1]:
             os.sync()  # start each timed write with no dirty data of others in flight
             w()
 
@@ -363,7 +376,7 @@ def run(args) -> dict:
         sides = ("orbax", "raw", "raw_split", "raw_split_host")
         t1 = dict.fromkeys(sides, 0.0)
         for j, i in enumerate(order):
-            for side in sides[j % 4:] + sides[:j % 4]:  # rotate who goes first, page by page
+            for side in sides[j % 4 :] + sides[: j % 4]:  # rotate who goes first, page by page
                 t0 = time.perf_counter()
                 if side == "orbax":
                     assert st.batch_get([keys[i]], [int(i)])[0]
@@ -406,7 +419,7 @@ def run(args) -> dict:
         # Each in-flight read takes well under a second and the disk's speed drifts by +-30%
         # over seconds on the project VM, so they are repeated (``--read-reps``) in pairs.
         for rep in range(args.read_reps):
-            for f in ((r16_orbax, r16_raw) if (r + rep) % 2 == 0 else (r16_raw, r16_orbax)):
+            for f in (r16_orbax, r16_raw) if (r + rep) % 2 == 0 else (r16_raw, r16_orbax):
                 f()
             drop_cache(odir)
             st = store("orbax", odir, integ="off")
@@ -448,16 +461,28 @@ def run(args) -> dict:
     # Each row against every raw baseline of its op; the goal's ratio is the one against the
     # fastest raw (per-page files, one file per segment serial or pipelined for writes; one whole-page request vs
     # the split requests the backend itself uses for a lone page, for reads one at a time).
-    spec = [("write", "orbax segments", "write_orbax", ("write_raw", "write_raw_seg", "write_raw_seg_pipe")),
-            ("write", "file backend", "write_file", ("write_raw",)),
-            ("cold read, 1 at a time", "orbax + CRC", "read1_orbax", ("read1_raw", "read1_raw_split", "read1_raw_split_host")),
-            ("cold read, 16 in flight", "orbax + CRC", "read16_orbax", ("read16_raw",)),
-            ("cold read, 16 in flight", "orbax, no CRC", "read16_orbax_nocrc", ("read16_raw",)),
-            ("cold read, 16 in flight", "file backend + CRC", "read16_file", ("read16_raw",))]
-    raw_name = {"write_raw": "file per page", "write_raw_seg": "file per segment",
-                "write_raw_seg_pipe": "file per segment, pipelined", "read1_raw": "whole-page read",
-                "read1_raw_split": "split requests", "read1_raw_split_host": "split, into host page",
-                "read16_raw": "16 threads"}
+    spec = [
+        ("write", "orbax segments", "write_orbax", ("write_raw", "write_raw_seg", "write_raw_seg_pipe")),
+        ("write", "file backend", "write_file", ("write_raw",)),
+        (
+            "cold read, 1 at a time",
+            "orbax + CRC",
+            "read1_orbax",
+            ("read1_raw", "read1_raw_split", "read1_raw_split_host"),
+        ),
+        ("cold read, 16 in flight", "orbax + CRC", "read16_orbax", ("read16_raw",)),
+        ("cold read, 16 in flight", "orbax, no CRC", "read16_orbax_nocrc", ("read16_raw",)),
+        ("cold read, 16 in flight", "file backend + CRC", "read16_file", ("read16_raw",)),
+    ]
+    raw_name = {
+        "write_raw": "file per page",
+        "write_raw_seg": "file per segment",
+        "write_raw_seg_pipe": "file per segment, pipelined",
+        "read1_raw": "whole-page read",
+        "read1_raw_split": "split requests",
+        "read1_raw_split_host": "split, into host page",
+        "read16_raw": "16 threads",
+    }
     rows = []
     for op, backend, k, refs in spec:
         for ref in refs:
@@ -465,24 +490,41 @@ def run(args) -> dict:
     goal = {}
     for op, backend, k, refs in spec:
         goal[op + " / " + backend] = min(paired(k, ref) for ref in refs)
-    print_table(f"L3: {n} pages x {pb / 2**20:.2f} MiB, segments of {args.segment_pages}, {args.rounds} rounds, "
-                f"dir {base}", ["op", "backend", "raw baseline", "GB/s", "raw GB/s", "ratio (paired)",
-                                "ratio of medians"], rows)
-    print("goals (ratio to the fastest raw baseline of the op, paired): "
-          + ", ".join(f"{k} {goal[k]:.2f} (goal >= {want}: {'met' if goal[k] >= want else 'NOT met'})"
-                      for k, want in GOALS.items()))
-    print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
-          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs")
-    print(f"CRC-32C: {crc_s * 1e3:.3f} ms per {pb / 2**20:.2f} MiB page (cache-hot) = {gbps(pb, crc_s):.2f} GB/s on one "
-          f"core; every page once: {crc_one:.2f} GB/s on 1 thread, "
-          f"{crc_par:.2f} GB/s on {os.cpu_count()} threads (it releases the GIL: integrity.NOGIL_CRC32C="
-          f"{getattr(integrity, 'NOGIL_CRC32C', False)})")
+    print_table(
+        f"L3: {n} pages x {pb / 2**20:.2f} MiB, segments of {args.segment_pages}, {args.rounds} rounds, dir {base}",
+        ["op", "backend", "raw baseline", "GB/s", "raw GB/s", "ratio (paired)", "ratio of medians"],
+        rows,
+    )
+    print(
+        "goals (ratio to the fastest raw baseline of the op, paired): "
+        + ", ".join(
+            f"{k} {goal[k]:.2f} (goal >= {want}: {'met' if goal[k] >= want else 'NOT met'})"
+            for k, want in GOALS.items()
+        )
+    )
+    print(
+        f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
+        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"CRC-32C: {crc_s * 1e3:.3f} ms per {pb / 2**20:.2f} MiB page (cache-hot) = {gbps(pb, crc_s):.2f} GB/s on one "
+        f"core; every page once: {crc_one:.2f} GB/s on 1 thread, "
+        f"{crc_par:.2f} GB/s on {os.cpu_count()} threads (it releases the GIL: integrity.NOGIL_CRC32C="
+        f"{getattr(integrity, 'NOGIL_CRC32C', False)})"
+    )
     return {
         "machine": machine_info(),
         "loadavg": {"before": list(load_before), "after": list(load_after)},
-        "config": {"pages": n, "page_bytes": pb, "segment_pages": args.segment_pages, "rounds": args.rounds,
-                   "worker_nice": args.worker_nice,
-                   "dir": base, "geometry": str(geom), "cache_drop": "fsync + posix_fadvise(DONTNEED) per file"},
+        "config": {
+            "pages": n,
+            "page_bytes": pb,
+            "segment_pages": args.segment_pages,
+            "rounds": args.rounds,
+            "worker_nice": args.worker_nice,
+            "dir": base,
+            "geometry": str(geom),
+            "cache_drop": "fsync + posix_fadvise(DONTNEED) per file",
+        },
         "seconds_median": med,
         "seconds_all_rounds": res,
         "gbps": g,
@@ -490,9 +532,15 @@ def run(args) -> dict:
         "ratios_of_medians": {f"{r[0]} / {r[1]} / raw {r[2]}": r[6] for r in rows},
         "goal_ratios": goal,  # vs the faster raw baseline of each op
         "goals": {k: {"ratio": goal[k], "goal": want, "met": goal[k] >= want} for k, want in GOALS.items()},
-        "crc32c": {"seconds_per_page": crc_s, "gbps": gbps(pb, crc_s), "gbps_all_pages_1_thread": crc_one, "gbps_all_pages_all_threads": crc_par,
-                   "threads": os.cpu_count(), "releases_gil": getattr(integrity, "NOGIL_CRC32C", False),
-                   "read16_cost_fraction": 1 - g["read16_orbax"] / g["read16_orbax_nocrc"]},
+        "crc32c": {
+            "seconds_per_page": crc_s,
+            "gbps": gbps(pb, crc_s),
+            "gbps_all_pages_1_thread": crc_one,
+            "gbps_all_pages_all_threads": crc_par,
+            "threads": os.cpu_count(),
+            "releases_gil": getattr(integrity, "NOGIL_CRC32C", False),
+            "read16_cost_fraction": 1 - g["read16_orbax"] / g["read16_orbax_nocrc"],
+        },
     }
 
 
@@ -518,8 +566,12 @@ def run_mooncake(args, placement: str) -> dict:
     with MooncakeMaster(store_node_bytes=0 if local else seg) as m:
         # worker_nice=0: the backend's store calls run on its worker thread, the raw ones on this
         # one; at the default (+19) a loaded machine would starve only the backend's.
-        cfg = m.storage_config(mooncake_global_segment_bytes=seg if local else 0, mooncake_op_timeout_s=60.0,
-                               read_concurrency=4, worker_nice=0)
+        cfg = m.storage_config(
+            mooncake_global_segment_bytes=seg if local else 0,
+            mooncake_op_timeout_s=60.0,
+            read_concurrency=4,
+            worker_nice=0,
+        )
         st = create_storage(cfg, {"target": host})
         raw = st.client
         src_bytes = host.array.reshape(n, -1).view(np.uint8)
@@ -599,7 +651,7 @@ def run_mooncake(args, placement: str) -> dict:
             raw.batch_remove(wkeys, True)
             pairs = [(w_backend, w_raw), (r_backend, r_raw)]
             for a, b in pairs:
-                for f in ((a, b) if r % 2 == 0 else (b, a)):
+                for f in (a, b) if r % 2 == 0 else (b, a):
                     f()
             np.testing.assert_array_equal(dst.array, host.array)  # bit-exact, every round
             np.testing.assert_array_equal(out, src_bytes)
@@ -626,33 +678,59 @@ def run_mooncake(args, placement: str) -> dict:
         """The same against the raw client making the backend's own transfers (no CRC, no checks)."""
         return statistics.median(c / a for a, c in zip(res[k], res[ref + "m"]))
 
-    spec = [("write, one batch", "write_mooncake", "write_raw"), ("read, one batch", "read_mooncake", "read_raw"),
-            ("read, one page per call", "read1_mooncake", "read1_raw")]
-    rows = [(op, g[k], g[ref], g[ref + "m"], paired(k, ref), paired_same(k, ref), g[k] / max(g[ref], g[ref + "m"]))
-            for op, k, ref in spec]
-    print_table(f"L3 mooncake: {n} pages x {pb / 2**20:.2f} MiB, {args.rounds} rounds, loopback master, "
-                f"pages in {'the client' if local else 'a store node'}",
-                ["op", "backend GB/s", "raw GB/s", "raw, backend's buffers GB/s", "ratio to faster raw (paired)",
-                 "ratio to backend's buffers (paired)", "ratio of medians"], rows)
+    spec = [
+        ("write, one batch", "write_mooncake", "write_raw"),
+        ("read, one batch", "read_mooncake", "read_raw"),
+        ("read, one page per call", "read1_mooncake", "read1_raw"),
+    ]
+    rows = [
+        (op, g[k], g[ref], g[ref + "m"], paired(k, ref), paired_same(k, ref), g[k] / max(g[ref], g[ref + "m"]))
+        for op, k, ref in spec
+    ]
+    print_table(
+        f"L3 mooncake: {n} pages x {pb / 2**20:.2f} MiB, {args.rounds} rounds, loopback master, "
+        f"pages in {'the client' if local else 'a store node'}",
+        [
+            "op",
+            "backend GB/s",
+            "raw GB/s",
+            "raw, backend's buffers GB/s",
+            "ratio to faster raw (paired)",
+            "ratio to backend's buffers (paired)",
+            "ratio of medians",
+        ],
+        rows,
+    )
     return {
         "bench": "l3_mooncake",
         "machine": machine_info(),
-        "config": {"pages": n, "page_bytes": pb, "rounds": args.rounds, "segment_bytes": seg,
-                   "placement": placement,
-                   "load_before": load_before, "load_after": load_after},
+        "config": {
+            "pages": n,
+            "page_bytes": pb,
+            "rounds": args.rounds,
+            "segment_bytes": seg,
+            "placement": placement,
+            "load_before": load_before,
+            "load_after": load_after,
+        },
         "gbps": g,
         "seconds": res,
-        "ratios": {op: {"paired": paired(k, ref), "to_backends_buffers": paired_same(k, ref),
-                        "of_medians": g[k] / max(g[ref], g[ref + "m"])}
-                   for op, k, ref in spec},
+        "ratios": {
+            op: {
+                "paired": paired(k, ref),
+                "to_backends_buffers": paired_same(k, ref),
+                "of_medians": g[k] / max(g[ref], g[ref + "m"]),
+            }
+            for op, k, ref in spec
+        },
         "goal_ratios": {op: paired(k, ref) for op, k, ref in spec},
         "backend_metrics": metrics,
         "note": "raw = the Mooncake client's own batch_put_from / batch_get_into of the same page bytes (one "
-                "buffer per page), raw with the backend's buffers = its batch_put_from_multi_buffers / "
-                "batch_get_into_multi_buffers of a 64-byte header buffer + the page's runs in a host pool (one "
-                "per K / V component: the backend's transfers without its CRC and checks); registered buffers, "
-                "the backend's own client, the same placement, in the same round; the goal ratio is to the "
-                "faster of the two",
+        "buffer per page), raw with the backend's buffers = its batch_put_from_multi_buffers / "
+        "batch_get_into_multi_buffers of a 64-byte header buffer + the page's runs in a host pool (one "
+        "per K / V component: the backend's transfers without its CRC and checks); registered buffers, "
+        "the backend's own client, the same placement, in the same round; the goal ratio is to the "
+        "faster of the two",
     }
 
 
@@ -665,17 +743,33 @@ def summarize(payloads: list[dict], goals: dict[str, float]) -> dict:
     out = {}
     for name, want in goals.items():
         vals = [p["goal_ratios"][name] for p in payloads]
-        out[name] = {"runs": vals, "median": statistics.median(vals), "min": min(vals), "max": max(vals),
-                     "goal": want, "met_every_run": min(vals) >= want}
+        out[name] = {
+            "runs": vals,
+            "median": statistics.median(vals),
+            "min": min(vals),
+            "max": max(vals),
+            "goal": want,
+            "met_every_run": min(vals) >= want,
+        }
     return out
 
 
 def print_summary(title: str, summary: dict, judged: bool = True) -> None:
     """The summary table; ``judged=False`` (``--quick`` sizes) prints no verdict."""
-    rows = [(name, f"{s['median']:.2f}", f"{s['min']:.2f}-{s['max']:.2f}", f">= {s['goal']}",
-             "n/a (--quick sizes: not comparable)" if not judged else "met in every run" if s["met_every_run"]
-             else f"NOT met ({sum(v >= s['goal'] for v in s['runs'])} of {len(s['runs'])} runs)")
-            for name, s in summary.items()]
+    rows = [
+        (
+            name,
+            f"{s['median']:.2f}",
+            f"{s['min']:.2f}-{s['max']:.2f}",
+            f">= {s['goal']}",
+            "n/a (--quick sizes: not comparable)"
+            if not judged
+            else "met in every run"
+            if s["met_every_run"]
+            else f"NOT met ({sum(v >= s['goal'] for v in s['runs'])} of {len(s['runs'])} runs)",
+        )
+        for name, s in summary.items()
+    ]
     print_table(title, ["ratio to the fastest raw (paired)", "median", "range", "goal", "verdict"], rows)
 
 
@@ -692,17 +786,32 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--read-reps", type=int, default=5, help="16-in-flight read passes per round (paired)")
     p.add_argument("--keep", action="store_true", help="keep the written stores")
-    p.add_argument("--worker-nice", type=int, default=0,
-                   help="orbax/file: the stores' worker_nice (default 0, the raw baselines' priority: on a "
-                        "shared machine +19 would starve only the backend's writer and pool threads)")
-    p.add_argument("--backend", choices=["orbax", "mooncake"], default="orbax",
-                   help="orbax (and file) against raw file I/O, or mooncake against the raw Mooncake client")
-    p.add_argument("--mooncake-placement", choices=["node", "local", "both"], default="both",
-                   help="mooncake: pages in a store node, in the benchmark's own client, or both (default), "
-                        "one after the other")
-    p.add_argument("--runs", type=int, default=None,
-                   help="whole runs of each backend and placement, each with a fresh store (default 3; 1 with "
-                        "--quick); the summary gives every goal ratio's median and range over them")
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="orbax/file: the stores' worker_nice (default 0, the raw baselines' priority: on a "
+        "shared machine +19 would starve only the backend's writer and pool threads)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["orbax", "mooncake"],
+        default="orbax",
+        help="orbax (and file) against raw file I/O, or mooncake against the raw Mooncake client",
+    )
+    p.add_argument(
+        "--mooncake-placement",
+        choices=["node", "local", "both"],
+        default="both",
+        help="mooncake: pages in a store node, in the benchmark's own client, or both (default), one after the other",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help="whole runs of each backend and placement, each with a fresh store (default 3; 1 with "
+        "--quick); the summary gives every goal ratio's median and range over them",
+    )
     args = p.parse_args(argv)
     if args.runs is None:
         args.runs = 1 if args.quick else 3
@@ -717,10 +826,20 @@ def main(argv=None) -> dict:
             args.out = results_path("l3_mooncake")
     else:
         configs, goals, title = ["orbax"], GOALS, "L3 orbax: {n} runs"
-    print(f"[bench_l3] {args.backend} ({', '.join(configs)}): {args.runs} runs x {args.rounds} rounds x "
-          f"{args.read_reps} read passes; progress follows", file=sys.stderr, flush=True)
-    out = {"bench": "l3", "backend": args.backend, "machine": machine_info(), "runs": args.runs,
-           "loadavg_before": list(os.getloadavg()), "configs": {}}
+    print(
+        f"[bench_l3] {args.backend} ({', '.join(configs)}): {args.runs} runs x {args.rounds} rounds x "
+        f"{args.read_reps} read passes; progress follows",
+        file=sys.stderr,
+        flush=True,
+    )
+    out = {
+        "bench": "l3",
+        "backend": args.backend,
+        "machine": machine_info(),
+        "runs": args.runs,
+        "loadavg_before": list(os.getloadavg()),
+        "configs": {},
+    }
     for c in configs:
         payloads = []
         for i in range(args.runs):
@@ -730,8 +849,12 @@ def main(argv=None) -> dict:
         out["configs"][c] = {"runs": payloads, "summary": summary}
     out["loadavg_after"] = list(os.getloadavg())
     for c, v in out["configs"].items():
-        print_summary(title.format(c=c, n=args.runs) + f" (load {out['loadavg_before'][0]:.2f} before, "
-                      f"{out['loadavg_after'][0]:.2f} after, {os.cpu_count()} CPUs)", v["summary"], not args.quick)
+        print_summary(
+            title.format(c=c, n=args.runs) + f" (load {out['loadavg_before'][0]:.2f} before, "
+            f"{out['loadavg_after'][0]:.2f} after, {os.cpu_count()} CPUs)",
+            v["summary"],
+            not args.quick,
+        )
     print("wrote", write_json(args.out, out))
     return out
 

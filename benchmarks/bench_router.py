@@ -52,8 +52,9 @@ PAGE = 16
 POLICIES = ("round_robin", "prefix")
 
 
-def make_trace(conversations: int, turns: int, systems: int, system_len: int, user_len: int, answer_len: int,
-               seed: int = 0) -> list[list[tuple[int, list[int], list[int]]]]:
+def make_trace(
+    conversations: int, turns: int, systems: int, system_len: int, user_len: int, answer_len: int, seed: int = 0
+) -> list[list[tuple[int, list[int], list[int]]]]:
     """Rounds of (conversation, prompt tokens, answer tokens); a prompt is the conversation's
     whole history (system prompt, earlier turns and answers) plus the new user turn."""
     rng = random.Random(seed)
@@ -164,11 +165,19 @@ def run(policy: str, trace, args) -> dict:
             master.stop()
         shutil.rmtree(store, ignore_errors=True)
     hits = sum(served.values())
-    return {"policy": policy, "l3": args.l3, "prompt_tokens": prompt_tokens, "served_tokens": served,
-            "hit_rate": hits / prompt_tokens, "ttft_model_mean_s": statistics.fmean(ttft),
-            "ttft_model_p50_s": statistics.median(ttft), "route_and_cache_mean_s": statistics.fmean(cache_s),
-            "route_mean_s": statistics.fmean(route_times), "route_and_cache_p50_s": statistics.median(cache_s),
-            "router_decisions": dict(router.decisions)}
+    return {
+        "policy": policy,
+        "l3": args.l3,
+        "prompt_tokens": prompt_tokens,
+        "served_tokens": served,
+        "hit_rate": hits / prompt_tokens,
+        "ttft_model_mean_s": statistics.fmean(ttft),
+        "ttft_model_p50_s": statistics.median(ttft),
+        "route_and_cache_mean_s": statistics.fmean(cache_s),
+        "route_mean_s": statistics.fmean(route_times),
+        "route_and_cache_p50_s": statistics.median(cache_s),
+        "router_decisions": dict(router.decisions),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -190,24 +199,36 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.conversations, args.turns, args.system_len, args.user_len, args.answer_len = 16, 3, 256, 64, 32
         args.device_tokens = 4096
-    trace = make_trace(args.conversations, args.turns, args.systems, args.system_len, args.user_len,
-                       args.answer_len)
+    trace = make_trace(args.conversations, args.turns, args.systems, args.system_len, args.user_len, args.answer_len)
     results = [run(p, trace, args) for p in POLICIES]
     rr, px = results
     assert rr["prompt_tokens"] == px["prompt_tokens"]
-    print(f"{'policy':12} {'hit rate':>9} {'device':>9} {'host':>9} {'storage':>9} {'route+cache ms':>15} "
-          f"{'TTFT model mean ms':>19}")
+    print(
+        f"{'policy':12} {'hit rate':>9} {'device':>9} {'host':>9} {'storage':>9} {'route+cache ms':>15} "
+        f"{'TTFT model mean ms':>19}"
+    )
     for r in results:
         s = r["served_tokens"]
-        print(f"{r['policy']:12} {r['hit_rate']:9.3f} {s['device']:9d} {s['host']:9d} {s['storage']:9d} "
-              f"{1e3 * r['route_and_cache_mean_s']:15.2f} {1e3 * r['ttft_model_mean_s']:19.2f}")
-    ratio = {"hit_rate": px["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
-             "ttft_model_mean": px["ttft_model_mean_s"] / rr["ttft_model_mean_s"]}
+        print(
+            f"{r['policy']:12} {r['hit_rate']:9.3f} {s['device']:9d} {s['host']:9d} {s['storage']:9d} "
+            f"{1e3 * r['route_and_cache_mean_s']:15.2f} {1e3 * r['ttft_model_mean_s']:19.2f}"
+        )
+    ratio = {
+        "hit_rate": px["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
+        "ttft_model_mean": px["ttft_model_mean_s"] / rr["ttft_model_mean_s"],
+    }
     load = os.getloadavg()
-    print(f"prefix / round_robin: hit rate x{ratio['hit_rate']:.3f}, modeled TTFT mean x{ratio['ttft_model_mean']:.3f}"
-          f"  (loadavg {load[0]:.1f})")
-    doc = {"benchmark": "router", "args": vars(args), "loadavg": load, "results": results,
-           "prefix_over_round_robin": ratio}
+    print(
+        f"prefix / round_robin: hit rate x{ratio['hit_rate']:.3f}, modeled TTFT mean x{ratio['ttft_model_mean']:.3f}"
+        f"  (loadavg {load[0]:.1f})"
+    )
+    doc = {
+        "benchmark": "router",
+        "args": vars(args),
+        "loadavg": load,
+        "results": results,
+        "prefix_over_round_robin": ratio,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

@@ -100,9 +100,18 @@ TOL = 1e-9  # "ours >= upstream's" allows only float noise
 # --------------------------------------------------------------------------- trace
 
 
-def make_branchy_trace(requests: int, seed: int, tenants: int = 4, system_len: tuple = (200, 700),
-                       user_len: tuple = (20, 300), answer_len: tuple = (16, 160), max_prompt: int = 3000,
-                       p_new: float = 0.15, p_branch: float = 0.3, live: int = 12) -> list[dict]:
+def make_branchy_trace(
+    requests: int,
+    seed: int,
+    tenants: int = 4,
+    system_len: tuple = (200, 700),
+    user_len: tuple = (20, 300),
+    answer_len: tuple = (16, 160),
+    max_prompt: int = 3000,
+    p_new: float = 0.15,
+    p_branch: float = 0.3,
+    live: int = 12,
+) -> list[dict]:
     """Random multi-tenant, branching conversations (see the module docstring)."""
     rng = random.Random(seed)
     vocab = 32000
@@ -120,8 +129,7 @@ def make_branchy_trace(requests: int, seed: int, tenants: int = 4, system_len: t
         elif r < p_new + p_branch:
             src = rng.choice(mine)
             cut = rng.choice(src["turns"])  # an earlier turn boundary (or the system prompt)
-            conv = {"tenant": tenant, "tokens": src["tokens"][:cut],
-                    "turns": [t for t in src["turns"] if t <= cut]}
+            conv = {"tenant": tenant, "tokens": src["tokens"][:cut], "turns": [t for t in src["turns"] if t <= cut]}
             convs.append(conv)
         else:
             conv = rng.choice(mine)
@@ -131,8 +139,7 @@ def make_branchy_trace(requests: int, seed: int, tenants: int = 4, system_len: t
             conv["tokens"] = list(systems[tenant])
             conv["turns"] = [len(systems[tenant])]
         prompt = conv["tokens"] + user
-        trace.append({"tenant": tenant, "prompt": np.array(prompt, np.int64),
-                      "output": np.array(answer, np.int64)})
+        trace.append({"tenant": tenant, "prompt": np.array(prompt, np.int64), "output": np.array(answer, np.int64)})
         conv["tokens"] = prompt + answer
         conv["turns"].append(len(conv["tokens"]))
         if len(convs) > live * tenants:  # forget the oldest conversations (they are never revisited)
@@ -148,14 +155,20 @@ def host_pages_for(device_tokens: int, ratio: float, page: int) -> int:
     return int(device_tokens * ratio) // page + 1
 
 
-def build_upstream(up, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
-                   max_context: int):
+def build_upstream(up, policy: str, eviction: str, page: int, device_tokens: int, ratio: float, max_context: int):
     torch = up.torch
-    sys.modules["sglang.srt.mem_cache.hiradix_cache"].get_memory = (
-        lambda: types.SimpleNamespace(hicache_ratio=ratio))
-    kv = up.MHATokenToKVPool(size=device_tokens, page_size=page, dtype=torch.bfloat16, head_num=upstream.HEADS,
-                             head_dim=upstream.HEAD_DIM, layer_num=upstream.LAYERS, device="cpu",
-                             enable_memory_saver=False, enable_alt_stream=False)
+    sys.modules["sglang.srt.mem_cache.hiradix_cache"].get_memory = lambda: types.SimpleNamespace(hicache_ratio=ratio)
+    kv = up.MHATokenToKVPool(
+        size=device_tokens,
+        page_size=page,
+        dtype=torch.bfloat16,
+        head_num=upstream.HEADS,
+        head_dim=upstream.HEAD_DIM,
+        layer_num=upstream.LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     if page == 1:
         alloc = up.TokenToKVPoolAllocator(device_tokens, torch.bfloat16, "cpu", kv, need_sort=False)
     else:
@@ -163,14 +176,25 @@ def build_upstream(up, policy: str, eviction: str, page: int, device_tokens: int
 
         alloc = PagedTokenToKVPoolAllocator(device_tokens, page, torch.bfloat16, "cpu", kv, need_sort=False)
     req_pool = up.ReqToTokenPool(size=2, max_context_len=max_context, device="cpu", enable_memory_saver=False)
-    params = up.CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc,
-                                page_size=page, tp_cache_group=torch.distributed.group.WORLD,
-                                eviction_policy=eviction)
+    params = up.CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page,
+        tp_cache_group=torch.distributed.group.WORLD,
+        eviction_policy=eviction,
+    )
     server_args = types.SimpleNamespace(
-        hicache_size=0, hicache_mem_layout="layer_first", hicache_io_backend="direct",
-        hicache_write_policy=policy, hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
-        hicache_storage_prefetch_policy="best_effort", served_model_name="tree-differential",
-        extra_metric_labels=None)
+        hicache_size=0,
+        hicache_mem_layout="layer_first",
+        hicache_io_backend="direct",
+        hicache_write_policy=policy,
+        hicache_storage_backend=None,
+        hicache_storage_backend_extra_config=None,
+        hicache_storage_prefetch_policy="best_effort",
+        served_model_name="tree-differential",
+        extra_metric_labels=None,
+    )
     cache = up.HiRadixCache(params, server_args)
     return cache, alloc, req_pool
 
@@ -183,7 +207,7 @@ def page_ids(kb: bytes, page: int, parent_id: int) -> list[int]:
     out = []
     h = parent_id
     for i in range(0, len(kb), pb):
-        h = hash((h, kb[i:i + pb]))
+        h = hash((h, kb[i : i + pb]))
         out.append(h)
     return out
 
@@ -191,12 +215,14 @@ def page_ids(kb: bytes, page: int, parent_id: int) -> list[int]:
 class UpstreamReplay:
     """Upstream's tree, one request at a time (``step``); see the module docstring."""
 
-    def __init__(self, up, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
-                 max_context: int) -> None:
+    def __init__(
+        self, up, policy: str, eviction: str, page: int, device_tokens: int, ratio: float, max_context: int
+    ) -> None:
         self.up, self.page = up, page
         self.label = f"upstream {policy}/{eviction}/p{page}/r{ratio:g}"
-        self.cache, self.alloc, self.req_pool = build_upstream(up, policy, eviction, page, device_tokens, ratio,
-                                                               max_context)
+        self.cache, self.alloc, self.req_pool = build_upstream(
+            up, policy, eviction, page, device_tokens, ratio, max_context
+        )
         self.host_size = self.cache.token_to_kv_pool_host.size
         self.evicted = False  # the last step evicted on the device
 
@@ -226,8 +252,9 @@ class UpstreamReplay:
         prefix, last = m.device_indices, m.last_device_node
         loaded = 0
         if m.host_hit_length > 0:
-            new, last = cache.init_load_back(up.InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                   host_hit_length=m.host_hit_length))
+            new, last = cache.init_load_back(
+                up.InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+            )
             cache.ready_to_load_host_cache()
             if len(new):
                 prefix = torch.cat([prefix, new])
@@ -237,10 +264,10 @@ class UpstreamReplay:
         req = upstream.Req(prompt, pool_idx, prefix, last)
         # alloc_extend: the prompt's new tokens in fresh pages (the prefix is page-aligned).
         fresh = self._alloc_pages(n_prompt - n_prefix)
-        req_pool.write((pool_idx, slice(0, n_prompt)), torch.cat([prefix, fresh[:n_prompt - n_prefix]]))
+        req_pool.write((pool_idx, slice(0, n_prompt)), torch.cat([prefix, fresh[: n_prompt - n_prefix]]))
         cache.cache_unfinished_req(req)
         # alloc_decode: the output fills the last partial page, then fresh pages.
-        spare = fresh[n_prompt - n_prefix:]  # the rest of the prompt's partial last page (none if aligned)
+        spare = fresh[n_prompt - n_prefix :]  # the rest of the prompt's partial last page (none if aligned)
         n_out = len(output)
         more = self._alloc_pages(max(0, n_out - len(spare)))
         out_ids = torch.cat([spare, more])[:n_out]
@@ -273,15 +300,19 @@ class UpstreamReplay:
 class OursReplay:
     """Our tree, one request at a time (``step``); see the module docstring."""
 
-    def __init__(self, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
-                 tree_decisions: str = "auto") -> None:
+    def __init__(
+        self, policy: str, eviction: str, page: int, device_tokens: int, ratio: float, tree_decisions: str = "auto"
+    ) -> None:
         geom = KVGeometry.mla(1, page, 6, 2, "bfloat16")  # the manager mode's geometry, this page size
         self.page = page
         self.label = f"ours {policy}/{eviction}/p{page}/r{ratio:g}"
         self.host_pages = host_pages_for(device_tokens, ratio, page)
         device, _host, engine = make_numpy_backend(geom, device_tokens // page, self.host_pages)
-        self.cache = HiRadixCache(HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction,
-                                                tree_decisions=tree_decisions), engine, device.allocator)
+        self.cache = HiRadixCache(
+            HiCacheConfig(page_size=page, write_policy=policy, eviction_policy=eviction, tree_decisions=tree_decisions),
+            engine,
+            device.allocator,
+        )
         self.alloc = device.allocator
         self.evicted = False
 
@@ -353,8 +384,13 @@ def _replay(side, trace) -> dict:
         l2 += loaded
         per_req.append((d1, loaded))
         evicting += side.evicted
-    return {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "prompt_tokens": prompt_tokens,
-            "per_req": per_req, "evicting_requests": evicting}
+    return {
+        "L1": l1 / prompt_tokens,
+        "L2": l2 / prompt_tokens,
+        "prompt_tokens": prompt_tokens,
+        "per_req": per_req,
+        "evicting_requests": evicting,
+    }
 
 
 def config_name(page: int, ratio: float, policy: str, eviction: str) -> str:
@@ -374,8 +410,9 @@ def run_upstream(up, trace, policy: str, eviction: str, page: int, device_tokens
     return out
 
 
-def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float,
-             tree_decisions: str = "auto") -> dict:
+def run_ours(
+    trace, policy: str, eviction: str, page: int, device_tokens: int, ratio: float, tree_decisions: str = "auto"
+) -> dict:
     side = OursReplay(policy, eviction, page, device_tokens, ratio, tree_decisions)
     out = _replay(side, trace)
     out["host_pool_tokens"] = side.host_pages * page
@@ -388,22 +425,41 @@ def run_ours(trace, policy: str, eviction: str, page: int, device_tokens: int, r
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 12 configurations (host ratios 0.5 and 4, LRU), 300 requests, one seed")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 12 configurations (host ratios 0.5 and 4, LRU), 300 requests, one seed",
+    )
     ap.add_argument("--requests", type=int, default=None, help="requests per trace (default 2000; quick 300)")
-    ap.add_argument("--seeds", default=None,
-                    help="trace seeds, comma-separated, each a fresh trace (default 0,1,2,3; quick 0)")
+    ap.add_argument(
+        "--seeds", default=None, help="trace seeds, comma-separated, each a fresh trace (default 0,1,2,3; quick 0)"
+    )
     ap.add_argument("--device-tokens", type=int, default=6000)
-    ap.add_argument("--tree-decisions", default="auto", choices=("auto", "upstream", "own"),
-                    help="our tree's HiCacheConfig.tree_decisions (docs/deviations-from-upstream.md)")
-    ap.add_argument("--only", default=None,
-                    help="run the configurations whose name contains each '+'-separated part, e.g. "
-                         "'p16/r1/+/lfu' (names: p<page>/r<ratio>/<write policy>/<eviction>)")
-    ap.add_argument("--out", default=results_path("tree_differential"),
-                    help="JSON result (under the current directory); the PNG goes beside it")
-    ap.add_argument("--render", nargs="+", metavar="JSON", default=None,
-                    help="replay nothing: merge these results (runs split with --only) into --out, print the "
-                         "table and draw the PNG (needs no upstream sglang; matplotlib for the PNG)")
+    ap.add_argument(
+        "--tree-decisions",
+        default="auto",
+        choices=("auto", "upstream", "own"),
+        help="our tree's HiCacheConfig.tree_decisions (docs/deviations-from-upstream.md)",
+    )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="run the configurations whose name contains each '+'-separated part, e.g. "
+        "'p16/r1/+/lfu' (names: p<page>/r<ratio>/<write policy>/<eviction>)",
+    )
+    ap.add_argument(
+        "--out",
+        default=results_path("tree_differential"),
+        help="JSON result (under the current directory); the PNG goes beside it",
+    )
+    ap.add_argument(
+        "--render",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="replay nothing: merge these results (runs split with --only) into --out, print the "
+        "table and draw the PNG (needs no upstream sglang; matplotlib for the PNG)",
+    )
     args = ap.parse_args(argv)
     if args.render:
         return finish(merge(args.render), args.out)
@@ -411,10 +467,15 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2,3")).split(",") if s]
     ratios = (0.5, 4.0) if args.quick else HOST_RATIOS
     evictions = ("lru",) if args.quick else EVICTIONS
-    configs = [c for c in itertools.product(PAGE_SIZES, ratios, POLICIES, evictions)
-               if not args.only or all(o in config_name(*c) for o in args.only.split("+"))]
+    configs = [
+        c
+        for c in itertools.product(PAGE_SIZES, ratios, POLICIES, evictions)
+        if not args.only or all(o in config_name(*c) for o in args.only.split("+"))
+    ]
     if not configs:
-        ap.error(f"--only {args.only!r} matches no configuration (names look like {config_name(16, 1.0, 'write_through', 'lfu')!r})")
+        ap.error(
+            f"--only {args.only!r} matches no configuration (names look like {config_name(16, 1.0, 'write_through', 'lfu')!r})"
+        )
 
     upstream.quiet_logs()
     up = upstream.import_upstream()
@@ -432,8 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     results = []
     total = len(configs) * len(seeds)
-    print(f"[tree_differential] {total} replays of {n_req} requests, ours and upstream; a line after each",
-          flush=True)
+    print(f"[tree_differential] {total} replays of {n_req} requests, ours and upstream; a line after each", flush=True)
     k = 0
     for page, ratio, policy, eviction in configs:
         agg = {"ours": [0, 0, 0], "upstream": [0, 0, 0]}  # L1 tokens, L2 tokens, prompt tokens
@@ -450,39 +510,72 @@ def main(argv: list[str] | None = None) -> dict:
                 agg[side][1] += round(r["L2"] * r["prompt_tokens"])
                 agg[side][2] += r["prompt_tokens"]
                 ev[side] += r["evicting_requests"]
-            per_seed.append({"seed": s, "ours": {"L1": o["L1"], "L2": o["L2"]},
-                             "upstream": {"L1": u["L1"], "L2": u["L2"]}, "prompt_tokens": o["prompt_tokens"]})
+            per_seed.append(
+                {
+                    "seed": s,
+                    "ours": {"L1": o["L1"], "L2": o["L2"]},
+                    "upstream": {"L1": u["L1"], "L2": u["L2"]},
+                    "prompt_tokens": o["prompt_tokens"],
+                }
+            )
             diff = [i for i, (a, b) in enumerate(zip(o["per_req"], u["per_req"])) if a != b]
             div_first.append(diff[0] if diff else None)
             div_count += len(diff)
-            print(f"[{k}/{total} {time.perf_counter() - t0:6.1f}s] page {page:2d} ratio {ratio:g} {policy:24s} "
-                  f"{eviction} seed {s}: ours L1 {o['L1']:.4f} L2 {o['L2']:.4f} | upstream L1 {u['L1']:.4f} "
-                  f"L2 {u['L2']:.4f} | first divergence at request {diff[0] if diff else '-'}", flush=True)
+            print(
+                f"[{k}/{total} {time.perf_counter() - t0:6.1f}s] page {page:2d} ratio {ratio:g} {policy:24s} "
+                f"{eviction} seed {s}: ours L1 {o['L1']:.4f} L2 {o['L2']:.4f} | upstream L1 {u['L1']:.4f} "
+                f"L2 {u['L2']:.4f} | first divergence at request {diff[0] if diff else '-'}",
+                flush=True,
+            )
         ours = {"L1": agg["ours"][0] / agg["ours"][2], "L2": agg["ours"][1] / agg["ours"][2]}
         ups = {"L1": agg["upstream"][0] / agg["upstream"][2], "L2": agg["upstream"][1] / agg["upstream"][2]}
         ours["total"] = ours["L1"] + ours["L2"]
         ups["total"] = ups["L1"] + ups["L2"]
         ge = {t: ours[t] >= ups[t] - TOL for t in ("L1", "L2", "total")}
-        results.append({"page_size": page, "host_ratio": ratio, "write_policy": policy, "eviction": eviction,
-                        "hit_rate_ours": ours, "hit_rate_upstream": ups, "ours_ge_upstream": ge,
-                        "first_divergence": div_first, "diverging_requests": div_count,
-                        "evicting_requests": ev, "per_seed": per_seed,
-                        "requests": n_req * len(seeds)})
+        results.append(
+            {
+                "page_size": page,
+                "host_ratio": ratio,
+                "write_policy": policy,
+                "eviction": eviction,
+                "hit_rate_ours": ours,
+                "hit_rate_upstream": ups,
+                "ours_ge_upstream": ge,
+                "first_divergence": div_first,
+                "diverging_requests": div_count,
+                "evicting_requests": ev,
+                "per_seed": per_seed,
+                "requests": n_req * len(seeds),
+            }
+        )
     seconds = time.perf_counter() - t0
-    doc = {"benchmark": "tree_differential", **machine_info(), "sglang": up.version, "torch": up.torch.__version__,
-           "quick": args.quick, "seconds": seconds,
-           "config": {"device_tokens": args.device_tokens, "requests_per_trace": n_req, "seeds": seeds,
-                      "tree_decisions": args.tree_decisions, "only": args.only,
-                      "page_sizes": list(PAGE_SIZES), "host_ratios": list(ratios), "write_policies": list(POLICIES),
-                      "evictions": list(evictions),
-                      "trace": "make_branchy_trace: 4 tenants (system prompts 200-700 tokens), new conversation "
-                               "p=0.15, branch from an earlier turn p=0.3, else continue; user turns 20-300, "
-                               "answers 16-160 tokens; prompts <= 3000 tokens",
-                      "upstream_kv": f"{upstream.LAYERS} layers x {upstream.HEADS} head x {upstream.HEAD_DIM} dims "
-                                     "bf16, K+V", "ours_kv": "1 layer, one 8-wide bf16 latent",
-                      "host_pool": "int(device_tokens * ratio) // page + 1 pages on both sides"},
-           "all_ge": all(r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"] for r in results),
-           "results": results}
+    doc = {
+        "benchmark": "tree_differential",
+        **machine_info(),
+        "sglang": up.version,
+        "torch": up.torch.__version__,
+        "quick": args.quick,
+        "seconds": seconds,
+        "config": {
+            "device_tokens": args.device_tokens,
+            "requests_per_trace": n_req,
+            "seeds": seeds,
+            "tree_decisions": args.tree_decisions,
+            "only": args.only,
+            "page_sizes": list(PAGE_SIZES),
+            "host_ratios": list(ratios),
+            "write_policies": list(POLICIES),
+            "evictions": list(evictions),
+            "trace": "make_branchy_trace: 4 tenants (system prompts 200-700 tokens), new conversation "
+            "p=0.15, branch from an earlier turn p=0.3, else continue; user turns 20-300, "
+            "answers 16-160 tokens; prompts <= 3000 tokens",
+            "upstream_kv": f"{upstream.LAYERS} layers x {upstream.HEADS} head x {upstream.HEAD_DIM} dims bf16, K+V",
+            "ours_kv": "1 layer, one 8-wide bf16 latent",
+            "host_pool": "int(device_tokens * ratio) // page + 1 pages on both sides",
+        },
+        "all_ge": all(r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"] for r in results),
+        "results": results,
+    }
     return finish(doc, args.out)
 
 
@@ -501,24 +594,64 @@ def report(doc: dict) -> list[dict]:
     for r in results:
         o, u, ge = r["hit_rate_ours"], r["hit_rate_upstream"], r["ours_ge_upstream"]
         n = r["requests"]
-        rows.append([r["page_size"], f"{r['host_ratio']:g}", r["write_policy"], r["eviction"],
-                     f"{o['L1']:.4f}", f"{u['L1']:.4f}", "yes" if ge["L1"] else "NO",
-                     f"{o['L2']:.4f}", f"{u['L2']:.4f}", "yes" if ge["L2"] else "NO",
-                     f"{o['total']:.4f}", f"{u['total']:.4f}", "yes" if ge["total"] else "NO",
-                     ",".join("-" if d is None else str(d) for d in r["first_divergence"]), r["diverging_requests"],
-                     f"{r['evicting_requests']['ours'] / n:.0%}/{r['evicting_requests']['upstream'] / n:.0%}"])
-    print_table(f"Differential replay: ours (tree_decisions={c['tree_decisions']}) vs upstream sglang "
-                f"{doc['sglang']} HiRadixCache ({c['requests_per_trace']} requests x {len(c['seeds'])} seed(s), "
-                f"{c['device_tokens']} device tokens)",
-                ["page", "host ratio", "write policy", "evict", "L1 ours", "L1 upstream", "L1 ours>=",
-                 "L2 ours", "L2 upstream", "L2 ours>=", "total ours", "total upstream", "total ours>=",
-                 "1st diverging req", "diverging reqs", "evicting reqs ours/up"], rows)
+        rows.append(
+            [
+                r["page_size"],
+                f"{r['host_ratio']:g}",
+                r["write_policy"],
+                r["eviction"],
+                f"{o['L1']:.4f}",
+                f"{u['L1']:.4f}",
+                "yes" if ge["L1"] else "NO",
+                f"{o['L2']:.4f}",
+                f"{u['L2']:.4f}",
+                "yes" if ge["L2"] else "NO",
+                f"{o['total']:.4f}",
+                f"{u['total']:.4f}",
+                "yes" if ge["total"] else "NO",
+                ",".join("-" if d is None else str(d) for d in r["first_divergence"]),
+                r["diverging_requests"],
+                f"{r['evicting_requests']['ours'] / n:.0%}/{r['evicting_requests']['upstream'] / n:.0%}",
+            ]
+        )
+    print_table(
+        f"Differential replay: ours (tree_decisions={c['tree_decisions']}) vs upstream sglang "
+        f"{doc['sglang']} HiRadixCache ({c['requests_per_trace']} requests x {len(c['seeds'])} seed(s), "
+        f"{c['device_tokens']} device tokens)",
+        [
+            "page",
+            "host ratio",
+            "write policy",
+            "evict",
+            "L1 ours",
+            "L1 upstream",
+            "L1 ours>=",
+            "L2 ours",
+            "L2 upstream",
+            "L2 ours>=",
+            "total ours",
+            "total upstream",
+            "total ours>=",
+            "1st diverging req",
+            "diverging reqs",
+            "evicting reqs ours/up",
+        ],
+        rows,
+    )
     lower = [r for r in results if not (r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"])]
-    print(f"{len(results) - len(lower)}/{len(results)} configurations: ours >= upstream on both tiers"
-          + ("; lower on some tier: " + "; ".join(
-              f"p{r['page_size']} r{r['host_ratio']:g} {r['write_policy']} {r['eviction']} "
-              f"({', '.join(t for t in ('L1', 'L2') if not r['ours_ge_upstream'][t])})" for r in lower)
-              if lower else ""))
+    print(
+        f"{len(results) - len(lower)}/{len(results)} configurations: ours >= upstream on both tiers"
+        + (
+            "; lower on some tier: "
+            + "; ".join(
+                f"p{r['page_size']} r{r['host_ratio']:g} {r['write_policy']} {r['eviction']} "
+                f"({', '.join(t for t in ('L1', 'L2') if not r['ours_ge_upstream'][t])})"
+                for r in lower
+            )
+            if lower
+            else ""
+        )
+    )
     return lower
 
 
@@ -534,22 +667,35 @@ def plot(doc: dict, path: str) -> str | None:
         return None
     results = sorted(doc["results"], key=_sort_key)
     c = doc["config"]
-    labels = [f"p{r['page_size']} r{r['host_ratio']:g}\n"
-              f"{ {'write_through': 'wt', 'write_through_selective': 'wts', 'write_back': 'wb'}[r['write_policy']]}"
-              f" {r['eviction']}" for r in results]
+    labels = [
+        f"p{r['page_size']} r{r['host_ratio']:g}\n"
+        f"{ {'write_through': 'wt', 'write_through_selective': 'wts', 'write_back': 'wb'}[r['write_policy']] }"
+        f" {r['eviction']}"
+        for r in results
+    ]
     x = np.arange(len(results))
     fig, axes = plt.subplots(3, 1, figsize=(max(10.0, 0.55 * len(results) + 2), 11), sharex=True)
     for ax, tier, name in zip(axes, ("L1", "L2", "total"), ("L1 (device)", "L2 (host, loaded back)", "L1 + L2")):
         d = np.array([r["hit_rate_ours"][tier] - r["hit_rate_upstream"][tier] for r in results])
-        ax.bar(x, d, color=np.where(d >= -TOL, "#2ca02c", "#d62728"), alpha=0.6, width=0.7,
-               label="all seeds pooled")
+        ax.bar(x, d, color=np.where(d >= -TOL, "#2ca02c", "#d62728"), alpha=0.6, width=0.7, label="all seeds pooled")
         for i, r in enumerate(results):
             ps = r.get("per_seed", [])
-            vals = [s["ours"][tier] - s["upstream"][tier] if tier != "total" else
-                    (s["ours"]["L1"] + s["ours"]["L2"]) - (s["upstream"]["L1"] + s["upstream"]["L2"]) for s in ps]
-            ax.scatter(np.full(len(vals), i, float) + np.linspace(-0.2, 0.2, len(vals)) if len(vals) > 1
-                       else np.full(len(vals), i, float), vals, s=10, color="black", zorder=3,
-                       label="one seed" if i == 0 else None)
+            vals = [
+                s["ours"][tier] - s["upstream"][tier]
+                if tier != "total"
+                else (s["ours"]["L1"] + s["ours"]["L2"]) - (s["upstream"]["L1"] + s["upstream"]["L2"])
+                for s in ps
+            ]
+            ax.scatter(
+                np.full(len(vals), i, float) + np.linspace(-0.2, 0.2, len(vals))
+                if len(vals) > 1
+                else np.full(len(vals), i, float),
+                vals,
+                s=10,
+                color="black",
+                zorder=3,
+                label="one seed" if i == 0 else None,
+            )
         ax.axhline(0, color="black", lw=0.8)
         ax.set_ylabel(f"{name}\nhit rate, ours - upstream")
         ax.grid(axis="y", alpha=0.25)
@@ -561,13 +707,22 @@ def plot(doc: dict, path: str) -> str | None:
     axes[-1].set_xticks(x)
     axes[-1].set_xticklabels(labels, fontsize=7, rotation=90)
     lower = sum(not (r["ours_ge_upstream"]["L1"] and r["ours_ge_upstream"]["L2"]) for r in results)
-    fig.suptitle(f"Hit rate per tier, our tree minus upstream sglang {doc['sglang']}'s HiRadixCache: "
-                 f"{len(results) - lower}/{len(results)} configurations not lower on either tier",
-                 fontsize=12, fontweight="bold")
-    fig.text(0.5, 0.955, f"random branchy traces, {c['requests_per_trace']} requests x seeds "
-             f"{','.join(map(str, c['seeds']))}, device {c['device_tokens']} tokens, host pool = ratio x device; "
-             f"ours with tree_decisions={c['tree_decisions']}; wt/wts/wb = write_through/_selective/write_back",
-             ha="center", fontsize=8.5, color="#444444")
+    fig.suptitle(
+        f"Hit rate per tier, our tree minus upstream sglang {doc['sglang']}'s HiRadixCache: "
+        f"{len(results) - lower}/{len(results)} configurations not lower on either tier",
+        fontsize=12,
+        fontweight="bold",
+    )
+    fig.text(
+        0.5,
+        0.955,
+        f"random branchy traces, {c['requests_per_trace']} requests x seeds "
+        f"{','.join(map(str, c['seeds']))}, device {c['device_tokens']} tokens, host pool = ratio x device; "
+        f"ours with tree_decisions={c['tree_decisions']}; wt/wts/wb = write_through/_selective/write_back",
+        ha="center",
+        fontsize=8.5,
+        color="#444444",
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -584,8 +739,10 @@ def finish(doc: dict, out: str) -> dict:
     if png:
         print(f"wrote {png}")
     else:
-        print(f"no PNG (matplotlib is not installed here); draw it with: .venv/bin/python "
-              f"benchmarks/bench_tree_differential.py --render {out}")
+        print(
+            f"no PNG (matplotlib is not installed here); draw it with: .venv/bin/python "
+            f"benchmarks/bench_tree_differential.py --render {out}"
+        )
     return doc
 
 
@@ -613,10 +770,16 @@ def merge(paths: list[str]) -> dict:
             seen.add(name)
             results.append(r)
     doc = dict(first)
-    doc["config"] = dict(first["config"], only=None, host_ratios=sorted({r["host_ratio"] for r in results}),
-                         evictions=sorted({r["eviction"] for r in results}))
-    doc["merged_from"] = [{"path": p, "seconds": d["seconds"], "load_average_1_5_15": d.get("load_average_1_5_15")}
-                          for p, d in zip(paths, docs)]
+    doc["config"] = dict(
+        first["config"],
+        only=None,
+        host_ratios=sorted({r["host_ratio"] for r in results}),
+        evictions=sorted({r["eviction"] for r in results}),
+    )
+    doc["merged_from"] = [
+        {"path": p, "seconds": d["seconds"], "load_average_1_5_15": d.get("load_average_1_5_15")}
+        for p, d in zip(paths, docs)
+    ]
     doc["seconds"] = sum(d["seconds"] for d in docs)
     doc["quick"] = any(d["quick"] for d in docs)
     doc["results"] = sorted(results, key=_sort_key)

@@ -52,8 +52,14 @@ from hicache_jax.cache import CacheRequest, HiCacheConfig, HiRadixCache, RadixKe
 POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-def make_trace(clients: int = 64, rounds: int = 10, system_len: int = 1024, user_len: int = 256,
-               answer_len: int = 128, seed: int = 0) -> list[dict]:
+def make_trace(
+    clients: int = 64,
+    rounds: int = 10,
+    system_len: int = 1024,
+    user_len: int = 256,
+    answer_len: int = 128,
+    seed: int = 0,
+) -> list[dict]:
     """The multiturn-64x10 trace (module docstring); draw order matters for reproducing its hit rates."""
     rng = random.Random(seed)
     systems = [[rng.randint(1, 32000) for _ in range(system_len)] for _ in range(4)]
@@ -66,8 +72,9 @@ def make_trace(clients: int = 64, rounds: int = 10, system_len: int = 1024, user
             history[c].extend(rng.randint(1, 32000) for _ in range(user_len))
             prompt = list(history[c])
             output = [rng.randint(1, 32000) for _ in range(answer_len)]
-            trace.append({"client": c, "round": r, "prompt": np.array(prompt, np.int64),
-                          "output": np.array(output, np.int64)})
+            trace.append(
+                {"client": c, "round": r, "prompt": np.array(prompt, np.int64), "output": np.array(output, np.int64)}
+            )
             history[c].extend(output)
     return trace
 
@@ -101,7 +108,7 @@ class KVWriter:
 
     def verify(self, ids: np.ndarray, tokens: np.ndarray) -> None:
         if ids.shape[0]:
-            exp = self._pages(tokens[:ids.shape[0]], 0)
+            exp = self._pages(tokens[: ids.shape[0]], 0)
             for c in self.geom.components:
                 got = self.device.read(c, ids)
                 if not np.array_equal(got[..., :2], exp[..., :2]):
@@ -125,14 +132,28 @@ class Timer:
                 out[k] = {"count": 0}
                 continue
             a = np.array(v)
-            out[k] = {"count": int(a.size), "ops_per_s": float(a.size / a.sum()) if a.sum() else None,
-                      "p50_us": float(np.percentile(a, 50) * 1e6), "p99_us": float(np.percentile(a, 99) * 1e6),
-                      "total_s": float(a.sum())}
+            out[k] = {
+                "count": int(a.size),
+                "ops_per_s": float(a.size / a.sum()) if a.sum() else None,
+                "p50_us": float(np.percentile(a, 50) * 1e6),
+                "p99_us": float(np.percentile(a, 99) * 1e6),
+                "total_s": float(a.sum()),
+            }
         return out
 
 
-def run(trace: list[dict], policy: str, mode: str, device_tokens: int, host_ratio: float, real_layers: int,
-        verify: bool, check_every: int, progress: bool, geom: KVGeometry | None = None) -> dict:
+def run(
+    trace: list[dict],
+    policy: str,
+    mode: str,
+    device_tokens: int,
+    host_ratio: float,
+    real_layers: int,
+    verify: bool,
+    check_every: int,
+    progress: bool,
+    geom: KVGeometry | None = None,
+) -> dict:
     """One replay with a fresh cache; ``geom`` overrides the mode's KV geometry."""
     geom = geometry(mode, real_layers) if geom is None else geom
     host_pages = int(device_tokens * host_ratio)
@@ -161,6 +182,7 @@ def run(trace: list[dict], policy: str, mode: str, device_tokens: int, host_rati
     if progress:
         try:
             from tqdm import tqdm
+
             bar = tqdm(total=len(trace), desc=f"{mode:9s} {policy}", leave=False, mininterval=0.5)
         except ImportError:
             bar = None
@@ -236,24 +258,49 @@ def run(trace: list[dict], policy: str, mode: str, device_tokens: int, host_rati
     total_ops = sum(v["count"] for v in ops.values())
     met = cache.metrics
     return {
-        "policy": policy, "mode": mode, "requests": len(trace), "wall_s": wall, "cpu_s": cpu,
-        "model_wall_s": side_wall, "model_cpu_s": side_cpu,
-        "req_per_s": len(trace) / wall, "req_per_cpu_s": len(trace) / cpu,
+        "policy": policy,
+        "mode": mode,
+        "requests": len(trace),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "model_wall_s": side_wall,
+        "model_cpu_s": side_cpu,
+        "req_per_s": len(trace) / wall,
+        "req_per_cpu_s": len(trace) / cpu,
         "manager_req_per_s": len(trace) / (wall - side_wall),
-        "manager_req_per_cpu_s": len(trace) / (cpu - side_cpu), "ops_per_s": total_ops / wall, "ops": ops,
+        "manager_req_per_cpu_s": len(trace) / (cpu - side_cpu),
+        "ops_per_s": total_ops / wall,
+        "ops": ops,
         "hit_rate": {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "total": (l1 + l2) / prompt_tokens},
         "prompt_tokens": prompt_tokens,
         "kv_bytes_per_token": geom.bytes_per_token,
         "bytes": {"backed_up": met.backup_bytes, "loaded": met.loaded_bytes},
-        "tokens": {"backed_up": met.backup_tokens, "loaded": met.loaded_tokens,
-                   "evicted_device": met.evicted_device_tokens, "evicted_host": met.evicted_host_tokens,
-                   "dropped": met.dropped_tokens, "backup_failed": met.backup_failed_tokens},
+        "tokens": {
+            "backed_up": met.backup_tokens,
+            "loaded": met.loaded_tokens,
+            "evicted_device": met.evicted_device_tokens,
+            "evicted_host": met.evicted_host_tokens,
+            "dropped": met.dropped_tokens,
+            "backup_failed": met.backup_failed_tokens,
+        },
     }
 
 
 def print_table(results: list[dict]) -> None:
-    headers = ["mode", "policy", "L1", "L2", "req/s (mgr cpu)", "loop req/s (wall)", "ops/s", "match p50/p99 us", "insert p50/p99 us",
-               "evict p50/p99 us", "load_back p50/p99 us", "MB moved"]
+    headers = [
+        "mode",
+        "policy",
+        "L1",
+        "L2",
+        "req/s (mgr cpu)",
+        "loop req/s (wall)",
+        "ops/s",
+        "match p50/p99 us",
+        "insert p50/p99 us",
+        "evict p50/p99 us",
+        "load_back p50/p99 us",
+        "MB moved",
+    ]
     rows = []
     for r in results:
         o = r["ops"]
@@ -262,9 +309,22 @@ def print_table(results: list[dict]) -> None:
             return f"{o[k]['p50_us']:.0f}/{o[k]['p99_us']:.0f}" if o[k]["count"] else "-"
 
         moved = (r["bytes"]["backed_up"] + r["bytes"]["loaded"]) / 1e6
-        rows.append([r["mode"], r["policy"], f"{r['hit_rate']['L1']:.3f}", f"{r['hit_rate']['L2']:.3f}",
-                     f"{r['manager_req_per_cpu_s']:.0f}", f"{r['req_per_s']:.0f}", f"{r['ops_per_s']:.0f}", lat("match"), lat("insert"), lat("evict"),
-                     lat("load_back"), f"{moved:.0f}"])
+        rows.append(
+            [
+                r["mode"],
+                r["policy"],
+                f"{r['hit_rate']['L1']:.3f}",
+                f"{r['hit_rate']['L2']:.3f}",
+                f"{r['manager_req_per_cpu_s']:.0f}",
+                f"{r['req_per_s']:.0f}",
+                f"{r['ops_per_s']:.0f}",
+                lat("match"),
+                lat("insert"),
+                lat("evict"),
+                lat("load_back"),
+                f"{moved:.0f}",
+            ]
+        )
     try:
         from rich.console import Console
         from rich.table import Table
@@ -293,8 +353,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--verify", action="store_true", help="check KV bytes of every hit")
     ap.add_argument("--check-every", type=int, default=0, help="sanity_check every N requests")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=os.path.join("hicache-results", "tree_multiturn.json"),
-                    help="JSON result (under the current directory)")
+    ap.add_argument(
+        "--out",
+        default=os.path.join("hicache-results", "tree_multiturn.json"),
+        help="JSON result (under the current directory)",
+    )
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     policies = [p for p in args.policies.split(",") if p]
@@ -313,13 +376,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for mode in modes:
         for policy in policies:
-            results.append(run(trace, policy, mode, device_tokens, args.host_ratio, args.real_layers,
-                               args.verify, args.check_every, not args.no_progress))
+            results.append(
+                run(
+                    trace,
+                    policy,
+                    mode,
+                    device_tokens,
+                    args.host_ratio,
+                    args.real_layers,
+                    args.verify,
+                    args.check_every,
+                    not args.no_progress,
+                )
+            )
     print_table(results)
-    doc = {"benchmark": "tree_multiturn", "quick": args.quick, "device_tokens": device_tokens,
-           "host_ratio": args.host_ratio, "page_size": 1, "clients": 8 if args.quick else 64,
-           "rounds": 3 if args.quick else 10, "python": platform.python_version(), "machine": platform.machine(),
-           "cpus": os.cpu_count(), "results": results}
+    doc = {
+        "benchmark": "tree_multiturn",
+        "quick": args.quick,
+        "device_tokens": device_tokens,
+        "host_ratio": args.host_ratio,
+        "page_size": 1,
+        "clients": 8 if args.quick else 64,
+        "rounds": 3 if args.quick else 10,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "results": results,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

@@ -57,12 +57,22 @@ KV_VARIANTS = ("manager", "upstream")
 
 def _ours(trace, policy: str, kv: str) -> dict:
     gc.collect()  # start clean: a replay must not pay for collecting the previous one's tree
-    geom = (KVGeometry.mha(upstream.LAYERS, 1, upstream.HEADS, upstream.HEAD_DIM, "bfloat16")
-            if kv == "upstream" else None)  # None: the manager mode's own geometry
-    r = run_ours(trace, policy, "manager", upstream.DEVICE_TOKENS, upstream.HOST_RATIO, 1,
-                 verify=False, check_every=0, progress=False, geom=geom)
-    return {"req_per_cpu_s": r["manager_req_per_cpu_s"], "req_per_s": r["manager_req_per_s"],
-            "hit_rate": r["hit_rate"]}
+    geom = (
+        KVGeometry.mha(upstream.LAYERS, 1, upstream.HEADS, upstream.HEAD_DIM, "bfloat16") if kv == "upstream" else None
+    )  # None: the manager mode's own geometry
+    r = run_ours(
+        trace,
+        policy,
+        "manager",
+        upstream.DEVICE_TOKENS,
+        upstream.HOST_RATIO,
+        1,
+        verify=False,
+        check_every=0,
+        progress=False,
+        geom=geom,
+    )
+    return {"req_per_cpu_s": r["manager_req_per_cpu_s"], "req_per_s": r["manager_req_per_s"], "hit_rate": r["hit_rate"]}
 
 
 def _theirs(up, trace, policy: str) -> dict:
@@ -80,8 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policies", default="write_through")
     ap.add_argument("--quick", action="store_true", help="2 paired rounds, no warm-up (a smoke run)")
     ap.add_argument("--rounds", type=int, default=9, help="paired rounds per policy")
-    ap.add_argument("--ours-kv", default=",".join(KV_VARIANTS),
-                    help="our tree's KV geometry: manager (issue 3's manager mode), upstream (upstream's)")
+    ap.add_argument(
+        "--ours-kv",
+        default=",".join(KV_VARIANTS),
+        help="our tree's KV geometry: manager (issue 3's manager mode), upstream (upstream's)",
+    )
     ap.add_argument("--warmup", type=int, default=1, help="untimed replays per tree first")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=results_path("tree_vs_upstream"), help="JSON result (under the current directory)")
@@ -110,8 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_progress:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=(1 + len(variants)) * args.warmup + args.rounds * per_round, desc="replays",
-                       file=sys.stderr)
+
+            bar = tqdm(
+                total=(1 + len(variants)) * args.warmup + args.rounds * per_round, desc="replays", file=sys.stderr
+            )
         except ImportError:
             bar = None
 
@@ -134,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
             ours = {}
             if r % 2 == 0:
                 theirs = step(_theirs(up, trace, policy))
-            for v in (variants if r % 2 == 0 else variants[::-1]):
+            for v in variants if r % 2 == 0 else variants[::-1]:
                 ours[v] = step(_ours(trace, policy, v))
             if r % 2 == 1:
                 theirs = step(_theirs(up, trace, policy))
@@ -151,35 +166,70 @@ def main(argv: list[str] | None = None) -> dict:
         hits_ours, hits_theirs = ps[0][0]["hit_rate"], ps[0][1]["hit_rate"]
         same = all(_same_hits(o["hit_rate"], t["hit_rate"]) for o, t in ps)
         ratio = statistics.median(ratios)
-        res = {"policy": policy, "ours_kv": v, "rounds": len(ps), "ratio_median": ratio, "ratio_min": min(ratios),
-               "ratio_max": max(ratios), "ours_req_per_cpu_s_median": statistics.median(ours_rps),
-               "upstream_req_per_cpu_s_median": statistics.median(theirs_rps),
-               "hit_rate_ours": hits_ours, "hit_rate_upstream": hits_theirs, "same_hit_rates": same,
-               "pairs": [{"ours": o, "upstream": t} for o, t in ps]}
+        res = {
+            "policy": policy,
+            "ours_kv": v,
+            "rounds": len(ps),
+            "ratio_median": ratio,
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ours_req_per_cpu_s_median": statistics.median(ours_rps),
+            "upstream_req_per_cpu_s_median": statistics.median(theirs_rps),
+            "hit_rate_ours": hits_ours,
+            "hit_rate_upstream": hits_theirs,
+            "same_hit_rates": same,
+            "pairs": [{"ours": o, "upstream": t} for o, t in ps],
+        }
         if policy == "write_through" and v == "manager":
             res["goal_ratio"] = GOAL_RATIO
             res["goal_met"] = bool(same and ratio >= GOAL_RATIO)
         results.append(res)
-        rows.append([policy, v, f"{hits_ours['L1']:.3f}/{hits_ours['L2']:.3f}",
-                     f"{hits_theirs['L1']:.3f}/{hits_theirs['L2']:.3f}",
-                     f"{statistics.median(ours_rps):.0f} [{min(ours_rps):.0f}-{max(ours_rps):.0f}]",
-                     f"{statistics.median(theirs_rps):.0f} [{min(theirs_rps):.0f}-{max(theirs_rps):.0f}]",
-                     f"{ratio:.2f} [{min(ratios):.2f}-{max(ratios):.2f}]",
-                     (("met" if res["goal_met"] else "NOT met") + f" (>= {GOAL_RATIO:g}x)")
-                     if "goal_met" in res else "-"])
-    print_table(f"HiRadixCache vs upstream sglang {up.version} HiRadixCache, same process, paired rounds "
-                "(req/s by CPU time, median [min-max])",
-                ["policy", "our KV", "L1/L2 ours", "L1/L2 upstream", "ours req/s", "upstream req/s",
-                 "ratio ours/upstream", "goal"], rows)
-    doc = {"benchmark": "tree_vs_upstream", **machine_info(), "sglang": up.version,
-           "torch": up.torch.__version__, "rounds": args.rounds, "warmup": args.warmup,
-           "seconds": time.perf_counter() - t0,
-           "config": {"device_tokens": upstream.DEVICE_TOKENS, "host_ratio": upstream.HOST_RATIO, "page_size": 1,
-                      "kv_upstream": f"{upstream.LAYERS} layers x {upstream.HEADS} head x {upstream.HEAD_DIM} "
-                                     "dims bf16, K+V (64 B/token)",
-                      "kv_ours": {"manager": "1 layer, one 8-wide bf16 latent (16 B/token)",
-                                  "upstream": "as upstream's"}, "requests": len(trace)},
-           "results": results}
+        rows.append(
+            [
+                policy,
+                v,
+                f"{hits_ours['L1']:.3f}/{hits_ours['L2']:.3f}",
+                f"{hits_theirs['L1']:.3f}/{hits_theirs['L2']:.3f}",
+                f"{statistics.median(ours_rps):.0f} [{min(ours_rps):.0f}-{max(ours_rps):.0f}]",
+                f"{statistics.median(theirs_rps):.0f} [{min(theirs_rps):.0f}-{max(theirs_rps):.0f}]",
+                f"{ratio:.2f} [{min(ratios):.2f}-{max(ratios):.2f}]",
+                (("met" if res["goal_met"] else "NOT met") + f" (>= {GOAL_RATIO:g}x)") if "goal_met" in res else "-",
+            ]
+        )
+    print_table(
+        f"HiRadixCache vs upstream sglang {up.version} HiRadixCache, same process, paired rounds "
+        "(req/s by CPU time, median [min-max])",
+        [
+            "policy",
+            "our KV",
+            "L1/L2 ours",
+            "L1/L2 upstream",
+            "ours req/s",
+            "upstream req/s",
+            "ratio ours/upstream",
+            "goal",
+        ],
+        rows,
+    )
+    doc = {
+        "benchmark": "tree_vs_upstream",
+        **machine_info(),
+        "sglang": up.version,
+        "torch": up.torch.__version__,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "seconds": time.perf_counter() - t0,
+        "config": {
+            "device_tokens": upstream.DEVICE_TOKENS,
+            "host_ratio": upstream.HOST_RATIO,
+            "page_size": 1,
+            "kv_upstream": f"{upstream.LAYERS} layers x {upstream.HEADS} head x {upstream.HEAD_DIM} "
+            "dims bf16, K+V (64 B/token)",
+            "kv_ours": {"manager": "1 layer, one 8-wide bf16 latent (16 B/token)", "upstream": "as upstream's"},
+            "requests": len(trace),
+        },
+        "results": results,
+    }
     print(f"wrote {write_json(args.out, doc)}")
     return doc
 

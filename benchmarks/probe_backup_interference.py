@@ -91,13 +91,18 @@ def _copiers(mib: int, layers: int):
     kind = host_memory_kind(dev)
     if kind is not None:
         host_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
-        out["device_put-pinned"] = (lambda: jax.device_put(flat, host_sharding).block_until_ready(), nbytes,
-                                    lambda: None, kind)
+        out["device_put-pinned"] = (
+            lambda: jax.device_put(flat, host_sharding).block_until_ready(),
+            nbytes,
+            lambda: None,
+            kind,
+        )
 
     def to_host():
         y = flat + 0  # a fresh array: copy_to_host_async caches the host copy of an array
         y.copy_to_host_async()
         np.asarray(y)
+
     out["copy_to_host_async"] = (to_host, nbytes, lambda: None, "pageable")
     return out
 
@@ -117,8 +122,12 @@ def run(args) -> dict:
     width, depth = (256, 2) if args.quick else (4096, 8)
     mib = 4 if args.quick else args.mib
     steps = 5 if args.quick else args.steps
-    print(f"[probe] backend {jax.default_backend()}, model step {depth} x bf16 {width}x{width} matmuls, "
-          f"backups of {mib} MiB, {steps} steps per measurement", file=sys.stderr, flush=True)
+    print(
+        f"[probe] backend {jax.default_backend()}, model step {depth} x bf16 {width}x{width} matmuls, "
+        f"backups of {mib} MiB, {steps} steps per measurement",
+        file=sys.stderr,
+        flush=True,
+    )
     step = _model_step(width, depth)
     copiers = _copiers(mib, 2 if args.quick else 8)
     results, rows = {}, []
@@ -146,19 +155,45 @@ def run(args) -> dict:
         after = statistics.median(_steps_ms(step, steps))
         close()
         idle = (before + after) / 2
-        r = {"path": path, "step_ms_idle": idle, "step_ms_idle_before": before, "step_ms_idle_after": after,
-             "step_ms_during": during, "step_ratio": during / idle,
-             "copy_gbps_during": moved[0] / moved[1] / 1e9 if moved[1] else 0.0, "copies": moved[0] // nbytes}
+        r = {
+            "path": path,
+            "step_ms_idle": idle,
+            "step_ms_idle_before": before,
+            "step_ms_idle_after": after,
+            "step_ms_during": during,
+            "step_ratio": during / idle,
+            "copy_gbps_during": moved[0] / moved[1] / 1e9 if moved[1] else 0.0,
+            "copies": moved[0] // nbytes,
+        }
         results[name] = r
         rows.append([name, path, before, after, during, r["step_ratio"], r["copy_gbps_during"], r["copies"]])
-        print(f"[probe] {name}: step x{r['step_ratio']:.2f}, {r['copy_gbps_during']:.1f} GB/s", file=sys.stderr,
-              flush=True)
-    print_table(f"model steps while a backup of {mib} MiB repeats ({jax.default_backend()}; x = step time while "
-                f"copying / idle)",
-                ["method", "host memory", "idle ms (before)", "idle ms (after)", "ms while copying", "x idle",
-                 "copy GB/s", "copies"], rows)
-    payload = {"benchmark": "backup_interference", "machine": machine_info(), "config": vars(args),
-               "model_step": {"width": width, "depth": depth}, "methods": results}
+        print(
+            f"[probe] {name}: step x{r['step_ratio']:.2f}, {r['copy_gbps_during']:.1f} GB/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    print_table(
+        f"model steps while a backup of {mib} MiB repeats ({jax.default_backend()}; x = step time while "
+        f"copying / idle)",
+        [
+            "method",
+            "host memory",
+            "idle ms (before)",
+            "idle ms (after)",
+            "ms while copying",
+            "x idle",
+            "copy GB/s",
+            "copies",
+        ],
+        rows,
+    )
+    payload = {
+        "benchmark": "backup_interference",
+        "machine": machine_info(),
+        "config": vars(args),
+        "model_step": {"width": width, "depth": depth},
+        "methods": results,
+    }
     if args.out:
         write_json(args.out, payload)
     return payload

@@ -97,14 +97,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("sglang.srt.mem_cache.pool_host").setLevel(logging.ERROR)
     logging.getLogger("sglang.srt.mem_cache.hiradix_cache").setLevel(logging.ERROR)
 
-    trace = diff.make_branchy_trace(2000, args.seed)[:args.requests]
+    trace = diff.make_branchy_trace(2000, args.seed)[: args.requests]
     page = args.page
     ours = diff.OursReplay(args.policy, args.eviction, page, args.device_tokens, args.ratio, args.tree_decisions)
-    ups = diff.UpstreamReplay(up, args.policy, args.eviction, page, args.device_tokens, args.ratio,
-                              diff.max_context_for(trace, page))
+    ups = diff.UpstreamReplay(
+        up, args.policy, args.eviction, page, args.device_tokens, args.ratio, diff.max_context_for(trace, page)
+    )
     names = PageNames(page)
-    print(f"{args.policy} {args.eviction} page {page} host ratio {args.ratio:g} seed {args.seed}: "
-          f"host pool {ups.host_size} tokens (both)")
+    print(
+        f"{args.policy} {args.eviction} page {page} host ratio {args.ratio:g} seed {args.seed}: "
+        f"host pool {ups.host_size} tokens (both)"
+    )
     history: list[str] = []
     first_state = first_hit = None
     for i, rec in enumerate(trace):
@@ -112,11 +115,13 @@ def main(argv: list[str] | None = None) -> None:
         ho, hu = ours.step(rec), ups.step(rec)
         (do, so), (du, su) = ours.residency(), ups.residency()
         same = do == du and so == su
-        line = (f"req {i:4d} prompt {rec['prompt'].shape[0]:5d} tenant {rec['tenant']}: "
-                f"hit ours {ho[0]:5d}+{ho[1]:<5d} upstream {hu[0]:5d}+{hu[1]:<5d}"
-                f"{'' if ho == hu else '  HIT DIFFERS'} | evicted ours {'y' if ours.evicted else 'n'} "
-                f"up {'y' if ups.evicted else 'n'} | device {len(do) * page}/{len(du) * page} "
-                f"host {len(so) * page}/{len(su) * page} (ours/up)")
+        line = (
+            f"req {i:4d} prompt {rec['prompt'].shape[0]:5d} tenant {rec['tenant']}: "
+            f"hit ours {ho[0]:5d}+{ho[1]:<5d} upstream {hu[0]:5d}+{hu[1]:<5d}"
+            f"{'' if ho == hu else '  HIT DIFFERS'} | evicted ours {'y' if ours.evicted else 'n'} "
+            f"up {'y' if ups.evicted else 'n'} | device {len(do) * page}/{len(du) * page} "
+            f"host {len(so) * page}/{len(su) * page} (ours/up)"
+        )
         if ho != hu and first_hit is None:
             first_hit = i
         if same:
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if first_state is None:
             first_state = i
-            print("\n".join(history[-args.context:]))
+            print("\n".join(history[-args.context :]))
         elif not args.all:
             break
         print(line)

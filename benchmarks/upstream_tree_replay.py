@@ -116,9 +116,25 @@ LAYERS, HEADS, HEAD_DIM = 2, 1, 8
 # --------------------------------------------------------------------------- stubs
 
 STUBBED_MODULES = (
-    "triton", "sgl_kernel", "transformers", "compressed_tensors", "gguf", "safetensors",
-    "huggingface_hub", "sentencepiece", "regex", "xgrammar", "openai", "partial_json_parser",
-    "pydantic", "aiohttp", "zmq", "starlette", "PIL", "torchvision", "IPython",
+    "triton",
+    "sgl_kernel",
+    "transformers",
+    "compressed_tensors",
+    "gguf",
+    "safetensors",
+    "huggingface_hub",
+    "sentencepiece",
+    "regex",
+    "xgrammar",
+    "openai",
+    "partial_json_parser",
+    "pydantic",
+    "aiohttp",
+    "zmq",
+    "starlette",
+    "PIL",
+    "torchvision",
+    "IPython",
 )
 
 
@@ -236,10 +252,17 @@ def import_upstream():
     import sglang
 
     return types.SimpleNamespace(
-        torch=torch, HiRadixCache=hiradix_cache.HiRadixCache, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
-        EvictParams=EvictParams, InitLoadBackParams=InitLoadBackParams, MatchPrefixParams=MatchPrefixParams,
-        CacheInitParams=CacheInitParams, MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
-        RadixKey=RadixKey, version=getattr(sglang, "__version__", "?"),
+        torch=torch,
+        HiRadixCache=hiradix_cache.HiRadixCache,
+        TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        EvictParams=EvictParams,
+        InitLoadBackParams=InitLoadBackParams,
+        MatchPrefixParams=MatchPrefixParams,
+        CacheInitParams=CacheInitParams,
+        MHATokenToKVPool=MHATokenToKVPool,
+        ReqToTokenPool=ReqToTokenPool,
+        RadixKey=RadixKey,
+        version=getattr(sglang, "__version__", "?"),
     )
 
 
@@ -261,8 +284,17 @@ def init_process_group(torch) -> None:
 class Req:
     """The fields of the scheduler's ``Req`` that ``cache_(un)finished_req`` read and write."""
 
-    __slots__ = ("origin_input_ids", "output_ids", "req_pool_idx", "last_node", "prefix_indices",
-                 "cache_protected_len", "extra_key", "cache_salt", "priority")
+    __slots__ = (
+        "origin_input_ids",
+        "output_ids",
+        "req_pool_idx",
+        "last_node",
+        "prefix_indices",
+        "cache_protected_len",
+        "extra_key",
+        "cache_salt",
+        "priority",
+    )
 
     def __init__(self, prompt: array, pool_idx: int, prefix_indices, last_node) -> None:
         self.origin_input_ids = prompt
@@ -289,9 +321,19 @@ class KVCode:
         torch = self.torch
         t = torch.as_tensor(tokens, dtype=torch.int64)
         pos = torch.arange(start, start + t.shape[0], dtype=torch.int64)
-        code = torch.stack([t % 256, (t // 256) % 256, pos % 256, (pos // 256) % 256,
-                            torch.full_like(t, layer), torch.full_like(t, int(v)),
-                            (t * 7 + pos) % 251, (t + pos * 3) % 241], dim=1)
+        code = torch.stack(
+            [
+                t % 256,
+                (t // 256) % 256,
+                pos % 256,
+                (pos // 256) % 256,
+                torch.full_like(t, layer),
+                torch.full_like(t, int(v)),
+                (t * 7 + pos) % 251,
+                (t + pos * 3) % 241,
+            ],
+            dim=1,
+        )
         return code.to(torch.bfloat16).view(-1, HEADS, HEAD_DIM)
 
     def write(self, idx, tokens, start: int) -> None:
@@ -335,8 +377,7 @@ def check_tree(cache, alloc, host_pool, device_tokens: int) -> None:
         assert n.lock_ref == 0, f"node {n.id}: lock_ref {n.lock_ref} leaked after the request finished"
         if n.value is not None and n.lock_ref == 0 and all(c.value is None for c in n.children.values()):
             leaves.add(n)
-        if (n.value is None and n.lock_ref == 0
-                and not any(c.host_value is not None for c in n.children.values())):
+        if n.value is None and n.lock_ref == 0 and not any(c.host_value is not None for c in n.children.values()):
             host_leaves.add(n)
     assert cache.evictable_size_ == evictable, (cache.evictable_size_, evictable)
     assert cache.protected_size_ == protected == 0, (cache.protected_size_, protected)
@@ -351,18 +392,37 @@ def check_tree(cache, alloc, host_pool, device_tokens: int) -> None:
 
 def build(up, policy: str):
     torch = up.torch
-    kv = up.MHATokenToKVPool(size=DEVICE_TOKENS, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
-                             head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                             enable_alt_stream=False)
+    kv = up.MHATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     alloc = up.TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", kv, need_sort=False)
     req_pool = up.ReqToTokenPool(size=2, max_context_len=8192, device="cpu", enable_memory_saver=False)
-    params = up.CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc,
-                                page_size=1, tp_cache_group=torch.distributed.group.WORLD)
+    params = up.CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=alloc,
+        page_size=1,
+        tp_cache_group=torch.distributed.group.WORLD,
+    )
     server_args = types.SimpleNamespace(
-        hicache_size=0, hicache_mem_layout="layer_first", hicache_io_backend="direct",
-        hicache_write_policy=policy, hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
-        hicache_storage_prefetch_policy="best_effort", served_model_name="upstream-tree-replay",
-        extra_metric_labels=None)
+        hicache_size=0,
+        hicache_mem_layout="layer_first",
+        hicache_io_backend="direct",
+        hicache_write_policy=policy,
+        hicache_storage_backend=None,
+        hicache_storage_backend_extra_config=None,
+        hicache_storage_prefetch_policy="best_effort",
+        served_model_name="upstream-tree-replay",
+        extra_metric_labels=None,
+    )
     cache = up.HiRadixCache(params, server_args)
     return cache, kv, alloc, req_pool
 
@@ -400,8 +460,9 @@ def run(up, trace, policy: str, check: bool) -> dict:
         loaded = 0
         if m.host_hit_length > 0:
             t = pc()
-            new, last = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                host_hit_length=m.host_hit_length))
+            new, last = cache.init_load_back(
+                InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+            )
             cache.ready_to_load_host_cache()  # the forward pass starts the H2D copy (synchronous on CPU)
             samples["load_back"].append(pc() - t)
             if len(new):
@@ -444,18 +505,35 @@ def run(up, trace, policy: str, check: bool) -> dict:
     ops = {}
     for k, v in samples.items():
         s = sorted(v)
-        ops[k] = ({"count": len(s), "ops_per_s": len(s) / sum(s) if sum(s) else None,
-                   "p50_us": s[len(s) // 2] * 1e6, "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
-                   "total_s": sum(s)} if s else {"count": 0})
+        ops[k] = (
+            {
+                "count": len(s),
+                "ops_per_s": len(s) / sum(s) if sum(s) else None,
+                "p50_us": s[len(s) // 2] * 1e6,
+                "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+                "total_s": sum(s),
+            }
+            if s
+            else {"count": 0}
+        )
     n = len(reqs)
     # Upstream registers atexit(cache.shutdown), which would keep every replay's tree alive.
     atexit.unregister(cache.shutdown)
     cache = kv = alloc = req_pool = host_pool = code = None  # drop the replay's tree before gc
     gc.collect()
-    return {"policy": policy, "requests": n, "wall_s": wall, "cpu_s": cpu, "req_per_s": n / wall,
-            "req_per_cpu_s": n / cpu, "checked": check, "prompt_tokens": prompt_tokens,
-            "hit_rate": {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "total": (l1 + l2) / prompt_tokens},
-            "host_pool_tokens": host_pool_tokens, "ops": ops}
+    return {
+        "policy": policy,
+        "requests": n,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "req_per_s": n / wall,
+        "req_per_cpu_s": n / cpu,
+        "checked": check,
+        "prompt_tokens": prompt_tokens,
+        "hit_rate": {"L1": l1 / prompt_tokens, "L2": l2 / prompt_tokens, "total": (l1 + l2) / prompt_tokens},
+        "host_pool_tokens": host_pool_tokens,
+        "ops": ops,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -463,14 +541,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--quick", action="store_true", help="one timed replay, no warm-up (a smoke run)")
     ap.add_argument("--repeats", type=int, default=3, help="timed replays per policy (fresh cache each)")
-    ap.add_argument("--check", action="store_true",
-                    help="untimed: KV round-trip and tree-invariant checks after every request")
-    ap.add_argument("--warmup", type=int, default=1,
-                    help="untimed replays (of the first policy) before the timed ones; the first replay "
-                         "in a process runs ~30%% slower")
+    ap.add_argument(
+        "--check", action="store_true", help="untimed: KV round-trip and tree-invariant checks after every request"
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed replays (of the first policy) before the timed ones; the first replay "
+        "in a process runs ~30%% slower",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--out", default=os.path.join("hicache-results", "upstream_tree_replay.json"),
-                    help="JSON result (under the current directory)")
+    ap.add_argument(
+        "--out",
+        default=os.path.join("hicache-results", "upstream_tree_replay.json"),
+        help="JSON result (under the current directory)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup = 1, 0
@@ -502,25 +588,49 @@ def main(argv: list[str] | None = None) -> dict:
         wall = sorted(r["req_per_s"] for r in rs)
         hits = rs[0]["hit_rate"]
         assert all(r["hit_rate"] == hits for r in rs), "hit rates differ between repeats"
-        res = {"policy": policy, "repeats": len(rs), "checked": args.check, "hit_rate": hits,
-               "req_per_cpu_s": {"median": cpu[len(cpu) // 2], "min": cpu[0], "max": cpu[-1]},
-               "req_per_s": {"median": wall[len(wall) // 2], "min": wall[0], "max": wall[-1]},
-               "runs": rs}
+        res = {
+            "policy": policy,
+            "repeats": len(rs),
+            "checked": args.check,
+            "hit_rate": hits,
+            "req_per_cpu_s": {"median": cpu[len(cpu) // 2], "min": cpu[0], "max": cpu[-1]},
+            "req_per_s": {"median": wall[len(wall) // 2], "min": wall[0], "max": wall[-1]},
+            "runs": rs,
+        }
         results.append(res)
         head = f"{policy:24s} L1 {hits['L1']:.4f} L2 {hits['L2']:.4f}  "
         if args.check:
             print(head + "checked: KV round-trip + tree invariants after every request OK (untimed)", flush=True)
         else:
-            print(head + f"req/s by CPU time: median {res['req_per_cpu_s']['median']:.0f} [{cpu[0]:.0f}-{cpu[-1]:.0f}]"
-                  f"  wall: median {res['req_per_s']['median']:.0f} [{wall[0]:.0f}-{wall[-1]:.0f}]"
-                  f"  ({len(rs)} runs)", flush=True)
-    doc = {"benchmark": "upstream_tree_replay", "tree": "sglang HiRadixCache", "sglang": up.version,
-           "torch": up.torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "cpus": os.cpu_count(), "torch_threads": args.threads, "warmup": args.warmup, "import_s": import_s,
-           "config": {"device_tokens": DEVICE_TOKENS, "host_ratio": HOST_RATIO, "page_size": 1,
-                      "kv": f"{LAYERS} layers x {HEADS} head x {HEAD_DIM} dims bf16, K+V",
-                      "io_backend": "direct", "host_layout": "layer_first", "requests": len(trace)},
-           "stubbed_modules": list(STUBBED_MODULES), "results": results}
+            print(
+                head + f"req/s by CPU time: median {res['req_per_cpu_s']['median']:.0f} [{cpu[0]:.0f}-{cpu[-1]:.0f}]"
+                f"  wall: median {res['req_per_s']['median']:.0f} [{wall[0]:.0f}-{wall[-1]:.0f}]"
+                f"  ({len(rs)} runs)",
+                flush=True,
+            )
+    doc = {
+        "benchmark": "upstream_tree_replay",
+        "tree": "sglang HiRadixCache",
+        "sglang": up.version,
+        "torch": up.torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": args.threads,
+        "warmup": args.warmup,
+        "import_s": import_s,
+        "config": {
+            "device_tokens": DEVICE_TOKENS,
+            "host_ratio": HOST_RATIO,
+            "page_size": 1,
+            "kv": f"{LAYERS} layers x {HEADS} head x {HEAD_DIM} dims bf16, K+V",
+            "io_backend": "direct",
+            "host_layout": "layer_first",
+            "requests": len(trace),
+        },
+        "stubbed_modules": list(STUBBED_MODULES),
+        "results": results,
+    }
     from hicache_jax.bench.report import write_json
 
     print(f"wrote {write_json(args.out, doc)}")

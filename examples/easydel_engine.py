@@ -54,18 +54,31 @@ def main(argv: list[str] | None = None) -> int:
     tok_dir, l3_dir = tempfile.mkdtemp(prefix="esurge-tok-"), tempfile.mkdtemp(prefix="esurge-l3-")
     demo.build_tokenizer(tok_dir)
     model = demo.random_llama()
-    config = HiCacheConfig(page_size=demo.PAGE, load_back_threshold=demo.PAGE,
-                           storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=demo.PAGE))
+    config = HiCacheConfig(
+        page_size=demo.PAGE,
+        load_back_threshold=demo.PAGE,
+        storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=demo.PAGE),
+    )
     a, b = demo.prompt(1, 100), demo.prompt(2, 100)
     log = []
 
     def serve(engine, handle, name, text):
         tokens = demo.greedy(engine, text)
         adm = handle.admissions[-1]
-        log.append({"step": name, "tokens": tokens, "device": adm.device, "host": adm.host, "storage": adm.storage,
-                    "prefill_scheduled": adm.scheduled})
-        print(f"  {name:34s} cached: device {adm.device:3d}, host {adm.host:3d}, storage {adm.storage:3d}; "
-              f"eSurge prefilled {adm.scheduled} of {adm.prompt_tokens} tokens")
+        log.append(
+            {
+                "step": name,
+                "tokens": tokens,
+                "device": adm.device,
+                "host": adm.host,
+                "storage": adm.storage,
+                "prefill_scheduled": adm.scheduled,
+            }
+        )
+        print(
+            f"  {name:34s} cached: device {adm.device:3d}, host {adm.host:3d}, storage {adm.storage:3d}; "
+            f"eSurge prefilled {adm.scheduled} of {adm.prompt_tokens} tokens"
+        )
         return tokens
 
     def new_engine():

@@ -76,8 +76,10 @@ def model_step(pools, tokens, positions, slot_page, slot_offset):
     ``num_pages`` (out of range) and are dropped, so a few padded shapes serve every length."""
     new = {}
     for ci, (comp, layers) in enumerate(sorted(pools.items())):
-        new[comp] = [a.at[slot_page, slot_offset].set(toy_kv(tokens, positions, l, ci).astype(a.dtype), mode="drop")
-                     for l, a in enumerate(layers)]
+        new[comp] = [
+            a.at[slot_page, slot_offset].set(toy_kv(tokens, positions, l, ci).astype(a.dtype), mode="drop")
+            for l, a in enumerate(layers)
+        ]
     return None, new
 
 
@@ -90,8 +92,10 @@ def expected_pages(prompt: np.ndarray, first_page: int, npages: int) -> dict[str
     pos = np.arange(first_page * PAGE, (first_page + npages) * PAGE)
     out = {}
     for ci, comp in enumerate(sorted(GEOM.components)):
-        layers = [np.asarray(toy_kv(jnp.asarray(prompt[pos]), jnp.asarray(pos), l, ci).astype(jnp.bfloat16))
-                  for l in range(GEOM.num_layers)]
+        layers = [
+            np.asarray(toy_kv(jnp.asarray(prompt[pos]), jnp.asarray(pos), l, ci).astype(jnp.bfloat16))
+            for l in range(GEOM.num_layers)
+        ]
         out[comp] = np.stack(layers).reshape((GEOM.num_layers, npages) + GEOM.page_shape).view(GEOM.container_dtype)
     return out
 
@@ -100,19 +104,23 @@ def expected_pages(prompt: np.ndarray, first_page: int, npages: int) -> dict[str
 class MyEngine:
     """The parts of a serving engine that talk to the cache."""
 
-    def __init__(self, l3_dir: str, device_pages: int = 96, host_pages: int = 192, registry=None,
-                 labels: dict | None = None) -> None:
+    def __init__(
+        self, l3_dir: str, device_pages: int = 96, host_pages: int = 192, registry=None, labels: dict | None = None
+    ) -> None:
         self.pool = JaxDevicePool(GEOM, device_pages)  # L1
         host = pinned_host_pool(GEOM, host_pages, HostLayout.PAGE_FIRST)  # L2 (pinned where the platform has it)
         self.transfer = JaxTransferEngine(self.pool, host)
         self.transfer.precompile()  # compile every copy shape now, not while serving
         # L3: the orbax segment log. prefetch_threshold_tokens: the shortest L3 read worth doing
         # (default 256; these prompts are short, so one page).
-        storage = StorageConfig(backend=ARGS.storage_backend, path=l3_dir, prefetch_threshold_tokens=PAGE,
-                                prefetch_policy="timeout")
-        self.cache = HiRadixCache(HiCacheConfig(page_size=PAGE, write_policy="write_through", storage=storage,
-                                                load_back_threshold=PAGE),
-                                  self.transfer, self.pool.allocator)
+        storage = StorageConfig(
+            backend=ARGS.storage_backend, path=l3_dir, prefetch_threshold_tokens=PAGE, prefetch_policy="timeout"
+        )
+        self.cache = HiRadixCache(
+            HiCacheConfig(page_size=PAGE, write_policy="write_through", storage=storage, load_back_threshold=PAGE),
+            self.transfer,
+            self.pool.allocator,
+        )
         # The model id (and revision, TP rank, ...) seeds every L3 key: another model never hits.
         self.l3 = StorageController(self.cache, model="my-model", weights_revision="v1")
         # One close() for the whole stack, in the order that loses nothing (see close below).
@@ -149,19 +157,25 @@ class MyEngine:
         slot_page = np.where(np.arange(pos.size) < n, table[pos // PAGE], self.pool.num_pages)
         toks = np.zeros(pos.size, np.int64)
         toks[:n] = tokens[cached:]
-        self.pool.apply(model_step, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(slot_page),
-                        jnp.asarray(pos % PAGE))
+        self.pool.apply(
+            model_step, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(slot_page), jnp.asarray(pos % PAGE)
+        )
         next_token = (int(tokens.sum()) + len(tokens)) % VOCAB  # your sampler's first output token
         # Check the cached prefix holds exactly the bytes the model wrote for it.
         if cached:
-            got = {c: self.pool.read_pages_host(c, table[:cached // PAGE]) for c in GEOM.components}
+            got = {c: self.pool.read_pages_host(c, table[: cached // PAGE]) for c in GEOM.components}
             want = expected_pages(tokens, 0, cached // PAGE)
             assert all(np.array_equal(got[c], want[c]) for c in GEOM.components), "cached KV differs"
         self.cache.cache_finished_req(req)  # insert the prompt's pages, free the tail, unlock
         self.cache.check_events()  # every scheduler step: acknowledge finished copies
         storage = min(storage_tokens, loaded)
-        return {"prompt_tokens": len(tokens), "device": cached - loaded, "host": loaded - storage,
-                "storage": storage, "next_token": int(next_token)}
+        return {
+            "prompt_tokens": len(tokens),
+            "device": cached - loaded,
+            "host": loaded - storage,
+            "storage": storage,
+            "next_token": int(next_token),
+        }
 
     def evict_device(self) -> None:
         """Memory pressure, simulated: everything unlocked leaves L1 (backed-up KV stays on L2)."""
@@ -190,24 +204,32 @@ def _have_storage_extra() -> bool:
 def main(argv: list[str] | None = None) -> int:
     global ARGS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--storage-backend", default="auto", choices=["auto", "orbax", "file"],
-                   help="L3 backend: orbax needs the [storage] extra (Python 3.12+); file needs none; auto: orbax "
-                        "when the [storage] extra is installed, else file")
+    p.add_argument(
+        "--storage-backend",
+        default="auto",
+        choices=["auto", "orbax", "file"],
+        help="L3 backend: orbax needs the [storage] extra (Python 3.12+); file needs none; auto: orbax "
+        "when the [storage] extra is installed, else file",
+    )
     p.add_argument("--out", default=None, help="write a JSON summary here")
     ARGS = p.parse_args(argv)
     if ARGS.storage_backend == "auto":
         ARGS.storage_backend = "orbax" if _have_storage_extra() else "file"
         if ARGS.storage_backend == "file":
-            print("note: the [storage] extra (orbax-checkpoint, tensorstore; Python 3.12+) is not installed: "
-                  "L3 uses the 'file' backend")
+            print(
+                "note: the [storage] extra (orbax-checkpoint, tensorstore; Python 3.12+) is not installed: "
+                "L3 uses the 'file' backend"
+            )
     try:
         import prometheus_client
     except ImportError:
         print("error: this example exports Prometheus metrics: pip install 'hicache-jax[metrics]'", file=sys.stderr)
         return 2
 
-    print(f"hicache_jax {hicache_jax.__version__} from {hicache_jax.__file__}; jax {jax.__version__} "
-          f"({jax.default_backend()}); L3 backend {ARGS.storage_backend}")
+    print(
+        f"hicache_jax {hicache_jax.__version__} from {hicache_jax.__file__}; jax {jax.__version__} "
+        f"({jax.default_backend()}); L3 backend {ARGS.storage_backend}"
+    )
     rng = np.random.default_rng(0)
     convs = [rng.integers(0, VOCAB, 200 + 40 * i).tolist() for i in range(4)]
     l3_dir = tempfile.mkdtemp(prefix="hicache-example-l3-")
@@ -220,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             r = engine.serve(conv)
             conv += [r["next_token"]] + rng.integers(0, VOCAB, 24).tolist()  # answer + the next question
             log.append({"round": name, "conversation": i, **r})
-            print(f"  {name:28s} conv {i}: {r['prompt_tokens']:4d} tokens, cached: device {r['device']:4d}, "
-                  f"host {r['host']:4d}, storage {r['storage']:4d}")
+            print(
+                f"  {name:28s} conv {i}: {r['prompt_tokens']:4d} tokens, cached: device {r['device']:4d}, "
+                f"host {r['host']:4d}, storage {r['storage']:4d}"
+            )
 
     try:
         engine = MyEngine(l3_dir, registry=registry, labels=labels)
@@ -237,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         round_(engine, "4: after a restart")
         stats = engine.cache.stats()
         sample = registry.get_sample_value
-        prom = {src: sample("hicache_cached_tokens_total", {**labels, "cache_source": src})
-                for src in ("device", "host", "storage")}
+        prom = {
+            src: sample("hicache_cached_tokens_total", {**labels, "cache_source": src})
+            for src in ("device", "host", "storage")
+        }
         engine.close()
     finally:
         shutil.rmtree(l3_dir, ignore_errors=True)
@@ -246,8 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cached tokens by source (cache.stats()): before the restart {first}, after {stats['cached_tokens']}")
     print(f"Prometheus hicache_cached_tokens_total after the restart: {prom}")
     print(f"L3 store: {stats['storage_read_hit_pages']} pages read, {stats['storage_corrupt_pages']} corrupt")
-    summary = {"hicache_jax_file": hicache_jax.__file__, "storage_backend": ARGS.storage_backend, "requests": log,
-               "cached_tokens": total, "prometheus_cached_tokens_after_restart": prom, "kv_bytes_checked": True}
+    summary = {
+        "hicache_jax_file": hicache_jax.__file__,
+        "storage_backend": ARGS.storage_backend,
+        "requests": log,
+        "cached_tokens": total,
+        "prometheus_cached_tokens_after_restart": prom,
+        "kv_bytes_checked": True,
+    }
     if ARGS.out:
         with open(ARGS.out, "w") as f:
             json.dump(summary, f, indent=2)

@@ -14,6 +14,17 @@ from .transfer import CompletedHandle, KVTransferEngine, LoadHandle, TransferErr
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheStack", "CompletedHandle", "HostKVPool", "HostLayout", "HostPoolConfig", "KVGeometry", "KVTransferEngine",
-    "LoadHandle", "PageAllocator", "StackClosedError", "TransferError", "TransferHandle", "check_page_ids",
+    "CacheStack",
+    "CompletedHandle",
+    "HostKVPool",
+    "HostLayout",
+    "HostPoolConfig",
+    "KVGeometry",
+    "KVTransferEngine",
+    "LoadHandle",
+    "PageAllocator",
+    "StackClosedError",
+    "TransferError",
+    "TransferHandle",
+    "check_page_ids",
 ]

@@ -7,8 +7,7 @@ import os
 import numpy as np
 
 
-def check_int(name: str, value: object, minimum: int, maximum: int | None = None, *,
-              numpy_ints: bool = True) -> int:
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None, *, numpy_ints: bool = True) -> int:
     """``value`` as an int in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None);
     TypeError (not an int, a bool, or a numpy integer when ``numpy_ints`` is False) /
     ValueError naming ``name``. Configs that may come from JSON pass ``numpy_ints=False``."""

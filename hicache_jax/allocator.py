@@ -126,8 +126,10 @@ class PageAllocator:
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
         ram = physical_memory_bytes()
         if ram is not None and num_pages * _BYTES_PER_PAGE > ram:
-            raise ValueError(f"num_pages: expected bookkeeping that fits this machine's {ram / 2**30:.1f} GiB of "
-                             f"memory, got {num_pages} pages ({num_pages * _BYTES_PER_PAGE / 2**30:.1f} GiB)")
+            raise ValueError(
+                f"num_pages: expected bookkeeping that fits this machine's {ram / 2**30:.1f} GiB of "
+                f"memory, got {num_pages} pages ({num_pages * _BYTES_PER_PAGE / 2**30:.1f} GiB)"
+            )
         self.name = name
         self.num_pages = int(num_pages)
         self._allocated = np.zeros(self.num_pages, dtype=bool)
@@ -164,7 +166,7 @@ class PageAllocator:
         if n > self._top:
             return None
         top = self._top
-        ids = self._free[top - n:top][::-1]
+        ids = self._free[top - n : top][::-1]
         self._allocated[ids] = True
         self._top = top - n
         return ids.astype(ID_DTYPE)  # a copy, never a view of the free list
@@ -192,7 +194,7 @@ class PageAllocator:
             raise ValueError(f"ids: double free of {self.name} pages {not_held[:8].tolist()} (not allocated)")
         self._allocated[arr] = False
         top = self._top
-        self._free[top:top + n] = arr[::-1]
+        self._free[top : top + n] = arr[::-1]
         self._top = top + n
 
     def reset(self) -> None:
@@ -201,7 +203,7 @@ class PageAllocator:
 
     def check(self) -> None:
         """Verify internal consistency (free list and bitmap agree); raises AssertionError."""
-        free = self._free[:self._top]
+        free = self._free[: self._top]
         assert np.unique(free).size == free.size, f"{self.name}: duplicate ids in the free list"
         assert not self._allocated[free].any(), f"{self.name}: a free-listed page is marked allocated"
         assert int(self._allocated.sum()) == self.num_pages - self._top, f"{self.name}: counts disagree"

@@ -45,18 +45,32 @@ def add_arguments(p: argparse.ArgumentParser, mode: str) -> None:
         p.add_argument("prompt", help="the text to continue")
     else:
         p.add_argument("--turns", nargs="+", default=None, help="the user's turns (default: one per line of stdin)")
-        p.add_argument("--context", type=_existing_file, default=None,
-                       help="a text file put before the first question (e.g. a document the questions are about)")
+        p.add_argument(
+            "--context",
+            type=_existing_file,
+            default=None,
+            help="a text file put before the first question (e.g. a document the questions are about)",
+        )
     p.add_argument("--model", choices=REAL_MODELS, default=REAL_MODELS[0], help="the checkpoint")
-    p.add_argument("--max-new-tokens", type=_bounded(int, 1, 4096), default=64 if mode == "chat" else 48,
-                   help="tokens generated per turn at most")
-    p.add_argument("--max-context", type=_bounded(int, 16, MAX_CONTEXT), default=4096,
-                   help="longest prompt + answer in tokens (fixes the engine's attention width)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_bounded(int, 1, 4096),
+        default=64 if mode == "chat" else 48,
+        help="tokens generated per turn at most",
+    )
+    p.add_argument(
+        "--max-context",
+        type=_bounded(int, 16, MAX_CONTEXT),
+        default=4096,
+        help="longest prompt + answer in tokens (fixes the engine's attention width)",
+    )
     p.add_argument("--page-size", type=_bounded(int, 1, 4096), default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=_bounded(int, 4, 1 << 20), default=512, help="L1 pool size in pages")
-    p.add_argument("--storage-dir", default=None,
-                   help="L3 directory (file backend), kept across invocations (default: "
-                        f"{default_storage_dir('<model>')})")
+    p.add_argument(
+        "--storage-dir",
+        default=None,
+        help=f"L3 directory (file backend), kept across invocations (default: {default_storage_dir('<model>')})",
+    )
     p.add_argument("--no-storage", action="store_true", help="no L3: nothing persists after the process")
 
 
@@ -67,8 +81,10 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.storage_dir is not None:
         why = path_problem(args.storage_dir, directory=True)
         if why is not None:
-            parser.error(f"argument --storage-dir: expected a directory the L3 can use or create, got "
-                         f"{args.storage_dir!r} ({why})")
+            parser.error(
+                f"argument --storage-dir: expected a directory the L3 can use or create, got "
+                f"{args.storage_dir!r} ({why})"
+            )
 
 
 def _existing_file(text: str) -> Path:
@@ -95,12 +111,22 @@ class ChatSession:
         if not args.no_storage:
             path = Path(args.storage_dir) if args.storage_dir else default_storage_dir(args.model)
             path.mkdir(parents=True, exist_ok=True)
-            storage = StorageConfig(backend="file", path=str(path), prefetch_policy="wait_complete",
-                                    prefetch_threshold_tokens=args.page_size)
+            storage = StorageConfig(
+                backend="file",
+                path=str(path),
+                prefetch_policy="wait_complete",
+                prefetch_threshold_tokens=args.page_size,
+            )
         self.storage_path = None if storage is None else storage.path
-        cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
-                                  host=HostPoolConfig(ratio=2.0), max_batch=1, prefill_chunk=512,
-                                  max_context=args.max_context, storage=storage)
+        cache = EngineCacheConfig(
+            page_size=args.page_size,
+            device_pages=args.device_pages,
+            host=HostPoolConfig(ratio=2.0),
+            max_batch=1,
+            prefill_chunk=512,
+            max_context=args.max_context,
+            storage=storage,
+        )
         self.engine = Engine(self.weights.config, cache, weights=self.weights)
         from .bench.text_conversations import stop_tokens
 
@@ -123,8 +149,10 @@ class ChatSession:
 def describe_turn(res) -> str:
     c = res.cached_tokens
     served = ", ".join(f"{t} {c[t]}" for t in ("device", "host", "storage") if c[t]) or "nothing"
-    return (f"prompt {res.prompt_len} tokens: cache served {served}; computed {res.prefill_tokens}; "
-            f"TTFT {res.ttft_s * 1e3:,.0f} ms")
+    return (
+        f"prompt {res.prompt_len} tokens: cache served {served}; computed {res.prefill_tokens}; "
+        f"TTFT {res.ttft_s * 1e3:,.0f} ms"
+    )
 
 
 def run(args: argparse.Namespace, mode: str) -> int:
@@ -135,8 +163,9 @@ def run(args: argparse.Namespace, mode: str) -> int:
         if mode == "generate":  # a prompt too long is known before the model loads
             n = len(tokenizer.encode(args.prompt))
             if n + args.max_new_tokens > args.max_context:
-                raise ValueError(f"prompt: {n} tokens + {args.max_new_tokens} new exceed --max-context "
-                                 f"{args.max_context}")
+                raise ValueError(
+                    f"prompt: {n} tokens + {args.max_new_tokens} new exceed --max-context {args.max_context}"
+                )
         session = ChatSession(args, tokenizer)
     except (ModuleNotFoundError, ValueError) as e:  # the models extra missing, a prompt too long
         print(f"error: {e}", file=sys.stderr)
@@ -175,7 +204,7 @@ def _chat(session: ChatSession, args) -> int:
         if not line.strip():
             continue
         question = tok.encode(f"Question: {line.strip()}\nAnswer:", add_special_tokens=False)
-        ids = history + (question if history[-len(brk):] == brk else brk + question)
+        ids = history + (question if history[-len(brk) :] == brk else brk + question)
         t0 = time.perf_counter()
         res = session.run(ids, args.max_new_tokens)
         print(f"you> {line.strip()}")

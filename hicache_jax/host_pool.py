@@ -57,24 +57,34 @@ class HostPoolConfig:
         else:
             pages = int(device_pages * self.ratio)
         if pages < 1:
-            raise ValueError(f"host pool: {self} gives {pages} pages for {geom} "
-                             f"({geom.bytes_per_page} bytes per page); need at least 1")
+            raise ValueError(
+                f"host pool: {self} gives {pages} pages for {geom} "
+                f"({geom.bytes_per_page} bytes per page); need at least 1"
+            )
         return pages
 
 
 class HostKVPool:
     """Numpy host pool. Holds raw KV bits in ``geom.container_dtype``."""
 
-    def __init__(self, geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,
-                 buffer: np.ndarray | None = None, buffer_owner: object = None) -> None:
+    def __init__(
+        self,
+        geom: KVGeometry,
+        num_pages: int,
+        layout: HostLayout | str = HostLayout.PAGE_FIRST,
+        buffer: np.ndarray | None = None,
+        buffer_owner: object = None,
+    ) -> None:
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
         check_int("num_pages", num_pages, 0, MAX_PAGES)
         ram = physical_memory_bytes()
         if buffer is None and ram is not None and num_pages * geom.bytes_per_page > ram:
-            raise ValueError(f"num_pages: expected a pool that fits this machine's {ram / 2**30:.1f} GiB of memory, "
-                             f"got {num_pages} pages of {geom.bytes_per_page} bytes "
-                             f"({num_pages * geom.bytes_per_page / 2**30:.1f} GiB)")
+            raise ValueError(
+                f"num_pages: expected a pool that fits this machine's {ram / 2**30:.1f} GiB of memory, "
+                f"got {num_pages} pages of {geom.bytes_per_page} bytes "
+                f"({num_pages * geom.bytes_per_page / 2**30:.1f} GiB)"
+            )
         self.geom = geom
         self.layout = HostLayout.parse(layout)
         self.allocator = PageAllocator(num_pages, name="host")
@@ -84,10 +94,16 @@ class HostKVPool:
             buffer = np.zeros(shape, dtype=geom.container_dtype)
         elif not isinstance(buffer, np.ndarray):
             raise TypeError(f"buffer: expected a numpy array, got {type(buffer).__name__}")
-        elif (buffer.shape != shape or buffer.dtype != geom.container_dtype or not buffer.flags.c_contiguous
-              or not buffer.flags.writeable):
-            raise ValueError(f"buffer: expected a writable C-contiguous {geom.container_dtype} array of shape "
-                             f"{shape}, got {buffer.dtype} {buffer.shape} (writeable={buffer.flags.writeable})")
+        elif (
+            buffer.shape != shape
+            or buffer.dtype != geom.container_dtype
+            or not buffer.flags.c_contiguous
+            or not buffer.flags.writeable
+        ):
+            raise ValueError(
+                f"buffer: expected a writable C-contiguous {geom.container_dtype} array of shape "
+                f"{shape}, got {buffer.dtype} {buffer.shape} (writeable={buffer.flags.writeable})"
+            )
         self.array = buffer
         self._buffer_owner = buffer_owner  # keeps externally allocated (e.g. pinned) memory alive
         # Where the bytes live: "numpy" (pageable), or the owner's kind ("pinned_host").
@@ -136,8 +152,9 @@ class HostKVPool:
         expected = page_major_shape(self.geom, self.layout, ids.size)
         buf = np.asarray(buf)
         if buf.shape != expected:
-            raise ValueError(f"buf: expected shape {expected} for {ids.size} pages in {self.layout.value} "
-                             f"order, got {buf.shape}")
+            raise ValueError(
+                f"buf: expected shape {expected} for {ids.size} pages in {self.layout.value} order, got {buf.shape}"
+            )
         if buf.dtype.itemsize != self.geom.itemsize:
             raise TypeError(f"buf: expected {self.geom.itemsize}-byte elements ({self.geom.dtype}), got {buf.dtype}")
         buf = buf.view(self.geom.container_dtype)

@@ -30,8 +30,14 @@ KV_DTYPES: dict[str, tuple[int, np.dtype]] = {
     "float32": (4, np.dtype(np.uint32)),
     "float8_e4m3fn": (1, np.dtype(np.uint8)),
 }
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
-                  "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+}
 
 AttentionKind = Literal["mha", "mla"]
 MAX_DIM = (1 << 31) - 1  # every dimension of a page fits an int32 (kernels index with int32)
@@ -73,15 +79,25 @@ class KVGeometry:
             check_int("qk_rope_head_dim", self.qk_rope_head_dim, 0, MAX_DIM)
 
     @classmethod
-    def mha(cls, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-            dtype: str = "bfloat16") -> "KVGeometry":
+    def mha(
+        cls, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str = "bfloat16"
+    ) -> "KVGeometry":
         return cls("mha", num_layers, page_size, dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     @classmethod
-    def mla(cls, num_layers: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int,
-            dtype: str = "bfloat16") -> "KVGeometry":
-        return cls("mla", num_layers, page_size, dtype, num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim,
-                   kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+    def mla(
+        cls, num_layers: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: str = "bfloat16"
+    ) -> "KVGeometry":
+        return cls(
+            "mla",
+            num_layers,
+            page_size,
+            dtype,
+            num_kv_heads=1,
+            head_dim=kv_lora_rank + qk_rope_head_dim,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+        )
 
     # ---- derived -------------------------------------------------------------------------
     @property

@@ -75,8 +75,9 @@ class CacheStack:
     # ------------------------------------------------------------------ while open
     def _open(self, what: str) -> None:
         if self._closed:
-            raise StackClosedError(f"{what}: the stack is closed (close() was called); build a new cache and "
-                                   f"stack to serve again")
+            raise StackClosedError(
+                f"{what}: the stack is closed (close() was called); build a new cache and stack to serve again"
+            )
 
     @property
     def cache(self):
@@ -122,8 +123,10 @@ class CacheStack:
 
         cache = self._cache
         if not cache.closed:  # (closed by hand already: its copies are finished)
-            step("finishing the cache's copies", lambda: (cache.reset() if cache.failure is not None else None,
-                                                          cache.flush()))
+            step(
+                "finishing the cache's copies",
+                lambda: (cache.reset() if cache.failure is not None else None, cache.flush()),
+            )
         if self._storage is not None:
             step("closing the L3 controller", self._storage.close)
         step("closing the cache", cache.close)
@@ -143,5 +146,7 @@ class CacheStack:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return (f"CacheStack({state}, storage={'yes' if self._storage is not None else 'no'}, "
-                f"transfers={len(self._transfers)}, closers={len(self._closers)})")
+        return (
+            f"CacheStack({state}, storage={'yes' if self._storage is not None else 'no'}, "
+            f"transfers={len(self._transfers)}, closers={len(self._closers)})"
+        )

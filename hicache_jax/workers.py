@@ -77,5 +77,4 @@ def thread_nice() -> int | None:
 def background_executor(name: str, nice: int, max_workers: int = 1) -> ThreadPoolExecutor:
     """A ``ThreadPoolExecutor`` whose threads run at ``nice`` above the caller's priority."""
     check_nice(nice, "nice")
-    return ThreadPoolExecutor(max_workers, thread_name_prefix=name, initializer=lower_thread_priority,
-                              initargs=(nice,))
+    return ThreadPoolExecutor(max_workers, thread_name_prefix=name, initializer=lower_thread_priority, initargs=(nice,))

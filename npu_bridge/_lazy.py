@@ -39,7 +39,8 @@ def torch_npu() -> ModuleType:
     except ImportError as e:
         raise MissingDependencyError(
             "device 'npu' needs torch_npu (matching torch 2.13) and Ascend CANN libraries; "
-            f"importing torch_npu failed: {e!r}") from e
+            f"importing torch_npu failed: {e!r}"
+        ) from e
     except OSError as e:  # missing libascendcl / libhccl surfaces as OSError on some builds
         raise MissingDependencyError(f"torch_npu is installed but its CANN libraries are missing: {e!r}") from e
 
@@ -59,7 +60,8 @@ def kvcacheio(required: bool = False) -> ModuleType | None:
         if required:
             raise MissingDependencyError(
                 f"the Ascend transfer op needs {KVCACHEIO_MODULE} (package sgl-kernel-npu, built from source; "
-                f"not on PyPI): {e!r}") from e
+                f"not on PyPI): {e!r}"
+            ) from e
         return None
 
 

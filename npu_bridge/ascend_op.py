@@ -57,8 +57,10 @@ def page_token_indices(page_ids: np.ndarray, page_size: int) -> "torch.Tensor":
 def _pages_from_tokens(indices, page_size: int, name: str, strict: bool) -> "torch.Tensor":
     idx = torch.as_tensor(indices).to("cpu", torch.int64).reshape(-1)
     if idx.numel() % page_size:
-        raise ValueError(f"{name}: {idx.numel()} indices is not a multiple of page_size {page_size} "
-                         "(partial pages are not supported)")
+        raise ValueError(
+            f"{name}: {idx.numel()} indices is not a multiple of page_size {page_size} "
+            "(partial pages are not supported)"
+        )
     groups = idx.reshape(-1, page_size)
     first = groups[:, 0]
     if strict:
@@ -71,8 +73,10 @@ def _pages_from_tokens(indices, page_size: int, name: str, strict: bool) -> "tor
 
 def _check_pair(dev, host, name: str) -> None:
     if dev.dim() != 5 or host.dim() != 5:
-        raise ValueError(f"{name}: expected 5-D device (L, P, page, H, w) and host (P, L, page, H, w) tensors, "
-                         f"got {tuple(dev.shape)} and {tuple(host.shape)}")
+        raise ValueError(
+            f"{name}: expected 5-D device (L, P, page, H, w) and host (P, L, page, H, w) tensors, "
+            f"got {tuple(dev.shape)} and {tuple(host.shape)}"
+        )
     if dev.shape[0] != host.shape[1]:
         raise ValueError(f"{name}: layer counts differ: device {dev.shape[0]}, host {host.shape[1]}")
     if dev.shape[2:] != host.shape[2:]:
@@ -81,9 +85,20 @@ def _check_pair(dev, host, name: str) -> None:
         raise ValueError(f"{name}: tensors must be contiguous (the kernel copies raw 2-D blocks)")
 
 
-def transfer_kv_dim_exchange_reference(device_indices, host_indices, device_k, host_k, device_v=None, host_v=None,
-                                       device_index_k=None, host_index_k=None, page_size: int = 128,
-                                       direction: int = H2D, flags: int = FAST2D, strict: bool = True) -> None:
+def transfer_kv_dim_exchange_reference(
+    device_indices,
+    host_indices,
+    device_k,
+    host_k,
+    device_v=None,
+    host_v=None,
+    device_index_k=None,
+    host_index_k=None,
+    page_size: int = 128,
+    direction: int = H2D,
+    flags: int = FAST2D,
+    strict: bool = True,
+) -> None:
     """Torch reference of the Ascend op (see module docstring). Copies in place; returns None."""
     if not flags & FAST2D:
         raise ValueError(f"flags: FAST2D ({FAST2D}) must be set, got {flags}")
@@ -103,8 +118,9 @@ def transfer_kv_dim_exchange_reference(device_indices, host_indices, device_k, h
             raise ValueError(f"{name}: page axis {d.shape[2]} != page_size {page_size}")
         if d.element_size() != device_k.element_size():  # the kernel sizes every copy by K's element size
             raise ValueError(f"{name}: element size {d.element_size()} differs from K's {device_k.element_size()}")
-        if dp.numel() and (int(dp.max()) >= d.shape[1] or int(hp.max()) >= h.shape[0] or int(dp.min()) < 0
-                           or int(hp.min()) < 0):
+        if dp.numel() and (
+            int(dp.max()) >= d.shape[1] or int(hp.max()) >= h.shape[0] or int(dp.min()) < 0 or int(hp.min()) < 0
+        ):
             raise IndexError(f"{name}: page ids out of range (device < {d.shape[1]}, host < {h.shape[0]})")
     for d, h, _ in pairs:
         # Per page, one block (L, page*H*w) moves: device rows strided by P, host rows contiguous.
@@ -149,11 +165,13 @@ def bind_op(fn: Callable, need_v: bool) -> BoundOp:
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     supplied = set(REQUIRED_KWARGS) | set(OPTIONAL_KWARGS)
-    unknown_required = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                        and p.default is p.empty and p.name not in supplied]
+    unknown_required = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in supplied
+    ]
     if unknown_required:
-        raise OpSignatureError(f"required parameters {unknown_required} are unknown to npu_bridge "
-                               f"(signature {sig})")
+        raise OpSignatureError(f"required parameters {unknown_required} are unknown to npu_bridge (signature {sig})")
     missing = [k for k in REQUIRED_KWARGS if k not in named and not var_kw]
     if need_v:
         missing += [k for k in ("device_v", "host_v") if k not in named and not var_kw]

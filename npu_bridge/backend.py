@@ -11,9 +11,16 @@ from .kv_split_pool import KV_SPLIT_NAME
 from .transfer import TorchTransferEngine
 
 
-def make_torch_backend(geom: KVGeometry, device_pages: int, host_pages: int,
-                       layout: "HostLayout | str" = HostLayout.PAGE_FIRST, device="cpu", deferred: bool = False,
-                       impl: str = "auto", op=None):
+def make_torch_backend(
+    geom: KVGeometry,
+    device_pages: int,
+    host_pages: int,
+    layout: "HostLayout | str" = HostLayout.PAGE_FIRST,
+    device="cpu",
+    deferred: bool = False,
+    impl: str = "auto",
+    op=None,
+):
     """Convenience: (TorchDevicePool, host pool, TorchTransferEngine) on ``device``.
 
     ``layout`` is a HostLayout or ``'page_first_kv_split'`` (MLA; the device pool then keeps the

@@ -47,6 +47,7 @@ def pick_device(name: str):
         return resolve_device(name)
     try:
         import importlib.util
+
         if importlib.util.find_spec("torch_npu") is not None:
             dev = resolve_device("npu")
             if torch.npu.is_available():
@@ -84,7 +85,7 @@ def run(args) -> dict:
         impls.add(eng.impl)
         rng = np.random.default_rng(0)
         for t in dev.buffers.values():  # random KV, never zeros
-            t.view(dev.bits).copy_(torch.randint(-2**7, 2**7 - 1, t.shape, dtype=dev.bits))
+            t.view(dev.bits).copy_(torch.randint(-(2**7), 2**7 - 1, t.shape, dtype=dev.bits))
         src = rng.permutation(device_pages)[:n]
         dst = rng.permutation(device_pages)[:n]
         hst = rng.permutation(n)[:n]
@@ -94,28 +95,88 @@ def run(args) -> dict:
         h2d_s = median_seconds(lambda: eng.load(hst, dst).wait(), args.reps)
         raw_d2h, memcpy, raw_h2d = _raw_seconds(both, device, args.reps, sync)
         eng.close()
-        r = dict(page_size=page, pages=n, layout=layout, mib_per_component=one_comp / 2**20, transfer_impl=eng.impl,
-                 gather_gbps=None, scatter_gbps=None, raw_device_copy_gbps=None,
-                 d2h_gbps=gbps(both, d2h_s), raw_d2h_gbps=gbps(both, raw_d2h), host_memcpy_gbps=gbps(both, memcpy),
-                 h2d_gbps=gbps(both, h2d_s), raw_h2d_gbps=gbps(both, raw_h2d))
-        r.update(gather_vs_raw=None, scatter_vs_raw=None, d2h_vs_raw=r["d2h_gbps"] / r["raw_d2h_gbps"],
-                 d2h_vs_memcpy=r["d2h_gbps"] / r["host_memcpy_gbps"], h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"])
+        r = dict(
+            page_size=page,
+            pages=n,
+            layout=layout,
+            mib_per_component=one_comp / 2**20,
+            transfer_impl=eng.impl,
+            gather_gbps=None,
+            scatter_gbps=None,
+            raw_device_copy_gbps=None,
+            d2h_gbps=gbps(both, d2h_s),
+            raw_d2h_gbps=gbps(both, raw_d2h),
+            host_memcpy_gbps=gbps(both, memcpy),
+            h2d_gbps=gbps(both, h2d_s),
+            raw_h2d_gbps=gbps(both, raw_h2d),
+        )
+        r.update(
+            gather_vs_raw=None,
+            scatter_vs_raw=None,
+            d2h_vs_raw=r["d2h_gbps"] / r["raw_d2h_gbps"],
+            d2h_vs_memcpy=r["d2h_gbps"] / r["host_memcpy_gbps"],
+            h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"],
+        )
         results.append(r)
-        rows.append([page, n, layout, r["mib_per_component"], None, None, None, None, r["d2h_gbps"], r["d2h_vs_raw"],
-                     r["d2h_vs_memcpy"], r["h2d_gbps"], r["h2d_vs_raw"]])
-    shape = (f"{args.heads} heads x {args.head_dim}" if args.kind == "mha"
-             else f"MLA {args.kv_lora_rank}+{args.rope_dim}")
-    print_table(f"KV page transfers (torch backend): {args.layers} layers x {shape} {args.dtype}, "
-                f"transfer impl {'/'.join(sorted(impls))}, device {device} (GB/s; x = ratio to raw copy of same bytes)",
-                ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
-                 "D2H", "x raw D2H", "x memcpy", "H2D", "x raw H2D"], rows)
-    machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-               "node": platform.node(), "torch": torch.__version__, "device": str(device)}
+        rows.append(
+            [
+                page,
+                n,
+                layout,
+                r["mib_per_component"],
+                None,
+                None,
+                None,
+                None,
+                r["d2h_gbps"],
+                r["d2h_vs_raw"],
+                r["d2h_vs_memcpy"],
+                r["h2d_gbps"],
+                r["h2d_vs_raw"],
+            ]
+        )
+    shape = (
+        f"{args.heads} heads x {args.head_dim}" if args.kind == "mha" else f"MLA {args.kv_lora_rank}+{args.rope_dim}"
+    )
+    print_table(
+        f"KV page transfers (torch backend): {args.layers} layers x {shape} {args.dtype}, "
+        f"transfer impl {'/'.join(sorted(impls))}, device {device} (GB/s; x = ratio to raw copy of same bytes)",
+        [
+            "page",
+            "pages",
+            "layout",
+            "MiB/comp",
+            "gather",
+            "x dev copy",
+            "scatter",
+            "x dev copy",
+            "D2H",
+            "x raw D2H",
+            "x memcpy",
+            "H2D",
+            "x raw H2D",
+        ],
+        rows,
+    )
+    machine = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "node": platform.node(),
+        "torch": torch.__version__,
+        "device": str(device),
+    }
     if device.type == "npu":
         machine["torch_npu"] = getattr(sys.modules.get("torch_npu"), "__version__", "?")
-    return {"benchmark": "transfer", "backend": "torch", "machine": machine, "copy_impl": "/".join(sorted(impls)),
-            "host_pool_memory": "pinned" if supports_pinned(device) else "pageable",
-            "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+    return {
+        "benchmark": "transfer",
+        "backend": "torch",
+        "machine": machine,
+        "copy_impl": "/".join(sorted(impls)),
+        "host_pool_memory": "pinned" if supports_pinned(device) else "pageable",
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "results": results,
+    }
 
 
 def main(argv=None) -> int:
@@ -132,8 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-sizes", type=int, nargs="+", default=None, help="tokens per page (default: 1 16 128)")
     p.add_argument("--page-counts", type=int, nargs="+", default=None, help="pages per transfer (default: 16 128)")
-    p.add_argument("--layouts", nargs="+", default=None,
-                   help=f"host layouts (default: all; MLA adds {KV_SPLIT_NAME})")
+    p.add_argument("--layouts", nargs="+", default=None, help=f"host layouts (default: all; MLA adds {KV_SPLIT_NAME})")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per op (median; default 5)")
     p.add_argument("--out", default="benchmarks/results/transfer_torch.json")
     args = p.parse_args(argv)

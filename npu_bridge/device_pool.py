@@ -30,8 +30,9 @@ torch = _lazy.torch()
 
 
 class TorchDevicePool:
-    def __init__(self, geom: KVGeometry, num_pages: int, device: "str | torch.device" = "cpu",
-                 split_mla: bool = False) -> None:
+    def __init__(
+        self, geom: KVGeometry, num_pages: int, device: "str | torch.device" = "cpu", split_mla: bool = False
+    ) -> None:
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
         if split_mla and geom.kind != "mla":
@@ -85,7 +86,7 @@ class TorchDevicePool:
         idx = torch.from_numpy(ids.astype(np.int64)).to(self.device)
         src = src.to(self.device)
         for p in parts:
-            p.tensor.view(self.bits).index_copy_(1, idx, src[..., p.lo:p.hi])
+            p.tensor.view(self.bits).index_copy_(1, idx, src[..., p.lo : p.hi])
 
     def read(self, component: str, device_ids: object) -> np.ndarray:
         """Pages ``(L, n, page, H, D)`` as raw bits (the geometry's container dtype); a copy."""

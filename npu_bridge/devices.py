@@ -19,8 +19,12 @@ from . import _lazy
 
 torch = _lazy.torch()
 
-_LOGICAL = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-            "float8_e4m3fn": torch.float8_e4m3fn}
+_LOGICAL = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 

@@ -49,8 +49,9 @@ def _alloc(shape: tuple[int, ...], dtype, pin: bool):
     return t
 
 
-def torch_host_pool(geom: KVGeometry, num_pages: int, layout: "str | HostLayout" = "page_first",
-                    device: "str | torch.device" = "cpu") -> HostKVPool:
+def torch_host_pool(
+    geom: KVGeometry, num_pages: int, layout: "str | HostLayout" = "page_first", device: "str | torch.device" = "cpu"
+) -> HostKVPool:
     """A host pool for ``device``: pinned torch memory on accelerators, plain torch memory on CPU.
 
     Adds to the pool: ``torch_parts`` ({component: [Part]} page-major torch views sharing the
@@ -64,8 +65,9 @@ def torch_host_pool(geom: KVGeometry, num_pages: int, layout: "str | HostLayout"
     if layout == KV_SPLIT_NAME:
         shapes = split_part_shapes(geom, num_pages)
         tensors = {p: _alloc(s, bits, pin) for p, s in shapes.items()}
-        pool = KVSplitHostPool(geom, num_pages, {p: t.numpy().view(geom.container_dtype) for p, t in tensors.items()},
-                               buffer_owner=tensors)
+        pool = KVSplitHostPool(
+            geom, num_pages, {p: t.numpy().view(geom.container_dtype) for p, t in tensors.items()}, buffer_owner=tensors
+        )
         lora = geom.kv_lora_rank
         parts = {"kv": [Part("kv_lora", tensors["k"], 0, lora), Part("kv_rope", tensors["v"], lora, geom.width)]}
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
@@ -83,6 +85,10 @@ def torch_host_pool(geom: KVGeometry, num_pages: int, layout: "str | HostLayout"
     bound = sum(_next_pow2(s) for s in sizes) if (pin and device.type == "npu") else sum(sizes)
     pool.pinned_bytes_upper_bound = bound
     if bound > 1.25 * sum(sizes):
-        log.warning("host pool: %d bytes pinned on NPU may reserve up to %d bytes (power-of-two rounding); "
-                    "see PYTORCH_NPU_ALLOC_CONF=pinned_max_round_threshold_mb", sum(sizes), bound)
+        log.warning(
+            "host pool: %d bytes pinned on NPU may reserve up to %d bytes (power-of-two rounding); "
+            "see PYTORCH_NPU_ALLOC_CONF=pinned_max_round_threshold_mb",
+            sum(sizes),
+            bound,
+        )
     return pool

@@ -46,8 +46,10 @@ KV_SPLIT_NAME = KV_SPLIT.value
 def split_part_shapes(geom: KVGeometry, num_pages: int) -> dict[str, tuple[int, ...]]:
     """Shapes of the two host arrays: ``{'k': (..., lora), 'v': (..., rope)}``."""
     if geom.kind != "mla":
-        raise ValueError(f"layout {KV_SPLIT_NAME!r} is for MLA only (upstream raises for other combinations); "
-                         f"got a {geom.kind} geometry")
+        raise ValueError(
+            f"layout {KV_SPLIT_NAME!r} is for MLA only (upstream raises for other combinations); "
+            f"got a {geom.kind} geometry"
+        )
     base = (num_pages, geom.num_layers, geom.page_size, 1)
     return {"k": base + (geom.kv_lora_rank,), "v": base + (geom.qk_rope_head_dim,)}
 
@@ -55,8 +57,13 @@ def split_part_shapes(geom: KVGeometry, num_pages: int) -> dict[str, tuple[int, 
 class KVSplitHostPool(HostKVPool):
     """MLA host pool with separate lora (``k``) and rope (``v``) arrays."""
 
-    def __init__(self, geom: KVGeometry, num_pages: int, buffers: dict[str, np.ndarray] | None = None,
-                 buffer_owner: object = None) -> None:  # noqa: D107 - HostKVPool.__init__ is not reused
+    def __init__(
+        self,
+        geom: KVGeometry,
+        num_pages: int,
+        buffers: dict[str, np.ndarray] | None = None,
+        buffer_owner: object = None,
+    ) -> None:  # noqa: D107 - HostKVPool.__init__ is not reused
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
         shapes = split_part_shapes(geom, num_pages)
@@ -68,11 +75,18 @@ class KVSplitHostPool(HostKVPool):
             buffers = {p: np.zeros(s, geom.container_dtype) for p, s in shapes.items()}
         for p, s in shapes.items():
             b = buffers.get(p)
-            if (not isinstance(b, np.ndarray) or b.shape != s or b.dtype != geom.container_dtype
-                    or not b.flags.c_contiguous or not b.flags.writeable):
+            if (
+                not isinstance(b, np.ndarray)
+                or b.shape != s
+                or b.dtype != geom.container_dtype
+                or not b.flags.c_contiguous
+                or not b.flags.writeable
+            ):
                 got = f"{b.dtype} {b.shape}" if isinstance(b, np.ndarray) else type(b).__name__
-                raise ValueError(f"buffers[{p!r}]: expected a writable C-contiguous {geom.container_dtype} array "
-                                 f"of shape {s}, got {got}")
+                raise ValueError(
+                    f"buffers[{p!r}]: expected a writable C-contiguous {geom.container_dtype} array "
+                    f"of shape {s}, got {got}"
+                )
         self.arrays = {p: buffers[p] for p in shapes}
         self.array = None  # no single array in this layout; see ``arrays``
         self._buffer_owner = buffer_owner
@@ -91,8 +105,9 @@ class KVSplitHostPool(HostKVPool):
         return self.arrays
 
     def component_view(self, component: str) -> np.ndarray:
-        raise NotImplementedError(f"{KV_SPLIT_NAME}: the lora and rope parts live in separate arrays; "
-                                  "use part_views() or read_pages()")
+        raise NotImplementedError(
+            f"{KV_SPLIT_NAME}: the lora and rope parts live in separate arrays; use part_views() or read_pages()"
+        )
 
     def _check_component(self, component: str) -> None:
         if component not in self.geom.components:
@@ -108,13 +123,14 @@ class KVSplitHostPool(HostKVPool):
         expected = (ids.size, g.num_layers, g.page_size, 1, g.width)
         buf = np.asarray(buf)
         if buf.shape != expected:
-            raise ValueError(f"buf: expected shape {expected} for {ids.size} pages in {KV_SPLIT_NAME} order, "
-                             f"got {buf.shape}")
+            raise ValueError(
+                f"buf: expected shape {expected} for {ids.size} pages in {KV_SPLIT_NAME} order, got {buf.shape}"
+            )
         if buf.dtype.itemsize != g.itemsize:
             raise TypeError(f"buf: expected {g.itemsize}-byte elements ({g.dtype}), got {buf.dtype}")
         buf = buf.view(g.container_dtype)
-        self.arrays["k"][ids] = buf[..., :self._lora]
-        self.arrays["v"][ids] = buf[..., self._lora:]
+        self.arrays["k"][ids] = buf[..., : self._lora]
+        self.arrays["v"][ids] = buf[..., self._lora :]
 
     def read_pages(self, component: str, host_ids: object, out: np.ndarray | None = None) -> np.ndarray:
         self._check_component(component)

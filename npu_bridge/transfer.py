@@ -40,12 +40,27 @@ import time
 import numpy as np
 
 from hicache_jax.host_pool import HostKVPool
-from hicache_jax.transfer import (CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker,
-                                  TransferError, TransferHandle)
+from hicache_jax.transfer import (
+    CompletedHandle,
+    FutureHandle,
+    KVTransferEngine,
+    LoadHandle,
+    SerialWorker,
+    TransferError,
+    TransferHandle,
+)
 
 from . import _lazy
-from .ascend_op import (D2H, FAST2D, H2D, OpSignatureError, bind_op, find_op, page_token_indices,
-                        transfer_kv_dim_exchange_reference)
+from .ascend_op import (
+    D2H,
+    FAST2D,
+    H2D,
+    OpSignatureError,
+    bind_op,
+    find_op,
+    page_token_indices,
+    transfer_kv_dim_exchange_reference,
+)
 from .device_pool import TorchDevicePool
 from .devices import device_module, is_accelerator
 from .parts import PAGE_AXIS
@@ -83,7 +98,7 @@ def _runs(d: np.ndarray, h: np.ndarray) -> list[tuple[int, int, int]]:
 
 def _pages(t, order: str, start: int, count: int):
     """Pages [start, start+count) of a page-major host tensor (a view)."""
-    return t[:, start:start + count] if order == "lnp" else t[start:start + count]
+    return t[:, start : start + count] if order == "lnp" else t[start : start + count]
 
 
 def _wait_poll(query, timeout: float | None, what: str) -> None:
@@ -199,15 +214,18 @@ class _DeferredHandle(TorchLoadHandle):
 
 
 class TorchTransferEngine(KVTransferEngine):
-    def __init__(self, device_pool: TorchDevicePool, host_pool: HostKVPool, impl: str = "auto",
-                 deferred: bool = False, op=None) -> None:
+    def __init__(
+        self, device_pool: TorchDevicePool, host_pool: HostKVPool, impl: str = "auto", deferred: bool = False, op=None
+    ) -> None:
         if not isinstance(device_pool, TorchDevicePool):
             raise TypeError(f"device_pool: expected TorchDevicePool, got {type(device_pool).__name__}")
         if device_pool.geom != host_pool.geom:
             raise ValueError(f"host_pool: geometry {host_pool.geom} differs from the device pool's {device_pool.geom}")
         if not hasattr(host_pool, "torch_parts"):
-            raise TypeError("host_pool: expected a pool from npu_bridge.host_memory.torch_host_pool "
-                            "(the engine copies through its torch tensors)")
+            raise TypeError(
+                "host_pool: expected a pool from npu_bridge.host_memory.torch_host_pool "
+                "(the engine copies through its torch tensors)"
+            )
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         self.geom = g = device_pool.geom
@@ -222,9 +240,11 @@ class TorchTransferEngine(KVTransferEngine):
         for c in g.components:
             dparts, hparts = device_pool.parts(c), host_pool.torch_parts[c]
             if [(p.lo, p.hi) for p in dparts] != [(p.lo, p.hi) for p in hparts]:
-                raise ValueError(f"component {c!r}: device parts {[p.name for p in dparts]} and host parts "
-                                 f"{[p.name for p in hparts]} split the width differently (split_mla must match "
-                                 f"the {self.layout_name} layout)")
+                raise ValueError(
+                    f"component {c!r}: device parts {[p.name for p in dparts]} and host parts "
+                    f"{[p.name for p in hparts]} split the width differently (split_mla must match "
+                    f"the {self.layout_name} layout)"
+                )
             self._pairs[c] = list(zip(dparts, hparts))
         self.accelerator = is_accelerator(self.device)
         self.mod = device_module(self.device)
@@ -246,8 +266,10 @@ class TorchTransferEngine(KVTransferEngine):
         need_v = g.kind == "mha" or g.qk_rope_head_dim > 0
         if impl in ("ascend", "reference"):
             if not layout_ok:
-                raise ValueError(f"impl={impl!r}: the Ascend op takes host layout {ASCEND_LAYOUT[g.kind]!r} for "
-                                 f"{g.kind}, got {self.layout_name!r}")
+                raise ValueError(
+                    f"impl={impl!r}: the Ascend op takes host layout {ASCEND_LAYOUT[g.kind]!r} for "
+                    f"{g.kind}, got {self.layout_name!r}"
+                )
             fn = op or (transfer_kv_dim_exchange_reference if impl == "reference" else find_op(required=True))
             return impl, "requested", bind_op(fn, need_v)
         # auto
@@ -314,9 +336,13 @@ class TorchTransferEngine(KVTransferEngine):
     def _op_kwargs(self, d: np.ndarray, h: np.ndarray, direction: int) -> dict:
         names = (("device_k", "host_k"), ("device_v", "host_v"))
         pairs = [pair for c in self.geom.components for pair in self._pairs[c]]
-        core = {"device_indices": page_token_indices(d, self.geom.page_size),  # CPU: the op reads them on host
-                "host_indices": page_token_indices(h, self.geom.page_size),
-                "page_size": self.geom.page_size, "direction": direction, "flags": FAST2D}
+        core = {
+            "device_indices": page_token_indices(d, self.geom.page_size),  # CPU: the op reads them on host
+            "host_indices": page_token_indices(h, self.geom.page_size),
+            "page_size": self.geom.page_size,
+            "direction": direction,
+            "flags": FAST2D,
+        }
         for (dn, hn), (dp, hp) in zip(names, pairs):
             core[dn] = dp.tensor
             core[hn] = hp.tensor.view(dp.tensor.dtype)  # same bytes, the device's dtype
@@ -345,7 +371,7 @@ class TorchTransferEngine(KVTransferEngine):
                 dev = dp.tensor.view(bits)
                 if self._use_runs(runs, d.size, L * self._part_page_bytes(dp)):
                     for d0, h0, k in runs:  # one copy per run, all layers
-                        _pages(hp.tensor, order, h0, k).copy_(_to_order(dev[:, d0:d0 + k], order))
+                        _pages(hp.tensor, order, h0, k).copy_(_to_order(dev[:, d0 : d0 + k], order))
                 else:
                     hp.tensor.index_copy_(axis, hi, _to_order(dev.index_select(1, di), order))
 
@@ -366,7 +392,7 @@ class TorchTransferEngine(KVTransferEngine):
                         dev, host = dp.tensor[layer].view(bits), _layer_of(hp.tensor, order, layer)
                         if self._use_runs(runs, d.size, self._part_page_bytes(dp)):
                             for d0, h0, k in runs:
-                                dev[d0:d0 + k].copy_(host[h0:h0 + k])
+                                dev[d0 : d0 + k].copy_(host[h0 : h0 + k])
                         else:
                             dev.index_copy_(0, di, host.index_select(0, hi))
                 if handle is not None:

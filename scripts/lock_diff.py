@@ -31,8 +31,11 @@ def parse_lock(text: str) -> dict[str, str]:
 def main() -> None:
     name, old_path, new_path = sys.argv[1:4]
     old, new = (parse_lock(open(p, encoding="utf-8").read()) for p in (old_path, new_path))
-    changes = [f"  {p}: {old.get(p, '-')} -> {new.get(p, '-')}"
-               for p in sorted(old.keys() | new.keys()) if old.get(p) != new.get(p)]
+    changes = [
+        f"  {p}: {old.get(p, '-')} -> {new.get(p, '-')}"
+        for p in sorted(old.keys() | new.keys())
+        if old.get(p) != new.get(p)
+    ]
     print(f"{name}: {len(new)} packages, " + (f"{len(changes)} changed" if changes else "unchanged"))
     if changes:
         print("\n".join(changes))

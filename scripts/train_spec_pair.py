@@ -51,13 +51,21 @@ from hicache_jax.reference_model.dense import draft_forward, target_forward  # n
 from hicache_jax.reference_model.draft import DraftHead  # noqa: E402
 from hicache_jax.reference_model.weights import TOY_PAIR_PATH, load_pair, save_pair  # noqa: E402
 
-TOY_CONFIG = ModelConfig(vocab_size=64, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128,
-                         seed=0)
+TOY_CONFIG = ModelConfig(
+    vocab_size=64, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128, seed=0
+)
 TOY_PERIOD = 32  # the pattern length the toy pair is trained on (``bench spec`` and the tests use it)
 
 
-def periodic_batch(rng: np.random.Generator, batch: int, length: int, vocab: int, min_period: int,
-                   max_period: int, distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def periodic_batch(
+    rng: np.random.Generator,
+    batch: int,
+    length: int,
+    vocab: int,
+    min_period: int,
+    max_period: int,
+    distinct: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """(tokens (B, T), period (B,)): each row a random pattern, repeated (``distinct``: no
     token twice in a pattern)."""
     toks = np.empty((batch, length), np.int32)
@@ -85,7 +93,9 @@ def _masked_ce(logits, targets, mask):
 def train_target(cfg: ModelConfig, args, rng: np.random.Generator) -> tuple[Transformer, float]:
     model = Transformer(cfg)
     graphdef, params = nnx.split(model)
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.target_steps // 2), args.target_steps, args.lr * args.min_lr_ratio)
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, min(50, args.target_steps // 2), args.target_steps, args.lr * args.min_lr_ratio
+    )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
     opt_state = opt.init(params)
 
@@ -103,8 +113,9 @@ def train_target(cfg: ModelConfig, args, rng: np.random.Generator) -> tuple[Tran
     t0 = time.perf_counter()
     for i in range(args.target_steps):
         batch, length = batch_shape(args, i, args.target_steps)
-        toks, periods = periodic_batch(rng, batch, length, cfg.vocab_size, args.min_period, args.max_period,
-                                       args.distinct)
+        toks, periods = periodic_batch(
+            rng, batch, length, cfg.vocab_size, args.min_period, args.max_period, args.distinct
+        )
         # Position j predicts t_{j+1}: determined once j + 1 >= period.
         mask = (np.arange(1, length)[None, :] >= periods[:, None]).astype(np.float32)
         params, opt_state, loss = step(params, opt_state, toks, mask)
@@ -116,7 +127,9 @@ def train_target(cfg: ModelConfig, args, rng: np.random.Generator) -> tuple[Tran
 def train_draft(cfg: ModelConfig, target: Transformer, args, rng: np.random.Generator) -> tuple[DraftHead, float]:
     head = DraftHead(cfg)
     graphdef, params = nnx.split(head)
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.draft_steps // 2), args.draft_steps, args.lr * args.min_lr_ratio)
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, min(50, args.draft_steps // 2), args.draft_steps, args.lr * args.min_lr_ratio
+    )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
     opt_state = opt.init(params)
 
@@ -148,8 +161,9 @@ def train_draft(cfg: ModelConfig, target: Transformer, args, rng: np.random.Gene
     t0 = time.perf_counter()
     for i in range(args.draft_steps):
         batch, length = batch_shape(args, i, args.draft_steps)
-        toks, periods = periodic_batch(rng, batch, length, cfg.vocab_size, args.min_period, args.max_period,
-                                       args.distinct)
+        toks, periods = periodic_batch(
+            rng, batch, length, cfg.vocab_size, args.min_period, args.max_period, args.distinct
+        )
         f = features(toks)
         # Position j guesses t_{j+2}: determined once j + 2 >= period.
         mask = (np.arange(2, length)[None, :] >= periods[:, None]).astype(np.float32)
@@ -168,20 +182,28 @@ def evaluate(path: str, args) -> dict:
     periods = rng.integers(args.min_period, args.max_period + 1, args.eval_prompts)
     patterns = [rng.integers(0, pair.config.vocab_size, p) for p in periods]
     prompts = [np.resize(pat, args.eval_prompt_len).tolist() for pat in patterns]
-    engine = Engine(pair.config, EngineCacheConfig(page_size=16, device_pages=256, max_batch=4, prefill_chunk=256,
-                                                   max_context=1024),
-                    spec=SpecConfig(num_draft_tokens=args.k), weights=pair)
+    engine = Engine(
+        pair.config,
+        EngineCacheConfig(page_size=16, device_pages=256, max_batch=4, prefill_chunk=256, max_context=1024),
+        spec=SpecConfig(num_draft_tokens=args.k),
+        weights=pair,
+    )
     res = engine.generate(prompts, args.eval_new_tokens, use_cache=False)
     engine.close()
     correct = 0
     for r, pat in zip(res, patterns):
-        expect = np.resize(pat, args.eval_prompt_len + len(r.tokens))[args.eval_prompt_len:]
+        expect = np.resize(pat, args.eval_prompt_len + len(r.tokens))[args.eval_prompt_len :]
         correct += int(np.sum(np.asarray(r.tokens) == expect))
     total = sum(len(r.tokens) for r in res)
     accept = float(np.mean([r.accept_length for r in res]))
-    return {"accept_length_mean": accept, "copy_accuracy": correct / total, "k": args.k,
-            "eval_prompts": args.eval_prompts, "eval_prompt_len": args.eval_prompt_len,
-            "eval_new_tokens": args.eval_new_tokens}
+    return {
+        "accept_length_mean": accept,
+        "copy_accuracy": correct / total,
+        "k": args.k,
+        "eval_prompts": args.eval_prompts,
+        "eval_prompt_len": args.eval_prompt_len,
+        "eval_new_tokens": args.eval_new_tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-new-tokens", type=int, default=16)
     p.add_argument("--distinct", action="store_true", help="patterns of distinct tokens")
     p.add_argument("--no-eval", action="store_true")
-    p.add_argument("--target-from", default=None,
-                   help="take the target from this pair file and train only the draft (for tuning the draft)")
+    p.add_argument(
+        "--target-from",
+        default=None,
+        help="take the target from this pair file and train only the draft (for tuning the draft)",
+    )
     args = p.parse_args(argv)
     cfg = replace(TOY_CONFIG, vocab_size=args.vocab, num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     rng = np.random.default_rng(args.seed)
@@ -221,19 +246,33 @@ def main(argv: list[str] | None = None) -> int:
         target, target_loss = train_target(cfg, args, rng)
     draft, draft_ce = train_draft(cfg, target, args, rng)
     seconds = time.perf_counter() - t0
-    meta = {"target_steps": args.target_steps, "draft_steps": args.draft_steps, "batch": args.batch,
-            "length": args.length, "periods": [args.min_period, args.max_period], "lr": args.lr,
-            "seed": args.seed, "target_loss": target_loss, "draft_ce": draft_ce, "train_seconds": round(seconds, 1),
-            "jax": jax.__version__, "script": "scripts/train_spec_pair.py"}
+    meta = {
+        "target_steps": args.target_steps,
+        "draft_steps": args.draft_steps,
+        "batch": args.batch,
+        "length": args.length,
+        "periods": [args.min_period, args.max_period],
+        "lr": args.lr,
+        "seed": args.seed,
+        "target_loss": target_loss,
+        "draft_ce": draft_ce,
+        "train_seconds": round(seconds, 1),
+        "jax": jax.__version__,
+        "script": "scripts/train_spec_pair.py",
+    }
     size = save_pair(args.out, target, draft, meta)
-    print(f"trained in {seconds:.0f} s: target loss {target_loss:.4f}, draft ce {draft_ce:.4f}; "
-          f"wrote {args.out} ({size / 1024:.0f} KiB)")
+    print(
+        f"trained in {seconds:.0f} s: target loss {target_loss:.4f}, draft ce {draft_ce:.4f}; "
+        f"wrote {args.out} ({size / 1024:.0f} KiB)"
+    )
     if not args.no_eval:
         ev = evaluate(args.out, args)
         meta["eval"] = ev
         size = save_pair(args.out, target, draft, meta)
-        print(f"eval (k={args.k}, fresh draft KV): mean accept length {ev['accept_length_mean']:.2f}, "
-              f"target copy accuracy {ev['copy_accuracy']:.3f}")
+        print(
+            f"eval (k={args.k}, fresh draft KV): mean accept length {ev['accept_length_mean']:.2f}, "
+            f"target copy accuracy {ev['copy_accuracy']:.3f}"
+        )
     return 0
 
 

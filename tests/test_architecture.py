@@ -58,8 +58,12 @@ def _defined_privates(tree: ast.AST) -> set[str]:
         for node in ast.walk(cls):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
                 names.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 if _private(node.attr):
                     names.add(node.attr)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -100,15 +104,21 @@ def cache_private_violations(source: str, cache_names: set[str]) -> list[str]:
     package; a name the module's own classes define too is that module's business."""
     tree = ast.parse(source)
     own = _defined_privates(tree)
-    return [f"{line}: {text}" for line, attr, text in sorted(_foreign_private_reads(tree))
-            if attr in cache_names and attr not in own]
+    return [
+        f"{line}: {text}"
+        for line, attr, text in sorted(_foreign_private_reads(tree))
+        if attr in cache_names and attr not in own
+    ]
 
 
 def library_violations(source: str) -> list[str]:
     tree = ast.parse(source)
     own = _defined_privates(tree)
-    return [f"{line}: {text}" for line, attr, text in sorted(_foreign_private_reads(tree))
-            if attr not in own and attr not in ALLOWED_FOREIGN]
+    return [
+        f"{line}: {text}"
+        for line, attr, text in sorted(_foreign_private_reads(tree))
+        if attr not in own and attr not in ALLOWED_FOREIGN
+    ]
 
 
 def kernel_import_violations(source: str) -> list[str]:
@@ -116,15 +126,20 @@ def kernel_import_violations(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] == "hicache_jax"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "hicache_jax":
+        elif (
+            isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "hicache_jax"
+        ):
             out.append(f"{node.lineno}: from {node.module} import ...")
     return out
 
 
 # ---------------------------------------------------------------------------------- the rules
 def test_pallas_kernels_import_nothing_from_hicache_jax():
-    bad = {str(p.relative_to(ROOT)): v for p in _py_files("pallas_kernels")
-           if (v := kernel_import_violations(p.read_text()))}
+    bad = {
+        str(p.relative_to(ROOT)): v
+        for p in _py_files("pallas_kernels")
+        if (v := kernel_import_violations(p.read_text()))
+    }
     assert not bad, f"pallas_kernels must not depend on hicache_jax: {bad}"
 
 
@@ -163,8 +178,9 @@ def test_checkers_see_what_they_claim():
     assert library_violations(own) == []
     assert library_violations("def g(op):\n    return op._cond\n") == ["2: op._cond"]
     assert library_violations("def g(m):\n    m._cuda_host_register = None\n") == []
-    assert kernel_import_violations("from hicache_jax.allocator import check_page_ids\n") \
-        == ["1: from hicache_jax.allocator import ..."]
+    assert kernel_import_violations("from hicache_jax.allocator import check_page_ids\n") == [
+        "1: from hicache_jax.allocator import ..."
+    ]
     assert kernel_import_violations("import hicache_jax.cache as c\nimport numpy\n") == ["1: import hicache_jax.cache"]
     assert kernel_import_violations("from .common import x\nimport jax\n") == []
 

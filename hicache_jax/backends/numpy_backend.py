@@ -107,8 +107,10 @@ class NumpyTransferEngine(KVTransferEngine):
         self._pairs = tuple((device_pool.buffers[c], host_pool.component_view(c)) for c in self.geom.components)
         for dev, host in self._pairs:
             if dev.dtype != host.dtype or dev.ndim != 5 or host.ndim != 5:
-                raise ValueError(f"host_pool: component views {host.dtype} {host.shape} do not match the device "
-                                 f"buffers {dev.dtype} {dev.shape}")
+                raise ValueError(
+                    f"host_pool: component views {host.dtype} {host.shape} do not match the device "
+                    f"buffers {dev.dtype} {dev.shape}"
+                )
         # Per component and layer, a page is one contiguous row in the device buffer and, for
         # every layout with page size 1 (and for layer_first / page_first_direct at any page
         # size), one contiguous run of bytes in the host pool too. Each side is then viewed as
@@ -156,6 +158,7 @@ class NumpyTransferEngine(KVTransferEngine):
 
     def _scramble_fn(self, kind: str, ids: np.ndarray):
         """A failed copy: random bytes land in the destination pages."""
+
         def run() -> None:
             for dev, host in self._pairs:
                 if kind == "load":
@@ -164,6 +167,7 @@ class NumpyTransferEngine(KVTransferEngine):
                     host[:, ids] = self._random_like(host[:, ids])
                 else:
                     host[ids] = self._random_like(host[ids])
+
         return run
 
     def _random_like(self, a: np.ndarray) -> np.ndarray:
@@ -228,8 +232,13 @@ class NumpyTransferEngine(KVTransferEngine):
             self.complete(handle)
 
 
-def make_numpy_backend(geom: KVGeometry, device_pages: int, host_pages: int,
-                       layout: HostLayout | str = HostLayout.PAGE_FIRST, deferred: bool = False):
+def make_numpy_backend(
+    geom: KVGeometry,
+    device_pages: int,
+    host_pages: int,
+    layout: HostLayout | str = HostLayout.PAGE_FIRST,
+    deferred: bool = False,
+):
     """Convenience: (device pool, host pool, engine) for tests."""
     device = NumpyDevicePool(geom, device_pages)
     host = HostKVPool(geom, host_pages, layout)

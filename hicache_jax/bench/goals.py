@@ -24,8 +24,10 @@ _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge}
 MET, MISSED, NOT_COMPARABLE, NOT_MEASURED = "met", "missed", "not comparable", "not measured"
 # The statement for runs that cannot be judged (printed, in the JSON, on the PNG).
 NOT_COMPARABLE_TEXT = "not comparable at these sizes"
-OVERHEAD_NOTE = ("the goals are GPU figures for the GPU preset; here fixed per-request overheads weigh more, so the "
-                 "ratios do not measure the cache's effect")
+OVERHEAD_NOTE = (
+    "the goals are GPU figures for the GPU preset; here fixed per-request overheads weigh more, so the "
+    "ratios do not measure the cache's effect"
+)
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,32 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return None if num is None or den is None or den <= 0 else num / den
 
 
-def ttft_goals(median_ttft_s: dict[str, float], held_rounds: int, rounds: int, order: Sequence[str],
-               decode_ratio: float | None) -> list[Goal]:
+def ttft_goals(
+    median_ttft_s: dict[str, float], held_rounds: int, rounds: int, order: Sequence[str], decode_ratio: float | None
+) -> list[Goal]:
     """``bench ttft``: an L2 hit within 1.25x an L1 hit's TTFT, L3 within 2x, every tier under
     0.3x a cold prefill, the tiers ordered (``order``, fastest first, cold last) in every
     round, and decode steps with write-through backups running within 1.05x of steps without."""
     med = median_ttft_s
     cold = med.get("cold")
-    goals = [Goal("l2_over_l1", "L2 hit TTFT / L1 hit TTFT", _ratio(med.get("host"), med.get("device")), "<=", 1.25),
-             Goal("l3_over_l1", "L3 hit TTFT / L1 hit TTFT", _ratio(med.get("storage"), med.get("device")), "<=",
-                  2.0)]
+    goals = [
+        Goal("l2_over_l1", "L2 hit TTFT / L1 hit TTFT", _ratio(med.get("host"), med.get("device")), "<=", 1.25),
+        Goal("l3_over_l1", "L3 hit TTFT / L1 hit TTFT", _ratio(med.get("storage"), med.get("device")), "<=", 2.0),
+    ]
     for tier, name in (("device", "l1"), ("host", "l2"), ("storage", "l3")):
-        goals.append(Goal(f"{name}_over_cold", f"{name.upper()} hit TTFT / cold TTFT", _ratio(med.get(tier), cold),
-                          "<", 0.3))
-    goals.append(Goal("ordered_rounds", f"rounds with {' < '.join(order)}", held_rounds / rounds if rounds else None,
-                      ">=", 1.0, shown=f"{held_rounds}/{rounds}"))
+        goals.append(
+            Goal(f"{name}_over_cold", f"{name.upper()} hit TTFT / cold TTFT", _ratio(med.get(tier), cold), "<", 0.3)
+        )
+    goals.append(
+        Goal(
+            "ordered_rounds",
+            f"rounds with {' < '.join(order)}",
+            held_rounds / rounds if rounds else None,
+            ">=",
+            1.0,
+            shown=f"{held_rounds}/{rounds}",
+        )
+    )
     goals.append(Goal("decode_ratio", "decode step with backups running / without", decode_ratio, "<=", 1.05))
     return goals
 
@@ -75,15 +88,19 @@ def ttft_goals(median_ttft_s: dict[str, float], held_rounds: int, rounds: int, o
 def multiturn_goals(input_throughput_ratio: float, ttft_mean_ratio: float) -> list[Goal]:
     """``bench multiturn``: input throughput at least 1.5x the no-cache run's, mean TTFT at
     most 0.6x its."""
-    return [Goal("input_throughput", "input throughput, hicache / no cache", input_throughput_ratio, ">=", 1.5),
-            Goal("ttft_mean", "TTFT mean, hicache / no cache", ttft_mean_ratio, "<=", 0.6)]
+    return [
+        Goal("input_throughput", "input throughput, hicache / no cache", input_throughput_ratio, ">=", 1.5),
+        Goal("ttft_mean", "TTFT mean, hicache / no cache", ttft_mean_ratio, "<=", 0.6),
+    ]
 
 
 def no_reuse_goals(input_throughput_ratio: float, ttft_mean_ratio: float) -> list[Goal]:
     """``bench multiturn --no-reuse`` (nothing can hit): the cache costs at most 3% of input
     throughput and of mean TTFT. An overhead, so judged on any backend and model at full sizes."""
-    return [Goal("input_throughput", "input throughput, hicache / no cache", input_throughput_ratio, ">=", 0.97),
-            Goal("ttft_mean", "TTFT mean, hicache / no cache", ttft_mean_ratio, "<=", 1.03)]
+    return [
+        Goal("input_throughput", "input throughput, hicache / no cache", input_throughput_ratio, ">=", 0.97),
+        Goal("ttft_mean", "TTFT mean, hicache / no cache", ttft_mean_ratio, "<=", 1.03),
+    ]
 
 
 def comparability(*, quick: bool, backend: str, model: str) -> list[str]:
@@ -120,8 +137,10 @@ def judge(goals: Sequence[Goal], reasons: Sequence[str], note: str = OVERHEAD_NO
     if reasons:
         would = sum(r["would_meet"] for r in measured)
         status = NOT_COMPARABLE
-        text = (f"{NOT_COMPARABLE_TEXT} ({'; '.join(reasons)}): {note} "
-                f"({would} of {len(measured)} goals would be met{tail})")
+        text = (
+            f"{NOT_COMPARABLE_TEXT} ({'; '.join(reasons)}): {note} "
+            f"({would} of {len(measured)} goals would be met{tail})"
+        )
     elif not measured:
         status, text = NOT_MEASURED, f"{NOT_MEASURED}: no goal had a value"
     else:
@@ -163,6 +182,8 @@ def size_label(reasons: Sequence[str]) -> str:
 def plot_note(verdict: dict) -> str:
     """The line under the PNG's title: the verdict, short."""
     if verdict["status"] == NOT_COMPARABLE:
-        return (f"{NOT_COMPARABLE_TEXT.upper()} ({'; '.join(verdict['not_comparable_because'])}): "
-                f"overhead-dominated, not the cache's effect")
+        return (
+            f"{NOT_COMPARABLE_TEXT.upper()} ({'; '.join(verdict['not_comparable_because'])}): "
+            f"overhead-dominated, not the cache's effect"
+        )
     return f"goals: {verdict['text']}"

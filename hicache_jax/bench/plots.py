@@ -14,16 +14,26 @@ from typing import Sequence
 
 import numpy as np
 
-COLORS = {"no cache": "#7f7f7f", "cold": "#7f7f7f", "device": "#2ca02c", "host": "#1f77b4", "storage": "#9467bd",
-          "hicache": "#d62728", "queue": "#ff7f0e", "service": "#1f77b4"}
+COLORS = {
+    "no cache": "#7f7f7f",
+    "cold": "#7f7f7f",
+    "device": "#2ca02c",
+    "host": "#1f77b4",
+    "storage": "#9467bd",
+    "hicache": "#d62728",
+    "queue": "#ff7f0e",
+    "service": "#1f77b4",
+}
 TIER_NAMES = {"cold": "cold (prefilled)", "device": "L1 device hit", "host": "L2 host hit", "storage": "L3 storage hit"}
 
 
 def _plt():
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         return plt
     except ImportError:
         return None
@@ -38,8 +48,7 @@ def _save(fig, plt, path: str, title: str, subtitle: str, note: str | None = Non
     if note:
         height = fig.get_figheight()
         lines = textwrap.wrap(note, width=int(fig.get_figwidth() * 12))  # ~12 bold 9-pt characters per inch
-        fig.text(0.5, 0.945, "\n".join(lines), ha="center", va="top", fontsize=9, fontweight="bold",
-                 color="#c00000")
+        fig.text(0.5, 0.945, "\n".join(lines), ha="center", va="top", fontsize=9, fontweight="bold", color="#c00000")
         top = 0.935 - len(lines) * 0.16 / height  # one 9-pt line is ~0.16 in
     fig.text(0.5, top, subtitle, ha="center", va="top", fontsize=8.5, color="#444444", wrap=True)
     fig.tight_layout(rect=(0, 0, 1, top - 0.055))
@@ -59,8 +68,13 @@ def _boxes(ax, groups: Sequence[tuple[str, Sequence[float]]], ylabel: str = "TTF
         ax.text(0.5, 0.5, "no requests", ha="center", transform=ax.transAxes)
         return
     data = [v for _, v in groups]
-    bp = ax.boxplot(data, tick_labels=[f"{label}\n(n={len(v)})" for label, v in groups], patch_artist=True,
-                    widths=0.55, showfliers=False)
+    bp = ax.boxplot(
+        data,
+        tick_labels=[f"{label}\n(n={len(v)})" for label, v in groups],
+        patch_artist=True,
+        widths=0.55,
+        showfliers=False,
+    )
     for patch, (label, _) in zip(bp["boxes"], groups):
         key = next((k for k in COLORS if label.startswith(k) or k in label), None)
         patch.set_facecolor(COLORS.get(key, "#cccccc"))
@@ -69,15 +83,15 @@ def _boxes(ax, groups: Sequence[tuple[str, Sequence[float]]], ylabel: str = "TTF
     for i, v in enumerate(data, 1):
         ax.scatter(i + rng.uniform(-0.12, 0.12, len(v)), v, s=9, color="black", alpha=0.5, zorder=3)
         med = float(np.median(v))
-        ax.annotate(f"{med:,.0f} ms" if med >= 10 else f"{med:.2g} ms", (i + 0.3, med), fontsize=8,
-                    va="center")
+        ax.annotate(f"{med:,.0f} ms" if med >= 10 else f"{med:.2g} ms", (i + 0.3, med), fontsize=8, va="center")
     ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", which="both", alpha=0.25)
 
 
-def tiers_plot(path: str, title: str, subtitle: str, groups: Sequence[tuple[str, Sequence[float]]],
-               note: str | None = None) -> str | None:
+def tiers_plot(
+    path: str, title: str, subtitle: str, groups: Sequence[tuple[str, Sequence[float]]], note: str | None = None
+) -> str | None:
     """One panel: TTFT boxes per group (the baseline first), log scale; ``note``: see ``_save``."""
     plt = _plt()
     if plt is None:
@@ -88,8 +102,9 @@ def tiers_plot(path: str, title: str, subtitle: str, groups: Sequence[tuple[str,
     return _save(fig, plt, path, title, subtitle, note)
 
 
-def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dict,
-                   note: str | None = None) -> str | None:
+def multiturn_plot(
+    path: str, title: str, subtitle: str, base: dict, cached: dict, note: str | None = None
+) -> str | None:
     """Three panels: TTFT per round (no cache vs hicache, median and p25-p75), where TTFT goes
     (mean queueing + service), and service time by serving tier beside the no-cache requests;
     ``note``: see ``_save``."""
@@ -136,8 +151,7 @@ def multiturn_plot(path: str, title: str, subtitle: str, base: dict, cached: dic
     groups = [("no cache", base["service_all_s"])]
     groups += [(TIER_NAMES[t], cached["service_by_tier"][t]) for t in ("cold", "device", "host", "storage")]
     _boxes(ax, groups, ylabel="service time (ms, log scale)")
-    ax.set_title("Service time (admission -> first token) by the tier that served most of the prefix",
-                 fontsize=10)
+    ax.set_title("Service time (admission -> first token) by the tier that served most of the prefix", fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
     return _save(fig, plt, path, title, subtitle, note)
 
@@ -174,8 +188,13 @@ def spec_plot(path: str, title: str, subtitle: str, summary: dict, k: int) -> st
         for i, c in enumerate(cases):
             pts = [v * 1e3 for v in summary[c][f"{key}_all_s"]]
             ax.scatter(np.full(len(pts), i + 0.18), pts, s=10, color="black", zorder=3)
-            ax.annotate(f"{med[i]:,.0f}" if med[i] >= 10 else f"{med[i]:.2g}", (i - 0.18, med[i]), ha="center",
-                        va="bottom", fontsize=8)
+            ax.annotate(
+                f"{med[i]:,.0f}" if med[i] >= 10 else f"{med[i]:.2g}",
+                (i - 0.18, med[i]),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         every = [v * 1e3 for c in cases for v in summary[c][f"{key}_all_s"]]
         if max(every) >= 10 * min(every):  # spans a decade or more: log scale
             ax.set_yscale("log")

@@ -61,14 +61,22 @@ def launch(args, name: str) -> dict:
         raise ValueError(f"--num-processes: expected an int >= 1, got {n!r}")
     if args.storage_backend == "orbax":  # it refuses several jax.distributed processes (storage.orbax.store)
         args.storage_backend = "file"
-        print(f"[{name}] note: --num-processes {n}: L3 on the file backend (orbax writes host arrays from JAX "
-              f"process 0 only)", file=sys.stderr, flush=True)
+        print(
+            f"[{name}] note: --num-processes {n}: L3 on the file backend (orbax writes host arrays from JAX "
+            f"process 0 only)",
+            file=sys.stderr,
+            flush=True,
+        )
     tmp = tempfile.mkdtemp(prefix="hicache-ranks-")
     try:
         argv = [sys.executable, "-m", "hicache_jax.cli", "bench", name, *_argv_of(args)]
         env = {**os.environ, RANK_OUT_ENV: tmp}
-        print(f"[{name}] starting {n} ranks (jax.distributed on the CPU, gloo; agreement {args.agreement}); "
-              f"rank 0's output follows", file=sys.stderr, flush=True)
+        print(
+            f"[{name}] starting {n} ranks (jax.distributed on the CPU, gloo; agreement {args.agreement}); "
+            f"rank 0's output follows",
+            file=sys.stderr,
+            flush=True,
+        )
         launch_local(argv, n, args.rank_timeout, env=env, echo=sys.stdout)
         reports = []
         for r in range(n):
@@ -79,12 +87,18 @@ def launch(args, name: str) -> dict:
     payload = reports[0]["payload"]
     same = [rep["tokens"] == reports[0]["tokens"] for rep in reports]
     steps = [rep["agreement"] for rep in reports]
-    payload["ranks"] = {"num_processes": n, "agreement": args.agreement, "same_tokens_as_rank0": same,
-                        "agreement_steps": steps}
+    payload["ranks"] = {
+        "num_processes": n,
+        "agreement": args.agreement,
+        "same_tokens_as_rank0": same,
+        "agreement_steps": steps,
+    }
     per_step = steps[0]["seconds"] / max(steps[0]["exchanges"], 1)
-    print(f"{n} ranks: tokens identical on every rank: {all(same)}; agreement {args.agreement}: "
-          f"{steps[0]['exchanges']} exchanges on rank 0 over {steps[0]['caches']} engine(s), "
-          f"{per_step * 1e6:,.0f} us each on average")
+    print(
+        f"{n} ranks: tokens identical on every rank: {all(same)}; agreement {args.agreement}: "
+        f"{steps[0]['exchanges']} exchanges on rank 0 over {steps[0]['caches']} engine(s), "
+        f"{per_step * 1e6:,.0f} us each on average"
+    )
     if not all(same):
         raise RuntimeError(f"ranks produced different tokens (same as rank 0: {same})")
     return payload
@@ -121,8 +135,11 @@ def report_rank(caches, payload: dict, tokens) -> None:
         return
     rank = int(os.environ[RANK_ENV])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"payload": payload if rank == 0 else None, "tokens": tokens,
-                   "agreement": agreement_totals(caches)}, f, default=str)
+        json.dump(
+            {"payload": payload if rank == 0 else None, "tokens": tokens, "agreement": agreement_totals(caches)},
+            f,
+            default=str,
+        )
 
 
 def agreement_totals(caches) -> dict:
@@ -131,6 +148,10 @@ def agreement_totals(caches) -> dict:
     if not isinstance(caches, (list, tuple)):
         caches = [caches]
     stats = [c.step_agreement.stats() for c in caches]
-    return {"caches": len(stats), "steps": sum(s["steps"] for s in stats),
-            "exchanges": sum(s["exchanges"] for s in stats), "seconds": sum(s["seconds"] for s in stats),
-            "participants": sorted({p for s in stats for p in s["participants"]})}
+    return {
+        "caches": len(stats),
+        "steps": sum(s["steps"] for s in stats),
+        "exchanges": sum(s["exchanges"] for s in stats),
+        "seconds": sum(s["seconds"] for s in stats),
+        "participants": sorted({p for s in stats for p in s["participants"]}),
+    }

@@ -135,8 +135,12 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
 
 
 def machine_info() -> dict:
-    info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "node": platform.node()}
+    info = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "node": platform.node(),
+    }
     try:
         info["load_average_1_5_15"] = list(os.getloadavg())
     except OSError:  # pragma: no cover
@@ -145,8 +149,10 @@ def machine_info() -> dict:
         return info
     try:
         import jax
-        info.update(jax=jax.__version__, backend=jax.default_backend(),
-                    devices=[str(d.device_kind) for d in jax.devices()][:8])
+
+        info.update(
+            jax=jax.__version__, backend=jax.default_backend(), devices=[str(d.device_kind) for d in jax.devices()][:8]
+        )
     except ImportError:
         pass
     return info

@@ -90,8 +90,14 @@ class _PolicyRun:
         the cache's and the store's counters (what ``stats()`` reports, and the router's
         measured weights read, is the timed rounds' alone), then the event sources (their
         first batch: the empty tiers)."""
-        warm = argparse.Namespace(**{**vars(self.args), "clients": min(2, self.args.clients),
-                                     "rounds": min(2, self.args.rounds), "request_rate": 0})
+        warm = argparse.Namespace(
+            **{
+                **vars(self.args),
+                "clients": min(2, self.args.clients),
+                "rounds": min(2, self.args.rounds),
+                "request_rate": 0,
+            }
+        )
         for i, (n, engine) in enumerate(self.engines.items()):
             conv = _Conversations(warm, vocab, self.args.seed + 1000 + i)
             for _ in range(warm.rounds):
@@ -105,8 +111,11 @@ class _PolicyRun:
             engine.metrics.peak_device_pages = engine.metrics.peak_swa_device_pages = 0
             # With L3 the source takes the model identity from the engine's controller (its keys
             # are the L3's); without, the same identity the controller would have been given.
-            ident = {} if engine.storage is not None else {"model": engine.storage_model_id,
-                                                           "weights_revision": engine.storage_weights_revision}
+            ident = (
+                {}
+                if engine.storage is not None
+                else {"model": engine.storage_model_id, "weights_revision": engine.storage_weights_revision}
+            )
             src = KVEventSource(engine.cache, engine=n, **ident)
             if engine.storage is not None:
                 src.observe_storage(engine.storage.storage)
@@ -128,8 +137,9 @@ class _PolicyRun:
                 name = names[self._rr % len(names)]
                 self._rr += 1
             else:
-                name = self.router.route(keyer.request_keys(RadixKey(np.asarray(prompts[i][:-1], np.int64))),
-                                         loads).engine
+                name = self.router.route(
+                    keyer.request_keys(RadixKey(np.asarray(prompts[i][:-1], np.int64))), loads
+                ).engine
             route_s[i] = time.perf_counter() - t0
             loads[name] += 1
             assigned[name].append(i)
@@ -162,8 +172,9 @@ class _PolicyRun:
                 self._cold[0] += x.service_s
                 self._cold[1] += x.prompt_len
         if self._cold[1]:
-            self.router.set_measured_weights([e.cache.stats() for e in self.engines.values()],
-                                             self._cold[0] / self._cold[1])
+            self.router.set_measured_weights(
+                [e.cache.stats() for e in self.engines.values()], self._cold[0] / self._cold[1]
+            )
 
     def settle(self) -> None:
         """Every engine's backups reach L3 and its events the router (a round boundary)."""
@@ -195,8 +206,9 @@ def _run(args, progress: Progress) -> dict:
     if model.is_hybrid:
         raise ValueError("--model: several engines (--engines > 1) run full-attention models only")
     max_context = args.first_len + args.rounds * (args.turn_len + args.answer_len) + 16
-    progress.phase(f"building and compiling {args.engines} engines per policy (model {args.model})",
-                   args.engines * len(policies))
+    progress.phase(
+        f"building and compiling {args.engines} engines per policy (model {args.model})", args.engines * len(policies)
+    )
     runs = []
     try:
         for p in policies:
@@ -208,8 +220,11 @@ def _run(args, progress: Progress) -> dict:
         conv = _Conversations(args, model.vocab_size, args.seed)
         rounds = {p: [] for p in policies}
         tokens = {p: [] for p in policies}
-        progress.phase(f"{args.clients} clients x {args.rounds} rounds over {args.engines} engines, "
-                       f"{' / '.join(policies)} alternating", len(runs) * args.rounds)
+        progress.phase(
+            f"{args.clients} clients x {args.rounds} rounds over {args.engines} engines, "
+            f"{' / '.join(policies)} alternating",
+            len(runs) * args.rounds,
+        )
         arrival_rng = np.random.default_rng(args.seed + 7)
         for r in range(args.rounds):
             prompts, arrivals = conv.prompts()
@@ -230,8 +245,11 @@ def _run(args, progress: Progress) -> dict:
                 tokens[run.policy].extend(x.tokens for x in results)
                 first = results if first is None else first
                 hit = sum(x.cached_total for x in results) / sum(x.prompt_len for x in results)
-                progress.advance(1, f"round {r} {run.policy}: hit {hit:.0%}, TTFT mean "
-                                    f"{statistics.fmean(x.ttft_s for x in results) * 1e3:,.0f} ms")
+                progress.advance(
+                    1,
+                    f"round {r} {run.policy}: hit {hit:.0%}, TTFT mean "
+                    f"{statistics.fmean(x.ttft_s for x in results) * 1e3:,.0f} ms",
+                )
             conv.answered(first)  # every policy is sent the same prompts
         summaries = {}
         for run in runs:
@@ -252,25 +270,68 @@ def _run(args, progress: Progress) -> dict:
     rows = []
     for p, s in summaries.items():
         per = s["requests_per_engine"].values()
-        rows.append([p, s["requests"], s["cache_hit_rate"], s["hit_rate_by_tier"]["device"],
-                     s["hit_rate_by_tier"]["host"], s["hit_rate_by_tier"]["storage"], s["ttft_mean_s"] * 1e3,
-                     s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3, s["queue_mean_s"] * 1e3,
-                     s["service_mean_s"] * 1e3, f"{min(per)}-{max(per)}", s["route_mean_s"] * 1e6])
-    l3 = "no L3" if args.storage_backend == "none" else \
-        f"one {'file' if args.storage_backend == 'orbax' else args.storage_backend} L3 per policy"
-    print_table(f"multi-turn over {args.engines} engines ({l3}): {args.clients} clients x {args.rounds} rounds, "
-                f"{describe(args)}",
-                ["router", "reqs", "hit rate", "L1", "L2", "L3", "TTFT mean ms", "p50", "p90", "queue mean",
-                 "service mean", "reqs/engine", "route us"], rows)
+        rows.append(
+            [
+                p,
+                s["requests"],
+                s["cache_hit_rate"],
+                s["hit_rate_by_tier"]["device"],
+                s["hit_rate_by_tier"]["host"],
+                s["hit_rate_by_tier"]["storage"],
+                s["ttft_mean_s"] * 1e3,
+                s["ttft_p50_s"] * 1e3,
+                s["ttft_p90_s"] * 1e3,
+                s["queue_mean_s"] * 1e3,
+                s["service_mean_s"] * 1e3,
+                f"{min(per)}-{max(per)}",
+                s["route_mean_s"] * 1e6,
+            ]
+        )
+    l3 = (
+        "no L3"
+        if args.storage_backend == "none"
+        else f"one {'file' if args.storage_backend == 'orbax' else args.storage_backend} L3 per policy"
+    )
+    print_table(
+        f"multi-turn over {args.engines} engines ({l3}): {args.clients} clients x {args.rounds} rounds, "
+        f"{describe(args)}",
+        [
+            "router",
+            "reqs",
+            "hit rate",
+            "L1",
+            "L2",
+            "L3",
+            "TTFT mean ms",
+            "p50",
+            "p90",
+            "queue mean",
+            "service mean",
+            "reqs/engine",
+            "route us",
+        ],
+        rows,
+    )
     ratios = None
     if "prefix" in summaries and "round_robin" in summaries:
         px, rr = summaries["prefix"], summaries["round_robin"]
-        ratios = {"hit_rate": px["cache_hit_rate"] / rr["cache_hit_rate"] if rr["cache_hit_rate"] else None,
-                  "ttft_mean": px["ttft_mean_s"] / rr["ttft_mean_s"],
-                  "ttft_p50": px["ttft_p50_s"] / rr["ttft_p50_s"]}
+        ratios = {
+            "hit_rate": px["cache_hit_rate"] / rr["cache_hit_rate"] if rr["cache_hit_rate"] else None,
+            "ttft_mean": px["ttft_mean_s"] / rr["ttft_mean_s"],
+            "ttft_p50": px["ttft_p50_s"] / rr["ttft_p50_s"],
+        }
         hr = "n/a" if ratios["hit_rate"] is None else f"x{ratios['hit_rate']:.3f}"
-        print(f"prefix / round_robin (same prompts, alternate rounds): hit rate {hr}, TTFT mean "
-              f"x{ratios['ttft_mean']:.3f}, p50 x{ratios['ttft_p50']:.3f}; same tokens: {same}")
-    return {"benchmark": "multiturn_routed", "machine": machine_info(), "config": vars(args),
-            "policies": summaries, "prefix_over_round_robin": ratios, "same_tokens": same,
-            "loadavg": os.getloadavg(), "plot": None}
+        print(
+            f"prefix / round_robin (same prompts, alternate rounds): hit rate {hr}, TTFT mean "
+            f"x{ratios['ttft_mean']:.3f}, p50 x{ratios['ttft_p50']:.3f}; same tokens: {same}"
+        )
+    return {
+        "benchmark": "multiturn_routed",
+        "machine": machine_info(),
+        "config": vars(args),
+        "policies": summaries,
+        "prefix_over_round_robin": ratios,
+        "same_tokens": same,
+        "loadavg": os.getloadavg(),
+        "plot": None,
+    }

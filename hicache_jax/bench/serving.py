@@ -83,8 +83,9 @@ MODEL_PRESETS = {
     "tiny": ModelConfig(vocab_size=512, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128),
     # Sized so a cold 2k-token prefill takes >= 1 s on the project's 2-core CPU VM even in its
     # fast state (8 layers took 0.96-2.1 s there).
-    "bench": ModelConfig(vocab_size=2048, num_layers=10, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
-                         ffn=2048),
+    "bench": ModelConfig(
+        vocab_size=2048, num_layers=10, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64, ffn=2048
+    ),
     # Hybrid (alternating sliding-window and full layers, gpt-oss's pattern): the tiny and
     # bench shapes with a window (24 and 128 tokens); ``--quick`` takes the tiny one.
     "hybrid-tiny": HYBRID_TINY,
@@ -158,12 +159,12 @@ def model_config(args) -> ModelConfig:
 
 def _not_comparable_because(args) -> list[str]:
     """Why this run cannot be judged against the goals (``goals.comparability``)."""
-    return bench_goals.comparability(quick=bool(getattr(args, "quick", False)), backend=_backend(),
-                                     model=args.model)
+    return bench_goals.comparability(quick=bool(getattr(args, "quick", False)), backend=_backend(), model=args.model)
 
 
-def _judge(args, goals: list, reasons: list[str] | None = None,
-           note: str = bench_goals.OVERHEAD_NOTE) -> tuple[list[dict], dict]:
+def _judge(
+    args, goals: list, reasons: list[str] | None = None, note: str = bench_goals.OVERHEAD_NOTE
+) -> tuple[list[dict], dict]:
     """The goals' records and the verdict, printed (by default comparable only on the GPU
     preset, on an accelerator, at full sizes; ``reasons``: other reasons a run is not)."""
     records, verdict = bench_goals.judge(goals, _not_comparable_because(args) if reasons is None else reasons, note)
@@ -174,26 +175,40 @@ def _judge(args, goals: list, reasons: list[str] | None = None,
 def storage_config(args) -> StorageConfig | None:
     if args.storage_backend == "none":
         return None
-    common = dict(prefetch_policy=args.prefetch_policy, prefetch_threshold_tokens=args.page_size,
-                  worker_nice=args.worker_nice)
+    common = dict(
+        prefetch_policy=args.prefetch_policy, prefetch_threshold_tokens=args.page_size, worker_nice=args.worker_nice
+    )
     if args.storage_backend == "mooncake":
-        return StorageConfig(backend="mooncake", mooncake_master=args.mooncake_master,
-                             mooncake_metadata=args.mooncake_metadata,
-                             mooncake_global_segment_bytes=args.mooncake_segment_bytes, **common)
+        return StorageConfig(
+            backend="mooncake",
+            mooncake_master=args.mooncake_master,
+            mooncake_metadata=args.mooncake_metadata,
+            mooncake_global_segment_bytes=args.mooncake_segment_bytes,
+            **common,
+        )
     return StorageConfig(backend=args.storage_backend, path=args.storage_dir, **common)
 
 
-def build_engine(args, max_context: int, storage: bool = True, host_ratio: float | None = None,
-                 model: ModelConfig | None = None) -> "Engine":
+def build_engine(
+    args, max_context: int, storage: bool = True, host_ratio: float | None = None, model: ModelConfig | None = None
+) -> "Engine":
     from ..engine import Engine, EngineCacheConfig
 
-    cache = EngineCacheConfig(page_size=args.page_size, device_pages=args.device_pages,
-                              host=HostPoolConfig(ratio=args.host_ratio if host_ratio is None else host_ratio,
-                                                  layout=getattr(args, "host_layout", "page_first")),
-                              write_policy=args.write_policy, max_batch=args.max_batch,
-                              prefill_chunk=args.prefill_chunk, max_context=max_context,
-                              storage=storage_config(args) if storage else None, worker_nice=args.worker_nice,
-                              deterministic=getattr(args, "deterministic", False))
+    cache = EngineCacheConfig(
+        page_size=args.page_size,
+        device_pages=args.device_pages,
+        host=HostPoolConfig(
+            ratio=args.host_ratio if host_ratio is None else host_ratio,
+            layout=getattr(args, "host_layout", "page_first"),
+        ),
+        write_policy=args.write_policy,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
+        max_context=max_context,
+        storage=storage_config(args) if storage else None,
+        worker_nice=args.worker_nice,
+        deterministic=getattr(args, "deterministic", False),
+    )
     cfg = model_config(args) if model is None else model
     weights = real_weights(args.model).with_config(cfg) if args.model in REAL_MODELS else None
     engine = Engine(cfg, cache, weights=weights, ranks=ranks.rank_context(args))  # a rank of --num-processes
@@ -204,14 +219,26 @@ def build_engine(args, max_context: int, storage: bool = True, host_ratio: float
 def describe(args, *extra: str) -> str:
     """The configuration line under every figure's title."""
     l3 = "no L3" if args.storage_backend == "none" else f"L3 {args.storage_backend}"
-    layers = args.layers or (MODEL_PRESETS[args.model].num_layers if args.model in MODEL_PRESETS else
-                             _REAL_WEIGHTS[args.model].config.num_layers if args.model in _REAL_WEIGHTS else "?")
-    parts = [f"model {args.model} ({args.attention}, {layers} layers)", f"page {args.page_size}",
-             f"L1 {args.device_pages} pages",
-             f"L2 x{args.host_ratio:g}" + (f" {args.host_layout}" if getattr(args, "host_layout", "page_first")
-                                           != "page_first" else ""), l3, args.write_policy,
-             f"max batch {args.max_batch}", *(["deterministic"] if getattr(args, "deterministic", False) else []),
-             *extra, f"{os.cpu_count()} CPUs"]
+    layers = args.layers or (
+        MODEL_PRESETS[args.model].num_layers
+        if args.model in MODEL_PRESETS
+        else _REAL_WEIGHTS[args.model].config.num_layers
+        if args.model in _REAL_WEIGHTS
+        else "?"
+    )
+    parts = [
+        f"model {args.model} ({args.attention}, {layers} layers)",
+        f"page {args.page_size}",
+        f"L1 {args.device_pages} pages",
+        f"L2 x{args.host_ratio:g}"
+        + (f" {args.host_layout}" if getattr(args, "host_layout", "page_first") != "page_first" else ""),
+        l3,
+        args.write_policy,
+        f"max batch {args.max_batch}",
+        *(["deterministic"] if getattr(args, "deterministic", False) else []),
+        *extra,
+        f"{os.cpu_count()} CPUs",
+    ]
     try:
         parts.append(f"load {os.getloadavg()[0]:.1f}")
     except OSError:  # pragma: no cover
@@ -238,8 +265,11 @@ class _StorageDir:
                 from ..storage.mooncake import MooncakeMaster
 
                 self.store = MooncakeMaster(store_node_bytes=a.mooncake_node_bytes).start()
-                print(f"[L3] local Mooncake Store: master {self.store.rpc_address}, store node "
-                      f"{a.mooncake_node_bytes / 2**30:.2f} GiB", flush=True)
+                print(
+                    f"[L3] local Mooncake Store: master {self.store.rpc_address}, store node "
+                    f"{a.mooncake_node_bytes / 2**30:.2f} GiB",
+                    flush=True,
+                )
                 a.mooncake_master, a.mooncake_metadata = self.store.rpc_address, self.store.metadata_url
             return None
         if a.storage_backend != "none" and not a.storage_dir:
@@ -266,9 +296,13 @@ def token_divergence(served: list[list[int]], reference: list[list[int]]) -> dic
         if a != b:
             pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             first.append((i, pos))
-    return {"requests": len(reference), "diverged": len(first), "same": not first and len(served) == len(reference),
-            "first_divergence": [list(x) for x in first[:50]],
-            "earliest_position": min((p for _, p in first), default=None)}
+    return {
+        "requests": len(reference),
+        "diverged": len(first),
+        "same": not first and len(served) == len(reference),
+        "first_divergence": [list(x) for x in first[:50]],
+        "earliest_position": min((p for _, p in first), default=None),
+    }
 
 
 def enable_audit(engine: "Engine"):
@@ -285,8 +319,10 @@ def print_exactness(div: dict, audit, deterministic: bool, where: str = "") -> N
         print(f"tokens vs no cache{where} ({mode}): identical in all {div['requests']} requests")
     else:
         shown = ", ".join(f"#{i}@{p}" for i, p in div["first_divergence"][:8])
-        print(f"tokens vs no cache{where} ({mode}): {div['diverged']} of {div['requests']} requests diverged, "
-              f"earliest at token {div['earliest_position']} (request#index@token: {shown})")
+        print(
+            f"tokens vs no cache{where} ({mode}): {div['diverged']} of {div['requests']} requests diverged, "
+            f"earliest at token {div['earliest_position']} (request#index@token: {shown})"
+        )
     if audit is None:
         print("served pages: not audited (several ranks)")
         return
@@ -294,12 +330,16 @@ def print_exactness(div: dict, audit, deterministic: bool, where: str = "") -> N
     checked = st["pages_checked"]
     per_tier = ", ".join(f"L{n} {checked[t]}" for n, t in ((1, "device"), (2, "host"), (3, "storage")))
     verdict = {True: "byte-identical to the pages stored", False: "NOT byte-identical", None: "none served"}
-    print(f"served pages: {verdict[st['byte_identical']]} ({per_tier} pages checked; "
-          f"{sum(st['pages_mismatched'].values())} mismatched, {sum(st['pages_unknown'].values())} never seen "
-          f"computed; audit {st['seconds']:.2f} s, left out of the TTFTs)")
+    print(
+        f"served pages: {verdict[st['byte_identical']]} ({per_tier} pages checked; "
+        f"{sum(st['pages_mismatched'].values())} mismatched, {sum(st['pages_unknown'].values())} never seen "
+        f"computed; audit {st['seconds']:.2f} s, left out of the TTFTs)"
+    )
     if not div["same"] and st["byte_identical"] and not deterministic:
-        print("  -> the cache served exactly what was stored: the divergence is rounding (other step shapes), "
-              "not a wrong page; --deterministic makes the tokens identical")
+        print(
+            "  -> the cache served exactly what was stored: the divergence is rounding (other step shapes), "
+            "not a wrong page; --deterministic makes the tokens identical"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +376,13 @@ class _Conversations:
 def _serve_round(engine: "Engine", conv: _Conversations, use_cache: bool) -> _Round:
     prompts, arrivals = conv.prompts()
     t0 = time.perf_counter()
-    results = engine.generate(prompts, conv.args.answer_len, use_cache=use_cache, arrivals=arrivals,
-                              stop_tokens=getattr(conv, "stop_tokens", ()))
+    results = engine.generate(
+        prompts,
+        conv.args.answer_len,
+        use_cache=use_cache,
+        arrivals=arrivals,
+        stop_tokens=getattr(conv, "stop_tokens", ()),
+    )
     r = _Round(results, time.perf_counter() - t0)
     conv.answered(results)
     return r
@@ -349,27 +394,43 @@ def _summarize(rounds: list[_Round]) -> dict:
     prompt = sum(x.prompt_len for x in res)
     return {
         "requests": len(res),
-        "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-        "ttft_p99_s": percentile(ttft, 99), "ttft_max_s": max(ttft),
-        "queue_mean_s": statistics.fmean(x.queue_s for x in res), "queue_p50_s": percentile([x.queue_s for x in res], 50),
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_max_s": max(ttft),
+        "queue_mean_s": statistics.fmean(x.queue_s for x in res),
+        "queue_p50_s": percentile([x.queue_s for x in res], 50),
         "service_mean_s": statistics.fmean(x.service_s for x in res),
         "service_p50_s": percentile([x.service_s for x in res], 50),
         "latency_mean_s": statistics.fmean(x.latency_s for x in res),
         "duration_s": sum(r.seconds for r in rounds),
         "input_tok_per_s": prompt / sum(r.seconds for r in rounds),
-        "prompt_tokens": prompt, "prefill_tokens": sum(x.prefill_tokens for x in res),
+        "prompt_tokens": prompt,
+        "prefill_tokens": sum(x.prefill_tokens for x in res),
         "cache_hit_rate": sum(x.cached_total for x in res) / prompt,
         "hit_rate_by_tier": {t: sum(x.cached_tokens[t] for x in res) / prompt for t in ("device", "host", "storage")},
-        "hit_rate_per_round": [sum(x.cached_total for x in r.results) / sum(x.prompt_len for x in r.results)
-                               for r in rounds],
+        "hit_rate_per_round": [
+            sum(x.cached_total for x in r.results) / sum(x.prompt_len for x in r.results) for r in rounds
+        ],
         "ttft_all_s": ttft,
         "ttft_by_round_s": [[x.ttft_s for x in r.results] for r in rounds],
         "ttft_by_tier": {t: [x.ttft_s for x in res if serving_tier(x) == t] for t in TIERS},
         "service_all_s": [x.service_s for x in res],
         "service_by_tier": {t: [x.service_s for x in res if serving_tier(x) == t] for t in TIERS},
-        "per_request": [{"round": i, "prompt_len": x.prompt_len, "cached": x.cached_tokens, "ttft_s": x.ttft_s,
-                         "queue_s": x.queue_s, "service_s": x.service_s, "prefill_tokens": x.prefill_tokens}
-                        for i, r in enumerate(rounds) for x in r.results],
+        "per_request": [
+            {
+                "round": i,
+                "prompt_len": x.prompt_len,
+                "cached": x.cached_tokens,
+                "ttft_s": x.ttft_s,
+                "queue_s": x.queue_s,
+                "service_s": x.service_s,
+                "prefill_tokens": x.prefill_tokens,
+            }
+            for i, r in enumerate(rounds)
+            for x in r.results
+        ],
     }
 
 
@@ -404,8 +465,10 @@ class _NewPrompts:
         a = self.args
         n = a.first_len + self.round * (a.turn_len + a.answer_len)
         self.round += 1
-        return ([self.rng.integers(0, self.vocab, n).tolist() for _ in range(a.clients)],
-                arrival_times(self.rng, a.request_rate, a.clients))
+        return (
+            [self.rng.integers(0, self.vocab, n).tolist() for _ in range(a.clients)],
+            arrival_times(self.rng, a.request_rate, a.clients),
+        )
 
     def answered(self, results: list) -> None:
         pass
@@ -441,15 +504,18 @@ def _multiturn(args, progress: Progress) -> dict:
     if model.is_hybrid:
         full_args = args
         if args.storage_backend not in ("none", "mooncake"):  # its own L3 directory (its keys differ anyway)
-            full_args = argparse.Namespace(**{**vars(args), "storage_dir": os.path.join(args.storage_dir,
-                                                                                        "swa-as-full")})
-        runs.append(("hicache, SWA as full", build_engine(full_args, max_context,
-                                                          model=replace(model, swa_as_full=True)), True))
+            full_args = argparse.Namespace(
+                **{**vars(args), "storage_dir": os.path.join(args.storage_dir, "swa-as-full")}
+            )
+        runs.append(
+            ("hicache, SWA as full", build_engine(full_args, max_context, model=replace(model, swa_as_full=True)), True)
+        )
         progress.advance(0, "SWA-as-full engine ready")
     vocab = model.vocab_size
     # Throwaway conversations with other tokens: compile the transfer paths, warm the buffers.
-    warm = argparse.Namespace(**{**vars(args), "clients": min(2, args.clients), "rounds": min(2, args.rounds),
-                                 "request_rate": 0})
+    warm = argparse.Namespace(
+        **{**vars(args), "clients": min(2, args.clients), "rounds": min(2, args.rounds), "request_rate": 0}
+    )
     progress.phase("warm-up (untimed, other tokens)", len(runs) * warm.rounds)
     for _name, engine, use in runs:
         conv = _new_conversations(warm, vocab, args.seed + 1000, warm=True)
@@ -465,8 +531,9 @@ def _multiturn(args, progress: Progress) -> dict:
     # The same trace through every engine, alternate rounds: the no-cache round first.
     convs = {name: _new_conversations(args, vocab, args.seed) for name, _e, _u in runs}
     rounds: dict[str, list[_Round]] = {name: [] for name, _e, _u in runs}
-    progress.phase(f"{args.clients} clients x {args.rounds} rounds, {' / '.join(rounds)} alternating",
-                   len(runs) * args.rounds)
+    progress.phase(
+        f"{args.clients} clients x {args.rounds} rounds, {' / '.join(rounds)} alternating", len(runs) * args.rounds
+    )
     for r in range(args.rounds):
         for name, engine, use in runs:
             for _n, other, other_use in runs:
@@ -487,41 +554,82 @@ def _multiturn(args, progress: Progress) -> dict:
     summaries = {}
     for name, engine, _use in runs:
         s = summaries[name] = _summarize(rounds[name])
-        s["peak_device_pages"] = {"full": engine.metrics.peak_device_pages,
-                                  "swa": engine.metrics.peak_swa_device_pages}
-        s["peak_kv_bytes"] = (engine.metrics.peak_device_pages * engine.geom.bytes_per_page
-                              + engine.metrics.peak_swa_device_pages
-                              * (engine.swa_pool.geom.bytes_per_page if engine.hybrid else 0))
-        s["device_pool_pages"] = {"full": engine.device_pool.allocator.num_pages,
-                                  "swa": engine.swa_pool.allocator.num_pages if engine.hybrid else 0}
+        s["peak_device_pages"] = {"full": engine.metrics.peak_device_pages, "swa": engine.metrics.peak_swa_device_pages}
+        s["peak_kv_bytes"] = (
+            engine.metrics.peak_device_pages * engine.geom.bytes_per_page
+            + engine.metrics.peak_swa_device_pages * (engine.swa_pool.geom.bytes_per_page if engine.hybrid else 0)
+        )
+        s["device_pool_pages"] = {
+            "full": engine.device_pool.allocator.num_pages,
+            "swa": engine.swa_pool.allocator.num_pages if engine.hybrid else 0,
+        }
         engine.close()
     base, cached = summaries["no cache"], summaries["hicache"]
     rows = []
     for name, s in summaries.items():
-        rows.append([name, s["requests"], s["ttft_p50_s"] * 1e3, s["ttft_p90_s"] * 1e3, s["ttft_p99_s"] * 1e3,
-                     s["ttft_mean_s"] * 1e3,
-                     s["queue_mean_s"] * 1e3, s["service_mean_s"] * 1e3, s["input_tok_per_s"], s["cache_hit_rate"],
-                     s["hit_rate_by_tier"]["device"], s["hit_rate_by_tier"]["host"],
-                     s["hit_rate_by_tier"]["storage"], s["peak_device_pages"]["full"], s["peak_device_pages"]["swa"],
-                     s["peak_kv_bytes"] / 2**20])
+        rows.append(
+            [
+                name,
+                s["requests"],
+                s["ttft_p50_s"] * 1e3,
+                s["ttft_p90_s"] * 1e3,
+                s["ttft_p99_s"] * 1e3,
+                s["ttft_mean_s"] * 1e3,
+                s["queue_mean_s"] * 1e3,
+                s["service_mean_s"] * 1e3,
+                s["input_tok_per_s"],
+                s["cache_hit_rate"],
+                s["hit_rate_by_tier"]["device"],
+                s["hit_rate_by_tier"]["host"],
+                s["hit_rate_by_tier"]["storage"],
+                s["peak_device_pages"]["full"],
+                s["peak_device_pages"]["swa"],
+                s["peak_kv_bytes"] / 2**20,
+            ]
+        )
     load = "closed loop" if args.request_rate <= 0 else f"{args.request_rate:g} req/s per round"
     no_reuse = bool(getattr(args, "no_reuse", False))
     trace = "no reuse (a new prompt per request)" if no_reuse else "multi-turn"
-    print_table(f"{trace}: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}"
-                f"{bench_goals.size_label(_not_comparable_because(args))}",
-                ["run", "reqs", "TTFT p50 ms", "p90", "p99", "mean", "queue mean", "service mean", "input tok/s",
-                 "hit rate", "L1", "L2", "L3", "peak full pages", "peak SWA pages", "peak KV MiB"], rows)
-    ratios = {"ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
-              "ttft_p50": cached["ttft_p50_s"] / base["ttft_p50_s"],
-              "service_mean": cached["service_mean_s"] / base["service_mean_s"],
-              "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"],
-              "prefill_tokens": cached["prefill_tokens"] / base["prefill_tokens"]}
-    print(f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
-          f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
-          f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}")
+    print_table(
+        f"{trace}: {args.clients} clients x {args.rounds} rounds, {load}, {describe(args)}"
+        f"{bench_goals.size_label(_not_comparable_because(args))}",
+        [
+            "run",
+            "reqs",
+            "TTFT p50 ms",
+            "p90",
+            "p99",
+            "mean",
+            "queue mean",
+            "service mean",
+            "input tok/s",
+            "hit rate",
+            "L1",
+            "L2",
+            "L3",
+            "peak full pages",
+            "peak SWA pages",
+            "peak KV MiB",
+        ],
+        rows,
+    )
+    ratios = {
+        "ttft_mean": cached["ttft_mean_s"] / base["ttft_mean_s"],
+        "ttft_p50": cached["ttft_p50_s"] / base["ttft_p50_s"],
+        "service_mean": cached["service_mean_s"] / base["service_mean_s"],
+        "input_throughput": cached["input_tok_per_s"] / base["input_tok_per_s"],
+        "prefill_tokens": cached["prefill_tokens"] / base["prefill_tokens"],
+    }
+    print(
+        f"hicache / no cache (same trace, alternate rounds): TTFT mean x{ratios['ttft_mean']:.3f}, "
+        f"p50 x{ratios['ttft_p50']:.3f}, service mean x{ratios['service_mean']:.3f}, "
+        f"input throughput x{ratios['input_throughput']:.2f}; same tokens: {same}"
+    )
     # Work, not time: the same at any size and on any machine (the time ratios are not at --quick sizes).
-    print(f"prefill work: hicache computed {cached['prefill_tokens']:,} of {cached['prompt_tokens']:,} prompt "
-          f"tokens, x{ratios['prefill_tokens']:.3f} of no cache's {base['prefill_tokens']:,} (comparable at any size)")
+    print(
+        f"prefill work: hicache computed {cached['prefill_tokens']:,} of {cached['prompt_tokens']:,} prompt "
+        f"tokens, x{ratios['prefill_tokens']:.3f} of no cache's {base['prefill_tokens']:,} (comparable at any size)"
+    )
     print_exactness(divergence, audit, cached_engine.cache_config.deterministic)
     moved, moved_text = bytes_moved(stats)
     print("bytes moved per tier: " + moved_text)
@@ -531,34 +639,56 @@ def _multiturn(args, progress: Progress) -> dict:
     swa_vs_full = None
     if "hicache, SWA as full" in summaries:
         as_full = summaries["hicache, SWA as full"]
-        swa_vs_full = {"peak_kv_bytes": cached["peak_kv_bytes"] / as_full["peak_kv_bytes"],
-                       "ttft_mean": cached["ttft_mean_s"] / as_full["ttft_mean_s"],
-                       "input_throughput": cached["input_tok_per_s"] / as_full["input_tok_per_s"]}
-        print(f"hybrid / SWA as full (both with hicache): peak KV bytes of the running requests "
-              f"x{swa_vs_full['peak_kv_bytes']:.3f} ({cached['peak_kv_bytes'] / 2**20:.2f} vs "
-              f"{as_full['peak_kv_bytes'] / 2**20:.2f} MiB), TTFT mean x{swa_vs_full['ttft_mean']:.3f}, input "
-              f"throughput x{swa_vs_full['input_throughput']:.2f}")
+        swa_vs_full = {
+            "peak_kv_bytes": cached["peak_kv_bytes"] / as_full["peak_kv_bytes"],
+            "ttft_mean": cached["ttft_mean_s"] / as_full["ttft_mean_s"],
+            "input_throughput": cached["input_tok_per_s"] / as_full["input_tok_per_s"],
+        }
+        print(
+            f"hybrid / SWA as full (both with hicache): peak KV bytes of the running requests "
+            f"x{swa_vs_full['peak_kv_bytes']:.3f} ({cached['peak_kv_bytes'] / 2**20:.2f} vs "
+            f"{as_full['peak_kv_bytes'] / 2**20:.2f} MiB), TTFT mean x{swa_vs_full['ttft_mean']:.3f}, input "
+            f"throughput x{swa_vs_full['input_throughput']:.2f}"
+        )
     if cached["hit_rate_by_tier"]["storage"] == 0 and args.storage_backend != "none" and not no_reuse:
         print("note: no prefix came back from L3 (the host pool held them all): lower --host-ratio to see L3 hits")
     if no_reuse:  # the cache's overhead: judged wherever it runs at full size
-        goals, verdict = _judge(args, bench_goals.no_reuse_goals(ratios["input_throughput"], ratios["ttft_mean"]),
-                                ["--quick sizes"] if getattr(args, "quick", False) else [],
-                                note="on a model this small a request's fixed costs weigh more than at full size")
+        goals, verdict = _judge(
+            args,
+            bench_goals.no_reuse_goals(ratios["input_throughput"], ratios["ttft_mean"]),
+            ["--quick sizes"] if getattr(args, "quick", False) else [],
+            note="on a model this small a request's fixed costs weigh more than at full size",
+        )
     else:
         goals, verdict = _judge(args, bench_goals.multiturn_goals(ratios["input_throughput"], ratios["ttft_mean"]))
-    sub = describe(args, f"{args.clients} clients x {args.rounds} rounds", load,
-                   f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}")
-    title = ("No reuse (what the cache costs): TTFT with hicache vs without" if no_reuse
-             else "Multi-turn serving: TTFT with hicache vs without")
-    png = plots.multiturn_plot(_png(args), title, sub, base, cached,
-                               note=bench_goals.plot_note(verdict))
-    out = {"benchmark": "multiturn", "machine": machine_info(), "config": vars(args), "no_cache": base,
-           "bytes_moved": moved,
-           "hicache": cached, "ratios_vs_no_cache": ratios, "same_tokens": same,
-           "deterministic": cached_engine.cache_config.deterministic, "token_divergence": divergence,
-           "page_audit": audit.stats() if audit is not None else None,
-           "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(), "cache_stats": stats,
-           "plot": png}
+    sub = describe(
+        args,
+        f"{args.clients} clients x {args.rounds} rounds",
+        load,
+        f"first {args.first_len} + {args.turn_len}/turn tokens, answers {args.answer_len}",
+    )
+    title = (
+        "No reuse (what the cache costs): TTFT with hicache vs without"
+        if no_reuse
+        else "Multi-turn serving: TTFT with hicache vs without"
+    )
+    png = plots.multiturn_plot(_png(args), title, sub, base, cached, note=bench_goals.plot_note(verdict))
+    out = {
+        "benchmark": "multiturn",
+        "machine": machine_info(),
+        "config": vars(args),
+        "no_cache": base,
+        "bytes_moved": moved,
+        "hicache": cached,
+        "ratios_vs_no_cache": ratios,
+        "same_tokens": same,
+        "deterministic": cached_engine.cache_config.deterministic,
+        "token_divergence": divergence,
+        "page_audit": audit.stats() if audit is not None else None,
+        "tokens_sha256": hashlib.sha256(json.dumps(served).encode()).hexdigest(),
+        "cache_stats": stats,
+        "plot": png,
+    }
     out["goals"], out["verdict"] = goals, verdict
     if transcript is not None:
         out["transcript"] = transcript
@@ -575,10 +705,16 @@ def bytes_moved(stats: dict) -> tuple[dict, str]:
     from issue to completion, queueing included, so no rate is given for them); and the line
     that says so."""
     mib = 2**20
-    out = {"d2h_backup_bytes": int(stats.get("backup_bytes", 0)), "h2d_load_bytes": int(stats.get("load_back_bytes", 0)),
-           "l3_written_bytes": int(stats.get("storage_written_bytes", 0)),
-           "l3_read_bytes": int(stats.get("storage_read_bytes", 0))}
-    parts = [f"D2H backups {out['d2h_backup_bytes'] / mib:,.1f} MiB", f"H2D loads {out['h2d_load_bytes'] / mib:,.1f} MiB"]
+    out = {
+        "d2h_backup_bytes": int(stats.get("backup_bytes", 0)),
+        "h2d_load_bytes": int(stats.get("load_back_bytes", 0)),
+        "l3_written_bytes": int(stats.get("storage_written_bytes", 0)),
+        "l3_read_bytes": int(stats.get("storage_read_bytes", 0)),
+    }
+    parts = [
+        f"D2H backups {out['d2h_backup_bytes'] / mib:,.1f} MiB",
+        f"H2D loads {out['h2d_load_bytes'] / mib:,.1f} MiB",
+    ]
     for op, sec in (("written", "storage_write_seconds"), ("read", "storage_read_seconds")):
         n, t = out[f"l3_{op}_bytes"], float(stats.get(sec, 0.0))
         out[f"l3_{op}_gbps"] = n / t / 1e9 if n and t > 0 else None
@@ -597,13 +733,22 @@ def _side_by_side(base, cached, cached_rounds: list[_Round], client: int = 1, wi
     for r, ((q, a0), (_q, a1)) in enumerate(zip(base.transcript(client), cached.transcript(client))):
         res = cached_rounds[r].results[client]
         served = ", ".join(f"{t} {n}" for t, n in res.cached_tokens.items() if n) or "nothing"
-        print(f"turn {r + 1}: Q: {q}   [prompt {res.prompt_len} tokens; cache served {served}; "
-              f"{'same text' if a0 == a1 else 'TEXT DIFFERS'}]")
+        print(
+            f"turn {r + 1}: Q: {q}   [prompt {res.prompt_len} tokens; cache served {served}; "
+            f"{'same text' if a0 == a1 else 'TEXT DIFFERS'}]"
+        )
         left, right = textwrap.wrap(a0, width) or [""], textwrap.wrap(a1, width) or [""]
         for i in range(max(len(left), len(right))):
             print(f"  {left[i] if i < len(left) else '':{width}s} | {right[i] if i < len(right) else ''}")
-        out.append({"question": q, "no_cache": a0, "hicache": a1, "prompt_tokens": res.prompt_len,
-                    "cached_tokens": dict(res.cached_tokens)})
+        out.append(
+            {
+                "question": q,
+                "no_cache": a0,
+                "hicache": a1,
+                "prompt_tokens": res.prompt_len,
+                "cached_tokens": dict(res.cached_tokens),
+            }
+        )
     return out
 
 
@@ -641,23 +786,54 @@ def _two_run(args, progress: Progress) -> dict:
     for i, (res, secs) in enumerate(runs):
         ttft = [r.ttft_s for r in res]
         tier = {t: sum(serving_tier(r) == t for r in res) for t in TIERS}
-        d = {"run": i + 1, "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": percentile(ttft, 50), "duration_s": secs,
-             "input_tok_per_s": sum(r.prompt_len for r in res) / secs, "requests_by_tier": tier,
-             "same_tokens_as_run1": [r.tokens for r in res] == [r.tokens for r in runs[0][0]]}
+        d = {
+            "run": i + 1,
+            "ttft_mean_s": statistics.fmean(ttft),
+            "ttft_p50_s": percentile(ttft, 50),
+            "duration_s": secs,
+            "input_tok_per_s": sum(r.prompt_len for r in res) / secs,
+            "requests_by_tier": tier,
+            "same_tokens_as_run1": [r.tokens for r in res] == [r.tokens for r in runs[0][0]],
+        }
         out.append(d)
-        rows.append([i + 1, d["ttft_p50_s"] * 1e3, d["ttft_mean_s"] * 1e3, secs, d["input_tok_per_s"], tier["cold"],
-                     tier["device"], tier["host"], tier["storage"], d["same_tokens_as_run1"]])
-    print_table(f"two-run: {args.num_prompts} prompts x {args.prompt_len} tokens, {describe(args)}",
-                ["run", "TTFT p50 ms", "mean", "duration s", "input tok/s", "cold", "L1", "L2", "L3", "same tokens"],
-                rows)
+        rows.append(
+            [
+                i + 1,
+                d["ttft_p50_s"] * 1e3,
+                d["ttft_mean_s"] * 1e3,
+                secs,
+                d["input_tok_per_s"],
+                tier["cold"],
+                tier["device"],
+                tier["host"],
+                tier["storage"],
+                d["same_tokens_as_run1"],
+            ]
+        )
+    print_table(
+        f"two-run: {args.num_prompts} prompts x {args.prompt_len} tokens, {describe(args)}",
+        ["run", "TTFT p50 ms", "mean", "duration s", "input tok/s", "cold", "L1", "L2", "L3", "same tokens"],
+        rows,
+    )
     delta = out[1]["ttft_mean_s"] / out[0]["ttft_mean_s"] - 1
     print(f"TTFT run 2 vs run 1 (no cache hit): {delta * 100:+.1f}%")
-    png = plots.tiers_plot(_png(args), "Two runs of the same prompts: TTFT of run 2 vs run 1",
-                           describe(args, f"{args.num_prompts} prompts x {args.prompt_len} tokens"),
-                           [("run 1: cold (no cache hit)", [r.ttft_s for r in runs[0][0]]),
-                            ("run 2: served by the cache", [r.ttft_s for r in runs[1][0]])])
-    return {"benchmark": "two-run", "machine": machine_info(), "config": vars(args), "runs": out,
-            "ttft_change": delta, "plot": png}
+    png = plots.tiers_plot(
+        _png(args),
+        "Two runs of the same prompts: TTFT of run 2 vs run 1",
+        describe(args, f"{args.num_prompts} prompts x {args.prompt_len} tokens"),
+        [
+            ("run 1: cold (no cache hit)", [r.ttft_s for r in runs[0][0]]),
+            ("run 2: served by the cache", [r.ttft_s for r in runs[1][0]]),
+        ],
+    )
+    return {
+        "benchmark": "two-run",
+        "machine": machine_info(),
+        "config": vars(args),
+        "runs": out,
+        "ttft_change": delta,
+        "plot": png,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,7 +883,7 @@ def _ttft(args, progress: Progress) -> dict:
     results: dict[str, list] = {k: [] for k in kinds}
     progress.phase(f"{args.reps} rounds x {len(kinds)} tiers", args.reps * len(kinds))
     for r in range(args.reps):
-        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
             res = measure(kind)
             results[kind].append(res)
             progress.advance(1, f"round {r}: {kind} {res.ttft_s * 1e3:,.0f} ms")
@@ -720,48 +896,83 @@ def _ttft(args, progress: Progress) -> dict:
     engine.close()
     med = {k: statistics.median(r.ttft_s for r in v) for k, v in results.items()}
     order = [k for k in ("device", "host", "storage", "cold") if k in kinds]
-    held = sum(all(results[a][i].ttft_s < results[b][i].ttft_s for a, b in zip(order, order[1:]))
-               for i in range(args.reps))
-    rows = [[k, statistics.median(r.cached_total for r in v),
-             statistics.median(r.cached_tokens[k] for r in v) if k != "cold" else 0,
-             med[k] * 1e3, percentile([r.ttft_s for r in v], 25) * 1e3, percentile([r.ttft_s for r in v], 75) * 1e3,
-             min(r.ttft_s for r in v) * 1e3, med[k] / med["cold"]] for k, v in results.items()]
-    print_table(f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, {args.reps} rounds, "
-                f"{describe(args)}{bench_goals.size_label(_not_comparable_because(args))}",
-                ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75", "min", "x cold"], rows)
+    held = sum(
+        all(results[a][i].ttft_s < results[b][i].ttft_s for a, b in zip(order, order[1:])) for i in range(args.reps)
+    )
+    rows = [
+        [
+            k,
+            statistics.median(r.cached_total for r in v),
+            statistics.median(r.cached_tokens[k] for r in v) if k != "cold" else 0,
+            med[k] * 1e3,
+            percentile([r.ttft_s for r in v], 25) * 1e3,
+            percentile([r.ttft_s for r in v], 75) * 1e3,
+            min(r.ttft_s for r in v) * 1e3,
+            med[k] / med["cold"],
+        ]
+        for k, v in results.items()
+    ]
+    print_table(
+        f"TTFT by tier: {args.prompt_len}-token prompts, {args.reuse:.0%} prefix reuse, {args.reps} rounds, "
+        f"{describe(args)}{bench_goals.size_label(_not_comparable_because(args))}",
+        ["served by", "cached tokens", "from that tier", "TTFT p50 ms", "p25", "p75", "min", "x cold"],
+        rows,
+    )
     ordered = all(med[a] < med[b] for a, b in zip(order, order[1:]))
-    print(f"ordering {' < '.join(order)}: medians {'in' if ordered else 'NOT in'} that order; "
-          f"held within {held}/{args.reps} rounds")
+    print(
+        f"ordering {' < '.join(order)}: medians {'in' if ordered else 'NOT in'} that order; "
+        f"held within {held}/{args.reps} rounds"
+    )
     if decode["ratio"] is None:
-        print("decode: no decode step overlapped a backup (they all finished before the decode); "
-              "raise --prompt-len or --decode-steps")
+        print(
+            "decode: no decode step overlapped a backup (they all finished before the decode); "
+            "raise --prompt-len or --decode-steps"
+        )
     else:
-        print(f"decode step while write-through backups run (L3 {args.storage_backend}): "
-              f"{decode['with_backups_s'] * 1e3:.1f} ms vs {decode['without_backups_s'] * 1e3:.1f} ms with none: "
-              f"x{decode['ratio']:.3f} ({decode['overlapping_steps']} overlapping steps in {args.decode_reps} "
-              f"interleaved rounds; all {decode['steps_per_round']} steps: x{decode['all_steps_ratio']:.3f})")
+        print(
+            f"decode step while write-through backups run (L3 {args.storage_backend}): "
+            f"{decode['with_backups_s'] * 1e3:.1f} ms vs {decode['without_backups_s'] * 1e3:.1f} ms with none: "
+            f"x{decode['ratio']:.3f} ({decode['overlapping_steps']} overlapping steps in {args.decode_reps} "
+            f"interleaved rounds; all {decode['steps_per_round']} steps: x{decode['all_steps_ratio']:.3f})"
+        )
     r = decode["with_rounds"]
-    print(f"  backups: {statistics.median(x['host_tokens_acked_by_decode_end'] for x in r):.0f} tokens on the host "
-          f"and {statistics.median(x['l3_pages_committed_by_decode_end'] for x in r):.0f} of "
-          f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by the decode's end, "
-          f"drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
-          f"(workers at nice +{decode['worker_nice']})")
+    print(
+        f"  backups: {statistics.median(x['host_tokens_acked_by_decode_end'] for x in r):.0f} tokens on the host "
+        f"and {statistics.median(x['l3_pages_committed_by_decode_end'] for x in r):.0f} of "
+        f"{statistics.median(x['l3_pages_committed_total'] for x in r):.0f} L3 pages committed by the decode's end, "
+        f"drained {statistics.median(x['drain_after_decode_s'] for x in r) * 1e3:.0f} ms after it "
+        f"(workers at nice +{decode['worker_nice']})"
+    )
     print_exactness(divergence, audit, engine.cache_config.deterministic, " (each cached prompt re-run cold)")
     goals, verdict = _judge(args, bench_goals.ttft_goals(med, held, args.reps, order, decode["ratio"]))
-    sub = describe(args, f"{args.prompt_len}-token prompts, {args.reuse:.0%} of the prefix cached",
-                   f"{args.reps} rounds (tiers in rotating order)")
-    png = plots.tiers_plot(_png(args), f"TTFT of a {args.reuse:.0%}-cached prompt by the tier that served it, "
-                                       f"vs a cold prefill",
-                           sub, [(plots.TIER_NAMES[k], [x.ttft_s for x in results[k]]) for k in ("cold", *order[:-1])],
-                           note=bench_goals.plot_note(verdict))
-    return {"benchmark": "ttft", "machine": machine_info(), "config": vars(args),
-            "median_ttft_s": med, "ttft_s": {k: [x.ttft_s for x in v] for k, v in results.items()},
-            "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
-            "ordering": {"tiers": order, "held_rounds": held, "rounds": args.reps,
-                         "medians_ordered": ordered},
-            "decode": decode, "goals": goals, "verdict": verdict, "plot": png,
-            "deterministic": engine.cache_config.deterministic, "token_divergence": divergence,
-            "page_audit": audit_stats}
+    sub = describe(
+        args,
+        f"{args.prompt_len}-token prompts, {args.reuse:.0%} of the prefix cached",
+        f"{args.reps} rounds (tiers in rotating order)",
+    )
+    png = plots.tiers_plot(
+        _png(args),
+        f"TTFT of a {args.reuse:.0%}-cached prompt by the tier that served it, vs a cold prefill",
+        sub,
+        [(plots.TIER_NAMES[k], [x.ttft_s for x in results[k]]) for k in ("cold", *order[:-1])],
+        note=bench_goals.plot_note(verdict),
+    )
+    return {
+        "benchmark": "ttft",
+        "machine": machine_info(),
+        "config": vars(args),
+        "median_ttft_s": med,
+        "ttft_s": {k: [x.ttft_s for x in v] for k, v in results.items()},
+        "ratios_vs_cold": {k: v / med["cold"] for k, v in med.items()},
+        "ordering": {"tiers": order, "held_rounds": held, "rounds": args.reps, "medians_ordered": ordered},
+        "decode": decode,
+        "goals": goals,
+        "verdict": verdict,
+        "plot": png,
+        "deterministic": engine.cache_config.deterministic,
+        "token_divergence": divergence,
+        "page_audit": audit_stats,
+    }
 
 
 def _decode_overhead(engine: "Engine", args, rng, progress: Progress) -> dict:
@@ -818,9 +1029,14 @@ def _decode_overhead(engine: "Engine", args, rng, progress: Progress) -> dict:
         acked, written = e.cache.metrics.backup_tokens - b0, l3_pages(e) - w0
         t1 = time.perf_counter()
         e.flush()
-        return {"step_s": [b - a for a, b, _ in log], "overlapping": [o for _, _, o in log],
-                "host_tokens_acked_by_decode_end": acked, "l3_pages_committed_by_decode_end": written,
-                "l3_pages_committed_total": l3_pages(e) - w0, "drain_after_decode_s": time.perf_counter() - t1}
+        return {
+            "step_s": [b - a for a, b, _ in log],
+            "overlapping": [o for _, _, o in log],
+            "host_tokens_acked_by_decode_end": acked,
+            "l3_pages_committed_by_decode_end": written,
+            "l3_pages_committed_total": l3_pages(e) - w0,
+            "drain_after_decode_s": time.perf_counter() - t1,
+        }
 
     run(engine, True), run(engine, False)  # warm-up
     progress.advance(2, "warm-up")
@@ -839,14 +1055,20 @@ def _decode_overhead(engine: "Engine", args, rng, progress: Progress) -> dict:
     all_with = [t for r in with_r for t in r["step_s"]]
     all_without = [t for r in without_r for t in r["step_s"]]
     ratio = mean(over_with) / mean(over_without) if over_with else None
-    return {"with_backups_s": mean(over_with) if over_with else None,
-            "without_backups_s": mean(over_without) if over_without else None, "ratio": ratio,
-            "overlapping_steps": len(over_with), "steps_per_round": steps,
-            "all_steps_with_s": mean(all_with), "all_steps_without_s": mean(all_without),
-            "all_steps_ratio": mean(all_with) / mean(all_without),
-            "with_rounds": with_r, "without_rounds": without_r,
-            "worker_nice": engine.cache_config.worker_nice,
-            "without_backup_tokens": sum(r["host_tokens_acked_by_decode_end"] for r in without_r)}
+    return {
+        "with_backups_s": mean(over_with) if over_with else None,
+        "without_backups_s": mean(over_without) if over_without else None,
+        "ratio": ratio,
+        "overlapping_steps": len(over_with),
+        "steps_per_round": steps,
+        "all_steps_with_s": mean(all_with),
+        "all_steps_without_s": mean(all_without),
+        "all_steps_ratio": mean(all_with) / mean(all_without),
+        "with_rounds": with_r,
+        "without_rounds": without_r,
+        "worker_nice": engine.cache_config.worker_nice,
+        "without_backup_tokens": sum(r["host_tokens_acked_by_decode_end"] for r in without_r),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -862,10 +1084,28 @@ def restart(args) -> dict:
         for phase in ("write", "read"):
             part = args.out.rsplit(".", 1)[0] + f".{phase}.json"
             cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "restart", "--phase", phase, "--out", part]
-            for k in ("model", "layers", "attention", "page_size", "device_pages", "host_ratio", "write_policy",
-                      "max_batch", "prefill_chunk", "seed", "storage_backend", "storage_dir", "prefetch_policy", "num_prompts",
-                      "prompt_len", "answer_len", "worker_nice", "mooncake_master", "mooncake_metadata",
-                      "mooncake_segment_bytes"):
+            for k in (
+                "model",
+                "layers",
+                "attention",
+                "page_size",
+                "device_pages",
+                "host_ratio",
+                "write_policy",
+                "max_batch",
+                "prefill_chunk",
+                "seed",
+                "storage_backend",
+                "storage_dir",
+                "prefetch_policy",
+                "num_prompts",
+                "prompt_len",
+                "answer_len",
+                "worker_nice",
+                "mooncake_master",
+                "mooncake_metadata",
+                "mooncake_segment_bytes",
+            ):
                 if getattr(args, k) is not None:
                     cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             print(f"[restart] phase {phase}: a new process (pid will differ) ...", file=sys.stderr, flush=True)
@@ -878,35 +1118,60 @@ def restart(args) -> dict:
     w, r = phases["write"], phases["read"]
     ready = {name: time_to_first_token(phases[name]) for name in ("write", "read")}
     args.model = w["model"]  # --model auto: the preset the children resolved (JAX never ran here)
-    rows = [["write (process 1)", w["ttft_mean_s"] * 1e3, w["cached"]["storage"], w["pid"]],
-            ["read (process 2)", r["ttft_mean_s"] * 1e3, r["cached"]["storage"], r["pid"]]]
-    print_table(f"restart: {args.num_prompts} prompts x {args.prompt_len} tokens, L3 {args.storage_backend}",
-                ["phase", "TTFT mean ms", "tokens from L3", "pid"], rows)
-    print_table("time to the first token from process start (s): the restarted process's first request is an L3 hit",
-                ["phase", *READY_STEPS.values(), "total"],
-                [[f"{name} (process {i + 1})", *(ready[name][k] for k in READY_STEPS), ready[name]["total"]]
-                 for i, name in enumerate(("write", "read"))])
+    rows = [
+        ["write (process 1)", w["ttft_mean_s"] * 1e3, w["cached"]["storage"], w["pid"]],
+        ["read (process 2)", r["ttft_mean_s"] * 1e3, r["cached"]["storage"], r["pid"]],
+    ]
+    print_table(
+        f"restart: {args.num_prompts} prompts x {args.prompt_len} tokens, L3 {args.storage_backend}",
+        ["phase", "TTFT mean ms", "tokens from L3", "pid"],
+        rows,
+    )
+    print_table(
+        "time to the first token from process start (s): the restarted process's first request is an L3 hit",
+        ["phase", *READY_STEPS.values(), "total"],
+        [
+            [f"{name} (process {i + 1})", *(ready[name][k] for k in READY_STEPS), ready[name]["total"]]
+            for i, name in enumerate(("write", "read"))
+        ],
+    )
     if r.get("l3_index_seconds"):  # (backends that keep no index of their own count none)
         print(f"the restarted process rebuilt its L3 index in {r['l3_index_seconds']:.3f} s, part of its engine step")
     same = w["tokens"] == r["tokens"]
     ratio = r["ttft_mean_s"] / w["ttft_mean_s"]
     ready_ratio = ready["read"]["total"] / ready["write"]["total"]
-    print(f"same tokens: {same}; TTFT after restart x{ratio:.3f} of the cold run; time to the first token from "
-          f"process start x{ready_ratio:.3f} of the cold process's")
-    png = plots.tiers_plot(_png(args), "After a restart: TTFT of prompts served from L3 vs their cold first run",
-                           describe(args, f"{args.num_prompts} prompts x {args.prompt_len} tokens",
-                                    "two processes, one L3 directory"),
-                           [("cold: process 1 (no cache hit)", w["ttft_s"]), ("storage: process 2 (L3 hits)",
-                                                                             r["ttft_s"])])
-    return {"benchmark": "restart", "machine": machine_info(), "config": vars(args), "write": w, "read": r,
-            "same_tokens": same, "ttft_ratio": ratio, "time_to_first_token": ready,
-            "time_to_first_token_ratio": ready_ratio, "plot": png}
+    print(
+        f"same tokens: {same}; TTFT after restart x{ratio:.3f} of the cold run; time to the first token from "
+        f"process start x{ready_ratio:.3f} of the cold process's"
+    )
+    png = plots.tiers_plot(
+        _png(args),
+        "After a restart: TTFT of prompts served from L3 vs their cold first run",
+        describe(args, f"{args.num_prompts} prompts x {args.prompt_len} tokens", "two processes, one L3 directory"),
+        [("cold: process 1 (no cache hit)", w["ttft_s"]), ("storage: process 2 (L3 hits)", r["ttft_s"])],
+    )
+    return {
+        "benchmark": "restart",
+        "machine": machine_info(),
+        "config": vars(args),
+        "write": w,
+        "read": r,
+        "same_tokens": same,
+        "ttft_ratio": ratio,
+        "time_to_first_token": ready,
+        "time_to_first_token_ratio": ready_ratio,
+        "plot": png,
+    }
 
 
 # Steps of a process's start, in order, as (stamp, label): each step's time runs from the
 # stamp before it (the first from the parent's spawn) to its own.
-READY_STEPS = {"entered": "python + imports", "engine_built": "engine: JAX, model, L3 opened",
-               "warm": "warm-up (compiles)", "first_token": "first request to its first token"}
+READY_STEPS = {
+    "entered": "python + imports",
+    "engine_built": "engine: JAX, model, L3 opened",
+    "warm": "warm-up (compiles)",
+    "first_token": "first request to its first token",
+}
 
 
 def time_to_first_token(phase: dict) -> dict:
@@ -932,8 +1197,11 @@ def _restart_phase_run(args, progress: Progress) -> dict:
     progress.phase(f"building and compiling the engine (model {args.model}; imports JAX)")
     engine = build_engine(args, args.prompt_len + args.answer_len + 16)
     stamps["engine_built"] = time.time()
-    index_s = (engine.storage.storage.metrics.snapshot().get("index_rebuild_seconds")  # the store's own counter
-               if engine.storage is not None else None)
+    index_s = (
+        engine.storage.storage.metrics.snapshot().get("index_rebuild_seconds")  # the store's own counter
+        if engine.storage is not None
+        else None
+    )
     progress.phase("warm-up (untimed, other tokens)")
     vocab = engine.model_config.vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
@@ -956,7 +1224,14 @@ def _restart_phase_run(args, progress: Progress) -> dict:
         progress.advance(1, f"TTFT {res[-1].ttft_s * 1e3:,.0f} ms ({serving_tier(res[-1])})")
     progress.phase("flushing L3 and closing" if args.phase == "write" else "closing")
     engine.close()  # the write phase's L3 pages are all on disk when the process exits
-    return {"pid": os.getpid(), "phase": args.phase, "model": args.model, "tokens": [r.tokens for r in res],
-            "ttft_s": [r.ttft_s for r in res], "ttft_mean_s": statistics.fmean(r.ttft_s for r in res),
-            "cached": {t: sum(r.cached_tokens[t] for r in res) for t in ("device", "host", "storage")},
-            "stamps": stamps, "l3_index_seconds": index_s}
+    return {
+        "pid": os.getpid(),
+        "phase": args.phase,
+        "model": args.model,
+        "tokens": [r.tokens for r in res],
+        "ttft_s": [r.ttft_s for r in res],
+        "ttft_mean_s": statistics.fmean(r.ttft_s for r in res),
+        "cached": {t: sum(r.cached_tokens[t] for r in res) for t in ("device", "host", "storage")},
+        "stamps": stamps,
+        "l3_index_seconds": index_s,
+    }

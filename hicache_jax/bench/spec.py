@@ -78,19 +78,34 @@ def _run(args, progress: Progress) -> dict:
     pair = load_pair(TOY_PAIR_PATH if args.weights == "toy" else args.weights)
     cfg = pair.config
     period = args.period or int(pair.meta.get("periods", [32, 32])[-1])
-    for name, v, low in (("--period", period, 1), ("--prompt-len", args.prompt_len, 2), ("--k", args.k, 1),
-                         ("--new-tokens", args.new_tokens, 2), ("--reps", args.reps, 1)):
+    for name, v, low in (
+        ("--period", period, 1),
+        ("--prompt-len", args.prompt_len, 2),
+        ("--k", args.k, 1),
+        ("--new-tokens", args.new_tokens, 2),
+        ("--reps", args.reps, 1),
+    ):
         if v < low:
             raise SystemExit(f"{name}: expected >= {low}, got {v}")
     page = args.page_size
     max_context = args.max_context or args.prompt_len + args.new_tokens + 2 * args.k + page
     device_pages = args.device_pages or 3 * -(-max_context // page)
-    cache = EngineCacheConfig(page_size=page, device_pages=device_pages, host=HostPoolConfig(ratio=4.0),
-                              max_batch=1, prefill_chunk=args.prefill_chunk, max_context=max_context,
-                              worker_nice=args.worker_nice,
-                              storage=StorageConfig(backend=args.storage_backend, path=args.storage_dir,
-                                                    prefetch_policy="wait_complete", prefetch_threshold_tokens=page,
-                                                    worker_nice=args.worker_nice))
+    cache = EngineCacheConfig(
+        page_size=page,
+        device_pages=device_pages,
+        host=HostPoolConfig(ratio=4.0),
+        max_batch=1,
+        prefill_chunk=args.prefill_chunk,
+        max_context=max_context,
+        worker_nice=args.worker_nice,
+        storage=StorageConfig(
+            backend=args.storage_backend,
+            path=args.storage_dir,
+            prefetch_policy="wait_complete",
+            prefetch_threshold_tokens=page,
+            worker_nice=args.worker_nice,
+        ),
+    )
     rng = np.random.default_rng(args.seed)
 
     def pattern_prompt() -> list[int]:
@@ -100,8 +115,9 @@ def _run(args, progress: Progress) -> dict:
     warm = [pattern_prompt() for _ in range(args.reps)]
 
     def engine(backing: bool, warm_prompt: list[int]) -> "Engine":
-        e = Engine(cfg, cache, spec=SpecConfig(num_draft_tokens=args.k, draft_backing=backing), weights=pair,
-                   ranks=rank)
+        e = Engine(
+            cfg, cache, spec=SpecConfig(num_draft_tokens=args.k, draft_backing=backing), weights=pair, ranks=rank
+        )
         caches.append(e.cache)
         e.warmup()
         e.generate([warm_prompt], args.new_tokens)  # compiles the transfer paths; fills both pools
@@ -113,8 +129,11 @@ def _run(args, progress: Progress) -> dict:
     caches = []  # every engine's cache, for the agreement counts of a rank
     progress.phase("the first engine: compiling every step shape (the later engines reuse the programs)")
     first = engine(True, warm[0])
-    progress.phase("serving: per prompt an engine for cold + L1, then two restarted ones (L3 with and without "
-                   "draft backing), each warmed up on another prompt first", 4 * args.reps)
+    progress.phase(
+        "serving: per prompt an engine for cold + L1, then two restarted ones (L3 with and without "
+        "draft backing), each warmed up on another prompt first",
+        4 * args.reps,
+    )
     for r, prompt in enumerate(prompts):
         e = first if r == 0 else engine(True, warm[r])
         results["cold"].append(e.generate([prompt], args.new_tokens)[0])
@@ -126,8 +145,7 @@ def _run(args, progress: Progress) -> dict:
             e = engine(backing, warm[r])  # the restart: new pools, tree and cache on the same L3
             results[case].append(e.generate([prompt], args.new_tokens)[0])
             e.close()
-            progress.advance(1, f"prompt {r + 1}: restart, {case}, accept length "
-                                f"{results[case][-1].accept_length:.2f}")
+            progress.advance(1, f"prompt {r + 1}: restart, {case}, accept length {results[case][-1].accept_length:.2f}")
 
     summary = {}
     for case, res in results.items():
@@ -135,34 +153,76 @@ def _run(args, progress: Progress) -> dict:
         summary[case] = {
             "accept_length": float(np.mean([x.accept_length for x in res])),
             "accept_length_per_prompt": [x.accept_length for x in res],
-            "tpot_s": statistics.median(tpot), "e2e_s": statistics.median(x.latency_s for x in res),
+            "tpot_s": statistics.median(tpot),
+            "e2e_s": statistics.median(x.latency_s for x in res),
             "ttft_s": statistics.median(x.ttft_s for x in res),
-            "tpot_all_s": tpot, "e2e_all_s": [x.latency_s for x in res], "ttft_all_s": [x.ttft_s for x in res],
-            "cached_tokens": {t: int(statistics.median(x.cached_tokens[t] for x in res))
-                              for t in ("device", "host", "storage")},
+            "tpot_all_s": tpot,
+            "e2e_all_s": [x.latency_s for x in res],
+            "ttft_all_s": [x.ttft_s for x in res],
+            "cached_tokens": {
+                t: int(statistics.median(x.cached_tokens[t] for x in res)) for t in ("device", "host", "storage")
+            },
             "same_tokens_as_cold": [x.tokens for x in res] == [x.tokens for x in results["cold"]],
-            "per_prompt": [{"accept_lengths": x.accept_lengths, "ttft_s": x.ttft_s, "latency_s": x.latency_s,
-                            "cached_tokens": x.cached_tokens} for x in res]}
+            "per_prompt": [
+                {
+                    "accept_lengths": x.accept_lengths,
+                    "ttft_s": x.ttft_s,
+                    "latency_s": x.latency_s,
+                    "cached_tokens": x.cached_tokens,
+                }
+                for x in res
+            ],
+        }
     l1 = summary["L1"]["accept_length"]
-    ratios = {"restored_over_l1": summary["L3 + draft"]["accept_length"] / l1,
-              "no_draft_over_l1": summary["L3, no draft"]["accept_length"] / l1,
-              "tpot_no_draft_over_restored": summary["L3, no draft"]["tpot_s"] / summary["L3 + draft"]["tpot_s"]}
-    config = (f"toy pair ({cfg.num_layers}-layer target, 1-block draft, vocab {cfg.vocab_size}), k={args.k}, "
-              f"{args.prompt_len}-token prompt of period {period}, {args.new_tokens} new tokens, page {page}, "
-              f"L3 {args.storage_backend}, median of {args.reps} prompt(s)")
-    rows = [[c, s["cached_tokens"]["device"], s["cached_tokens"]["storage"], s["accept_length"], s["tpot_s"] * 1e3,
-             s["e2e_s"] * 1e3, s["ttft_s"] * 1e3, s["same_tokens_as_cold"]] for c, s in summary.items()]
-    print_table(f"speculative decoding: {config}",
-                ["case", "L1 tokens", "L3 tokens", "accept length", "TPOT ms", "E2E ms", "TTFT ms", "same tokens"],
-                rows)
-    print(f"accept length restored (L3 + draft) / L1 hit: {ratios['restored_over_l1']:.3f}; "
-          f"without draft backing / L1 hit: {ratios['no_draft_over_l1']:.3f}; "
-          f"TPOT without / with draft backing: x{ratios['tpot_no_draft_over_restored']:.2f}")
-    png = plots.spec_plot(args.out.rsplit(".", 1)[0] + ".png",
-                          "Speculative decoding: accept length and latency with the draft KV from each tier",
-                          config, summary, args.k)
-    out = {"benchmark": "spec", "machine": machine_info(), "config": vars(args), "weights_meta": pair.meta,
-           "cases": summary, "ratios": ratios, "plot": png}
+    ratios = {
+        "restored_over_l1": summary["L3 + draft"]["accept_length"] / l1,
+        "no_draft_over_l1": summary["L3, no draft"]["accept_length"] / l1,
+        "tpot_no_draft_over_restored": summary["L3, no draft"]["tpot_s"] / summary["L3 + draft"]["tpot_s"],
+    }
+    config = (
+        f"toy pair ({cfg.num_layers}-layer target, 1-block draft, vocab {cfg.vocab_size}), k={args.k}, "
+        f"{args.prompt_len}-token prompt of period {period}, {args.new_tokens} new tokens, page {page}, "
+        f"L3 {args.storage_backend}, median of {args.reps} prompt(s)"
+    )
+    rows = [
+        [
+            c,
+            s["cached_tokens"]["device"],
+            s["cached_tokens"]["storage"],
+            s["accept_length"],
+            s["tpot_s"] * 1e3,
+            s["e2e_s"] * 1e3,
+            s["ttft_s"] * 1e3,
+            s["same_tokens_as_cold"],
+        ]
+        for c, s in summary.items()
+    ]
+    print_table(
+        f"speculative decoding: {config}",
+        ["case", "L1 tokens", "L3 tokens", "accept length", "TPOT ms", "E2E ms", "TTFT ms", "same tokens"],
+        rows,
+    )
+    print(
+        f"accept length restored (L3 + draft) / L1 hit: {ratios['restored_over_l1']:.3f}; "
+        f"without draft backing / L1 hit: {ratios['no_draft_over_l1']:.3f}; "
+        f"TPOT without / with draft backing: x{ratios['tpot_no_draft_over_restored']:.2f}"
+    )
+    png = plots.spec_plot(
+        args.out.rsplit(".", 1)[0] + ".png",
+        "Speculative decoding: accept length and latency with the draft KV from each tier",
+        config,
+        summary,
+        args.k,
+    )
+    out = {
+        "benchmark": "spec",
+        "machine": machine_info(),
+        "config": vars(args),
+        "weights_meta": pair.meta,
+        "cases": summary,
+        "ratios": ratios,
+        "plot": png,
+    }
     # With --num-processes: every case's tokens, and the agreement counts summed over every
     # engine this rank ran (cold + L1 and each restart), go to the parent.
     ranks.report_rank(caches, out, {c: [x.tokens for x in res] for c, res in results.items()})

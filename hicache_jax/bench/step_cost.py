@@ -42,9 +42,14 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .options import (STEP_COST_GOAL_FINISHES as GOAL_FINISHES, STEP_COST_GOAL_IN_FLIGHT as GOAL_IN_FLIGHT,
-                      pages_for as _pages_for, step_cost_device_pages as _device_pages,
-                      step_cost_max_conversation as _max_conversation, step_cost_max_new as _max_new)
+from .options import (
+    STEP_COST_GOAL_FINISHES as GOAL_FINISHES,
+    STEP_COST_GOAL_IN_FLIGHT as GOAL_IN_FLIGHT,
+    pages_for as _pages_for,
+    step_cost_device_pages as _device_pages,
+    step_cost_max_conversation as _max_conversation,
+    step_cost_max_new as _max_new,
+)
 from .report import percentile
 
 if TYPE_CHECKING:
@@ -153,8 +158,9 @@ class _Sim:
         self.host_pages = int(HOST_RATIO * self.device_pages)
         device, host, engine = make_numpy_backend(self.geom, self.device_pages, self.host_pages)
         self.allocator = device.allocator
-        self.cache = HiRadixCache(HiCacheConfig(page_size=args.page_size, write_policy="write_through"), engine,
-                                  device.allocator)
+        self.cache = HiRadixCache(
+            HiCacheConfig(page_size=args.page_size, write_policy="write_through"), engine, device.allocator
+        )
         self.event_counts: dict[str, int] = {}
         self.batches = 0
         self.events = None
@@ -207,7 +213,7 @@ class _Sim:
             n = seq.prompt_len
             tokens = seq.tokens
             prompt = tokens[:n]
-            key = RadixKey(prompt[:n - 1])  # the last prompt token is always computed
+            key = RadixKey(prompt[: n - 1])  # the last prompt token is always computed
             total = _pages_for(n + self.max_new - 1, page)
             on_device, _ = cache.peek_prefix(key)
             if total - on_device // page > self.allocator.available + cache.evictable_tokens // page:
@@ -224,8 +230,10 @@ class _Sim:
             pages = cache.alloc_device(total - req.device_pages.shape[0])
             lap("alloc_device")
             if pages is None:
-                raise RuntimeError(f"bench step-cost: the device pool ({self.device_pages} pages) could not give "
-                                   f"{total - req.device_pages.shape[0]} pages; the pool sizing is wrong")
+                raise RuntimeError(
+                    f"bench step-cost: the device pool ({self.device_pages} pages) could not give "
+                    f"{total - req.device_pages.shape[0]} pages; the pool sizing is wrong"
+                )
             prompt_pages = _pages_for(n, page) - req.device_pages.shape[0]
             req.extend(RadixKey(prompt), pages[:prompt_pages])
             seq.reserve = pages[prompt_pages:]
@@ -262,7 +270,7 @@ class _Sim:
         clock.stop()
         self.finished += len(done)
         for seq in done:
-            self.follow_ups.append(seq.tokens[:seq.n])  # the conversation so far: prompt and answer
+            self.follow_ups.append(seq.tokens[: seq.n])  # the conversation so far: prompt and answer
         while len(self.follow_ups) > 4 * self.args.in_flight:
             self.follow_ups.popleft()
         clock.start("events")
@@ -273,8 +281,13 @@ class _Sim:
 
 
 def _summary(values: list[float]) -> dict:
-    return {"median": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
-            "mean": sum(values) / len(values) if values else float("nan"), "max": max(values, default=float("nan"))}
+    return {
+        "median": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "mean": sum(values) / len(values) if values else float("nan"),
+        "max": max(values, default=float("nan")),
+    }
 
 
 def _where(filename: str) -> str:
@@ -294,17 +307,32 @@ def _profile_rows(prof: cProfile.Profile, steps: int) -> dict[str, list[dict]]:
     rows = []
     for (filename, line, name), (_cc, nc, tt, ct, _callers) in stats.items():
         where = f"{_where(filename)}:{line}({name})" if line else name
-        rows.append({"function": where, "calls_per_step": nc / steps, "own_ms_per_step": tt * 1e3 / steps,
-                     "cumulative_ms_per_step": ct * 1e3 / steps})
+        rows.append(
+            {
+                "function": where,
+                "calls_per_step": nc / steps,
+                "own_ms_per_step": tt * 1e3 / steps,
+                "cumulative_ms_per_step": ct * 1e3 / steps,
+            }
+        )
     by_own = sorted(rows, key=lambda r: -r["own_ms_per_step"])[:TOP]
     by_cum = sorted(rows, key=lambda r: -r["cumulative_ms_per_step"])[:TOP]
     return {"by_own_time": by_own, "by_cumulative_time": by_cum}
 
 
 def _metric_deltas(before: dict, after: dict) -> dict:
-    keys = ("match_calls", "device_hit_tokens", "host_match_tokens", "loaded_tokens", "backup_tokens",
-            "evicted_device_tokens", "evicted_host_tokens", "reclaimed_host_tokens", "evict_calls",
-            "evict_host_calls")
+    keys = (
+        "match_calls",
+        "device_hit_tokens",
+        "host_match_tokens",
+        "loaded_tokens",
+        "backup_tokens",
+        "evicted_device_tokens",
+        "evicted_host_tokens",
+        "reclaimed_host_tokens",
+        "evict_calls",
+        "evict_host_calls",
+    )
     return {k: after[k] - before[k] for k in keys if k in before and k in after}
 
 
@@ -319,8 +347,10 @@ def _run(args, progress) -> dict:
     progress.phase("building the cache (numpy backend, write_through, KV events subscribed)")
     sim = _Sim(args, clock)
     f, n = args.finishes_per_step, args.in_flight
-    progress.note(f"{n} in flight, {f} finishing per step, prompts of {args.prompt_len} tokens, page {args.page_size}; "
-                  f"device pool {sim.device_pages} pages, host {sim.host_pages}")
+    progress.note(
+        f"{n} in flight, {f} finishing per step, prompts of {args.prompt_len} tokens, page {args.page_size}; "
+        f"device pool {sim.device_pages} pages, host {sim.host_pages}"
+    )
     # Fill: admit finishes_per_step requests a step, finishing nothing, until in_flight -
     # finishes_per_step run; from then on every step admits finishes_per_step (in_flight run its
     # decode step, as the engine's max_batch bounds them) and finishes as many, the oldest.
@@ -353,8 +383,14 @@ def _run(args, progress) -> dict:
             progress.advance(i + 1 - shown, f"last step {cpu_steps[-1]:.2f} ms CPU")
             shown = i + 1
     measured = {"admitted": sim.admitted - admitted0, "finished": sim.finished - finished0}
-    by_call = {name: {"calls_per_step": c / args.steps, "us_per_call": ns / 1e3 / c if c else 0.0,
-                      "ms_per_step": ns / 1e6 / args.steps} for name, (ns, c) in clock.calls.items()}
+    by_call = {
+        name: {
+            "calls_per_step": c / args.steps,
+            "us_per_call": ns / 1e3 / c if c else 0.0,
+            "ms_per_step": ns / 1e6 / args.steps,
+        }
+        for name, (ns, c) in clock.calls.items()
+    }
     after = _counters(sim.cache)
     events = {k: sim.event_counts.get(k, 0) - events_before.get(k, 0) for k in sim.event_counts}
     profile = None
@@ -371,8 +407,11 @@ def _run(args, progress) -> dict:
         clock.profile = None
     # The running requests' own pages (after the tree's prefix, and their reserves): the tree,
     # the free list and these add up to the pool.
-    sim.cache.sanity_check(external_device_pages=sum(int(s.req.device_pages.shape[0] - s.req.cached_pages)
-                                                     + int(s.reserve.size) for s in sim.running))
+    sim.cache.sanity_check(
+        external_device_pages=sum(
+            int(s.req.device_pages.shape[0] - s.req.cached_pages) + int(s.reserve.size) for s in sim.running
+        )
+    )
     if sim.events is not None:
         sim.events.close()
     sim.cache.close()
@@ -383,15 +422,19 @@ def _run(args, progress) -> dict:
     per_finish_us = {k: v * 1e3 / f for k, v in cpu.items()}
     at_goal_size = n >= GOAL_IN_FLIGHT and f >= GOAL_FINISHES and not args.quick
     met = per_64["median"] <= GOAL_CPU_MS
-    goal = {"name": "step_cpu_ms_per_64_finishes", "threshold_ms": GOAL_CPU_MS,
-            "text": f"scheduler step CPU <= {GOAL_CPU_MS:g} ms per {GOAL_FINISHES} finishes at {GOAL_IN_FLIGHT} in "
-                    f"flight",
-            "value_ms": per_64["median"], "ratio_to_goal": per_64["median"] / GOAL_CPU_MS,
-            "status": ("met" if met else "missed") if at_goal_size else "not comparable",
-            "would_meet": met}
+    goal = {
+        "name": "step_cpu_ms_per_64_finishes",
+        "threshold_ms": GOAL_CPU_MS,
+        "text": f"scheduler step CPU <= {GOAL_CPU_MS:g} ms per {GOAL_FINISHES} finishes at {GOAL_IN_FLIGHT} in flight",
+        "value_ms": per_64["median"],
+        "ratio_to_goal": per_64["median"] / GOAL_CPU_MS,
+        "status": ("met" if met else "missed") if at_goal_size else "not comparable",
+        "would_meet": met,
+    }
     if not at_goal_size:
-        goal["not_comparable_because"] = ("--quick" if args.quick else
-                                          f"fewer than {GOAL_IN_FLIGHT} in flight or {GOAL_FINISHES} finishes a step")
+        goal["not_comparable_because"] = (
+            "--quick" if args.quick else f"fewer than {GOAL_IN_FLIGHT} in flight or {GOAL_FINISHES} finishes a step"
+        )
     machine = machine_info()
     machine.update(platform=platform.platform(), processor=platform.processor() or platform.machine())
     try:
@@ -399,52 +442,84 @@ def _run(args, progress) -> dict:
     except (AttributeError, OSError):  # pragma: no cover
         pass
 
-    rows = [["CPU ms / step", *(cpu[k] for k in ("median", "p90", "p99", "mean"))],
-            ["wall ms / step", *(wall[k] for k in ("median", "p90", "p99", "mean"))],
-            [f"CPU ms / step per {GOAL_FINISHES} finishes", *(per_64[k] for k in ("median", "p90", "p99", "mean"))],
-            ["CPU us / finish", *(per_finish_us[k] for k in ("median", "p90", "p99", "mean"))]]
+    rows = [
+        ["CPU ms / step", *(cpu[k] for k in ("median", "p90", "p99", "mean"))],
+        ["wall ms / step", *(wall[k] for k in ("median", "p90", "p99", "mean"))],
+        [f"CPU ms / step per {GOAL_FINISHES} finishes", *(per_64[k] for k in ("median", "p90", "p99", "mean"))],
+        ["CPU us / finish", *(per_finish_us[k] for k in ("median", "p90", "p99", "mean"))],
+    ]
     for p in _Clock.PHASES:
         s = _summary(phase_cpu[p])
         rows.append([f"  {p}: CPU ms / step", s["median"], s["p90"], s["p99"], s["mean"]])
     load = ", ".join(f"{x:.2f}" for x in machine.get("load_average_1_5_15", []))
-    print_table(f"bench step-cost: cache CPU per scheduler step, {n} in flight, {f} finishes + {f} admissions per "
-                f"step, {args.steps} steps (numpy backend, write_through, KV events {args.events}; "
-                f"{machine.get('cpus')} CPUs, load {load})",
-                ["", "median", "p90", "p99", "mean"], rows)
+    print_table(
+        f"bench step-cost: cache CPU per scheduler step, {n} in flight, {f} finishes + {f} admissions per "
+        f"step, {args.steps} steps (numpy backend, write_through, KV events {args.events}; "
+        f"{machine.get('cpus')} CPUs, load {load})",
+        ["", "median", "p90", "p99", "mean"],
+        rows,
+    )
     act = _metric_deltas(before, after)
     per = {k: v / args.steps for k, v in act.items()}
-    print(f"per measured step: {per.get('match_calls', 0):g} matches, {per.get('device_hit_tokens', 0):,.0f} "
-          f"device-hit and {per.get('loaded_tokens', 0):,.0f} loaded-back tokens, {per.get('backup_tokens', 0):,.0f} "
-          f"tokens backed up, {per.get('evicted_device_tokens', 0):,.0f} device / "
-          f"{per.get('evicted_host_tokens', 0):,.0f} host tokens evicted, {sum(events.values()) / args.steps:,.0f} "
-          f"KV events")
-    print(f"goal: {goal['text']}: median {per_64['median']:.3f} ms per {GOAL_FINISHES} finishes = "
-          f"x{goal['ratio_to_goal']:.2f} the goal -> {goal['status']}"
-          + (f" ({goal['not_comparable_because']}; would {'' if met else 'not '}meet it)" if not at_goal_size else ""))
-    print_table(f"wall time by cache call (mean over the {args.steps} measured steps; the timed blocks also hold the "
-                f"key building the engine does for each call)",
-                ["call", "calls / step", "us / call", "ms / step"],
-                [[name, r["calls_per_step"], r["us_per_call"], r["ms_per_step"]] for name, r in by_call.items()])
+    print(
+        f"per measured step: {per.get('match_calls', 0):g} matches, {per.get('device_hit_tokens', 0):,.0f} "
+        f"device-hit and {per.get('loaded_tokens', 0):,.0f} loaded-back tokens, {per.get('backup_tokens', 0):,.0f} "
+        f"tokens backed up, {per.get('evicted_device_tokens', 0):,.0f} device / "
+        f"{per.get('evicted_host_tokens', 0):,.0f} host tokens evicted, {sum(events.values()) / args.steps:,.0f} "
+        f"KV events"
+    )
+    print(
+        f"goal: {goal['text']}: median {per_64['median']:.3f} ms per {GOAL_FINISHES} finishes = "
+        f"x{goal['ratio_to_goal']:.2f} the goal -> {goal['status']}"
+        + (f" ({goal['not_comparable_because']}; would {'' if met else 'not '}meet it)" if not at_goal_size else "")
+    )
+    print_table(
+        f"wall time by cache call (mean over the {args.steps} measured steps; the timed blocks also hold the "
+        f"key building the engine does for each call)",
+        ["call", "calls / step", "us / call", "ms / step"],
+        [[name, r["calls_per_step"], r["us_per_call"], r["ms_per_step"]] for name, r in by_call.items()],
+    )
     if profile is not None:
-        for title, key, rows_ in (("own time", "own_ms_per_step", profile["by_own_time"]),
-                                  ("cumulative time", "cumulative_ms_per_step", profile["by_cumulative_time"])):
-            print_table(f"profile: top {TOP} by {title} (cProfile, {args.profile_steps} steps; ms per step under the "
-                        f"profiler, which inflates them)",
-                        ["function", "calls / step", "ms / step"],
-                        [[r["function"], r["calls_per_step"], r[key]] for r in rows_])
+        for title, key, rows_ in (
+            ("own time", "own_ms_per_step", profile["by_own_time"]),
+            ("cumulative time", "cumulative_ms_per_step", profile["by_cumulative_time"]),
+        ):
+            print_table(
+                f"profile: top {TOP} by {title} (cProfile, {args.profile_steps} steps; ms per step under the "
+                f"profiler, which inflates them)",
+                ["function", "calls / step", "ms / step"],
+                [[r["function"], r["calls_per_step"], r[key]] for r in rows_],
+            )
     return {
         "benchmark": NAME,
         "machine": machine,
-        "config": {**vars(args), "device_pages": sim.device_pages, "host_pages": sim.host_pages,
-                   "max_new_tokens": sim.max_new, "system_prompts": SYSTEM_PROMPTS, "system_share": SYSTEM_SHARE,
-                   "follow_up": FOLLOW_UP, "write_policy": "write_through", "backend": "numpy",
-                   "kv_geometry": {"layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"}},
+        "config": {
+            **vars(args),
+            "device_pages": sim.device_pages,
+            "host_pages": sim.host_pages,
+            "max_new_tokens": sim.max_new,
+            "system_prompts": SYSTEM_PROMPTS,
+            "system_share": SYSTEM_SHARE,
+            "follow_up": FOLLOW_UP,
+            "write_policy": "write_through",
+            "backend": "numpy",
+            "kv_geometry": {"layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"},
+        },
         "warmup_steps_run": warm,
         # over the whole run (warm-up, measured and profiled steps): what the benchmark drove
-        "totals": {"admitted": sim.admitted, "finished": sim.finished, "running_at_end": len(sim.running),
-                   "steps": warm + args.steps + args.profile_steps},
-        "measured": {**measured, "steps": args.steps, "in_flight": n,
-                     "follow_ups_sent_total": sim.follow_ups_sent, "flushes_short_of_room_total": sim.flushes},
+        "totals": {
+            "admitted": sim.admitted,
+            "finished": sim.finished,
+            "running_at_end": len(sim.running),
+            "steps": warm + args.steps + args.profile_steps,
+        },
+        "measured": {
+            **measured,
+            "steps": args.steps,
+            "in_flight": n,
+            "follow_ups_sent_total": sim.follow_ups_sent,
+            "flushes_short_of_room_total": sim.flushes,
+        },
         "cpu_ms_per_step": cpu,
         "wall_ms_per_step": wall,
         "cpu_ms_per_step_per_64_finishes": per_64,

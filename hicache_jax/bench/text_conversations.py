@@ -70,10 +70,12 @@ def module_docstring(name: str) -> str:
 
 # After the document: how the questions are answered, shown once (a base checkpoint follows an
 # example far better than an instruction), then the conversation's own questions.
-ANSWER_STYLE = ("\n\nQuestions about the text above, each answered in one or two plain sentences.\n\n"
-                "Question: What is this text about?\nAnswer: It documents part of a Python package that keeps "
-                "the attention keys and values of earlier requests, so that a new request with the same "
-                "beginning is answered faster.")
+ANSWER_STYLE = (
+    "\n\nQuestions about the text above, each answered in one or two plain sentences.\n\n"
+    "Question: What is this text about?\nAnswer: It documents part of a Python package that keeps "
+    "the attention keys and values of earlier requests, so that a new request with the same "
+    "beginning is answered faster."
+)
 # An answer ends at its paragraph's end (the token of a blank line), or at most ``answer_len``.
 PARAGRAPH_END = "\n\n"
 
@@ -117,7 +119,7 @@ class TextConversations:
         q = QUESTIONS[self.question_order[client][rnd % len(QUESTIONS)]]
         ids = self.tokenizer.encode(f"Question: {q}\nAnswer:", add_special_tokens=False)
         h = self.histories[client]
-        return ids if h[-len(self._break):] == self._break else self._break + ids
+        return ids if h[-len(self._break) :] == self._break else self._break + ids
 
     def prompts(self) -> tuple[list[list[int]], list[float]]:
         a = self.args
@@ -134,11 +136,16 @@ class TextConversations:
     def max_context(self, rounds: int, answer_len: int) -> int:
         """An upper bound of the longest prompt + answer over ``rounds`` rounds."""
         longest_q = len(self._break) + max(
-            len(self.tokenizer.encode(f"Question: {q}\nAnswer:", add_special_tokens=False)) for q in QUESTIONS)
+            len(self.tokenizer.encode(f"Question: {q}\nAnswer:", add_special_tokens=False)) for q in QUESTIONS
+        )
         return max(len(h) for h in self.histories) + rounds * (longest_q + answer_len) + 16
 
     def transcript(self, client: int) -> list[tuple[str, str]]:
         """Client ``client``'s (question, answer) pairs so far, as text."""
-        return [(QUESTIONS[self.question_order[client][r % len(QUESTIONS)]],
-                 self.tokenizer.decode(ans, skip_special_tokens=True).strip())
-                for r, ans in enumerate(self.answers[client])]
+        return [
+            (
+                QUESTIONS[self.question_order[client][r % len(QUESTIONS)]],
+                self.tokenizer.decode(ans, skip_special_tokens=True).strip(),
+            )
+            for r, ans in enumerate(self.answers[client])
+        ]

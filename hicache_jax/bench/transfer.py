@@ -59,8 +59,12 @@ def _raw_seconds(nbytes: int, reps: int) -> dict[str, float]:
         h2d = lambda: jax.device_put(src, dev).block_until_ready()
         d2h = lambda: np.asarray(on_device + 0)
     dst = np.empty_like(src)
-    return {"h2d": median_seconds(h2d, reps), "d2h": median_seconds(d2h, reps),
-            "memcpy": median_seconds(lambda: np.copyto(dst, src), reps), "kind": kind or "numpy"}
+    return {
+        "h2d": median_seconds(h2d, reps),
+        "d2h": median_seconds(d2h, reps),
+        "memcpy": median_seconds(lambda: np.copyto(dst, src), reps),
+        "kind": kind or "numpy",
+    }
 
 
 class HostCopyCounter:
@@ -113,9 +117,14 @@ def _run(args, progress: Progress) -> dict:
         device_pages = max(2 * n, 64)
         dev = JaxDevicePool(geom, device_pages)
         host = pinned_host_pool(geom, n, layout)  # plain numpy where there is no pinned memory
-        eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(impl=args.impl, max_pages=device_pages),
-                                host_copy=args.host_copy, stream_loop=args.stream_loop,
-                                stream_unroll=args.stream_unroll)
+        eng = JaxTransferEngine(
+            dev,
+            host,
+            copy_config=PageCopyConfig(impl=args.impl, max_pages=device_pages),
+            host_copy=args.host_copy,
+            stream_loop=args.stream_loop,
+            stream_unroll=args.stream_unroll,
+        )
         counter = HostCopyCounter(host)
         rng = np.random.default_rng(0)
         for c in geom.components:  # random KV, never zeros
@@ -136,35 +145,86 @@ def _run(args, progress: Progress) -> dict:
         h2d_cpu = counter.take() / (both * (args.reps + 1))
         raw = raw_cache.get(both) or raw_cache.setdefault(both, _raw_seconds(both, args.reps))
         eng.close()
-        r = dict(page_size=page, pages=n, layout=layout, mib_per_component=one_comp / 2**20, host_copy=eng.host_copy,
-                 gather_gbps=gbps(one_comp, g_s), scatter_gbps=gbps(one_comp, s_s),
-                 raw_device_copy_gbps=gbps(one_comp, raw_dd),
-                 d2h_gbps=gbps(both, d2h_s), raw_d2h_gbps=gbps(both, raw["d2h"]),
-                 host_memcpy_gbps=gbps(both, raw["memcpy"]),
-                 h2d_gbps=gbps(both, h2d_s), raw_h2d_gbps=gbps(both, raw["h2d"]),
-                 raw_host_memory=raw["kind"], d2h_cpu_bytes_per_byte=d2h_cpu, h2d_cpu_bytes_per_byte=h2d_cpu)
-        r.update(gather_vs_raw=r["gather_gbps"] / r["raw_device_copy_gbps"],
-                 scatter_vs_raw=r["scatter_gbps"] / r["raw_device_copy_gbps"],
-                 d2h_vs_raw=r["d2h_gbps"] / r["raw_d2h_gbps"], d2h_vs_memcpy=r["d2h_gbps"] / r["host_memcpy_gbps"],
-                 h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"], h2d_vs_memcpy=r["h2d_gbps"] / r["host_memcpy_gbps"])
+        r = dict(
+            page_size=page,
+            pages=n,
+            layout=layout,
+            mib_per_component=one_comp / 2**20,
+            host_copy=eng.host_copy,
+            gather_gbps=gbps(one_comp, g_s),
+            scatter_gbps=gbps(one_comp, s_s),
+            raw_device_copy_gbps=gbps(one_comp, raw_dd),
+            d2h_gbps=gbps(both, d2h_s),
+            raw_d2h_gbps=gbps(both, raw["d2h"]),
+            host_memcpy_gbps=gbps(both, raw["memcpy"]),
+            h2d_gbps=gbps(both, h2d_s),
+            raw_h2d_gbps=gbps(both, raw["h2d"]),
+            raw_host_memory=raw["kind"],
+            d2h_cpu_bytes_per_byte=d2h_cpu,
+            h2d_cpu_bytes_per_byte=h2d_cpu,
+        )
+        r.update(
+            gather_vs_raw=r["gather_gbps"] / r["raw_device_copy_gbps"],
+            scatter_vs_raw=r["scatter_gbps"] / r["raw_device_copy_gbps"],
+            d2h_vs_raw=r["d2h_gbps"] / r["raw_d2h_gbps"],
+            d2h_vs_memcpy=r["d2h_gbps"] / r["host_memcpy_gbps"],
+            h2d_vs_raw=r["h2d_gbps"] / r["raw_h2d_gbps"],
+            h2d_vs_memcpy=r["h2d_gbps"] / r["host_memcpy_gbps"],
+        )
         results.append(r)
-        rows.append([page, n, layout, r["mib_per_component"], r["gather_gbps"], r["gather_vs_raw"],
-                     r["scatter_gbps"], r["scatter_vs_raw"], r["d2h_gbps"], r["d2h_vs_raw"], r["d2h_vs_memcpy"],
-                     d2h_cpu, r["h2d_gbps"], r["h2d_vs_raw"], r["h2d_vs_memcpy"], h2d_cpu])
+        rows.append(
+            [
+                page,
+                n,
+                layout,
+                r["mib_per_component"],
+                r["gather_gbps"],
+                r["gather_vs_raw"],
+                r["scatter_gbps"],
+                r["scatter_vs_raw"],
+                r["d2h_gbps"],
+                r["d2h_vs_raw"],
+                r["d2h_vs_memcpy"],
+                d2h_cpu,
+                r["h2d_gbps"],
+                r["h2d_vs_raw"],
+                r["h2d_vs_memcpy"],
+                h2d_cpu,
+            ]
+        )
         progress.advance(1, f"page {page}, {n} pages, {layout}")
         if getattr(args, "out", None) and len(results) < len(cases):  # a run cut short keeps the cases it finished
             write_json(args.out, _payload(args, eng, host, results) | {"partial": True})
     impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
     raw_kind = results[-1]["raw_host_memory"] if results else "-"
-    print_table(f"KV page transfers: {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}, "
-                f"copy impl {impl}, host copies {eng.host_copy}"
-                f"{f' ({eng.stream_loop} loops x{eng.stream_unroll})' if eng.host_copy == 'xla_stream' else ''}, "
-                f"backend {jax.default_backend()} "
-                f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy into a reused buffer for "
-                f"gather/scatter, device_put to/from {raw_kind} for D2H/H2D and, the hardware's best there, a "
-                f"host memcpy into a reused buffer; CPU B/B = bytes host code copied per byte moved)",
-                ["page", "pages", "layout", "MiB/comp", "gather", "x dev copy", "scatter", "x dev copy",
-                 "D2H", "x raw D2H", "x memcpy", "CPU B/B", "H2D", "x raw H2D", "x memcpy", "CPU B/B"], rows)
+    print_table(
+        f"KV page transfers: {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}, "
+        f"copy impl {impl}, host copies {eng.host_copy}"
+        f"{f' ({eng.stream_loop} loops x{eng.stream_unroll})' if eng.host_copy == 'xla_stream' else ''}, "
+        f"backend {jax.default_backend()} "
+        f"(GB/s; x = ratio to the raw copy of the same bytes: a device copy into a reused buffer for "
+        f"gather/scatter, device_put to/from {raw_kind} for D2H/H2D and, the hardware's best there, a "
+        f"host memcpy into a reused buffer; CPU B/B = bytes host code copied per byte moved)",
+        [
+            "page",
+            "pages",
+            "layout",
+            "MiB/comp",
+            "gather",
+            "x dev copy",
+            "scatter",
+            "x dev copy",
+            "D2H",
+            "x raw D2H",
+            "x memcpy",
+            "CPU B/B",
+            "H2D",
+            "x raw H2D",
+            "x memcpy",
+            "CPU B/B",
+        ],
+        rows,
+    )
     payload = _payload(args, eng, host, results)
     if args.compare_impls:
         progress.phase("comparing gather / scatter implementations")
@@ -174,23 +234,54 @@ def _run(args, progress: Progress) -> dict:
 
 def _payload(args, eng, host, results: list[dict]) -> dict:
     impl = eng.copier.impl + (" (interpret)" if eng.copier.interpret else "")
-    return {"benchmark": "transfer", "machine": machine_info(), "copy_impl": impl, "host_copy": eng.host_copy,
-            "stream_loop": [eng.stream_loop, eng.stream_unroll], "host_pool_memory": host.memory_kind,
-            "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+    return {
+        "benchmark": "transfer",
+        "machine": machine_info(),
+        "copy_impl": impl,
+        "host_copy": eng.host_copy,
+        "stream_loop": [eng.stream_loop, eng.stream_unroll],
+        "host_pool_memory": host.memory_kind,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "results": results,
+    }
 
 
 def _compare(args) -> list[dict]:
     """Gather / scatter of each GPU implementation vs a raw device copy (one KV component)."""
     orders = sorted({HostLayout(l).transfer_order for l in args.layouts})
-    rows = compare_impls(["xla", "mgpu", "gpu"], args.page_sizes, args.page_counts or [16, 256, 1024], orders, args.layers,
-                         args.heads, args.head_dim, args.dtype, args.reps)
-    table = [[r["impl"], r["page_size"], r["pages"], r["order"], r["mib"], r.get("gather_gbps", "-"),
-              r.get("gather_vs_raw", "-"), r.get("scatter_gbps", "-"), r.get("scatter_vs_raw", "-"),
-              r.get("raw_copy_gbps", "-"), r.get("error", "")] for r in rows]
-    print_table(f"Page gather / scatter by implementation, backend {jax.default_backend()} "
-                f"(GB/s; x = ratio to a raw device copy of the same bytes)",
-                ["impl", "page", "pages", "order", "MiB", "gather", "x dev copy", "scatter", "x dev copy",
-                 "raw copy", "error"], table)
+    rows = compare_impls(
+        ["xla", "mgpu", "gpu"],
+        args.page_sizes,
+        args.page_counts or [16, 256, 1024],
+        orders,
+        args.layers,
+        args.heads,
+        args.head_dim,
+        args.dtype,
+        args.reps,
+    )
+    table = [
+        [
+            r["impl"],
+            r["page_size"],
+            r["pages"],
+            r["order"],
+            r["mib"],
+            r.get("gather_gbps", "-"),
+            r.get("gather_vs_raw", "-"),
+            r.get("scatter_gbps", "-"),
+            r.get("scatter_vs_raw", "-"),
+            r.get("raw_copy_gbps", "-"),
+            r.get("error", ""),
+        ]
+        for r in rows
+    ]
+    print_table(
+        f"Page gather / scatter by implementation, backend {jax.default_backend()} "
+        f"(GB/s; x = ratio to a raw device copy of the same bytes)",
+        ["impl", "page", "pages", "order", "MiB", "gather", "x dev copy", "scatter", "x dev copy", "raw copy", "error"],
+        table,
+    )
     return rows
 
 

@@ -56,8 +56,16 @@ from .tree_node import TreeNode
 class BackupIssuer:
     """Issues backups; see the module docstring."""
 
-    def __init__(self, residency: Residency, locks: PathLocks, ledger: TransferLedger, evictor: Evictor,
-                 metrics: CacheMetrics, page_size: int, evict_whole: bool = False) -> None:
+    def __init__(
+        self,
+        residency: Residency,
+        locks: PathLocks,
+        ledger: TransferLedger,
+        evictor: Evictor,
+        metrics: CacheMetrics,
+        page_size: int,
+        evict_whole: bool = False,
+    ) -> None:
         self.evict_whole = evict_whole  # host short: evict at least the node's size (``decisions``)
         self.res = residency
         self.locks = locks
@@ -248,8 +256,11 @@ class BackupIssuer:
                 if plans is None:
                     plans = {}
                 plans[comp.name] = plan
-        handle = ledger.components.backup(dev_ids, host_ids) if plans is None else \
-            ledger.components.backup(dev_ids, host_ids, plans)
+        handle = (
+            ledger.components.backup(dev_ids, host_ids)
+            if plans is None
+            else ledger.components.backup(dev_ids, host_ids, plans)
+        )
         m = self.metrics
         m.backup_tokens += tokens
         m.backup_bytes += host_ids.shape[0] * ledger.components.bytes_per_page
@@ -291,7 +302,7 @@ class BackupIssuer:
         p = self.page_size
         for c in chain:
             k = c.size // p
-            c.host_value = host_ids[off:off + k]
+            c.host_value = host_ids[off : off + k]
             c.parent.host_children += 1
             off += k
         if res.watch is not None:

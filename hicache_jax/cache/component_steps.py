@@ -91,9 +91,9 @@ class ComponentSteps:
     # ------------------------------------------------------------------ StepAgreement participant
     def prepare(self) -> None:
         unsent = [e for e in self.tracked.values() if e.unsent]
-        step = unsent[:self.budget]
+        step = unsent[: self.budget]
         if len(step) < self.budget:
-            step += [e for e in self.tracked.values() if e.dirty and not e.unsent][:self.budget - len(step)]
+            step += [e for e in self.tracked.values() if e.dirty and not e.unsent][: self.budget - len(step)]
         self._step = step
 
     def report(self, out: list[int]) -> None:

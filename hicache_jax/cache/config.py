@@ -61,8 +61,11 @@ class TreeDecisions(str, Enum):
 
 
 # Upstream thresholds: hits needed before a node is backed up (sglang's HiRadixCache write policies).
-_DEFAULT_WRITE_THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
-                            WritePolicy.WRITE_BACK: None}
+_DEFAULT_WRITE_THRESHOLD = {
+    WritePolicy.WRITE_THROUGH: 1,
+    WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
+    WritePolicy.WRITE_BACK: None,
+}
 
 
 @dataclass(frozen=True)

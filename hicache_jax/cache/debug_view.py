@@ -28,9 +28,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class CacheDebugView:
-    def __init__(self, cache: "HiRadixCache", tree: "RadixTree", residency: "Residency", ledger: "TransferLedger",
-                 callers: "CallerLocks", requests: "RequestHelpers", stateful: tuple, evictor=None,
-                 agreed_backups=None, component_steps=None, reserved_backups: dict | None = None) -> None:
+    def __init__(
+        self,
+        cache: "HiRadixCache",
+        tree: "RadixTree",
+        residency: "Residency",
+        ledger: "TransferLedger",
+        callers: "CallerLocks",
+        requests: "RequestHelpers",
+        stateful: tuple,
+        evictor=None,
+        agreed_backups=None,
+        component_steps=None,
+        reserved_backups: dict | None = None,
+    ) -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
@@ -65,8 +76,11 @@ class CacheDebugView:
     @property
     def counters(self) -> dict[str, int]:
         res = self._res
-        return {"evictable_tokens": res.evictable_tokens, "protected_tokens": res.protected_tokens,
-                "host_tokens": res.host_tokens}
+        return {
+            "evictable_tokens": res.evictable_tokens,
+            "protected_tokens": res.protected_tokens,
+            "host_tokens": res.host_tokens,
+        }
 
     def inject_counter_error(self, name: str, delta: int) -> None:
         """Fault injection for tests of ``sanity_check`` (the one thing here that writes):
@@ -143,8 +157,7 @@ class CacheDebugView:
         ``digest_state``); a cache without them digests exactly as before."""
         from .digest import state_digest
 
-        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages,
-                            self.components)
+        return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages, self.components)
 
     @property
     def caller_locks(self) -> int:

@@ -52,8 +52,19 @@ def walk(root: TreeNode) -> list[TreeNode]:
 def _feed(h, nodes: Iterable[TreeNode], root: TreeNode, pages: bool, components: tuple = ()) -> None:
     for node in nodes:
         flags = (node.value is not None) | (node.host_value is not None) << 1
-        h.update(_NODE.pack(node.size, flags, node.lock_ref, node.host_lock_ref, node.hit_count, node.last_access,
-                            node.created, node.priority, len(node.children)))
+        h.update(
+            _NODE.pack(
+                node.size,
+                flags,
+                node.lock_ref,
+                node.host_lock_ref,
+                node.hit_count,
+                node.last_access,
+                node.created,
+                node.priority,
+                len(node.children),
+            )
+        )
         h.update(node.kb)
         if node.parent is root:
             h.update(repr(node.namespace).encode())
@@ -74,8 +85,14 @@ def tree_digest(root: TreeNode, pages: bool = False) -> str:
     return h.hexdigest()
 
 
-def state_digest(root: TreeNode, clock: int, counters: dict[str, int], pending: list[tuple[str, TreeNode]],
-                 pages: bool = False, components: tuple = ()) -> str:
+def state_digest(
+    root: TreeNode,
+    clock: int,
+    counters: dict[str, int],
+    pending: list[tuple[str, TreeNode]],
+    pages: bool = False,
+    components: tuple = (),
+) -> str:
     """``tree_digest`` plus the logical clock, the token ``counters`` and the copies in flight
     (``(kind, node)`` in queue order, each node by its position in the canonical order), and
     the per-node and per-component state of ``components`` (stateful ones: see the module

@@ -91,8 +91,9 @@ MAX_SUBSCRIBER_FAILURES = 3
 log = logging.getLogger(__name__)
 
 
-def target_namespace(cache, model: str, weights_revision: str = "", tp_size: int | None = None,
-                     tp_rank: int | None = None) -> Namespace:
+def target_namespace(
+    cache, model: str, weights_revision: str = "", tp_size: int | None = None, tp_rank: int | None = None
+) -> Namespace:
     """The ``target`` pool's key namespace as ``StorageController`` builds it (before the
     tenant's ``extra_key``)."""
     if not isinstance(model, str) or not model:
@@ -107,16 +108,32 @@ def target_namespace(cache, model: str, weights_revision: str = "", tp_size: int
     if tp_size > 1 and (g.kind == "mla" or bool(getattr(eng, "replicated", False))):
         tp_size, tp_rank = 1, 0  # the same KV on every rank: keyed rank-independently (l3.pools, ``replicated``)
     ident = f"{model}#{g.kind}:L{g.num_layers}:H{g.heads}:D{g.width}"
-    return Namespace.from_geometry(g, eng.host_pool.layout, model=ident, weights_revision=weights_revision,
-                                   pool=TARGET_POOL, tp_size=tp_size, tp_rank=tp_rank)
+    return Namespace.from_geometry(
+        g,
+        eng.host_pool.layout,
+        model=ident,
+        weights_revision=weights_revision,
+        pool=TARGET_POOL,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
 
 
 class KVEventSource(ResidencyWatch):
     """See the module docstring."""
 
-    def __init__(self, cache, *, model: str | None = None, engine: str = "", weights_revision: str | None = None,
-                 salt: str | None = None, tp_size: int | None = None, tp_rank: int | None = None,
-                 max_pending: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        cache,
+        *,
+        model: str | None = None,
+        engine: str = "",
+        weights_revision: str | None = None,
+        salt: str | None = None,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        max_pending: int = 1 << 16,
+    ) -> None:
         if not isinstance(cache, HiRadixCache):
             raise TypeError(f"cache: expected a HiRadixCache, got {type(cache).__name__}")
         if not isinstance(engine, str):
@@ -129,16 +146,23 @@ class KVEventSource(ResidencyWatch):
             raise ValueError(f"max_pending: expected an int >= 1, got {max_pending!r}")
         ctl = _controller(cache)
         if ctl is not None:  # the identity is the controller's; a different one given here is refused
-            for name, given, have in (("model", model, ctl.model), ("weights_revision", weights_revision,
-                                                                     ctl.weights_revision), ("salt", salt, ctl.salt)):
+            for name, given, have in (
+                ("model", model, ctl.model),
+                ("weights_revision", weights_revision, ctl.weights_revision),
+                ("salt", salt, ctl.salt),
+            ):
                 if given is not None and given != have:
-                    raise ValueError(f"{name}: {given!r} differs from the attached StorageController's {have!r} (the "
-                                     f"events' page keys would never match the L3's); leave it out to use the "
-                                     f"controller's")
+                    raise ValueError(
+                        f"{name}: {given!r} differs from the attached StorageController's {have!r} (the "
+                        f"events' page keys would never match the L3's); leave it out to use the "
+                        f"controller's"
+                    )
             model, weights_revision, salt = ctl.model, ctl.weights_revision, ctl.salt
         elif model is None:
-            raise ValueError("model: expected a non-empty str (the model identity in every page key; required when no "
-                             "StorageController is attached to the cache), got None")
+            raise ValueError(
+                "model: expected a non-empty str (the model identity in every page key; required when no "
+                "StorageController is attached to the cache), got None"
+            )
         weights_revision = "" if weights_revision is None else weights_revision
         salt = "" if salt is None else salt
         self._base = target_namespace(cache, model, weights_revision, tp_size, tp_rank)
@@ -177,8 +201,10 @@ class KVEventSource(ResidencyWatch):
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         if any(s.fn == fn for s in self._subscribers):
-            raise ValueError(f"fn: {fn!r} is already subscribed to this source (each batch is delivered to it once; "
-                             f"unsubscribe it first)")
+            raise ValueError(
+                f"fn: {fn!r} is already subscribed to this source (each batch is delivered to it once; "
+                f"unsubscribe it first)"
+            )
         self._subscribers.append(_Subscriber(fn, resync=self._seq > 0))
 
     def unsubscribe(self, fn: Callable[[EventBatch], None]) -> None:
@@ -219,8 +245,12 @@ class KVEventSource(ResidencyWatch):
             raise TypeError(f"storage: expected a HiCacheStorage (with add_listener), got {type(storage).__name__}")
         if isinstance(probe_pages, bool) or not isinstance(probe_pages, int) or probe_pages < 0:
             raise ValueError(f"probe_pages: expected an int >= 0, got {probe_pages!r}")
-        if isinstance(probe_interval_s, bool) or not isinstance(probe_interval_s, (int, float)) or \
-                not probe_interval_s >= 0 or probe_interval_s == float("inf"):
+        if (
+            isinstance(probe_interval_s, bool)
+            or not isinstance(probe_interval_s, (int, float))
+            or not probe_interval_s >= 0
+            or probe_interval_s == float("inf")
+        ):
             raise ValueError(f"probe_interval_s: expected finite seconds >= 0, got {probe_interval_s!r}")
         if any(t.storage is storage for t in self._taps):
             raise ValueError("storage: already observed by this source")
@@ -261,11 +291,17 @@ class KVEventSource(ResidencyWatch):
     def stats(self) -> dict:
         with self._storage_lock:
             queued = len(self._storage_q)
-        return {"events_emitted": self.emitted, "events_pending": len(self._pending), "resyncs": self.resyncs,
-                "subscriber_errors": self.subscriber_errors, "subscribers_detached": self.subscribers_detached,
-                "keyed_nodes": len(self._keys), "storage_probes": sum(t.probes for t in self._taps),
-                "storage_probe_removed_pages": sum(t.probe_removed for t in self._taps),
-                "storage_changes_queued": queued}
+        return {
+            "events_emitted": self.emitted,
+            "events_pending": len(self._pending),
+            "resyncs": self.resyncs,
+            "subscriber_errors": self.subscriber_errors,
+            "subscribers_detached": self.subscribers_detached,
+            "keyed_nodes": len(self._keys),
+            "storage_probes": sum(t.probes for t in self._taps),
+            "storage_probe_removed_pages": sum(t.probe_removed for t in self._taps),
+            "storage_changes_queued": queued,
+        }
 
     def request_keys(self, key: object) -> list[bytes]:
         """The page keys of a request's whole pages (what a router matches against the
@@ -310,8 +346,10 @@ class KVEventSource(ResidencyWatch):
     def cleared(self) -> None:
         self._keys.clear()
         if not self._overflowed:
-            self._pending += [KVEvent("cleared", "device", model=self.model),
-                              KVEvent("cleared", "host", model=self.model)]
+            self._pending += [
+                KVEvent("cleared", "device", model=self.model),
+                KVEvent("cleared", "host", model=self.model),
+            ]
 
     def step(self) -> None:
         if not self._subscribers:
@@ -333,12 +371,22 @@ class KVEventSource(ResidencyWatch):
                     if sub in self._subscribers:  # (it may have unsubscribed itself)
                         self._subscribers.remove(sub)
                     self.subscribers_detached += 1
-                    log.error("KV events %r: subscriber %r raised on %d batches in a row; detached", self.engine,
-                              sub.fn, sub.failures, exc_info=True)
+                    log.error(
+                        "KV events %r: subscriber %r raised on %d batches in a row; detached",
+                        self.engine,
+                        sub.fn,
+                        sub.failures,
+                        exc_info=True,
+                    )
                 else:
                     sub.resync = True
-                    log.warning("KV events %r: subscriber %r raised on batch %d; it gets a resync next", self.engine,
-                                sub.fn, b.seq, exc_info=True)
+                    log.warning(
+                        "KV events %r: subscriber %r raised on batch %d; it gets a resync next",
+                        self.engine,
+                        sub.fn,
+                        b.seq,
+                        exc_info=True,
+                    )
             else:
                 sub.failures = 0
                 sub.resync = False
@@ -352,22 +400,31 @@ class KVEventSource(ResidencyWatch):
         for name in ("model", "weights_revision", "salt"):
             mine, have = getattr(self, name), getattr(ctl, name)
             if mine != have:
-                raise ValueError(f"{name}: the source was built with {mine!r}, the StorageController attached to its "
-                                 f"cache with {have!r} (the events' page keys would never match the L3's)")
+                raise ValueError(
+                    f"{name}: the source was built with {mine!r}, the StorageController attached to its "
+                    f"cache with {have!r} (the events' page keys would never match the L3's)"
+                )
         want = replace(ctl.key_namespace(TARGET_POOL, DEFAULT_NAMESPACE), extra_key=self._base.extra_key)
         if self._base != want:
-            diff = [f for f in ("tp_size", "tp_rank", "model", "weights_revision", "kv_dtype", "page_size", "layout")
-                    if getattr(self._base, f) != getattr(want, f)]
-            raise ValueError(f"{'/'.join(diff) or 'namespace'}: the source's page keys would differ from the attached "
-                             f"StorageController's ({self._base} != {want}); leave tp_size/tp_rank out to use the "
-                             f"cache's")
+            diff = [
+                f
+                for f in ("tp_size", "tp_rank", "model", "weights_revision", "kv_dtype", "page_size", "layout")
+                if getattr(self._base, f) != getattr(want, f)
+            ]
+            raise ValueError(
+                f"{'/'.join(diff) or 'namespace'}: the source's page keys would differ from the attached "
+                f"StorageController's ({self._base} != {want}); leave tp_size/tp_rank out to use the "
+                f"cache's"
+            )
         self._checked = ctl
 
     def _namespace(self, radix_ns: tuple) -> tuple[Namespace, str]:
         out = self._ns.get(radix_ns)
         if out is None:
-            out = self._ns[radix_ns] = (replace(self._base, extra_key=encode_namespace(self.salt, radix_ns)),
-                                        encode_namespace("", radix_ns))
+            out = self._ns[radix_ns] = (
+                replace(self._base, extra_key=encode_namespace(self.salt, radix_ns)),
+                encode_namespace("", radix_ns),
+            )
         return out
 
     def _emit(self, kind: str, tier: str, node: TreeNode) -> None:
@@ -376,8 +433,9 @@ class KVEventSource(ResidencyWatch):
         ks = self.node_keys(node)
         parent = node.parent
         prev = None if parent is self.cache.root else self.node_keys(parent)[-1]
-        self._pending.append(KVEvent(kind, tier, tuple(ks), prev, node.size, self.model,
-                                     self._namespace(node.namespace)[1]))
+        self._pending.append(
+            KVEvent(kind, tier, tuple(ks), prev, node.size, self.model, self._namespace(node.namespace)[1])
+        )
         if len(self._pending) > self.max_pending:
             self._pending = []
             self._overflowed = True

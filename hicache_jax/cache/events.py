@@ -69,8 +69,11 @@ class KVEvent:
             raise ValueError(f"kind: expected one of {EVENT_KINDS}, got {self.kind!r}")
         if self.tier not in EVENT_TIERS:
             raise ValueError(f"tier: expected one of {EVENT_TIERS}, got {self.tier!r}")
-        if isinstance(self.keys, (bytes, str)) or not isinstance(self.keys, (tuple, list)) or \
-                any(not isinstance(k, bytes) for k in self.keys):
+        if (
+            isinstance(self.keys, (bytes, str))
+            or not isinstance(self.keys, (tuple, list))
+            or any(not isinstance(k, bytes) for k in self.keys)
+        ):
             raise TypeError(f"keys: expected a tuple of page keys (bytes), got {type(self.keys).__name__}")
         object.__setattr__(self, "keys", tuple(self.keys))
         if self.kind == "cleared" and self.keys:
@@ -85,18 +88,31 @@ class KVEvent:
             raise TypeError(f"namespace: expected a str or None, got {type(self.namespace).__name__}")
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA_VERSION, "kind": self.kind, "tier": self.tier,
-                "keys": [k.hex() for k in self.keys],
-                "parent_key": None if self.parent_key is None else self.parent_key.hex(),
-                "token_count": self.token_count, "model": self.model, "namespace": self.namespace}
+        return {
+            "schema": SCHEMA_VERSION,
+            "kind": self.kind,
+            "tier": self.tier,
+            "keys": [k.hex() for k in self.keys],
+            "parent_key": None if self.parent_key is None else self.parent_key.hex(),
+            "token_count": self.token_count,
+            "model": self.model,
+            "namespace": self.namespace,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVEvent":
         if d.get("schema") != SCHEMA_VERSION:
             raise ValueError(f"d: expected schema {SCHEMA_VERSION}, got {d.get('schema')!r}")
         pk = d["parent_key"]
-        return cls(d["kind"], d["tier"], tuple(bytes.fromhex(k) for k in d["keys"]),
-                   None if pk is None else bytes.fromhex(pk), int(d["token_count"]), d["model"], d["namespace"])
+        return cls(
+            d["kind"],
+            d["tier"],
+            tuple(bytes.fromhex(k) for k in d["keys"]),
+            None if pk is None else bytes.fromhex(pk),
+            int(d["token_count"]),
+            d["model"],
+            d["namespace"],
+        )
 
 
 @dataclass(frozen=True)
@@ -118,8 +134,13 @@ class EventBatch:
             raise TypeError(f"resync: expected a bool, got {type(self.resync).__name__}")
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA_VERSION, "engine": self.engine, "seq": self.seq, "resync": self.resync,
-                "events": [e.to_dict() for e in self.events]}
+        return {
+            "schema": SCHEMA_VERSION,
+            "engine": self.engine,
+            "seq": self.seq,
+            "resync": self.resync,
+            "events": [e.to_dict() for e in self.events],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "EventBatch":

@@ -51,8 +51,15 @@ HOST_ONLY_AGING = 4
 class Evictor:
     """Eviction on both tiers; see the module docstring."""
 
-    def __init__(self, tree: RadixTree, residency: Residency, metrics: CacheMetrics, page_size: int,
-                 write_back: bool, host_eviction_order: str = AGING) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        residency: Residency,
+        metrics: CacheMetrics,
+        page_size: int,
+        write_back: bool,
+        host_eviction_order: str = AGING,
+    ) -> None:
         self.tree = tree
         self.res = residency
         self.metrics = metrics
@@ -226,8 +233,13 @@ class Evictor:
         """Delete one given host-only leaf (no host lock, no backed-up child), as ``evict_host``
         would; for components' own host eviction, like ``evict_leaf``."""
         res = self.res
-        if node.value is not None or node.host_value is None or node.host_lock_ref or node.host_children \
-                or node.children:
+        if (
+            node.value is not None
+            or node.host_value is None
+            or node.host_lock_ref
+            or node.host_children
+            or node.children
+        ):
             raise ValueError(f"node: {node!r} is not an unlocked host-only leaf")
         for comp in self.hooked:
             comp.on_evict(node, "host")

@@ -199,23 +199,61 @@ from .tree import RadixTree
 from .tree_node import TreeNode
 from .write_policy import WritePolicyDriver
 
-__all__ = ["CacheClosedError", "CacheFailedError", "CacheInvariantError", "DeviceFit", "HiRadixCache", "InsertResult", "LoadBackResult",
-           "MatchResult", "OwnerThreadError"]
+__all__ = [
+    "CacheClosedError",
+    "CacheFailedError",
+    "CacheInvariantError",
+    "DeviceFit",
+    "HiRadixCache",
+    "InsertResult",
+    "LoadBackResult",
+    "MatchResult",
+    "OwnerThreadError",
+]
 
 
 # The public calls a closed failure latch refuses (see ``_refuse_calls``).
 _REFUSED_AFTER_FAILURE = (
-    "match_prefix", "peek_prefix", "insert", "insert_host", "inc_lock_ref", "dec_lock_ref", "writing_check",
-    "loading_check", "check_events", "agree_step", "flush", "alloc_device", "evict", "evict_host", "load_back",
-    "begin_request", "cache_unfinished_req", "cache_finished_req", "alloc_component", "reserve_component_host_pages",
-    "reserve_component_host_pages_agreed", "slide_window", "abort_request",
+    "match_prefix",
+    "peek_prefix",
+    "insert",
+    "insert_host",
+    "inc_lock_ref",
+    "dec_lock_ref",
+    "writing_check",
+    "loading_check",
+    "check_events",
+    "agree_step",
+    "flush",
+    "alloc_device",
+    "evict",
+    "evict_host",
+    "load_back",
+    "begin_request",
+    "cache_unfinished_req",
+    "cache_finished_req",
+    "alloc_component",
+    "reserve_component_host_pages",
+    "reserve_component_host_pages_agreed",
+    "slide_window",
+    "abort_request",
 )
 
 # The public calls a closed cache refuses (``close``): every one that serves or changes it.
 _REFUSED_WHEN_CLOSED = _REFUSED_AFTER_FAILURE + (
-    "reset", "enable_retention", "add_watch", "remove_watch", "backed_up_prefix", "tree_match_tokens", "pin_host",
-    "unpin_host", "reserve_host_pages", "reserve_host_pages_agreed", "settle_host_pages",
-    "settle_component_host_pages", "device_fit",
+    "reset",
+    "enable_retention",
+    "add_watch",
+    "remove_watch",
+    "backed_up_prefix",
+    "tree_match_tokens",
+    "pin_host",
+    "unpin_host",
+    "reserve_host_pages",
+    "reserve_host_pages_agreed",
+    "settle_host_pages",
+    "settle_component_host_pages",
+    "device_fit",
 )
 
 
@@ -269,19 +307,28 @@ class HiRadixCache:
     windows).
     """
 
-    def __init__(self, config: HiCacheConfig, engine: KVTransferEngine, device_allocator: PageAllocator,
-                 sidecars: Mapping[str, KVTransferEngine] | None = None, *,
-                 components: Sequence[KVComponent] = (), agreement: Agreement | None = None) -> None:
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        engine: KVTransferEngine,
+        device_allocator: PageAllocator,
+        sidecars: Mapping[str, KVTransferEngine] | None = None,
+        *,
+        components: Sequence[KVComponent] = (),
+        agreement: Agreement | None = None,
+    ) -> None:
         if not isinstance(config, HiCacheConfig):
             raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
         self.components = ComponentRegistry(engine, device_allocator, sidecars, components)
         if config.page_size != self.components.page_size:
-            raise ValueError(f"config: page_size {config.page_size} != the KV geometry's page_size "
-                             f"{self.components.page_size}")
+            raise ValueError(
+                f"config: page_size {config.page_size} != the KV geometry's page_size {self.components.page_size}"
+            )
         host_alloc = self.components.host_allocator
         if host_alloc.used:
-            raise ValueError(f"engine: the host pool must start empty (the cache owns it), {host_alloc.used} "
-                             f"pages are in use")
+            raise ValueError(
+                f"engine: the host pool must start empty (the cache owns it), {host_alloc.used} pages are in use"
+            )
         if agreement is None:
             agreement = SingleProcessAgreement()
         if not isinstance(agreement, Agreement):
@@ -298,8 +345,9 @@ class HiRadixCache:
         self.write_policy = config.write_policy
         self.metrics = m = CacheMetrics()
         stateful = self.components.stateful
-        self._res = res = Residency(device_allocator, host_alloc, strategy_for(config.eviction_policy),
-                                    config.host_reclaim)
+        self._res = res = Residency(
+            device_allocator, host_alloc, strategy_for(config.eviction_policy), config.host_reclaim
+        )
         self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
         self._retention = None  # ``retention.enable_retention``
         self._closed = False  # ``close``
@@ -308,22 +356,23 @@ class HiRadixCache:
         self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
         self._locks = locks = PathLocks(res)
         self._callers = CallerLocks(locks)
-        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries,
-                                               self._refuse_calls)
+        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries, self._refuse_calls)
         # The choices that differ from upstream's (docs/deviations-from-upstream.md).
         self.decisions = d = resolve(config, device_allocator.num_pages, host_alloc.num_pages)
-        self._evictor = evictor = Evictor(tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK,
-                                          d.host_eviction_order)
+        self._evictor = evictor = Evictor(
+            tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK, d.host_eviction_order
+        )
         self._backups = backups = BackupIssuer(res, locks, ledger, evictor, m, p, d.evict_whole)
-        self._policy = policy = WritePolicyDriver(config.write_policy, config.write_through_threshold, tree,
-                                                  backups, ledger, m)
+        self._policy = policy = WritePolicyDriver(
+            config.write_policy, config.write_through_threshold, tree, backups, ledger, m
+        )
         evictor.before_evict = policy.before_evict
         self._inserter = Inserter(tree, res, policy, p, d.count_hits, d.stamp_split_remainder)
         self._lookup = Lookup(tree, res, p, d.stamp_split_remainder)
-        self._load_backs = LoadBackIssuer(res, locks, ledger, evictor, m, p, config.load_back_threshold,
-                                          d.evict_whole)
-        self._requests = RequestHelpers(tree, res, self._inserter, self._callers, self.match_prefix,
-                                        self.load_back, p, m)
+        self._load_backs = LoadBackIssuer(res, locks, ledger, evictor, m, p, config.load_back_threshold, d.evict_whole)
+        self._requests = RequestHelpers(
+            tree, res, self._inserter, self._callers, self.match_prefix, self.load_back, p, m
+        )
         self._stateful = stateful
         if stateful:  # their hooks run only then: the full component's paths check one tuple
             for part in (evictor, backups, self._inserter, self._lookup, self._load_backs, locks):
@@ -397,8 +446,11 @@ class HiRadixCache:
 
             def refusal(name: str):
                 def refuse(*_args, **_kwargs):
-                    raise CacheClosedError(f"{name}: the cache is closed (close() or CacheStack.close() was "
-                                           f"called); build a new cache to serve again")
+                    raise CacheClosedError(
+                        f"{name}: the cache is closed (close() or CacheStack.close() was "
+                        f"called); build a new cache to serve again"
+                    )
+
                 return refuse
 
             for name in _REFUSED_WHEN_CLOSED:
@@ -422,7 +474,8 @@ class HiRadixCache:
             f"thread {self._owner_name!r} (id {self._owner}): every call to a cache and its StorageController must "
             f"come from one thread, the owner (the first thread that called it). Make the calls from the owner "
             f"thread, hand the cache over with cache.release_owner() on the owner thread, or turn the check off "
-            f"with HiCacheConfig(check_owner_thread=False) if your engine serialises the calls itself")
+            f"with HiCacheConfig(check_owner_thread=False) if your engine serialises the calls itself"
+        )
 
     def check_owner(self, call: str = "call") -> None:
         """Raise ``OwnerThreadError`` naming ``call`` unless the current thread is the cache's
@@ -450,6 +503,7 @@ class HiRadixCache:
     def _split_hook(self, res: Residency, stateful: tuple):
         """What the tree calls on a split: residency, every stateful component, and the
         load-back issuer's storage origin (built after the tree, so looked up per split)."""
+
         def split(upper: TreeNode, lower: TreeNode, k: int) -> None:
             res.split(upper, lower, k)
             for comp in stateful:
@@ -516,9 +570,19 @@ class HiRadixCache:
 
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
-        return CacheDebugView(self, self._tree, self._res, self._ledger, self._callers, self._requests,
-                              self._stateful, self._evictor, self._agreed_backups, self._component_steps,
-                              self._backups.reserved)
+        return CacheDebugView(
+            self,
+            self._tree,
+            self._res,
+            self._ledger,
+            self._callers,
+            self._requests,
+            self._stateful,
+            self._evictor,
+            self._agreed_backups,
+            self._component_steps,
+            self._backups.reserved,
+        )
 
     # ------------------------------------------------------------------ residency watches
     def add_watch(self, watch: ResidencyWatch) -> None:
@@ -553,8 +617,9 @@ class HiRadixCache:
         if not isinstance(config, RetentionConfig):
             raise TypeError(f"config: expected a RetentionConfig, got {type(config).__name__}")
         if EvictionPolicy.parse(self.config.eviction_policy) != EvictionPolicy.LRU:
-            raise ValueError(f"config: retention orders by LRU; the cache's eviction_policy is "
-                             f"{self.config.eviction_policy!r}")
+            raise ValueError(
+                f"config: retention orders by LRU; the cache's eviction_policy is {self.config.eviction_policy!r}"
+            )
         if self._retention is not None:
             raise ValueError("config: retention is already enabled on this cache")
         if self.agreed:  # expiry reads a per-process clock: ranks' trees would diverge
@@ -616,8 +681,16 @@ class HiRadixCache:
         return self._lookup.peek(as_radix_key(key))
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: object, device_pages: object, *, chunked: bool = False, priority: int = 0,
-               component_pages: Mapping[str, object] | None = None, retain: object = None) -> InsertResult:
+    def insert(
+        self,
+        key: object,
+        device_pages: object,
+        *,
+        chunked: bool = False,
+        priority: int = 0,
+        component_pages: Mapping[str, object] | None = None,
+        retain: object = None,
+    ) -> InsertResult:
         """Insert ``key``'s whole pages with their device pages (one id per whole page).
 
         The tree takes ownership of the pages it keeps and frees the caller's duplicates
@@ -656,14 +729,17 @@ class HiRadixCache:
     def _check_component_pages(self, component_pages: object, n: int, tier: str) -> dict:
         """Validated per-component ids (int32 copies, -1 = none), one per page of the call."""
         if not isinstance(component_pages, Mapping):
-            raise TypeError(f"component_pages: expected a mapping of component name -> page ids, got "
-                            f"{type(component_pages).__name__}")
+            raise TypeError(
+                f"component_pages: expected a mapping of component name -> page ids, got "
+                f"{type(component_pages).__name__}"
+            )
         out = {}
         for name, ids in component_pages.items():
             comp = self._own.get(name) if isinstance(name, str) else None
             if comp is None:
-                raise ValueError(f"component_pages: {name!r} is not a component with its own page ids "
-                                 f"{sorted(self._own)}")
+                raise ValueError(
+                    f"component_pages: {name!r} is not a component with its own page ids {sorted(self._own)}"
+                )
             what = f"component_pages[{name!r}]"
             if ids is None:
                 raise TypeError(f"{what}: expected a sequence of page ids (-1: none), got None")
@@ -685,8 +761,9 @@ class HiRadixCache:
             out[name] = arr
         return out
 
-    def insert_host(self, key: object, host_pages: object, start: int,
-                    component_pages: Mapping[str, object] | None = None) -> tuple[int, TreeNode | None]:
+    def insert_host(
+        self, key: object, host_pages: object, start: int, component_pages: Mapping[str, object] | None = None
+    ) -> tuple[int, TreeNode | None]:
         """Attach host pages (e.g. read from L3) as host-only nodes; returns (tokens attached, leaf).
 
         ``host_pages[i]`` (allocated from the host pool, not owned by the tree) holds page
@@ -1052,8 +1129,14 @@ class HiRadixCache:
         return self._load_backs.load_back(node, mem_quota)
 
     # ------------------------------------------------------------------ request helpers
-    def begin_request(self, key: object, mem_quota: int | None = None, load_back: bool = True,
-                      priority: int = 0, retain: object = None) -> tuple[CacheRequest, LoadBackResult | None]:
+    def begin_request(
+        self,
+        key: object,
+        mem_quota: int | None = None,
+        load_back: bool = True,
+        priority: int = 0,
+        retain: object = None,
+    ) -> tuple[CacheRequest, LoadBackResult | None]:
         """Match ``key``, load back its host continuation (if worth it), lock the device prefix.
 
         Returns the request (its ``device_pages`` = the cached prefix, owned by the tree) and
@@ -1069,8 +1152,7 @@ class HiRadixCache:
             mem_quota = check_int("mem_quota", mem_quota, 0)
         if retain is not None:
             retain = self._check_retain(retain)
-        req, lb = self._requests.begin(key, mem_quota, _check_flag("load_back", load_back),
-                                       _check_priority(priority))
+        req, lb = self._requests.begin(key, mem_quota, _check_flag("load_back", load_back), _check_priority(priority))
         if retain is not None:
             req.retain = retain
             if req.last_node is not None:
@@ -1112,8 +1194,12 @@ class HiRadixCache:
         raise ValueError with nothing changed."""
         if get_ident() != self._owner:
             self._not_owner("abort_request")
-        if isinstance(req, CacheRequest) and req.last_node is None and not req.device_pages.size \
-                and req.owner in (None, self._requests):
+        if (
+            isinstance(req, CacheRequest)
+            and req.last_node is None
+            and not req.device_pages.size
+            and req.owner in (None, self._requests)
+        ):
             req.released = True  # holds nothing (aborted or finished already, or begun on no match)
             return
         self._requests.abort(self._requests.check(req, partial=True))
@@ -1249,8 +1335,9 @@ class HiRadixCache:
                 out["agreement"]["agreed_slides"] = self._component_steps.slides
         return out
 
-    def sanity_check(self, external_device_pages: int | None = None,
-                     external_pages: Mapping[str, int] | None = None) -> None:
+    def sanity_check(
+        self, external_device_pages: int | None = None, external_pages: Mapping[str, int] | None = None
+    ) -> None:
         """Verify every invariant; gathers all violations, then raises CacheInvariantError once.
 
         ``external_device_pages``: device pages the caller holds outside the tree (allocated,
@@ -1264,10 +1351,14 @@ class HiRadixCache:
             external_device_pages = check_int("external_device_pages", external_device_pages, 0)
         if external_pages is not None:
             if not isinstance(external_pages, Mapping):
-                raise TypeError(f"external_pages: expected a mapping of component name -> pages, got "
-                                f"{type(external_pages).__name__}")
-            external_pages = {self._own_component(k).name: check_int(f"external_pages[{k!r}]", v, 0)
-                              for k, v in external_pages.items()}
+                raise TypeError(
+                    f"external_pages: expected a mapping of component name -> pages, got "
+                    f"{type(external_pages).__name__}"
+                )
+            external_pages = {
+                self._own_component(k).name: check_int(f"external_pages[{k!r}]", v, 0)
+                for k, v in external_pages.items()
+            }
         errors = collect_violations(self.debug_view(), external_device_pages, external_pages)
         if errors:
             raise CacheInvariantError(f"{len(errors)} cache invariant violation(s):\n  " + "\n  ".join(errors))

@@ -35,8 +35,15 @@ from .write_policy import WritePolicyDriver
 class Inserter:
     """Applies inserts; see the module docstring."""
 
-    def __init__(self, tree: RadixTree, residency: Residency, policy: WritePolicyDriver, page_size: int,
-                 count_hits: bool, stamp_split_remainder: bool) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        residency: Residency,
+        policy: WritePolicyDriver,
+        page_size: int,
+        count_hits: bool,
+        stamp_split_remainder: bool,
+    ) -> None:
         self.tree = tree
         self.res = residency
         self.policy = policy
@@ -56,9 +63,16 @@ class Inserter:
         so errors keep their precedence over the length / ownership / allocation checks."""
         check_page_ids(pages, self.res.device_allocator.num_pages, "device_pages")
 
-    def insert(self, key: RadixKey, pages: np.ndarray, chunked: bool, path: list | None = None,
-               off0: int = 0, priority: int = 0,
-               comp_pages: dict | None = None) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
+    def insert(
+        self,
+        key: RadixKey,
+        pages: np.ndarray,
+        chunked: bool,
+        path: list | None = None,
+        off0: int = 0,
+        priority: int = 0,
+        comp_pages: dict | None = None,
+    ) -> tuple[InsertResult, np.ndarray | None, np.ndarray | None]:
         """Insert for page ids that passed ``check_page_ids`` without its duplicate test (a
         private copy: the tree may keep slices of it). Also returns ``(dup_mask, tree_head)``:
         where the caller's page was a duplicate (freed) among the first ``len(tree_head)``
@@ -81,8 +95,10 @@ class Inserter:
         n = len(key) - len(key) % p
         if pages.shape[0] != (n - off0) // p:
             self.bad_pages(pages)
-            raise ValueError(f"device_pages: expected {(n - off0) // p} page ids for {len(key)} tokens "
-                             f"(page_size {p}), got {pages.shape[0]}")
+            raise ValueError(
+                f"device_pages: expected {(n - off0) // p} page ids for {len(key)} tokens "
+                f"(page_size {p}), got {pages.shape[0]}"
+            )
         # segs: the walked nodes below the path (all of them without one); their pages
         # are the caller's ``pages[:mp]``.
         segs, matched = tree.walk(key, n, path[-1], off0) if path else tree.walk(key, n)
@@ -102,7 +118,7 @@ class Inserter:
                     revive = True
                     vals.append(np.full(m // p, -1, ID_DTYPE))
                 else:
-                    vals.append(v if m == node.size else v[:m // p])
+                    vals.append(v if m == node.size else v[: m // p])
             tree_head = np.concatenate(vals) if len(vals) > 1 else vals[0]
             head = pages[:mp]
             mine = head != tree_head  # the caller's page (taken or freed), not the tree's
@@ -121,8 +137,9 @@ class Inserter:
             owned = res.dev_owned[taken]
             if count_nonzero(owned):
                 self.bad_pages(pages)
-                raise ValueError(f"device_pages: pages {taken[owned][:8].tolist()} are already owned by the cache "
-                                 f"at other positions")
+                raise ValueError(
+                    f"device_pages: pages {taken[owned][:8].tolist()} are already owned by the cache at other positions"
+                )
             held = res.device_allocator.allocated_mask(taken)
             if count_nonzero(held) != taken.shape[0]:
                 self.bad_pages(pages)
@@ -157,7 +174,7 @@ class Inserter:
                     res.stamp(lower, t)
             if node.value is None:  # revive a host-only node (never a path node: those are locked)
                 # No hit: the caller recomputed these tokens, the cache did not serve them.
-                res.set_device(node, pages[(off - off0) // p:(off - off0 + m) // p])
+                res.set_device(node, pages[(off - off0) // p : (off - off0 + m) // p])
                 if hooked:
                     for comp in hooked:
                         comp.on_insert(node)
@@ -173,7 +190,7 @@ class Inserter:
             if node in rm:
                 rl.push(node)
         if matched < n:
-            leaf = tree.attach(node, qb[8 * matched:8 * n], namespace)
+            leaf = tree.attach(node, qb[8 * matched : 8 * n], namespace)
             leaf.last_access = t
             leaf.created = t
             leaf.hit_count = int(hit)
@@ -203,8 +220,9 @@ class Inserter:
             self.policy.after_insert(node)
         return InsertResult(matched, node), dup_mask, tree_head
 
-    def attach_host(self, key: RadixKey, ids: np.ndarray, start: int,
-                    comp_pages: dict | None = None) -> tuple[int, TreeNode | None]:
+    def attach_host(
+        self, key: RadixKey, ids: np.ndarray, start: int, comp_pages: dict | None = None
+    ) -> tuple[int, TreeNode | None]:
         """Attach host pages (allocated, not the tree's; ``ids[i]`` holds page
         ``start // page_size + i`` of ``key``) as host-only nodes; returns (tokens attached,
         leaf). The tree takes every page: it attaches the run that continues its backed-up
@@ -234,9 +252,17 @@ class Inserter:
                 break
             backed, last, last_m = off + m, node, m
             k += 1
-        if ids.size == 0 or backed < start or backed >= end or matched > backed and (
-                not self.device_only_host_copies or
-                self.reserved and any(node in self.reserved for node, _m, _off in segs[k:])):
+        if (
+            ids.size == 0
+            or backed < start
+            or backed >= end
+            or matched > backed
+            and (
+                not self.device_only_host_copies
+                or self.reserved
+                and any(node in self.reserved for node, _m, _off in segs[k:])
+            )
+        ):
             if ids.size:
                 res.host_allocator.free(ids)
             if self.hooked:
@@ -252,13 +278,13 @@ class Inserter:
             # backed-up path stays a prefix from the root.
             if m < node.size:
                 node = tree.split(node, m)
-            res.set_host(node, ids[(off - start) // p:(off + m - start) // p].copy())
+            res.set_host(node, ids[(off - start) // p : (off + m - start) // p].copy())
             last = node
         leaf = last
         if matched < end:
-            leaf = tree.attach(last, key.token_bytes[8 * matched:8 * end], key.namespace)
+            leaf = tree.attach(last, key.token_bytes[8 * matched : 8 * end], key.namespace)
             leaf.last_access = leaf.created = tree.tick()
-            res.set_host(leaf, ids[(matched - start) // p:].copy())
+            res.set_host(leaf, ids[(matched - start) // p :].copy())
         if self.hooked:
             for comp in self.hooked:
                 comp.on_insert(leaf)

@@ -19,8 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .debug_view import CacheDebugView
 
 
-def collect_violations(view: "CacheDebugView", external_device_pages: int | None = None,
-                       external_pages: dict | None = None) -> list[str]:
+def collect_violations(
+    view: "CacheDebugView", external_device_pages: int | None = None, external_pages: dict | None = None
+) -> list[str]:
     errs: list[str] = []
     cache = view.cache  # only to test node ownership
     root = view.root
@@ -135,8 +136,10 @@ def collect_violations(view: "CacheDebugView", external_device_pages: int | None
     # ---- counts -----------------------------------------------------------------------------
     counters = view.counters
     if evictable != counters["evictable_tokens"] or protected != counters["protected_tokens"]:
-        errs.append(f"device counts: evictable {counters['evictable_tokens']} / protected "
-                    f"{counters['protected_tokens']}, recomputed {evictable} / {protected}")
+        errs.append(
+            f"device counts: evictable {counters['evictable_tokens']} / protected "
+            f"{counters['protected_tokens']}, recomputed {evictable} / {protected}"
+        )
     if host_tokens != counters["host_tokens"]:
         errs.append(f"host tokens {counters['host_tokens']}, recomputed {host_tokens}")
 
@@ -150,8 +153,10 @@ def collect_violations(view: "CacheDebugView", external_device_pages: int | None
             errs.append(f"{kind} in flight on {n!r} whose pages are gone")
 
     # ---- pages and allocators ------------------------------------------------------------------
-    for name, alloc, pages, owned in (("device", view.device_allocator, dev_pages, view.device_owned),
-                                      ("host", view.host_allocator, host_pages, view.host_owned)):
+    for name, alloc, pages, owned in (
+        ("device", view.device_allocator, dev_pages, view.device_owned),
+        ("host", view.host_allocator, host_pages, view.host_owned),
+    ):
         try:
             alloc.check()
         except AssertionError as e:
@@ -161,28 +166,36 @@ def collect_violations(view: "CacheDebugView", external_device_pages: int | None
         if (counts > 1).any():
             errs.append(f"{name} pages held by two nodes: {uniq[counts > 1][:8].tolist()}")
         if ids.size and not alloc.is_allocated(ids).all():
-            errs.append(f"{name} pages in the tree but free in the allocator: "
-                        f"{ids[~alloc.is_allocated(ids)][:8].tolist()}")
+            errs.append(
+                f"{name} pages in the tree but free in the allocator: {ids[~alloc.is_allocated(ids)][:8].tolist()}"
+            )
         mask = np.zeros(alloc.num_pages, bool)
         mask[ids] = True
         if not np.array_equal(mask, owned):
-            errs.append(f"{name} ownership bitmap disagrees with the tree at pages "
-                        f"{np.flatnonzero(mask != owned)[:8].tolist()}")
+            errs.append(
+                f"{name} ownership bitmap disagrees with the tree at pages {np.flatnonzero(mask != owned)[:8].tolist()}"
+            )
         if name == "host":
             # Host pages an attached L3 controller holds for prefetches in flight (not the tree's).
             res = view.reserved_host_pages()
             if res.size and (np.unique(res).size != res.size or mask[res].any() or not alloc.is_allocated(res).all()):
                 errs.append("host pages reserved by the storage controller are repeated, free or owned by the tree")
             if alloc.available + uniq.size + res.size != alloc.num_pages:
-                errs.append(f"host pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
-                            f"reserved {res.size} != total {alloc.num_pages}")
+                errs.append(
+                    f"host pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
+                    f"reserved {res.size} != total {alloc.num_pages}"
+                )
         if name == "device":
             if (evictable + protected) // p != uniq.size:
                 errs.append(f"device pages {uniq.size} != (evictable + protected) tokens / page_size")
-            if external_device_pages is not None and \
-                    alloc.available + uniq.size + external_device_pages != alloc.num_pages:
-                errs.append(f"device pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
-                            f"external {external_device_pages} != total {alloc.num_pages}")
+            if (
+                external_device_pages is not None
+                and alloc.available + uniq.size + external_device_pages != alloc.num_pages
+            ):
+                errs.append(
+                    f"device pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
+                    f"external {external_device_pages} != total {alloc.num_pages}"
+                )
     # ---- caller locks ---------------------------------------------------------------------------
     # Every caller lock is a device path lock through one of the root's children.
     through_root = sum(c.lock_ref for c in root.children.values())

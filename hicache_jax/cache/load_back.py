@@ -45,8 +45,17 @@ from .tree_node import TreeNode
 class LoadBackIssuer:
     """Issues load-backs; see the module docstring."""
 
-    def __init__(self, residency: Residency, locks: PathLocks, ledger: TransferLedger, evictor: Evictor,
-                 metrics: CacheMetrics, page_size: int, threshold: int, evict_whole: bool = False) -> None:
+    def __init__(
+        self,
+        residency: Residency,
+        locks: PathLocks,
+        ledger: TransferLedger,
+        evictor: Evictor,
+        metrics: CacheMetrics,
+        page_size: int,
+        threshold: int,
+        evict_whole: bool = False,
+    ) -> None:
         self.evict_whole = evict_whole  # device short: evict the load's whole size (``decisions``)
         self.res = residency
         self.locks = locks
@@ -143,7 +152,7 @@ class LoadBackIssuer:
         p = self.page_size
         for c in chain:
             k = c.size // p
-            c.value = dev[off:off + k]
+            c.value = dev[off : off + k]
             c.parent.dev_children += 1
             off += k
         receipt = self.locks.extend_to_loaded_chain(receipt, chain)

@@ -46,8 +46,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from .hiradix_cache import HiRadixCache
 
 # Upper bounds (seconds) of the duration histograms' buckets: 100 us .. 30 s, then +Inf.
-DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                      1.0, 2.5, 5.0, 10.0, 30.0)
+DURATION_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 @dataclass
@@ -229,8 +246,11 @@ def _ret(read: Callable[[Any], Any]) -> Callable[[_Context], Any]:
 
 def _cached(c: _Context) -> dict:
     m = c.m
-    return {"device": m.device_hit_tokens, "host": m.loaded_tokens - m.loaded_storage_tokens,
-            "storage": m.loaded_storage_tokens}
+    return {
+        "device": m.device_hit_tokens,
+        "host": m.loaded_tokens - m.loaded_storage_tokens,
+        "storage": m.loaded_storage_tokens,
+    }
 
 
 def _hit_rate(c: _Context) -> float:
@@ -248,130 +268,296 @@ def _in_flight(c: _Context) -> dict:
 
 C, G, H = "counter", "gauge", "histogram"
 FAMILIES: tuple[Family, ...] = (
-    Family("build_info", G, "Always 1; the labels name the hicache_jax version, the KV backend (jax, numpy, "
-           "torch) and the platform of its device pool (cpu, gpu, tpu; host for numpy)",
-           ("version", "backend", "platform"), _build_info),
+    Family(
+        "build_info",
+        G,
+        "Always 1; the labels name the hicache_jax version, the KV backend (jax, numpy, "
+        "torch) and the platform of its device pool (cpu, gpu, tpu; host for numpy)",
+        ("version", "backend", "platform"),
+        _build_info,
+    ),
     # ---- hits
-    Family("cached_tokens", C, "Prompt tokens served from each cache tier; the sources do not overlap "
-           "(storage: loaded back from pages an L3 prefetch attached)", ("cache_source",), _cached),
+    Family(
+        "cached_tokens",
+        C,
+        "Prompt tokens served from each cache tier; the sources do not overlap "
+        "(storage: loaded back from pages an L3 prefetch attached)",
+        ("cache_source",),
+        _cached,
+    ),
     Family("cache_hit_rate", G, "Cached / looked-up prompt tokens since start", (), _hit_rate),
     Family("match_calls", C, "match_prefix calls", (), _m("match_calls")),
     Family("match_tokens", C, "Page-aligned prompt tokens looked up by match_prefix", (), _m("match_tokens")),
-    Family("host_match_tokens", C, "Host-only tokens match_prefix found after the device hit (loadable)", (),
-           _m("host_match_tokens")),
+    Family(
+        "host_match_tokens",
+        C,
+        "Host-only tokens match_prefix found after the device hit (loadable)",
+        (),
+        _m("host_match_tokens"),
+    ),
     # ---- load-back (host -> device)
     Family("load_back_calls", C, "Load-backs issued", (), _m("load_back_calls")),
-    Family("load_back_skipped", C, "Load-backs not issued (under the threshold, over the quota, no device room)",
-           (), _m("load_back_skipped")),
+    Family(
+        "load_back_skipped",
+        C,
+        "Load-backs not issued (under the threshold, over the quota, no device room)",
+        (),
+        _m("load_back_skipped"),
+    ),
     Family("load_back_tokens", C, "Tokens loaded host -> device", (), _m("loaded_tokens")),
     Family("load_back_bytes", C, "KV bytes loaded host -> device", (), _m("loaded_bytes")),
-    Family("load_back_duration_seconds", H, "Load-back duration, issue to the copy's completion", (),
-           _m("load_back_duration_seconds")),
+    Family(
+        "load_back_duration_seconds",
+        H,
+        "Load-back duration, issue to the copy's completion",
+        (),
+        _m("load_back_duration_seconds"),
+    ),
     # ---- backup (device -> host)
     Family("backup_tokens", C, "Tokens backed up device -> host", (), _m("backup_tokens")),
     Family("backup_bytes", C, "KV bytes backed up device -> host", (), _m("backup_bytes")),
-    Family("backup_failed_tokens", C, "Tokens not backed up for lack of host memory", (),
-           _m("backup_failed_tokens")),
-    Family("backup_duration_seconds", H, "Backup duration, issue to the copy's completion", (),
-           _m("backup_duration_seconds")),
+    Family("backup_failed_tokens", C, "Tokens not backed up for lack of host memory", (), _m("backup_failed_tokens")),
+    Family(
+        "backup_duration_seconds",
+        H,
+        "Backup duration, issue to the copy's completion",
+        (),
+        _m("backup_duration_seconds"),
+    ),
     Family("transfer_retries", C, "Failed KV copies issued again", (), _m("transfer_retries")),
-    Family("transfer_failures", C, "KV copies that failed after every retry (the cache stopped)", (),
-           _m("transfer_failures")),
+    Family(
+        "transfer_failures",
+        C,
+        "KV copies that failed after every retry (the cache stopped)",
+        (),
+        _m("transfer_failures"),
+    ),
     # ---- eviction
     Family("evict_calls", C, "Device evictions", (), _m("evict_calls")),
-    Family("evicted_tokens", C, "Tokens evicted from a tier", ("tier",),
-           lambda c: {"device": c.m.evicted_device_tokens, "host": c.m.evicted_host_tokens}),
+    Family(
+        "evicted_tokens",
+        C,
+        "Tokens evicted from a tier",
+        ("tier",),
+        lambda c: {"device": c.m.evicted_device_tokens, "host": c.m.evicted_host_tokens},
+    ),
     Family("demoted_tokens", C, "Evicted device tokens that stayed on the host", (), _m("demoted_tokens")),
     Family("deleted_device_tokens", C, "Evicted device tokens that left the cache", (), _m("deleted_device_tokens")),
-    Family("dropped_tokens", C, "Tokens dropped instead of backed up", ("reason",),
-           lambda c: {"host_pressure": c.m.dropped_tokens}),
+    Family(
+        "dropped_tokens",
+        C,
+        "Tokens dropped instead of backed up",
+        ("reason",),
+        lambda c: {"host_pressure": c.m.dropped_tokens},
+    ),
     Family("eviction_seconds", C, "Time spent in device eviction", (), _m("eviction_seconds")),
     Family("evict_host_calls", C, "Host evictions", (), _m("evict_host_calls")),
-    Family("reclaimed_host_tokens", C, "Host copies of on-device tokens dropped by host eviction", (),
-           _m("reclaimed_host_tokens")),
+    Family(
+        "reclaimed_host_tokens",
+        C,
+        "Host copies of on-device tokens dropped by host eviction",
+        (),
+        _m("reclaimed_host_tokens"),
+    ),
     Family("host_eviction_seconds", C, "Time spent in host eviction", (), _m("host_eviction_seconds")),
     # ---- capacity and occupancy (gauges)
     Family("device_capacity_tokens", G, "Tokens the device pool holds", (), _g("device_capacity_tokens")),
     Family("device_free_tokens", G, "Free device pool tokens", (), _g("device_free_tokens")),
     Family("device_used_tokens", G, "Device tokens held by the tree", (), _g("device_used_tokens")),
-    Family("device_evictable_tokens", G, "Device tokens of the tree no lock protects", (),
-           _g("device_evictable_tokens")),
-    Family("device_protected_tokens", G, "Device tokens of the tree under a lock (requests' locks, and copies in "
-           "flight until acknowledged)", (), _g("device_protected_tokens")),
+    Family(
+        "device_evictable_tokens", G, "Device tokens of the tree no lock protects", (), _g("device_evictable_tokens")
+    ),
+    Family(
+        "device_protected_tokens",
+        G,
+        "Device tokens of the tree under a lock (requests' locks, and copies in flight until acknowledged)",
+        (),
+        _g("device_protected_tokens"),
+    ),
     Family("host_capacity_tokens", G, "Tokens the host pool holds", (), _g("host_capacity_tokens")),
     Family("host_free_tokens", G, "Free host pool tokens", (), _g("host_free_tokens")),
     Family("host_used_tokens", G, "Host tokens held by the tree", (), _g("host_used_tokens")),
-    Family("pool_capacity_bytes", G, "KV bytes of each pool (tier x KV component)", ("tier", "pool"),
-           _g("pool_capacity_bytes")),
-    Family("in_flight_operations", G, "Copies and L3 operations issued and not yet acknowledged on the owner "
-           "thread (check_events acknowledges finished ones; stats() does too when the owner calls it)",
-           ("operation",), _in_flight),
+    Family(
+        "pool_capacity_bytes",
+        G,
+        "KV bytes of each pool (tier x KV component)",
+        ("tier", "pool"),
+        _g("pool_capacity_bytes"),
+    ),
+    Family(
+        "in_flight_operations",
+        G,
+        "Copies and L3 operations issued and not yet acknowledged on the owner "
+        "thread (check_events acknowledges finished ones; stats() does too when the owner calls it)",
+        ("operation",),
+        _in_flight,
+    ),
     # ---- L3, cache side (an attached StorageController updates these)
     Family("prefetch_calls", C, "L3 prefetches started", (), _m("prefetch_calls")),
-    Family("prefetch_skipped", C, "L3 prefetches not started, by reason (below_threshold: see "
-           "StorageConfig.prefetch_threshold_tokens)", ("reason",), _m("prefetch_skipped_by_reason")),
+    Family(
+        "prefetch_skipped",
+        C,
+        "L3 prefetches not started, by reason (below_threshold: see StorageConfig.prefetch_threshold_tokens)",
+        ("reason",),
+        _m("prefetch_skipped_by_reason"),
+    ),
     Family("prefetch_revoked", C, "L3 prefetches dropped after they started", (), _m("prefetch_revoked")),
     Family("prefetch_timeouts", C, "L3 prefetches cut short by the timeout policy", (), _m("prefetch_timeouts")),
-    Family("prefetch_truncated", C, "L3 prefetches cut to the host memory free for them", (),
-           _m("prefetch_truncated")),
+    Family("prefetch_truncated", C, "L3 prefetches cut to the host memory free for them", (), _m("prefetch_truncated")),
     Family("prefetched_tokens", C, "Tokens read from L3 storage into host pages", (), _m("prefetched_tokens")),
-    Family("prefetch_attached_tokens", C, "Prefetched tokens attached to the tree", (),
-           _m("prefetch_attached_tokens")),
-    Family("prefetch_duration_seconds", H, "L3 prefetch duration, start to its last read", (),
-           _m("prefetch_duration_seconds")),
-    Family("storage_backup_tokens", C, "Tokens of host -> L3 backups the L3 store accepted (buffered or written; "
-           "storage_written_pages counts them once durable)", (), _m("storage_backup_tokens")),
-    Family("storage_backup_bytes", C, "KV bytes of host -> L3 backups the L3 store accepted (see "
-           "storage_backup_tokens)", (), _m("storage_backup_bytes")),
-    Family("storage_backup_failed_tokens", C, "Tokens L3 storage refused or failed", (),
-           _m("storage_backup_failed_tokens")),
-    Family("storage_backup_duration_seconds", H, "L3 backup duration, queued to stored", (),
-           _m("storage_backup_duration_seconds")),
+    Family("prefetch_attached_tokens", C, "Prefetched tokens attached to the tree", (), _m("prefetch_attached_tokens")),
+    Family(
+        "prefetch_duration_seconds",
+        H,
+        "L3 prefetch duration, start to its last read",
+        (),
+        _m("prefetch_duration_seconds"),
+    ),
+    Family(
+        "storage_backup_tokens",
+        C,
+        "Tokens of host -> L3 backups the L3 store accepted (buffered or written; "
+        "storage_written_pages counts them once durable)",
+        (),
+        _m("storage_backup_tokens"),
+    ),
+    Family(
+        "storage_backup_bytes",
+        C,
+        "KV bytes of host -> L3 backups the L3 store accepted (see storage_backup_tokens)",
+        (),
+        _m("storage_backup_bytes"),
+    ),
+    Family(
+        "storage_backup_failed_tokens", C, "Tokens L3 storage refused or failed", (), _m("storage_backup_failed_tokens")
+    ),
+    Family(
+        "storage_backup_duration_seconds",
+        H,
+        "L3 backup duration, queued to stored",
+        (),
+        _m("storage_backup_duration_seconds"),
+    ),
     # ---- L3 store (``controller.stats()``; absent without a storage controller)
     Family("storage_capacity_bytes", G, "Configured L3 capacity (0: unbounded)", (), _l3("storage_capacity_bytes")),
-    Family("storage_writes_pending", G, "1 while the L3 store has accepted writes not yet durable", (),
-           _l3("storage_writes_pending")),
-    Family("prefetch_reserved_host_pages", G, "Host pages reserved for prefetches in flight", (),
-           _l3("prefetch_reserved_host_pages")),
+    Family(
+        "storage_writes_pending",
+        G,
+        "1 while the L3 store has accepted writes not yet durable",
+        (),
+        _l3("storage_writes_pending"),
+    ),
+    Family(
+        "prefetch_reserved_host_pages",
+        G,
+        "Host pages reserved for prefetches in flight",
+        (),
+        _l3("prefetch_reserved_host_pages"),
+    ),
     Family("storage_read_hit_pages", C, "Pages the L3 store found and returned", (), _l3("storage_read_hit_pages")),
-    Family("storage_read_miss_pages", C, "Pages asked of the L3 store and not returned (absent, corrupt, "
-           "unreadable)", (), _l3("storage_read_miss_pages")),
-    Family("storage_corrupt_pages", C, "L3 pages that failed a check (CRC, length, header)", (),
-           _l3("storage_corrupt_pages")),
-    Family("storage_read_errors", C, "L3 reads that raised (I/O errors, vanished files)", (),
-           _l3("storage_read_errors")),
-    Family("storage_quarantined_files", C, "L3 segments / files moved aside after a failed check", (),
-           _l3("storage_quarantined_files")),
+    Family(
+        "storage_read_miss_pages",
+        C,
+        "Pages asked of the L3 store and not returned (absent, corrupt, unreadable)",
+        (),
+        _l3("storage_read_miss_pages"),
+    ),
+    Family(
+        "storage_corrupt_pages",
+        C,
+        "L3 pages that failed a check (CRC, length, header)",
+        (),
+        _l3("storage_corrupt_pages"),
+    ),
+    Family(
+        "storage_read_errors", C, "L3 reads that raised (I/O errors, vanished files)", (), _l3("storage_read_errors")
+    ),
+    Family(
+        "storage_quarantined_files",
+        C,
+        "L3 segments / files moved aside after a failed check",
+        (),
+        _l3("storage_quarantined_files"),
+    ),
     Family("storage_verified_pages", C, "L3 pages whose checksum was verified", (), _l3("storage_verified_pages")),
     Family("storage_read_bytes", C, "Bytes read from the L3 store", (), _l3("storage_read_bytes")),
     Family("storage_read_seconds", C, "Time in L3 reads", (), _l3("storage_read_seconds")),
-    Family("storage_written_pages", C, "Pages the L3 store made durable (committed to its files; a buffering "
-           "backend such as orbax commits at its flush points, so this lags storage_backup_tokens)", (),
-           _l3("storage_written_pages")),
-    Family("storage_written_bytes", C, "Bytes the L3 store made durable (see storage_written_pages)", (),
-           _l3("storage_written_bytes")),
+    Family(
+        "storage_written_pages",
+        C,
+        "Pages the L3 store made durable (committed to its files; a buffering "
+        "backend such as orbax commits at its flush points, so this lags storage_backup_tokens)",
+        (),
+        _l3("storage_written_pages"),
+    ),
+    Family(
+        "storage_written_bytes",
+        C,
+        "Bytes the L3 store made durable (see storage_written_pages)",
+        (),
+        _l3("storage_written_bytes"),
+    ),
     Family("storage_write_seconds", C, "Time in L3 commits", (), _l3("storage_write_seconds")),
-    Family("storage_write_errors", C, "Failed L3 commits (disk full, read-only, ...)", (),
-           _l3("storage_write_errors")),
-    Family("storage_dropped_pages", C, "Pages offered to the L3 store and never committed", (),
-           _l3("storage_dropped_pages")),
-    Family("storage_duplicate_pages", C, "Pages not written because the L3 store held or was writing them", (),
-           _l3("storage_duplicate_pages")),
+    Family("storage_write_errors", C, "Failed L3 commits (disk full, read-only, ...)", (), _l3("storage_write_errors")),
+    Family(
+        "storage_dropped_pages",
+        C,
+        "Pages offered to the L3 store and never committed",
+        (),
+        _l3("storage_dropped_pages"),
+    ),
+    Family(
+        "storage_duplicate_pages",
+        C,
+        "Pages not written because the L3 store held or was writing them",
+        (),
+        _l3("storage_duplicate_pages"),
+    ),
     Family("storage_evicted_pages", C, "Pages the L3 store evicted for capacity", (), _l3("storage_evicted_pages")),
     # soft retention (``retention``): present once ``enable_retention`` ran
-    Family("retained_tokens", G, "Tokens under a live retention hint (every namespace; each node once whatever "
-           "its tiers)", (), _ret(lambda r: r.total)),
-    Family("retention_hint_calls", C, "Retention hints applied (begin_request / insert / a request's inserts)", (),
-           _ret(lambda r: r.hints)),
-    Family("retention_clamped_calls", C, "Retention hints cut short by their namespace's token cap", (),
-           _ret(lambda r: r.clamped_hints)),
-    Family("retention_clamped_tokens", C, "Tokens a hint asked for beyond its namespace's cap (not retained)", (),
-           _ret(lambda r: r.clamped_tokens)),
-    Family("retention_expired_tokens", C, "Retained tokens whose hint expired (back to plain LRU order)", (),
-           _ret(lambda r: r.expired_tokens)),
-    Family("retention_overridden_tokens", C, "Tokens evicted from a tier while their hint was live (memory "
-           "pressure overrode it; a reclaimed redundant host copy does not count)", ("tier",),
-           _ret(lambda r: dict(r.overridden_tokens))),
+    Family(
+        "retained_tokens",
+        G,
+        "Tokens under a live retention hint (every namespace; each node once whatever its tiers)",
+        (),
+        _ret(lambda r: r.total),
+    ),
+    Family(
+        "retention_hint_calls",
+        C,
+        "Retention hints applied (begin_request / insert / a request's inserts)",
+        (),
+        _ret(lambda r: r.hints),
+    ),
+    Family(
+        "retention_clamped_calls",
+        C,
+        "Retention hints cut short by their namespace's token cap",
+        (),
+        _ret(lambda r: r.clamped_hints),
+    ),
+    Family(
+        "retention_clamped_tokens",
+        C,
+        "Tokens a hint asked for beyond its namespace's cap (not retained)",
+        (),
+        _ret(lambda r: r.clamped_tokens),
+    ),
+    Family(
+        "retention_expired_tokens",
+        C,
+        "Retained tokens whose hint expired (back to plain LRU order)",
+        (),
+        _ret(lambda r: r.expired_tokens),
+    ),
+    Family(
+        "retention_overridden_tokens",
+        C,
+        "Tokens evicted from a tier while their hint was live (memory "
+        "pressure overrode it; a reclaimed redundant host copy does not count)",
+        ("tier",),
+        _ret(lambda r: dict(r.overridden_tokens)),
+    ),
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 
@@ -411,15 +597,19 @@ class _Collector:
                 # the same names in another order: the collector's order (samples are by name)
                 names, values = self.label_names, tuple(labels[n] for n in self.label_names)
             if self.label_names is not None and names != self.label_names:
-                raise ValueError(f"labels: caches exported with prefix {self.prefix!r} on one registry must use "
-                                 f"the same label names {list(self.label_names)}, got {list(names)}")
+                raise ValueError(
+                    f"labels: caches exported with prefix {self.prefix!r} on one registry must use "
+                    f"the same label names {list(self.label_names)}, got {list(names)}"
+                )
             for other, vals in self.caches:
                 if other is cache:
                     raise ValueError("cache: already registered on this registry with this prefix")
                 if vals == values:
-                    raise ValueError(f"labels: another cache is registered with {dict(labels) or 'no labels'}; give "
-                                     f"each cache distinct labels, e.g. labels={{'cache': 'draft', 'rank': '0', "
-                                     f"'model': 'name'}}")
+                    raise ValueError(
+                        f"labels: another cache is registered with {dict(labels) or 'no labels'}; give "
+                        f"each cache distinct labels, e.g. labels={{'cache': 'draft', 'rank': '0', "
+                        f"'model': 'name'}}"
+                    )
             self.label_names = names
             self.caches.append((cache, values))
 
@@ -498,8 +688,9 @@ def _check_labels(labels: object) -> dict[str, str]:
     return out
 
 
-def register_prometheus(cache: "HiRadixCache", registry: Any = None, prefix: str = "hicache",
-                        labels: Mapping[str, object] | None = None) -> PrometheusExport:
+def register_prometheus(
+    cache: "HiRadixCache", registry: Any = None, prefix: str = "hicache", labels: Mapping[str, object] | None = None
+) -> PrometheusExport:
     """Export ``cache``'s families (``FAMILIES``) through prometheus_client; values are read at
     scrape time (no per-operation cost). Returns a ``PrometheusExport`` (``unregister()``).
 
@@ -513,8 +704,10 @@ def register_prometheus(cache: "HiRadixCache", registry: Any = None, prefix: str
     try:
         import prometheus_client
     except ImportError as e:
-        raise ImportError("register_prometheus needs the prometheus_client package "
-                          "(pip install 'hicache-jax[metrics]' or prometheus_client)") from e
+        raise ImportError(
+            "register_prometheus needs the prometheus_client package "
+            "(pip install 'hicache-jax[metrics]' or prometheus_client)"
+        ) from e
     if not isinstance(prefix, str) or not prefix.isidentifier():
         raise ValueError(f"prefix: expected a Prometheus name prefix (letters, digits, _), got {prefix!r}")
     labels = _check_labels(labels)

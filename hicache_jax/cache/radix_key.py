@@ -109,8 +109,10 @@ def canonical_namespace_value(value: object, name: str = "extra_key") -> Hashabl
         return bytes(value)
     if isinstance(value, tuple):
         return ("t", tuple(canonical_namespace_value(v, name) for v in value))
-    raise TypeError(f"{name}: expected None, a bool, int, float, str, bytes or a tuple of those (a typed, "
-                    f"process-stable tenant identity), got {type(value).__name__}")
+    raise TypeError(
+        f"{name}: expected None, a bool, int, float, str, bytes or a tuple of those (a typed, "
+        f"process-stable tenant identity), got {type(value).__name__}"
+    )
 
 
 def _json_value(c: Hashable) -> object:
@@ -144,8 +146,12 @@ _I64 = np.dtype(TOKEN_DTYPE)
 def _fast_token_ids(tokens: object, name: str) -> np.ndarray:
     """``as_token_ids`` with the common case (a native 1-D int64 array in range) checked with
     no further calls; anything else takes the full path (convert or raise)."""
-    if type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.ndim == 1 and (
-            not tokens.shape[0] or _in_range(tokens)):
+    if (
+        type(tokens) is np.ndarray
+        and tokens.dtype is _I64
+        and tokens.ndim == 1
+        and (not tokens.shape[0] or _in_range(tokens))
+    ):
         return tokens
     return as_token_ids(tokens, name)
 
@@ -169,8 +175,14 @@ class RadixKey:
     def __init__(self, token_ids: object, extra_key: Hashable = None, cache_salt: Hashable = None) -> None:
         # Written straight into __dict__ (frozen: no __setattr__), once; keys are built per request.
         data = _fast_token_ids(token_ids, "token_ids").tobytes()  # the one copy of the tokens
-        ns = DEFAULT_NAMESPACE if extra_key is None and cache_salt is None else (
-            canonical_namespace_value(extra_key, "extra_key"), canonical_namespace_value(cache_salt, "cache_salt"))
+        ns = (
+            DEFAULT_NAMESPACE
+            if extra_key is None and cache_salt is None
+            else (
+                canonical_namespace_value(extra_key, "extra_key"),
+                canonical_namespace_value(cache_salt, "cache_salt"),
+            )
+        )
         d = self.__dict__
         d["token_ids"] = np.frombuffer(data, TOKEN_DTYPE)
         d["extra_key"] = extra_key
@@ -206,7 +218,7 @@ def aligned_len(n: int, page_size: int) -> int:
 
 def page_key(tokens: np.ndarray, offset: int, page_size: int) -> bytes:
     """Child-dict key: the raw bytes of the page starting at ``offset``."""
-    return tokens[offset:offset + page_size].tobytes()
+    return tokens[offset : offset + page_size].tobytes()
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

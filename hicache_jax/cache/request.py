@@ -76,8 +76,10 @@ class CacheRequest:
         page_size = self.page_size
         want = -(-len(key) // page_size)
         if self.device_pages.shape[0] + pages.shape[0] != want:
-            raise ValueError(f"new_pages: {len(key)} tokens need {want} pages in all, the request has "
-                             f"{self.device_pages.shape[0]} and got {pages.shape[0]} more")
+            raise ValueError(
+                f"new_pages: {len(key)} tokens need {want} pages in all, the request has "
+                f"{self.device_pages.shape[0]} and got {pages.shape[0]} more"
+            )
         if component_pages is None and self.component_pages is None:
             self.key = key
             self.device_pages = np.concatenate([self.device_pages, pages])
@@ -100,18 +102,21 @@ class CacheRequest:
         extra = {}
         if component_pages is not None:
             if not isinstance(component_pages, dict):
-                raise TypeError(f"component_pages: expected a dict of name -> page ids, got "
-                                f"{type(component_pages).__name__}")
+                raise TypeError(
+                    f"component_pages: expected a dict of name -> page ids, got {type(component_pages).__name__}"
+                )
             for name, ids in component_pages.items():
                 arr = _as_ids_or_none(ids, f"component_pages[{name!r}]")
                 if arr.shape[0] != n:
-                    raise ValueError(f"component_pages[{name!r}]: expected {n} ids (one per new page), "
-                                     f"got {arr.shape[0]}")
+                    raise ValueError(
+                        f"component_pages[{name!r}]: expected {n} ids (one per new page), got {arr.shape[0]}"
+                    )
                 extra[name] = arr
         for name in self.component_pages or {}:
             if name not in extra:
-                raise ValueError(f"component_pages: the request tracks {name!r} pages; give one id per new page "
-                                 f"(-1 for none)")
+                raise ValueError(
+                    f"component_pages: the request tracks {name!r} pages; give one id per new page (-1 for none)"
+                )
         return extra
 
 

@@ -46,9 +46,17 @@ class RequestHelpers:
     """The three request helpers; ``match`` and ``load_back`` are the facade's (validated,
     counted) calls."""
 
-    def __init__(self, tree: RadixTree, residency: Residency, inserter: Inserter, callers: CallerLocks,
-                 match: Callable[[RadixKey], MatchResult], load_back: Callable[..., LoadBackResult | None],
-                 page_size: int, metrics: CacheMetrics) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        residency: Residency,
+        inserter: Inserter,
+        callers: CallerLocks,
+        match: Callable[[RadixKey], MatchResult],
+        load_back: Callable[..., LoadBackResult | None],
+        page_size: int,
+        metrics: CacheMetrics,
+    ) -> None:
         self.tree = tree
         self.res = residency
         self.inserter = inserter
@@ -60,8 +68,9 @@ class RequestHelpers:
         self.own: tuple = ()  # stateful components with their own page ids (the facade sets them)
         self.retention = None  # the cache's ``retention.Retention`` once enabled (the facade sets it)
 
-    def begin(self, key: RadixKey, mem_quota: int | None, load_back: bool,
-              priority: int) -> tuple[CacheRequest, LoadBackResult | None]:
+    def begin(
+        self, key: RadixKey, mem_quota: int | None, load_back: bool, priority: int
+    ) -> tuple[CacheRequest, LoadBackResult | None]:
         res = self.match(key)
         pages, last = res.device_indices, res.last_device_node
         lb = None
@@ -77,9 +86,18 @@ class RequestHelpers:
         root = self.tree.root
         if last is not root:
             self.callers.take(last)
-        req = CacheRequest(key, self.page_size, pages, last if last is not root else None, pages.shape[0],
-                           priority, None, res.device_indices.shape[0] * self.page_size, loaded - from_storage,
-                           from_storage)
+        req = CacheRequest(
+            key,
+            self.page_size,
+            pages,
+            last if last is not root else None,
+            pages.shape[0],
+            priority,
+            None,
+            res.device_indices.shape[0] * self.page_size,
+            loaded - from_storage,
+            from_storage,
+        )
         req.owner = self
         if self.own:
             req.component_pages = {c.name: c.request_pages(last, pages.shape[0]) for c in self.own}
@@ -106,8 +124,9 @@ class RequestHelpers:
         pages = req.device_pages
         if type(pages) is not np.ndarray or pages.ndim != 1 or pages.dtype.kind not in "iu":
             shape = f" {pages.dtype}{pages.shape}" if isinstance(pages, np.ndarray) else ""
-            raise TypeError(f"req.device_pages: expected a 1-D integer array of device page ids, got "
-                            f"{type(pages).__name__}{shape}")
+            raise TypeError(
+                f"req.device_pages: expected a 1-D integer array of device page ids, got {type(pages).__name__}{shape}"
+            )
         n = key.token_ids.shape[0]
         if pages.shape[0] != -(-n // p) and not (partial and pages.shape[0] < -(-n // p)):
             raise ValueError(f"req: {n} tokens need {-(-n // p)} device pages, it holds {pages.shape[0]}")
@@ -117,8 +136,10 @@ class RequestHelpers:
         if type(cached) is not int and (isinstance(cached, bool) or not isinstance(cached, np.integer)):
             raise TypeError(f"req.cached_pages: expected an int, got {type(cached).__name__}")
         if cached < 0 or cached > min(n // p, pages.shape[0]):
-            raise ValueError(f"req.cached_pages: expected an int in [0, {min(n // p, pages.shape[0])}] (the "
-                             f"request's whole pages it holds), got {cached}")
+            raise ValueError(
+                f"req.cached_pages: expected an int in [0, {min(n // p, pages.shape[0])}] (the "
+                f"request's whole pages it holds), got {cached}"
+            )
         retain = req.retain
         if retain is not None:
             from .retention import RetentionHint
@@ -139,21 +160,24 @@ class RequestHelpers:
 
     def _check_component_pages(self, cp: object, n: int) -> None:
         if not isinstance(cp, dict):
-            raise TypeError(f"req.component_pages: expected a dict of name -> page ids or None, got "
-                            f"{type(cp).__name__}")
+            raise TypeError(
+                f"req.component_pages: expected a dict of name -> page ids or None, got {type(cp).__name__}"
+            )
         known = {c.name: c for c in self.own}
         for name, arr in cp.items():
             comp = known.get(name)
             if comp is None:
-                raise ValueError(f"req.component_pages: {name!r} is not a component with its own page ids "
-                                 f"(those: {sorted(known)})")
+                raise ValueError(
+                    f"req.component_pages: {name!r} is not a component with its own page ids (those: {sorted(known)})"
+                )
             if type(arr) is not np.ndarray or arr.ndim != 1 or arr.dtype.kind not in "iu":
                 raise TypeError(f"req.component_pages[{name!r}]: expected a 1-D integer array")
             if arr.shape[0] != n:
                 raise ValueError(f"req.component_pages[{name!r}]: {arr.shape[0]} ids for {n} device pages")
             if arr.shape[0] and (int(arr.min()) < -1 or int(arr.max()) >= comp.device_allocator.num_pages):
-                raise ValueError(f"req.component_pages[{name!r}]: ids out of range [-1, "
-                                 f"{comp.device_allocator.num_pages})")
+                raise ValueError(
+                    f"req.component_pages[{name!r}]: ids out of range [-1, {comp.device_allocator.num_pages})"
+                )
 
     def _component_pages(self, req: CacheRequest) -> dict:
         """The request's ids per own-id component (-1 arrays for one it does not track yet)."""
@@ -201,7 +225,7 @@ class RequestHelpers:
         if path is None:
             pages = check_page_ids(req.device_pages[:aligned], n_dev, "req.device_pages", unique=False)
             return self.inserter.insert(key, pages, chunked, priority=req.priority, comp_pages=cp) + (0,)
-        pages = check_page_ids(req.device_pages[req.cached_pages:aligned], n_dev, "req.device_pages", unique=False)
+        pages = check_page_ids(req.device_pages[req.cached_pages : aligned], n_dev, "req.device_pages", unique=False)
         return self.inserter.insert(key, pages, chunked, path, depth, req.priority, cp) + (req.cached_pages,)
 
     def _reread_component_pages(self, req: CacheRequest, node, aligned: int) -> None:
@@ -226,7 +250,7 @@ class RequestHelpers:
             # ids along the path (they differ from its own only where its pages were duplicates).
             if dup_mask is not None:
                 dev = req.device_pages.copy()
-                head = dev[head0:head0 + tree_head.shape[0]]
+                head = dev[head0 : head0 + tree_head.shape[0]]
                 head[dup_mask] = tree_head[dup_mask]
                 req.device_pages = dev
             if req.last_node is not None:
@@ -281,25 +305,27 @@ class RequestHelpers:
 
     def abort(self, req: CacheRequest) -> None:
         res = self.res
-        own = req.device_pages[req.cached_pages:]
+        own = req.device_pages[req.cached_pages :]
         if own.size:
             n_dev = res.device_allocator.num_pages
             if own.min() < 0 or own.max() >= n_dev:  # before indexing the bitmaps with them
-                raise ValueError(f"req.device_pages: the request's own page ids out of range [0, {n_dev}): "
-                                 f"{own.tolist()}")
+                raise ValueError(
+                    f"req.device_pages: the request's own page ids out of range [0, {n_dev}): {own.tolist()}"
+                )
             if np.unique(own).shape[0] != own.shape[0]:
                 raise ValueError(f"req.device_pages: the request's own pages repeat an id: {own.tolist()}")
             bad = own[res.dev_owned[own] | ~res.device_allocator.is_allocated(own)]
             if bad.size:
-                raise ValueError(f"req.device_pages: pages {bad.tolist()} are not the request's to free (free, or "
-                                 f"owned by the tree)")
+                raise ValueError(
+                    f"req.device_pages: pages {bad.tolist()} are not the request's to free (free, or owned by the tree)"
+                )
         comp_own = []
         if self.own and req.component_pages is not None:
             for c in self.own:
                 ids = req.component_pages.get(c.name)
                 if ids is None:
                     continue
-                t = ids[req.cached_pages:]
+                t = ids[req.cached_pages :]
                 t = t[t >= 0].astype(np.intp)
                 c.check_free(t, f"req.component_pages[{c.name!r}]")
                 comp_own.append((c, t))

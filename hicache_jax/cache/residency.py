@@ -32,8 +32,13 @@ EMPTY_IDS = np.zeros(0, ID_DTYPE)
 class Residency:
     """Where the full component's pages live, and which nodes may leave which tier."""
 
-    def __init__(self, device_allocator: PageAllocator, host_allocator: PageAllocator, strategy: EvictionStrategy,
-                 host_reclaim: bool) -> None:
+    def __init__(
+        self,
+        device_allocator: PageAllocator,
+        host_allocator: PageAllocator,
+        strategy: EvictionStrategy,
+        host_reclaim: bool,
+    ) -> None:
         self.device_allocator = device_allocator
         self.host_allocator = host_allocator
         # One index per tier rule; a node is in at most one of device/host (disjoint by rule).

@@ -151,7 +151,7 @@ class Retention(ResidencyWatch):
             ns = node.namespace
             used = self.by_namespace.get(ns, 0)
             if used + node.size > self.cap:
-                clamped = sum(x.size for x in path[:len(path) - i] if x not in self.entries)
+                clamped = sum(x.size for x in path[: len(path) - i] if x not in self.entries)
                 break
             self.by_namespace[ns] = used + node.size
             self.total += node.size
@@ -188,10 +188,15 @@ class Retention(ResidencyWatch):
         return len(self._expiry)
 
     def stats(self) -> dict:
-        return {"retained_tokens": self.retained_tokens,
-                "retained_tokens_by_namespace": {repr(k): v for k, v in self.by_namespace.items() if v},
-                "hints": self.hints, "clamped_hints": self.clamped_hints, "clamped_tokens": self.clamped_tokens,
-                "expired_tokens": self.expired_tokens, "overridden_tokens": dict(self.overridden_tokens)}
+        return {
+            "retained_tokens": self.retained_tokens,
+            "retained_tokens_by_namespace": {repr(k): v for k, v in self.by_namespace.items() if v},
+            "hints": self.hints,
+            "clamped_hints": self.clamped_hints,
+            "clamped_tokens": self.clamped_tokens,
+            "expired_tokens": self.expired_tokens,
+            "overridden_tokens": dict(self.overridden_tokens),
+        }
 
     # ------------------------------------------------------------------ watch hooks
     def before_evict(self, tier: str) -> None:

@@ -55,8 +55,9 @@ def _fingerprint(kind: int, counts: list[int]) -> int:
 class StepAgreement:
     """See the module docstring."""
 
-    def __init__(self, agreement: Agreement, width: int = DEFAULT_WIDTH,
-                 digest: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self, agreement: Agreement, width: int = DEFAULT_WIDTH, digest: Callable[[], str] | None = None
+    ) -> None:
         if not isinstance(agreement, Agreement):
             raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
         if isinstance(width, bool) or not isinstance(width, int) or width <= _HEADER:
@@ -87,8 +88,10 @@ class StepAgreement:
     # ------------------------------------------------------------------ the exchange
     def _agree(self, kind: int, body: list[int], counts: list[int]) -> np.ndarray:
         if len(body) + _HEADER > self.width:
-            raise AgreementError(f"a step reports {len(body)} values; the vector holds {self.width - _HEADER} "
-                                 f"(participants must stay within their budgets)")
+            raise AgreementError(
+                f"a step reports {len(body)} values; the vector holds {self.width - _HEADER} "
+                f"(participants must stay within their budgets)"
+            )
         vec = np.zeros(self.width, np.int64)
         h = _fingerprint(kind, counts)
         vec[0], vec[1] = h, -h
@@ -96,7 +99,7 @@ class StepAgreement:
         if self.check_digest and self._digest is not None:
             d = int(self._digest()[:15], 16)
             vec[2], vec[3] = d, -d
-        vec[_HEADER:_HEADER + len(body)] = body
+        vec[_HEADER : _HEADER + len(body)] = body
         t0 = time.perf_counter()
         out = np.asarray(self.agreement.agree_min(vec), np.int64)
         self.seconds += time.perf_counter() - t0
@@ -104,11 +107,13 @@ class StepAgreement:
         if out.shape != vec.shape:
             raise AgreementError(f"agreement returned shape {out.shape}, expected {vec.shape}")
         if out[0] != h or out[1] != -h:
-            raise RankDivergenceError(f"ranks built different agreement vectors at exchange {self.exchanges} "
-                                      f"(layout {counts}): their queues differ")
+            raise RankDivergenceError(
+                f"ranks built different agreement vectors at exchange {self.exchanges} "
+                f"(layout {counts}): their queues differ"
+            )
         if d and (out[2] != d or out[3] != -d):
             raise RankDivergenceError(f"the trees' digests differ across ranks at exchange {self.exchanges}")
-        return out[_HEADER:_HEADER + len(body)]
+        return out[_HEADER : _HEADER + len(body)]
 
     def step(self) -> None:
         """One agreement over every participant (see the module docstring)."""
@@ -138,7 +143,7 @@ class StepAgreement:
             self.steps += 1
             off = 0
             for p, n in zip(parts, counts):
-                p.apply(agreed[off:off + n])
+                p.apply(agreed[off : off + n])
                 off += n
         finally:
             self._in_step = False
@@ -149,5 +154,9 @@ class StepAgreement:
         return self._agree(1, values, [len(values)])
 
     def stats(self) -> dict:
-        return {"steps": self.steps, "exchanges": self.exchanges, "seconds": self.seconds,
-                "participants": [type(p).__name__ for p in self.participants]}
+        return {
+            "steps": self.steps,
+            "exchanges": self.exchanges,
+            "seconds": self.seconds,
+            "participants": [type(p).__name__ for p in self.participants],
+        }

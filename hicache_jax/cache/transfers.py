@@ -45,8 +45,18 @@ class PendingOp:
 
     __slots__ = ("node", "handle", "tokens", "t0", "src", "dst", "load", "receipt", "plans")
 
-    def __init__(self, node: TreeNode, handle: TransferHandle, tokens: int, src: np.ndarray, dst: np.ndarray,
-                 load: bool, receipt: LockReceipt, t0: float | None = None, plans: dict | None = None) -> None:
+    def __init__(
+        self,
+        node: TreeNode,
+        handle: TransferHandle,
+        tokens: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        load: bool,
+        receipt: LockReceipt,
+        t0: float | None = None,
+        plans: dict | None = None,
+    ) -> None:
         self.node, self.handle, self.tokens = node, handle, tokens
         self.t0 = time.perf_counter() if t0 is None else t0
         self.src, self.dst, self.load = src, dst, load  # page ids, to issue the copy again
@@ -59,8 +69,14 @@ class PendingOp:
 class TransferLedger:
     """The two queues of copies in flight and the failure latch; see the module docstring."""
 
-    def __init__(self, components, metrics: CacheMetrics, locks: PathLocks, retries: int,
-                 on_failure: Callable[[CacheFailedError], None]) -> None:
+    def __init__(
+        self,
+        components,
+        metrics: CacheMetrics,
+        locks: PathLocks,
+        retries: int,
+        on_failure: Callable[[CacheFailedError], None],
+    ) -> None:
         self.components = components  # looked up per copy: tests may swap its methods
         self.metrics = metrics
         self.locks = locks
@@ -141,7 +157,8 @@ class TransferLedger:
         what = "load-back" if op.load else "backup"
         self.failure = CacheFailedError(
             f"a {what} of {op.tokens} tokens failed after {self.retries} retries ({error!r}); "
-            f"the cache refuses every call until reset()")
+            f"the cache refuses every call until reset()"
+        )
         self.on_failure(self.failure)
         raise self.failure from error
 
@@ -199,11 +216,15 @@ class TransferLedger:
         if failed:
             local = self._local_failure
             where = "on this rank" if local is not None else "on another rank"
-            what = "a copy" if local is None else f"a {'load-back' if local[0].load else 'backup'} of " \
-                                                   f"{local[0].tokens} tokens"
+            what = (
+                "a copy"
+                if local is None
+                else f"a {'load-back' if local[0].load else 'backup'} of {local[0].tokens} tokens"
+            )
             self.failure = CacheFailedError(
                 f"{what} failed {where} after {self.retries} retries"
-                f"{'' if local is None else f' ({local[1]!r})'}; every rank refuses every call until reset()")
+                f"{'' if local is None else f' ({local[1]!r})'}; every rank refuses every call until reset()"
+            )
             self.on_failure(self.failure)
             return
         for _ in range(writes):

@@ -38,7 +38,7 @@ class RadixTree:
         return self.clock
 
     def child_key(self, node: TreeNode):
-        k = node.kb[:8 * self.page_size]
+        k = node.kb[: 8 * self.page_size]
         return (node.namespace, k) if node.parent is self.root else k
 
     def walk(self, key: RadixKey, n: int, start: TreeNode | None = None, off: int = 0) -> tuple[list, int]:
@@ -56,9 +56,9 @@ class RadixTree:
         pb = 8 * p
         nb = 8 * n
         if start is None or start is self.root:
-            child = self.root.children.get((key.namespace, qb[8 * off:8 * off + pb]))
+            child = self.root.children.get((key.namespace, qb[8 * off : 8 * off + pb]))
         else:
-            child = start.children.get(qb[8 * off:8 * off + pb])
+            child = start.children.get(qb[8 * off : 8 * off + pb])
         while child is not None:
             if qb.startswith(child.kb, 8 * off, nb):
                 m = child.size
@@ -69,7 +69,7 @@ class RadixTree:
             off += m
             if m < child.size or off == n:
                 break
-            child = child.children.get(qb[8 * off:8 * off + pb])
+            child = child.children.get(qb[8 * off : 8 * off + pb])
         return segs, off
 
     def split(self, child: TreeNode, m: int) -> TreeNode:
@@ -77,12 +77,12 @@ class RadixTree:
         which takes over ``child``'s place and statistics (hits, access, creation, priority)."""
         parent = child.parent
         ck = self.child_key(child)
-        new = TreeNode(child.kb[:8 * m], child.namespace, parent)
+        new = TreeNode(child.kb[: 8 * m], child.namespace, parent)
         new.hit_count = child.hit_count
         new.last_access = child.last_access
         new.created = child.created
         new.priority = child.priority
-        child.kb = child.kb[8 * m:]
+        child.kb = child.kb[8 * m :]
         child.size -= m
         child.parent = new
         parent.children[ck] = new
@@ -94,7 +94,7 @@ class RadixTree:
         """A new childless node under ``parent`` holding the tokens ``kb`` (a page multiple, not
         matching any child's first page: the caller walked there)."""
         leaf = TreeNode(kb, namespace, parent)
-        fk = kb[:8 * self.page_size]
+        fk = kb[: 8 * self.page_size]
         parent.children[fk if parent is not self.root else (namespace, fk)] = leaf
         leaf.created = self.clock
         return leaf

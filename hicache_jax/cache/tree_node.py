@@ -38,9 +38,26 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "kb", "size", "namespace", "parent", "children", "value", "host_value", "lock_ref",
-        "host_lock_ref", "hit_count", "last_access", "created", "priority", "dev_children", "host_children",
-        "deleted", "heap_stamp", "owner", "ext",
+        "id",
+        "kb",
+        "size",
+        "namespace",
+        "parent",
+        "children",
+        "value",
+        "host_value",
+        "lock_ref",
+        "host_lock_ref",
+        "hit_count",
+        "last_access",
+        "created",
+        "priority",
+        "dev_children",
+        "host_children",
+        "deleted",
+        "heap_stamp",
+        "owner",
+        "ext",
     )
 
     def __init__(self, key: "np.ndarray | bytes", namespace: tuple, parent: "TreeNode | None") -> None:
@@ -98,5 +115,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         state = ("D" if self.value is not None else "-") + ("H" if self.host_value is not None else "-")
-        return (f"TreeNode(id={self.id}, len={len(self)}, {state}, lock={self.lock_ref}, "
-                f"host_lock={self.host_lock_ref}, hits={self.hit_count}, t={self.last_access})")
+        return (
+            f"TreeNode(id={self.id}, len={len(self)}, {state}, lock={self.lock_ref}, "
+            f"host_lock={self.host_lock_ref}, hits={self.hit_count}, t={self.last_access})"
+        )

@@ -33,8 +33,15 @@ from .tree_node import TreeNode
 class WritePolicyDriver:
     """Decides backups by policy; ``BackupIssuer`` carries them out."""
 
-    def __init__(self, policy: WritePolicy, threshold: int | None, tree: RadixTree, backups: BackupIssuer,
-                 ledger: TransferLedger, metrics: CacheMetrics) -> None:
+    def __init__(
+        self,
+        policy: WritePolicy,
+        threshold: int | None,
+        tree: RadixTree,
+        backups: BackupIssuer,
+        ledger: TransferLedger,
+        metrics: CacheMetrics,
+    ) -> None:
         self.policy = policy
         self.threshold = threshold if policy != WritePolicy.WRITE_BACK else None
         self.tree = tree

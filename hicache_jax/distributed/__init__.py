@@ -12,5 +12,15 @@ Imports with numpy alone; JAX is imported when an agreement is built or a rank i
 from .agreements import AGREEMENTS, DeviceAgreement, KVStoreAgreement, make_agreement
 from .launch import RankResult, RanksFailed, free_port, initialize_from_env, launch_local, run_rank
 
-__all__ = ["AGREEMENTS", "DeviceAgreement", "KVStoreAgreement", "RankResult", "RanksFailed", "free_port",
-           "initialize_from_env", "launch_local", "make_agreement", "run_rank"]
+__all__ = [
+    "AGREEMENTS",
+    "DeviceAgreement",
+    "KVStoreAgreement",
+    "RankResult",
+    "RanksFailed",
+    "free_port",
+    "initialize_from_env",
+    "launch_local",
+    "make_agreement",
+    "run_rank",
+]

@@ -57,8 +57,15 @@ class KVStoreAgreement(Agreement):
 
     collective = True
 
-    def __init__(self, name: str = "hicache", timeout_s: float = 60.0, *, client=None, rank: int | None = None,
-                 num_processes: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "hicache",
+        timeout_s: float = 60.0,
+        *,
+        client=None,
+        rank: int | None = None,
+        num_processes: int | None = None,
+    ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name: expected a non-empty str without '/', got {name!r}")
         self.timeout_s = _check_timeout(timeout_s, "timeout_s")
@@ -83,12 +90,15 @@ class KVStoreAgreement(Agreement):
         try:
             cl.wait_at_barrier(f"{name}/b/{c}", int(self.timeout_s * 1000))
         except Exception as e:  # the runtime raises its own error types (XlaRuntimeError)
-            raise AgreementError(f"rank {self.rank}: agreement {name!r} call {c}: the barrier did not complete "
-                                 f"within {self.timeout_s:g} s ({e})") from e
+            raise AgreementError(
+                f"rank {self.rank}: agreement {name!r} call {c}: the barrier did not complete "
+                f"within {self.timeout_s:g} s ({e})"
+            ) from e
         entries = cl.key_value_dir_get_bytes(f"{name}/{block}/{c}/")
         if len(entries) != self.num_processes:
-            raise AgreementError(f"agreement {name!r} call {c}: {len(entries)} ranks' values, expected "
-                                 f"{self.num_processes}")
+            raise AgreementError(
+                f"agreement {name!r} call {c}: {len(entries)} ranks' values, expected {self.num_processes}"
+            )
         rows = [np.frombuffer(b, dtype="<i8") for _, b in entries]
         if any(r.shape != vec.shape for r in rows):
             raise AgreementError(f"agreement {name!r} call {c}: ranks sent shapes {sorted({r.shape for r in rows})}")
@@ -131,8 +141,10 @@ class DeviceAgreement(Agreement):
             try:
                 self.client.wait_at_barrier(f"{self.name}/arrive/{c}", int(self.arrival * 1000))
             except Exception as e:  # noqa: BLE001
-                raise AgreementError(f"rank {self.rank}: agreement {self.name!r} call {c}: not every rank arrived "
-                                     f"within {self.arrival:g} s ({e})") from e
+                raise AgreementError(
+                    f"rank {self.rank}: agreement {self.name!r} call {c}: not every rank arrived "
+                    f"within {self.arrival:g} s ({e})"
+                ) from e
         rows = np.asarray(multihost_utils.process_allgather(vec.view("<i4")))
         return rows.reshape(self.num_processes, -1).view("<i8").min(axis=0).astype(np.int64)
 

@@ -85,8 +85,15 @@ def rank_env(rank: int, num_processes: int, coordinator: str, base: dict | None 
     return env
 
 
-def launch_local(argv: list[str], num_processes: int, timeout_s: float, *, cwd: str | None = None,
-                 env: dict | None = None, echo: TextIO | None = None) -> list[RankResult]:
+def launch_local(
+    argv: list[str],
+    num_processes: int,
+    timeout_s: float,
+    *,
+    cwd: str | None = None,
+    env: dict | None = None,
+    echo: TextIO | None = None,
+) -> list[RankResult]:
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes: expected an int >= 1, got {num_processes!r}")
     coordinator = f"127.0.0.1:{free_port()}"
@@ -101,8 +108,11 @@ def launch_local(argv: list[str], num_processes: int, timeout_s: float, *, cwd: 
                 if echo is not None and r == 0:
                     renv["PYTHONUNBUFFERED"] = "1"
                 with open(paths[r], "w") as log:  # the child keeps its own descriptor
-                    procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=renv,
-                                                  start_new_session=True))
+                    procs.append(
+                        subprocess.Popen(
+                            argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=renv, start_new_session=True
+                        )
+                    )
             if echo is not None:
                 tail = open(paths[0])  # a second description: its offset is not the child's
             failed = False
@@ -160,9 +170,13 @@ def initialize_from_env(initialization_timeout: int = 120, shutdown_timeout: int
     # differs gives the ranks' collectives different gloo tags on jaxlib >= 0.12, a hang.
     jax.config.update("jax_include_full_tracebacks_in_locations", False)  # whatever called the trace
     jax.config.update("jax_enable_compilation_cache", False)  # compiled on every rank, none loaded
-    jax.distributed.initialize(os.environ["HICACHE_COORDINATOR"], n, rank,
-                               initialization_timeout=initialization_timeout,
-                               shutdown_timeout_seconds=shutdown_timeout)
+    jax.distributed.initialize(
+        os.environ["HICACHE_COORDINATOR"],
+        n,
+        rank,
+        initialization_timeout=initialization_timeout,
+        shutdown_timeout_seconds=shutdown_timeout,
+    )
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # over jax's handler: SIGTERM ends the rank
     return rank, n

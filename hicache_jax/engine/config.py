@@ -85,8 +85,12 @@ class EngineCacheConfig:
         self.tree_config()
 
     def tree_config(self) -> HiCacheConfig:
-        return HiCacheConfig(page_size=self.page_size, write_policy=self.write_policy,
-                             eviction_policy=self.eviction_policy, storage=self.storage)
+        return HiCacheConfig(
+            page_size=self.page_size,
+            write_policy=self.write_policy,
+            eviction_policy=self.eviction_policy,
+            storage=self.storage,
+        )
 
     @property
     def fixed_step_shape(self) -> tuple[int, int] | None:

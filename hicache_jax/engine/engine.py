@@ -251,8 +251,15 @@ class Engine:
     run as one of N tensor-parallel ranks (None: one process). Every device pool (full, SWA,
     draft) is built on the ranks' mesh."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: EngineCacheConfig | None = None, *,
-                 spec: SpecConfig | None = None, weights: ModelWeights | None = None, ranks=None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: EngineCacheConfig | None = None,
+        *,
+        spec: SpecConfig | None = None,
+        weights: ModelWeights | None = None,
+        ranks=None,
+    ) -> None:
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config: expected a ModelConfig, got {type(model_config).__name__}")
         cache_config = cache_config or EngineCacheConfig()
@@ -261,22 +268,30 @@ class Engine:
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig or None, got {type(spec).__name__}")
         if model_config.max_positions is not None and cache_config.max_context > model_config.max_positions:
-            raise ValueError(f"cache_config: max_context {cache_config.max_context} exceeds the model's context of "
-                             f"{model_config.max_positions} positions")
+            raise ValueError(
+                f"cache_config: max_context {cache_config.max_context} exceeds the model's context of "
+                f"{model_config.max_positions} positions"
+            )
         if spec is not None and 2 + spec.extra_positions > cache_config.max_context:
             # The shortest request (1 prompt token, 1 new) writes 2 * k - 1 positions past its end.
-            raise ValueError(f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
-                             f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
-                             f"cache_config.max_context is {cache_config.max_context}")
+            raise ValueError(
+                f"spec: num_draft_tokens {spec.num_draft_tokens} needs max_context >= "
+                f"{2 + spec.extra_positions} (1 prompt token + 1 new + 2 * k - 1 verify positions), "
+                f"cache_config.max_context is {cache_config.max_context}"
+            )
         if weights is not None:
             if not isinstance(weights, ModelWeights):
-                raise TypeError(f"weights: expected ModelWeights (e.g. PairWeights, Gemma3Weights) or None, got "
-                                f"{type(weights).__name__}")
+                raise TypeError(
+                    f"weights: expected ModelWeights (e.g. PairWeights, Gemma3Weights) or None, got "
+                    f"{type(weights).__name__}"
+                )
             if weights.config != model_config:
                 raise ValueError(f"weights: trained for {weights.config}, not for model_config {model_config}")
         elif model_config.family != "reference":
-            raise ValueError(f"weights: required for model family {model_config.family!r} (a checkpoint, e.g. "
-                             "hicache_jax.models.gemma3.load_model())")
+            raise ValueError(
+                f"weights: required for model family {model_config.family!r} (a checkpoint, e.g. "
+                "hicache_jax.models.gemma3.load_model())"
+            )
         from pallas_kernels.page_copy import PageCopyConfig
 
         self.model_config, self.cache_config = model_config, cache_config
@@ -288,29 +303,46 @@ class Engine:
         # as an MLA pool does; its L3 pages are then written by rank 0 under rank-independent keys.
         self.device_pool = JaxDevicePool(self.geom, cache_config.device_pages, mesh=mesh, replicate_fewer_heads=True)
         host_pages = cache_config.host.num_pages(self.geom, cache_config.device_pages)  # equal on every rank
-        self.host_pool = pinned_host_pool(self.device_pool.local_geom, host_pages, cache_config.host.layout,
-                                          device=self.device_pool.local_device)
+        self.host_pool = pinned_host_pool(
+            self.device_pool.local_geom, host_pages, cache_config.host.layout, device=self.device_pool.local_device
+        )
         self.transfer = JaxTransferEngine(
-            self.device_pool, self.host_pool,
+            self.device_pool,
+            self.host_pool,
             copy_config=PageCopyConfig(impl=cache_config.copy_impl, max_pages=cache_config.device_pages),
-            worker_nice=cache_config.worker_nice)
+            worker_nice=cache_config.worker_nice,
+        )
         self.transfer.precompile()
-        if spec is not None and cache_config.deterministic and \
-                spec.num_draft_tokens + 1 > cache_config.deterministic_step_tokens:
-            raise ValueError(f"cache_config: deterministic_step_tokens {cache_config.deterministic_step_tokens} must "
-                             f"hold a verify step of num_draft_tokens + 1 = {spec.num_draft_tokens + 1} tokens")
+        if (
+            spec is not None
+            and cache_config.deterministic
+            and spec.num_draft_tokens + 1 > cache_config.deterministic_step_tokens
+        ):
+            raise ValueError(
+                f"cache_config: deterministic_step_tokens {cache_config.deterministic_step_tokens} must "
+                f"hold a verify step of num_draft_tokens + 1 = {spec.num_draft_tokens + 1} tokens"
+            )
         draft = weights.draft() if weights is not None else None
         if spec is not None and weights is not None and draft is None:
-            raise ValueError("spec: speculative decoding needs a draft head, and these weights have none "
-                             f"({type(weights).__name__})")
-        self.runner = PagedRunner(model_config, page, max_pages_per_seq=-(-cache_config.max_context // page),
-                                  model=weights.target() if weights is not None else None,
-                                  fixed_shape=cache_config.fixed_step_shape)
+            raise ValueError(
+                f"spec: speculative decoding needs a draft head, and these weights have none ({type(weights).__name__})"
+            )
+        self.runner = PagedRunner(
+            model_config,
+            page,
+            max_pages_per_seq=-(-cache_config.max_context // page),
+            model=weights.target() if weights is not None else None,
+            fixed_shape=cache_config.fixed_step_shape,
+        )
         if ranks is not None:
             self.runner.state = ranks.replicate(self.runner.state)
-        self.spec = None if spec is None else SpecDecoder(
-            spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config,
-            head=draft)
+        self.spec = (
+            None
+            if spec is None
+            else SpecDecoder(
+                spec, self.runner, self.device_pool, cache_config, host_pages, self.transfer.copier.config, head=draft
+            )
+        )
         if self.spec is not None:
             self.spec.before_target_step = self._sample_peaks
         self.hybrid = model_config.is_hybrid
@@ -321,9 +353,14 @@ class Engine:
             components.append(self.swa)
             if self.spec is not None:  # its target steps take the SWA pool (``speculative``)
                 self.spec.attach_swa(self.swa_pool, self._alloc_swa, self._slide)
-        self.cache = HiRadixCache(cache_config.tree_config(), self.transfer, self.device_pool.allocator,
-                                  self.spec.sidecars if self.spec is not None else None, components=components,
-                                  agreement=None if ranks is None else ranks.agreement)
+        self.cache = HiRadixCache(
+            cache_config.tree_config(),
+            self.transfer,
+            self.device_pool.allocator,
+            self.spec.sidecars if self.spec is not None else None,
+            components=components,
+            agreement=None if ranks is None else ranks.agreement,
+        )
         self._clock = None if ranks is None else AgreedClock(self.cache)
         self.storage = None
         # The model identity of the L3 keys (also what a ``KVEventSource`` of this cache takes,
@@ -335,8 +372,9 @@ class Engine:
         if cache_config.storage is not None:
             # The model id seeds every L3 key: another model, seed, shape or weights never hits;
             # a speculative engine's tree keys are token pairs, so its pages are apart too.
-            self.storage = StorageController(self.cache, model=self.storage_model_id,
-                                             weights_revision=self.storage_weights_revision)
+            self.storage = StorageController(
+                self.cache, model=self.storage_model_id, weights_revision=self.storage_weights_revision
+            )
         # Shutdown order (cache copies, L3 writes, store, transfer engines, drafter): close().
         self._stack = CacheStack(self.cache, self.storage, [self.transfer, self.swa_transfer], closers=[self.spec])
         self.page_size = page
@@ -348,8 +386,9 @@ class Engine:
         self.audit: PageAudit | None = None  # enable_page_audit()
 
     @staticmethod
-    def swa_pages_needed(model_config: ModelConfig, cache_config: EngineCacheConfig,
-                         spec: SpecConfig | None = None, ranks: bool = False) -> int:
+    def swa_pages_needed(
+        model_config: ModelConfig, cache_config: EngineCacheConfig, spec: SpecConfig | None = None, ranks: bool = False
+    ) -> int:
         """SWA device pages the running requests of a hybrid model can hold at once: one
         prefilling (its chunk and the window before it) and ``max_batch - 1`` decoding, each
         also holding, until its window has moved past them, the tree's window pages its lock
@@ -377,29 +416,38 @@ class Engine:
             decode = tree_window + 1 + -(-spec.num_draft_tokens // p)
             step = spec.num_draft_tokens + 1
         lag = (-(-chunk // p) + 1 + (cache_config.max_batch - 1) * -(-step // p)) if ranks else 0
-        return (swa_table_width(w, chunk, p) + (cache_config.max_batch - 1) * decode
-                + cache_config.max_batch * tree_window + lag)
+        return (
+            swa_table_width(w, chunk, p)
+            + (cache_config.max_batch - 1) * decode
+            + cache_config.max_batch * tree_window
+            + lag
+        )
 
     def _swa_component(self, host_pages: int):
         """The SWA pool, its host pool and transfer engine, and the cache component over them."""
         from pallas_kernels.page_copy import PageCopyConfig
 
         cfg, model = self.cache_config, self.model_config
-        need = self.swa_pages_needed(model, cfg, None if self.spec is None else self.spec.config,
-                                     ranks=self.ranks is not None)
+        need = self.swa_pages_needed(
+            model, cfg, None if self.spec is None else self.spec.config, ranks=self.ranks is not None
+        )
         pages = cfg.swa_device_pages if cfg.swa_device_pages is not None else need + cfg.device_pages // 4
         if pages < need:
-            raise ValueError(f"swa_device_pages: {pages} pages; {cfg.max_batch} running requests with window "
-                             f"{model.sliding_window} and prefill chunks of {cfg.prefill_chunk} tokens can hold "
-                             f"{need} at once")
+            raise ValueError(
+                f"swa_device_pages: {pages} pages; {cfg.max_batch} running requests with window "
+                f"{model.sliding_window} and prefill chunks of {cfg.prefill_chunk} tokens can hold "
+                f"{need} at once"
+            )
         geom = model.swa_kv_geometry(cfg.page_size)
         # On the full pool's mesh, sharded on the KV heads as it is (its host pool: this rank's heads).
         full = self.device_pool
         pool = JaxDevicePool(geom, pages, mesh=full.mesh, kv_axis=full.kv_axis or "tp", replicate_fewer_heads=True)
-        host = pinned_host_pool(pool.local_geom, max(1, host_pages * pages // cfg.device_pages), cfg.host.layout,
-                                device=pool.local_device)
-        transfer = JaxTransferEngine(pool, host, copy_config=PageCopyConfig(impl=cfg.copy_impl, max_pages=pages),
-                                     worker_nice=cfg.worker_nice)
+        host = pinned_host_pool(
+            pool.local_geom, max(1, host_pages * pages // cfg.device_pages), cfg.host.layout, device=pool.local_device
+        )
+        transfer = JaxTransferEngine(
+            pool, host, copy_config=PageCopyConfig(impl=cfg.copy_impl, max_pages=pages), worker_nice=cfg.worker_nice
+        )
         transfer.precompile()
         return pool, transfer, SWAComponent(transfer, pool.allocator, model.sliding_window)
 
@@ -433,10 +481,13 @@ class Engine:
         t0 = time.perf_counter()
         p, c = self.page_size, seq.cached
         hit = sum(c.values())
-        tiers = ["device" if j * p < c["device"] else "host" if j * p < c["device"] + c["host"] else "storage"
-                 for j in range(hit // p)]
-        self.audit.submit_check(self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages,
-                                tiers, seq.index)
+        tiers = [
+            "device" if j * p < c["device"] else "host" if j * p < c["device"] + c["host"] else "storage"
+            for j in range(hit // p)
+        ]
+        self.audit.submit_check(
+            self._audit_pools(), self._key(seq.prompt, hit).token_ids, seq.req.device_pages, tiers, seq.index
+        )
         dt = time.perf_counter() - t0
         seq.audit_s += dt
         self.audit.add_seconds(dt)
@@ -452,8 +503,14 @@ class Engine:
         seq.audit_s += dt
         self.audit.add_seconds(dt)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, use_cache: bool = True,
-                 arrivals: list[float] | None = None, stop_tokens=()) -> list[RequestResult]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        use_cache: bool = True,
+        arrivals: list[float] | None = None,
+        stop_tokens=(),
+    ) -> list[RequestResult]:
         """Greedy-decode every prompt; results in prompt order.
 
         ``use_cache=False``: no prefix reuse (every prompt prefilled from scratch, nothing
@@ -488,14 +545,19 @@ class Engine:
                 raise ValueError(f"prompts[{i}]: token ids must be in [0, {self.model_config.vocab_size})")
             if arr.size + max_new_tokens + extra > self.cache_config.max_context:
                 spec = f" + {extra} written ahead by speculative decoding" if extra else ""
-                raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new{spec} exceed max_context "
-                                 f"{self.cache_config.max_context}")
+                raise ValueError(
+                    f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new{spec} exceed max_context "
+                    f"{self.cache_config.max_context}"
+                )
             need = self._pages_for(arr.size + max_new_tokens - 1 + extra)
             if need > device_pages:
-                raise ValueError(f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new need {need} device pages, "
-                                 f"the pool has {device_pages}")
-            seqs.append(_Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0),
-                             stop=stop))
+                raise ValueError(
+                    f"prompts[{i}]: {arr.size} tokens + {max_new_tokens} new need {need} device pages, "
+                    f"the pool has {device_pages}"
+                )
+            seqs.append(
+                _Seq(i, arr.astype(np.int64), max_new_tokens, now + (arrivals[i] if arrivals else 0.0), stop=stop)
+            )
         waiting, running, done = deque(sorted(seqs, key=lambda s: s.arrival)), [], {}
         if self.cache.failure is not None:  # latched by an earlier call (flush, eviction...)
             self._recover([], waiting)
@@ -524,12 +586,14 @@ class Engine:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"stop_tokens: expected token ids in [0, {vocab}), got {t!r}")
         if stop_tokens and self.spec is not None:
-            raise ValueError("stop_tokens: not supported with speculative decoding (a verify step emits several "
-                             "tokens at once)")
+            raise ValueError(
+                "stop_tokens: not supported with speculative decoding (a verify step emits several tokens at once)"
+            )
         return frozenset(int(t) for t in stop_tokens)
 
-    def _schedule(self, waiting: deque, running: list, done: dict, use_cache: bool,
-                  removed_seen: int) -> tuple[int, bool]:
+    def _schedule(
+        self, waiting: deque, running: list, done: dict, use_cache: bool, removed_seen: int
+    ) -> tuple[int, bool]:
         """One scheduler round: prefetches, admissions (each prefilled at once), one batched
         decode step, finished requests retired, transfer events polled. Returns the eviction
         count seen by the prefetches and whether a request finished."""
@@ -586,9 +650,9 @@ class Engine:
         swa_own = []  # the requests' own SWA pages (after the tree's prefix, ids >= 0)
         for s in lost:
             if s.req is not None:
-                own.append(s.req.device_pages[s.req.cached_pages:])
+                own.append(s.req.device_pages[s.req.cached_pages :])
                 if self.hybrid and s.req.component_pages:
-                    ids = s.req.component_pages["swa"][s.req.cached_pages:]
+                    ids = s.req.component_pages["swa"][s.req.cached_pages :]
                     swa_own.append(ids[ids >= 0])
             if s.spec is not None and s.spec.swa_ahead.size:  # speculative look-ahead SWA pages
                 swa_own.append(s.spec.swa_ahead)
@@ -641,7 +705,9 @@ class Engine:
             def swa(swa_pools):
                 pools2, swa2 = self.runner.warmup(pools, cfg.max_batch, cfg.prefill_chunk, swa_pools=swa_pools)
                 return pools2, swa2
+
             return None, self.swa_pool.apply(swa)
+
         self.device_pool.apply(both)
 
     def evict_device_cache(self) -> int:
@@ -711,8 +777,11 @@ class Engine:
             op = seq.prefetch
             if op is None:
                 seq.prefetch = self.storage.prefetch(self._key(seq.prompt, seq.prompt.shape[0] - 1))
-            elif removed != removed_seen and op.status in ("skipped", "revoked") and \
-                    sum(self.cache.peek_prefix(op.key)) < op.start:
+            elif (
+                removed != removed_seen
+                and op.status in ("skipped", "revoked")
+                and sum(self.cache.peek_prefix(op.key)) < op.start
+            ):
                 self.storage.cancel(op)
                 seq.prefetch = self.storage.prefetch(op.key)
         return removed
@@ -750,9 +819,11 @@ class Engine:
             if req.last_node is not None:
                 self.cache.dec_lock_ref(req.last_node)
             if not have_running:
-                raise OutOfDeviceMemory(f"prompt of {prompt.shape[0]} tokens needs "
-                                        f"{total - req.device_pages.shape[0]} free device pages; "
-                                        f"{self.device_pool.allocator.available} free after eviction")
+                raise OutOfDeviceMemory(
+                    f"prompt of {prompt.shape[0]} tokens needs "
+                    f"{total - req.device_pages.shape[0]} free device pages; "
+                    f"{self.device_pool.allocator.available} free after eviction"
+                )
             return False
         seq.req = req
         if self.hybrid:  # the prefill extends the request chunk by chunk, with SWA pages
@@ -796,10 +867,13 @@ class Engine:
 
         def both(pools):
             def swa(swa_pools):
-                logits, new, new_swa = self.runner.step(pools, token_lists, starts, tables, swa_pools=swa_pools,
-                                                        swa_page_tables=swa_tables)
+                logits, new, new_swa = self.runner.step(
+                    pools, token_lists, starts, tables, swa_pools=swa_pools, swa_page_tables=swa_tables
+                )
                 return (logits, new), new_swa
+
             return self.swa_pool.apply(swa)
+
         return self.device_pool.apply(both)
 
     def _sample_peaks(self, stepping: list[_Seq]) -> None:
@@ -838,8 +912,9 @@ class Engine:
             self.cache.flush()
             swa = self.cache.alloc_component("swa", need)
             if swa is None:
-                raise OutOfDeviceMemory(f"SWA pool: {need} pages wanted, {self.swa_pool.allocator.available} "
-                                        f"free after eviction")
+                raise OutOfDeviceMemory(
+                    f"SWA pool: {need} pages wanted, {self.swa_pool.allocator.available} free after eviction"
+                )
         return swa
 
     def _slide(self, reqs) -> None:
@@ -913,9 +988,9 @@ class Engine:
             need = self._pages_for(total) - req.device_pages.shape[0]
             pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
             req.extend(RadixKey(seq.all_tokens), pages)
-        logits = self._run([[s.out[-1]] for s in running],
-                           [s.prompt.shape[0] + len(s.out) - 1 for s in running],
-                           running)
+        logits = self._run(
+            [[s.out[-1]] for s in running], [s.prompt.shape[0] + len(s.out) - 1 for s in running], running
+        )
         self._slide([s.req for s in running])
         for seq, lg in zip(running, logits):
             seq.out.append(int(np.argmax(lg)))
@@ -934,6 +1009,13 @@ class Engine:
         if seq.reserve is not None and seq.reserve.size:
             self.device_pool.allocator.free(seq.reserve)
         spec = self.spec.finish(seq) if self.spec is not None else {}
-        return RequestResult(int(seq.prompt.shape[0]), list(seq.out), dict(seq.cached), seq.ttft,
-                             time.perf_counter() - seq.arrival - seq.audit_s, seq.computed,
-                             max(0.0, seq.admitted - seq.arrival), **spec)
+        return RequestResult(
+            int(seq.prompt.shape[0]),
+            list(seq.out),
+            dict(seq.cached),
+            seq.ttft,
+            time.perf_counter() - seq.arrival - seq.audit_s,
+            seq.computed,
+            max(0.0, seq.admitted - seq.arrival),
+            **spec,
+        )

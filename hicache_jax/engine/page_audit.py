@@ -155,17 +155,36 @@ class PageAudit:
         """Submitted records and checks not compared yet."""
         return len(self._pending)
 
-    def _read(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, first: int, end: int,
-              tiers: list[str] | None, request: int) -> _Pending:
+    def _read(
+        self,
+        pools,
+        key_tokens: np.ndarray,
+        page_ids: np.ndarray,
+        first: int,
+        end: int,
+        tiers: list[str] | None,
+        request: int,
+    ) -> _Pending:
         """Dispatch the reads of pages ``[first, end)`` of every pool and component."""
         ids = np.asarray(page_ids[first:end], np.int32)
-        reads = [(_dispatch_read(pool, c, ids), pool.geom.container_dtype) for pool in pools for c in pool.geom.components]
+        reads = [
+            (_dispatch_read(pool, c, ids), pool.geom.container_dtype) for pool in pools for c in pool.geom.components
+        ]
         nbytes = sum(a.nbytes for arrays, _dtype in reads for a in arrays)
-        return _Pending(_prefix_digests(key_tokens, self.page_size, range(first, end)), reads, end - first, nbytes,
-                        tiers, request)
+        return _Pending(
+            _prefix_digests(key_tokens, self.page_size, range(first, end)), reads, end - first, nbytes, tiers, request
+        )
 
-    def _submit(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, first: int, end: int,
-                tiers: list[str] | None, request: int) -> None:
+    def _submit(
+        self,
+        pools,
+        key_tokens: np.ndarray,
+        page_ids: np.ndarray,
+        first: int,
+        end: int,
+        tiers: list[str] | None,
+        request: int,
+    ) -> None:
         op = self._read(pools, key_tokens, page_ids, first, end, tiers, request)
         self._pending.append(op)
         self._pending_bytes += op.nbytes
@@ -177,8 +196,7 @@ class PageAudit:
         if end > first:
             self._submit(pools, key_tokens, page_ids, first, end, None, -1)
 
-    def submit_check(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, tiers: list[str],
-                     request: int) -> None:
+    def submit_check(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, tiers: list[str], request: int) -> None:
         """``check`` without waiting: the served pages are read now, compared at ``settle()``."""
         if tiers:
             self._submit(pools, key_tokens, page_ids, 0, len(tiers), list(tiers), request)
@@ -228,8 +246,7 @@ class PageAudit:
         self.submit_record(pools, key_tokens, page_ids, first, end)
         self.settle()
 
-    def check(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, tiers: list[str],
-              request: int) -> list[int]:
+    def check(self, pools, key_tokens: np.ndarray, page_ids: np.ndarray, tiers: list[str], request: int) -> list[int]:
         """Compare the served pages ``page_ids[:len(tiers)]`` (``tiers[j]``: where page j came
         from) with the digests recorded for their prefixes, now; returns the mismatched pages."""
         if not tiers:
@@ -251,8 +268,14 @@ class PageAudit:
 
     def stats(self) -> dict:
         c = self.counts  # settles
-        return {"pages_checked": dict(c.checked), "pages_mismatched": dict(c.mismatched),
-                "pages_unknown": dict(c.unknown), "pages_recorded": c.recorded,
-                "requests_served": c.requests_served, "requests_mismatched": c.requests_mismatched,
-                "first_mismatches": [list(x) for x in c.first_mismatch[:20]], "seconds": c.seconds,
-                "byte_identical": self.byte_identical}
+        return {
+            "pages_checked": dict(c.checked),
+            "pages_mismatched": dict(c.mismatched),
+            "pages_unknown": dict(c.unknown),
+            "pages_recorded": c.recorded,
+            "requests_served": c.requests_served,
+            "requests_mismatched": c.requests_mismatched,
+            "first_mismatches": [list(x) for x in c.first_mismatch[:20]],
+            "seconds": c.seconds,
+            "byte_identical": self.byte_identical,
+        }

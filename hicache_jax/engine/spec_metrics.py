@@ -39,7 +39,8 @@ class SpecMetrics:
 
     def __post_init__(self) -> None:
         self.request_accept_length = Histogram(
-            tuple(1.0 + 0.5 * i for i in range(2 * self.max_accept_length - 1)))  # 1, 1.5, ..., k + 1
+            tuple(1.0 + 0.5 * i for i in range(2 * self.max_accept_length - 1))
+        )  # 1, 1.5, ..., k + 1
 
     def observe_step(self, k: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -73,12 +74,19 @@ SPEC_FAMILIES: tuple[Family, ...] = (
     Family("spec_verify_steps", C, "Target steps that verified k draft tokens", (), _m("verify_steps")),
     Family("spec_draft_tokens", C, "Draft tokens proposed", (), _m("draft_tokens")),
     Family("spec_accepted_tokens", C, "Draft tokens the target accepted", (), _m("accepted_tokens")),
-    Family("spec_emitted_tokens", C, "Tokens emitted by verify steps (accepted + one bonus each)", (),
-           _m("emitted_tokens")),
-    Family("spec_accept_length", G, "Mean accept length per verify step since start (bonus token included)", (),
-           _m("accept_length")),
-    Family("spec_request_accept_length", H, "Mean accept length of each finished request", (),
-           _m("request_accept_length")),
+    Family(
+        "spec_emitted_tokens", C, "Tokens emitted by verify steps (accepted + one bonus each)", (), _m("emitted_tokens")
+    ),
+    Family(
+        "spec_accept_length",
+        G,
+        "Mean accept length per verify step since start (bonus token included)",
+        (),
+        _m("accept_length"),
+    ),
+    Family(
+        "spec_request_accept_length", H, "Mean accept length of each finished request", (), _m("request_accept_length")
+    ),
 )
 SPEC_FAMILY_NAMES = tuple(f.name for f in SPEC_FAMILIES)
 
@@ -115,8 +123,9 @@ class SpecPrometheusExport:
         self.registry.unregister(self.collector)
 
 
-def register_prometheus(metrics: SpecMetrics, registry: Any = None, prefix: str = "hicache",
-                        labels: Mapping[str, object] | None = None) -> SpecPrometheusExport:
+def register_prometheus(
+    metrics: SpecMetrics, registry: Any = None, prefix: str = "hicache", labels: Mapping[str, object] | None = None
+) -> SpecPrometheusExport:
     """Export ``metrics`` (``Engine.spec.metrics``) as ``SPEC_FAMILIES`` through prometheus_client,
     read at scrape time. ``registry``: default the global one; ``labels`` are added to every
     sample (e.g. ``{"model": ...}``, as for the cache's families)."""
@@ -125,8 +134,10 @@ def register_prometheus(metrics: SpecMetrics, registry: Any = None, prefix: str 
     try:
         import prometheus_client
     except ImportError as e:
-        raise ImportError("register_prometheus needs the prometheus_client package "
-                          "(pip install 'hicache-jax[metrics]' or prometheus_client)") from e
+        raise ImportError(
+            "register_prometheus needs the prometheus_client package "
+            "(pip install 'hicache-jax[metrics]' or prometheus_client)"
+        ) from e
     if not isinstance(prefix, str) or not prefix.isidentifier():
         raise ValueError(f"prefix: expected a Prometheus name prefix (letters, digits, _), got {prefix!r}")
     if labels is not None and not isinstance(labels, Mapping):

@@ -137,7 +137,7 @@ class SpecState:
 
 def pair_key(tokens: np.ndarray, n: int, vocab: int) -> RadixKey:
     """The tree key of positions ``[0, n)``: ``t_j * vocab + t_{j+1}`` (needs ``n + 1`` tokens)."""
-    t = np.asarray(tokens[:n + 1], np.int64)
+    t = np.asarray(tokens[: n + 1], np.int64)
     if t.shape[0] < n + 1:
         raise ValueError(f"tokens: {n} pair keys need {n + 1} tokens, got {t.shape[0]}")
     return RadixKey(t[:-1] * vocab + t[1:])
@@ -146,14 +146,24 @@ def pair_key(tokens: np.ndarray, n: int, vocab: int) -> RadixKey:
 class SpecDecoder:
     """The draft pool and head, and the speculative prefill / decode round of the engine."""
 
-    def __init__(self, config: SpecConfig, runner: PagedRunner, device_pool: JaxDevicePool,
-                 cache_config: EngineCacheConfig, host_pages: int, copy_config, head: DraftHead | None = None) -> None:
+    def __init__(
+        self,
+        config: SpecConfig,
+        runner: PagedRunner,
+        device_pool: JaxDevicePool,
+        cache_config: EngineCacheConfig,
+        host_pages: int,
+        copy_config,
+        head: DraftHead | None = None,
+    ) -> None:
         if not isinstance(config, SpecConfig):
             raise TypeError(f"spec: expected a SpecConfig, got {type(config).__name__}")
         model_config = runner.config
         if model_config.vocab_size > MAX_SPEC_VOCAB:
-            raise ValueError(f"spec: speculative decoding keys the tree by token pairs, which needs vocab_size "
-                             f"<= {MAX_SPEC_VOCAB}, got {model_config.vocab_size}")
+            raise ValueError(
+                f"spec: speculative decoding keys the tree by token pairs, which needs vocab_size "
+                f"<= {MAX_SPEC_VOCAB}, got {model_config.vocab_size}"
+            )
         self.config = config
         self.k = config.num_draft_tokens
         self.vocab = model_config.vocab_size
@@ -163,14 +173,21 @@ class SpecDecoder:
         geom = draft_kv_geometry(model_config, self.page_size)
         # Same page count as the target's pool, and no allocator of its own: page i of the
         # draft pool belongs to whoever holds page i of the target's. Same mesh (module docstring).
-        self.device_pool = JaxDevicePool(geom, device_pool.num_pages, mesh=device_pool.mesh,
-                                         kv_axis=device_pool.kv_axis or "tp", replicate_fewer_heads=True)
+        self.device_pool = JaxDevicePool(
+            geom,
+            device_pool.num_pages,
+            mesh=device_pool.mesh,
+            kv_axis=device_pool.kv_axis or "tp",
+            replicate_fewer_heads=True,
+        )
         self.transfer = None
         if config.draft_backing:
-            host = pinned_host_pool(self.device_pool.local_geom, host_pages, cache_config.host.layout,
-                                    device=self.device_pool.local_device)
-            self.transfer = JaxTransferEngine(self.device_pool, host, copy_config=copy_config,
-                                              worker_nice=cache_config.worker_nice)
+            host = pinned_host_pool(
+                self.device_pool.local_geom, host_pages, cache_config.host.layout, device=self.device_pool.local_device
+            )
+            self.transfer = JaxTransferEngine(
+                self.device_pool, host, copy_config=copy_config, worker_nice=cache_config.worker_nice
+            )
             self.transfer.precompile()
         self.draft = DraftRunner(runner, head)
         self.metrics = SpecMetrics(max_accept_length=self.k + 1)
@@ -232,8 +249,9 @@ class SpecDecoder:
         # Every position of the new key was written by a target step, into look-ahead pages.
         ahead = seq.spec.swa_ahead
         if ahead.shape[0] < need:
-            raise RuntimeError(f"speculative decoding: {need} SWA pages wanted for the key, {ahead.shape[0]} "
-                               f"allocated ahead")
+            raise RuntimeError(
+                f"speculative decoding: {need} SWA pages wanted for the key, {ahead.shape[0]} allocated ahead"
+            )
         seq.spec.swa_ahead = ahead[need:]
         req.extend(self.key(tokens, n), pages, {"swa": ahead[:need]})
 
@@ -257,17 +275,22 @@ class SpecDecoder:
         if self.before_target_step is not None:
             self.before_target_step(seqs)
         if self.swa_pool is None:
+
             def step(pools):
                 logits, hidden, new = self.runner.step_all(pools, tokens, starts, tables)
                 return (logits, hidden), new
+
             return self.target_pool.apply(step)
 
         def both(pools):  # hybrid: both pools donated, both installed
             def swa(swa_pools):
-                logits, hidden, new, new_swa = self.runner.step_all(pools, tokens, starts, tables, swa_pools=swa_pools,
-                                                                    swa_page_tables=swa_tables)
+                logits, hidden, new, new_swa = self.runner.step_all(
+                    pools, tokens, starts, tables, swa_pools=swa_pools, swa_page_tables=swa_tables
+                )
                 return ((logits, hidden), new), new_swa
+
             return self.swa_pool.apply(swa)
+
         return self.target_pool.apply(both)
 
     def _draft(self, next_tokens, features, starts, tables, num_proposals: int) -> np.ndarray:
@@ -288,8 +311,8 @@ class SpecDecoder:
             logits, hidden = self._target([seq], [prompt[start:end].tolist()], [start], [table], swa)
             if end == n:
                 first = int(np.argmax(logits[0, end - start - 1]))
-            nxt = prompt[start + 1:end].tolist() + [int(prompt[end]) if end < n else first]
-            props = self._draft([nxt], [hidden[0, :end - start]], [start], [table], self.k if end == n else 0)
+            nxt = prompt[start + 1 : end].tolist() + [int(prompt[end]) if end < n else first]
+            props = self._draft([nxt], [hidden[0, : end - start]], [start], [table], self.k if end == n else 0)
             state.draft_done = end
             if hybrid:  # the window moves with every chunk: SWA pages behind it go back now
                 self.sync_key(seq)
@@ -308,7 +331,7 @@ class SpecDecoder:
         if self.swa_pool is not None:  # the verify writes k + 1 positions from the start
             swa = [self._swa_table(s, st + k + 1) for s, st in zip(running, starts)]
         logits, hidden = self._target(running, tokens, starts, tables, swa)
-        greedy = np.argmax(logits[:, :k + 1], axis=-1)
+        greedy = np.argmax(logits[:, : k + 1], axis=-1)
         ext_tokens, ext_features = [], []
         for i, s in enumerate(running):
             d, g = s.spec.proposals, greedy[i]
@@ -317,9 +340,9 @@ class SpecDecoder:
             s.spec.accept_lengths.append(a + 1)
             s.spec.proposal_log.append(d.tolist())
             self.metrics.observe_step(k, a)
-            s.out.extend(emitted[:s.max_new - len(s.out)])
+            s.out.extend(emitted[: s.max_new - len(s.out)])
             ext_tokens.append(emitted)
-            ext_features.append(hidden[i, :a + 1])
+            ext_features.append(hidden[i, : a + 1])
         props = self._draft(ext_tokens, ext_features, starts, tables, k)
         for i, s in enumerate(running):
             s.spec.draft_done = starts[i] + len(ext_tokens[i])
@@ -336,8 +359,11 @@ class SpecDecoder:
         mean = state.accept_length if state is not None else None
         if mean is not None:
             self.metrics.observe_request(mean)
-        return {"accept_lengths": list(state.accept_lengths) if state else [], "accept_length": mean,
-                "draft_proposals": [list(p) for p in state.proposal_log] if state else []}
+        return {
+            "accept_lengths": list(state.accept_lengths) if state else [],
+            "accept_length": mean,
+            "draft_proposals": [list(p) for p in state.proposal_log] if state else [],
+        }
 
     def warmup(self, max_batch: int, chunk: int) -> None:
         """Compile the verify / prefill programs with every position's outputs, and the
@@ -345,23 +371,31 @@ class SpecDecoder:
         # Verify steps (k + 1 tokens), and one-token steps (a prompt's last chunk of one token).
         for tokens in (self.k + 1, 1):
             if self.swa_pool is None:
-                self.target_pool.apply(lambda pools: (None, self.runner.warmup(
-                    pools, max_batch, chunk, all_positions=True, decode_tokens=tokens)))
+                self.target_pool.apply(
+                    lambda pools: (
+                        None,
+                        self.runner.warmup(pools, max_batch, chunk, all_positions=True, decode_tokens=tokens),
+                    )
+                )
                 continue
 
             def both(pools, tokens=tokens):  # hybrid: the SWA pool is compiled in too
                 def swa(swa_pools):
-                    return self.runner.warmup(pools, max_batch, chunk, swa_pools=swa_pools, all_positions=True,
-                                              decode_tokens=tokens)
+                    return self.runner.warmup(
+                        pools, max_batch, chunk, swa_pools=swa_pools, all_positions=True, decode_tokens=tokens
+                    )
+
                 return None, self.swa_pool.apply(swa)
+
             self.target_pool.apply(both)
         # Draft: prefill chunks (extend only, or extend + proposals for the last one) and decode
         # rounds (an extend of 1 .. k + 1 tokens, then the chain).
         bucket = self.runner.token_bucket
         shapes = {(1, bucket(t), p) for t in (*self.runner.token_buckets, 1) if t <= chunk for p in (0, self.k)}
         shapes |= {(1, bucket(chunk), p) for p in (0, self.k)}
-        shapes |= {(self.runner.batch_bucket(b), bucket(t), self.k) for b in range(1, max_batch + 1)
-                   for t in (1, self.k + 1)}
+        shapes |= {
+            (self.runner.batch_bucket(b), bucket(t), self.k) for b in range(1, max_batch + 1) for t in (1, self.k + 1)
+        }
         self.device_pool.apply(lambda pools: (None, self.draft.warmup(pools, sorted(shapes))))
 
     def close(self) -> None:

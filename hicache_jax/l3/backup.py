@@ -65,8 +65,9 @@ class BackupJob:
 class L3Backups:
     """The write-through jobs of one controller (see the module docstring)."""
 
-    def __init__(self, cache, pools: L3Pools, digests: NodeDigests, storage, executor: Executor, *,
-                 agreed: bool) -> None:
+    def __init__(
+        self, cache, pools: L3Pools, digests: NodeDigests, storage, executor: Executor, *, agreed: bool
+    ) -> None:
         self.cache = cache
         self.pools = pools
         self.digests = digests

@@ -197,10 +197,20 @@ __all__ = ["PrefetchOperation", "StorageController", "encode_namespace"]
 class StorageController:
     """Wires an L3 store into a ``HiRadixCache``. See the module docstring for the contract."""
 
-    def __init__(self, cache: HiRadixCache, storage_config: StorageConfig | None = None, *, model: str,
-                 weights_revision: str = "", tp_size: int | None = None, tp_rank: int | None = None, salt: str = "",
-                 storage: HiCacheStorage | None = None, batch_pages: int = 128,
-                 max_inflight_fraction: float = 0.5) -> None:
+    def __init__(
+        self,
+        cache: HiRadixCache,
+        storage_config: StorageConfig | None = None,
+        *,
+        model: str,
+        weights_revision: str = "",
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        salt: str = "",
+        storage: HiCacheStorage | None = None,
+        batch_pages: int = 128,
+        max_inflight_fraction: float = 0.5,
+    ) -> None:
         if not isinstance(cache, HiRadixCache):
             raise TypeError(f"cache: expected a HiRadixCache, got {type(cache).__name__}")
         if cache.storage_hook is not None:
@@ -217,8 +227,11 @@ class StorageController:
             raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
         if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
             raise ValueError(f"batch_pages: expected an int >= 1, got {batch_pages!r}")
-        if isinstance(max_inflight_fraction, bool) or not isinstance(max_inflight_fraction, (int, float)) \
-                or not 0 < max_inflight_fraction <= 1:
+        if (
+            isinstance(max_inflight_fraction, bool)
+            or not isinstance(max_inflight_fraction, (int, float))
+            or not 0 < max_inflight_fraction <= 1
+        ):
             raise ValueError(f"max_inflight_fraction: expected a number in (0, 1], got {max_inflight_fraction!r}")
         self.cache = cache
         self.config = storage_config
@@ -233,8 +246,14 @@ class StorageController:
         self._agreed = cache.agreed
         tp_size = agreement.num_processes if tp_size is None else tp_size
         self.tp_rank = agreement.rank if tp_rank is None else tp_rank
-        layout = L3Pools(cache.components, model=model, weights_revision=weights_revision, tp_size=tp_size,
-                         tp_rank=self.tp_rank, salt=salt)  # validates model / revision / TP
+        layout = L3Pools(
+            cache.components,
+            model=model,
+            weights_revision=weights_revision,
+            tp_size=tp_size,
+            tp_rank=self.tp_rank,
+            salt=salt,
+        )  # validates model / revision / TP
         self.pools, self.replicated, self.markers = layout.pools, layout.replicated, layout.markers
         if storage is None:
             self.storage = create_storage(storage_config, self.pools, layout.specs)
@@ -242,14 +261,18 @@ class StorageController:
         else:
             if not isinstance(storage, HiCacheStorage):
                 raise TypeError(f"storage: expected a HiCacheStorage, got {type(storage).__name__}")
-            if set(storage.codecs) != set(self.pools) or any(storage.codecs[n].pool is not p
-                                                             for n, p in self.pools.items()):
-                raise ValueError(f"storage: must be built over this cache's host pools {sorted(self.pools)}, "
-                                 f"got pools {sorted(storage.codecs)}")
+            if set(storage.codecs) != set(self.pools) or any(
+                storage.codecs[n].pool is not p for n, p in self.pools.items()
+            ):
+                raise ValueError(
+                    f"storage: must be built over this cache's host pools {sorted(self.pools)}, "
+                    f"got pools {sorted(storage.codecs)}"
+                )
             for spec in layout.specs:
                 if storage.specs[spec.name] != spec:
-                    raise ValueError(f"storage: pool {spec.name!r} must have the spec {spec}, got "
-                                     f"{storage.specs[spec.name]}")
+                    raise ValueError(
+                        f"storage: pool {spec.name!r} must have the spec {spec}, got {storage.specs[spec.name]}"
+                    )
             self.storage = storage
             self._owns_storage = False
         self._layout = layout
@@ -259,11 +282,24 @@ class StorageController:
         self._io = background_executor("hicache-l3-io", nice)
         self._writer = background_executor("hicache-l3-backup", nice)
         self._backups = L3Backups(cache, layout, self._digests, self.storage, self._writer, agreed=self._agreed)
-        self._prefetcher = Prefetcher(cache, layout, self._digests, self.storage, storage_config, owner=self,
-                                      query=self._query, io=self._io, batch_pages=batch_pages,
-                                      max_inflight_fraction=self.max_inflight_fraction, agreed=self._agreed)
-        self._ranks = RankSteps(cache, layout, self._prefetcher, self._backups, self.storage, storage_config) \
-            if self._agreed else None
+        self._prefetcher = Prefetcher(
+            cache,
+            layout,
+            self._digests,
+            self.storage,
+            storage_config,
+            owner=self,
+            query=self._query,
+            io=self._io,
+            batch_pages=batch_pages,
+            max_inflight_fraction=self.max_inflight_fraction,
+            agreed=self._agreed,
+        )
+        self._ranks = (
+            RankSteps(cache, layout, self._prefetcher, self._backups, self.storage, storage_config)
+            if self._agreed
+            else None
+        )
         self._closed = False
         cache.storage_hook = self
         if self._ranks is not None:
@@ -404,8 +440,12 @@ class StorageController:
             buffered = True
         unacked = 0 if self._closed else int(self.cache.in_flight[0])
         pages = self._backups.pending_pages()
-        return {"l3_pages": pages, "unacknowledged_backups": unacked, "store_buffered": buffered,
-                "total": pages + unacked + int(buffered)}
+        return {
+            "l3_pages": pages,
+            "unacknowledged_backups": unacked,
+            "store_buffered": buffered,
+            "total": pages + unacked + int(buffered),
+        }
 
     @property
     def closed(self) -> bool:
@@ -415,12 +455,20 @@ class StorageController:
     # The store's counters (``storage.metrics``) under the cache's metric family names
     # (``hicache_jax.cache.metrics.FAMILIES``): one naming scheme, pages counted as pages.
     _STORE_FAMILIES = {
-        "hits": "storage_read_hit_pages", "misses": "storage_read_miss_pages", "corrupt": "storage_corrupt_pages",
-        "read_errors": "storage_read_errors", "quarantined": "storage_quarantined_files",
-        "verified": "storage_verified_pages", "bytes_read": "storage_read_bytes", "read_seconds": "storage_read_seconds",
-        "pages_written": "storage_written_pages", "bytes_written": "storage_written_bytes",
-        "write_seconds": "storage_write_seconds", "write_errors": "storage_write_errors",
-        "pages_dropped": "storage_dropped_pages", "sets_skipped": "storage_duplicate_pages",
+        "hits": "storage_read_hit_pages",
+        "misses": "storage_read_miss_pages",
+        "corrupt": "storage_corrupt_pages",
+        "read_errors": "storage_read_errors",
+        "quarantined": "storage_quarantined_files",
+        "verified": "storage_verified_pages",
+        "bytes_read": "storage_read_bytes",
+        "read_seconds": "storage_read_seconds",
+        "pages_written": "storage_written_pages",
+        "bytes_written": "storage_written_bytes",
+        "write_seconds": "storage_write_seconds",
+        "write_errors": "storage_write_errors",
+        "pages_dropped": "storage_dropped_pages",
+        "sets_skipped": "storage_duplicate_pages",
         "pages_evicted": "storage_evicted_pages",
     }
 

@@ -35,8 +35,10 @@ class PageDigests:
     def __init__(self, digests: dict[str, list[bytes]], state: int = NEW) -> None:
         lengths = {len(d) for d in digests.values()}
         if len(lengths) > 1:
-            raise ValueError(f"digests: every pool must have one digest per page, got lengths "
-                             f"{ {p: len(d) for p, d in digests.items()} }")
+            raise ValueError(
+                f"digests: every pool must have one digest per page, got lengths "
+                f"{ {p: len(d) for p, d in digests.items()} }"
+            )
         self.digests = digests
         self.state = state
 
@@ -57,9 +59,9 @@ class PageDigests:
         n = len(self)  # read once: every pool is cut at the same page
         if not 0 <= k <= n:
             raise ValueError(f"k: expected 0 <= k <= {n}, got {k}")
-        head = {pool: d[:n - k] for pool, d in self.digests.items()}
+        head = {pool: d[: n - k] for pool, d in self.digests.items()}
         for pool in self.digests:
-            self.digests[pool] = self.digests[pool][n - k:]
+            self.digests[pool] = self.digests[pool][n - k :]
         return head
 
 
@@ -71,8 +73,9 @@ class NodeDigests:
     namespace cannot be stored (its nodes get no digests).
     """
 
-    def __init__(self, root: Callable[[], object], page_size: int,
-                 namespaces: Callable[[tuple], dict[str, Namespace] | None]) -> None:
+    def __init__(
+        self, root: Callable[[], object], page_size: int, namespaces: Callable[[tuple], dict[str, Namespace] | None]
+    ) -> None:
         self._root, self.page_size, self.namespaces = root, page_size, namespaces
         self._entries: dict[object, PageDigests] = {}
         self._prune_at = 4096
@@ -112,8 +115,9 @@ class NodeDigests:
             root = self._root()
             while cut > 0 and a is not root and a not in self._entries and a.size // p <= cut:
                 ka = a.size // p
-                self._entries[a] = PageDigests({pool: d[cut - ka:cut] for pool, d in head.items()},
-                                               STORED if e.state == STORED else NEW)
+                self._entries[a] = PageDigests(
+                    {pool: d[cut - ka : cut] for pool, d in head.items()}, STORED if e.state == STORED else NEW
+                )
                 cut -= ka
                 a = a.parent
         elif len(e) < k:  # cannot happen (nodes only shrink); recompute to be safe

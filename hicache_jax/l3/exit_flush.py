@@ -124,9 +124,11 @@ def open_controllers() -> list:
 
 
 def describe(pending: dict) -> str:
-    return (f"{pending['l3_pages']} page(s) in L3 backup jobs, {pending['unacknowledged_backups']} host "
-            f"backup(s) not yet acknowledged (each becomes L3 writes), store buffer "
-            f"{'not ' if not pending['store_buffered'] else ''}pending")
+    return (
+        f"{pending['l3_pages']} page(s) in L3 backup jobs, {pending['unacknowledged_backups']} host "
+        f"backup(s) not yet acknowledged (each becomes L3 writes), store buffer "
+        f"{'not ' if not pending['store_buffered'] else ''}pending"
+    )
 
 
 def _owned_here(controller) -> str:
@@ -157,21 +159,32 @@ def flush_one(controller) -> bool:
             left = controller.pending_writes()
             # A page the store refused counts as a failed backup, one it dropped after accepting it
             # (a failed segment save) as dropped; a store may count one page as both.
-            lost = max((m.storage_backup_failed_tokens - failed) // controller.page_size,
-                       controller.storage.metrics.snapshot().get("pages_dropped", 0) - dropped)
+            lost = max(
+                (m.storage_backup_failed_tokens - failed) // controller.page_size,
+                controller.storage.metrics.snapshot().get("pages_dropped", 0) - dropped,
+            )
             if lost:
-                why, pending = "the store failed or dropped some of the writes", {**left, "l3_pages": lost, "total": lost}
+                why, pending = (
+                    "the store failed or dropped some of the writes",
+                    {**left, "l3_pages": lost, "total": lost},
+                )
             elif left["total"]:
                 why, pending = "some writes were still pending after closing", left
             else:
-                log.warning("L3: the storage controller was not closed; flushed its pending writes at exit (%s). "
-                            "Call close() (or use CacheStack / a with block) before exiting.", describe(pending))
+                log.warning(
+                    "L3: the storage controller was not closed; flushed its pending writes at exit (%s). "
+                    "Call close() (or use CacheStack / a with block) before exiting.",
+                    describe(pending),
+                )
                 return True
         except Exception as e:  # noqa: BLE001 - reported below, with the count
             why = f"closing failed ({type(e).__name__}: {e})"
-    log.error("L3: L3 writes LOST at exit (%s): the storage controller was never closed and %s. "
-              "Call StorageController.close() (or CacheStack.close()) before the process exits.",
-              describe(pending), why)
+    log.error(
+        "L3: L3 writes LOST at exit (%s): the storage controller was never closed and %s. "
+        "Call StorageController.close() (or CacheStack.close()) before the process exits.",
+        describe(pending),
+        why,
+    )
     return False
 
 

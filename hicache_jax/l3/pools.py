@@ -39,8 +39,7 @@ class L3Pools:
     (whether committed page groups get a marker), ``specs`` (the storage's ``PoolSpec`` per pool).
     """
 
-    def __init__(self, components, *, model: str, weights_revision: str, tp_size: int, tp_rank: int,
-                 salt: str) -> None:
+    def __init__(self, components, *, model: str, weights_revision: str, tp_size: int, tp_rank: int, salt: str) -> None:
         engines = components.engines
         comps = components.components
         names = {}
@@ -53,37 +52,56 @@ class L3Pools:
         self.tp_rank = tp_rank
         self.pools = {names[c]: engines[c].host_pool for c in engines}
         # Components whose pages are stored for the window before a hit's end only.
-        self.trailing = {names[c]: (comps[c], comps[c].l3_trailing_pages) for c in engines
-                         if comps[c].l3_trailing_pages is not None}
+        self.trailing = {
+            names[c]: (comps[c], comps[c].l3_trailing_pages) for c in engines if comps[c].l3_trailing_pages is not None
+        }
         for comp, _wp in self.trailing.values():
             if not comp.own_page_ids:
-                raise ValueError(f"cache: component {comp.name!r} has a trailing-pages L3 policy but shares the "
-                                 f"full page ids")
+                raise ValueError(
+                    f"cache: component {comp.name!r} has a trailing-pages L3 policy but shares the full page ids"
+                )
         # The other pools (draft, swa) first, the target last: its pages are written only after theirs.
         self.order = [n for n in self.pools if n != TARGET_POOL] + [TARGET_POOL]
         # Several ranks: a replicated pool (MLA latent KV, or an engine that says it holds the
         # same heads on every rank, e.g. a draft with fewer KV heads than ranks) is the same on
         # every rank; rank 0 alone writes it, under keys every rank shares.
-        self.replicated = {names[c] for c, e in engines.items()
-                           if tp_size > 1 and (e.geom.kind == "mla" or bool(getattr(e, "replicated", False)))}
+        self.replicated = {
+            names[c]
+            for c, e in engines.items()
+            if tp_size > 1 and (e.geom.kind == "mla" or bool(getattr(e, "replicated", False)))
+        }
         self._ns_base = {}
         for comp, eng in engines.items():
             g = eng.geom
             shared = names[comp] in self.replicated
             self._ns_base[names[comp]] = Namespace.from_geometry(
-                g, eng.host_pool.layout, model=_identity(model, g), weights_revision=weights_revision,
-                pool=names[comp], tp_size=1 if shared else tp_size, tp_rank=0 if shared else tp_rank)
+                g,
+                eng.host_pool.layout,
+                model=_identity(model, g),
+                weights_revision=weights_revision,
+                pool=names[comp],
+                tp_size=1 if shared else tp_size,
+                tp_rank=0 if shared else tp_rank,
+            )
         # Commit markers when a pool is sharded over several ranks: rank-independent keys.
         self.markers = tp_size > 1 and len(self.replicated) < len(engines)
         if self.markers:
             g = engines[FULL].geom
             self._ns_base[COMMIT_POOL] = Namespace.from_geometry(
-                g, engines[FULL].host_pool.layout, model=_identity(model, g), weights_revision=weights_revision,
-                pool=COMMIT_POOL, tp_size=tp_size, tp_rank=0)
+                g,
+                engines[FULL].host_pool.layout,
+                model=_identity(model, g),
+                weights_revision=weights_revision,
+                pool=COMMIT_POOL,
+                tp_size=tp_size,
+                tp_rank=0,
+            )
             self.pools[COMMIT_POOL] = HostKVPool(KVGeometry.mla(1, 1, 1, 0, "float8_e4m3fn"), 1)
         self.all_pools = [n for n in self.pools if n not in self.trailing]
-        self.specs = [PoolSpec(n, PoolHitPolicy.TRAILING_PAGES, self.trailing[n][1]) if n in self.trailing
-                      else PoolSpec(n) for n in self.pools]
+        self.specs = [
+            PoolSpec(n, PoolHitPolicy.TRAILING_PAGES, self.trailing[n][1]) if n in self.trailing else PoolSpec(n)
+            for n in self.pools
+        ]
         self._ns_memo: dict[tuple, dict[str, Namespace] | None] = {}
         self._bad_ns_logged: set = set()
 

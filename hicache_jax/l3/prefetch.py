@@ -54,8 +54,17 @@ _WINDOW_STOP_TRIES = 3
 class AgreedProgress:
     """Several ranks: what every rank agreed on about one operation (owner thread)."""
 
-    __slots__ = ("hit", "done", "finished", "late", "reservation", "side_reservation", "windows_pending",
-                 "windows_ok", "window_phases")
+    __slots__ = (
+        "hit",
+        "done",
+        "finished",
+        "late",
+        "reservation",
+        "side_reservation",
+        "windows_pending",
+        "windows_ok",
+        "window_phases",
+    )
 
     def __init__(self) -> None:
         self.hit: int | None = None  # agreed storage hit in pages, once every rank answered
@@ -186,15 +195,30 @@ class PrefetchOperation:
             self._cond.wait(seconds)
 
     def __repr__(self) -> str:
-        return (f"PrefetchOperation(status={self.status}, start={self.start}, end={self.end}, "
-                f"hit={self.hit_tokens}, loaded={self.loaded_tokens}, storage_tokens={self.storage_tokens})")
+        return (
+            f"PrefetchOperation(status={self.status}, start={self.start}, end={self.end}, "
+            f"hit={self.hit_tokens}, loaded={self.loaded_tokens}, storage_tokens={self.storage_tokens})"
+        )
 
 
 class Prefetcher:
     """The prefetch operations of one controller (see the module docstring)."""
 
-    def __init__(self, cache, pools: L3Pools, digests: NodeDigests, storage, config, *, owner: object,
-                 query: Executor, io: Executor, batch_pages: int, max_inflight_fraction: float, agreed: bool) -> None:
+    def __init__(
+        self,
+        cache,
+        pools: L3Pools,
+        digests: NodeDigests,
+        storage,
+        config,
+        *,
+        owner: object,
+        query: Executor,
+        io: Executor,
+        batch_pages: int,
+        max_inflight_fraction: float,
+        agreed: bool,
+    ) -> None:
         self.cache = cache
         self.pools = pools
         self.digests = digests
@@ -255,8 +279,10 @@ class Prefetcher:
             code, reason = "not_backed_up", "the matched prefix is not backed up"
         elif n - op.tree_end < self.threshold:
             code = "below_threshold"
-            reason = (f"continuation below the threshold: {n - op.tree_end} tokens after the {op.tree_end} the "
-                      f"tree holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)")
+            reason = (
+                f"continuation below the threshold: {n - op.tree_end} tokens after the {op.tree_end} the "
+                f"tree holds, < {self.threshold} (StorageConfig.prefetch_threshold_tokens, at least a page)"
+            )
         elif self.inflight_pages() >= self.max_inflight_fraction * cache.host_allocator.num_pages:
             code, reason = "host_budget", "prefetches in flight hold the host budget"
         else:
@@ -289,8 +315,11 @@ class Prefetcher:
         m.prefetch_skipped_by_reason[code] = m.prefetch_skipped_by_reason.get(code, 0) + 1
         if code == "below_threshold" and not self._threshold_skip_logged:
             self._threshold_skip_logged = True
-            log.info("L3: prefetch skipped: %s; shorter continuations never read L3 (further skips are "
-                     "logged at debug level)", reason)
+            log.info(
+                "L3: prefetch skipped: %s; shorter continuations never read L3 (further skips are "
+                "logged at debug level)",
+                reason,
+            )
         else:
             log.debug("L3: prefetch of %d tokens skipped: %s", op.requested_tokens, reason)
 
@@ -338,8 +367,7 @@ class Prefetcher:
         op._side_reserved = {self.pools.trailing[pool][0].name: sid for pool, sid in side.items()}
         self.start_read(op, ids)
 
-    def start_read(self, op: PrefetchOperation, ids: np.ndarray,
-                   side: dict[str, np.ndarray] | None = None) -> None:
+    def start_read(self, op: PrefetchOperation, ids: np.ndarray, side: dict[str, np.ndarray] | None = None) -> None:
         """Hand ``ids`` (reserved host pages for the hit's first pages) to the IO thread.
         ``side``: several ranks, the trailing-pages pools' window pages (pool -> ids), read by
         ``start_window_read`` once the ranks agree where the read ended."""
@@ -401,8 +429,12 @@ class Prefetcher:
                         timed_out = True
                         break
                 with op._cond:
-                    if op.status == "querying" and op._hit_pages is None or \
-                            op.status == "loading" and not op._io_finished:
+                    if (
+                        op.status == "querying"
+                        and op._hit_pages is None
+                        or op.status == "loading"
+                        and not op._io_finished
+                    ):
                         op._cond.wait(0.05 if left is None else min(left, 0.05))
         with op._cond:
             op._cancel = True
@@ -414,8 +446,9 @@ class Prefetcher:
             self.cache.metrics.prefetch_timeouts += 1
         return self.conclude(op, done, io_finished, t_end, "stopped before the storage answered")
 
-    def conclude(self, op: PrefetchOperation, done: int, read_finished: bool, t_end: float | None,
-                 unanswered: str) -> int:
+    def conclude(
+        self, op: PrefetchOperation, done: int, read_finished: bool, t_end: float | None, unanswered: str
+    ) -> int:
         """Attach the first ``done`` pages read (when they reach the threshold), free the rest
         (or park them while the read may still write them: ``read_finished`` False), release
         the anchor and count. ``unanswered``: the revoke reason of an op still querying."""
@@ -435,7 +468,7 @@ class Prefetcher:
                     cnt = op._side_used.get(pool, 0) if done else 0
                     arr = np.full(done, -1, np.int64)
                     if cnt:
-                        arr[done - cnt:] = sid[:cnt]
+                        arr[done - cnt :] = sid[:cnt]
                     side_pages[name] = arr
                     keep_side[name] = sid[cnt:]
                 op._side_reserved = keep_side
@@ -456,8 +489,9 @@ class Prefetcher:
                 attached, leaf = self.cache.insert_host(op.key, got, op.start, side_pages)
                 if leaf is not None:
                     k = attached // self.page_size
-                    self.digests.set(leaf, PageDigests({pool: ks[done - k:done] for pool, ks in op._keys.items()},
-                                                       STORED))  # it came from L3
+                    self.digests.set(
+                        leaf, PageDigests({pool: ks[done - k : done] for pool, ks in op._keys.items()}, STORED)
+                    )  # it came from L3
                 else:
                     m.prefetch_revoked += 1
                     op.reason = "the tree no longer connects"
@@ -536,8 +570,11 @@ class Prefetcher:
 
     def reserved_component_host_pages(self, component: str) -> np.ndarray:
         """``reserved_host_pages`` of a trailing-pages pool's component (its own host pool)."""
-        parts = [op._side_reserved[component] for op in (*self._ops, *self._draining)
-                 if op._side_reserved.get(component, _EMPTY).size]
+        parts = [
+            op._side_reserved[component]
+            for op in (*self._ops, *self._draining)
+            if op._side_reserved.get(component, _EMPTY).size
+        ]
         return np.concatenate(parts) if parts else _EMPTY
 
     def on_reset(self) -> None:
@@ -554,8 +591,8 @@ class Prefetcher:
             for pool, ns in op._ns.items():
                 prev = op._prev[pool] if op._prev is not None else None
                 if prev is None and op.start:
-                    prev = page_keys(ns, toks[:op.start])[-1]
-                keys[pool] = page_keys(ns, toks[op.start:op.end], prev)
+                    prev = page_keys(ns, toks[: op.start])[-1]
+                keys[pool] = page_keys(ns, toks[op.start : op.end], prev)
             n = len(keys[TARGET_POOL])
             # Several ranks: the hit is MIN-reduced over the ranks (see pools.queried_pools).
             asked = self.pools.queried_pools()
@@ -572,8 +609,9 @@ class Prefetcher:
                 # The largest hit whose trailing windows are stored too (the storage's rule);
                 # from a mid-tree anchor the whole window must come from storage.
                 # Several ranks: the markers only as ``asked`` (rank 0), as in the count above.
-                hit = self.storage.exists_multi([PoolTransfer(pool, ks[:hit]) for pool, ks in keys.items()
-                                                 if pool in asked or pool in trailing]).hit_pages
+                hit = self.storage.exists_multi(
+                    [PoolTransfer(pool, ks[:hit]) for pool, ks in keys.items() if pool in asked or pool in trailing]
+                ).hit_pages
                 if op.start and hit < max(wp for _c, wp in trailing.values()):
                     hit = 0
         except Exception:
@@ -641,8 +679,13 @@ class Prefetcher:
             if got or stop <= 1 or op._cancel:
                 return got
             asked, trailing = self.pools.queried_pools(), self.pools.trailing  # as the query asked
-            stop = self.storage.exists_multi([PoolTransfer(pool, ks[:stop - 1]) for pool, ks in op._keys.items()
-                                              if pool in asked or pool in trailing]).hit_pages
+            stop = self.storage.exists_multi(
+                [
+                    PoolTransfer(pool, ks[: stop - 1])
+                    for pool, ks in op._keys.items()
+                    if pool in asked or pool in trailing
+                ]
+            ).hit_pages
             if op.new_tokens(stop) < self.threshold:
                 return 0
         return 0

@@ -96,8 +96,9 @@ class RankSteps:
         done = op.agreed.done if op.status == "loading" else 0
         if op.reads_windows and not op.agreed.windows_ok:
             done = 0  # the windows are all or nothing: a read without them attaches nothing
-        return self.prefetcher.conclude(op, done, self.complete(op), None,
-                                        "stopped before the ranks agreed on the storage hit")
+        return self.prefetcher.conclude(
+            op, done, self.complete(op), None, "stopped before the ranks agreed on the storage hit"
+        )
 
     def flush(self) -> None:
         """Run steps until every backup job is agreed done; on rank 0, until the markers queued
@@ -131,7 +132,10 @@ class RankSteps:
                 # same on every rank, so every rank makes the same reservations).
                 op.agreed.side_reservation = {
                     pool: (k, self.cache.reserve_component_host_pages_agreed(comp.name, k))
-                    for pool, (comp, wp) in self.pools.trailing.items() if n for k in (min(wp, n),)}
+                    for pool, (comp, wp) in self.pools.trailing.items()
+                    if n
+                    for k in (min(wp, n),)
+                }
         self._step_jobs = self.backups.jobs()[:JOB_BUDGET]
         self._step_drain = self.prefetcher.draining()[:DRAIN_BUDGET]
 
@@ -193,8 +197,7 @@ class RankSteps:
                     if stop == op.agreed.done:  # every rank has the windows there
                         op.agreed.windows_pending = False
                         op.agreed.windows_ok = True
-                    elif stop and op.agreed.window_phases < WINDOW_PHASES and \
-                            op.new_tokens(stop) >= self.threshold:
+                    elif stop and op.agreed.window_phases < WINDOW_PHASES and op.new_tokens(stop) >= self.threshold:
                         op.agreed.done = stop  # some rank has no window at done: all read at stop
                         pf.start_window_read(op, stop)
                     else:

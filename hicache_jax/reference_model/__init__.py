@@ -13,15 +13,25 @@ them); the model and runner are imported on first use.
 from .config import HYBRID_BENCH, HYBRID_TINY, ModelConfig
 from .window import swa_first_needed_page, swa_pages_needed, swa_table_width
 
-__all__ = ["HYBRID_BENCH", "HYBRID_TINY", "ModelConfig", "PagedRunner", "Transformer", "swa_first_needed_page",
-           "swa_pages_needed", "swa_table_width"]
+__all__ = [
+    "HYBRID_BENCH",
+    "HYBRID_TINY",
+    "ModelConfig",
+    "PagedRunner",
+    "Transformer",
+    "swa_first_needed_page",
+    "swa_pages_needed",
+    "swa_table_width",
+]
 
 
 def __getattr__(name: str):  # PEP 562: flax is imported only when the model is needed
     if name == "Transformer":
         from .model import Transformer
+
         return Transformer
     if name == "PagedRunner":
         from .paged_forward import PagedRunner
+
         return PagedRunner
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

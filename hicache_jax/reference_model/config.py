@@ -35,14 +35,17 @@ def _layer_types(value: object, num_layers: int) -> tuple[str, ...]:
     """Normalize ``layer_types`` (a tuple of per-layer kinds or an 'F'/'S' pattern) to a tuple."""
     if isinstance(value, str):
         if not value or set(value) - set(_PATTERN_CHARS):
-            raise ValueError(f"layer_types: a pattern string must be made of 'F' (full) and 'S' (sliding), "
-                             f"got {value!r}")
+            raise ValueError(
+                f"layer_types: a pattern string must be made of 'F' (full) and 'S' (sliding), got {value!r}"
+            )
         if len(value) > num_layers:
             raise ValueError(f"layer_types: pattern {value!r} is longer than num_layers {num_layers}")
         return tuple(_PATTERN_CHARS[value[i % len(value)]] for i in range(num_layers))
     if not isinstance(value, (tuple, list)):
-        raise TypeError(f"layer_types: expected a tuple of 'full'/'sliding' or an 'F'/'S' pattern string, "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"layer_types: expected a tuple of 'full'/'sliding' or an 'F'/'S' pattern string, "
+            f"got {type(value).__name__}"
+        )
     if len(value) != num_layers:
         raise ValueError(f"layer_types: expected {num_layers} entries (num_layers), got {len(value)}")
     for i, kind in enumerate(value):
@@ -89,8 +92,19 @@ class ModelConfig:
     max_positions: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn",
-                     "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
@@ -106,13 +120,15 @@ class ModelConfig:
         types = _layer_types(self.layer_types, self.num_layers)
         object.__setattr__(self, "layer_types", types)
         if "full" not in types:
-            raise ValueError(f"layer_types: expected at least one 'full' layer (the full pool keys the prefix "
-                             f"cache), got {types}")
+            raise ValueError(
+                f"layer_types: expected at least one 'full' layer (the full pool keys the prefix cache), got {types}"
+            )
         sliding = "sliding" in types
         if self.sliding_window is None:
             if sliding:
-                raise ValueError("sliding_window: required (the window in tokens) when layer_types has a "
-                                 "'sliding' layer")
+                raise ValueError(
+                    "sliding_window: required (the window in tokens) when layer_types has a 'sliding' layer"
+                )
         elif isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int):
             raise TypeError(f"sliding_window: expected an int or None, got {type(self.sliding_window).__name__}")
         elif not sliding:
@@ -121,8 +137,9 @@ class ModelConfig:
             raise ValueError(f"sliding_window: expected >= 1, got {self.sliding_window}")
         if not isinstance(self.swa_as_full, bool):
             raise TypeError(f"swa_as_full: expected a bool, got {type(self.swa_as_full).__name__}")
-        if self.max_positions is not None and (isinstance(self.max_positions, bool) or
-                                               not isinstance(self.max_positions, int) or self.max_positions < 2):
+        if self.max_positions is not None and (
+            isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) or self.max_positions < 2
+        ):
             raise ValueError(f"max_positions: expected None or an int >= 2, got {self.max_positions!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family: expected one of {list(FAMILIES)}, got {self.family!r}")
@@ -192,19 +209,46 @@ class ModelConfig:
 # Hybrid presets (alternating sliding / full layers as gpt-oss, whose window is 128 tokens).
 # HYBRID_TINY: tests and smoke runs. HYBRID_BENCH: the serving benchmark's "bench" shape (sized
 # for a 2-core CPU) with half its layers sliding.
-HYBRID_TINY = ModelConfig(vocab_size=512, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                          ffn=128, layer_types="SF", sliding_window=24)
-HYBRID_BENCH = ModelConfig(vocab_size=2048, num_layers=10, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
-                           ffn=2048, layer_types="SF", sliding_window=128)
+HYBRID_TINY = ModelConfig(
+    vocab_size=512,
+    num_layers=2,
+    hidden=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    ffn=128,
+    layer_types="SF",
+    sliding_window=24,
+)
+HYBRID_BENCH = ModelConfig(
+    vocab_size=2048,
+    num_layers=10,
+    hidden=512,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    ffn=2048,
+    layer_types="SF",
+    sliding_window=128,
+)
 
 # Llama-3-8B's layer shape (hidden 4096, 32 query / 8 KV heads x 128, SwiGLU FFN 14336) with a
 # 32000-token vocabulary and bf16 KV, for the serving benchmarks on a GPU: per layer the work and
 # the KV bytes (4 KiB per token) equal Llama-3-8B's, so hit / cold ratios are the full model's but
 # for fixed per-request overheads. 8 layers by default (32 KiB of KV per token); the benchmarks'
 # ``--layers`` changes the count. Random weights from the seed, like every preset (no downloads).
-LLAMA3_8B_SHAPE = ModelConfig(vocab_size=32000, num_layers=8, hidden=4096, num_heads=32, num_kv_heads=8,
-                              head_dim=128, ffn=14336, kv_dtype="bfloat16")
+LLAMA3_8B_SHAPE = ModelConfig(
+    vocab_size=32000,
+    num_layers=8,
+    hidden=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn=14336,
+    kv_dtype="bfloat16",
+)
 # The same kind at tiny sizes (4:1 grouped-query attention, FFN 3.5x hidden, bf16 KV): what
 # ``--quick`` runs instead, in seconds on a CPU.
-LLAMA3_8B_SHAPE_TINY = ModelConfig(vocab_size=512, num_layers=2, hidden=128, num_heads=8, num_kv_heads=2,
-                                   head_dim=16, ffn=448, kv_dtype="bfloat16")
+LLAMA3_8B_SHAPE_TINY = ModelConfig(
+    vocab_size=512, num_layers=2, hidden=128, num_heads=8, num_kv_heads=2, head_dim=16, ffn=448, kv_dtype="bfloat16"
+)

@@ -40,8 +40,9 @@ def target_forward(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, ja
     return f, model.lm_head(f)
 
 
-def draft_forward(draft: DraftHead, target: Transformer, next_tokens: jax.Array,
-                  features: jax.Array) -> tuple[jax.Array, jax.Array]:
+def draft_forward(
+    draft: DraftHead, target: Transformer, next_tokens: jax.Array, features: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Draft entries at positions 0..T-1 from ``next_tokens[j] = t_{j+1}`` and ``features[j] =
     f_j`` -> (draft features g (B, T, H), logits (B, T, V): guesses at t_{j+2})."""
     x = _dense_block(draft.block, draft.inputs(target, next_tokens, features))

@@ -52,7 +52,7 @@ def draft_kv_geometry(cfg: ModelConfig, page_size: int) -> KVGeometry:
 
 
 def _fc(i: int, o: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(i, o, use_bias=False, rngs=rngs, kernel_init=nnx.initializers.normal(stddev=1.0 / i ** 0.5))
+    return nnx.Linear(i, o, use_bias=False, rngs=rngs, kernel_init=nnx.initializers.normal(stddev=1.0 / i**0.5))
 
 
 class DraftHead(nnx.Module):
@@ -93,13 +93,26 @@ def _paged_block(block: Block, x, positions, valid, page_tables, kv_lens, pools:
     return x + block.mlp(block.norm2(x)), new_pools
 
 
-def _draft_round(target_graph: StaticGraph, target_state, draft_graph: StaticGraph, draft_state, pools: Pools, tokens, features, positions,
-                 valid, page_tables, kv_lens, num_proposals: int):
+def _draft_round(
+    target_graph: StaticGraph,
+    target_state,
+    draft_graph: StaticGraph,
+    draft_state,
+    pools: Pools,
+    tokens,
+    features,
+    positions,
+    valid,
+    page_tables,
+    kv_lens,
+    num_proposals: int,
+):
     target = nnx.merge(target_graph.graphdef, target_state)
     draft = nnx.merge(draft_graph.graphdef, draft_state)
     layer = {c: arrs[0] for c, arrs in pools.items()}
-    x, layer = _paged_block(draft.block, draft.inputs(target, tokens, features), positions, valid, page_tables,
-                            kv_lens, layer)
+    x, layer = _paged_block(
+        draft.block, draft.inputs(target, tokens, features), positions, valid, page_tables, kv_lens, layer
+    )
     last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
     g = draft.norm(jnp.take_along_axis(x, last[:, None, None], axis=1))  # (B, 1, H)
     pos = jnp.take_along_axis(positions, last[:, None], axis=1)  # (B, 1)
@@ -111,8 +124,9 @@ def _draft_round(target_graph: StaticGraph, target_state, draft_graph: StaticGra
         if i == num_proposals - 1:
             break
         pos = pos + 1
-        x, layer = _paged_block(draft.block, draft.inputs(target, guess, g), pos, seq_valid, page_tables,
-                                pos[:, 0] + 1, layer)
+        x, layer = _paged_block(
+            draft.block, draft.inputs(target, guess, g), pos, seq_valid, page_tables, pos[:, 0] + 1, layer
+        )
         g = draft.norm(x)
     out = jnp.stack(proposals, axis=1) if proposals else jnp.zeros((positions.shape[0], 0), jnp.int32)
     return out, {c: [a] for c, a in layer.items()}
@@ -137,8 +151,15 @@ class DraftRunner:
         self.graphdef, self.state = nnx.split(self.head)
         self.static_graph = static_graph(self.graphdef)  # what the jitted round takes (hashed once)
 
-    def step(self, pools: Pools, next_tokens: list[list[int]], features: list[np.ndarray], starts: list[int],
-             page_tables: list[np.ndarray], num_proposals: int) -> tuple[np.ndarray, Pools]:
+    def step(
+        self,
+        pools: Pools,
+        next_tokens: list[list[int]],
+        features: list[np.ndarray],
+        starts: list[int],
+        page_tables: list[np.ndarray],
+        num_proposals: int,
+    ) -> tuple[np.ndarray, Pools]:
         """Sequence ``i`` extends the draft KV at positions ``starts[i] ...`` with inputs
         ``(next_tokens[i][j], features[i][j])`` (token ``j + 1`` and the target's feature at
         ``j``), then proposes ``num_proposals`` tokens (0: extend only). Returns the proposals
@@ -162,18 +183,29 @@ class DraftRunner:
         for i, (ts, fs, st, table) in enumerate(zip(next_tokens, features, starts, page_tables)):
             n = len(ts)
             if n == 0 or np.shape(fs) != (n, hidden):
-                raise ValueError(f"features[{i}]: expected shape ({n}, {hidden}) for {n} tokens, "
-                                 f"got {np.shape(fs)}")
+                raise ValueError(f"features[{i}]: expected shape ({n}, {hidden}) for {n} tokens, got {np.shape(fs)}")
             # The chain steps write up to num_proposals - 1 positions past the extend.
             last = st + n + max(num_proposals - 1, 0)
             if (last + self.page_size - 1) // self.page_size > len(table):
                 raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {last} tokens")
             tok[i, :n], feat[i, :n], pos[i, :n], val[i, :n] = ts, fs, np.arange(st, st + n), True
             pos[i, n:] = st + n - 1
-            pt[i, :len(table)] = table
+            pt[i, : len(table)] = table
             kv_lens[i] = st + n
-        out, new = _ROUND(t.static_graph, t.state, self.static_graph, self.state, pools, tok, feat, pos, val, pt,
-                          kv_lens, num_proposals)
+        out, new = _ROUND(
+            t.static_graph,
+            t.state,
+            self.static_graph,
+            self.state,
+            pools,
+            tok,
+            feat,
+            pos,
+            val,
+            pt,
+            kv_lens,
+            num_proposals,
+        )
         return np.asarray(out[:b]), new
 
     def warmup(self, pools: Pools, shapes: list[tuple[int, int, int]]) -> Pools:
@@ -185,7 +217,18 @@ class DraftRunner:
             raise ValueError("warmup: needs the target runner's fixed max_pages_per_seq")
         for bb, tb, num_proposals in shapes:
             zeros = np.zeros((bb, tb), np.int32)
-            _, pools = _ROUND(t.static_graph, t.state, self.static_graph, self.state, pools, zeros,
-                              np.zeros((bb, tb, self.config.hidden), np.float32), zeros, np.zeros((bb, tb), bool),
-                              np.zeros((bb, t.max_pages_per_seq), np.int32), np.ones(bb, np.int32), num_proposals)
+            _, pools = _ROUND(
+                t.static_graph,
+                t.state,
+                self.static_graph,
+                self.state,
+                pools,
+                zeros,
+                np.zeros((bb, tb, self.config.hidden), np.float32),
+                zeros,
+                np.zeros((bb, tb), bool),
+                np.zeros((bb, t.max_pages_per_seq), np.int32),
+                np.ones(bb, np.int32),
+                num_proposals,
+            )
         return pools

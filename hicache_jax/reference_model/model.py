@@ -23,7 +23,7 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     freqs = 1.0 / (theta ** (jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d))
     ang = positions[..., None].astype(jnp.float32) * freqs  # (..., T, D/2)
     cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -36,8 +36,7 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(i: int, o: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(i, o, use_bias=False, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(stddev=1.0 / i ** 0.5))
+    return nnx.Linear(i, o, use_bias=False, rngs=rngs, kernel_init=nnx.initializers.normal(stddev=1.0 / i**0.5))
 
 
 def _softmax_attend(scores: jax.Array, kv_valid: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:
@@ -68,7 +67,7 @@ class GQAAttention(nnx.Module):
         group = cfg.num_heads // cfg.num_kv_heads
         k = jnp.repeat(kv["k"], group, axis=2)  # (B, S, H, D)
         v = jnp.repeat(kv["v"], group, axis=2)
-        scores = jnp.einsum("bthd,bshd->bhts", q, k) / cfg.head_dim ** 0.5
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / cfg.head_dim**0.5
         return self.wo(_softmax_attend(scores, kv_valid, mask, v).reshape(b, t, -1))
 
 
@@ -96,13 +95,13 @@ class LatentAttention(nnx.Module):
         b, t = x.shape[:2]
         s = kv["kv"].shape[1]
         lat = kv["kv"][:, :, 0]
-        c, kr = lat[..., :cfg.kv_lora_rank], lat[..., cfg.kv_lora_rank:]
+        c, kr = lat[..., : cfg.kv_lora_rank], lat[..., cfg.kv_lora_rank :]
         q = self.wq(x).reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
         q_rope = rotary(q_rope, positions, cfg.rope_theta)
         k_nope = self.w_uk(c).reshape(b, s, cfg.num_heads, cfg.qk_nope_head_dim)
         v = self.w_uv(c).reshape(b, s, cfg.num_heads, cfg.v_head_dim)
-        scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope) + jnp.einsum("bthd,bsd->bhts", q_rope, kr))
+        scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope) + jnp.einsum("bthd,bsd->bhts", q_rope, kr)
         scores = scores / (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** 0.5
         return self.wo(_softmax_attend(scores, kv_valid, mask, v).reshape(b, t, -1))
 

@@ -84,8 +84,9 @@ class _PoolView(NamedTuple):
     mask: jax.Array  # (B, T, S) slots each query attends to
 
 
-def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int,
-               window: int | None = None) -> _PoolView:
+def _full_view(
+    page_tables, positions, valid, kv_lens, num_pages: int, page: int, window: int | None = None
+) -> _PoolView:
     """Full pool: table column j is logical page j; causal over ``[0, kv_len)``, and over the
     last ``window`` positions only for a sliding layer kept in the full pool
     (``ModelConfig.attention_window``)."""
@@ -102,8 +103,7 @@ def _full_view(page_tables, positions, valid, kv_lens, num_pages: int, page: int
     return _PoolView(page_tables, slot_page, slot_off, kv_valid, mask)
 
 
-def _window_view(tables, first_page, positions, valid, kv_lens, num_pages: int, page: int,
-                 window: int) -> _PoolView:
+def _window_view(tables, first_page, positions, valid, kv_lens, num_pages: int, page: int, window: int) -> _PoolView:
     """Sliding window over a ring of ``M`` table columns: column j holds the needed logical
     page ``L`` with ``L % M == j`` (``first_page`` is the lowest needed one; ``_swa_tables``).
     So the slot of a key depends only on its position (and M), never on where the step starts:
@@ -139,8 +139,20 @@ def _attention(block, h, positions, pools: Pools, layer: int, view: _PoolView) -
     return block.attn.attend(h, positions, kv_all, view.kv_valid, view.mask)
 
 
-def _forward(graph: StaticGraph, state, pools: Pools, tokens, positions, valid, page_tables, kv_lens,
-             swa_pools: Pools | None = None, swa_tables=None, swa_first=None, all_positions: bool = False):
+def _forward(
+    graph: StaticGraph,
+    state,
+    pools: Pools,
+    tokens,
+    positions,
+    valid,
+    page_tables,
+    kv_lens,
+    swa_pools: Pools | None = None,
+    swa_tables=None,
+    swa_first=None,
+    all_positions: bool = False,
+):
     model = nnx.merge(graph.graphdef, state)
     cfg = model.cfg
     any_pool = next(iter(pools.values()))[0]
@@ -150,8 +162,9 @@ def _forward(graph: StaticGraph, state, pools: Pools, tokens, positions, valid, 
     new = {"full": {c: list(layers) for c, layers in pools.items()}}
     if swa_pools is not None:
         swa_pages = next(iter(swa_pools.values()))[0].shape[0]
-        views["swa"] = _window_view(swa_tables, swa_first, positions, valid, kv_lens, swa_pages, page,
-                                    cfg.sliding_window)
+        views["swa"] = _window_view(
+            swa_tables, swa_first, positions, valid, kv_lens, swa_pages, page, cfg.sliding_window
+        )
         new["swa"] = {c: list(layers) for c, layers in swa_pools.items()}
     for layer, block in enumerate(model.blocks):
         h = block.norm1(x)
@@ -159,8 +172,9 @@ def _forward(graph: StaticGraph, state, pools: Pools, tokens, positions, valid, 
         view = views[kind]
         if kind == "full" and cfg.attention_window(layer) is not None:  # a window kept in the full pool
             if "full_windowed" not in views:
-                views["full_windowed"] = _full_view(page_tables, positions, valid, kv_lens, num_pages, page,
-                                                    cfg.sliding_window)
+                views["full_windowed"] = _full_view(
+                    page_tables, positions, valid, kv_lens, num_pages, page, cfg.sliding_window
+                )
             view = views["full_windowed"]
         x = block.finish(x, _attention(block, h, positions, new[kind], index, view))
     if all_positions:  # logits and final hidden states of every position
@@ -184,30 +198,44 @@ _STEP = jax.jit(_forward, static_argnums=(0,), static_argnames=("all_positions",
 def _check_pools(name: str, pools: object, components: tuple[str, ...], num_layers: int) -> int:
     """Number of pages of a pool dict ``{component: [array per layer]}``; ValueError if its
     components or layer count are not the geometry's."""
-    if not isinstance(pools, dict) or set(pools) != set(components) or \
-            any(len(layers) != num_layers for layers in pools.values()):
+    if (
+        not isinstance(pools, dict)
+        or set(pools) != set(components)
+        or any(len(layers) != num_layers for layers in pools.values())
+    ):
         got = {c: len(v) for c, v in pools.items()} if isinstance(pools, dict) else type(pools).__name__
-        raise ValueError(f"{name}: expected {{component: list of {num_layers} layer arrays}} for components "
-                         f"{components}, got {got}")
+        raise ValueError(
+            f"{name}: expected {{component: list of {num_layers} layer arrays}} for components {components}, got {got}"
+        )
     return int(next(iter(pools.values()))[0].shape[0])
 
 
 class PagedRunner:
     """Holds the model's weights and its jitted, pool-donating step."""
 
-    def __init__(self, config: ModelConfig, page_size: int, max_pages_per_seq: int | None = None,
-                 token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024),
-                 model: Transformer | None = None, fixed_shape: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        page_size: int,
+        max_pages_per_seq: int | None = None,
+        token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024),
+        model: Transformer | None = None,
+        fixed_shape: tuple[int, int] | None = None,
+    ) -> None:
         """``model``: the weights to run (default: built from ``config.seed``). ``fixed_shape``:
         ``(rows, tokens)`` for deterministic mode (the module docstring); needs
         ``max_pages_per_seq``."""
         if fixed_shape is not None:
-            if not (isinstance(fixed_shape, tuple) and len(fixed_shape) == 2 and
-                    all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in fixed_shape)):
+            if not (
+                isinstance(fixed_shape, tuple)
+                and len(fixed_shape) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in fixed_shape)
+            ):
                 raise ValueError(f"fixed_shape: expected (rows, tokens), two ints >= 1, got {fixed_shape!r}")
             if max_pages_per_seq is None:
-                raise ValueError("fixed_shape: deterministic mode needs a fixed max_pages_per_seq (one attention "
-                                 "width)")
+                raise ValueError(
+                    "fixed_shape: deterministic mode needs a fixed max_pages_per_seq (one attention width)"
+                )
         self.fixed_shape = fixed_shape
         self.config = config
         self.page_size = page_size
@@ -216,8 +244,10 @@ class PagedRunner:
         if model is not None and model.cfg != config:
             raise ValueError(f"model: built for {model.cfg}, not for config {config}")
         if model is None and config.family != "reference":
-            raise ValueError(f"model: required for family {config.family!r} (its weights come from a checkpoint, "
-                             "e.g. hicache_jax.models.gemma3.load_model)")
+            raise ValueError(
+                f"model: required for family {config.family!r} (its weights come from a checkpoint, "
+                "e.g. hicache_jax.models.gemma3.load_model)"
+            )
         self.model = model if model is not None else Transformer(config)
         self.graphdef, self.state = nnx.split(self.model)
         self.static_graph = static_graph(self.graphdef)  # what the jitted step takes (hashed once)
@@ -227,8 +257,17 @@ class PagedRunner:
         """Columns of the device SWA table for a step of token bucket ``t_bucket``."""
         return swa_table_width(self.config.sliding_window, t_bucket, self.page_size)
 
-    def step(self, pools: Pools, tokens: list[list[int]], starts: list[int], page_tables: list[np.ndarray],
-             min_t: int = 1, *, swa_pools: Pools | None = None, swa_page_tables: list | None = None):
+    def step(
+        self,
+        pools: Pools,
+        tokens: list[list[int]],
+        starts: list[int],
+        page_tables: list[np.ndarray],
+        min_t: int = 1,
+        *,
+        swa_pools: Pools | None = None,
+        swa_page_tables: list | None = None,
+    ):
         """Run B sequences: sequence i adds ``tokens[i]`` at positions ``starts[i]...``.
 
         ``page_tables[i]`` lists the (full) pool pages of sequence i, covering every position up
@@ -241,15 +280,23 @@ class PagedRunner:
         and return (logits, new pools, new SWA pools).
         """
         out, *new = self._run(pools, tokens, starts, page_tables, min_t, swa_pools, swa_page_tables, False)
-        return (np.asarray(out[:len(tokens)]), *new)
+        return (np.asarray(out[: len(tokens)]), *new)
 
-    def step_all(self, pools: Pools, tokens: list[list[int]], starts: list[int], page_tables: list[np.ndarray],
-                 min_t: int = 1, *, swa_pools: Pools | None = None, swa_page_tables: list | None = None):
+    def step_all(
+        self,
+        pools: Pools,
+        tokens: list[list[int]],
+        starts: list[int],
+        page_tables: list[np.ndarray],
+        min_t: int = 1,
+        *,
+        swa_pools: Pools | None = None,
+        swa_page_tables: list | None = None,
+    ):
         """``step``, returning every new position's logits ``(B, T, vocab)`` and final (normed)
         hidden state ``(B, T, hidden)`` as numpy (T: the bucketed token count; rows past a
         sequence's own tokens are padding), then the new pools (and SWA pools)."""
-        (logits, hidden), *new = self._run(pools, tokens, starts, page_tables, min_t, swa_pools, swa_page_tables,
-                                           True)
+        (logits, hidden), *new = self._run(pools, tokens, starts, page_tables, min_t, swa_pools, swa_page_tables, True)
         b = len(tokens)
         return (np.asarray(logits[:b]), np.asarray(hidden[:b]), *new)
 
@@ -273,15 +320,26 @@ class PagedRunner:
             raise ValueError("tokens, starts, page_tables: expected equal, non-zero lengths")
         hybrid = self.config.is_hybrid
         if hybrid and (swa_pools is None or swa_page_tables is None):
-            raise ValueError("swa_pools, swa_page_tables: required, the model has sliding-window layers "
-                             f"{self.config.swa_layers}")
+            raise ValueError(
+                f"swa_pools, swa_page_tables: required, the model has sliding-window layers {self.config.swa_layers}"
+            )
         if not hybrid and (swa_pools is not None or swa_page_tables is not None):
-            raise ValueError("swa_pools, swa_page_tables: expected None, the model has no sliding-window layer "
-                             "in the SWA pool")
+            raise ValueError(
+                "swa_pools, swa_page_tables: expected None, the model has no sliding-window layer in the SWA pool"
+            )
         if self.fixed_shape is not None:
             return self._run_fixed(pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions)
-        return self._launch(pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions,
-                            _bucket(b), self._token_bucket(max(len(x) for x in tokens), min_t))
+        return self._launch(
+            pools,
+            tokens,
+            starts,
+            page_tables,
+            swa_pools,
+            swa_page_tables,
+            all_positions,
+            _bucket(b),
+            self._token_bucket(max(len(x) for x in tokens), min_t),
+        )
 
     def _run_fixed(self, pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions):
         """Deterministic mode: cut every sequence into rows of at most ``tokens`` new tokens,
@@ -291,21 +349,30 @@ class PagedRunner:
         token, ``step_all``'s rows are concatenated (padded to the longest sequence)."""
         rows_per_step, t = self.fixed_shape
         if swa_page_tables is not None and len(swa_page_tables) != len(tokens):
-            raise ValueError(f"swa_page_tables: expected {len(tokens)} tables (one per sequence), "
-                             f"got {len(swa_page_tables)}")
+            raise ValueError(
+                f"swa_page_tables: expected {len(tokens)} tables (one per sequence), got {len(swa_page_tables)}"
+            )
         rows = []  # (sequence, offset of the row in it, tokens, start, full table, swa table)
         for i, (ts, st, table) in enumerate(zip(tokens, starts, page_tables)):
             n = self._check_sequence(i, ts, st, table)
             swa = None if swa_page_tables is None else swa_page_tables[i]
-            rows += [(i, j, list(ts[j:j + t]), st + j, table, swa) for j in range(0, n, t)]
+            rows += [(i, j, list(ts[j : j + t]), st + j, table, swa) for j in range(0, n, t)]
         if swa_pools is not None:  # every row's window is checked before the first step consumes the pools
             self._swa_tables(swa_pools, [r[5] for r in rows], [r[2] for r in rows], [r[3] for r in rows], len(rows), t)
         out_rows = []
         for g in range(0, len(rows), rows_per_step):
-            group = rows[g:g + rows_per_step]
-            out, *new = self._launch(pools, [r[2] for r in group], [r[3] for r in group], [r[4] for r in group],
-                                     swa_pools, None if swa_pools is None else [r[5] for r in group],
-                                     all_positions, rows_per_step, t)
+            group = rows[g : g + rows_per_step]
+            out, *new = self._launch(
+                pools,
+                [r[2] for r in group],
+                [r[3] for r in group],
+                [r[4] for r in group],
+                swa_pools,
+                None if swa_pools is None else [r[5] for r in group],
+                all_positions,
+                rows_per_step,
+                t,
+            )
             pools = new[0]
             if swa_pools is not None:
                 swa_pools = new[1]
@@ -317,7 +384,7 @@ class PagedRunner:
             logits, hidden = out_rows[0]
             res = [np.zeros((b, longest) + a.shape[1:], a.dtype) for a in (logits, hidden)]
             for (i, j, ts, *_), (lg, hd) in zip(rows, out_rows):
-                res[0][i, j:j + len(ts)], res[1][i, j:j + len(ts)] = lg[:len(ts)], hd[:len(ts)]
+                res[0][i, j : j + len(ts)], res[1][i, j : j + len(ts)] = lg[: len(ts)], hd[: len(ts)]
             out = tuple(res)
         else:  # the row of each sequence's last token is its last row
             last = {i: k for k, (i, *_rest) in enumerate(rows)}
@@ -333,8 +400,7 @@ class PagedRunner:
             raise ValueError(f"page_tables[{i}]: {len(table)} pages do not cover {start + n} tokens")
         return n
 
-    def _launch(self, pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions, bb: int,
-                tb: int):
+    def _launch(self, pools, tokens, starts, page_tables, swa_pools, swa_page_tables, all_positions, bb: int, tb: int):
         """One jitted step of shape ``(bb, tb)`` over ``len(tokens) <= bb`` sequences."""
         hybrid = self.config.is_hybrid
         mb = self.table_width(page_tables)
@@ -347,15 +413,28 @@ class PagedRunner:
             n = self._check_sequence(i, ts, st, table)
             tok[i, :n], pos[i, :n], val[i, :n] = ts, np.arange(st, st + n), True
             pos[i, n:] = st + n - 1
-            pt[i, :len(table)] = table
+            pt[i, : len(table)] = table
             kv_lens[i] = st + n
         if not hybrid:
-            return self._step(self.static_graph, self.state, pools, tok, pos, val, pt, kv_lens,
-                              all_positions=all_positions)
+            return self._step(
+                self.static_graph, self.state, pools, tok, pos, val, pt, kv_lens, all_positions=all_positions
+            )
         swa_tables, swa_first = self._swa_tables(swa_pools, swa_page_tables, tokens, starts, bb, tb)
         self._check_full_pools(pools)
-        return self._step(self.static_graph, self.state, pools, tok, pos, val, pt, kv_lens, swa_pools, swa_tables,
-                          swa_first, all_positions=all_positions)
+        return self._step(
+            self.static_graph,
+            self.state,
+            pools,
+            tok,
+            pos,
+            val,
+            pt,
+            kv_lens,
+            swa_pools,
+            swa_tables,
+            swa_first,
+            all_positions=all_positions,
+        )
 
     def _check_full_pools(self, pools: Pools) -> None:
         g = self.config.kv_geometry(self.page_size)
@@ -366,8 +445,9 @@ class PagedRunner:
         g = self.config.swa_kv_geometry(self.page_size)
         num_pages = _check_pools("swa_pools", swa_pools, g.components, g.num_layers)
         if len(swa_page_tables) != len(tokens):
-            raise ValueError(f"swa_page_tables: expected {len(tokens)} tables (one per sequence), "
-                             f"got {len(swa_page_tables)}")
+            raise ValueError(
+                f"swa_page_tables: expected {len(tokens)} tables (one per sequence), got {len(swa_page_tables)}"
+            )
         window, page = self.config.sliding_window, self.page_size
         tables = np.zeros((bb, self.swa_table_width(tb)), np.int32)
         first = np.zeros(bb, np.int32)
@@ -375,13 +455,17 @@ class PagedRunner:
             end = st + len(ts)
             need = swa_pages_needed(st, end, window, page)
             if len(table) < need.stop:
-                raise ValueError(f"swa_page_tables[{i}]: {len(table)} entries do not reach logical page "
-                                 f"{need.stop - 1} (positions up to {end - 1})")
-            ids = np.asarray(table[need.start:need.stop])
+                raise ValueError(
+                    f"swa_page_tables[{i}]: {len(table)} entries do not reach logical page "
+                    f"{need.stop - 1} (positions up to {end - 1})"
+                )
+            ids = np.asarray(table[need.start : need.stop])
             if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= num_pages)):
-                raise ValueError(f"swa_page_tables[{i}]: logical pages {need.start}..{need.stop - 1} (positions "
-                                 f"[{max(0, st - window + 1)}, {end}) of the window) must be SWA pool page ids "
-                                 f"in [0, {num_pages}), got {ids.tolist()}")
+                raise ValueError(
+                    f"swa_page_tables[{i}]: logical pages {need.start}..{need.stop - 1} (positions "
+                    f"[{max(0, st - window + 1)}, {end}) of the window) must be SWA pool page ids "
+                    f"in [0, {num_pages}), got {ids.tolist()}"
+                )
             tables[i, np.arange(need.start, need.stop) % tables.shape[1]] = ids  # the ring (``_window_view``)
             first[i] = need.start
         return tables, first
@@ -395,8 +479,16 @@ class PagedRunner:
                 return t
         return _bucket(n)
 
-    def warmup(self, pools: Pools, max_batch: int, max_new_tokens_per_step: int, *,
-               swa_pools: Pools | None = None, all_positions: bool = False, decode_tokens: int = 1):
+    def warmup(
+        self,
+        pools: Pools,
+        max_batch: int,
+        max_new_tokens_per_step: int,
+        *,
+        swa_pools: Pools | None = None,
+        all_positions: bool = False,
+        decode_tokens: int = 1,
+    ):
         """Compile every (B, T) shape serving will use (needs ``max_pages_per_seq``); returns the
         pools, or (pools, SWA pools) for a hybrid model (which must pass ``swa_pools``).
 
@@ -410,8 +502,10 @@ class PagedRunner:
             raise ValueError("warmup: needs a fixed max_pages_per_seq")
         hybrid = self.config.is_hybrid
         if hybrid != (swa_pools is not None):
-            raise ValueError("swa_pools: required exactly when the model has sliding-window layers "
-                             f"(it has {self.config.swa_layers or 'none'})")
+            raise ValueError(
+                "swa_pools: required exactly when the model has sliding-window layers "
+                f"(it has {self.config.swa_layers or 'none'})"
+            )
         if self.fixed_shape is not None:  # deterministic mode: the one shape
             shapes = {self.fixed_shape}
         else:
@@ -420,11 +514,24 @@ class PagedRunner:
             shapes |= {(_bucket(b), self._token_bucket(decode_tokens)) for b in range(1, max_batch + 1)}
         for bb, tb in sorted(shapes):
             zeros = np.zeros((bb, tb), np.int32)
-            args = (self.static_graph, self.state, pools, zeros, zeros, np.zeros((bb, tb), bool),
-                    np.zeros((bb, self.max_pages_per_seq), np.int32), np.ones(bb, np.int32))
+            args = (
+                self.static_graph,
+                self.state,
+                pools,
+                zeros,
+                zeros,
+                np.zeros((bb, tb), bool),
+                np.zeros((bb, self.max_pages_per_seq), np.int32),
+                np.ones(bb, np.int32),
+            )
             if not hybrid:
                 _, pools = self._step(*args, all_positions=all_positions)
                 continue
-            _, pools, swa_pools = self._step(*args, swa_pools, np.zeros((bb, self.swa_table_width(tb)), np.int32),
-                                             np.zeros(bb, np.int32), all_positions=all_positions)
+            _, pools, swa_pools = self._step(
+                *args,
+                swa_pools,
+                np.zeros((bb, self.swa_table_width(tb)), np.int32),
+                np.zeros(bb, np.int32),
+                all_positions=all_positions,
+            )
         return (pools, swa_pools) if hybrid else pools

@@ -35,8 +35,9 @@ TOY_PAIR_PATH = Path(__file__).with_name("spec_toy_pair.npz")
 
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every parameter of ``model`` as numpy, by ``/``-joined path."""
-    return {"/".join(map(str, path)): np.asarray(var[...])
-            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        "/".join(map(str, path)): np.asarray(var[...]) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 def apply_params(model: nnx.Module, params: dict[str, np.ndarray], what: str) -> None:
@@ -92,8 +93,10 @@ class PairWeights:
 
 def save_pair(path: str | Path, target: Transformer, draft: DraftHead, meta: dict | None = None) -> int:
     """Write ``target`` and ``draft`` (float16) to ``path``; returns the file size in bytes."""
-    arrays = {"config": np.array(json.dumps(asdict(target.cfg), sort_keys=True)),
-              "meta": np.array(json.dumps(meta or {}, sort_keys=True))}
+    arrays = {
+        "config": np.array(json.dumps(asdict(target.cfg), sort_keys=True)),
+        "meta": np.array(json.dumps(meta or {}, sort_keys=True)),
+    }
     for prefix, model in (("target", target), ("draft", draft)):
         for name, arr in flat_params(model).items():
             arrays[f"{prefix}/{name}"] = arr.astype(np.float16)

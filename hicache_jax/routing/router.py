@@ -69,8 +69,13 @@ class TierWeights:
             raise ValueError(f"weights: expected device >= host >= storage, got {self}")
 
     @classmethod
-    def from_load_cost(cls, prefill_s_per_token: float, host_s_per_token: float | None = None,
-                       storage_s_per_token: float | None = None, base: "TierWeights | None" = None) -> "TierWeights":
+    def from_load_cost(
+        cls,
+        prefill_s_per_token: float,
+        host_s_per_token: float | None = None,
+        storage_s_per_token: float | None = None,
+        base: "TierWeights | None" = None,
+    ) -> "TierWeights":
         """Weights from measured per-token costs (see the module docstring); a cost of None
         keeps ``base``'s weight for that tier (default weights without ``base``)."""
         if base is None:
@@ -92,8 +97,7 @@ class TierWeights:
 def _check_cost(name: str, v: object, positive: bool = False) -> None:
     if v is None and not positive:
         return
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
-            (positive and v == 0):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
         raise ValueError(f"{name}: expected a finite number of seconds {'> 0' if positive else '>= 0'}, got {v!r}")
 
 
@@ -103,8 +107,11 @@ def tier_costs_from_stats(stats: Mapping | Sequence[Mapping]) -> dict[str, float
     None for a tier with nothing measured."""
     if isinstance(stats, Mapping):
         stats = [stats]
-    if isinstance(stats, (str, bytes)) or not isinstance(stats, Sequence) or \
-            any(not isinstance(s, Mapping) for s in stats):
+    if (
+        isinstance(stats, (str, bytes))
+        or not isinstance(stats, Sequence)
+        or any(not isinstance(s, Mapping) for s in stats)
+    ):
         raise TypeError("stats: expected cache.stats() or a sequence of them")
 
     def total(hist: str, tokens: str) -> tuple[float, int]:
@@ -141,11 +148,20 @@ class RouteDecision:
 class PrefixRouter:
     """See the module docstring."""
 
-    def __init__(self, engines: Sequence[str], weights: TierWeights | None = None, *, shared_storage: bool = True,
-                 balance_abs: float = 32, balance_rel: float = 1.5) -> None:
+    def __init__(
+        self,
+        engines: Sequence[str],
+        weights: TierWeights | None = None,
+        *,
+        shared_storage: bool = True,
+        balance_abs: float = 32,
+        balance_rel: float = 1.5,
+    ) -> None:
         if isinstance(engines, (str, bytes)) or not isinstance(engines, (Sequence, set, frozenset)):
-            raise TypeError(f"engines: expected a sequence of engine names (e.g. a list of str), got "
-                            f"{type(engines).__name__} {engines!r}")
+            raise TypeError(
+                f"engines: expected a sequence of engine names (e.g. a list of str), got "
+                f"{type(engines).__name__} {engines!r}"
+            )
         engines = list(engines)
         if not engines or any(not isinstance(e, str) or not e for e in engines) or len(set(engines)) != len(engines):
             raise ValueError(f"engines: expected distinct, non-empty engine names (str), got {engines!r}")
@@ -167,8 +183,9 @@ class PrefixRouter:
         self.decisions = {"prefix": 0, "balance": 0, "no_prefix": 0}
 
     @classmethod
-    def from_measured(cls, engines: Sequence[str], stats: Mapping | Sequence[Mapping], prefill_s_per_token: float,
-                      **kwargs) -> "PrefixRouter":
+    def from_measured(
+        cls, engines: Sequence[str], stats: Mapping | Sequence[Mapping], prefill_s_per_token: float, **kwargs
+    ) -> "PrefixRouter":
         """A router whose tier weights come from the caches' measured load costs (``stats``:
         ``cache.stats()`` of one or several engines) against ``prefill_s_per_token``."""
         router = cls(engines, **kwargs)
@@ -179,8 +196,9 @@ class PrefixRouter:
         """Re-weight the tiers from measured load costs (module docstring); a tier with
         nothing measured keeps its weight. Returns the new weights."""
         costs = tier_costs_from_stats(stats)
-        self.weights = TierWeights.from_load_cost(prefill_s_per_token, costs["host"], costs["storage"],
-                                                  base=self.weights)
+        self.weights = TierWeights.from_load_cost(
+            prefill_s_per_token, costs["host"], costs["storage"], base=self.weights
+        )
         return self.weights
 
     def apply(self, batch: EventBatch) -> None:

@@ -39,6 +39,7 @@ def create_storage(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSp
         if config.strict:
             raise
         from .disabled import DisabledStorage
+
         log.warning("L3 %s: %s; running without L3 (strict=False)", config.backend, e)
         return DisabledStorage(config, pools, specs, reason=str(e))
 
@@ -46,23 +47,40 @@ def create_storage(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSp
 def _create(config: StorageConfig, pools: Mapping, specs: Sequence[PoolSpec] | None) -> HiCacheStorage:
     if config.backend == "memory":
         from .memory import MemoryStorage
+
         return MemoryStorage(config, pools, specs)
     if config.backend == "file":
         from .file import FileStorage
+
         return FileStorage(config, pools, specs)
     if config.backend == "mooncake":
         from .mooncake.store import MooncakeStorage
+
         return MooncakeStorage(config, pools, specs)
     try:
         from .orbax import OrbaxSegmentStorage
     except ImportError as e:
-        raise ImportError("the 'orbax' L3 backend needs orbax-checkpoint, tensorstore and crc32c (or google-crc32c) "
-                          "(pip install 'hicache-jax[storage]', Python 3.12+); use backend='file' without them") from e
+        raise ImportError(
+            "the 'orbax' L3 backend needs orbax-checkpoint, tensorstore and crc32c (or google-crc32c) "
+            "(pip install 'hicache-jax[storage]', Python 3.12+); use backend='file' without them"
+        ) from e
     return OrbaxSegmentStorage(config, pools, specs)
 
 
 __all__ = [
-    "HiCacheStorage", "HitResult", "KEY_BYTES", "Namespace", "PageCodec", "PoolHitPolicy", "PoolSpec",
-    "PoolTransfer", "StorageConfig", "StorageMetrics", "StorageSetupError", "consecutive", "create_storage", "page_keys",
+    "HiCacheStorage",
+    "HitResult",
+    "KEY_BYTES",
+    "Namespace",
+    "PageCodec",
+    "PoolHitPolicy",
+    "PoolSpec",
+    "PoolTransfer",
+    "StorageConfig",
+    "StorageMetrics",
+    "StorageSetupError",
+    "consecutive",
+    "create_storage",
+    "page_keys",
     "pool_page_keys",
 ]

@@ -217,7 +217,7 @@ class PageCodec:
         no staging buffer (reads of many 2 MiB pages are memory-bandwidth bound)."""
         dt = self.geom.container_dtype
         for i, c in enumerate(self.geom.components):
-            part = page[i * self.comp_bytes:(i + 1) * self.comp_bytes].view(dt).reshape(self._slab)
+            part = page[i * self.comp_bytes : (i + 1) * self.comp_bytes].view(dt).reshape(self._slab)
             view = self.pool.component_view(c)
             if self.layer_first:
                 view[:, host_id] = part
@@ -229,7 +229,7 @@ class PageCodec:
         n = len(ids)
         dt = self.geom.container_dtype
         for i, c in enumerate(self.geom.components):
-            part = np.ascontiguousarray(pages[:, i * self.comp_bytes:(i + 1) * self.comp_bytes]).view(dt)
+            part = np.ascontiguousarray(pages[:, i * self.comp_bytes : (i + 1) * self.comp_bytes]).view(dt)
             part = part.reshape((n,) + self._slab)
             if self.layer_first:
                 part = np.moveaxis(part, 0, 1)
@@ -241,8 +241,9 @@ class HiCacheStorage(ABC):
 
     backend_name = "abstract"
 
-    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
-                 specs: Sequence[PoolSpec] | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig, pools: Mapping[str, HostKVPool], specs: Sequence[PoolSpec] | None = None
+    ) -> None:
         if not isinstance(config, StorageConfig):
             raise TypeError(f"config: expected StorageConfig, got {type(config).__name__}")
         if not isinstance(pools, Mapping) or not pools:
@@ -297,9 +298,11 @@ class HiCacheStorage(ABC):
         elif len(fns) == 1:
             self._notify = fns[0]
         else:
+
             def fan_out(kind: str, pool: str, keys: list[bytes]) -> None:
                 for f in fns:
                     f(kind, pool, keys)
+
             self._notify = fan_out
 
     # ---- hooks every backend implements --------------------------------------------------------
@@ -433,7 +436,8 @@ class HiCacheStorage(ABC):
         elif n <= 16 and isinstance(host_page_ids, (list, tuple, range)) and len(host_page_ids) == n:
             vals = list(host_page_ids)
             if all(type(v) is int for v in vals) and (
-                    not vals or (min(vals) >= 0 and max(vals) < num and len(set(vals)) == n)):
+                not vals or (min(vals) >= 0 and max(vals) < num and len(set(vals)) == n)
+            ):
                 return vals
         ids = self._ids(pool, host_page_ids, n)
         self._check_used_ids(pool, ids, unique=True)
@@ -583,8 +587,9 @@ class HiCacheStorage(ABC):
         keys = {p: self._keys(t.keys) for p, t in by_pool.items()}
         n = {len(k) for k in keys.values()}
         if len(n) != 1:
-            raise ValueError(f"transfers: every pool needs one key per page; got lengths "
-                             f"{ {p: len(k) for p, k in keys.items()} }")
+            raise ValueError(
+                f"transfers: every pool needs one key per page; got lengths { {p: len(k) for p, k in keys.items()} }"
+            )
         ids = {p: self._ids(p, t.host_page_ids, len(keys[p])) for p, t in by_pool.items()} if need_ids else {}
         return keys, ids, n.pop()
 

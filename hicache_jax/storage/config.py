@@ -67,8 +67,10 @@ def prepare_store_dir(config: "StorageConfig", subdir: str) -> bool:
         anc = os.path.dirname(anc)
     if not os.path.isdir(anc):
         what = "is a file" if anc == root else f"is under {anc!r}, which is a file"
-        raise StorageSetupError(f"path: {config.path!r} {what}; expected a directory (or a path one can be "
-                                f"created at) for the {config.backend!r} store")
+        raise StorageSetupError(
+            f"path: {config.path!r} {what}; expected a directory (or a path one can be "
+            f"created at) for the {config.backend!r} store"
+        )
     target = os.path.join(root, subdir)
     try:
         os.makedirs(target, exist_ok=True)
@@ -81,11 +83,12 @@ def prepare_store_dir(config: "StorageConfig", subdir: str) -> bool:
         if denied and not config.strict and os.path.isdir(target):
             return False  # a read-only store: its pages can still be served
         if denied:
-            raise StorageSetupError(f"path: store directory {target!r} is not writable ({e.strerror or e!r}); "
-                                    "fix its permissions or point path elsewhere (strict=False serves a "
-                                    "read-only store's pages and stores nothing)") from e
-        raise StorageSetupError(f"path: store directory {target!r} cannot be created "
-                                f"({e.strerror or e!r})") from e
+            raise StorageSetupError(
+                f"path: store directory {target!r} is not writable ({e.strerror or e!r}); "
+                "fix its permissions or point path elsewhere (strict=False serves a "
+                "read-only store's pages and stores nothing)"
+            ) from e
+        raise StorageSetupError(f"path: store directory {target!r} cannot be created ({e.strerror or e!r})") from e
 
 
 def split_host_port(name: str, addr: str) -> tuple[str, int]:
@@ -106,9 +109,13 @@ def check_host(name: str, host: str) -> None:
     except ValueError:
         pass
     labels = host.rstrip(".").split(".")
-    if not host or len(host) > 253 or not all(
-            0 < len(l) < 64 and l[0] != "-" and l[-1] != "-" and all(c.isalnum() or c == "-" for c in l)
-            for l in labels):
+    if (
+        not host
+        or len(host) > 253
+        or not all(
+            0 < len(l) < 64 and l[0] != "-" and l[-1] != "-" and all(c.isalnum() or c == "-" for c in l) for l in labels
+        )
+    ):
         raise ValueError(f"{name}: expected an IP address or a host name, got {host!r}")
 
 
@@ -125,8 +132,9 @@ def _num(name: str, v: object, lo: float, *, lo_open: bool = False, hi: float | 
         raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
     if not math.isfinite(v) or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
         bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise ValueError(f"{name}: expected a finite number {bound}" + (f" and <= {hi}" if hi is not None else "")
-                         + f", got {v}")
+        raise ValueError(
+            f"{name}: expected a finite number {bound}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}"
+        )
 
 
 def _choice(name: str, v: object, choices: tuple[str, ...]) -> None:
@@ -245,6 +253,7 @@ class StorageConfig:
         if self.path is not None and not isinstance(self.path, str):
             # os.PathLike is accepted and normalised to str.
             import os
+
             if isinstance(self.path, os.PathLike):
                 object.__setattr__(self, "path", os.fspath(self.path))
             else:
@@ -270,8 +279,9 @@ class StorageConfig:
             _num("prefetch_timeout_max_s", self.prefetch_timeout_max_s, 0.0, lo_open=True)
         self._check_mooncake()
         if self.segment_pages is not None and self.max_pending_pages < self.segment_pages:
-            raise ValueError(f"max_pending_pages: expected >= segment_pages={self.segment_pages}, "
-                             f"got {self.max_pending_pages}")
+            raise ValueError(
+                f"max_pending_pages: expected >= segment_pages={self.segment_pages}, got {self.max_pending_pages}"
+            )
 
     def _check_mooncake(self) -> None:
         for name in ("mooncake_master", "mooncake_metadata"):
@@ -279,7 +289,9 @@ class StorageConfig:
             if v is not None and not isinstance(v, str):
                 raise TypeError(f"{name}: expected a str or None, got {type(v).__name__}")
         if not isinstance(self.mooncake_local_hostname, str):
-            raise TypeError(f"mooncake_local_hostname: expected a str, got {type(self.mooncake_local_hostname).__name__}")
+            raise TypeError(
+                f"mooncake_local_hostname: expected a str, got {type(self.mooncake_local_hostname).__name__}"
+            )
         if not isinstance(self.mooncake_device, str):
             raise TypeError(f"mooncake_device: expected a str, got {type(self.mooncake_device).__name__}")
         _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
@@ -293,8 +305,9 @@ class StorageConfig:
         if not self.mooncake_master:
             raise ValueError("mooncake_master: backend 'mooncake' needs the master's RPC address 'host:port'")
         if not self.mooncake_metadata:
-            raise ValueError("mooncake_metadata: backend 'mooncake' needs the HTTP metadata server URL "
-                             "'http://host:port/metadata'")
+            raise ValueError(
+                "mooncake_metadata: backend 'mooncake' needs the HTTP metadata server URL 'http://host:port/metadata'"
+            )
         host, port = split_host_port("mooncake_master", self.mooncake_master)
         check_host("mooncake_master", host)
         url = urlsplit(self.mooncake_metadata)
@@ -303,13 +316,16 @@ class StorageConfig:
         try:
             _ = url.port  # raises ValueError for a port out of range
         except ValueError:
-            raise ValueError(f"mooncake_metadata: expected a port in [0, 65535] in the URL, got "
-                             f"{self.mooncake_metadata!r}") from None
+            raise ValueError(
+                f"mooncake_metadata: expected a port in [0, 65535] in the URL, got {self.mooncake_metadata!r}"
+            ) from None
         check_host("mooncake_metadata", url.hostname)
         check_host("mooncake_local_hostname", self.mooncake_local_hostname)
         if self.capacity_bytes:
-            raise ValueError("capacity_bytes: the 'mooncake' store's capacity is the memory its clients lend "
-                             "(mooncake_global_segment_bytes) and Mooncake evicts by itself; leave it 0")
+            raise ValueError(
+                "capacity_bytes: the 'mooncake' store's capacity is the memory its clients lend "
+                "(mooncake_global_segment_bytes) and Mooncake evicts by itself; leave it 0"
+            )
 
     def segment_pages_for(self, page_bytes: int) -> int:
         """Pages per orbax segment for a pool of ``page_bytes``-byte pages (``segment_pages``

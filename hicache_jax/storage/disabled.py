@@ -21,8 +21,14 @@ from .config import StorageConfig
 class DisabledStorage(HiCacheStorage):
     backend_name = "disabled"
 
-    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
-                 specs: Sequence[PoolSpec] | None = None, *, reason: str = "") -> None:
+    def __init__(
+        self,
+        config: StorageConfig,
+        pools: Mapping[str, HostKVPool],
+        specs: Sequence[PoolSpec] | None = None,
+        *,
+        reason: str = "",
+    ) -> None:
         super().__init__(config, pools, specs)
         self.reason = reason  # why the configured backend is not used (the warning's text)
 

@@ -80,7 +80,7 @@ _STALE_TMP_S = 60.0
 def _pool_and_key(path: str) -> tuple[str, list[bytes]]:
     """``(pool, [key])`` of a page file ``{root}/{pool}/{xx}/{hex}.kv``."""
     head, name = os.path.split(path)
-    return os.path.basename(os.path.dirname(head)), [bytes.fromhex(name[:-len(".kv")])]
+    return os.path.basename(os.path.dirname(head)), [bytes.fromhex(name[: -len(".kv")])]
 
 
 class _Corrupt(Exception):
@@ -94,8 +94,9 @@ class _Mismatch(Exception):
 class FileStorage(HiCacheStorage):
     backend_name = "file"
 
-    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
-                 specs: Sequence[PoolSpec] | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig, pools: Mapping[str, HostKVPool], specs: Sequence[PoolSpec] | None = None
+    ) -> None:
         super().__init__(config, pools, specs)
         self.root = os.path.join(os.path.abspath(config.path), "pages-v1")
         self._qdir = os.path.join(self.root, "quarantine")
@@ -233,7 +234,8 @@ class FileStorage(HiCacheStorage):
             ex = self._executors.get(kind)
             if ex is None:
                 ex = self._executors[kind] = background_executor(
-                    f"l3-file-{kind}", self.config.worker_nice, self.config.read_concurrency)
+                    f"l3-file-{kind}", self.config.worker_nice, self.config.read_concurrency
+                )
             return ex
 
     def _each(self, kind: str, n: int, fn) -> list:
@@ -275,8 +277,9 @@ class FileStorage(HiCacheStorage):
 
         def one(i: int) -> bool:
             row = pages[i]
-            return self._read_page(pool, keys[i], [memoryview(row)], [(row.ctypes.data, row.nbytes)],
-                                   lambda: row.fill(0))
+            return self._read_page(
+                pool, keys[i], [memoryview(row)], [(row.ctypes.data, row.nbytes)], lambda: row.fill(0)
+            )
 
         return [pages[i] if ok else None for i, ok in enumerate(self._each("read", len(keys), one))]
 
@@ -348,7 +351,9 @@ class FileStorage(HiCacheStorage):
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
         pages = np.ascontiguousarray(pages)
-        return self._write_pages(pool, keys, lambda i: ([memoryview(pages[i])], [(pages[i].ctypes.data, pages.shape[1])]))
+        return self._write_pages(
+            pool, keys, lambda i: ([memoryview(pages[i])], [(pages[i].ctypes.data, pages.shape[1])])
+        )
 
     def _evict(self) -> None:
         cap = self.config.capacity_bytes

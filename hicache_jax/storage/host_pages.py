@@ -26,7 +26,8 @@ from ..host_pool import HostKVPool
 # call per run, and a thread that drops the GIL per call can wait up to a switch interval (5 ms)
 # to get it back from a Python-heavy thread (orbax's writer) each time.
 _memmove_keep_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
-    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
+    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+)
 
 
 class PageRuns:
@@ -78,21 +79,27 @@ class PageRuns:
 
     def views(self, host_id: int) -> list[memoryview]:
         """Writable memoryviews of the runs (``os.preadv`` / ``os.pwritev`` buffers)."""
-        return [self._mv[a:a + s] for a, s in self.offsets(host_id)]
+        return [self._mv[a : a + s] for a, s in self.offsets(host_id)]
 
     def arrays(self, host_id: int) -> list[np.ndarray]:
         """The runs as 1-D uint8 numpy views of the pool."""
-        return [self._flat[a:a + s] for a, s in self.offsets(host_id)]
+        return [self._flat[a : a + s] for a, s in self.offsets(host_id)]
 
     def copy_out(self, host_ids, out: np.ndarray) -> None:
         """Copy pages ``host_ids`` into the rows of ``out`` (``uint8[n, page_bytes]`` with
         contiguous rows), run by run: one copy of each byte, no temporary. ValueError for a bad
         id or an ``out`` of another shape, dtype or layout (before anything is copied)."""
         ids = [self._check(h) for h in host_ids]
-        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (len(ids), self.page_bytes)
-                or (len(ids) and out.strides[1] != 1) or not out.flags.writeable):
-            raise ValueError(f"out: expected a writable uint8[{len(ids)}, {self.page_bytes}] array with "
-                             "contiguous rows")
+        if (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.uint8
+            or out.shape != (len(ids), self.page_bytes)
+            or (len(ids) and out.strides[1] != 1)
+            or not out.flags.writeable
+        ):
+            raise ValueError(
+                f"out: expected a writable uint8[{len(ids)}, {self.page_bytes}] array with contiguous rows"
+            )
         dst, row = out.ctypes.data, out.strides[0] if len(ids) else 0
         for r, h in enumerate(ids):
             src = self.base + h * self.page_stride

@@ -81,8 +81,7 @@ _nogil_extend = _load_nogil_extend()
 
 
 def _google_extend(crc: int, data, release_gil: bool) -> int:
-    if (release_gil and _nogil_extend is not None and isinstance(data, np.ndarray)
-            and data.nbytes >= NOGIL_MIN_BYTES):
+    if release_gil and _nogil_extend is not None and isinstance(data, np.ndarray) and data.nbytes >= NOGIL_MIN_BYTES:
         return int(_nogil_extend(crc, data.ctypes.data, data.nbytes))
     return int(_gcrc.extend(crc, data))
 

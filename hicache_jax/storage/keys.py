@@ -90,9 +90,18 @@ class Namespace:
         object.__setattr__(self, "_digest", hashlib.sha256(_NS_PREFIX + blob).digest())
 
     @classmethod
-    def from_geometry(cls, geom: object, layout: object, *, model: str, weights_revision: str = "",
-                      pool: str = "target", tp_size: int = 1, tp_rank: int = 0,
-                      extra_key: str = "") -> "Namespace":
+    def from_geometry(
+        cls,
+        geom: object,
+        layout: object,
+        *,
+        model: str,
+        weights_revision: str = "",
+        pool: str = "target",
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        extra_key: str = "",
+    ) -> "Namespace":
         """Build from a ``KVGeometry`` and a ``HostLayout`` (dtype and page size come from them).
 
         The geometry's shape (layers, heads, head dim) is folded into ``model`` implicitly:
@@ -100,8 +109,17 @@ class Namespace:
         the stored page size check.
         """
         layout_name = getattr(layout, "value", layout)
-        return cls(model=model, weights_revision=weights_revision, kv_dtype=geom.dtype, page_size=geom.page_size,
-                   layout=str(layout_name), pool=pool, tp_size=tp_size, tp_rank=tp_rank, extra_key=extra_key)
+        return cls(
+            model=model,
+            weights_revision=weights_revision,
+            kv_dtype=geom.dtype,
+            page_size=geom.page_size,
+            layout=str(layout_name),
+            pool=pool,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            extra_key=extra_key,
+        )
 
     def for_pool(self, pool: str) -> "Namespace":
         return replace(self, pool=pool)
@@ -142,13 +160,14 @@ def page_keys(ns: Namespace, tokens: object, prev: bytes | None = None) -> list[
     digest = bytes(prev) if prev is not None else ns.digest
     out = []
     for off in range(0, (len(data) // step) * step, step):
-        digest = hashlib.sha256(digest + data[off:off + step]).digest()
+        digest = hashlib.sha256(digest + data[off : off + step]).digest()
         out.append(digest)
     return out
 
 
-def pool_page_keys(namespaces: Sequence[Namespace], tokens: object,
-                   prev: dict[str, bytes] | None = None) -> dict[str, list[bytes]]:
+def pool_page_keys(
+    namespaces: Sequence[Namespace], tokens: object, prev: dict[str, bytes] | None = None
+) -> dict[str, list[bytes]]:
     """``page_keys`` for several pools at once (one chain per pool namespace)."""
     prev = prev or {}
     return {ns.pool: page_keys(ns, tokens, prev.get(ns.pool)) for ns in namespaces}
@@ -167,6 +186,8 @@ def keys_to_array(keys: Iterable[bytes]) -> np.ndarray:
 
 def check_key(key: object) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise ValueError(f"key: expected {KEY_BYTES} raw bytes, got {type(key).__name__} "
-                         f"of length {len(key) if hasattr(key, '__len__') else '?'}")
+        raise ValueError(
+            f"key: expected {KEY_BYTES} raw bytes, got {type(key).__name__} "
+            f"of length {len(key) if hasattr(key, '__len__') else '?'}"
+        )
     return bytes(key)

@@ -31,8 +31,9 @@ log = logging.getLogger("hicache_jax.storage")
 class MemoryStorage(HiCacheStorage):
     backend_name = "memory"
 
-    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
-                 specs: Sequence[PoolSpec] | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig, pools: Mapping[str, HostKVPool], specs: Sequence[PoolSpec] | None = None
+    ) -> None:
         super().__init__(config, pools, specs)
         self._lock = threading.Lock()
         # (pool, key) -> (page bytes, crc, algo); insertion order = age for eviction.
@@ -52,8 +53,9 @@ class MemoryStorage(HiCacheStorage):
             if rec is None:
                 out.append(None)
                 continue
-            if self.config.integrity == "full" or (self.config.integrity == "sampled"
-                                                   and integrity.sample_hit(self.config.integrity_sample_rate)):
+            if self.config.integrity == "full" or (
+                self.config.integrity == "sampled" and integrity.sample_hit(self.config.integrity_sample_rate)
+            ):
                 self.metrics.add(verified=1)
                 if integrity.checksum(page, rec[2], k) != rec[1]:
                     log.warning("L3 memory: CRC mismatch for %s/%s; dropping the page", pool, k.hex())
@@ -70,7 +72,9 @@ class MemoryStorage(HiCacheStorage):
 
     def _write(self, pool: str, keys: list[bytes], pages: np.ndarray) -> list[bool]:
         algo = integrity.DEFAULT_ALGO
-        recs = [(np.array(pages[i], copy=True), integrity.checksum(pages[i], algo, keys[i]), algo) for i in range(len(keys))]
+        recs = [
+            (np.array(pages[i], copy=True), integrity.checksum(pages[i], algo, keys[i]), algo) for i in range(len(keys))
+        ]
         cap = self.config.capacity_bytes
         evicted = 0
         with self._lock:

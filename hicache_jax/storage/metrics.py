@@ -14,20 +14,20 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class _Counters:
-    hits: int = 0            # pages found and returned (verified when integrity is on)
-    misses: int = 0          # pages asked for and not returned (absent, corrupt or unreadable)
-    corrupt: int = 0         # pages that failed a check (CRC, length, header, missing chunk)
-    read_errors: int = 0     # reads that raised (I/O errors, vanished segment files)
-    quarantined: int = 0     # segments / files moved aside after a failed check
-    verified: int = 0        # pages whose CRC was checked
+    hits: int = 0  # pages found and returned (verified when integrity is on)
+    misses: int = 0  # pages asked for and not returned (absent, corrupt or unreadable)
+    corrupt: int = 0  # pages that failed a check (CRC, length, header, missing chunk)
+    read_errors: int = 0  # reads that raised (I/O errors, vanished segment files)
+    quarantined: int = 0  # segments / files moved aside after a failed check
+    verified: int = 0  # pages whose CRC was checked
     bytes_read: int = 0
     read_seconds: float = 0.0
-    pages_written: int = 0   # pages durably committed
+    pages_written: int = 0  # pages durably committed
     bytes_written: int = 0
     write_seconds: float = 0.0
-    write_errors: int = 0    # failed commits (disk full, read-only, ...)
-    pages_dropped: int = 0   # pages accepted or offered but never committed
-    sets_skipped: int = 0    # sets of pages already stored or in flight (content-addressed)
+    write_errors: int = 0  # failed commits (disk full, read-only, ...)
+    pages_dropped: int = 0  # pages accepted or offered but never committed
+    sets_skipped: int = 0  # sets of pages already stored or in flight (content-addressed)
     segments_written: int = 0
     segments_evicted: int = 0
     pages_evicted: int = 0
@@ -74,4 +74,3 @@ class StorageMetrics:
 
     def __repr__(self) -> str:
         return f"StorageMetrics({self.snapshot()})"
-

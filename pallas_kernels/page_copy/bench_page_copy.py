@@ -34,11 +34,19 @@ def _raw_copy_run(nbytes: int):
     def run():
         state["out"] = _raw_copy_into(x, state["out"])
         state["out"].block_until_ready()
+
     return run
 
 
-def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.ndarray, dest: np.ndarray,
-                           order: str, reps: int, raw_nbytes: int) -> tuple[float, float, float]:
+def gather_scatter_seconds(
+    copier: PageCopier,
+    pools: list[jax.Array],
+    ids: np.ndarray,
+    dest: np.ndarray,
+    order: str,
+    reps: int,
+    raw_nbytes: int,
+) -> tuple[float, float, float]:
     """(gather, scatter, raw copy) median seconds: all layers gathered once into a reused staging
     buffer; each layer scattered back; a plain device copy of ``raw_nbytes`` into a reused
     buffer (each writes memory it wrote before: see the module docstring).
@@ -74,8 +82,17 @@ def gather_scatter_seconds(copier: PageCopier, pools: list[jax.Array], ids: np.n
     return g, s, raw
 
 
-def compare_impls(impls, page_sizes, page_counts, orders, num_layers: int = 8, heads: int = 8, head_dim: int = 128,
-                  dtype="bfloat16", reps: int = 10) -> list[dict]:
+def compare_impls(
+    impls,
+    page_sizes,
+    page_counts,
+    orders,
+    num_layers: int = 8,
+    heads: int = 8,
+    head_dim: int = 128,
+    dtype="bfloat16",
+    reps: int = 10,
+) -> list[dict]:
     """Gather / scatter GB/s of each implementation in ``impls`` and its ratio to a raw device copy.
 
     One K (or V) component: ``num_layers`` pool layers of ``(pool pages, page, heads, head_dim)``;
@@ -87,8 +104,10 @@ def compare_impls(impls, page_sizes, page_counts, orders, num_layers: int = 8, h
     for page in page_sizes:
         for n in page_counts:
             pool_pages = max(2 * n, 64)
-            pools = [jnp.asarray(rng.integers(0, 2**16, (pool_pages, page, heads, head_dim), dtype=np.uint16))
-                     .view(dtype) for _ in range(num_layers)]
+            pools = [
+                jnp.asarray(rng.integers(0, 2**16, (pool_pages, page, heads, head_dim), dtype=np.uint16)).view(dtype)
+                for _ in range(num_layers)
+            ]
             ids, dest = rng.permutation(pool_pages)[:n], rng.permutation(pool_pages)[:n]
             nbytes = n * num_layers * page * heads * head_dim * jnp.dtype(dtype).itemsize
             for order in orders:
@@ -98,10 +117,15 @@ def compare_impls(impls, page_sizes, page_counts, orders, num_layers: int = 8, h
                         copier = PageCopier(PageCopyConfig(impl=impl, max_pages=pool_pages))
                         row["impl"] = copier.impl + (" (interpret)" if copier.interpret else "")
                         g, s, raw = gather_scatter_seconds(copier, pools, ids, dest, order, reps, nbytes)
-                        row.update(raw_copy_gbps=nbytes / raw / 1e9, gather_gbps=nbytes / g / 1e9,
-                                   scatter_gbps=nbytes / s / 1e9)
-                        row.update(gather_vs_raw=row["gather_gbps"] / row["raw_copy_gbps"],
-                                   scatter_vs_raw=row["scatter_gbps"] / row["raw_copy_gbps"])
+                        row.update(
+                            raw_copy_gbps=nbytes / raw / 1e9,
+                            gather_gbps=nbytes / g / 1e9,
+                            scatter_gbps=nbytes / s / 1e9,
+                        )
+                        row.update(
+                            gather_vs_raw=row["gather_gbps"] / row["raw_copy_gbps"],
+                            scatter_vs_raw=row["scatter_gbps"] / row["raw_copy_gbps"],
+                        )
                     except Exception as e:  # noqa: BLE001 - reported per row
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     rows.append(row)
@@ -112,6 +136,7 @@ def main(argv=None) -> int:
     """``python -m pallas_kernels.page_copy.bench_page_copy``: compare implementations, print JSON lines."""
     import argparse
     import json
+
     p = argparse.ArgumentParser(description=compare_impls.__doc__)
     p.add_argument("--impls", nargs="+", default=["xla", "mgpu", "gpu"])
     p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -120,8 +145,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args(argv)
-    print(json.dumps({"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-                      "jax": jax.__version__}))
+    print(
+        json.dumps(
+            {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+        )
+    )
     for r in compare_impls(a.impls, a.page_sizes, a.page_counts, a.orders, a.layers, reps=a.reps):
         print(json.dumps(r), flush=True)
     return 0

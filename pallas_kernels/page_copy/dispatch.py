@@ -81,7 +81,8 @@ def kernel_module(impl: str):
             f"impl: the {impl!r} page-copy kernels could not be imported ({type(e).__name__}: {e}); they need "
             f"jax>=0.11 with its Pallas {'Mosaic GPU' if impl == 'mgpu' else impl.upper()} backend (pip install "
             f"'hicache-jax[jax]' on Python 3.12+; on Python 3.11 the [jax] extra allows jax 0.10, whose Mosaic GPU "
-            f"also needs absl-py). PageCopyConfig(impl='xla'), the default on CPU and GPU, needs none of it.") from e
+            f"also needs absl-py). PageCopyConfig(impl='xla'), the default on CPU and GPU, needs none of it."
+        ) from e
 
 
 _CONTAINERS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -105,8 +106,9 @@ def _check_layers(pools: Sequence[jax.Array]) -> jax.Array:
     p0 = pools[0]
     for p in pools:
         if p.shape != p0.shape or p.dtype != p0.dtype:
-            raise ValueError(f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, "
-                             f"got {p.shape} {p.dtype}")
+            raise ValueError(
+                f"pools: every layer must have shape {p0.shape} and dtype {p0.dtype}, got {p.shape} {p.dtype}"
+            )
     return p0
 
 
@@ -114,6 +116,7 @@ def _shard_map(f, mesh, in_specs, out_specs):
     sm = getattr(jax, "shard_map", None)
     if sm is None:  # jax < 0.7
         from jax.experimental.shard_map import shard_map as sm
+
         return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
     return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
@@ -152,8 +155,13 @@ class _Plan:
 class PageCopier:
     """Bucketed, precompiled page gather/scatter for pools of shape ``(P, page, H, D)``."""
 
-    def __init__(self, config: PageCopyConfig | None = None, mesh: jax.sharding.Mesh | None = None,
-                 kv_axis: str | None = None, device: jax.Device | None = None) -> None:
+    def __init__(
+        self,
+        config: PageCopyConfig | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        kv_axis: str | None = None,
+        device: jax.Device | None = None,
+    ) -> None:
         """``mesh`` + ``kv_axis``: pools sharded on the head axis; ``mesh`` alone: replicated pools.
         ``device`` (no mesh): the one device the pools live on; executables are then built for it,
         so their outputs come back committed to it (an uncommitted output costs its owner a
@@ -213,8 +221,9 @@ class PageCopier:
             return reference.gather_layers, reference.scatter_layer
         mod = kernel_module(impl)
         g = lambda pools, ids, n, out, order: mod.gather_layers.__wrapped__(pools, ids, n, out, order, interp)
-        s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(pool, ids, n, buf, layer, order,
-                                                                                  interp)
+        s = lambda pool, ids, n, buf, layer, order: mod.scatter_layer.__wrapped__(
+            pool, ids, n, buf, layer, order, interp
+        )
         return g, s
 
     def _container(self, dtype):
@@ -238,8 +247,7 @@ class PageCopier:
         """Sharding transfer buffers must have for a mesh-resident pool (None: single device)."""
         return None if self.mesh is None else NamedSharding(self.mesh, self._specs()[1])
 
-    def _build_gather(self, num_layers: int, pool_aval: jax.ShapeDtypeStruct, nb: int, order: str,
-                      with_out: bool):
+    def _build_gather(self, num_layers: int, pool_aval: jax.ShapeDtypeStruct, nb: int, order: str, with_out: bool):
         gather, _ = self._fns()
         pool_spec, buf_spec = self._specs()
 
@@ -252,14 +260,20 @@ class PageCopier:
             return _from_bits(gather(bits, ids, n, None if out is None else _to_bits(out, c), order), dtype)
 
         if self.mesh is not None:
-            f = _shard_map(f, self.mesh, in_specs=([pool_spec] * num_layers, PartitionSpec(), PartitionSpec(),
-                                                  buf_spec if with_out else None),
-                           out_specs=buf_spec)
+            f = _shard_map(
+                f,
+                self.mesh,
+                in_specs=([pool_spec] * num_layers, PartitionSpec(), PartitionSpec(), buf_spec if with_out else None),
+                out_specs=buf_spec,
+            )
         donate = (3,) if with_out else ()
         shape = buffer_shape(order, nb, num_layers, pool_aval.shape[1:])
-        args = ([self._aval(pool_aval.shape, pool_aval.dtype, pool_spec)] * num_layers,
-                jax.ShapeDtypeStruct((nb,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
-                self._aval(shape, pool_aval.dtype, buf_spec) if with_out else None)
+        args = (
+            [self._aval(pool_aval.shape, pool_aval.dtype, pool_spec)] * num_layers,
+            jax.ShapeDtypeStruct((nb,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            self._aval(shape, pool_aval.dtype, buf_spec) if with_out else None,
+        )
         return jax.jit(f, donate_argnums=donate).trace(*args).lower().compile()
 
     def _build_scatter(self, pool_aval: jax.ShapeDtypeStruct, buf_shape: tuple[int, ...], nb: int, order: str):
@@ -273,11 +287,19 @@ class PageCopier:
             return _from_bits(scatter(_to_bits(pool, c), ids, n, _to_bits(buf, c), layer, order), dtype)
 
         if self.mesh is not None:
-            f = _shard_map(f, self.mesh, in_specs=(pool_spec, PartitionSpec(), PartitionSpec(), buf_spec,
-                                                  PartitionSpec()), out_specs=pool_spec)
-        args = (self._aval(pool_aval.shape, pool_aval.dtype, pool_spec), jax.ShapeDtypeStruct((nb,), jnp.int32),
-                jax.ShapeDtypeStruct((1,), jnp.int32), self._aval(buf_shape, pool_aval.dtype, buf_spec),
-                jax.ShapeDtypeStruct((1,), jnp.int32))
+            f = _shard_map(
+                f,
+                self.mesh,
+                in_specs=(pool_spec, PartitionSpec(), PartitionSpec(), buf_spec, PartitionSpec()),
+                out_specs=pool_spec,
+            )
+        args = (
+            self._aval(pool_aval.shape, pool_aval.dtype, pool_spec),
+            jax.ShapeDtypeStruct((nb,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            self._aval(buf_shape, pool_aval.dtype, buf_spec),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        )
         return jax.jit(f, donate_argnums=(0,)).trace(*args).lower().compile()
 
     def _aval(self, shape, dtype, spec):
@@ -301,8 +323,15 @@ class PageCopier:
             self.compile_count += 1
         return exe
 
-    def precompile(self, pool_shape: tuple[int, ...], dtype, num_layers: int, orders: Sequence[str] = ("npl",),
-                   max_pages: int | None = None, with_out: bool = False) -> int:
+    def precompile(
+        self,
+        pool_shape: tuple[int, ...],
+        dtype,
+        num_layers: int,
+        orders: Sequence[str] = ("npl",),
+        max_pages: int | None = None,
+        with_out: bool = False,
+    ) -> int:
         """Build every bucket's gather and scatter for these shapes; returns executables built."""
         before = self.compile_count
         for nb in self._plan.buckets:
@@ -313,8 +342,7 @@ class PageCopier:
                 self._scatter_exe(pool_shape, dtype, buffer_shape(order, nb, num_layers, pool_shape[1:]), nb, order)
         return self.compile_count - before
 
-    def precompile_scatter(self, pool_shape: tuple[int, ...], dtype, buf_shape: tuple[int, ...], nb: int,
-                           order: str):
+    def precompile_scatter(self, pool_shape: tuple[int, ...], dtype, buf_shape: tuple[int, ...], nb: int, order: str):
         """Build the scatter for one transfer-buffer shape (e.g. a layer group's staging buffer);
         returns the compiled executable (``as_text()``: its optimized HLO)."""
         return self._scatter_exe(pool_shape, dtype, tuple(buf_shape), nb, check_order(order))
@@ -333,11 +361,12 @@ class PageCopier:
     def _pad(self, ids: np.ndarray) -> tuple[jax.Array, jax.Array, int]:
         nb = self.bucket_for(ids.size)
         padded = np.zeros(nb, np.int32)
-        padded[:ids.size] = ids
+        padded[: ids.size] = ids
         return padded, np.array([ids.size], np.int32), nb
 
-    def gather(self, pools: Sequence[jax.Array], ids: object, order: str = "npl",
-               out: jax.Array | None = None) -> tuple[jax.Array, int]:
+    def gather(
+        self, pools: Sequence[jax.Array], ids: object, order: str = "npl", out: jax.Array | None = None
+    ) -> tuple[jax.Array, int]:
         """Gather pages ``ids`` of every layer in ``pools`` into a transfer buffer in ``order``.
 
         Returns ``(buffer, n)``: the buffer has the bucket size along its page axis; the
@@ -351,28 +380,32 @@ class PageCopier:
         if out is not None:
             want = buffer_shape(order, nb, len(pools), p0.shape[1:])
             if out.shape != want or out.dtype != p0.dtype:
-                raise ValueError(f"out: expected {want} {p0.dtype} (bucket of {ids.size} pages), "
-                                 f"got {out.shape} {out.dtype}")
+                raise ValueError(
+                    f"out: expected {want} {p0.dtype} (bucket of {ids.size} pages), got {out.shape} {out.dtype}"
+                )
         exe = self._gather_exe(len(pools), p0.shape, p0.dtype, nb, order, out is not None)
         return exe(list(pools), padded, n, out), ids.size
 
-    def scatter_layers(self, pools: Sequence[jax.Array], ids: object, buf: jax.Array,
-                       order: str = "nlp") -> list[jax.Array]:
+    def scatter_layers(
+        self, pools: Sequence[jax.Array], ids: object, buf: jax.Array, order: str = "nlp"
+    ) -> list[jax.Array]:
         """``scatter`` of every layer of ``buf`` (layer j into ``pools[j]``): validated, padded and
         uploaded once, then one executable per layer with device-resident ids. Every pool is
         donated; returns the new arrays in order. ``buf`` must have the bucket's page count."""
         check_order(order)
         layer_axis = {"nlp": 1, "npl": 2, "lnp": 0}[order]
         if len(pools) != buf.shape[layer_axis]:
-            raise ValueError(f"pools: expected one pool layer per buffer layer ({buf.shape[layer_axis]}), "
-                             f"got {len(pools)}")
+            raise ValueError(
+                f"pools: expected one pool layer per buffer layer ({buf.shape[layer_axis]}), got {len(pools)}"
+            )
         p0 = _check_layers(pools)
         ids = check_page_ids(ids, p0.shape[0], "ids", unique=True)
         padded, n, nb = self._pad(ids)
         want = buffer_shape(order, nb, len(pools), p0.shape[1:])
         if buf.shape != want or buf.dtype != p0.dtype:
-            raise ValueError(f"buf: expected {want} {p0.dtype} (the bucket of {ids.size} pages), got "
-                             f"{buf.shape} {buf.dtype}")
+            raise ValueError(
+                f"buf: expected {want} {p0.dtype} (the bucket of {ids.size} pages), got {buf.shape} {buf.dtype}"
+            )
         exe = self._scatter_exe(p0.shape, p0.dtype, buf.shape, nb, order)
         if self.mesh is None:  # upload once; per-layer numpy ids would be uploaded per call
             dev = next(iter(p0.sharding.device_set))
@@ -386,8 +419,9 @@ class PageCopier:
         key = (num_layers, device)
         cached = self._layer_id_cache.get(key)
         if cached is None:
-            cached = self._layer_id_cache[key] = [jax.device_put(np.array([l], np.int32), device)
-                                                  for l in range(num_layers)]
+            cached = self._layer_id_cache[key] = [
+                jax.device_put(np.array([l], np.int32), device) for l in range(num_layers)
+            ]
         return cached
 
     def scatter(self, pool: jax.Array, ids: object, buf: jax.Array, layer: int = 0, order: str = "nlp") -> jax.Array:
@@ -406,8 +440,9 @@ class PageCopier:
             raise ValueError(f"buf: expected dtype {pool.dtype} like the pool, got {buf.dtype}")
         want = buffer_shape(order, buf.shape[page_axis], num_layers, pool.shape[1:])
         if buf.shape != want or buf.shape[page_axis] not in (ids.size, nb):
-            raise ValueError(f"buf: expected {order} shape with {ids.size} (or {nb}) pages of {pool.shape[1:]}, "
-                             f"got {buf.shape}")
+            raise ValueError(
+                f"buf: expected {order} shape with {ids.size} (or {nb}) pages of {pool.shape[1:]}, got {buf.shape}"
+            )
         if not 0 <= layer < num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
         if buf.shape[page_axis] != nb:  # pad to the bucket so the compiled shape is reused

@@ -57,8 +57,14 @@ def _gather_kernel(order, num_layers, tb, cb, page, hd, n_ref, ids_ref, *refs):
 
 
 @functools.partial(jax.jit, static_argnames=("order", "interpret"), donate_argnums=(3,))
-def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, out: jax.Array | None,
-                  order: str, interpret: bool = False) -> jax.Array:
+def gather_layers(
+    pools: tuple[jax.Array, ...],
+    ids: jax.Array,
+    n: jax.Array,
+    out: jax.Array | None,
+    order: str,
+    interpret: bool = False,
+) -> jax.Array:
     """Gather pages ``ids[:n]`` of every pool layer into a transfer buffer (see ``tpu.gather_layers``)."""
     check_order(order)
     nb, L = ids.shape[0], len(pools)
@@ -91,8 +97,9 @@ def _scatter_kernel(order, tb, cb, page, hd, n_ref, ids_ref, layer_ref, pool_in,
 
 
 @functools.partial(jax.jit, static_argnames=("order", "interpret"), donate_argnums=(0,))
-def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
-                  order: str, interpret: bool = False) -> jax.Array:
+def scatter_layer(
+    pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array, order: str, interpret: bool = False
+) -> jax.Array:
     """Write layer ``layer`` of ``buf`` into pool pages ``ids[:n]``; the pool is donated."""
     check_order(order)
     nb = ids.shape[0]

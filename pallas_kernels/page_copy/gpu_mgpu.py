@@ -67,8 +67,10 @@ def supported(page_shape: tuple[int, ...], itemsize: int) -> bool:
 
 def _check(page_shape, itemsize) -> None:
     if not supported(page_shape, itemsize):
-        raise ValueError(f"mgpu page copy: bytes per token ({math.prod(page_shape[1:])} x {itemsize}) must be a "
-                         f"multiple of 16 for TMA; use impl 'xla' for this geometry")
+        raise ValueError(
+            f"mgpu page copy: bytes per token ({math.prod(page_shape[1:])} x {itemsize}) must be a "
+            f"multiple of 16 for TMA; use impl 'xla' for this geometry"
+        )
 
 
 def tiles(page: int, words: int, tile_bytes: int = TILE_BYTES) -> tuple[int, int]:
@@ -136,6 +138,7 @@ def _pipeline(items, live, src, dst, slots, bar):
     for j in range(min(S, items)):
         load(j)
     for j in range(items):
+
         @pl.when(live(j))
         def _():
             plgpu.barrier_wait(bar.at[j % S])
@@ -152,11 +155,19 @@ def _tile_slices(t, tr, tc, words):
     return pl.ds((t // per_row) * tr, tr), pl.ds((t % per_row) * tc, tc)
 
 
-@functools.partial(jax.jit, static_argnames=("order", "interpret", "tile_bytes", "pages_per_block"),
-                   donate_argnums=(3,))
-def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, out: jax.Array | None,
-                  order: str, interpret: bool = False, tile_bytes: int = TILE_BYTES,
-                  pages_per_block: int | None = None) -> jax.Array:
+@functools.partial(
+    jax.jit, static_argnames=("order", "interpret", "tile_bytes", "pages_per_block"), donate_argnums=(3,)
+)
+def gather_layers(
+    pools: tuple[jax.Array, ...],
+    ids: jax.Array,
+    n: jax.Array,
+    out: jax.Array | None,
+    order: str,
+    interpret: bool = False,
+    tile_bytes: int = TILE_BYTES,
+    pages_per_block: int | None = None,
+) -> jax.Array:
     """Gather pages ``ids[:n]`` of every pool layer into a transfer buffer in ``order``.
 
     With ``out`` (donated) the pages land in it in place and positions >= n keep its bytes;
@@ -179,30 +190,47 @@ def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, ou
     def body(n_g, ids_g, *refs):
         srcs = refs[:L]
         dst_ref = out_ref if out_ref is not None else refs[L]
-        slots, bar = refs[-S - 1:-1], refs[-1]
+        slots, bar = refs[-S - 1 : -1], refs[-1]
         base = jax.lax.axis_index("b") * G
         rows, cols = _tile_slices(jax.lax.axis_index("t"), tr, tc, words)
         item = lambda j: (base + j // L, j % L)  # noqa: E731  (page position, layer), page-major
-        _pipeline(G * L, lambda j: item(j)[0] < n_g[0],
-                  lambda j: srcs[j % L].at[ids_g[item(j)[0]], rows, cols],
-                  lambda j: buffer_tile(dst_ref, order, item(j)[0], j % L, rows, cols), slots, bar)
+        _pipeline(
+            G * L,
+            lambda j: item(j)[0] < n_g[0],
+            lambda j: srcs[j % L].at[ids_g[item(j)[0]], rows, cols],
+            lambda j: buffer_tile(dst_ref, order, item(j)[0], j % L, rows, cols),
+            slots,
+            bar,
+        )
 
     kernel = plgpu.kernel(
-        body, out_type=() if out_ref is not None else jax.ShapeDtypeStruct(wshape, jnp.uint32),
-        grid=(pl.cdiv(nb, G), n_tiles), grid_names=("b", "t"),
+        body,
+        out_type=() if out_ref is not None else jax.ShapeDtypeStruct(wshape, jnp.uint32),
+        grid=(pl.cdiv(nb, G), n_tiles),
+        grid_names=("b", "t"),
         scratch_types=[plgpu.SMEM((tr, tc), jnp.uint32) for _ in range(S)] + [plgpu.Barrier(num_barriers=S)],
-        **_kernel_kw(interpret, f"hicache_mgpu_gather_{order}"))
+        **_kernel_kw(interpret, f"hicache_mgpu_gather_{order}"),
+    )
     res = kernel(n, ids, *wpools)
     if out_ref is not None:
         res = jax.freeze(out_ref)
     return _from_words(res, shape, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("order", "interpret", "tile_bytes", "pages_per_block"),
-                   donate_argnums=(0,))
-def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
-                  order: str, interpret: bool = False, tile_bytes: int = TILE_BYTES,
-                  pages_per_block: int | None = None) -> jax.Array:
+@functools.partial(
+    jax.jit, static_argnames=("order", "interpret", "tile_bytes", "pages_per_block"), donate_argnums=(0,)
+)
+def scatter_layer(
+    pool: jax.Array,
+    ids: jax.Array,
+    n: jax.Array,
+    buf: jax.Array,
+    layer: jax.Array,
+    order: str,
+    interpret: bool = False,
+    tile_bytes: int = TILE_BYTES,
+    pages_per_block: int | None = None,
+) -> jax.Array:
     """Write layer ``layer`` of ``buf`` into pool pages ``ids[:n]`` in place; the pool is donated."""
     check_order(order)
     nb = ids.shape[0]
@@ -216,12 +244,21 @@ def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array,
         slots, bar = refs[:-1], refs[-1]
         base = jax.lax.axis_index("b") * G
         rows, cols = _tile_slices(jax.lax.axis_index("t"), tr, tc, words)
-        _pipeline(G, lambda j: base + j < n_g[0],
-                  lambda j: buffer_tile(buf_g, order, base + j, layer_g[0], rows, cols),
-                  lambda j: pool_ref.at[ids_g[base + j], rows, cols], slots, bar)
+        _pipeline(
+            G,
+            lambda j: base + j < n_g[0],
+            lambda j: buffer_tile(buf_g, order, base + j, layer_g[0], rows, cols),
+            lambda j: pool_ref.at[ids_g[base + j], rows, cols],
+            slots,
+            bar,
+        )
 
     plgpu.kernel(
-        body, out_type=(), grid=(pl.cdiv(nb, G), n_tiles), grid_names=("b", "t"),
+        body,
+        out_type=(),
+        grid=(pl.cdiv(nb, G), n_tiles),
+        grid_names=("b", "t"),
         scratch_types=[plgpu.SMEM((tr, tc), jnp.uint32) for _ in range(S)] + [plgpu.Barrier(num_barriers=S)],
-        **_kernel_kw(interpret, f"hicache_mgpu_scatter_{order}"))(n, ids, layer, _to_words(buf))
+        **_kernel_kw(interpret, f"hicache_mgpu_scatter_{order}"),
+    )(n, ids, layer, _to_words(buf))
     return _from_words(jax.freeze(pool_ref), pool.shape, pool.dtype)

@@ -22,8 +22,14 @@ _LAYER_AXIS = {"nlp": 1, "npl": 2, "lnp": 0}
 _PAGE_AXIS = {"nlp": 0, "npl": 0, "lnp": 1}
 
 
-def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, out: jax.Array | None,
-                  order: str, branch_full: bool = False) -> jax.Array:
+def gather_layers(
+    pools: tuple[jax.Array, ...],
+    ids: jax.Array,
+    n: jax.Array,
+    out: jax.Array | None,
+    order: str,
+    branch_full: bool = False,
+) -> jax.Array:
     """Gather pages ``ids[:n]`` from every pool layer into a transfer buffer in ``order``.
 
     With ``out``, positions >= n keep its bytes (donate it to update in place); without, the
@@ -59,8 +65,9 @@ def select_layer(buf: jax.Array, layer: jax.Array, order: str) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(buf, layer, axis=_LAYER_AXIS[check_order(order)], keepdims=False)
 
 
-def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
-                  order: str) -> jax.Array:
+def scatter_layer(
+    pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array, order: str
+) -> jax.Array:
     """Write layer ``layer`` of ``buf`` into pool pages ``ids[:n]``; padding is dropped.
 
     Donate ``pool`` so XLA updates it in place.
@@ -73,8 +80,9 @@ def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array,
     return pool.at[dest].set(src, mode="drop", unique_indices=True)
 
 
-def scatter_layer_pages(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
-                        order: str) -> jax.Array:
+def scatter_layer_pages(
+    pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array, order: str
+) -> jax.Array:
     """``scatter_layer`` as ``n`` per-page ``dynamic_update_slice`` s (see the module note: the
     CPU form). Positions >= n are never touched; ids must be in range (the copier checks)."""
     check_order(order)

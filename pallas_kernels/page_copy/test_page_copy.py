@@ -35,8 +35,10 @@ def _random_layers(rng, dtype, page, n_layers=L, num_pages=NUM_PAGES):
     """Random bits (never zeros: every byte drawn from 1..255) viewed as ``dtype``."""
     d = jnp.dtype(dtype)
     shape = (num_pages, page, H, D)
-    return [jnp.asarray(rng.integers(1, 256, size=shape + (d.itemsize,), dtype=np.uint8).view(d).reshape(shape))
-            for _ in range(n_layers)]
+    return [
+        jnp.asarray(rng.integers(1, 256, size=shape + (d.itemsize,), dtype=np.uint8).view(d).reshape(shape))
+        for _ in range(n_layers)
+    ]
 
 
 def _poison(shape, dtype):
@@ -108,8 +110,9 @@ def test_kernel_functions_match_reference_directly(impl):
         want = reference.gather_layers(pools, ids, n, _poison(shape, "uint16"), order)
         got = mod.gather_layers(pools, ids, n, _poison(shape, "uint16"), order, interpret=True)
         np.testing.assert_array_equal(_bits(got), _bits(want))
-        np.testing.assert_array_equal(np.take(_bits(got), range(5), 1 if order == "lnp" else 0),
-                                      _numpy_gather(pools, np.asarray(ids[:5]), order))
+        np.testing.assert_array_equal(
+            np.take(_bits(got), range(5), 1 if order == "lnp" else 0), _numpy_gather(pools, np.asarray(ids[:5]), order)
+        )
         layer = jnp.array([2], jnp.int32)
         want_pool = reference.scatter_layer(_poison(pools[0].shape, "uint16"), ids, n, want, layer, order)
         got_pool = mod.scatter_layer(_poison(pools[0].shape, "uint16"), ids, n, want, layer, order, interpret=True)
@@ -149,7 +152,8 @@ def test_steady_state_never_recompiles(impl):
     """Counts inside a precompiled bucket reuse one executable: JAX compiles nothing new."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+        lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
+    )
     rng = np.random.default_rng(2)
     copier = PageCopier(PageCopyConfig(impl=impl, max_pages=NUM_PAGES))
     pools = _random_layers(rng, "bfloat16", 16)
@@ -206,8 +210,10 @@ def test_sharded_pools_same_bytes(impl, tp):
     mesh = Mesh(np.array(devices[:tp]), ("tp",))
     rng = np.random.default_rng(3)
     heads = 8
-    pools = [jnp.asarray(rng.integers(1, 2**16, (NUM_PAGES, 16, heads, D), dtype=np.uint16)).view(jnp.bfloat16)
-             for _ in range(L)]
+    pools = [
+        jnp.asarray(rng.integers(1, 2**16, (NUM_PAGES, 16, heads, D), dtype=np.uint16)).view(jnp.bfloat16)
+        for _ in range(L)
+    ]
     sharded = [jax.device_put(p, NamedSharding(mesh, PartitionSpec(None, None, "tp", None))) for p in pools]
     plain = PageCopier(PageCopyConfig(impl=impl, max_pages=NUM_PAGES))
     shard = PageCopier(PageCopyConfig(impl=impl, max_pages=NUM_PAGES), mesh=mesh, kv_axis="tp")
@@ -224,14 +230,20 @@ def test_sharded_pools_same_bytes(impl, tp):
 
 
 def _lower_both(platform, impl):
-    f_g = jax.jit(lambda pools, ids, n: (tpu if impl == "tpu" else gpu).gather_layers(tuple(pools), ids, n, None, "npl"))
-    f_s = jax.jit(lambda pool, ids, n, buf, layer: (tpu if impl == "tpu" else gpu).scatter_layer(
-        pool, ids, n, buf, layer, "npl"), donate_argnums=(0,))
+    f_g = jax.jit(
+        lambda pools, ids, n: (tpu if impl == "tpu" else gpu).gather_layers(tuple(pools), ids, n, None, "npl")
+    )
+    f_s = jax.jit(
+        lambda pool, ids, n, buf, layer: (tpu if impl == "tpu" else gpu).scatter_layer(pool, ids, n, buf, layer, "npl"),
+        donate_argnums=(0,),
+    )
     pool = jax.ShapeDtypeStruct((NUM_PAGES, 16, H, D), jnp.uint16)
     ids, n = jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
     buf = jax.ShapeDtypeStruct(buffer_shape("npl", 8, L, (16, H, D)), jnp.uint16)
-    texts = [f_g.trace([pool] * L, ids, n).lower(lowering_platforms=(platform,)).as_text(),
-             f_s.trace(pool, ids, n, buf, n).lower(lowering_platforms=(platform,)).as_text()]
+    texts = [
+        f_g.trace([pool] * L, ids, n).lower(lowering_platforms=(platform,)).as_text(),
+        f_s.trace(pool, ids, n, buf, n).lower(lowering_platforms=(platform,)).as_text(),
+    ]
     return texts
 
 
@@ -244,6 +256,7 @@ def test_lowering_smoke_tpu():
 def test_lowering_smoke_cuda():
     """The Triton kernels lower for CUDA without a GPU, given an abstract H100."""
     from jax._src.mesh import AbstractDevice, AbstractMesh  # private: no public way to name a GPU kind yet
+
     ad = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=ad)):
         texts = _lower_both("cuda", "gpu")
@@ -283,8 +296,9 @@ def _compiled_bit_exact(platform):
                     ids, dest = _ids(rng, 37), _ids(rng, 37)
                     buf, _ = copier.gather(pools, ids, order)
                     page_axis = 1 if order == "lnp" else 0
-                    np.testing.assert_array_equal(np.take(_bits(buf), range(37), page_axis),
-                                                  _numpy_gather(pools, ids, order))
+                    np.testing.assert_array_equal(
+                        np.take(_bits(buf), range(37), page_axis), _numpy_gather(pools, ids, order)
+                    )
                     new = copier.scatter(_poison(pools[0].shape, dtype), dest, buf, 1, order)
                     got = _bits(new)
                     np.testing.assert_array_equal(got[dest], _bits(pools[1])[ids])
@@ -295,18 +309,25 @@ def test_package_imports_nothing_from_the_cache():
     """Dependencies point one way: no module under pallas_kernels imports the cache manager."""
     import ast
     import pathlib
+
     root = pathlib.Path(__file__).resolve().parents[1]
     offenders = []
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             offenders += [f"{path.relative_to(root)}:{node.lineno}" for m in names if m.split(".")[0] == "hicache_jax"]
     assert offenders == []
 
 
 def test_check_page_ids():
     from .common import check_page_ids
+
     out = check_page_ids(np.array([3, 0, 7], np.int64), 8)
     assert out.dtype == np.int32 and out.tolist() == [3, 0, 7]
     assert check_page_ids([], 8).shape == (0,) and check_page_ids([2, 2], 8, unique=False).tolist() == [2, 2]

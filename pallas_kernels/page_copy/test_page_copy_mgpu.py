@@ -31,9 +31,11 @@ GEOMETRIES = {"mha": (2, 8), "mla": (1, 32)}  # (heads, head dim): MLA is one la
 
 def _special_bits(itemsize: int) -> list[int]:
     """Bit patterns a float copy could alter: -0.0, quiet / signalling NaNs with payloads, all ones."""
-    return {1: [0x80, 0xFF, 0x7F, 0xFE],  # float8_e4m3fn: 0x7F / 0xFF are its NaNs
-            2: [0x8000, 0xFFFF, 0x7C01, 0xFC05, 0x7F81, 0xFF85],  # float16 and bfloat16 NaN payloads
-            4: [0x80000000, 0xFFFFFFFF, 0x7F800001, 0xFFC00005, 0x7FC12345]}[itemsize]
+    return {
+        1: [0x80, 0xFF, 0x7F, 0xFE],  # float8_e4m3fn: 0x7F / 0xFF are its NaNs
+        2: [0x8000, 0xFFFF, 0x7C01, 0xFC05, 0x7F81, 0xFF85],  # float16 and bfloat16 NaN payloads
+        4: [0x80000000, 0xFFFFFFFF, 0x7F800001, 0xFFC00005, 0x7FC12345],
+    }[itemsize]
 
 
 def _pools(rng, dtype, page, geometry, num_pages=NUM_PAGES, n_layers=L):
@@ -93,8 +95,9 @@ def test_mgpu_interpret_bit_exact(dtype, page, geometry, orders):
             out, _ = copier.gather(pools, ids, order, out=_poison(buf.shape, dtype))
             b = _bits(out)
             np.testing.assert_array_equal(take(b), expected)
-            assert (np.take(b, np.arange(n, nb), axis=page_axis).view(np.uint8) == POISON).all(), \
+            assert (np.take(b, np.arange(n, nb), axis=page_axis).view(np.uint8) == POISON).all(), (
                 "gather wrote outside the live pages"
+            )
             for layer in range(L):
                 new = copier.scatter(_poison(pools[0].shape, dtype), dest, out, layer, order)
                 got = _bits(new)
@@ -117,8 +120,9 @@ def test_mgpu_tiled_and_multi_page_blocks_interpret():
         want = reference.gather_layers(pools, ids, n, _poison(shape, "uint16"), order)
         got = gpu_mgpu.gather_layers(pools, ids, n, _poison(shape, "uint16"), order, **kw)
         np.testing.assert_array_equal(_bits(got), _bits(want))
-        np.testing.assert_array_equal(np.take(_bits(got), range(5), 1 if order == "lnp" else 0),
-                                      _numpy_gather(pools, np.asarray(ids[:5]), order))
+        np.testing.assert_array_equal(
+            np.take(_bits(got), range(5), 1 if order == "lnp" else 0), _numpy_gather(pools, np.asarray(ids[:5]), order)
+        )
         layer = jnp.array([1], jnp.int32)
         want_pool = reference.scatter_layer(_poison(pools[0].shape, "uint16"), ids, n, want, layer, order)
         got_pool = gpu_mgpu.scatter_layer(_poison(pools[0].shape, "uint16"), ids, n, want, layer, order, **kw)
@@ -129,6 +133,7 @@ def test_mgpu_slot_reuse_race_free_interpret():
     """More work items than shared-memory slots, under the interpreter's race detector: a slot is
     reloaded only after the TMA store reading it has finished (drop that wait and this raises)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     rng = np.random.default_rng(12)
     pools = tuple(jnp.asarray(rng.integers(0, 2**16, (16, 4, 2, 8), dtype=np.uint16)) for _ in range(3))
     ids = jnp.asarray(_ids(rng, 8, 16))
@@ -137,8 +142,16 @@ def test_mgpu_slot_reuse_race_free_interpret():
     assert gpu_mgpu._plan(8, 4, 8, 3, gpu_mgpu.TILE_BYTES, 4)[3:] == (4, gpu_mgpu.MAX_SLOTS) == (4, 4)  # 12 items
     got = gpu_mgpu.gather_layers(pools, ids, n, None, "npl", interpret=ip, pages_per_block=4)
     np.testing.assert_array_equal(_bits(got)[:6], _numpy_gather(pools, np.asarray(ids[:6]), "npl"))
-    pool = gpu_mgpu.scatter_layer(_poison(pools[0].shape, "uint16"), ids, n, got, jnp.array([2], jnp.int32), "npl",
-                                  interpret=ip, pages_per_block=6)  # 6 items, 4 slots
+    pool = gpu_mgpu.scatter_layer(
+        _poison(pools[0].shape, "uint16"),
+        ids,
+        n,
+        got,
+        jnp.array([2], jnp.int32),
+        "npl",
+        interpret=ip,
+        pages_per_block=6,
+    )  # 6 items, 4 slots
     np.testing.assert_array_equal(_bits(pool)[np.asarray(ids[:6])], _bits(pools[2])[np.asarray(ids[:6])])
 
 
@@ -150,7 +163,8 @@ def test_mgpu_tiles_plan():
     assert gpu_mgpu.supported((16, 2, 8), 1) and not gpu_mgpu.supported((16, 1, 4), 2)
     with pytest.raises(ValueError, match="multiple of 16"):
         PageCopier(PageCopyConfig(impl="mgpu", max_pages=8, platform="cpu")).gather(
-            [jnp.zeros((8, 4, 1, 4), jnp.bfloat16)], [1], "npl")
+            [jnp.zeros((8, 4, 1, 4), jnp.bfloat16)], [1], "npl"
+        )
 
 
 # ---- CUDA lowering (no GPU needed) ---------------------------------------------------------
@@ -164,9 +178,11 @@ def _sds(shape, dtype=jnp.uint16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-@pytest.mark.parametrize("page_shape,dtype", [((16, 2, 8), jnp.uint16), ((33, 1, 32), jnp.uint8),
-                                              ((64, 8, 256), jnp.uint16)],
-                         ids=["mha", "mla-fp8", "tiled-256KiB-page"])
+@pytest.mark.parametrize(
+    "page_shape,dtype",
+    [((16, 2, 8), jnp.uint16), ((33, 1, 32), jnp.uint8), ((64, 8, 256), jnp.uint16)],
+    ids=["mha", "mla-fp8", "tiled-256KiB-page"],
+)
 def test_mgpu_lowering_smoke_cuda(page_shape, dtype):
     """Gather (fresh / into out) and scatter, every order, lower to mosaic_gpu_v2; a 256 KiB page
     (more than an H100 SM's shared memory) is split into tiles; the scatter aliases the pool."""
@@ -181,10 +197,17 @@ def test_mgpu_lowering_smoke_cuda(page_shape, dtype):
         buf = _sds(buffer_shape(order, nb, nl, page_shape), dtype)
         texts = [
             _lower(lambda p, i, k: gpu_mgpu.gather_layers(tuple(p), i, k, None, order), [pool] * nl, ids, n),
-            _lower(lambda p, i, k, o: gpu_mgpu.gather_layers(tuple(p), i, k, o, order), [pool] * nl, ids, n, buf,
-                   donate=(3,)),
-            _lower(lambda p, i, k, b, l: gpu_mgpu.scatter_layer(p, i, k, b, l, order), pool, ids, n, buf, n,
-                   donate=(0,)),
+            _lower(
+                lambda p, i, k, o: gpu_mgpu.gather_layers(tuple(p), i, k, o, order),
+                [pool] * nl,
+                ids,
+                n,
+                buf,
+                donate=(3,),
+            ),
+            _lower(
+                lambda p, i, k, b, l: gpu_mgpu.scatter_layer(p, i, k, b, l, order), pool, ids, n, buf, n, donate=(0,)
+            ),
         ]
         for t in texts:
             assert t.count("@mosaic_gpu_v2") == 1, "expected exactly one Mosaic GPU kernel"
@@ -211,15 +234,19 @@ def test_mgpu_compiled_bit_exact(dtype):
                 page_axis = 1 if order == "lnp" else 0
                 for n in (0, 1, 37):
                     ids, dest = _ids(rng, n), _ids(rng, n)
-                    out, _ = copier.gather(pools, ids, order,
-                                           out=_poison(buffer_shape(order, copier.bucket_for(n), 3,
-                                                                    pools[0].shape[1:]), dtype))
+                    out, _ = copier.gather(
+                        pools,
+                        ids,
+                        order,
+                        out=_poison(buffer_shape(order, copier.bucket_for(n), 3, pools[0].shape[1:]), dtype),
+                    )
                     b = _bits(out)
                     np.testing.assert_array_equal(np.take(b, range(n), page_axis), _numpy_gather(pools, ids, order))
                     assert (np.take(b, range(n, copier.bucket_for(n)), page_axis).view(np.uint8) == POISON).all()
                     fresh, _ = copier.gather(pools, ids, order)
-                    np.testing.assert_array_equal(np.take(_bits(fresh), range(n), page_axis),
-                                                  _numpy_gather(pools, ids, order))
+                    np.testing.assert_array_equal(
+                        np.take(_bits(fresh), range(n), page_axis), _numpy_gather(pools, ids, order)
+                    )
                     new = copier.scatter(_poison(pools[0].shape, dtype), dest, out, 1, order)
                     got = _bits(new)
                     np.testing.assert_array_equal(got[dest], _bits(pools[1])[ids])

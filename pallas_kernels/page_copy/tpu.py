@@ -43,8 +43,9 @@ def _gather_kernel(order: str, num_layers: int, n_ref, ids_ref, *refs):
 
     @pl.when(i < n_ref[0])
     def _():
-        copies = [pltpu.make_async_copy(p.at[ids_ref[i]], _buf_at(out_ref, order, i, l), sem)
-                  for l, p in enumerate(pools)]
+        copies = [
+            pltpu.make_async_copy(p.at[ids_ref[i]], _buf_at(out_ref, order, i, l), sem) for l, p in enumerate(pools)
+        ]
         for c in copies:
             c.start()
         for c in copies:
@@ -52,8 +53,14 @@ def _gather_kernel(order: str, num_layers: int, n_ref, ids_ref, *refs):
 
 
 @functools.partial(jax.jit, static_argnames=("order", "interpret"), donate_argnums=(3,))
-def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, out: jax.Array | None,
-                  order: str, interpret: bool = False) -> jax.Array:
+def gather_layers(
+    pools: tuple[jax.Array, ...],
+    ids: jax.Array,
+    n: jax.Array,
+    out: jax.Array | None,
+    order: str,
+    interpret: bool = False,
+) -> jax.Array:
     """Gather pages ``ids[:n]`` of every pool layer into a transfer buffer in ``order``.
 
     With ``out`` (donated) the pages land in it in place and positions >= n keep its bytes;
@@ -68,10 +75,12 @@ def gather_layers(pools: tuple[jax.Array, ...], ids: jax.Array, n: jax.Array, ou
     return pl.pallas_call(
         functools.partial(_gather_kernel, order, L),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(nb,),
+            num_scalar_prefetch=2,
+            grid=(nb,),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (L + len(extra)),
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())]),
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        ),
         out_shape=jax.ShapeDtypeStruct(shape, pools[0].dtype),
         input_output_aliases={2 + L: 0} if extra else {},  # operands: (n, ids, *pools, [out])
         interpret=interpret,
@@ -91,17 +100,20 @@ def _scatter_kernel(order: str, n_ref, ids_ref, layer_ref, pool_in, buf_ref, poo
 
 
 @functools.partial(jax.jit, static_argnames=("order", "interpret"), donate_argnums=(0,))
-def scatter_layer(pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array,
-                  order: str, interpret: bool = False) -> jax.Array:
+def scatter_layer(
+    pool: jax.Array, ids: jax.Array, n: jax.Array, buf: jax.Array, layer: jax.Array, order: str, interpret: bool = False
+) -> jax.Array:
     check_order(order)
     nb = ids.shape[0]
     return pl.pallas_call(
         functools.partial(_scatter_kernel, order),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(nb,),
+            num_scalar_prefetch=3,
+            grid=(nb,),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())]),
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        ),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         # Operand indices count the scalar-prefetch operands: (n, ids, layer, pool, buf).
         input_output_aliases={3: 0},

@@ -40,8 +40,9 @@ class Backend:
 BackendFactory = Callable[..., Backend]
 
 
-def numpy_backend_factory(geom: KVGeometry, device_pages: int, host_pages: int, layout: str = "page_first",
-                          deferred: bool = False) -> Backend:
+def numpy_backend_factory(
+    geom: KVGeometry, device_pages: int, host_pages: int, layout: str = "page_first", deferred: bool = False
+) -> Backend:
     device, host, engine = make_numpy_backend(geom, device_pages, host_pages, layout, deferred)
     return Backend(geom, device, host, engine)
 
@@ -52,8 +53,17 @@ def small_geom(page_size: int = 1, kind: str = "mha", layers: int = 2) -> KVGeom
     return KVGeometry.mla(layers, page_size, 2, 1, "float32")
 
 
-def make_cache(factory: BackendFactory, *, page_size: int = 1, device_pages: int = 32, host_pages: int = 64,
-               deferred: bool = False, layout: str = "page_first", kind: str = "mha", **cfg):
+def make_cache(
+    factory: BackendFactory,
+    *,
+    page_size: int = 1,
+    device_pages: int = 32,
+    host_pages: int = 64,
+    deferred: bool = False,
+    layout: str = "page_first",
+    kind: str = "mha",
+    **cfg,
+):
     geom = small_geom(page_size, kind)
     be = factory(geom, device_pages, host_pages, layout, deferred)
     cache = HiRadixCache(HiCacheConfig(page_size=page_size, **cfg), be.engine, be.device.allocator)
@@ -85,10 +95,10 @@ class KVOracle:
         """Expected content (L, n, page, H, D) of pages [first_page, first_page + npages) of key."""
         g = self.geom
         p = g.page_size
-        toks = key.token_ids[:(first_page + npages) * p]
+        toks = key.token_ids[: (first_page + npages) * p]
         h = np.zeros((first_page + npages) * p, np.uint64)  # a partial last page is zero-padded
-        h[:len(toks)] = _prefix_hashes(key.namespace, toks, self.salt)
-        h = h[first_page * p:].reshape(npages, p)
+        h[: len(toks)] = _prefix_hashes(key.namespace, toks, self.salt)
+        h = h[first_page * p :].reshape(npages, p)
         L, H, D = g.num_layers, g.heads, g.width
         lay = np.arange(L, dtype=np.uint64).reshape(L, 1, 1, 1, 1) * np.uint64(7919)
         hd = np.arange(H * D, dtype=np.uint64).reshape(1, 1, 1, H, D) * np.uint64(31)
@@ -113,8 +123,10 @@ class KVOracle:
             got = self.be.device.read(c, device_ids)
             if not np.array_equal(got, arr):
                 bad = np.flatnonzero((got != arr).reshape(arr.shape[0], arr.shape[1], -1).any(axis=(0, 2)))
-                raise AssertionError(f"device KV mismatch for component {c} at pages "
-                                     f"{(bad + first_page).tolist()} (ids {np.asarray(device_ids)[bad].tolist()})")
+                raise AssertionError(
+                    f"device KV mismatch for component {c} at pages "
+                    f"{(bad + first_page).tolist()} (ids {np.asarray(device_ids)[bad].tolist()})"
+                )
 
     def host_pages_lnp(self, component: str, host_ids: np.ndarray) -> np.ndarray:
         host = self.be.host
@@ -178,7 +190,7 @@ def serve_checked(cache: HiRadixCache, oracle: KVOracle, key: RadixKey) -> dict[
         load.handle.wait()
     cache.flush()
     n = req.cached_pages
-    oracle.check_device(RadixKey(key.token_ids[:n * cache.page_size]), req.device_pages[:n])
+    oracle.check_device(RadixKey(key.token_ids[: n * cache.page_size]), req.device_pages[:n])
     hits = dict(req.hit_tokens)
     cache.dec_lock_ref(req.last_node)
     return hits

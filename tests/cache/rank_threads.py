@@ -46,8 +46,9 @@ class ThreadAgreement(Agreement):
             out = np.min(np.stack(g.slots), axis=0)
             g.barrier.wait(g.timeout)  # every rank has read the slots before the next call posts
         except threading.BrokenBarrierError:
-            raise AgreementError(f"rank {self.rank}: a barrier broke or timed out (call {g.calls[self.rank]})") \
-                from None
+            raise AgreementError(
+                f"rank {self.rank}: a barrier broke or timed out (call {g.calls[self.rank]})"
+            ) from None
         return out
 
 

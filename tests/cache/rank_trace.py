@@ -59,15 +59,28 @@ DRAFT_SALT = 0xD2AF7  # the draft pool's KV differs from the target's
 
 def divergences(components: str = "full", l3: bool = True) -> tuple[str, ...]:
     """The divergences a trace over that cache can fire."""
-    return tuple(d for d in DIVERGENCES if (l3 or d not in L3_DIVERGENCES)
-                 and (components != "full" or d not in SWA_DIVERGENCES))
+    return tuple(
+        d for d in DIVERGENCES if (l3 or d not in L3_DIVERGENCES) and (components != "full" or d not in SWA_DIVERGENCES)
+    )
 
 
 P = 2
 
 
-def rank_cache(agreement, *, storage_dir=None, device_pages=160, host_pages=96, policy="write_through",
-               deferred=True, retries=2, kind="mha", components="full", swa_device_pages=40, swa_host_pages=40):
+def rank_cache(
+    agreement,
+    *,
+    storage_dir=None,
+    device_pages=160,
+    host_pages=96,
+    policy="write_through",
+    deferred=True,
+    retries=2,
+    kind="mha",
+    components="full",
+    swa_device_pages=40,
+    swa_host_pages=40,
+):
     """One rank's cache (numpy engine, deferred copies) and, with ``storage_dir``, its L3
     controller over a file store every rank shares. ``components``: one of ``COMPONENTS``;
     for the SWA caches the returned backend carries ``swa_be`` / ``swa`` / ``draft_be`` (the
@@ -81,21 +94,36 @@ def rank_cache(agreement, *, storage_dir=None, device_pages=160, host_pages=96, 
             draft_be = numpy_backend_factory(small_geom(P, kind), device_pages, host_pages, "page_first", deferred)
             sidecars = {"draft": draft_be.engine}
         cache, be, swa_be, swa = make_swa_cache(
-            page_size=P, window=WINDOW, device_pages=device_pages, host_pages=host_pages,
-            swa_device_pages=swa_device_pages, swa_host_pages=swa_host_pages, deferred=deferred, kind=kind,
-            agreement=agreement, sidecars=sidecars, write_policy=policy, transfer_retries=retries)
+            page_size=P,
+            window=WINDOW,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            swa_device_pages=swa_device_pages,
+            swa_host_pages=swa_host_pages,
+            deferred=deferred,
+            kind=kind,
+            agreement=agreement,
+            sidecars=sidecars,
+            write_policy=policy,
+            transfer_retries=retries,
+        )
         be.swa_be, be.swa, be.draft_be = swa_be, swa, draft_be
         return cache, be, None
     be = numpy_backend_factory(small_geom(P, kind), device_pages, host_pages, "page_first", deferred)
-    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy,
-                                       transfer_retries=retries), be.engine, be.device.allocator, agreement=agreement)
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy, transfer_retries=retries),
+        be.engine,
+        be.device.allocator,
+        agreement=agreement,
+    )
     ctl = None
     if storage_dir is not None:
         from hicache_jax.l3 import StorageController
         from hicache_jax.storage import StorageConfig
 
-        ctl = StorageController(cache, StorageConfig(backend="file", path=str(storage_dir),
-                                                     prefetch_threshold_tokens=P), model="rank-trace")
+        ctl = StorageController(
+            cache, StorageConfig(backend="file", path=str(storage_dir), prefetch_threshold_tokens=P), model="rank-trace"
+        )
     return cache, be, ctl
 
 
@@ -152,8 +180,7 @@ def inject(cache, ctl, divergence: set[str]) -> dict:
     return fired
 
 
-def run_trace(cache, be, ctl=None, *, divergence: set[str] = frozenset(), steps: int = 40,
-              on_step=None) -> dict:
+def run_trace(cache, be, ctl=None, *, divergence: set[str] = frozenset(), steps: int = 40, on_step=None) -> dict:
     """Run the trace on this rank (see the module docstring). ``on_step(i, digest)`` is
     called after every step (the process tests compare digests across ranks there).
     Returns the digests, the served prefix lengths and what the divergences did."""
@@ -207,9 +234,14 @@ def run_trace(cache, be, ctl=None, *, divergence: set[str] = frozenset(), steps:
     cache.flush()
     digests.append(cache.debug_view().digest())
     cache.sanity_check(0)
-    return {"digests": digests, "served": served, "fired": fired,
-            "storage_tokens": cache.metrics.storage_hit_tokens, "host_tokens_loaded": cache.metrics.loaded_tokens,
-            "device_only_reads": device_only_reads}
+    return {
+        "digests": digests,
+        "served": served,
+        "fired": fired,
+        "storage_tokens": cache.metrics.storage_hit_tokens,
+        "host_tokens_loaded": cache.metrics.loaded_tokens,
+        "device_only_reads": device_only_reads,
+    }
 
 
 def _serve(cache, oracle: KVOracle, key: RadixKey) -> int:
@@ -225,7 +257,7 @@ def _serve(cache, oracle: KVOracle, key: RadixKey) -> int:
     new = cache.alloc_device(len(key) // p - hit)
     assert new is not None, "the trace's device pool is too small"
     oracle.write(key, new, hit)
-    req.key = RadixKey(key.token_ids[:hit * p])
+    req.key = RadixKey(key.token_ids[: hit * p])
     req.extend(key, new)
     cache.cache_finished_req(req)
     return hit * p
@@ -236,8 +268,9 @@ def _engines(cache) -> list:
     return list(cache.components.engines.values())
 
 
-def run_swa_trace(cache, be, *, divergence: set[str] = frozenset(), steps: int = 40, on_step=None,
-                  seed: int = SEED) -> dict:
+def run_swa_trace(
+    cache, be, *, divergence: set[str] = frozenset(), steps: int = 40, on_step=None, seed: int = SEED
+) -> dict:
     """The trace over an SWA cache (``rank_cache(components="swa" | "draft+swa")``; see the
     module docstring). Returns what ``run_trace`` does, plus ``exchanges`` (agreement calls
     made during the steps) and the SWA metrics."""
@@ -303,7 +336,7 @@ def run_swa_trace(cache, be, *, divergence: set[str] = frozenset(), steps: int =
             req, _lb = drv.admit(key)
             drv.check_prefix(req)
             if draft is not None:
-                draft.check_device(req.key, req.device_pages[:req.cached_pages])
+                draft.check_device(req.key, req.device_pages[: req.cached_pages])
             served.append(req.cached_pages * p)
             if not extend(req, key):
                 drv.abort(req)
@@ -342,9 +375,15 @@ def run_swa_trace(cache, be, *, divergence: set[str] = frozenset(), steps: int =
     cache.flush()
     digests.append(cache.debug_view().digest())
     cache.sanity_check(0, {"swa": 0})
-    return {"digests": digests, "served": served, "fired": fired, "exchanges": exchanges,
-            "steps": steps, "swa": dict(cache.stats()["components"]["swa"]["metrics"]),
-            "host_tokens_loaded": cache.metrics.loaded_tokens}
+    return {
+        "digests": digests,
+        "served": served,
+        "fired": fired,
+        "exchanges": exchanges,
+        "steps": steps,
+        "swa": dict(cache.stats()["components"]["swa"]["metrics"]),
+        "host_tokens_loaded": cache.metrics.loaded_tokens,
+    }
 
 
 class _TraceDriver(SWADriver):

@@ -92,12 +92,15 @@ class ShadowComponent(KVComponent):
                 errs.append(f"{node!r}: no shadow state (a hook was skipped)")
                 continue
             if st["dev"] != self._ids(node.value) or st["host"] != self._ids(node.host_value):
-                errs.append(f"{node!r}: shadow {st} != tree (dev {self._ids(node.value)}, host "
-                            f"{self._ids(node.host_value)})")
+                errs.append(
+                    f"{node!r}: shadow {st} != tree (dev {self._ids(node.value)}, host {self._ids(node.host_value)})"
+                )
         return errs
 
 
 def shadow_pages_equal(shadow_engine, full_device, ids: np.ndarray) -> bool:
     """Whether the shadow pool's device pages hold the same bytes as the full pool's."""
-    return all(np.array_equal(shadow_engine.device.read(c, ids), full_device.read(c, ids))
-               for c in shadow_engine.geom.components)
+    return all(
+        np.array_equal(shadow_engine.device.read(c, ids), full_device.read(c, ids))
+        for c in shadow_engine.geom.components
+    )

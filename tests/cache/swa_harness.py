@@ -44,20 +44,44 @@ class SaltedOracle(KVOracle):
         return {c: (a.astype(np.uint64) ^ self.salt).astype(a.dtype) for c, a in out.items()}
 
 
-def make_swa_cache(*, page_size=2, window=5, device_pages=24, host_pages=48, swa_device_pages=12, swa_host_pages=24,
-                   layout="page_first", deferred=False, kind="mha", swa_deferred=None, agreement=None,
-                   sidecars=None, **cfg):
+def make_swa_cache(
+    *,
+    page_size=2,
+    window=5,
+    device_pages=24,
+    host_pages=48,
+    swa_device_pages=12,
+    swa_host_pages=24,
+    layout="page_first",
+    deferred=False,
+    kind="mha",
+    swa_deferred=None,
+    agreement=None,
+    sidecars=None,
+    **cfg,
+):
     """A cache with an SWA component: ``(cache, full backend, swa backend, swa component)``.
     ``agreement``: the cache's (several ranks); ``sidecars``: name -> a sidecar backend's
     engine (e.g. a draft's KV, sharing the full page ids)."""
     geom = small_geom(page_size, kind)
     full = numpy_backend_factory(geom, device_pages, host_pages, layout, deferred)
-    swa_be = numpy_backend_factory(small_geom(page_size, kind, layers=1), swa_device_pages, swa_host_pages, layout,
-                                   deferred if swa_deferred is None else swa_deferred)
+    swa_be = numpy_backend_factory(
+        small_geom(page_size, kind, layers=1),
+        swa_device_pages,
+        swa_host_pages,
+        layout,
+        deferred if swa_deferred is None else swa_deferred,
+    )
     swa = SWAComponent(swa_be.engine, swa_be.device.allocator, window)
     cfg.setdefault("load_back_threshold", 0)
-    cache = HiRadixCache(HiCacheConfig(page_size=page_size, **cfg), full.engine, full.device.allocator,
-                         sidecars, components=[swa], agreement=agreement)
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=page_size, **cfg),
+        full.engine,
+        full.device.allocator,
+        sidecars,
+        components=[swa],
+        agreement=agreement,
+    )
     return cache, full, swa_be, swa
 
 
@@ -131,7 +155,7 @@ class SWADriver:
         req, lb = self.cache.begin_request(RadixKey(key.token_ids[:-1], key.extra_key), load_back=load)
         if lb is not None:
             lb.handle.wait()  # the forward pass waits for its layers (both pools)
-        req.key = RadixKey(key.token_ids[:req.device_pages.shape[0] * self.p], key.extra_key)
+        req.key = RadixKey(key.token_ids[: req.device_pages.shape[0] * self.p], key.extra_key)
         return req, lb
 
     def alloc(self, n: int):
@@ -195,10 +219,10 @@ class SWADriver:
         return final
 
     def abort(self, req: CacheRequest) -> None:
-        own = req.device_pages[req.cached_pages:]
+        own = req.device_pages[req.cached_pages :]
         if own.size:
             self.cache.device_allocator.free(own)
-        sw = req.component_pages["swa"][req.cached_pages:]
+        sw = req.component_pages["swa"][req.cached_pages :]
         sw = sw[sw >= 0]
         if sw.size:
             self.swa.device_allocator.free(sw)
@@ -208,5 +232,5 @@ class SWADriver:
     @staticmethod
     def own_pages(req: CacheRequest) -> tuple[int, int]:
         """(full, SWA) device pages the request holds outside the tree."""
-        sw = req.component_pages["swa"][req.cached_pages:] if req.component_pages else np.zeros(0)
+        sw = req.component_pages["swa"][req.cached_pages :] if req.component_pages else np.zeros(0)
         return req.device_pages.shape[0] - req.cached_pages, int((sw >= 0).sum())

@@ -52,11 +52,27 @@ def test_a_call_from_another_thread_raises_naming_the_rule_and_changes_nothing(b
 def test_every_call_that_changes_the_cache_is_checked_before_its_arguments(backend_factory):
     cache, _ = make_cache(backend_factory)
     cache.check_events()  # binds the owner
-    n_args = {"match_prefix": 1, "peek_prefix": 1, "insert": 2, "insert_host": 3, "inc_lock_ref": 1,
-              "dec_lock_ref": 1, "alloc_device": 1, "evict": 1, "evict_host": 1, "load_back": 1,
-              "begin_request": 1, "cache_unfinished_req": 1, "cache_finished_req": 1, "alloc_component": 2,
-              "reserve_component_host_pages": 2, "reserve_component_host_pages_agreed": 2,
-              "slide_window": 1, "abort_request": 1, "device_fit": 1}
+    n_args = {
+        "match_prefix": 1,
+        "peek_prefix": 1,
+        "insert": 2,
+        "insert_host": 3,
+        "inc_lock_ref": 1,
+        "dec_lock_ref": 1,
+        "alloc_device": 1,
+        "evict": 1,
+        "evict_host": 1,
+        "load_back": 1,
+        "begin_request": 1,
+        "cache_unfinished_req": 1,
+        "cache_finished_req": 1,
+        "alloc_component": 2,
+        "reserve_component_host_pages": 2,
+        "reserve_component_host_pages_agreed": 2,
+        "slide_window": 1,
+        "abort_request": 1,
+        "device_fit": 1,
+    }
     for name in [*_REFUSED_AFTER_FAILURE, "reset", "device_fit", "release_owner"]:
         method = getattr(cache, name)
         err = on_thread(method, *([None] * n_args.get(name, 0)))  # bad arguments: the thread check comes first
@@ -235,8 +251,17 @@ def test_the_classes_a_user_builds_say_how_to_use_them():
     from hicache_jax.cache import HiRadixCache
 
     doc = HiRadixCache.__doc__
-    for call in ("begin_request", "alloc_device", "device_fit", "cache_finished_req", "abort_request",
-                 "check_events", "hit_tokens", "owner", "CacheFailedError"):
+    for call in (
+        "begin_request",
+        "alloc_device",
+        "device_fit",
+        "cache_finished_req",
+        "abort_request",
+        "check_events",
+        "hit_tokens",
+        "owner",
+        "CacheFailedError",
+    ):
         assert call in doc, f"HiRadixCache's docstring does not mention {call}"
     pytest.importorskip("jax")
     from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
@@ -261,8 +286,9 @@ def test_backup_and_written_metrics_say_what_each_counts():
 def test_abort_request_frees_a_sliding_window_requests_own_pages_of_both_pools():
     from swa_harness import SWADriver, make_swa_cache
 
-    cache, full, swa_be, swa = make_swa_cache(page_size=2, window=5, device_pages=60, host_pages=120,
-                                              swa_device_pages=30, swa_host_pages=60)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=2, window=5, device_pages=60, host_pages=120, swa_device_pages=30, swa_host_pages=60
+    )
     drv = SWADriver(cache, full, swa_be, swa)
     k1 = drv.serve(RadixKey(np.arange(1, 19)), chunk=6)
     cache.flush()

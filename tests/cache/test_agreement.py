@@ -19,8 +19,15 @@ from cache_harness import KVOracle, fail_next_allocs, numpy_backend_factory, pre
 from rank_threads import ThreadGroup, run_ranks
 from rank_trace import P, divergences, rank_cache, run_trace
 
-from hicache_jax.cache import (CacheFailedError, HiCacheConfig, HiRadixCache, NoExchangeAgreement,
-                               RadixKey, RankDivergenceError, SingleProcessAgreement)
+from hicache_jax.cache import (
+    CacheFailedError,
+    HiCacheConfig,
+    HiRadixCache,
+    NoExchangeAgreement,
+    RadixKey,
+    RankDivergenceError,
+    SingleProcessAgreement,
+)
 
 
 def seq(start, n):
@@ -103,8 +110,12 @@ def test_a_failed_reservation_counts_as_taken_for_the_rest_of_its_step():
         cache.check_events()
         cache.flush()
         cache.sanity_check(0)
-        return (cache.debug_view().digest(), cache.host_tokens, cache.metrics.evicted_host_tokens,
-                cache.metrics.backup_failed_tokens)
+        return (
+            cache.debug_view().digest(),
+            cache.host_tokens,
+            cache.metrics.evicted_host_tokens,
+            cache.metrics.backup_failed_tokens,
+        )
 
     r0, r1 = run_ranks(group, rank)
     assert r0 == r1 and r0[1:] == (8, 16, 8)  # the first backup rolled back, the second committed
@@ -252,11 +263,22 @@ def test_without_the_exchange_the_same_divergence_splits_the_trees(tmp_path, div
     assert first is not None, "the divergence left no trace in the digests"
 
 
-@pytest.mark.parametrize("rank,num_processes,err", [(5, 2, ValueError), (3, 2, ValueError), (-1, 2, ValueError),
-                                                    (0, 0, ValueError), (0, -2, ValueError), (0.5, 2, TypeError),
-                                                    (True, 2, TypeError), (0, "2", TypeError)])
+@pytest.mark.parametrize(
+    "rank,num_processes,err",
+    [
+        (5, 2, ValueError),
+        (3, 2, ValueError),
+        (-1, 2, ValueError),
+        (0, 0, ValueError),
+        (0, -2, ValueError),
+        (0.5, 2, TypeError),
+        (True, 2, TypeError),
+        (0, "2", TypeError),
+    ],
+)
 def test_ranks_outside_the_process_count_are_refused(rank, num_processes, err):
     from hicache_jax.cache.agreement import NoExchangeAgreement
+
     with pytest.raises(err, match="rank|num_processes"):
         NoExchangeAgreement(rank=rank, num_processes=num_processes)
     try:

@@ -15,13 +15,32 @@ P = 2
 
 
 def snapshot(cache, be):
-    nodes = sorted((n.id, len(n), n.namespace, None if n.value is None else n.value.tolist(),
-                    None if n.host_value is None else n.host_value.tolist(), n.lock_ref, n.host_lock_ref,
-                    n.hit_count, n.last_access) for n in cache.all_nodes())
+    nodes = sorted(
+        (
+            n.id,
+            len(n),
+            n.namespace,
+            None if n.value is None else n.value.tolist(),
+            None if n.host_value is None else n.host_value.tolist(),
+            n.lock_ref,
+            n.host_lock_ref,
+            n.hit_count,
+            n.last_access,
+        )
+        for n in cache.all_nodes()
+    )
     view = cache.debug_view()
-    return (nodes, view.counters, view.caller_locks, be.device.allocator.available, be.host.allocator.available,
-            view.device_owned.tolist(), view.host_owned.tolist(), copy.deepcopy(cache.metrics.as_dict()),
-            cache.in_flight)
+    return (
+        nodes,
+        view.counters,
+        view.caller_locks,
+        be.device.allocator.available,
+        be.host.allocator.available,
+        view.device_owned.tolist(),
+        view.host_owned.tolist(),
+        copy.deepcopy(cache.metrics.as_dict()),
+        cache.in_flight,
+    )
 
 
 @pytest.fixture
@@ -55,19 +74,20 @@ def expect_rejected(cache, be, call, exc, match, external=0):
     cache.sanity_check(external)
 
 
-U64_HIGH = np.array([2 ** 63 + 5, 1], np.uint64)  # wraps negative as int64
+U64_HIGH = np.array([2**63 + 5, 1], np.uint64)  # wraps negative as int64
 TOKEN_CASES = [
-    ("2**70", [2 ** 70, 1, 2, 3]),  # was OverflowError inside radix_key
+    ("2**70", [2**70, 1, 2, 3]),  # was OverflowError inside radix_key
     ("negative", [-1, 1, 2, 3]),
-    ("2**32", [2 ** 32, 1]),
+    ("2**32", [2**32, 1]),
     ("uint64 above 2**63", U64_HIGH),
-    ("uint64 2**32", np.array([2 ** 32, 1], np.uint64)),
+    ("uint64 2**32", np.array([2**32, 1], np.uint64)),
     ("int64 array negative", np.array([5, -7])),
 ]
 
 
-@pytest.mark.parametrize("call", ["match_prefix", "peek_prefix", "insert", "begin_request", "backed_up_prefix",
-                                  "insert_host"])
+@pytest.mark.parametrize(
+    "call", ["match_prefix", "peek_prefix", "insert", "begin_request", "backed_up_prefix", "insert_host"]
+)
 @pytest.mark.parametrize("label, tokens", TOKEN_CASES, ids=[c[0] for c in TOKEN_CASES])
 def test_token_ids_outside_uint32_are_refused(setup, call, label, tokens):
     cache, be = setup
@@ -84,10 +104,10 @@ def test_radix_key_refuses_token_ids_outside_uint32(label, tokens):
 
 def test_token_id_bounds_are_inclusive_exclusive(setup):
     cache, be = setup
-    key = RadixKey(np.array([0, 2 ** 32 - 1, 2 ** 32 - 1, 0], np.uint64))
-    assert key.token_ids.tolist() == [0, 2 ** 32 - 1, 2 ** 32 - 1, 0]
+    key = RadixKey(np.array([0, 2**32 - 1, 2**32 - 1, 0], np.uint64))
+    assert key.token_ids.tolist() == [0, 2**32 - 1, 2**32 - 1, 0]
     prefill_insert(cache, KVOracle(be), key)
-    assert cache.match_prefix([0, 2 ** 32 - 1, 2 ** 32 - 1, 0]).device_hit_length == 4
+    assert cache.match_prefix([0, 2**32 - 1, 2**32 - 1, 0]).device_hit_length == 4
     cache.sanity_check(0)
 
 
@@ -96,24 +116,41 @@ def test_token_id_bounds_are_inclusive_exclusive(setup):
 def test_insert_chunked_must_be_a_bool(setup, value):
     cache, be = setup
     pages = be.device.allocator.alloc(1)
-    expect_rejected(cache, be, lambda: cache.insert([70, 71], pages, chunked=value), TypeError,
-                    "chunked: expected a bool", external=1)
+    expect_rejected(
+        cache,
+        be,
+        lambda: cache.insert([70, 71], pages, chunked=value),
+        TypeError,
+        "chunked: expected a bool",
+        external=1,
+    )
 
 
 @pytest.mark.parametrize("value", [1, None, "no"])
 def test_cache_unfinished_req_chunked_must_be_a_bool(setup, value):
     cache, be = setup
     req = open_request(cache, be)
-    expect_rejected(cache, be, lambda: cache.cache_unfinished_req(req, chunked=value), TypeError,
-                    "chunked: expected a bool", external=2)
+    expect_rejected(
+        cache,
+        be,
+        lambda: cache.cache_unfinished_req(req, chunked=value),
+        TypeError,
+        "chunked: expected a bool",
+        external=2,
+    )
 
 
 @pytest.mark.parametrize("value", [1, 0, None, "no"])
 def test_begin_request_load_back_must_be_a_bool(setup, value):
     cache, be = setup
     # [0, 8) is a host hit: a truthy non-bool used to load it back.
-    expect_rejected(cache, be, lambda: cache.begin_request(RadixKey(np.arange(8)), load_back=value), TypeError,
-                    "load_back: expected a bool")
+    expect_rejected(
+        cache,
+        be,
+        lambda: cache.begin_request(RadixKey(np.arange(8)), load_back=value),
+        TypeError,
+        "load_back: expected a bool",
+    )
 
 
 @pytest.mark.parametrize("call", ["writing_check", "loading_check"])
@@ -132,8 +169,9 @@ def test_numpy_bools_are_bools(setup):
 
 
 # ---------------------------------------------------------------- mem_quota: validated first
-@pytest.mark.parametrize("key", [np.arange(8), np.arange(20, 28), np.arange(40, 48)],
-                         ids=["host hit", "device hit", "miss"])
+@pytest.mark.parametrize(
+    "key", [np.arange(8), np.arange(20, 28), np.arange(40, 48)], ids=["host hit", "device hit", "miss"]
+)
 @pytest.mark.parametrize("quota, exc", [(-1, ValueError), ("8", TypeError), (True, TypeError), (1.5, TypeError)])
 def test_begin_request_mem_quota_is_validated_before_the_match(setup, key, quota, exc):
     """Point 11: the match (access times, counters, a split) used to run before the failure,
@@ -144,8 +182,9 @@ def test_begin_request_mem_quota_is_validated_before_the_match(setup, key, quota
 
 def test_begin_request_bad_priority_changes_nothing(setup):
     cache, be = setup
-    expect_rejected(cache, be, lambda: cache.begin_request(RadixKey(np.arange(7)), priority=None), TypeError,
-                    "priority")
+    expect_rejected(
+        cache, be, lambda: cache.begin_request(RadixKey(np.arange(7)), priority=None), TypeError, "priority"
+    )
 
 
 # ---------------------------------------------------------------- requests
@@ -153,9 +192,15 @@ def test_cache_finished_req_tail_page_out_of_range(setup):
     """Point 8: was IndexError from indexing the ownership bitmap."""
     cache, be = setup
     req = open_request(cache, be)
-    req.device_pages[-1] = 10 ** 6
-    expect_rejected(cache, be, lambda: cache.cache_finished_req(req), ValueError,
-                    r"req.device_pages: tail page ids out of range \[0, 32\)", external=2)
+    req.device_pages[-1] = 10**6
+    expect_rejected(
+        cache,
+        be,
+        lambda: cache.cache_finished_req(req),
+        ValueError,
+        r"req.device_pages: tail page ids out of range \[0, 32\)",
+        external=2,
+    )
 
 
 def test_cache_finished_req_negative_tail_page(setup):
@@ -163,8 +208,14 @@ def test_cache_finished_req_negative_tail_page(setup):
     req = open_request(cache, be)
     tail = int(req.device_pages[-1])
     req.device_pages[-1] = -1
-    expect_rejected(cache, be, lambda: cache.cache_finished_req(req), ValueError,
-                    r"req.device_pages: tail page ids out of range", external=2)
+    expect_rejected(
+        cache,
+        be,
+        lambda: cache.cache_finished_req(req),
+        ValueError,
+        r"req.device_pages: tail page ids out of range",
+        external=2,
+    )
     req.device_pages[-1] = tail
     cache.cache_finished_req(req)
     cache.sanity_check(0)
@@ -174,24 +225,28 @@ def test_cache_finished_req_negative_tail_page(setup):
 def test_request_whole_page_out_of_range(setup, call):
     cache, be = setup
     req = open_request(cache, be)
-    req.device_pages[4] = 10 ** 6
-    expect_rejected(cache, be, lambda: getattr(cache, call)(req), ValueError, r"req.device_pages: ids out of range",
-                    external=2)
+    req.device_pages[4] = 10**6
+    expect_rejected(
+        cache, be, lambda: getattr(cache, call)(req), ValueError, r"req.device_pages: ids out of range", external=2
+    )
 
 
 @pytest.mark.parametrize("call", ["cache_finished_req", "cache_unfinished_req"])
-@pytest.mark.parametrize("field, value, exc, match", [
-    ("device_pages", None, TypeError, "req.device_pages: expected a 1-D integer array"),
-    ("device_pages", [0, 1, 2, 3, 4, 5], TypeError, "req.device_pages: expected a 1-D integer array"),
-    ("device_pages", np.zeros(6), TypeError, "req.device_pages: expected a 1-D integer array"),
-    ("device_pages", np.zeros((6, 1), np.int64), TypeError, "req.device_pages: expected a 1-D integer array"),
-    ("key", None, TypeError, "req.key: expected a RadixKey"),
-    ("key", [20, 21], TypeError, "req.key: expected a RadixKey"),
-    ("cached_pages", -1, ValueError, "req.cached_pages"),
-    ("cached_pages", 99, ValueError, "req.cached_pages"),
-    ("cached_pages", None, TypeError, "req.cached_pages"),
-    ("priority", None, TypeError, "req.priority"),
-])
+@pytest.mark.parametrize(
+    "field, value, exc, match",
+    [
+        ("device_pages", None, TypeError, "req.device_pages: expected a 1-D integer array"),
+        ("device_pages", [0, 1, 2, 3, 4, 5], TypeError, "req.device_pages: expected a 1-D integer array"),
+        ("device_pages", np.zeros(6), TypeError, "req.device_pages: expected a 1-D integer array"),
+        ("device_pages", np.zeros((6, 1), np.int64), TypeError, "req.device_pages: expected a 1-D integer array"),
+        ("key", None, TypeError, "req.key: expected a RadixKey"),
+        ("key", [20, 21], TypeError, "req.key: expected a RadixKey"),
+        ("cached_pages", -1, ValueError, "req.cached_pages"),
+        ("cached_pages", 99, ValueError, "req.cached_pages"),
+        ("cached_pages", None, TypeError, "req.cached_pages"),
+        ("priority", None, TypeError, "req.priority"),
+    ],
+)
 def test_request_fields_are_validated(setup, call, field, value, exc, match):
     cache, be = setup
     req = open_request(cache, be)
@@ -219,8 +274,9 @@ def test_cache_finished_req_with_a_never_locked_last_node_is_refused(setup):
 def test_none_page_lists(setup):
     cache, be = setup
     expect_rejected(cache, be, lambda: cache.insert([70, 71], None), TypeError, "device_pages: expected a sequence")
-    expect_rejected(cache, be, lambda: cache.insert_host([70, 71], None, 0), TypeError,
-                    "host_pages: expected a sequence")
+    expect_rejected(
+        cache, be, lambda: cache.insert_host([70, 71], None, 0), TypeError, "host_pages: expected a sequence"
+    )
     expect_rejected(cache, be, lambda: cache.match_prefix(None), TypeError, "key: expected a sequence")
     expect_rejected(cache, be, lambda: cache.begin_request(None), TypeError, "key: expected a sequence")
     req = CacheRequest(RadixKey([1]), P, np.array([0]))
@@ -251,9 +307,14 @@ def test_constructor_refuses_an_allocator_that_is_not_the_device_pools(backend_f
     HiRadixCache(HiCacheConfig(page_size=P), be.engine, be.device.allocator).sanity_check(0)
 
 
-@pytest.mark.parametrize("kw, match", [({"components": None}, "components: expected a list or tuple"),
-                                       ({"components": "abc"}, "components: expected a list or tuple"),
-                                       ({"sidecars": []}, "sidecars: expected a mapping")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"components": None}, "components: expected a list or tuple"),
+        ({"components": "abc"}, "components: expected a list or tuple"),
+        ({"sidecars": []}, "sidecars: expected a mapping"),
+    ],
+)
 def test_constructor_collections(backend_factory, kw, match):
     be = backend_factory(small_geom(P), 16, 16)
     with pytest.raises(TypeError, match=match):

@@ -13,8 +13,13 @@ from rank_trace import rank_cache
 from swa_harness import make_swa_cache
 from test_bad_input import expect_rejected, open_request, setup, snapshot  # noqa: F401 (setup: a fixture)
 
-from hicache_jax.cache import (NoExchangeAgreement, RadixKey, RankDivergenceError, SingleProcessAgreement,
-                               register_prometheus)
+from hicache_jax.cache import (
+    NoExchangeAgreement,
+    RadixKey,
+    RankDivergenceError,
+    SingleProcessAgreement,
+    register_prometheus,
+)
 
 
 def seq(start, n):
@@ -27,8 +32,13 @@ def test_a_label_value_of_none_is_refused(setup):
     cache, be = setup
     registry = prometheus_client.CollectorRegistry()
     for bad in (None, 1.5, True, ["0"]):
-        expect_rejected(cache, be, lambda: register_prometheus(cache, registry, labels={"rank": bad}), TypeError,
-                        "labels: the value of 'rank'")
+        expect_rejected(
+            cache,
+            be,
+            lambda: register_prometheus(cache, registry, labels={"rank": bad}),
+            TypeError,
+            "labels: the value of 'rank'",
+        )
     assert list(registry.collect()) == []  # nothing registered
     register_prometheus(cache, registry, labels={"rank": 0})  # an int is a fine value
     assert registry.get_sample_value("hicache_backup_tokens_total", {"rank": "0"}) is not None
@@ -56,8 +66,11 @@ def test_a_request_of_another_cache_is_refused(setup, backend_factory):
     other, other_be = make_cache(backend_factory, page_size=2, device_pages=32, host_pages=32)
     prefill_insert(other, KVOracle(other_be), seq(20, 8))
     foreign = open_request(other, other_be)  # holds other's pages and lock
-    for call in (lambda: cache.cache_finished_req(foreign), lambda: cache.abort_request(foreign),
-                 lambda: cache.cache_unfinished_req(foreign)):
+    for call in (
+        lambda: cache.cache_finished_req(foreign),
+        lambda: cache.abort_request(foreign),
+        lambda: cache.cache_unfinished_req(foreign),
+    ):
         expect_rejected(cache, be, call, ValueError, "another cache")
     other.cache_finished_req(foreign)  # its own cache takes it
     other.sanity_check(0)
@@ -82,7 +95,7 @@ def test_finishing_a_request_twice_says_it_is_finished(setup):
 def test_an_allocation_that_can_never_fit_evicts_nothing(setup):
     cache, be = setup
     assert cache.evictable_tokens == 8  # [20, 28) on the device, unlocked
-    for n in (10 ** 9, be.device.allocator.num_pages + 1):
+    for n in (10**9, be.device.allocator.num_pages + 1):
         before = snapshot(cache, be)
         assert cache.alloc_device(n) is None
         assert snapshot(cache, be) == before and cache.evictable_tokens == 8
@@ -93,15 +106,16 @@ def test_an_allocation_that_can_never_fit_evicts_nothing(setup):
 
 
 def test_an_swa_allocation_that_can_never_fit_evicts_nothing():
-    cache, full, swa_be, swa = make_swa_cache(page_size=2, window=5, device_pages=24, host_pages=48,
-                                              swa_device_pages=12, swa_host_pages=24)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=2, window=5, device_pages=24, host_pages=48, swa_device_pages=12, swa_host_pages=24
+    )
     n = 8
     pages = cache.alloc_device(n // 2)
     ids = cache.alloc_component("swa", n // 2)
     cache.insert(seq(0, n), pages, component_pages={"swa": ids.astype(np.int32)})
     cache.flush()
     used, stats = swa.device_allocator.used, cache.stats()
-    for bad in (10 ** 6, swa.device_allocator.num_pages + 1):
+    for bad in (10**6, swa.device_allocator.num_pages + 1):
         assert cache.alloc_component("swa", bad) is None
         assert swa.device_allocator.used == used and swa.metrics.tombstoned_tokens == 0
         assert swa.metrics.leaf_evictions == 0 and cache.stats() == stats

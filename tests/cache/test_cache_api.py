@@ -25,12 +25,29 @@ def page_size(request):
 
 def snapshot(cache, be):
     """Everything a failed call must leave unchanged."""
-    nodes = sorted((n.id, len(n), None if n.value is None else n.value.tolist(),
-                    None if n.host_value is None else n.host_value.tolist(), n.lock_ref, n.host_lock_ref,
-                    n.hit_count, n.last_access) for n in cache.all_nodes())
-    return (nodes, cache.evictable_tokens, cache.protected_tokens, cache.host_tokens,
-            be.device.allocator.available, be.host.allocator.available, copy.deepcopy(cache.metrics.as_dict()),
-            cache.in_flight)
+    nodes = sorted(
+        (
+            n.id,
+            len(n),
+            None if n.value is None else n.value.tolist(),
+            None if n.host_value is None else n.host_value.tolist(),
+            n.lock_ref,
+            n.host_lock_ref,
+            n.hit_count,
+            n.last_access,
+        )
+        for n in cache.all_nodes()
+    )
+    return (
+        nodes,
+        cache.evictable_tokens,
+        cache.protected_tokens,
+        cache.host_tokens,
+        be.device.allocator.available,
+        be.host.allocator.available,
+        copy.deepcopy(cache.metrics.as_dict()),
+        cache.in_flight,
+    )
 
 
 # ---------------------------------------------------------------- match / insert
@@ -542,7 +559,7 @@ def test_request_flow_unfinished_then_finished(backend_factory, page_size):
     need = -(-len(prompt) // p) - req.cached_pages
     new = cache.alloc_device(need)
     req.extend(prompt, new)
-    oracle.write(prompt, req.device_pages[:len(prompt) // p])
+    oracle.write(prompt, req.device_pages[: len(prompt) // p])
     cache.cache_unfinished_req(req)
     assert req.cached_pages == 5
     assert cache.protected_tokens == 5 * p
@@ -614,10 +631,18 @@ def test_radix_key_owns_its_tokens(backend_factory):
 
 
 # ---------------------------------------------------------------- bad input: error, no state change
-@pytest.mark.parametrize("bad_key, exc", [
-    ([1.0, 2.0], TypeError), (["a"], TypeError), ("abc", TypeError), ([True, 1], TypeError),
-    (np.array([1.5]), TypeError), (np.zeros((2, 2), np.int64), ValueError), (7, TypeError),
-])
+@pytest.mark.parametrize(
+    "bad_key, exc",
+    [
+        ([1.0, 2.0], TypeError),
+        (["a"], TypeError),
+        ("abc", TypeError),
+        ([True, 1], TypeError),
+        (np.array([1.5]), TypeError),
+        (np.zeros((2, 2), np.int64), ValueError),
+        (7, TypeError),
+    ],
+)
 def test_bad_tokens(backend_factory, bad_key, exc):
     cache, be = make_cache(backend_factory)
     before = snapshot(cache, be)

@@ -8,13 +8,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_bench_tree_multiturn_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_tree_multiturn",
-                                                  os.path.join(ROOT, "benchmarks", "bench_tree_multiturn.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_tree_multiturn", os.path.join(ROOT, "benchmarks", "bench_tree_multiturn.py")
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "tree.json"
-    results = bench.main(["--quick", "--verify", "--check-every", "4", "--no-progress",
-                          "--real-layers", "1", "--out", str(out)])
+    results = bench.main(
+        ["--quick", "--verify", "--check-every", "4", "--no-progress", "--real-layers", "1", "--out", str(out)]
+    )
     doc = json.loads(out.read_text())
     assert len(doc["results"]) == len(results) == 6  # 2 modes x 3 policies
     for r in doc["results"]:
@@ -31,15 +33,18 @@ def test_bench_tree_multiturn_quick(tmp_path):
 def test_bench_tree_multiturn_geometry_override_keeps_hits():
     """bench_tree_vs_upstream gives our replay upstream's KV geometry: the tree's decisions (hit
     rates per tier) must not depend on it, and the bytes must still verify."""
-    spec = importlib.util.spec_from_file_location("bench_tree_multiturn",
-                                                  os.path.join(ROOT, "benchmarks", "bench_tree_multiturn.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_tree_multiturn", os.path.join(ROOT, "benchmarks", "bench_tree_multiturn.py")
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from hicache_jax import KVGeometry
 
     trace = bench.make_trace(clients=8, rounds=3)
-    runs = [bench.run(trace, "write_through", "manager", 6_000, 4.0, 1, True, 8, False, geom=g)
-            for g in (None, KVGeometry.mha(2, 1, 1, 8, "bfloat16"))]
+    runs = [
+        bench.run(trace, "write_through", "manager", 6_000, 4.0, 1, True, 8, False, geom=g)
+        for g in (None, KVGeometry.mha(2, 1, 1, 8, "bfloat16"))
+    ]
     assert runs[1]["kv_bytes_per_token"] == 4 * runs[0]["kv_bytes_per_token"] == 64
     assert runs[0]["hit_rate"] == runs[1]["hit_rate"] and runs[0]["hit_rate"]["L2"] > 0
 
@@ -48,8 +53,9 @@ def test_bench_tree_differential_our_side_replays():
     """The differential benchmark's side of our tree (the upstream side needs .venv-upstream and
     is not run here): short branchy traces under every write policy evict on both tiers, load
     back, and leave every invariant intact (``OursReplay.close`` runs ``sanity_check``)."""
-    spec = importlib.util.spec_from_file_location("bench_tree_differential",
-                                                  os.path.join(ROOT, "benchmarks", "bench_tree_differential.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_tree_differential", os.path.join(ROOT, "benchmarks", "bench_tree_differential.py")
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     trace = bench.make_branchy_trace(60, 0)

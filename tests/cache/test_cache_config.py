@@ -16,16 +16,19 @@ def test_defaults_follow_upstream():
     assert HiCacheConfig(write_policy="write_back").write_through_threshold is None
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"write_policy": "write_around"}, ValueError, "write_policy"),
-    ({"eviction_policy": "slru"}, ValueError, "eviction_policy"),  # fifo, mru and priority are offered now
-    ({"page_size": 0}, ValueError, "page_size"),
-    ({"page_size": 1.0}, TypeError, "page_size"),
-    ({"page_size": True}, TypeError, "page_size"),
-    ({"write_through_threshold": 0}, ValueError, "write_through_threshold"),
-    ({"load_back_threshold": -1}, ValueError, "load_back_threshold"),
-    ({"host_reclaim": 1}, TypeError, "host_reclaim"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"write_policy": "write_around"}, ValueError, "write_policy"),
+        ({"eviction_policy": "slru"}, ValueError, "eviction_policy"),  # fifo, mru and priority are offered now
+        ({"page_size": 0}, ValueError, "page_size"),
+        ({"page_size": 1.0}, TypeError, "page_size"),
+        ({"page_size": True}, TypeError, "page_size"),
+        ({"write_through_threshold": 0}, ValueError, "write_through_threshold"),
+        ({"load_back_threshold": -1}, ValueError, "load_back_threshold"),
+        ({"host_reclaim": 1}, TypeError, "host_reclaim"),
+    ],
+)
 def test_bad_config(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         HiCacheConfig(**kwargs)

@@ -21,8 +21,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from cache_harness import KVOracle, numpy_backend_factory, small_geom
 from shadow_component import ShadowComponent
@@ -40,6 +46,7 @@ def _survives_failure(rule_fn):
     """A copy that failed for good stops the cache (``CacheFailedError``) at whatever call
     acknowledged it: a machine that injects failures then checks the stop, resets and goes
     on. Without injected failures the error is a test failure."""
+
     @functools.wraps(rule_fn)
     def run(self, *args, **kwargs):
         try:
@@ -48,6 +55,7 @@ def _survives_failure(rule_fn):
             if not self.injects_failures:
                 raise
             self.after_failure()
+
     return run
 
 
@@ -69,12 +77,30 @@ class CacheMachine(RuleBasedStateMachine):
         shadow=st.booleans(),  # a stateful plug-in component mirroring residency through its hooks
         draft=st.booleans(),  # a draft-KV sidecar following the target's page ids
     )
-    def setup(self, policy, eviction, page_size, device_pages, host_pages, layout, deferred, threshold,
-              host_reclaim, kind, shadow, draft):
+    def setup(
+        self,
+        policy,
+        eviction,
+        page_size,
+        device_pages,
+        host_pages,
+        layout,
+        deferred,
+        threshold,
+        host_reclaim,
+        kind,
+        shadow,
+        draft,
+    ):
         self.p = page_size
         self.be = self.backend_factory(small_geom(page_size, kind), device_pages, host_pages, layout, deferred)
-        cfg = HiCacheConfig(page_size=page_size, write_policy=policy, eviction_policy=eviction,
-                            load_back_threshold=threshold, host_reclaim=host_reclaim)
+        cfg = HiCacheConfig(
+            page_size=page_size,
+            write_policy=policy,
+            eviction_policy=eviction,
+            load_back_threshold=threshold,
+            host_reclaim=host_reclaim,
+        )
         plugins = []
         if shadow:
             side = numpy_backend_factory(small_geom(page_size, kind), device_pages, host_pages, layout)
@@ -82,8 +108,9 @@ class CacheMachine(RuleBasedStateMachine):
         sidecars, self.oracles = None, []
         if draft:
             # One layer of the other attention kind: a draft page at a target offset cannot fit.
-            side = numpy_backend_factory(small_geom(page_size, "mla" if kind == "mha" else "mha", layers=1),
-                                         device_pages, host_pages, layout)
+            side = numpy_backend_factory(
+                small_geom(page_size, "mla" if kind == "mha" else "mha", layers=1), device_pages, host_pages, layout
+            )
             sidecars = {"draft": side.engine}
             self.oracles.append(KVOracle(side, salt=0x5A5A5A5A))
             EVENTS["draft_machines"] = EVENTS.get("draft_machines", 0) + 1
@@ -102,8 +129,11 @@ class CacheMachine(RuleBasedStateMachine):
         # A failed load's pages hold garbage until the cache acknowledges it (and copies them
         # again): its reader learns of it through the handle, as a forward pass would.
         acking = {id(h) for h in self.cache.debug_view().pending_load_handles()}
-        self.loads = [(h, pg) for h, pg in self.loads
-                      if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)]
+        self.loads = [
+            (h, pg)
+            for h, pg in self.loads
+            if not h.done() or (getattr(h, "error", None) is not None and id(h) in acking)
+        ]
         return set(np.concatenate([pg for _, pg in self.loads]).tolist()) if self.loads else set()
 
     def write(self, key, pages, first_page=0):
@@ -138,7 +168,7 @@ class CacheMachine(RuleBasedStateMachine):
         with pytest.raises(CacheFailedError):
             self.cache.match_prefix(self.key([0], None))
         for req in self.reqs:  # the requests are abandoned: their own pages go back
-            own = req.device_pages[req.cached_pages:]
+            own = req.device_pages[req.cached_pages :]
             if own.size:
                 self.be.device.allocator.free(own)
         self.reqs, self.locks, self.loads = [], [], []
@@ -158,8 +188,12 @@ class CacheMachine(RuleBasedStateMachine):
             self.loads.append((lb.handle, lb.device_pages))
 
     # ------------------------------------------------------------------ rules
-    tokens = st.builds(lambda d, n, tail: list(_DOCS[d, :n]) + tail, st.integers(0, 2), st.integers(0, 16),
-                       st.lists(st.integers(0, 2), max_size=3)).filter(bool)
+    tokens = st.builds(
+        lambda d, n, tail: list(_DOCS[d, :n]) + tail,
+        st.integers(0, 2),
+        st.integers(0, 16),
+        st.lists(st.integers(0, 2), max_size=3),
+    ).filter(bool)
     ns = st.sampled_from([None, "b"])
 
     @rule(toks=tokens, ns=ns, load=st.booleans(), quota=st.sampled_from([None, 4, 100]), prio=st.integers(0, 3))
@@ -179,8 +213,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.write(key, pages, req.cached_pages)
         self.reqs.append(req)
 
-    @rule(toks=tokens, ns=ns, load=st.booleans(), out=st.lists(st.integers(0, 2), max_size=4),
-          mid=st.booleans())
+    @rule(toks=tokens, ns=ns, load=st.booleans(), out=st.lists(st.integers(0, 2), max_size=4), mid=st.booleans())
     @_survives_failure
     def serve(self, toks, ns, load, out, mid):
         """A whole request in one step: begin, prefill, (unfinished), decode, finished."""
@@ -198,7 +231,7 @@ class CacheMachine(RuleBasedStateMachine):
     def unfinished(self, data, chunked):
         req = data.draw(st.sampled_from(self.reqs))
         self.cache.cache_unfinished_req(req, chunked=chunked)
-        self.check_device(req.key, req.device_pages[:req.cached_pages])
+        self.check_device(req.key, req.device_pages[: req.cached_pages])
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), more=st.lists(st.integers(0, 2), max_size=5))
@@ -230,7 +263,7 @@ class CacheMachine(RuleBasedStateMachine):
     def abort(self, data):
         req = data.draw(st.sampled_from(self.reqs))
         self.reqs.remove(req)
-        self.cache.device_allocator.free(req.device_pages[req.cached_pages:])
+        self.cache.device_allocator.free(req.device_pages[req.cached_pages :])
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
 
@@ -319,24 +352,38 @@ class CacheMachine(RuleBasedStateMachine):
             if n == have or others.size == 0 or unalloc.size < n - have - 1:
                 return
             # A tree page reused at a position it does not own (plus pages nobody allocated).
-            pages = np.concatenate([m.device_indices, others[:1], unalloc[:n - have - 1]])
+            pages = np.concatenate([m.device_indices, others[:1], unalloc[: n - have - 1]])
             call = lambda: self.cache.insert(key, pages)  # noqa: E731
         else:
             node = m.last_device_node
             if node is self.cache.root or node.lock_ref:
                 return
             call = lambda: self.cache.dec_lock_ref(node)  # noqa: E731
-        before = [(x.id, x.lock_ref, x.host_lock_ref, x.hit_count, x.value is None, x.host_value is None)
-                  for x in self.cache.all_nodes()]
-        counts = (self.cache.evictable_tokens, self.cache.protected_tokens, self.cache.host_tokens,
-                  alloc.available, self.be.host.allocator.available)
+        before = [
+            (x.id, x.lock_ref, x.host_lock_ref, x.hit_count, x.value is None, x.host_value is None)
+            for x in self.cache.all_nodes()
+        ]
+        counts = (
+            self.cache.evictable_tokens,
+            self.cache.protected_tokens,
+            self.cache.host_tokens,
+            alloc.available,
+            self.be.host.allocator.available,
+        )
         with pytest.raises((ValueError, TypeError)):
             call()
-        after = [(x.id, x.lock_ref, x.host_lock_ref, x.hit_count, x.value is None, x.host_value is None)
-                 for x in self.cache.all_nodes()]
+        after = [
+            (x.id, x.lock_ref, x.host_lock_ref, x.hit_count, x.value is None, x.host_value is None)
+            for x in self.cache.all_nodes()
+        ]
         assert before == after
-        assert counts == (self.cache.evictable_tokens, self.cache.protected_tokens, self.cache.host_tokens,
-                          alloc.available, self.be.host.allocator.available)
+        assert counts == (
+            self.cache.evictable_tokens,
+            self.cache.protected_tokens,
+            self.cache.host_tokens,
+            alloc.available,
+            self.be.host.allocator.available,
+        )
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -389,14 +436,32 @@ def _run(examples, steps, min_total, fixed_seed=None, failures=True):
         # An explicit seed, not derandomize: hypothesis derives that one from the machine
         # class's source, so any edit of the class (a comment) picked another run.
         machine = seed(fixed_seed)(type(machine.__name__, (machine,), {}))
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     assert STEPS["n"] >= min_total, f"only {STEPS['n']} steps ran"
     # The fuzz must actually exercise every tier transition, not just pass trivially.
-    for event in ("draft_machines", "device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
-                  "evicted_host_tokens", "reclaimed_host_tokens", "dropped_tokens", "load_back_skipped",
-                  "backup_failed_tokens", *(("transfer_retries", "transfer_failures") if failures else ())):
+    for event in (
+        "draft_machines",
+        "device_hit_tokens",
+        "loaded_tokens",
+        "backup_tokens",
+        "demoted_tokens",
+        "deleted_device_tokens",
+        "evicted_host_tokens",
+        "reclaimed_host_tokens",
+        "dropped_tokens",
+        "load_back_skipped",
+        "backup_failed_tokens",
+        *(("transfer_retries", "transfer_failures") if failures else ()),
+    ):
         assert EVENTS.get(event, 0) > 0, f"fuzz never produced {event}: {EVENTS}"
 
 

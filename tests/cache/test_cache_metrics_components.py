@@ -61,8 +61,9 @@ def _sidecar_setup(deferred):
     target = numpy_backend_factory(small_geom(2, "mha", layers=3), 16, 32, "page_first", deferred)
     draft_be = numpy_backend_factory(small_geom(2, "mla", layers=1), 16, 32, "layer_first", deferred)
     draft_engine = NumpyTransferEngine(draft_be.device, draft_be.host, deferred=deferred)
-    cache = HiRadixCache(HiCacheConfig(page_size=2), target.engine, target.device.allocator,
-                         sidecars={"draft": draft_engine})
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=2), target.engine, target.device.allocator, sidecars={"draft": draft_engine}
+    )
     return cache, target, Backend(draft_be.geom, draft_be.device, draft_be.host, draft_engine)
 
 
@@ -86,8 +87,9 @@ def test_sidecar_component_follows_full_page_ids(deferred):
     garbage_ids = cache.alloc_device(6)
     for be in (target, draft):
         for c in be.geom.components:
-            be.device.write(c, garbage_ids, np.zeros((be.geom.num_layers, 6) + be.geom.page_shape,
-                                                      be.geom.container_dtype))
+            be.device.write(
+                c, garbage_ids, np.zeros((be.geom.num_layers, 6) + be.geom.page_shape, be.geom.container_dtype)
+            )
     target.device.allocator.free(garbage_ids)
     m = cache.match_prefix(key)
     lb = cache.load_back(m.last_host_node)
@@ -109,5 +111,6 @@ def test_sidecar_validation():
         with pytest.raises((ValueError, TypeError), match=match):
             HiRadixCache(HiCacheConfig(page_size=2), target.engine, target.device.allocator, sidecars={"draft": bad})
     with pytest.raises(ValueError, match="reserved"):
-        HiRadixCache(HiCacheConfig(page_size=2), target.engine, target.device.allocator,
-                     sidecars={"full": target.engine})
+        HiRadixCache(
+            HiCacheConfig(page_size=2), target.engine, target.device.allocator, sidecars={"full": target.engine}
+        )

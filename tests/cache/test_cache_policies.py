@@ -127,8 +127,7 @@ def test_chunked_insert_counts_no_hit_and_backs_up_nothing(backend_factory):
 
 # ---------------------------------------------------------------- write_through_selective
 def test_selective_backs_up_prompts_at_finish_outputs_when_reused(backend_factory):
-    cache, be = make_cache(backend_factory, write_policy="write_through_selective", device_pages=64,
-                           host_pages=128)
+    cache, be = make_cache(backend_factory, write_policy="write_through_selective", device_pages=64, host_pages=128)
     oracle = KVOracle(be)
     prompt, full = seq(0, 12), seq(0, 16)
     req, _ = cache.begin_request(prompt)

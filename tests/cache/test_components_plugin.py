@@ -24,9 +24,12 @@ def make(shadow_cls=ShadowComponent, *, device_pages=24, host_pages=48, page_siz
     full = numpy_backend_factory(geom, device_pages, host_pages)
     side = numpy_backend_factory(geom, device_pages, host_pages)
     shadow = shadow_cls(side.engine)
-    cache = HiRadixCache(HiCacheConfig(page_size=page_size, load_back_threshold=load_back_threshold, **cfg),
-                         full.engine, full.device.allocator,
-                         components=[shadow])
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=page_size, load_back_threshold=load_back_threshold, **cfg),
+        full.engine,
+        full.device.allocator,
+        components=[shadow],
+    )
     return cache, full, side, shadow
 
 
@@ -56,7 +59,9 @@ def test_a_stateful_component_mirrors_the_tree_through_every_path(policy):
         if op < 0.45 or not keys:  # insert a new branch or extend an old one (splits happen)
             base = rng.choice(keys) if keys and rng.random() < 0.6 else seq(rng.randrange(1000) * 100, 0)
             cut = rng.randrange(0, len(base) + 1)
-            toks = np.concatenate([base.token_ids[:cut], rng.randrange(1, 9) * 1000 + np.arange(2 * rng.randrange(1, 5))])
+            toks = np.concatenate(
+                [base.token_ids[:cut], rng.randrange(1, 9) * 1000 + np.arange(2 * rng.randrange(1, 5))]
+            )
             key = RadixKey(toks.astype(np.int64))
             req, lb = cache.begin_request(key)
             if lb is not None:
@@ -87,8 +92,17 @@ def test_a_stateful_component_mirrors_the_tree_through_every_path(policy):
             kv.check_device(key, pages)
         cache.flush()
         cache.sanity_check(0)
-    for hook in ("on_split", "on_insert", "on_backup", "on_load", "on_evict_device", "on_evict_host", "on_lock",
-                 "on_release", "usable_device_nodes"):
+    for hook in (
+        "on_split",
+        "on_insert",
+        "on_backup",
+        "on_load",
+        "on_evict_device",
+        "on_evict_host",
+        "on_lock",
+        "on_release",
+        "usable_device_nodes",
+    ):
         assert shadow.calls.get(hook, 0) > 0, (hook, shadow.calls)
     cache.reset()
     assert shadow.calls["reset"] == 1
@@ -145,8 +159,9 @@ def test_stateless_components_hooks_never_run():
     geom = small_geom(2)
     full = numpy_backend_factory(geom, 16, 32)
     side = numpy_backend_factory(geom, 16, 32)
-    cache = HiRadixCache(HiCacheConfig(page_size=2), full.engine, full.device.allocator,
-                         components=[Loud("draft2", side.engine)])
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=2), full.engine, full.device.allocator, components=[Loud("draft2", side.engine)]
+    )
     oracle = KVOracle(full)
     prefill_insert(cache, oracle, seq(0, 8))
     cache.match_prefix(seq(0, 4))

@@ -41,12 +41,15 @@ def _evicted_order(cache, nodes):
     return "".join("ABC"[i] for i in order)
 
 
-@pytest.mark.parametrize("policy, expect", [
-    ("lru", "BCA"),  # oldest access first; A was touched last
-    ("mru", "ACB"),  # newest access first
-    ("fifo", "ABC"),  # creation order, whatever the accesses
-    ("lfu", "BCA"),  # A has 2 hits; B and C one each, the older access first
-])
+@pytest.mark.parametrize(
+    "policy, expect",
+    [
+        ("lru", "BCA"),  # oldest access first; A was touched last
+        ("mru", "ACB"),  # newest access first
+        ("fifo", "ABC"),  # creation order, whatever the accesses
+        ("lfu", "BCA"),  # A has 2 hits; B and C one each, the older access first
+    ],
+)
 def test_eviction_order_by_policy(backend_factory, policy, expect):
     cache, be = make_cache(backend_factory, device_pages=16, eviction_policy=policy)
     nodes = _three_leaves(cache, KVOracle(be))

@@ -99,15 +99,25 @@ CASES = [
     ("owner", lambda s: _set(s.B, owner=object()), r"owner is not this cache"),
     ("parent-link", lambda s: _set(s.B, parent=s.C), r"parent link does not point at"),
     ("deleted-linked", lambda s: _set(s.B, deleted=True), r"deleted node still linked"),
-    ("key-not-page-multiple", lambda s: _set(s.B, key=np.arange(50, 53)),
-     r"key length 3 is not a positive multiple of page_size 2"),
+    (
+        "key-not-page-multiple",
+        lambda s: _set(s.B, key=np.arange(50, 53)),
+        r"key length 3 is not a positive multiple of page_size 2",
+    ),
     ("key-empty", lambda s: _set(s.B, key=np.zeros(0, np.int64)), r"key length 0 is not a positive multiple"),
     ("namespace", lambda s: _set(s.B, namespace=("tenant", None)), r"namespace .* differs from its parent's"),
-    ("child-dict-key", lambda s: s.A.children.__setitem__(b"\0" * 8 * P, s.A.children.pop(_child_key(s.A, s.B))),
-     r"child-dict key does not match its first page"),
-    ("root-child-dict-key", lambda s: s.root.children.__setitem__(
-        (("other", None), _child_key(s.root, s.A)[1]), s.root.children.pop(_child_key(s.root, s.A))),
-     r"child-dict key does not match its first page"),
+    (
+        "child-dict-key",
+        lambda s: s.A.children.__setitem__(b"\0" * 8 * P, s.A.children.pop(_child_key(s.A, s.B))),
+        r"child-dict key does not match its first page",
+    ),
+    (
+        "root-child-dict-key",
+        lambda s: s.root.children.__setitem__(
+            (("other", None), _child_key(s.root, s.A)[1]), s.root.children.pop(_child_key(s.root, s.A))
+        ),
+        r"child-dict key does not match its first page",
+    ),
     # ---- per node
     ("dead-node", lambda s: _set(s.B, value=None, host_value=None), r"dead node \(neither on device nor backed up\)"),
     ("device-page-count", lambda s: _set(s.B, value=s.B.value[:1]), r"1 device pages for 2 pages of tokens"),
@@ -121,74 +131,148 @@ CASES = [
     ("host-path-lock", lambda s: _set(s.B, host_lock_ref=1), r"children's host path locks exceed its own 0"),
     ("child-counters", lambda s: _set(s.A, dev_children=s.A.dev_children + 1), r"child counters \(3, 2\) != actual"),
     ("host-child-counters", lambda s: _set(s.A, host_children=0), r"child counters \(2, 0\) != actual \(2, 2\)"),
-    ("host-only-with-children", lambda s: (_set(s.A, value=None), _set(s.B, host_value=None),
-                                           _set(s.C, host_value=None)),
-     r"host-only node with children that are not backed up"),
-    ("root-child-counters", lambda s: _set(s.root, dev_children=0), r"root: child counters \(0, 2\) != actual \(1, 2\)"),
+    (
+        "host-only-with-children",
+        lambda s: (_set(s.A, value=None), _set(s.B, host_value=None), _set(s.C, host_value=None)),
+        r"host-only node with children that are not backed up",
+    ),
+    (
+        "root-child-counters",
+        lambda s: _set(s.root, dev_children=0),
+        r"root: child counters \(0, 2\) != actual \(1, 2\)",
+    ),
     # ---- tracking sets and their heaps (EvictionIndex.check)
     ("device-index-stale-member", lambda s: s.cache.device_lru.members.add(s.A), r"device_leaves: stale members \["),
-    ("device-index-missing", lambda s: s.cache.device_lru.members.discard(s.B),
-     r"device_leaves: stale members \[\], missing \[TreeNode"),
-    ("host-index-missing", lambda s: s.cache.host_lru.members.discard(s.D),
-     r"host_leaves: stale members \[\], missing \[TreeNode"),
-    ("reclaim-index-missing", lambda s: s.cache.reclaim_lru.members.discard(s.C),
-     r"host_reclaimable: stale members \[\], missing \[TreeNode"),
-    ("heap-two-live-entries", lambda s: s.cache.device_lru.inject_entry(_live_entry(s.cache.device_lru, s.B)),
-     r"device_leaves: two live heap entries for"),
-    ("heap-member-without-entry", lambda s: s.B.heap_stamp.__setitem__(s.cache.device_lru.slot, -5),
-     r"device_leaves: member .* has no live heap entry"),
-    ("heap-stale-priority", lambda s: _set(s.D, last_access=s.D.last_access + 1000),
-     r"host_leaves: stale priority"),
-    ("heap-non-member", lambda s: s.cache.reclaim_lru.members.discard(s.B),
-     r"host_reclaimable: live heap entry for non-member"),
-    ("both-eviction-sets", lambda s: s.cache.host_lru.members.add(s.B),
-     r"nodes in both the device and host eviction sets"),
+    (
+        "device-index-missing",
+        lambda s: s.cache.device_lru.members.discard(s.B),
+        r"device_leaves: stale members \[\], missing \[TreeNode",
+    ),
+    (
+        "host-index-missing",
+        lambda s: s.cache.host_lru.members.discard(s.D),
+        r"host_leaves: stale members \[\], missing \[TreeNode",
+    ),
+    (
+        "reclaim-index-missing",
+        lambda s: s.cache.reclaim_lru.members.discard(s.C),
+        r"host_reclaimable: stale members \[\], missing \[TreeNode",
+    ),
+    (
+        "heap-two-live-entries",
+        lambda s: s.cache.device_lru.inject_entry(_live_entry(s.cache.device_lru, s.B)),
+        r"device_leaves: two live heap entries for",
+    ),
+    (
+        "heap-member-without-entry",
+        lambda s: s.B.heap_stamp.__setitem__(s.cache.device_lru.slot, -5),
+        r"device_leaves: member .* has no live heap entry",
+    ),
+    ("heap-stale-priority", lambda s: _set(s.D, last_access=s.D.last_access + 1000), r"host_leaves: stale priority"),
+    (
+        "heap-non-member",
+        lambda s: s.cache.reclaim_lru.members.discard(s.B),
+        r"host_reclaimable: live heap entry for non-member",
+    ),
+    (
+        "both-eviction-sets",
+        lambda s: s.cache.host_lru.members.add(s.B),
+        r"nodes in both the device and host eviction sets",
+    ),
     # ---- counters
-    ("evictable-counter", lambda s: s.view.inject_counter_error("evictable_tokens", 2),
-     r"device counts: evictable 18 / protected 0, recomputed 16 / 0"),
-    ("protected-counter", lambda s: s.view.inject_counter_error("protected_tokens", -2),
-     r"device counts: evictable 16 / protected -2, recomputed 16 / 0"),
+    (
+        "evictable-counter",
+        lambda s: s.view.inject_counter_error("evictable_tokens", 2),
+        r"device counts: evictable 18 / protected 0, recomputed 16 / 0",
+    ),
+    (
+        "protected-counter",
+        lambda s: s.view.inject_counter_error("protected_tokens", -2),
+        r"device counts: evictable 16 / protected -2, recomputed 16 / 0",
+    ),
     ("host-counter", lambda s: s.view.inject_counter_error("host_tokens", 4), r"host tokens 28, recomputed 24"),
     # ---- pages and allocators
-    ("device-allocator", lambda s: _free_list_duplicate(s.be.device.allocator),
-     r"device allocator: device: duplicate ids in the free list"),
-    ("host-allocator", lambda s: _free_list_duplicate(s.be.host.allocator),
-     r"host allocator: .*duplicate ids in the free list"),
+    (
+        "device-allocator",
+        lambda s: _free_list_duplicate(s.be.device.allocator),
+        r"device allocator: device: duplicate ids in the free list",
+    ),
+    (
+        "host-allocator",
+        lambda s: _free_list_duplicate(s.be.host.allocator),
+        r"host allocator: .*duplicate ids in the free list",
+    ),
     ("device-double-owner", lambda s: _set(s.C, value=s.B.value.copy()), r"device pages held by two nodes"),
     ("host-double-owner", lambda s: _set(s.C, host_value=s.B.host_value.copy()), r"host pages held by two nodes"),
-    ("device-page-free", lambda s: s.be.device.allocator.free(s.B.value[:1]),
-     r"device pages in the tree but free in the allocator"),
-    ("host-page-free", lambda s: s.be.host.allocator.free(s.D.host_value[:1]),
-     r"host pages in the tree but free in the allocator"),
-    ("device-bitmap", lambda s: s.view.inject_ownership_error("device", 31),
-     r"device ownership bitmap disagrees with the tree at pages \[31\]"),
-    ("host-bitmap", lambda s: s.view.inject_ownership_error("host", int(s.B.host_value[0])),
-     r"host ownership bitmap disagrees with the tree at pages"),
-    ("reserved-repeated", lambda s: _reserved(s, np.r_[s.be.host.allocator.alloc(1)].repeat(2)),
-     r"host pages reserved by the storage controller are repeated, free or owned by the tree"),
-    ("reserved-owned", lambda s: _reserved(s, s.D.host_value[:1]),
-     r"host pages reserved by the storage controller are repeated, free or owned by the tree"),
-    ("reserved-free", lambda s: _reserved(s, [31]),
-     r"host pages reserved by the storage controller are repeated, free or owned by the tree"),
+    (
+        "device-page-free",
+        lambda s: s.be.device.allocator.free(s.B.value[:1]),
+        r"device pages in the tree but free in the allocator",
+    ),
+    (
+        "host-page-free",
+        lambda s: s.be.host.allocator.free(s.D.host_value[:1]),
+        r"host pages in the tree but free in the allocator",
+    ),
+    (
+        "device-bitmap",
+        lambda s: s.view.inject_ownership_error("device", 31),
+        r"device ownership bitmap disagrees with the tree at pages \[31\]",
+    ),
+    (
+        "host-bitmap",
+        lambda s: s.view.inject_ownership_error("host", int(s.B.host_value[0])),
+        r"host ownership bitmap disagrees with the tree at pages",
+    ),
+    (
+        "reserved-repeated",
+        lambda s: _reserved(s, np.r_[s.be.host.allocator.alloc(1)].repeat(2)),
+        r"host pages reserved by the storage controller are repeated, free or owned by the tree",
+    ),
+    (
+        "reserved-owned",
+        lambda s: _reserved(s, s.D.host_value[:1]),
+        r"host pages reserved by the storage controller are repeated, free or owned by the tree",
+    ),
+    (
+        "reserved-free",
+        lambda s: _reserved(s, [31]),
+        r"host pages reserved by the storage controller are repeated, free or owned by the tree",
+    ),
     ("host-leak", lambda s: s.be.host.allocator.alloc(1), r"host pool memory leak detected: free 19 \+ tree 12"),
-    ("device-pages-vs-tokens", lambda s: _set(s.C, value=s.B.value.copy()),
-     r"device pages 6 != \(evictable \+ protected\) tokens / page_size"),
+    (
+        "device-pages-vs-tokens",
+        lambda s: _set(s.C, value=s.B.value.copy()),
+        r"device pages 6 != \(evictable \+ protected\) tokens / page_size",
+    ),
     ("device-leak", lambda s: s.be.device.allocator.alloc(1), r"device pool memory leak detected: free 23 \+ tree 8"),
     # ---- several ranks
-    ("reservation-outlives-step", lambda s: s.view.inject_phantom_pages(3),
-     r"reservations outlive their agreement step: 0 pending, 3 phantom host pages"),
-    ("reserved-backup-outlives-step", lambda s: s.view.inject_reserved_backup(s.B),
-     r"1 nodes still count as reserved for a backup outside an agreement"),
+    (
+        "reservation-outlives-step",
+        lambda s: s.view.inject_phantom_pages(3),
+        r"reservations outlive their agreement step: 0 pending, 3 phantom host pages",
+    ),
+    (
+        "reserved-backup-outlives-step",
+        lambda s: s.view.inject_reserved_backup(s.B),
+        r"1 nodes still count as reserved for a backup outside an agreement",
+    ),
     # ---- caller locks
-    ("caller-locks", lambda s: (s.cache.inc_lock_ref(s.B), _set(s.B, lock_ref=0), _set(s.A, lock_ref=0)),
-     r"1 caller locks but only 0 device path locks reach the root"),
+    (
+        "caller-locks",
+        lambda s: (s.cache.inc_lock_ref(s.B), _set(s.B, lock_ref=0), _set(s.A, lock_ref=0)),
+        r"1 caller locks but only 0 device path locks reach the root",
+    ),
 ]
 
 IN_FLIGHT_CASES = [
     ("in-flight-deleted", lambda s: _set(s.E, deleted=True), r"backup in flight on a deleted node"),
     ("in-flight-unlocked", lambda s: _set(s.E, lock_ref=0), r"backup in flight on .* without device and host locks"),
-    ("in-flight-host-unlocked", lambda s: _set(s.E, host_lock_ref=0),
-     r"backup in flight on .* without device and host locks"),
+    (
+        "in-flight-host-unlocked",
+        lambda s: _set(s.E, host_lock_ref=0),
+        r"backup in flight on .* without device and host locks",
+    ),
     ("in-flight-pages-gone", lambda s: _set(s.E, host_value=None), r"backup in flight on .* whose pages are gone"),
 ]
 
@@ -217,7 +301,10 @@ def test_sanity_check_raises_the_violations(backend_factory):
     s = _scene(backend_factory)
     s.view.inject_counter_error("host_tokens", 4)
     _set(s.B, lock_ref=-1)
-    with pytest.raises(CacheInvariantError, match=r"(?s)^[2-9] cache invariant violation\(s\):\n  .*negative lock count.*host tokens 28"):
+    with pytest.raises(
+        CacheInvariantError,
+        match=r"(?s)^[2-9] cache invariant violation\(s\):\n  .*negative lock count.*host tokens 28",
+    ):
         s.cache.sanity_check(0)
 
 
@@ -252,7 +339,7 @@ def _mutants(source: str, call: str):
     for every i: one check switched off at a time."""
     starts = [m.start() for m in re.finditer(re.escape(call), source)]
     for i, at in enumerate(starts):
-        yield i, source[:at] + "(lambda *_: None)(" + source[at + len(call):]
+        yield i, source[:at] + "(lambda *_: None)(" + source[at + len(call) :]
 
 
 def test_disabling_any_check_fails_a_case(monkeypatch):
@@ -270,8 +357,10 @@ def test_disabling_any_check_fails_a_case(monkeypatch):
     from hicache_jax.cache.components import swa as swa_module
 
     def caught(collect, swa_only=False) -> bool:
-        if not swa_only and any(not _detected(numpy_backend_factory, scene, corrupt, message, collect)[0]
-                                for scene, (_case, corrupt, message) in ALL_CASES):
+        if not swa_only and any(
+            not _detected(numpy_backend_factory, scene, corrupt, message, collect)[0]
+            for scene, (_case, corrupt, message) in ALL_CASES
+        ):
             return True
         return any(not swa_detected(corrupt, message, collect)[0] for _case, corrupt, message in SWA_CASES)
 

@@ -45,7 +45,7 @@ def expected_keys(cache, salt: str = "") -> dict[str, set]:
             n = n.parent
         toks = np.concatenate(parts[::-1])
         ns = replace(base, extra_key=encode_namespace(salt, node.namespace))
-        ks = page_keys(ns, toks)[-(node.size // P):]
+        ks = page_keys(ns, toks)[-(node.size // P) :]
         if node.value is not None:
             out["device"].update(ks)
         if node.host_value is not None:
@@ -58,22 +58,43 @@ def stored_keys(storage) -> set:
     if storage.backend_name == "memory":
         return {k for (pool, k) in storage._pages if pool == "target"}
     base = os.path.join(storage.root, "target")
-    return {bytes.fromhex(f[:-3]) for d in os.listdir(base) for f in os.listdir(os.path.join(base, d))
-            if f.endswith(".kv")}
+    return {
+        bytes.fromhex(f[:-3]) for d in os.listdir(base) for f in os.listdir(os.path.join(base, d)) if f.endswith(".kv")
+    }
 
 
 class Trace:
     """A small cache with an L3 (memory store) and an event source; ``do(op)`` runs one step."""
 
-    def __init__(self, seed: int, *, device_pages: int = 20, host_pages: int = 28, max_pending: int = 1 << 16,
-                 with_l3: bool = True, storage: dict | None = None) -> None:
-        self.cache, self.be = make_cache(numpy_backend_factory, page_size=P, device_pages=device_pages,
-                                         host_pages=host_pages, write_through_threshold=1, load_back_threshold=1)
+    def __init__(
+        self,
+        seed: int,
+        *,
+        device_pages: int = 20,
+        host_pages: int = 28,
+        max_pending: int = 1 << 16,
+        with_l3: bool = True,
+        storage: dict | None = None,
+    ) -> None:
+        self.cache, self.be = make_cache(
+            numpy_backend_factory,
+            page_size=P,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            write_through_threshold=1,
+            load_back_threshold=1,
+        )
         self.oracle = KVOracle(self.be)
         self.ctl = None
         if with_l3:
-            cfg = StorageConfig(**{"backend": "memory", "prefetch_threshold_tokens": P,
-                                   "prefetch_policy": "wait_complete", **(storage or {})})
+            cfg = StorageConfig(
+                **{
+                    "backend": "memory",
+                    "prefetch_threshold_tokens": P,
+                    "prefetch_policy": "wait_complete",
+                    **(storage or {}),
+                }
+            )
             self.ctl = StorageController(self.cache, cfg, model=MODEL)
         self.src = KVEventSource(self.cache, model=MODEL, engine="e0", max_pending=max_pending)
         if with_l3:
@@ -87,7 +108,9 @@ class Trace:
         for fam in range(3):
             sys_prompt = list(range(1000 * fam, 1000 * fam + 6))
             for turn in range(3):
-                toks = sys_prompt + list(range(1000 * fam + 100 + 10 * turn, 1000 * fam + 100 + 10 * turn + 4 + 2 * turn))
+                toks = sys_prompt + list(
+                    range(1000 * fam + 100 + 10 * turn, 1000 * fam + 100 + 10 * turn + 4 + 2 * turn)
+                )
                 self.keys.append(RadixKey(np.array(toks, np.int64), extra_key="t1" if fam == 2 else None))
 
     def do(self, op: str) -> None:
@@ -177,8 +200,15 @@ def test_a_fixed_trace_rebuilds_every_tier_after_every_step():
     finally:
         t.close()
     # The trace saw every kind of event the acceptance names.
-    assert {("stored", "device"), ("removed", "device"), ("stored", "host"), ("removed", "host"),
-            ("stored", "storage"), ("cleared", "device"), ("cleared", "host")} <= kinds
+    assert {
+        ("stored", "device"),
+        ("removed", "device"),
+        ("stored", "host"),
+        ("removed", "host"),
+        ("stored", "storage"),
+        ("cleared", "device"),
+        ("cleared", "host"),
+    } <= kinds
     m = t.cache.metrics
     assert m.demoted_tokens and m.evicted_host_tokens and m.prefetch_attached_tokens
 
@@ -214,8 +244,10 @@ def test_order_is_the_order_of_effect_and_split_emits_nothing():
         c.evict(len(k))
         b = t.check()
         # Leaf first, then its parent (demoted: its host copies stay).
-        assert [(e.kind, e.tier, e.token_count) for e in b.events] == [("removed", "device", len(k) - 4),
-                                                                      ("removed", "device", 4)]
+        assert [(e.kind, e.tier, e.token_count) for e in b.events] == [
+            ("removed", "device", len(k) - 4),
+            ("removed", "device", 4),
+        ]
         assert b.events[0].parent_key == b.events[1].keys[-1]
     finally:
         t.close()
@@ -247,7 +279,11 @@ def test_subscribers_get_one_batch_per_check_events_and_json_round_trips():
         assert [b.seq for b in got] == [1, 2] and got[1].events == () and not got[1].resync
         # Subscribed after the source's first batch: its first batch is a resync (it missed seq 0).
         assert got[0].resync and [(e.kind, e.tier) for e in got[0].events] == [
-            ("cleared", "device"), ("cleared", "host"), ("stored", "device"), ("stored", "host")]
+            ("cleared", "device"),
+            ("cleared", "host"),
+            ("stored", "device"),
+            ("stored", "host"),
+        ]
         d = json.loads(json.dumps(got[0].to_dict()))
         assert d["schema"] == 1 and d["events"][0]["schema"] == 1
         assert EventBatch.from_dict(d) == got[0]
@@ -303,8 +339,9 @@ def test_storage_events_carry_only_the_target_pools_successful_writes(tmp_path):
     src = KVEventSource(cache, model=MODEL)
     geom = KVGeometry.mha(2, P, 2, 8, "float32")
     pools = {"target": HostKVPool(geom, 4, "page_first"), "draft": HostKVPool(geom, 4, "page_first")}
-    store = create_storage(StorageConfig(backend="file", path=str(tmp_path)), pools,
-                           [PoolSpec("target"), PoolSpec("draft")])
+    store = create_storage(
+        StorageConfig(backend="file", path=str(tmp_path)), pools, [PoolSpec("target"), PoolSpec("draft")]
+    )
     src.observe_storage(store)
     src.drain()  # the first batch (a snapshot of the empty cache)
     k = [bytes([i]) * 32 for i in range(3)]
@@ -314,8 +351,10 @@ def test_storage_events_carry_only_the_target_pools_successful_writes(tmp_path):
     store.batch_set(k, [0, 1, 2], "draft")
     b = src.drain()
     # Each page's event when its file lands: writes run in parallel, so in either order.
-    assert sorted((e.kind, e.tier, e.keys, e.token_count) for e in b.events) == [("stored", "storage", (k[0],), P),
-                                                                                ("stored", "storage", (k[2],), P)]
+    assert sorted((e.kind, e.tier, e.keys, e.token_count) for e in b.events) == [
+        ("stored", "storage", (k[0],), P),
+        ("stored", "storage", (k[2],), P),
+    ]
     with pytest.raises(ValueError, match="already observed"):
         src.observe_storage(store)
     with pytest.raises(TypeError, match="add_listener"):

@@ -21,8 +21,14 @@ P = 2
 
 
 def _cache_with_l3(**ctl):
-    cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=16, host_pages=24,
-                           write_through_threshold=1, load_back_threshold=1)
+    cache, be = make_cache(
+        numpy_backend_factory,
+        page_size=P,
+        device_pages=16,
+        host_pages=24,
+        write_through_threshold=1,
+        load_back_threshold=1,
+    )
     cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=P)
     return cache, be, StorageController(cache, cfg, **{"model": "tiny", **ctl})
 
@@ -59,10 +65,11 @@ def test_a_source_on_a_cache_with_l3_is_keyed_as_the_controller_without_repeatin
         ctl.close()
 
 
-@pytest.mark.parametrize("arg, value", [("model", "other"), ("weights_revision", "r1"), ("weights_revision", ""),
-                                        ("salt", ""), ("salt", "t")])
-def test_a_source_given_another_identity_than_the_controller_is_refused_and_attaches_nothing(arg, value,
-                                                                                              monkeypatch):
+@pytest.mark.parametrize(
+    "arg, value",
+    [("model", "other"), ("weights_revision", "r1"), ("weights_revision", ""), ("salt", ""), ("salt", "t")],
+)
+def test_a_source_given_another_identity_than_the_controller_is_refused_and_attaches_nothing(arg, value, monkeypatch):
     cache, _be, ctl = _cache_with_l3(weights_revision="r2", salt="s")
     try:
         added = _record_watches(cache, monkeypatch)

@@ -172,8 +172,9 @@ def test_a_subscriber_added_before_the_first_batch_gets_no_extra_resync():
 def test_the_queue_overflows_exactly_past_max_pending(spare):
     """``max_pending`` events wait without a resync; one more is a resync (an overflow one event
     late, ``> max_pending + 1``, or early, ``>=``, fails here)."""
-    cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=20, host_pages=28,
-                           write_through_threshold=1)
+    cache, be = make_cache(
+        numpy_backend_factory, page_size=P, device_pages=20, host_pages=28, write_through_threshold=1
+    )
     from cache_harness import KVOracle
 
     oracle = KVOracle(be)
@@ -186,7 +187,10 @@ def test_the_queue_overflows_exactly_past_max_pending(spare):
     b = src.drain()
     if spare == 0:
         assert not b.resync and [(e.kind, e.tier) for e in b.events] == [
-            ("stored", "device"), ("stored", "host"), ("removed", "device")]
+            ("stored", "device"),
+            ("stored", "host"),
+            ("removed", "device"),
+        ]
         assert src.stats()["resyncs"] == 0
     else:
         assert b.resync and src.stats()["resyncs"] == 1

@@ -13,8 +13,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_harness import (KVOracle, device_only_path, make_cache, node_path_pages, numpy_backend_factory,
-                           prefill_insert, serve_checked)
+from cache_harness import (
+    KVOracle,
+    device_only_path,
+    make_cache,
+    node_path_pages,
+    numpy_backend_factory,
+    prefill_insert,
+    serve_checked,
+)
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
@@ -28,8 +35,12 @@ def seq(*runs):
 
 def _rig(store, tmp_path):
     cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=32, host_pages=64, load_back_threshold=0)
-    cfg = StorageConfig(backend=store, path=None if store == "memory" else str(tmp_path),
-                        prefetch_threshold_tokens=4, prefetch_policy="wait_complete")
+    cfg = StorageConfig(
+        backend=store,
+        path=None if store == "memory" else str(tmp_path),
+        prefetch_threshold_tokens=4,
+        prefetch_policy="wait_complete",
+    )
     ctl = StorageController(cache, cfg, model="m")
     return cache, KVOracle(be), ctl
 

@@ -15,8 +15,11 @@ def seq(start, n):
 
 
 def counts(cache):
-    return [(n.id, n.lock_ref, n.host_lock_ref) for n in cache.all_nodes()], \
-        (cache.evictable_tokens, cache.protected_tokens, cache.host_tokens)
+    return [(n.id, n.lock_ref, n.host_lock_ref) for n in cache.all_nodes()], (
+        cache.evictable_tokens,
+        cache.protected_tokens,
+        cache.host_tokens,
+    )
 
 
 def test_dec_lock_ref_never_releases_a_transfers_lock(backend_factory):

@@ -20,9 +20,25 @@ from hicache_jax.cache.metrics import FAMILIES, FAMILY_NAMES, CacheMetrics, Hist
 from hicache_jax.transfer import FutureHandle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-UNITS = ("_tokens", "_pages", "_bytes", "_seconds", "_calls", "_errors", "_retries", "_failures", "_rate",
-         "_files", "_operations", "_pending", "_skipped", "_revoked", "_timeouts", "_truncated",
-         "_info")  # _info: Prometheus's convention for a constant 1 whose labels carry the facts (build_info)
+UNITS = (
+    "_tokens",
+    "_pages",
+    "_bytes",
+    "_seconds",
+    "_calls",
+    "_errors",
+    "_retries",
+    "_failures",
+    "_rate",
+    "_files",
+    "_operations",
+    "_pending",
+    "_skipped",
+    "_revoked",
+    "_timeouts",
+    "_truncated",
+    "_info",
+)  # _info: Prometheus's convention for a constant 1 whose labels carry the facts (build_info)
 
 
 def seq(start, n):
@@ -62,10 +78,24 @@ def test_every_counter_is_exported():
 
         @staticmethod
         def gauges():
-            return {"backups_in_flight": 0, "load_backs_in_flight": 0, "pool_capacity_bytes": {},
-                    **{k: 0 for k in ("device_capacity_tokens", "device_free_tokens", "device_used_tokens",
-                                      "device_evictable_tokens", "device_protected_tokens", "host_capacity_tokens",
-                                      "host_free_tokens", "host_used_tokens")}}
+            return {
+                "backups_in_flight": 0,
+                "load_backs_in_flight": 0,
+                "pool_capacity_bytes": {},
+                **{
+                    k: 0
+                    for k in (
+                        "device_capacity_tokens",
+                        "device_free_tokens",
+                        "device_used_tokens",
+                        "device_evictable_tokens",
+                        "device_protected_tokens",
+                        "host_capacity_tokens",
+                        "host_free_tokens",
+                        "host_used_tokens",
+                    )
+                },
+            }
 
     values = family_values(Fake())
     seen = []
@@ -123,8 +153,13 @@ def _attached_from_l3(backend_factory):
     cache.evict_host(8)
     ids = cache.host_allocator.alloc(4)
     for c, arr in oracle.pages(key, 0, 4).items():
-        be.host.write_pages(c, ids, {"lnp": arr, "nlp": arr.transpose(1, 0, 2, 3, 4),
-                                     "npl": arr.transpose(1, 2, 0, 3, 4)}[be.host.layout.transfer_order])
+        be.host.write_pages(
+            c,
+            ids,
+            {"lnp": arr, "nlp": arr.transpose(1, 0, 2, 3, 4), "npl": arr.transpose(1, 2, 0, 3, 4)}[
+                be.host.layout.transfer_order
+            ],
+        )
     assert cache.insert_host(key, ids, 0)[0] == 8
     return cache, oracle, key
 
@@ -182,13 +217,20 @@ def test_future_handle_stamps_completion_on_the_worker():
 def test_gauges_per_tier_and_pool():
     target = numpy_backend_factory(small_geom(2, "mha", layers=3), 16, 32, "page_first")
     draft = numpy_backend_factory(small_geom(2, "mla", layers=1), 16, 32, "layer_first")
-    cache = HiRadixCache(HiCacheConfig(page_size=2), target.engine, target.device.allocator,
-                         sidecars={"draft": NumpyTransferEngine(draft.device, draft.host)})
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=2),
+        target.engine,
+        target.device.allocator,
+        sidecars={"draft": NumpyTransferEngine(draft.device, draft.host)},
+    )
     g = cache.stats()
     assert g["device_capacity_tokens"] == 32 and g["host_capacity_tokens"] == 64
     assert g["pool_capacity_bytes"] == {
-        "device/full": 16 * target.geom.bytes_per_page, "host/full": 32 * target.geom.bytes_per_page,
-        "device/draft": 16 * draft.geom.bytes_per_page, "host/draft": 32 * draft.geom.bytes_per_page}
+        "device/full": 16 * target.geom.bytes_per_page,
+        "host/full": 32 * target.geom.bytes_per_page,
+        "device/draft": 16 * draft.geom.bytes_per_page,
+        "host/draft": 32 * draft.geom.bytes_per_page,
+    }
     pages = cache.alloc_device(3)
     cache.insert(seq(0, 6), pages)
     g = cache.stats()
@@ -216,8 +258,9 @@ def test_several_caches_share_a_registry_with_labels(backend_factory):
     get = registry.get_sample_value
     assert get("hicache_backup_tokens_total", {"cache": "target", "rank": "0", "model": "m"}) == 12
     assert get("hicache_backup_tokens_total", {"cache": "draft", "rank": "0", "model": "m"}) == 4
-    assert get("hicache_cached_tokens_total", {"cache": "draft", "rank": "0", "model": "m",
-                                               "cache_source": "device"}) == 0
+    assert (
+        get("hicache_cached_tokens_total", {"cache": "draft", "rank": "0", "model": "m", "cache_source": "device"}) == 0
+    )
     text = prometheus_client.generate_latest(registry).decode()  # one family per name, both caches in it
     assert len(re.findall(r"^# TYPE hicache_backup_tokens_total counter", text, re.M)) == 1
     ea.unregister()

@@ -22,10 +22,20 @@ def _state(cache: HiRadixCache) -> list:
         node, path = stack.pop()
         for _, child in sorted(node.children.items(), key=lambda kv: repr(kv[0])):
             key = path + (child.kb,)
-            out.append((key, None if child.value is None else child.value.tolist(),
-                        None if child.host_value is None else child.host_value.tolist(),
-                        child.lock_ref, child.host_lock_ref, child.hit_count, child.last_access,
-                        child in cache.device_lru, child in cache.host_lru, child in cache.reclaim_lru))
+            out.append(
+                (
+                    key,
+                    None if child.value is None else child.value.tolist(),
+                    None if child.host_value is None else child.host_value.tolist(),
+                    child.lock_ref,
+                    child.host_lock_ref,
+                    child.hit_count,
+                    child.last_access,
+                    child in cache.device_lru,
+                    child in cache.host_lru,
+                    child in cache.reclaim_lru,
+                )
+            )
             stack.append((child, key))
     out.sort(key=lambda r: r[0])
     return out
@@ -34,6 +44,7 @@ def _state(cache: HiRadixCache) -> list:
 def _eviction_order(cache: HiRadixCache) -> list:
     """The order the device index would hand out its members (drains a copy of the heap)."""
     import heapq
+
     heap = cache.device_lru.heap_snapshot()
     heapq.heapify(heap)
     order = []
@@ -75,15 +86,15 @@ def _run(cache, be, seed: int, page: int, full_walk: bool, monkeypatch) -> list:
                 oracle.write(prompt, dup)
                 cache.insert(prompt.prefix(len(prompt) // page * page), dup)
         cache.cache_unfinished_req(req, chunked=rng.random() < 0.2)
-        oracle.check_device(prompt, req.device_pages[:req.cached_pages])
+        oracle.check_device(prompt, req.device_pages[: req.cached_pages])
         answer = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 2 * page))]
         histories[c].extend(answer)
         full = RadixKey(np.array(histories[c], np.int64))
         need = -(-len(full) // page) - req.device_pages.shape[0]
         out = cache.alloc_device(need)
         if out is None:  # give the request's own pages back and drop it
-            cache.device_allocator.free(req.device_pages[req.cached_pages:])
-            req.device_pages = req.device_pages[:req.cached_pages]
+            cache.device_allocator.free(req.device_pages[req.cached_pages :])
+            req.device_pages = req.device_pages[: req.cached_pages]
             req.key = prompt.prefix(req.cached_pages * page)
             cache.cache_finished_req(req)
         else:
@@ -108,8 +119,7 @@ def _run(cache, be, seed: int, page: int, full_walk: bool, monkeypatch) -> list:
 def test_request_helpers_match_full_walk(backend_factory, monkeypatch, page, seed, policy):
     runs = []
     for full_walk in (False, True):
-        cache, be = make_cache(backend_factory, page_size=page, device_pages=48, host_pages=64,
-                               write_policy=policy)
+        cache, be = make_cache(backend_factory, page_size=page, device_pages=48, host_pages=64, write_policy=policy)
         runs.append(_run(cache, be, seed, page, full_walk, monkeypatch))
     assert runs[0] == runs[1]
 

@@ -22,12 +22,22 @@ def state(cache, be, req=None):
     ret = cache.retention
     r = None
     if ret is not None:
-        r = (sorted((n.id, e.until, e.bonus) for n, e in ret.entries.items()), copy.deepcopy(ret.stats()),
-             ret.scheduled_expiries)
+        r = (
+            sorted((n.id, e.until, e.bonus) for n, e in ret.entries.items()),
+            copy.deepcopy(ret.stats()),
+            ret.scheduled_expiries,
+        )
     q = None
     if req is not None:
-        q = (req.key.token_ids.tolist(), req.device_pages.tolist(), req.cached_pages, req.last_node, req.released,
-             req.priority, req.retain)
+        q = (
+            req.key.token_ids.tolist(),
+            req.device_pages.tolist(),
+            req.cached_pages,
+            req.last_node,
+            req.released,
+            req.priority,
+            req.retain,
+        )
     return snapshot(cache, be), r, q
 
 
@@ -121,11 +131,14 @@ def retained_cache():
     return cache, be, req
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (10, TypeError, "req.retain: expected a RetentionHint or None, got int"),
-    (10.0, TypeError, "req.retain: expected a RetentionHint or None, got float"),
-    ({"seconds": 5}, TypeError, "req.retain: expected a RetentionHint or None, got dict"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (10, TypeError, "req.retain: expected a RetentionHint or None, got int"),
+        (10.0, TypeError, "req.retain: expected a RetentionHint or None, got float"),
+        ({"seconds": 5}, TypeError, "req.retain: expected a RetentionHint or None, got dict"),
+    ],
+)
 @pytest.mark.parametrize("call", ["cache_finished_req", "cache_unfinished_req", "abort_request"])
 def test_a_bad_retain_is_refused_before_anything_changes(bad, exc, match, call):
     cache, be, req = retained_cache()

@@ -28,8 +28,14 @@ import pytest
 from cache_harness import KVOracle, make_cache, numpy_backend_factory
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from test_request_lifecycle import state
 
 from hicache_jax.cache import CacheClosedError, RadixKey
@@ -55,8 +61,14 @@ def own_pages(req) -> int:
 class LifecycleMachine(RuleBasedStateMachine):
     @initialize(device_pages=st.sampled_from([8, 12, 24]), deferred=st.booleans(), retention=st.booleans())
     def setup(self, device_pages, deferred, retention):
-        self.cache, self.be = make_cache(numpy_backend_factory, page_size=P, device_pages=device_pages,
-                                         host_pages=48, deferred=deferred, load_back_threshold=0)
+        self.cache, self.be = make_cache(
+            numpy_backend_factory,
+            page_size=P,
+            device_pages=device_pages,
+            host_pages=48,
+            deferred=deferred,
+            load_back_threshold=0,
+        )
         self.oracle = KVOracle(self.be)
         self.clock = Clock()
         self.retained = retention
@@ -102,7 +114,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if load is not None:
             load.wait_layer(0) if hasattr(load, "wait_layer") else None
             self.cache.flush()
-        self.oracle.check_device(RadixKey(tokens[:req.cached_pages * P]), req.device_pages[:req.cached_pages])
+        self.oracle.check_device(RadixKey(tokens[: req.cached_pages * P]), req.device_pages[: req.cached_pages])
         req.full = tokens  # the whole prompt, for the extend
         self.open.append(req)
         STATS["begun"] += 1
@@ -155,7 +167,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if req is None:
             return
         self.cache.cache_unfinished_req(req, chunked=data.draw(st.booleans()))
-        self.oracle.check_device(req.key, req.device_pages[:req.cached_pages]) if req.cached_pages else None
+        self.oracle.check_device(req.key, req.device_pages[: req.cached_pages]) if req.cached_pages else None
         STATS["unfinished"] += 1
 
     @precondition(lambda self: not self.closed and self.open)
@@ -183,8 +195,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         STATS["aborted" if whole else "aborted_short"] += 1
 
     @precondition(lambda self: not self.closed and self.open)
-    @rule(data=st.data(), how=st.sampled_from(["retain", "priority", "tree_page", "cached_pages", "short"]),
-          call=st.sampled_from(["cache_finished_req", "cache_unfinished_req", "abort_request"]))
+    @rule(
+        data=st.data(),
+        how=st.sampled_from(["retain", "priority", "tree_page", "cached_pages", "short"]),
+        call=st.sampled_from(["cache_finished_req", "cache_unfinished_req", "abort_request"]),
+    )
     def bad_request(self, data, how, call):
         """A request with one bad field: refused, nothing changed (it is restored after)."""
         req = self.pick(data, whole=None if call == "abort_request" else True)
@@ -196,8 +211,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         elif how == "priority":
             req.priority, exc, match = "high", TypeError, "req.priority"
         elif how == "cached_pages":
-            req.cached_pages, exc, match = req.device_pages.shape[0] + 1 + len(req.key), ValueError, \
-                "req.cached_pages"
+            req.cached_pages, exc, match = req.device_pages.shape[0] + 1 + len(req.key), ValueError, "req.cached_pages"
         elif how == "short":
             if call == "abort_request":
                 req.key = RadixKey(np.r_[req.full, np.arange(4 * P)].astype(np.int64))  # still fine for abort
@@ -228,8 +242,13 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(which=st.sampled_from(["priority", "retain", "mem_quota", "key", "load_back"]))
     def bad_begin(self, which):
         key = RadixKey(DOCS[0, :6].astype(np.int64))
-        kwargs = {"priority": {"priority": "x"}, "retain": {"retain": 10}, "mem_quota": {"mem_quota": -1},
-                  "load_back": {"load_back": "yes"}, "key": {}}[which]
+        kwargs = {
+            "priority": {"priority": "x"},
+            "retain": {"retain": 10},
+            "mem_quota": {"mem_quota": -1},
+            "load_back": {"load_back": "yes"},
+            "key": {},
+        }[which]
         arg = [1.5, "a"] if which == "key" else key
         self.refused(lambda: self.cache.begin_request(arg, **kwargs), (TypeError, ValueError))
 
@@ -260,10 +279,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.cache.close()
         self.closed = True
         STATS["closed"] += 1
-        for call in (lambda: self.cache.begin_request(RadixKey(DOCS[0, :4].astype(np.int64))),
-                     lambda: self.cache.alloc_device(1), lambda: self.cache.evict(1), self.cache.check_events,
-                     *[(lambda r=r: self.cache.abort_request(r)) for r in self.open],
-                     *[(lambda r=r: self.cache.cache_finished_req(r)) for r in self.open]):
+        for call in (
+            lambda: self.cache.begin_request(RadixKey(DOCS[0, :4].astype(np.int64))),
+            lambda: self.cache.alloc_device(1),
+            lambda: self.cache.evict(1),
+            self.cache.check_events,
+            *[(lambda r=r: self.cache.abort_request(r)) for r in self.open],
+            *[(lambda r=r: self.cache.cache_finished_req(r)) for r in self.open],
+        ):
             self.refused(call, CacheClosedError)
 
     @precondition(lambda self: self.closed)
@@ -305,9 +328,16 @@ def _run(examples, steps, fixed_seed):
     STATS.clear()
     print(f"\nrequest lifecycle fuzz: seed {fixed_seed} (LIFECYCLE_FUZZ_SEED={fixed_seed} replays it with -m slow)")
     machine = seed(fixed_seed)(type("LifecycleMachine", (LifecycleMachine,), {}))
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     print(f"request lifecycle fuzz: {dict(STATS)}")
     for what in ("begun", "extended", "finished", "aborted", "aborted_short", "unfinished", "refused", "closed"):
         assert STATS[what], f"the fuzz never {what}: {dict(STATS)}"
@@ -320,4 +350,4 @@ def test_request_lifecycle_fuzz_ci():
 @pytest.mark.slow
 def test_request_lifecycle_fuzz_slow():
     env = os.environ.get("LIFECYCLE_FUZZ_SEED")
-    _run(examples=600, steps=60, fixed_seed=int(env) if env else random.randrange(2 ** 32))
+    _run(examples=600, steps=60, fixed_seed=int(env) if env else random.randrange(2**32))

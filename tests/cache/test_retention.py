@@ -204,16 +204,24 @@ def test_bad_input_changes_nothing():
         enable_retention(lfu, RetentionConfig(8))
     geom = small_geom(1)
     be2 = numpy_backend_factory(geom, 8, 8)
-    ranked = HiRadixCache(HiCacheConfig(page_size=1), be2.engine, be2.device.allocator,
-                          agreement=NoExchangeAgreement(0, 2))
+    ranked = HiRadixCache(
+        HiCacheConfig(page_size=1), be2.engine, be2.device.allocator, agreement=NoExchangeAgreement(0, 2)
+    )
     with pytest.raises(ValueError, match="several ranks"):
         enable_retention(ranked, RetentionConfig(8))
     assert ranked.retention is None
 
 
 # ------------------------------------------------------------------ the agent trace
-def run_agent_trace(retain: bool, cap: int, device_pages: int = 96, host_pages: int = 96, seed: int = 0,
-                    agents: bool = True, sessions: int = 16) -> dict:
+def run_agent_trace(
+    retain: bool,
+    cap: int,
+    device_pages: int = 96,
+    host_pages: int = 96,
+    seed: int = 0,
+    agents: bool = True,
+    sessions: int = 16,
+) -> dict:
     """Agent sessions (a prompt, then a tool call during which other traffic runs, then the
     session returns with its history + the tool's result) mixed with unhinted chat traffic
     that reuses a few popular prefixes. The agent hints its prompt for the tool call's
@@ -300,14 +308,27 @@ def test_a_requests_hint_covers_its_chunks_and_its_finished_insert():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**16),
-       ops=st.lists(st.sampled_from(["insert", "hint", "request", "match", "evict", "evict_host", "tick", "flush",
-                                     "reset"]), min_size=1, max_size=50))
+@given(
+    seed=st.integers(0, 2**16),
+    ops=st.lists(
+        st.sampled_from(["insert", "hint", "request", "match", "evict", "evict_host", "tick", "flush", "reset"]),
+        min_size=1,
+        max_size=50,
+    ),
+)
 def test_any_trace_keeps_the_budget_and_the_indexes_exact(seed, ops):
     cache, be, oracle, ret, clock = setup(cap=10, bonus=3, device_pages=24, host_pages=24)
     rng = random.Random(seed)
-    keys = [RadixKey(np.array(list(range(100 * f, 100 * f + 4)) + list(range(1000 * f + 10 * t, 1000 * f + 10 * t + 2 + t)),
-                              np.int64), extra_key=f % 2) for f in range(3) for t in range(3)]
+    keys = [
+        RadixKey(
+            np.array(
+                list(range(100 * f, 100 * f + 4)) + list(range(1000 * f + 10 * t, 1000 * f + 10 * t + 2 + t)), np.int64
+            ),
+            extra_key=f % 2,
+        )
+        for f in range(3)
+        for t in range(3)
+    ]
     for op in ops:
         key = rng.choice(keys)
         hint = RetentionHint(seconds=rng.choice((1, 3, 10)), weight=rng.choice((0.5, 1.0)))
@@ -326,7 +347,7 @@ def test_any_trace_keeps_the_budget_and_the_indexes_exact(seed, ops):
                 req.extend(key, pages)
                 cache.cache_finished_req(req)
         elif op == "match":
-            cache.match_prefix(RadixKey(key.token_ids[:rng.randrange(1, len(key))], extra_key=key.extra_key))
+            cache.match_prefix(RadixKey(key.token_ids[: rng.randrange(1, len(key))], extra_key=key.extra_key))
         elif op == "evict":
             cache.evict(rng.randrange(1, 8))
         elif op == "evict_host":
@@ -356,8 +377,7 @@ def test_sliding_window_evictions_sweep_expired_hints_first():
     expired, not as an eviction that overrode a live hint."""
     from swa_harness import SWADriver, make_swa_cache
 
-    cache, full, swa_be, swa = make_swa_cache(device_pages=64, host_pages=64, swa_device_pages=8,
-                                              swa_host_pages=12)
+    cache, full, swa_be, swa = make_swa_cache(device_pages=64, host_pages=64, swa_device_pages=8, swa_host_pages=12)
     drv = SWADriver(cache, full, swa_be, swa)
     clock = Clock()
     ret = enable_retention(cache, RetentionConfig(64, 4, clock))

@@ -120,8 +120,7 @@ def test_an_swa_host_allocation_failing_on_one_rank_leaves_swa_host_tombstones_o
         cache.check_events()  # full part agreed (both got it), SWA part failed on rank 1
         assert fails == [0]
         a = cache.match_prefix(key(0, 12)).last_device_node
-        first = [a.host_value is not None, swa.node_host_pages(a) is None, swa.host_allocator.used,
-                 swa.phantom_pages]
+        first = [a.host_value is not None, swa.node_host_pages(a) is None, swa.host_allocator.used, swa.phantom_pages]
         drv.serve(key(100, 12))
         cache.check_events()  # both parts everywhere
         _settle(cache, full, swa_be)
@@ -159,8 +158,14 @@ def test_a_full_host_allocation_failing_on_one_rank_rolls_back_the_swa_part_too(
         drv.serve(key(0, 12))
         cache.check_events()
         a = cache.match_prefix(key(0, 12)).last_device_node
-        out = [a.host_value is None, swa.node_host_pages(a) is None, swa.host_allocator.used,
-               cache.host_allocator.used, swa.phantom_pages, cache.stats()["agreement"]["rolled_back_backups"]]
+        out = [
+            a.host_value is None,
+            swa.node_host_pages(a) is None,
+            swa.host_allocator.used,
+            cache.host_allocator.used,
+            swa.phantom_pages,
+            cache.stats()["agreement"]["rolled_back_backups"],
+        ]
         cache.sanity_check(0, {"swa": 0})
         return out, cache.debug_view().digest()
 
@@ -172,8 +177,9 @@ def test_write_back_agrees_on_both_parts_inside_an_eviction():
     group = ThreadGroup(2, timeout=30)
 
     def rank(r):
-        cache, full, swa_be, swa = _agreed_swa_cache(group, r, write_policy="write_back", deferred=False,
-                                                     swa_deferred=False)
+        cache, full, swa_be, swa = _agreed_swa_cache(
+            group, r, write_policy="write_back", deferred=False, swa_deferred=False
+        )
         drv = SWADriver(cache, full, swa_be, swa)
         swa.host_allocator.alloc = _failing(swa.host_allocator.alloc, [1 if r == 1 else 0])
         drv.serve(key(0, 12))
@@ -267,8 +273,9 @@ def test_without_the_exchange_a_late_slide_splits_the_trees():
     from hicache_jax.cache import NoExchangeAgreement
 
     def rank(r):
-        cache, full, swa_be, swa = make_swa_cache(window=5, deferred=False, swa_device_pages=24,
-                                                  agreement=NoExchangeAgreement(r, 2))
+        cache, full, swa_be, swa = make_swa_cache(
+            window=5, deferred=False, swa_device_pages=24, agreement=NoExchangeAgreement(r, 2)
+        )
         drv = SWADriver(cache, full, swa_be, swa)
         toks = np.arange(40, dtype=np.int64)
         req, _ = drv.admit(RadixKey(toks[:3]))

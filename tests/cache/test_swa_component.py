@@ -118,8 +118,9 @@ def test_a_prefix_needs_exactly_the_w_minus_1_tokens_a_step_after_it_reads(page_
 # ---------------------------------------------------------------- the request call sequence
 @pytest.mark.parametrize("page_size, window, chunk", [(1, 4, 3), (2, 5, 4), (3, 7, 5), (4, 3, 8)])
 def test_driver_serves_requests_with_windows_that_end_inside_a_page(page_size, window, chunk):
-    cache, drv, swa = setup(page_size=page_size, window=window, device_pages=60, host_pages=120,
-                            swa_device_pages=24, swa_host_pages=48)
+    cache, drv, swa = setup(
+        page_size=page_size, window=window, device_pages=60, host_pages=120, swa_device_pages=24, swa_host_pages=48
+    )
     base = np.arange(1, 23)
     k1 = drv.serve(RadixKey(base), chunk=chunk, out=[100, 101, 102, 103, 104, 105, 106])
     cache.sanity_check(0, {"swa": 0})
@@ -168,8 +169,15 @@ def test_decode_frees_the_requests_out_of_window_pages_and_its_window_hold():
 
 # ---------------------------------------------------------------- eviction
 def test_swa_allocation_tombstones_internal_nodes_and_evicts_unlocked_leaves_whole():
-    cache, drv, swa = setup(page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=10,
-                            swa_host_pages=10, write_policy="write_back")
+    cache, drv, swa = setup(
+        page_size=1,
+        window=3,
+        device_pages=40,
+        host_pages=40,
+        swa_device_pages=10,
+        swa_host_pages=10,
+        write_policy="write_back",
+    )
     insert_with_swa(cache, drv, key(np.arange(4)))  # capped: [0, 2) + [2, 4)
     leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node  # [4, 6)
     other = insert_with_swa(cache, drv, key([30, 31, 32])).last_node  # [30] + [31, 32], used last
@@ -190,8 +198,9 @@ def test_swa_allocation_tombstones_internal_nodes_and_evicts_unlocked_leaves_who
 
 
 def test_host_swa_allocation_drops_host_leaves_whole_and_tombstones_the_rest():
-    cache, drv, swa = setup(page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=20,
-                            swa_host_pages=6)
+    cache, drv, swa = setup(
+        page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=20, swa_host_pages=6
+    )
     insert_with_swa(cache, drv, key(np.arange(4)))  # capped: [0, 2) + [2, 4)
     leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node
     cache.flush()
@@ -211,8 +220,9 @@ def test_host_swa_allocation_drops_host_leaves_whole_and_tombstones_the_rest():
 
 # ---------------------------------------------------------------- L2
 def test_load_back_splits_the_window_top_and_loads_only_the_window():
-    cache, drv, swa = setup(page_size=2, window=6, device_pages=60, host_pages=60, swa_device_pages=30,
-                            swa_host_pages=30)
+    cache, drv, swa = setup(
+        page_size=2, window=6, device_pages=60, host_pages=60, swa_device_pages=30, swa_host_pages=30
+    )
     k = key(np.arange(20))
     insert_with_swa(cache, drv, k)  # SWA everywhere, backed up; the cap: [0, 14) + the leaf [14, 20)
     cache.flush()
@@ -239,8 +249,9 @@ def test_load_back_splits_the_window_top_and_loads_only_the_window():
 
 
 def test_a_window_evicted_from_the_device_alone_comes_back_without_its_full_pages():
-    cache, drv, swa = setup(page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=10,
-                            swa_host_pages=20)
+    cache, drv, swa = setup(
+        page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=10, swa_host_pages=20
+    )
     k = key(np.arange(6))
     insert_with_swa(cache, drv, k)
     leaf = insert_with_swa(cache, drv, key(np.arange(6), [9, 10, 11, 12])).last_node  # k is now internal
@@ -266,13 +277,16 @@ def test_a_window_evicted_from_the_device_alone_comes_back_without_its_full_page
 
 
 # ---------------------------------------------------------------- bad input
-@pytest.mark.parametrize("pages, exc, match", [
-    ([0, -1, 1], ValueError, "-1 .* before the first page id"),
-    ([0, 1], ValueError, "expected 3 ids"),
-    ([0, 1, 99], ValueError, "out of range"),
-    ([0, 1, -2], ValueError, "out of range"),
-    ([0.0, 1.0, 2.0], TypeError, "integer"),
-])
+@pytest.mark.parametrize(
+    "pages, exc, match",
+    [
+        ([0, -1, 1], ValueError, "-1 .* before the first page id"),
+        ([0, 1], ValueError, "expected 3 ids"),
+        ([0, 1, 99], ValueError, "out of range"),
+        ([0, 1, -2], ValueError, "out of range"),
+        ([0.0, 1.0, 2.0], TypeError, "integer"),
+    ],
+)
 def test_bad_component_pages_are_refused_before_any_change(pages, exc, match):
     cache, drv, swa = setup(page_size=1, window=3, swa_device_pages=12)
     full = cache.alloc_device(3)
@@ -329,10 +343,12 @@ def test_bad_insert_host_component_pages_are_refused_before_any_change():
         return (cache.host_allocator.available, swa.host_allocator.available, len(cache.all_nodes()))
 
     before = state()
-    for pages, match in (([sw[0], -1, sw[1]], "-1 .* before the first page id"),
-                         ([-1, sw[0], sw[0]], "duplicate"),
-                         ([-1, -1, 11], "free or owned"),
-                         ([-1, sw[0]], "expected 3 ids")):
+    for pages, match in (
+        ([sw[0], -1, sw[1]], "-1 .* before the first page id"),
+        ([-1, sw[0], sw[0]], "duplicate"),
+        ([-1, -1, 11], "free or owned"),
+        ([-1, sw[0]], "expected 3 ids"),
+    ):
         with pytest.raises(ValueError, match=match):
             cache.insert_host(k, host, 0, component_pages={"swa": pages})
         assert state() == before
@@ -348,8 +364,12 @@ def test_an_swa_component_on_the_full_engine_is_refused():
 
     full = numpy_backend_factory(small_geom(2), 8, 8)
     with pytest.raises(ValueError, match="its own pools"):
-        HiRadixCache(HiCacheConfig(page_size=2), full.engine, full.device.allocator,
-                     components=[SWAComponent(full.engine, full.device.allocator, 4)])
+        HiRadixCache(
+            HiCacheConfig(page_size=2),
+            full.engine,
+            full.device.allocator,
+            components=[SWAComponent(full.engine, full.device.allocator, 4)],
+        )
 
 
 def test_insert_whose_frontier_lies_inside_a_node_that_keeps_its_swa_pages_frees_only_duplicates():

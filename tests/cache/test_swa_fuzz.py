@@ -20,8 +20,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from swa_harness import SWADriver, make_swa_cache
 
 from hicache_jax.cache import RadixKey
@@ -46,15 +52,38 @@ class SWAMachine(RuleBasedStateMachine):
         host_reclaim=st.booleans(),
         layout=st.sampled_from(["page_first", "layer_first"]),
     )
-    def setup(self, policy, eviction, page_size, window, device_pages, host_pages, swa_device_pages, swa_host_pages,
-              deferred, threshold, host_reclaim, layout):
+    def setup(
+        self,
+        policy,
+        eviction,
+        page_size,
+        window,
+        device_pages,
+        host_pages,
+        swa_device_pages,
+        swa_host_pages,
+        deferred,
+        threshold,
+        host_reclaim,
+        layout,
+    ):
         self.p = page_size
         # Room for one request's window plus a page, so decode can always proceed alone.
         swa_device_pages = max(swa_device_pages, -(-window // page_size) + 2)
         self.cache, self.full_be, self.swa_be, self.swa = make_swa_cache(
-            page_size=page_size, window=window, device_pages=device_pages, host_pages=host_pages,
-            swa_device_pages=swa_device_pages, swa_host_pages=swa_host_pages, layout=layout, deferred=deferred,
-            write_policy=policy, eviction_policy=eviction, load_back_threshold=threshold, host_reclaim=host_reclaim)
+            page_size=page_size,
+            window=window,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            swa_device_pages=swa_device_pages,
+            swa_host_pages=swa_host_pages,
+            layout=layout,
+            deferred=deferred,
+            write_policy=policy,
+            eviction_policy=eviction,
+            load_back_threshold=threshold,
+            host_reclaim=host_reclaim,
+        )
         self.drv = SWADriver(self.cache, self.full_be, self.swa_be, self.swa)
         self.reqs = []  # [req, target tokens, namespace]
         self.locks = []
@@ -95,7 +124,7 @@ class SWAMachine(RuleBasedStateMachine):
         # The device prefix is usable: the window before its end is on the device.
         n = m.device_hit_length // p
         pages = self.swa.request_pages(m.last_device_node, n)
-        assert (pages[drv.window_first_page(n * p):] >= 0).all() or not self.has_tombstone(m.last_device_node)
+        assert (pages[drv.window_first_page(n * p) :] >= 0).all() or not self.has_tombstone(m.last_device_node)
 
     def has_tombstone(self, node):
         while node is not self.cache.root:
@@ -106,8 +135,12 @@ class SWAMachine(RuleBasedStateMachine):
         return False
 
     # ------------------------------------------------------------------ rules: requests
-    tokens = st.builds(lambda d, n, tail: list(_DOCS[d, :n]) + tail, st.integers(0, 2), st.integers(1, 24),
-                       st.lists(st.integers(40, 43), max_size=4))
+    tokens = st.builds(
+        lambda d, n, tail: list(_DOCS[d, :n]) + tail,
+        st.integers(0, 2),
+        st.integers(1, 24),
+        st.lists(st.integers(40, 43), max_size=4),
+    )
     ns = st.sampled_from([None, "b"])
 
     @precondition(lambda self: len(self.reqs) < 3)
@@ -148,8 +181,10 @@ class SWAMachine(RuleBasedStateMachine):
             self.drv.check_prefix(req)
             # The request's own prefix stays usable right after a chunked insert (upstream's
             # cache_protected_len assertion, PR #23391 crash 1).
-            assert self.cache.peek_prefix(self.key(target[:req.cached_pages * self.p], ns))[0] == \
-                req.cached_pages * self.p
+            assert (
+                self.cache.peek_prefix(self.key(target[: req.cached_pages * self.p], ns))[0]
+                == req.cached_pages * self.p
+            )
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), out=st.lists(st.integers(40, 45), min_size=1, max_size=6))
@@ -200,7 +235,7 @@ class SWAMachine(RuleBasedStateMachine):
         (``backed_up_prefix`` stops at the backed-up end: not the nodes on the device only)."""
         node, off, p, kb = self.cache.root, 0, self.p, key.token_bytes
         while True:
-            page = kb[8 * off:8 * off + 8 * p]
+            page = kb[8 * off : 8 * off + 8 * p]
             child = node.children.get((key.namespace, page) if node is self.cache.root else page)
             if child is None or len(page) < 8 * p or not kb.startswith(child.kb, 8 * off):
                 return node
@@ -242,7 +277,10 @@ class SWAMachine(RuleBasedStateMachine):
         depth = sum(len(n) for n in path)
         for x in path:  # deepest first
             n_pages = depth // self.p
-            if x.value is not None and (self.swa.request_pages(x, n_pages)[self.drv.window_first_page(depth):] < 0).any():
+            if (
+                x.value is not None
+                and (self.swa.request_pages(x, n_pages)[self.drv.window_first_page(depth) :] < 0).any()
+            ):
                 self.cache.inc_lock_ref(x)
                 self.locks.append(x)
                 final = self.drv.serve(RadixKey(np.r_[done.token_ids[:depth], t], done.extra_key))
@@ -266,12 +304,12 @@ class SWAMachine(RuleBasedStateMachine):
             return
         full, sw = got
         self.swa.device_allocator.free(sw[:frontier])
-        key = RadixKey(done.token_ids[:n * self.p], done.extra_key)
+        key = RadixKey(done.token_ids[: n * self.p], done.extra_key)
         self.drv.full.write(key, full)
         ids = np.full(n, -1, np.int32)
         ids[frontier:] = sw[frontier:]
         for i in range(frontier, n):
-            self.drv.sw.write(key, ids[i:i + 1], i)
+            self.drv.sw.write(key, ids[i : i + 1], i)
         self.cache.insert(key, full, component_pages={"swa": ids})
         self.check_path(key, self.cache.match_prefix(key))
 
@@ -313,7 +351,7 @@ class SWAMachine(RuleBasedStateMachine):
         key = self.key(toks, ns)
         if self.done and data.draw(st.booleans()):  # a conversation served before
             done = data.draw(st.sampled_from(self.done))
-            key = RadixKey(done.token_ids[:data.draw(st.integers(1, len(done)))], done.extra_key)
+            key = RadixKey(done.token_ids[: data.draw(st.integers(1, len(done)))], done.extra_key)
         m = self.cache.match_prefix(key)
         if m.host_hit_length:
             lb = self.cache.load_back(m.last_host_node, quota)
@@ -370,16 +408,35 @@ class SWAMachine(RuleBasedStateMachine):
         self.cache.flush()
         self.cache.sanity_check(0, {"swa": 0})
         self.cache.reset()
-        for alloc in (self.full_be.device.allocator, self.full_be.host.allocator, self.swa.device_allocator,
-                      self.swa.host_allocator):
+        for alloc in (
+            self.full_be.device.allocator,
+            self.full_be.host.allocator,
+            self.swa.device_allocator,
+            self.swa.host_allocator,
+        ):
             assert alloc.available == alloc.num_pages, alloc
 
 
-REQUIRED_EVENTS = ("device_hit_tokens", "loaded_tokens", "backup_tokens", "demoted_tokens", "deleted_device_tokens",
-                   "evicted_host_tokens", "dropped_tokens", "load_back_skipped", "swa_tombstoned_tokens",
-                   "swa_leaf_evictions", "swa_host_tombstoned_tokens", "swa_host_leaf_evictions", "swa_backup_tokens",
-                   "swa_loaded_tokens", "swa_released_windows", "swa_freed_request_pages", "swa_alloc_failures",
-                   "swa_backup_failed_tokens")
+REQUIRED_EVENTS = (
+    "device_hit_tokens",
+    "loaded_tokens",
+    "backup_tokens",
+    "demoted_tokens",
+    "deleted_device_tokens",
+    "evicted_host_tokens",
+    "dropped_tokens",
+    "load_back_skipped",
+    "swa_tombstoned_tokens",
+    "swa_leaf_evictions",
+    "swa_host_tombstoned_tokens",
+    "swa_host_leaf_evictions",
+    "swa_backup_tokens",
+    "swa_loaded_tokens",
+    "swa_released_windows",
+    "swa_freed_request_pages",
+    "swa_alloc_failures",
+    "swa_backup_failed_tokens",
+)
 
 
 def _run(examples, steps, min_total, seeds=(None,)):
@@ -392,9 +449,16 @@ def _run(examples, steps, min_total, seeds=(None,)):
         machine = SWAMachine
         if fixed_seed is not None:
             machine = seed(fixed_seed)(type("SWAMachine", (SWAMachine,), {}))
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-            suppress_health_check=list(HealthCheck)))
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=steps,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
         if all(EVENTS.get(event, 0) > 0 for event in REQUIRED_EVENTS):
             break
     print(f"\nSWA fuzz: {STEPS['n']} checked steps over {examples} examples per seed")

@@ -63,8 +63,14 @@ def test_without_the_exchange_the_same_divergence_splits_the_swa_trees(component
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test  # noqa: E402
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
 from cache_harness import KVOracle, numpy_backend_factory, small_geom  # noqa: E402
 from rank_trace import DRAFT_SALT, _TraceDriver, inject  # noqa: E402
@@ -84,12 +90,18 @@ class _Rank:
         self.draft_be = self.draft = None
         sidecars = None
         if draft:  # a draft model's KV on the full page ids (a sidecar), its own bytes
-            self.draft_be = numpy_backend_factory(small_geom(params["page_size"]), params["device_pages"],
-                                                  params["host_pages"], "page_first", params["deferred"])
+            self.draft_be = numpy_backend_factory(
+                small_geom(params["page_size"]),
+                params["device_pages"],
+                params["host_pages"],
+                "page_first",
+                params["deferred"],
+            )
             self.draft = KVOracle(self.draft_be, DRAFT_SALT)
             sidecars = {"draft": self.draft_be.engine}
-        self.cache, self.full_be, self.swa_be, self.swa = make_swa_cache(agreement=agreement, sidecars=sidecars,
-                                                                         **params)
+        self.cache, self.full_be, self.swa_be, self.swa = make_swa_cache(
+            agreement=agreement, sidecars=sidecars, **params
+        )
         self.bes = [b for b in (self.full_be, self.swa_be, self.draft_be) if b is not None]
         self.drv = _TraceDriver(self.cache, self.full_be, self.swa_be, self.swa)
         self.p = self.cache.page_size
@@ -103,7 +115,7 @@ class _Rank:
     def check_prefix(self, req) -> None:
         self.drv.check_prefix(req)
         if self.draft is not None:
-            self.draft.check_device(req.key, req.device_pages[:req.cached_pages])
+            self.draft.check_device(req.key, req.device_pages[: req.cached_pages])
 
     def extend(self, entry, key) -> bool:
         req = entry[0]
@@ -140,12 +152,31 @@ class SWARanksMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 1, 3]),
         draft=st.booleans(),
     )
-    def setup(self, policy, page_size, window, device_pages, host_pages, swa_device_pages, swa_host_pages, deferred,
-              threshold, draft):
+    def setup(
+        self,
+        policy,
+        page_size,
+        window,
+        device_pages,
+        host_pages,
+        swa_device_pages,
+        swa_host_pages,
+        deferred,
+        threshold,
+        draft,
+    ):
         swa_device_pages = max(swa_device_pages, -(-window // page_size) + 3)
-        params = dict(page_size=page_size, window=window, device_pages=device_pages, host_pages=host_pages,
-                      swa_device_pages=swa_device_pages, swa_host_pages=swa_host_pages, deferred=deferred,
-                      write_policy=policy, load_back_threshold=threshold)
+        params = dict(
+            page_size=page_size,
+            window=window,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            swa_device_pages=swa_device_pages,
+            swa_host_pages=swa_host_pages,
+            deferred=deferred,
+            write_policy=policy,
+            load_back_threshold=threshold,
+        )
         self.pool = RankPool(2, timeout=30)
         group = self.pool.group
         self.ranks = self.pool.run(lambda r: _Rank(r, group.agreement(r), params, draft))
@@ -154,8 +185,12 @@ class SWARanksMachine(RuleBasedStateMachine):
         ranks = self.ranks
         return self.pool.run(lambda r: fn(ranks[r]))
 
-    tokens = st.builds(lambda d, n, tail: list(_DOCS[d, :n]) + tail, st.integers(0, 2), st.integers(2, 24),
-                       st.lists(st.integers(40, 43), max_size=4))
+    tokens = st.builds(
+        lambda d, n, tail: list(_DOCS[d, :n]) + tail,
+        st.integers(0, 2),
+        st.integers(2, 24),
+        st.lists(st.integers(40, 43), max_size=4),
+    )
     ns = st.sampled_from([None, "b"])
     pick = st.integers(0, 1 << 20)
 
@@ -170,8 +205,9 @@ class SWARanksMachine(RuleBasedStateMachine):
 
         self.both(op)
 
-    @rule(toks=tokens, ns=ns, chunk=st.integers(1, 9), out=st.lists(st.integers(40, 45), max_size=6),
-          poll=st.booleans())
+    @rule(
+        toks=tokens, ns=ns, chunk=st.integers(1, 9), out=st.lists(st.integers(40, 45), max_size=6), poll=st.booleans()
+    )
     def serve(self, toks, ns, chunk, out, poll):
         """A whole request in one operation: admit, chunked prefill, decode, finish (one
         agreement step after each pass when ``poll``, as a scheduler's loop would run)."""
@@ -211,7 +247,7 @@ class SWARanksMachine(RuleBasedStateMachine):
             have = len(req.key)
             if have >= len(target):
                 return
-            if k.extend(entry, k.key(target[:min(len(target), have + chunk)], ns)) and mid:
+            if k.extend(entry, k.key(target[: min(len(target), have + chunk)], ns)) and mid:
                 k.cache.cache_unfinished_req(req, chunked=True)
                 k.check_prefix(req)
 
@@ -279,7 +315,7 @@ class SWARanksMachine(RuleBasedStateMachine):
     def load_back(self, i, n, quota):
         def op(k):
             done = k.done[i % len(k.done)]
-            key = RadixKey(done.token_ids[:1 + n % len(done)], done.extra_key)
+            key = RadixKey(done.token_ids[: 1 + n % len(done)], done.extra_key)
             m = k.cache.match_prefix(key)
             if m.host_hit_length:
                 lb = k.cache.load_back(m.last_host_node, quota)
@@ -315,6 +351,7 @@ class SWARanksMachine(RuleBasedStateMachine):
     @rule(go=st.integers(0, 7))
     def reset(self, go):
         if not go:
+
             def op(k):
                 k.cache.reset()
                 k.done = []
@@ -340,6 +377,7 @@ class SWARanksMachine(RuleBasedStateMachine):
         if not hasattr(self, "ranks"):
             return
         try:
+
             def op(k):
                 for entry in list(k.reqs):
                     k.cache.cache_finished_req(entry[0])
@@ -349,10 +387,15 @@ class SWARanksMachine(RuleBasedStateMachine):
                 k.cache.flush()
                 k.cache.sanity_check(0, {"swa": 0})
                 st_ = k.cache.stats()
-                out = dict(st_["components"]["swa"]["metrics"], rolled_back=st_["agreement"]["rolled_back_backups"],
-                           slides=st_["agreement"]["agreed_slides"], exchanges=st_["agreement"]["exchanges"],
-                           alloc_fail=k.fired["alloc_fail"], swa_alloc_fail=k.fired["swa_alloc_fail"],
-                           digest=k.cache.debug_view().digest())
+                out = dict(
+                    st_["components"]["swa"]["metrics"],
+                    rolled_back=st_["agreement"]["rolled_back_backups"],
+                    slides=st_["agreement"]["agreed_slides"],
+                    exchanges=st_["agreement"]["exchanges"],
+                    alloc_fail=k.fired["alloc_fail"],
+                    swa_alloc_fail=k.fired["swa_alloc_fail"],
+                    digest=k.cache.debug_view().digest(),
+                )
                 k.cache.reset()
                 return out
 
@@ -367,16 +410,30 @@ class SWARanksMachine(RuleBasedStateMachine):
 
 # What every run must have produced (on rank 1): both injected failures, agreed slides, SWA
 # backups and SWA backup parts given up (host tombstones), SWA eviction, early window releases.
-FUZZ_EVENTS = ("alloc_fail", "swa_alloc_fail", "slides", "backup_tokens", "backup_failed_tokens", "tombstoned_tokens",
-               "released_windows")
+FUZZ_EVENTS = (
+    "alloc_fail",
+    "swa_alloc_fail",
+    "slides",
+    "backup_tokens",
+    "backup_failed_tokens",
+    "tombstoned_tokens",
+    "released_windows",
+)
 
 
 def _fuzz(examples, steps, min_steps, fixed_seed=None):
     FUZZ.update(steps=0, events={})
     machine = SWARanksMachine if fixed_seed is None else seed(fixed_seed)(type("M", (SWARanksMachine,), {}))
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     print(f"\nSWA fuzz over two ranks: {FUZZ['steps']} checked steps, {FUZZ['events']}")
     assert FUZZ["steps"] >= min_steps
     for e in FUZZ_EVENTS:

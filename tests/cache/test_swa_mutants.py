@@ -24,7 +24,7 @@ def insert_with_swa(cache, drv, k):
     sw = cache.alloc_component("swa", n)
     drv.full.write(k, full)
     for i in range(n):
-        drv.sw.write(k, sw[i:i + 1], i)
+        drv.sw.write(k, sw[i : i + 1], i)
     return cache.insert(k, full, component_pages={"swa": sw.astype(np.int32)})
 
 
@@ -32,8 +32,9 @@ def host_only_tree():
     """Window 3, page 1: nodes [0, 2) and [2, 4) (the insert caps the window leaf), and a leaf
     [4, 6) under them; everything backed up, then evicted from the device: the SWA host pool
     (6 pages) is full."""
-    cache, full, swa_be, swa = make_swa_cache(page_size=1, window=3, device_pages=40, host_pages=40,
-                                              swa_device_pages=20, swa_host_pages=6)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=1, window=3, device_pages=40, host_pages=40, swa_device_pages=20, swa_host_pages=6
+    )
     drv = SWADriver(cache, full, swa_be, swa)
     insert_with_swa(cache, drv, key(np.arange(4)))
     leaf = insert_with_swa(cache, drv, key(np.arange(4), [10, 11])).last_node
@@ -88,8 +89,9 @@ def test_swa_host_eviction_keeps_a_pinned_internal_nodes_pages():
 def test_a_short_swa_host_pool_backs_up_the_window_not_the_shallowest_pages():
     # Page 2, window 5 (context 4 tokens: 2 window pages). A 12-token insert is two nodes,
     # [0, 8) and the capped window leaf [8, 12): 6 SWA pages; the SWA host pool has 4.
-    cache, full, swa_be, swa = make_swa_cache(page_size=2, window=5, device_pages=24, host_pages=48,
-                                              swa_device_pages=12, swa_host_pages=4)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=2, window=5, device_pages=24, host_pages=48, swa_device_pages=12, swa_host_pages=4
+    )
     drv = SWADriver(cache, full, swa_be, swa)
     k = key(np.arange(100, 112))
     insert_with_swa(cache, drv, k)

@@ -38,6 +38,7 @@ from swa_harness import insert_with_frontier as insert_with_swa_pages
 from hicache_jax.cache import CacheInvariantError, RadixKey
 from hicache_jax.cache.components import SWAComponent
 
+
 def build(cls=SWAComponent, **kw):
     cache, full, swa_be, swa = make_swa_cache(**kw)
     if cls is not SWAComponent:  # the same pools, the broken component
@@ -47,9 +48,12 @@ def build(cls=SWAComponent, **kw):
         swa = cls(swa_be.engine, swa_be.device.allocator, swa.window)
         full.device.allocator.reset()
         full.host.allocator.reset()
-        cache = HiRadixCache(HiCacheConfig(page_size=cache.page_size, write_policy=cache.write_policy,
-                                           load_back_threshold=0), full.engine, full.device.allocator,
-                             components=[swa])
+        cache = HiRadixCache(
+            HiCacheConfig(page_size=cache.page_size, write_policy=cache.write_policy, load_back_threshold=0),
+            full.engine,
+            full.device.allocator,
+            components=[swa],
+        )
     return cache, SWADriver(cache, full, swa_be, swa), swa
 
 
@@ -75,18 +79,19 @@ class NoRecovery(SWAComponent):
                 k = n.size // p
                 st = self.state(n)
                 if (st is None or st.dev is None) and n.dev_children:  # an existing tombstone: not recovered
-                    c = out[j:j + k]
+                    c = out[j : j + k]
                     if (c >= 0).any():
                         self.device_allocator.free(c[c >= 0])
-                    out[j:j + k] = -1
+                    out[j : j + k] = -1
                 j += k
             pages = out
         super().on_insert_span(last, span, pages)
 
 
 def crash1_chunked_prefill_keeps_the_prefix_usable(cls):
-    cache, drv, swa = build(cls, page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=30,
-                            swa_host_pages=30)
+    cache, drv, swa = build(
+        cls, page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=30, swa_host_pages=30
+    )
     first = drv.serve(RadixKey(np.arange(1, 17)), out=list(range(100, 112)))  # [16, 24) becomes a tombstone
     assert first is not None
     # A request that diverges inside the tombstone: its match ends before it, so it recomputes
@@ -134,8 +139,16 @@ class IncrementalLists(SWAComponent):
 
 
 def crash2_no_node_in_both_lists(cls):
-    cache, drv, swa = build(cls, page_size=2, window=5, device_pages=40, host_pages=40, swa_device_pages=8,
-                            swa_host_pages=20, write_policy="write_through_selective")
+    cache, drv, swa = build(
+        cls,
+        page_size=2,
+        window=5,
+        device_pages=40,
+        host_pages=40,
+        swa_device_pages=8,
+        swa_host_pages=20,
+        write_policy="write_through_selective",
+    )
     base = np.arange(1, 13)
     for _ in range(2):  # selective: the second insert-hit backs the path up
         assert drv.serve(RadixKey(base), chunk=4) is not None
@@ -186,8 +199,9 @@ class LeafIgnoresFullLock(SWAComponent):
 
 
 def crash3_decode_allocation_never_cascades_into_a_locked_node(cls):
-    cache, drv, swa = build(cls, page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=4,
-                            swa_host_pages=20)
+    cache, drv, swa = build(
+        cls, page_size=2, window=5, device_pages=60, host_pages=60, swa_device_pages=4, swa_host_pages=20
+    )
     assert drv.serve(RadixKey(np.arange(1, 9))) is not None  # the tree: [0, 4) a tombstone, [4, 8) 2 SWA pages
     req, _ = drv.admit(RadixKey(np.r_[np.arange(1, 9), 40]))
     leaf = req.last_node
@@ -238,10 +252,13 @@ class StaleMapping(SWAComponent):
 
 
 def leak1_a_tombstone_never_frees_a_live_page(cls):
-    cache, drv, swa = build(cls, page_size=1, window=5, device_pages=40, host_pages=40, swa_device_pages=12,
-                            swa_host_pages=20)
+    cache, drv, swa = build(
+        cls, page_size=1, window=5, device_pages=40, host_pages=40, swa_device_pages=12, swa_host_pages=20
+    )
     x = insert_with_frontier(cache, drv, RadixKey([1, 2, 3, 4]), 0)
-    leaf = insert_with_frontier(cache, drv, RadixKey(np.arange(1, 11)), 4)  # x is internal; the leaf's window is its own
+    leaf = insert_with_frontier(
+        cache, drv, RadixKey(np.arange(1, 11)), 4
+    )  # x is internal; the leaf's window is its own
     receipt = cache.inc_lock_ref(leaf)  # x's full KV stays on the device; its SWA is not held
     assert swa.lock_count(x) == 0
     old = swa.node_device_pages(x)
@@ -258,8 +275,9 @@ def leak1_a_tombstone_never_frees_a_live_page(cls):
     assert sorted(live.tolist()) == sorted(old.tolist())
     cache.evict(cache.evictable_tokens - len(y))  # x's full KV leaves the device (y is the newest)
     assert x.value is None and y.value is not None
-    assert swa.node_device_pages(y) is not None and swa.device_allocator.is_allocated(live).all(), \
+    assert swa.node_device_pages(y) is not None and swa.device_allocator.is_allocated(live).all(), (
         "a live page was freed"
+    )
     drv.sw.check_device(RadixKey([7, 8, 9, 10]), live)
     cache.sanity_check(0, {"swa": 0})
 
@@ -313,8 +331,9 @@ class ReleaseByWalk(NoJoin):
 
 
 def leak2_a_release_never_takes_a_lock_it_did_not_take(cls, mid_check=True):
-    cache, drv, swa = build(cls, page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=12,
-                            swa_host_pages=20)
+    cache, drv, swa = build(
+        cls, page_size=1, window=4, device_pages=40, host_pages=40, swa_device_pages=12, swa_host_pages=20
+    )
     k = RadixKey([1, 2, 3, 4, 5, 6])
     b = insert_with_frontier(cache, drv, k, 4)  # [0, 4) a tombstone, b = [4, 6)
     tomb = b.parent

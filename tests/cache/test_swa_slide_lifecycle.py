@@ -23,8 +23,9 @@ def key(start, n):
 
 
 def _agreed_swa_cache(group, r, **kw):
-    return make_swa_cache(window=5, agreement=group.agreement(r), swa_host_pages=24, deferred=False,
-                          swa_device_pages=24, **kw)
+    return make_swa_cache(
+        window=5, agreement=group.agreement(r), swa_host_pages=24, deferred=False, swa_device_pages=24, **kw
+    )
 
 
 def test_a_request_abandoned_by_dec_lock_ref_leaves_the_slide_tracking():
@@ -45,7 +46,7 @@ def test_a_request_abandoned_by_dec_lock_ref_leaves_the_slide_tracking():
         other, _ = drv.admit(key(100, 5))
         assert drv.extend(other, key(100, 16))
         cache.check_events()  # the agreed step: only ``other``'s slide is applied
-        own = other.component_pages["swa"][other.cached_pages:]
+        own = other.component_pages["swa"][other.cached_pages :]
         assert swa.device_allocator.is_allocated(own[own >= 0]).all()
         cache.cache_finished_req(other)
         cache.check_events()

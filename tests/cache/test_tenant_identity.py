@@ -20,8 +20,9 @@ def seq(n, ns=None, salt=None):
     return RadixKey(np.arange(100, 100 + n, dtype=np.int64), ns, salt)
 
 
-@pytest.mark.parametrize("a, b", [(True, 1), (1, 1.0), (True, 1.0), (0, False), (0.0, -0.0), ((1,), (True,)),
-                                  (False, 0.0)])
+@pytest.mark.parametrize(
+    "a, b", [(True, 1), (1, 1.0), (True, 1.0), (0, False), (0.0, -0.0), ((1,), (True,)), (False, 0.0)]
+)
 @pytest.mark.parametrize("field", ["extra_key", "cache_salt"])
 def test_equal_under_python_eq_are_different_tenants(backend_factory, a, b, field):
     assert a == b  # Python's == conflates them; the cache must not

@@ -97,9 +97,16 @@ def test_copy_that_keeps_failing_stops_the_cache_until_reset(backend_factory, ki
         check(block=True)
     assert cache.metrics.transfer_retries == 1 and cache.metrics.transfer_failures == 1
     # Nothing is served any more: not the garbage, not anything else.
-    for call in (lambda: cache.match_prefix(key), lambda: cache.peek_prefix(key), lambda: cache.evict(2),
-                 lambda: cache.evict_host(2), lambda: cache.alloc_device(1), lambda: cache.begin_request(key),
-                 cache.flush, cache.check_events):
+    for call in (
+        lambda: cache.match_prefix(key),
+        lambda: cache.peek_prefix(key),
+        lambda: cache.evict(2),
+        lambda: cache.evict_host(2),
+        lambda: cache.alloc_device(1),
+        lambda: cache.begin_request(key),
+        cache.flush,
+        cache.check_events,
+    ):
         with pytest.raises(CacheFailedError):
             call()
     cache.reset()

@@ -19,25 +19,28 @@ def seq(start, n):
 
 
 # ---------------------------------------------------------------- resolution
-@pytest.mark.parametrize("policy, mode, host_pages, expect", [
-    # auto: write_through(_selective) takes upstream's split stamp and batches; host eviction
-    # ages below HOST_ONLY_FIRST_RATIO device pools, keeps upstream's order from there.
-    ("write_through", "auto", 2 * 16, Decisions(True, True, True, "aging")),
-    # ... aging only under LRU: under any other eviction policy copies go first.
-    ("write_through|lfu", "auto", 2 * 16, Decisions(True, True, True, "copies_first")),
-    ("write_through_selective|fifo", "auto", 16, Decisions(True, True, True, "copies_first")),
-    ("write_through|lfu", "auto", HOST_ONLY_FIRST_RATIO * 16, Decisions(True, True, True, "host_only_first")),
-    ("write_through|mru", "own", 16, Decisions(True, False, False, "copies_first")),
-    ("write_through_selective", "auto", HOST_ONLY_FIRST_RATIO * 16 - 1, Decisions(True, True, True, "aging")),
-    ("write_through", "auto", HOST_ONLY_FIRST_RATIO * 16, Decisions(True, True, True, "host_only_first")),
-    # auto under write_back: ours (no hits counted, as upstream).
-    ("write_back", "auto", 4 * 16, Decisions(False, False, False, "copies_first")),
-    ("write_back", "auto", 16, Decisions(False, False, False, "copies_first")),
-    ("write_through", "upstream", 16, Decisions(True, True, True, "host_only_first")),
-    ("write_back", "upstream", 16, Decisions(False, True, True, "host_only_first")),
-    ("write_through", "own", 4 * 16, Decisions(True, False, False, "aging")),
-    ("write_back", "own", 16, Decisions(False, False, False, "copies_first")),
-])
+@pytest.mark.parametrize(
+    "policy, mode, host_pages, expect",
+    [
+        # auto: write_through(_selective) takes upstream's split stamp and batches; host eviction
+        # ages below HOST_ONLY_FIRST_RATIO device pools, keeps upstream's order from there.
+        ("write_through", "auto", 2 * 16, Decisions(True, True, True, "aging")),
+        # ... aging only under LRU: under any other eviction policy copies go first.
+        ("write_through|lfu", "auto", 2 * 16, Decisions(True, True, True, "copies_first")),
+        ("write_through_selective|fifo", "auto", 16, Decisions(True, True, True, "copies_first")),
+        ("write_through|lfu", "auto", HOST_ONLY_FIRST_RATIO * 16, Decisions(True, True, True, "host_only_first")),
+        ("write_through|mru", "own", 16, Decisions(True, False, False, "copies_first")),
+        ("write_through_selective", "auto", HOST_ONLY_FIRST_RATIO * 16 - 1, Decisions(True, True, True, "aging")),
+        ("write_through", "auto", HOST_ONLY_FIRST_RATIO * 16, Decisions(True, True, True, "host_only_first")),
+        # auto under write_back: ours (no hits counted, as upstream).
+        ("write_back", "auto", 4 * 16, Decisions(False, False, False, "copies_first")),
+        ("write_back", "auto", 16, Decisions(False, False, False, "copies_first")),
+        ("write_through", "upstream", 16, Decisions(True, True, True, "host_only_first")),
+        ("write_back", "upstream", 16, Decisions(False, True, True, "host_only_first")),
+        ("write_through", "own", 4 * 16, Decisions(True, False, False, "aging")),
+        ("write_back", "own", 16, Decisions(False, False, False, "copies_first")),
+    ],
+)
 def test_resolve(policy, mode, host_pages, expect):
     policy, _, eviction = policy.partition("|")
     cfg = HiCacheConfig(write_policy=policy, eviction_policy=eviction or "lru", tree_decisions=mode)
@@ -185,23 +188,32 @@ def test_write_through_host_eviction_order_by_host_size(backend_factory, host_pa
     cache.sanity_check(0)
 
 
-@pytest.mark.parametrize("policy, eviction, mode, order", [
-    ("write_back", "lru", "auto", "copies_first"),
-    ("write_back", "lfu", "auto", "copies_first"),
-    ("write_back", "lru", "upstream", "host_only_first"),
-    ("write_through", "lfu", "auto", "copies_first"),
-    ("write_through_selective", "mru", "auto", "copies_first"),
-    ("write_through", "lru", "auto", "aging"),
-    ("write_through", "lfu", "upstream", "host_only_first"),
-])
+@pytest.mark.parametrize(
+    "policy, eviction, mode, order",
+    [
+        ("write_back", "lru", "auto", "copies_first"),
+        ("write_back", "lfu", "auto", "copies_first"),
+        ("write_back", "lru", "upstream", "host_only_first"),
+        ("write_through", "lfu", "auto", "copies_first"),
+        ("write_through_selective", "mru", "auto", "copies_first"),
+        ("write_through", "lru", "auto", "aging"),
+        ("write_through", "lfu", "upstream", "host_only_first"),
+    ],
+)
 def test_copies_go_before_aged_host_only_leaves(backend_factory, policy, eviction, mode, order):
     """A host smaller than 3 device pools: the copy of the loaded-back L goes before H, a
     host-only leaf long off the device, under write_back (dropping L's copy costs a copy when
     L leaves the device, not a hit) and under write_through with any eviction policy but LRU
     (aging compares access times with the device's next victim's, an LRU notion). Under LRU
     write_through H goes first (it aged out: ``aging``), as in upstream's order."""
-    cache, be = make_cache(backend_factory, write_policy=policy, eviction_policy=eviction, device_pages=32,
-                           host_pages=64, tree_decisions=mode)
+    cache, be = make_cache(
+        backend_factory,
+        write_policy=policy,
+        eviction_policy=eviction,
+        device_pages=32,
+        host_pages=64,
+        tree_decisions=mode,
+    )
     assert cache.decisions.host_eviction_order == order
     oracle = KVOracle(be)
     h = prefill_insert(cache, oracle, seq(0, 8)).last_node

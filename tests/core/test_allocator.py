@@ -35,14 +35,17 @@ def test_alloc_zero_and_free_empty():
     assert a.available == 2
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    ([9], ValueError, "out of range"),
-    ([-1], ValueError, "out of range"),
-    ([1, 1], ValueError, "duplicate"),
-    ([0.0], TypeError, "integer"),
-    ([[1]], ValueError, "1-D"),
-    ([True], TypeError, "integer"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        ([9], ValueError, "out of range"),
+        ([-1], ValueError, "out of range"),
+        ([1, 1], ValueError, "duplicate"),
+        ([0.0], TypeError, "integer"),
+        ([[1]], ValueError, "1-D"),
+        ([True], TypeError, "integer"),
+    ],
+)
 def test_free_rejects_bad_ids_without_state_change(bad, exc, match):
     a = PageAllocator(8)
     a.alloc(4)

@@ -42,8 +42,9 @@ def _backend():
 def _controller(cache, config=None, **kw):
     from hicache_jax.l3 import StorageController
 
-    return StorageController(cache, StorageConfig(backend="memory") if config is None else config,
-                             **{"model": "m", **kw})
+    return StorageController(
+        cache, StorageConfig(backend="memory") if config is None else config, **{"model": "m", **kw}
+    )
 
 
 def router():
@@ -53,8 +54,12 @@ def router():
 
 
 def router_state(r):
-    return ({e: copy.deepcopy(v.tiers) for e, v in r.views.items()}, {e: v.last_seq for e, v in r.views.items()},
-            dict(r.decisions), r.weights)
+    return (
+        {e: copy.deepcopy(v.tiers) for e, v in r.views.items()},
+        {e: v.last_seq for e, v in r.views.items()},
+        dict(r.decisions),
+        r.weights,
+    )
 
 
 def source():
@@ -80,7 +85,13 @@ CASES = [
     ("PrefixRouter(weights=dict)", None, lambda _: PrefixRouter(["a"], {"device": 1}), TypeError, "weights"),
     ("shared_storage='no'", None, lambda _: PrefixRouter(["a"], shared_storage="no"), TypeError, "shared_storage"),
     ("shared_storage=1", None, lambda _: PrefixRouter(["a"], shared_storage=1), TypeError, "shared_storage"),
-    ("balance_abs=nan", None, lambda _: PrefixRouter(["a"], balance_abs=NAN), ValueError, "balance_abs: expected a finite"),
+    (
+        "balance_abs=nan",
+        None,
+        lambda _: PrefixRouter(["a"], balance_abs=NAN),
+        ValueError,
+        "balance_abs: expected a finite",
+    ),
     ("balance_abs=inf", None, lambda _: PrefixRouter(["a"], balance_abs=INF), ValueError, "balance_abs"),
     ("balance_abs=-1", None, lambda _: PrefixRouter(["a"], balance_abs=-1), ValueError, "balance_abs"),
     ("balance_abs='32'", None, lambda _: PrefixRouter(["a"], balance_abs="32"), ValueError, "balance_abs"),
@@ -110,8 +121,13 @@ CASES = [
     ("from_load_cost(nan)", None, lambda _: TierWeights.from_load_cost(NAN), ValueError, "prefill_s_per_token"),
     ("from_load_cost(0)", None, lambda _: TierWeights.from_load_cost(0), ValueError, "prefill_s_per_token"),
     ("from_load_cost(host inf)", None, lambda _: TierWeights.from_load_cost(1, INF), ValueError, "host_s_per_token"),
-    ("from_load_cost(storage -1)", None, lambda _: TierWeights.from_load_cost(1, None, -1), ValueError,
-     "storage_s_per_token"),
+    (
+        "from_load_cost(storage -1)",
+        None,
+        lambda _: TierWeights.from_load_cost(1, None, -1),
+        ValueError,
+        "storage_s_per_token",
+    ),
     ("from_load_cost(base)", None, lambda _: TierWeights.from_load_cost(1, base={}), TypeError, "base"),
     ("tier_costs_from_stats('x')", None, lambda _: tier_costs_from_stats("x"), TypeError, "stats"),
     ("set_measured_weights(nan)", router, lambda r: r.set_measured_weights({}, NAN), ValueError, "prefill_s_per_token"),
@@ -122,10 +138,20 @@ CASES = [
     ("KVEvent(keys ints)", None, lambda _: KVEvent("stored", "device", (1, 2)), TypeError, "keys"),
     ("KVEvent(cleared with keys)", None, lambda _: KVEvent("cleared", "device", (K[0],)), ValueError, "keys"),
     ("KVEvent(parent_key str)", None, lambda _: KVEvent("stored", "device", (K[0],), "ab"), TypeError, "parent_key"),
-    ("KVEvent(token_count -1)", None, lambda _: KVEvent("stored", "device", (K[0],), None, -1), ValueError,
-     "token_count"),
-    ("KVEvent(token_count 1.5)", None, lambda _: KVEvent("stored", "device", (K[0],), None, 1.5), ValueError,
-     "token_count"),
+    (
+        "KVEvent(token_count -1)",
+        None,
+        lambda _: KVEvent("stored", "device", (K[0],), None, -1),
+        ValueError,
+        "token_count",
+    ),
+    (
+        "KVEvent(token_count 1.5)",
+        None,
+        lambda _: KVEvent("stored", "device", (K[0],), None, 1.5),
+        ValueError,
+        "token_count",
+    ),
     ("KVEvent(model None)", None, lambda _: KVEvent("stored", "device", (), None, 0, None), TypeError, "model"),
     ("KVEvent(namespace 1)", None, lambda _: KVEvent("stored", "device", (), None, 0, "m", 1), TypeError, "namespace"),
     ("EventBatch(engine 1)", None, lambda _: EventBatch(1, 0), TypeError, "engine"),
@@ -134,22 +160,53 @@ CASES = [
     ("EventBatch(events dicts)", None, lambda _: EventBatch("a", 0, ({},)), TypeError, "events"),
     ("EventBatch(resync 'no')", None, lambda _: EventBatch("a", 0, (), "no"), TypeError, "resync"),
     ("KVEvent.from_dict(schema 2)", None, lambda _: KVEvent.from_dict({"schema": 2}), ValueError, "schema"),
-    ("TierContents.apply(replay)", TierContents, lambda v: (v.apply(EventBatch("a", 3)), v.apply(EventBatch("a", 3))),
-     ValueError, "batch: seq"),
+    (
+        "TierContents.apply(replay)",
+        TierContents,
+        lambda v: (v.apply(EventBatch("a", 3)), v.apply(EventBatch("a", 3))),
+        ValueError,
+        "batch: seq",
+    ),
     # ---------------------------------------------------------------- event source
-    ("KVEventSource(None)", None, lambda _: KVEventSource(None, model="m"), TypeError, "cache: expected a HiRadixCache"),
+    (
+        "KVEventSource(None)",
+        None,
+        lambda _: KVEventSource(None, model="m"),
+        TypeError,
+        "cache: expected a HiRadixCache",
+    ),
     ("KVEventSource(model='')", make_cache, lambda c: KVEventSource(c, model=""), ValueError, "model"),
     ("KVEventSource(model=None)", make_cache, lambda c: KVEventSource(c, model=None), ValueError, "model"),
     ("KVEventSource(engine=1)", make_cache, lambda c: KVEventSource(c, model="m", engine=1), TypeError, "engine"),
     ("KVEventSource(salt=1)", make_cache, lambda c: KVEventSource(c, model="m", salt=1), TypeError, "salt"),
-    ("KVEventSource(weights_revision=1)", make_cache, lambda c: KVEventSource(c, model="m", weights_revision=1),
-     TypeError, "weights_revision"),
-    ("KVEventSource(max_pending=0)", make_cache, lambda c: KVEventSource(c, model="m", max_pending=0), ValueError,
-     "max_pending"),
-    ("KVEventSource(max_pending=1.5)", make_cache, lambda c: KVEventSource(c, model="m", max_pending=1.5), ValueError,
-     "max_pending"),
-    ("KVEventSource(tp_rank=5)", make_cache, lambda c: KVEventSource(c, model="m", tp_size=2, tp_rank=5), ValueError,
-     "tp_rank"),
+    (
+        "KVEventSource(weights_revision=1)",
+        make_cache,
+        lambda c: KVEventSource(c, model="m", weights_revision=1),
+        TypeError,
+        "weights_revision",
+    ),
+    (
+        "KVEventSource(max_pending=0)",
+        make_cache,
+        lambda c: KVEventSource(c, model="m", max_pending=0),
+        ValueError,
+        "max_pending",
+    ),
+    (
+        "KVEventSource(max_pending=1.5)",
+        make_cache,
+        lambda c: KVEventSource(c, model="m", max_pending=1.5),
+        ValueError,
+        "max_pending",
+    ),
+    (
+        "KVEventSource(tp_rank=5)",
+        make_cache,
+        lambda c: KVEventSource(c, model="m", tp_size=2, tp_rank=5),
+        ValueError,
+        "tp_rank",
+    ),
     ("subscribe(twice)", source, lambda s: s.subscribe(print), ValueError, "fn: .*already subscribed"),
     ("subscribe(42)", source, lambda s: s.subscribe(42), TypeError, "fn"),
     ("unsubscribe(unknown)", source, lambda s: s.unsubscribe(len), ValueError, "fn: .*not subscribed"),
@@ -160,9 +217,9 @@ CASES = [
     ("KVGeometry.mla(rope -1)", None, lambda _: KVGeometry.mla(2, 16, 8, -1), ValueError, "qk_rope_head_dim"),
     ("KVGeometry.mla(rank 0)", None, lambda _: KVGeometry.mla(2, 16, 0, 8), ValueError, "kv_lora_rank"),
     ("KVGeometry.mha(layers nan)", None, lambda _: KVGeometry.mha(NAN, 4, 1, 8), TypeError, "num_layers"),
-    ("KVGeometry.mha(page 2**70)", None, lambda _: KVGeometry.mha(2, 2 ** 70, 1, 8), ValueError, "page_size"),
+    ("KVGeometry.mha(page 2**70)", None, lambda _: KVGeometry.mha(2, 2**70, 1, 8), ValueError, "page_size"),
     ("KVGeometry.mha(heads 0)", None, lambda _: KVGeometry.mha(2, 4, 0, 8), ValueError, "num_kv_heads"),
-    ("KVGeometry.mha(head_dim 2**40)", None, lambda _: KVGeometry.mha(2, 4, 1, 2 ** 40), ValueError, "head_dim"),
+    ("KVGeometry.mha(head_dim 2**40)", None, lambda _: KVGeometry.mha(2, 4, 1, 2**40), ValueError, "head_dim"),
     ("KVGeometry(dtype int3)", None, lambda _: KVGeometry.mha(2, 4, 1, 8, "int3"), ValueError, "dtype"),
     ("KVGeometry(kind gqa)", None, lambda _: KVGeometry("gqa", 2, 4), ValueError, "kind"),
     ("HostKVPool(geom dict)", None, lambda _: HostKVPool({}, 4), TypeError, "geom"),
@@ -170,9 +227,14 @@ CASES = [
     ("HostKVPool(pages 1.5)", None, lambda _: HostKVPool(G, 1.5), TypeError, "num_pages"),
     # One page of a geometry whose page cannot fit any machine: refused before numpy is asked
     # (without the check numpy raises MemoryError at once: safe to run as a mutant).
-    ("HostKVPool(1 page of 2**56 bytes)", None, lambda _: HostKVPool(KVGeometry.mha(1024, 4096, 1024, 8192), 1),
-     ValueError, "num_pages: expected a pool that fits"),
-    ("HostKVPool(pages 2**40)", None, lambda _: HostKVPool(G, 2 ** 40), ValueError, "num_pages"),
+    (
+        "HostKVPool(1 page of 2**56 bytes)",
+        None,
+        lambda _: HostKVPool(KVGeometry.mha(1024, 4096, 1024, 8192), 1),
+        ValueError,
+        "num_pages: expected a pool that fits",
+    ),
+    ("HostKVPool(pages 2**40)", None, lambda _: HostKVPool(G, 2**40), ValueError, "num_pages"),
     ("HostKVPool(layout)", None, lambda _: HostKVPool(G, 4, "bogus"), ValueError, "layout"),
     ("HostKVPool(buffer list)", None, lambda _: HostKVPool(G, 4, buffer=[0]), TypeError, "buffer"),
     ("HostPoolConfig(ratio inf)", None, lambda _: HostPoolConfig(ratio=INF), ValueError, "ratio: expected a finite"),
@@ -181,64 +243,160 @@ CASES = [
     ("HostPoolConfig(size_bytes -1)", None, lambda _: HostPoolConfig(size_bytes=-1), ValueError, "size_bytes"),
     ("HostPoolConfig(layout)", None, lambda _: HostPoolConfig(layout="x"), ValueError, "layout"),
     ("PageAllocator(-1)", None, lambda _: PageAllocator(-1), ValueError, "num_pages"),
-    ("PageAllocator(2**40)", None, lambda _: PageAllocator(2 ** 40), ValueError, "num_pages"),
-    ("PageAllocator(2**31 + 1)", None, lambda _: PageAllocator(2 ** 31 + 1), ValueError, "num_pages: .*int32"),
+    ("PageAllocator(2**40)", None, lambda _: PageAllocator(2**40), ValueError, "num_pages"),
+    ("PageAllocator(2**31 + 1)", None, lambda _: PageAllocator(2**31 + 1), ValueError, "num_pages: .*int32"),
     ("PageAllocator('4')", None, lambda _: PageAllocator("4"), TypeError, "num_pages"),
     ("PageAllocator(name 5)", None, lambda _: PageAllocator(4, name=5), TypeError, "name"),
-    ("Namespace(tp_size 0)", None, lambda _: Namespace("m", "", "bfloat16", 4, "page_first", tp_size=0), ValueError,
-     "tp_size"),
+    (
+        "Namespace(tp_size 0)",
+        None,
+        lambda _: Namespace("m", "", "bfloat16", 4, "page_first", tp_size=0),
+        ValueError,
+        "tp_size",
+    ),
     ("Namespace(page 0)", None, lambda _: Namespace("m", "", "bfloat16", 0, "page_first"), ValueError, "page_size"),
     ("Namespace(model '')", None, lambda _: Namespace("", "", "bfloat16", 4, "page_first"), ValueError, "model"),
     # ---------------------------------------------------------------- configs (hardened before: a sample)
     ("HiCacheConfig(page_size 0)", None, lambda _: HiCacheConfig(page_size=0), ValueError, "page_size"),
-    ("StorageConfig(worker_nice 100)", None, lambda _: StorageConfig(backend="memory", worker_nice=100), ValueError,
-     "worker_nice"),
-    ("StorageConfig(capacity nan)", None, lambda _: StorageConfig(backend="memory", capacity_bytes=NAN), TypeError,
-     "capacity_bytes"),
+    (
+        "StorageConfig(worker_nice 100)",
+        None,
+        lambda _: StorageConfig(backend="memory", worker_nice=100),
+        ValueError,
+        "worker_nice",
+    ),
+    (
+        "StorageConfig(capacity nan)",
+        None,
+        lambda _: StorageConfig(backend="memory", capacity_bytes=NAN),
+        TypeError,
+        "capacity_bytes",
+    ),
     ("RadixKey(floats)", None, lambda _: RadixKey(np.array([1.5, 2.0])), TypeError, "token"),
     # ---------------------------------------------------------------- the cache, its L3 controller, the stack
     ("HiRadixCache(config dict)", None, lambda _: HiRadixCache({}, *_backend()), TypeError, "config"),
-    ("HiRadixCache(engine None)", None, lambda _: HiRadixCache(HiCacheConfig(page_size=4), None, _backend()[1]),
-     TypeError, "engine"),
-    ("HiRadixCache(allocator None)", None, lambda _: HiRadixCache(HiCacheConfig(page_size=4), _backend()[0], None),
-     TypeError, "device_allocator"),
-    ("HiRadixCache(page_size 8 != 4)", None, lambda _: HiRadixCache(HiCacheConfig(page_size=8), *_backend()),
-     ValueError, "config: page_size"),
+    (
+        "HiRadixCache(engine None)",
+        None,
+        lambda _: HiRadixCache(HiCacheConfig(page_size=4), None, _backend()[1]),
+        TypeError,
+        "engine",
+    ),
+    (
+        "HiRadixCache(allocator None)",
+        None,
+        lambda _: HiRadixCache(HiCacheConfig(page_size=4), _backend()[0], None),
+        TypeError,
+        "device_allocator",
+    ),
+    (
+        "HiRadixCache(page_size 8 != 4)",
+        None,
+        lambda _: HiRadixCache(HiCacheConfig(page_size=8), *_backend()),
+        ValueError,
+        "config: page_size",
+    ),
     ("StorageController(model '')", make_cache, lambda c: _controller(c, model=""), ValueError, "model"),
-    ("StorageController(weights_revision 1)", make_cache, lambda c: _controller(c, weights_revision=1), TypeError,
-     "weights_revision"),
+    (
+        "StorageController(weights_revision 1)",
+        make_cache,
+        lambda c: _controller(c, weights_revision=1),
+        TypeError,
+        "weights_revision",
+    ),
     ("StorageController(salt 1)", make_cache, lambda c: _controller(c, salt=1), TypeError, "salt"),
-    ("StorageController(batch_pages 0)", make_cache, lambda c: _controller(c, batch_pages=0), ValueError, "batch_pages"),
-    ("StorageController(max_inflight_fraction nan)", make_cache, lambda c: _controller(c, max_inflight_fraction=NAN),
-     ValueError, "max_inflight_fraction"),
-    ("StorageController(tp_rank 3 of 2)", make_cache, lambda c: _controller(c, tp_size=2, tp_rank=3), ValueError,
-     "tp_rank"),
+    (
+        "StorageController(batch_pages 0)",
+        make_cache,
+        lambda c: _controller(c, batch_pages=0),
+        ValueError,
+        "batch_pages",
+    ),
+    (
+        "StorageController(max_inflight_fraction nan)",
+        make_cache,
+        lambda c: _controller(c, max_inflight_fraction=NAN),
+        ValueError,
+        "max_inflight_fraction",
+    ),
+    (
+        "StorageController(tp_rank 3 of 2)",
+        make_cache,
+        lambda c: _controller(c, tp_size=2, tp_rank=3),
+        ValueError,
+        "tp_rank",
+    ),
     ("StorageController(config dict)", make_cache, lambda c: _controller(c, config={}), TypeError, "storage_config"),
     ("CacheStack(None)", None, lambda _: CacheStack(None), TypeError, "cache: expected a HiRadixCache"),
     ("CacheStack(storage object)", make_cache, lambda c: CacheStack(c, storage=object()), TypeError, "storage"),
-    ("CacheStack(transfers without close)", make_cache, lambda c: CacheStack(c, transfers=[object()]), TypeError,
-     "transfers"),
+    (
+        "CacheStack(transfers without close)",
+        make_cache,
+        lambda c: CacheStack(c, transfers=[object()]),
+        TypeError,
+        "transfers",
+    ),
     ("CacheStack(closers str)", make_cache, lambda c: CacheStack(c, closers="ab"), TypeError, "closers"),
     # ---------------------------------------------------------------- the local Mooncake Store
-    ("MooncakeMaster(max_lifetime_s -5)", None, lambda _: MooncakeMaster(max_lifetime_s=-5), ValueError,
-     "max_lifetime_s: expected finite seconds >= 0"),
-    ("MooncakeMaster(max_lifetime_s nan)", None, lambda _: MooncakeMaster(max_lifetime_s=NAN), ValueError,
-     "max_lifetime_s"),
-    ("MooncakeMaster(max_lifetime_s inf)", None, lambda _: MooncakeMaster(max_lifetime_s=INF), ValueError,
-     "max_lifetime_s"),
-    ("MooncakeMaster(start_timeout_s 0)", None, lambda _: MooncakeMaster(start_timeout_s=0), ValueError,
-     "start_timeout_s"),
-    ("MooncakeMaster(start_timeout_s nan)", None, lambda _: MooncakeMaster(start_timeout_s=NAN), ValueError,
-     "start_timeout_s"),
+    (
+        "MooncakeMaster(max_lifetime_s -5)",
+        None,
+        lambda _: MooncakeMaster(max_lifetime_s=-5),
+        ValueError,
+        "max_lifetime_s: expected finite seconds >= 0",
+    ),
+    (
+        "MooncakeMaster(max_lifetime_s nan)",
+        None,
+        lambda _: MooncakeMaster(max_lifetime_s=NAN),
+        ValueError,
+        "max_lifetime_s",
+    ),
+    (
+        "MooncakeMaster(max_lifetime_s inf)",
+        None,
+        lambda _: MooncakeMaster(max_lifetime_s=INF),
+        ValueError,
+        "max_lifetime_s",
+    ),
+    (
+        "MooncakeMaster(start_timeout_s 0)",
+        None,
+        lambda _: MooncakeMaster(start_timeout_s=0),
+        ValueError,
+        "start_timeout_s",
+    ),
+    (
+        "MooncakeMaster(start_timeout_s nan)",
+        None,
+        lambda _: MooncakeMaster(start_timeout_s=NAN),
+        ValueError,
+        "start_timeout_s",
+    ),
     ("MooncakeMaster(rpc_port 70000)", None, lambda _: MooncakeMaster(rpc_port=70000), ValueError, "rpc_port"),
     ("MooncakeMaster(metadata_port -1)", None, lambda _: MooncakeMaster(metadata_port=-1), ValueError, "metadata_port"),
     ("MooncakeMaster(lease_ttl_ms 1.5)", None, lambda _: MooncakeMaster(lease_ttl_ms=1.5), ValueError, "lease_ttl_ms"),
-    ("MooncakeMaster(store_node_bytes 1)", None, lambda _: MooncakeMaster(store_node_bytes=1), ValueError,
-     "store_node_bytes"),
-    ("MooncakeMaster(watermark nan)", None, lambda _: MooncakeMaster(eviction_high_watermark=NAN), ValueError,
-     "eviction_high_watermark"),
-    ("MooncakeMaster(watermark True)", None, lambda _: MooncakeMaster(eviction_high_watermark=True), ValueError,
-     "eviction_high_watermark"),
+    (
+        "MooncakeMaster(store_node_bytes 1)",
+        None,
+        lambda _: MooncakeMaster(store_node_bytes=1),
+        ValueError,
+        "store_node_bytes",
+    ),
+    (
+        "MooncakeMaster(watermark nan)",
+        None,
+        lambda _: MooncakeMaster(eviction_high_watermark=NAN),
+        ValueError,
+        "eviction_high_watermark",
+    ),
+    (
+        "MooncakeMaster(watermark True)",
+        None,
+        lambda _: MooncakeMaster(eviction_high_watermark=True),
+        ValueError,
+        "eviction_high_watermark",
+    ),
     ("MooncakeMaster(host '')", None, lambda _: MooncakeMaster(host=""), ValueError, "host"),
     ("MooncakeMaster(log_level)", None, lambda _: MooncakeMaster(log_level="loud"), ValueError, "log_level"),
     ("MooncakeMaster(extra_args str)", None, lambda _: MooncakeMaster(extra_args="--x"), TypeError, "extra_args"),
@@ -257,8 +415,16 @@ def test_bad_input_is_a_clear_error_with_no_state_change(name, make, call, exc, 
     with pytest.raises(exc, match=match) as e:
         call(obj)
     msg = str(e.value)
-    assert "expected" in msg or "already" in msg or "not subscribed" in msg or "unknown" in msg or \
-        "not after" in msg or "not one of" in msg or "schema" in msg or "!=" in msg, msg
+    assert (
+        "expected" in msg
+        or "already" in msg
+        or "not subscribed" in msg
+        or "unknown" in msg
+        or "not after" in msg
+        or "not one of" in msg
+        or "schema" in msg
+        or "!=" in msg
+    ), msg
     if make is make_cache:
         assert (obj.debug_view().watch, obj.storage_hook) == before
     elif state is not None:

@@ -32,20 +32,23 @@ def test_ttft_goals_all_met():
     assert verdict["status"] == "met" and verdict["text"] == "met: all 7 goals"
 
 
-@pytest.mark.parametrize("name, met_kw, missed_kw", [
-    # L2 hit <= 1.25x the L1 hit's TTFT (the bound itself meets it)
-    ("l2_over_l1", dict(host=1.25), dict(host=1.2501)),
-    # L3 hit <= 2x the L1 hit's
-    ("l3_over_l1", dict(storage=2.0), dict(storage=2.001)),
-    # every tier < 0.3x cold (strict: 0.3 itself misses)
-    ("l1_over_cold", dict(device=2.99, host=3.0, storage=3.0), dict(device=3.0, host=3.0, storage=3.0)),
-    ("l2_over_cold", dict(host=2.99), dict(device=2.5, host=3.0)),
-    ("l3_over_cold", dict(storage=1.99), dict(device=2.0, storage=3.0)),
-    # ordered in every round
-    ("ordered_rounds", dict(held=5), dict(held=4)),
-    # decode step with backups running <= 1.05x
-    ("decode_ratio", dict(decode=1.05), dict(decode=1.0501)),
-])
+@pytest.mark.parametrize(
+    "name, met_kw, missed_kw",
+    [
+        # L2 hit <= 1.25x the L1 hit's TTFT (the bound itself meets it)
+        ("l2_over_l1", dict(host=1.25), dict(host=1.2501)),
+        # L3 hit <= 2x the L1 hit's
+        ("l3_over_l1", dict(storage=2.0), dict(storage=2.001)),
+        # every tier < 0.3x cold (strict: 0.3 itself misses)
+        ("l1_over_cold", dict(device=2.99, host=3.0, storage=3.0), dict(device=3.0, host=3.0, storage=3.0)),
+        ("l2_over_cold", dict(host=2.99), dict(device=2.5, host=3.0)),
+        ("l3_over_cold", dict(storage=1.99), dict(device=2.0, storage=3.0)),
+        # ordered in every round
+        ("ordered_rounds", dict(held=5), dict(held=4)),
+        # decode step with backups running <= 1.05x
+        ("decode_ratio", dict(decode=1.05), dict(decode=1.0501)),
+    ],
+)
 def test_ttft_each_threshold_both_ways(name, met_kw, missed_kw):
     met, _ = _status(_ttft(**met_kw))
     assert met[name] == "met", met
@@ -54,10 +57,13 @@ def test_ttft_each_threshold_both_ways(name, met_kw, missed_kw):
     assert verdict["status"] == "missed" and name in verdict["text"]
 
 
-@pytest.mark.parametrize("name, met_args, missed_args", [
-    ("input_throughput", (1.5, 0.5), (1.49, 0.5)),  # input throughput >= 1.5x no cache
-    ("ttft_mean", (2.0, 0.6), (2.0, 0.601)),  # TTFT mean <= 0.6x no cache
-])
+@pytest.mark.parametrize(
+    "name, met_args, missed_args",
+    [
+        ("input_throughput", (1.5, 0.5), (1.49, 0.5)),  # input throughput >= 1.5x no cache
+        ("ttft_mean", (2.0, 0.6), (2.0, 0.601)),  # TTFT mean <= 0.6x no cache
+    ],
+)
 def test_multiturn_each_threshold_both_ways(name, met_args, missed_args):
     met, verdict = _status(goals.multiturn_goals(*met_args))
     assert met == {"input_throughput": "met", "ttft_mean": "met"} and verdict["status"] == "met"
@@ -84,12 +90,13 @@ def test_the_numbers_of_issue_29_are_missed_when_comparable_and_not_comparable_a
 
 def test_not_comparable_reports_what_would_be_met():
     records, verdict = goals.judge(goals.multiturn_goals(1.6, 0.9), ["CPU backend"])
-    assert [(r["status"], r["would_meet"]) for r in records] == [("not comparable", True),
-                                                                   ("not comparable", False)]
+    assert [(r["status"], r["would_meet"]) for r in records] == [("not comparable", True), ("not comparable", False)]
     assert "1 of 2 goals would be met" in verdict["text"]
     text = goals.lines(records, verdict)
-    assert text[0] == ("goal input_throughput: input throughput, hicache / no cache = 1.600 (goal >= 1.5): "
-                       "not comparable (would be met)")
+    assert text[0] == (
+        "goal input_throughput: input throughput, hicache / no cache = 1.600 (goal >= 1.5): "
+        "not comparable (would be met)"
+    )
     assert text[1].endswith("(goal <= 0.6): not comparable (would be missed)")
     assert text[-1] == f"verdict: {verdict['text']}"
 
@@ -141,14 +148,17 @@ def _parse(argv, name="ttft"):
     return args
 
 
-@pytest.mark.parametrize("given, quick, want", [
-    ([], False, "auto"),  # resolved by the benchmark once the backend is known
-    ([], True, "tiny"),
-    (["--model", "bench"], True, "tiny"),
-    (["--model", "llama3-8b-shape"], False, "llama3-8b-shape"),
-    (["--model", "llama3-8b-shape"], True, "llama3-8b-shape-tiny"),
-    (["--model", "hybrid"], True, "hybrid-tiny"),
-])
+@pytest.mark.parametrize(
+    "given, quick, want",
+    [
+        ([], False, "auto"),  # resolved by the benchmark once the backend is known
+        ([], True, "tiny"),
+        (["--model", "bench"], True, "tiny"),
+        (["--model", "llama3-8b-shape"], False, "llama3-8b-shape"),
+        (["--model", "llama3-8b-shape"], True, "llama3-8b-shape-tiny"),
+        (["--model", "hybrid"], True, "hybrid-tiny"),
+    ],
+)
 def test_model_option_and_quick_presets(given, quick, want):
     for name in ("ttft", "multiturn", "two_run", "restart"):
         args = _parse(given + (["--quick"] if quick else []), name)

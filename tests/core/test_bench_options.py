@@ -89,9 +89,23 @@ def test_multiturn_option_combinations_are_usage_errors(argv, option, capsys):
 
 def test_multiturn_routed_combinations_that_are_fine_pass_the_check():
     p = _parser("multiturn")
-    for argv in ([], ["--engines", "4"], ["--engines", "2", "--router", "prefix"],
-                 ["--engines", "2", "--storage-backend", "mooncake", "--mooncake-master", "h:1",
-                  "--mooncake-metadata", "http://h:2/metadata", "--router", "prefix"]):
+    for argv in (
+        [],
+        ["--engines", "4"],
+        ["--engines", "2", "--router", "prefix"],
+        [
+            "--engines",
+            "2",
+            "--storage-backend",
+            "mooncake",
+            "--mooncake-master",
+            "h:1",
+            "--mooncake-metadata",
+            "http://h:2/metadata",
+            "--router",
+            "prefix",
+        ],
+    ):
         args = p.parse_args(argv)
         options.check(p, args, "multiturn")
     assert p.parse_args([]).router == ["round_robin", "prefix"]

@@ -60,8 +60,15 @@ def test_quick_run_writes_its_figures_and_counts_what_the_cache_saw(tmp_path, mo
     assert d["events_during_measurement"]["stored"] > 0
 
 
-@pytest.mark.parametrize("argv", [["--finishes-per-step", "65", "--in-flight", "64"], ["--in-flight", "0"],
-                                  ["--prompt-len", "nan"], ["--events", "maybe"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--finishes-per-step", "65", "--in-flight", "64"],
+        ["--in-flight", "0"],
+        ["--prompt-len", "nan"],
+        ["--events", "maybe"],
+    ],
+)
 def test_bad_sizes_are_usage_errors(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
@@ -72,11 +79,18 @@ def test_bad_sizes_are_usage_errors(argv, tmp_path, monkeypatch, capsys):
 
 def test_a_run_imports_no_jax(tmp_path):
     """The benchmark needs the cache manager only: a whole (short) run loads no JAX or flax."""
-    code = ("import sys\n"
-            "from hicache_jax import cli\n"
-            f"cli.main(['bench', 'step-cost', '--quick', '--in-flight', '32', '--finishes-per-step', '8', "
-            f"'--profile-steps', '0', '--out', {str(tmp_path / 'r.json')!r}])\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'jaxlib', 'orbax')))\n")
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
-                       text=True, timeout=120)
+    code = (
+        "import sys\n"
+        "from hicache_jax import cli\n"
+        f"cli.main(['bench', 'step-cost', '--quick', '--in-flight', '32', '--finishes-per-step', '8', "
+        f"'--profile-steps', '0', '--out', {str(tmp_path / 'r.json')!r}])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'jaxlib', 'orbax')))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", (r.stdout, r.stderr)

@@ -17,17 +17,19 @@ def _env():
 
 
 def test_help_imports_no_jax_and_shows_defaults():
-    code = ("import sys, contextlib, io\n"
-            "from hicache_jax import cli\n"
-            "for b in cli.BENCHMARKS:\n"
-            "    buf = io.StringIO()\n"
-            "    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
-            "        cli.main(['bench', b.name, '--help'])\n"
-            "    text = buf.getvalue()\n"
-            "    flat = ''.join(text.split())\n"
-            "    assert '--quick' in flat and '(default:hicache-results/' in flat, (b.name, text)\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'jaxlib', 'orbax'))\n"
-            "print('heavy:', bad)\n")
+    code = (
+        "import sys, contextlib, io\n"
+        "from hicache_jax import cli\n"
+        "for b in cli.BENCHMARKS:\n"
+        "    buf = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
+        "        cli.main(['bench', b.name, '--help'])\n"
+        "    text = buf.getvalue()\n"
+        "    flat = ''.join(text.split())\n"
+        "    assert '--quick' in flat and '(default:hicache-results/' in flat, (b.name, text)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'jaxlib', 'orbax'))\n"
+        "print('heavy:', bad)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "heavy: []" in r.stdout, r.stdout
@@ -70,7 +72,11 @@ def test_quick_takes_the_tiny_shape_of_a_hybrid_preset():
 
     from hicache_jax.bench import options
 
-    for given, want in ((["--model", "hybrid"], "hybrid-tiny"), ([], "tiny"), (["--model", "hybrid-tiny"], "hybrid-tiny")):
+    for given, want in (
+        (["--model", "hybrid"], "hybrid-tiny"),
+        ([], "tiny"),
+        (["--model", "hybrid-tiny"], "hybrid-tiny"),
+    ):
         p = argparse.ArgumentParser()
         options.multiturn_arguments(p)
         args = p.parse_args(["--quick", *given])
@@ -79,8 +85,9 @@ def test_quick_takes_the_tiny_shape_of_a_hybrid_preset():
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hicache_jax.cli", *argv], env=_env(), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hicache_jax.cli", *argv], env=_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_version_prints_the_package_version():
@@ -122,14 +129,16 @@ def test_a_benchmark_without_its_extra_names_the_extra_in_one_line(tmp_path):
 
     blocked, extra = "flax", "bench"
     missing = blocked if importlib.util.find_spec("jax") is not None else "jax"
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            f"        if name.split('.')[0] == {blocked!r}:\n"
-            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "from hicache_jax import cli\n"
-            f"sys.exit(cli.main(['bench', 'ttft', '--quick', '--out', {str(tmp_path / 'r.json')!r}]))\n")
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] == {blocked!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from hicache_jax import cli\n"
+        f"sys.exit(cli.main(['bench', 'ttft', '--quick', '--out', {str(tmp_path / 'r.json')!r}]))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     named = [l for l in r.stderr.splitlines() if "hicache-jax[" in l]

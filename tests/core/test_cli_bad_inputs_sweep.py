@@ -51,9 +51,11 @@ EXPLICIT: dict[str, list[tuple[str, list[str]]]] = {
     "--out": [("/dev/null/x.json", []), ("/proc/hicache-no-such-dir/x.json", []), (".", [])],
     "--storage-dir": [("/dev/null", []), ("/dev/null/l3", [])],
     "--mooncake-master": [("h", []), ("h:0", []), ("h:70000", []), (":80", []), ("h:x", [])],
-    "--mooncake-metadata": [("http://h:2/metadata", []),  # without --mooncake-master
-                            ("ftp://x", ["--storage-backend", "mooncake", "--mooncake-master", "h:1"]),
-                            ("http://h:99999/m", ["--storage-backend", "mooncake", "--mooncake-master", "h:1"])],
+    "--mooncake-metadata": [
+        ("http://h:2/metadata", []),  # without --mooncake-master
+        ("ftp://x", ["--storage-backend", "mooncake", "--mooncake-master", "h:1"]),
+        ("http://h:99999/m", ["--storage-backend", "mooncake", "--mooncake-master", "h:1"]),
+    ],
     "--mooncake-node-bytes": [("1", []), ("-1", []), ("nan", []), (str(1 << 51), [])],
     "--dtype": [("int3", []), ("", []), ("float64", [])],
     "--weights": [("/nonexistent/pair.npz", [])],
@@ -62,14 +64,25 @@ EXPLICIT: dict[str, list[tuple[str, list[str]]]] = {
     "--context": [("/nonexistent/doc.txt", []), ("/", [])],
 }
 # Options with nothing to refuse (flags).
-FREE = {"--help", "--quick", "--deterministic", "--compare-impls", "--version", "--no-storage", "--no-reuse",
-        "--turns"}  # --turns: any text is a turn
+FREE = {
+    "--help",
+    "--quick",
+    "--deterministic",
+    "--compare-impls",
+    "--version",
+    "--no-storage",
+    "--no-reuse",
+    "--turns",
+}  # --turns: any text is a turn
 # Sizes each within bounds whose product cannot fit any machine: refused up front too.
 MEMORY = [
     (["bench", "transfer"], ["--heads", "1024", "--head-dim", "8192", "--layers", "1024"], "--heads"),
     (["bench", "transfer"], ["--page-sizes", "4096", "--page-counts", str(1 << 24)], "--page-counts"),
-    (["bench", "multiturn"], ["--device-pages", str(1 << 24), "--page-size", "4096", "--host-ratio", "1024",
-                              "--engines", "256"], "--device-pages"),
+    (
+        ["bench", "multiturn"],
+        ["--device-pages", str(1 << 24), "--page-size", "4096", "--host-ratio", "1024", "--engines", "256"],
+        "--device-pages",
+    ),
 ]
 
 
@@ -122,6 +135,7 @@ def test_every_option_has_bad_values():
 def no_run(monkeypatch, tmp_path):
     """Nothing may run: a benchmark or the server starting is a failure; the cwd is an empty
     directory that must stay empty (no output written)."""
+
     def refuse(*a, **k):
         raise AssertionError("a bad option was not refused: the command started")
 
@@ -139,8 +153,9 @@ def test_bad_option_value_is_a_usage_error_naming_it(argv, option, no_run, capsy
         cli.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2, err
-    assert "usage:" in err and f"argument {option}" in err.replace("/", " argument ") or \
-        f"argument {option}" in err, err
+    assert "usage:" in err and f"argument {option}" in err.replace("/", " argument ") or f"argument {option}" in err, (
+        err
+    )
     assert "usage:" in err and ("expected" in err or "invalid choice" in err), err
 
 
@@ -158,10 +173,15 @@ def test_good_values_at_the_bounds_pass(no_run):
 
 # The issue's list, end to end in a fresh interpreter: exit 2 within seconds, JAX never imported.
 ISSUE_CASES = [
-    ["bench", "multiturn", "--host-ratio", "nan"], ["bench", "multiturn", "--host-ratio", "inf"],
-    ["bench", "ttft", "--reuse", "nan"], ["bench", "ttft", "--worker-nice", "100"], ["bench", "two-run", "--seed", "-1"],
-    ["bench", "spec", "--seed", "-1"], ["bench", "transfer", "--dtype", "int3"],
-    ["bench", "ttft", "--quick", "--out", "/dev/null/x.json"], ["bench", "transfer", "--heads", "1000000"],
+    ["bench", "multiturn", "--host-ratio", "nan"],
+    ["bench", "multiturn", "--host-ratio", "inf"],
+    ["bench", "ttft", "--reuse", "nan"],
+    ["bench", "ttft", "--worker-nice", "100"],
+    ["bench", "two-run", "--seed", "-1"],
+    ["bench", "spec", "--seed", "-1"],
+    ["bench", "transfer", "--dtype", "int3"],
+    ["bench", "ttft", "--quick", "--out", "/dev/null/x.json"],
+    ["bench", "transfer", "--heads", "1000000"],
     ["mooncake-server", "--max-lifetime-s", "-5"],
 ]
 

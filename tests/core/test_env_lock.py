@@ -54,23 +54,30 @@ def _lock_path() -> Path | None:
 def test_the_venv_holds_exactly_its_locked_versions():
     lock = _lock_path()
     if lock is None:
-        pytest.skip(f"not one of the project's locked venvs ({sys.prefix}; HICACHE_LOCK={os.environ.get('HICACHE_LOCK')})")
+        pytest.skip(
+            f"not one of the project's locked venvs ({sys.prefix}; HICACHE_LOCK={os.environ.get('HICACHE_LOCK')})"
+        )
     locked = parse_lock(lock.read_text())
     # The venv's own site-packages only: a package may put a vendored copy's metadata on sys.path
     # at import (ray adds ray/thirdparty_files, which holds colorama's, in the easydel venv).
     site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     installed = {norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     problems = drift(locked, installed)
-    assert not problems, (f"{sys.prefix} differs from {lock.relative_to(ROOT)} (./scripts/lock refreshes the "
-                          f"locks; ./scripts/test rebuilds the venv from them):\n  " + "\n  ".join(problems))
+    assert not problems, (
+        f"{sys.prefix} differs from {lock.relative_to(ROOT)} (./scripts/lock refreshes the "
+        f"locks; ./scripts/test rebuilds the venv from them):\n  " + "\n  ".join(problems)
+    )
 
 
 def test_drift_names_every_kind_of_difference():
     locked = parse_lock("jax==0.12.1\n    # via x\nnumpy==2.5.5 ; python_version >= '3.12'\npip==26.3\n")
     assert locked == {"jax": "0.12.1", "numpy": "2.5.5", "pip": "26.3"}
     installed = {"jax": "0.12.2", "numpy": "2.5.5", "rich": "14.0", PROJECT: "0.1.0"}
-    assert drift(locked, installed) == ["jax: locked 0.12.1, installed 0.12.2", "pip==26.3 is locked but not installed",
-                                        "rich==14.0 is installed but not locked"]
+    assert drift(locked, installed) == [
+        "jax: locked 0.12.1, installed 0.12.2",
+        "pip==26.3 is locked but not installed",
+        "rich==14.0 is installed but not locked",
+    ]
     assert drift(locked, {**locked, PROJECT: "0.1.0"}) == []
     with pytest.raises(ValueError, match="expected name==version"):
         parse_lock("jax>=0.11\n")

@@ -18,13 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 MANDATORY = ("versions", "pytest", "transfer", "ttft", "multiturn")
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and coreutils timeout")
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and coreutils timeout"
+)
 
 
 def _run(tmp_path, timeout=120, **env) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path),
-            **{k: str(v) for k, v in env.items()}}
+    full = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "TMPDIR": str(tmp_path),
+        **{k: str(v) for k, v in env.items()},
+    }
     return subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,8 +81,7 @@ def test_a_step_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
     their 10 s cap, each rc is printed, the script finishes and keeps only its two logs."""
     fake = tmp_path / "python"
     # (pip too: a checkout with wheels in .whl/ installs them first, untimed)
-    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = - ] || [ \"$2\" = pip ]; then exec {sys.executable} \"$@\"; fi\n"
-                    "sleep 60\n")
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = - ] || [ "$2" = pip ]; then exec {sys.executable} "$@"; fi\nsleep 60\n')
     fake.chmod(0o755)
     r = _run(tmp_path, PYTHON=fake, STEPS="pytest transfer", CAP_PYTEST=10, CAP_TRANSFER=10)
     assert r.returncode == 0, r.stderr

@@ -4,8 +4,11 @@ import pytest
 from hicache_jax import HostKVPool, HostLayout, HostPoolConfig, KVGeometry
 from hicache_jax.host_layout import host_array_shape
 
-GEOMS = [KVGeometry.mha(3, 4, 2, 8, "bfloat16"), KVGeometry.mla(3, 1, 12, 4, "float8_e4m3fn"),
-         KVGeometry.mha(2, 33, 1, 4, "float32")]
+GEOMS = [
+    KVGeometry.mha(3, 4, 2, 8, "bfloat16"),
+    KVGeometry.mla(3, 1, 12, 4, "float8_e4m3fn"),
+    KVGeometry.mha(2, 33, 1, 4, "float32"),
+]
 
 
 @pytest.mark.parametrize("geom", GEOMS, ids=lambda g: f"{g.kind}-p{g.page_size}-{g.dtype}")
@@ -25,8 +28,11 @@ def test_write_read_roundtrip_bit_exact(geom, layout):
         # per-layer reads agree with the page reads
         for layer in range(geom.num_layers):
             full = pool.read_pages(c, ids)
-            want = full[layer] if layout is HostLayout.LAYER_FIRST else (
-                full[:, :, layer] if layout is HostLayout.PAGE_FIRST else full[:, layer])
+            want = (
+                full[layer]
+                if layout is HostLayout.LAYER_FIRST
+                else (full[:, :, layer] if layout is HostLayout.PAGE_FIRST else full[:, layer])
+            )
             np.testing.assert_array_equal(pool.read_layer(c, ids, layer), want)
     # untouched pages stay zero
     others = np.setdiff1d(np.arange(10), ids)
@@ -63,12 +69,15 @@ def test_sizing_by_ratio_and_bytes():
         HostPoolConfig(size_bytes=1).num_pages(g, 100)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(layout="row_major"), ValueError, "layout"),
-    (dict(ratio=0), ValueError, "ratio"),
-    (dict(ratio="2"), TypeError, "ratio"),
-    (dict(size_bytes=-1), ValueError, "size_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(layout="row_major"), ValueError, "layout"),
+        (dict(ratio=0), ValueError, "ratio"),
+        (dict(ratio="2"), TypeError, "ratio"),
+        (dict(size_bytes=-1), ValueError, "size_bytes"),
+    ],
+)
 def test_config_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         HostPoolConfig(**kwargs)

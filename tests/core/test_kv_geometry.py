@@ -20,15 +20,18 @@ def test_mla_width_is_lora_plus_rope():
     assert g.bytes_per_token == 2 * 576
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(kind="gqa", num_layers=1, page_size=1), ValueError, "kind"),
-    (dict(kind="mha", num_layers=0, page_size=1), ValueError, "num_layers"),
-    (dict(kind="mha", num_layers=1, page_size=0), ValueError, "page_size"),
-    (dict(kind="mha", num_layers=1.5, page_size=1), TypeError, "num_layers"),
-    (dict(kind="mha", num_layers=1, page_size=1, dtype="int8"), ValueError, "dtype"),
-    (dict(kind="mha", num_layers=1, page_size=1, num_kv_heads=0), ValueError, "num_kv_heads"),
-    (dict(kind="mla", num_layers=1, page_size=1), ValueError, "kv_lora_rank"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(kind="gqa", num_layers=1, page_size=1), ValueError, "kind"),
+        (dict(kind="mha", num_layers=0, page_size=1), ValueError, "num_layers"),
+        (dict(kind="mha", num_layers=1, page_size=0), ValueError, "page_size"),
+        (dict(kind="mha", num_layers=1.5, page_size=1), TypeError, "num_layers"),
+        (dict(kind="mha", num_layers=1, page_size=1, dtype="int8"), ValueError, "dtype"),
+        (dict(kind="mha", num_layers=1, page_size=1, num_kv_heads=0), ValueError, "num_kv_heads"),
+        (dict(kind="mla", num_layers=1, page_size=1), ValueError, "kv_lora_rank"),
+    ],
+)
 def test_invalid_geometry_rejected(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         KVGeometry(**kwargs)

@@ -5,8 +5,12 @@ from hicache_jax import HostLayout, KVGeometry
 from hicache_jax.backends.numpy_backend import make_numpy_backend
 
 
-GEOMS = [KVGeometry.mha(2, 3, 2, 4, "bfloat16"), KVGeometry.mha(2, 1, 1, 8, "bfloat16"),
-         KVGeometry.mla(3, 1, 6, 2, "float32"), KVGeometry.mla(1, 2, 4, 0, "bfloat16")]
+GEOMS = [
+    KVGeometry.mha(2, 3, 2, 4, "bfloat16"),
+    KVGeometry.mha(2, 1, 1, 8, "bfloat16"),
+    KVGeometry.mla(3, 1, 6, 2, "float32"),
+    KVGeometry.mla(1, 2, 4, 0, "bfloat16"),
+]
 
 
 @pytest.mark.parametrize("geom", GEOMS, ids=lambda g: f"{g.kind}-L{g.num_layers}-p{g.page_size}")
@@ -34,8 +38,7 @@ def test_backup_then_load_roundtrip(geom, layout, deferred):
             got = host.read_layer(c, [4, 0], layer).reshape(2, -1)
             np.testing.assert_array_equal(got, want[c][layer].reshape(2, -1))
         others = [1, 2, 3, 5]
-        np.testing.assert_array_equal(host.read_pages(c, others),
-                                      _pool_pages(host, c, host_before[c], others))
+        np.testing.assert_array_equal(host.read_pages(c, others), _pool_pages(host, c, host_before[c], others))
     dev_before = {c: dev.buffers[c].copy() for c in g.components}
     lh = eng.load([4, 0], [2, 3])
     lh.wait()

@@ -89,6 +89,7 @@ def test_install_line_names_this_version_and_the_extras_the_wheel_test_installs(
     assert "--no-deps" in wheel_line and "-w" in wheel_line, wheel_line
     extras = set(install_extras().split(","))
     import tomllib
+
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     assert extras <= declared, f"README installs extras the package lacks: {extras - declared}"
     wheel_test = (ROOT / "tests" / "jax_backend" / "test_wheel_example.py").read_text()

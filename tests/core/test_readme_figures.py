@@ -50,8 +50,10 @@ def test_mooncake_figures_are_the_committed_results(page):
     text = " ".join(page.read_text().split())  # line breaks do not matter
     for placement, where in (("node", "pages in a store node"), ("local", "in the client's own segment")):
         s = data["configs"][placement]["summary"]
-        want = (f"{where} write {_fig(s, 'write, one batch')}, read {_fig(s, 'read, one batch')}, "
-                f"one page per call {_fig(s, 'read, one page per call')}")
+        want = (
+            f"{where} write {_fig(s, 'write, one batch')}, read {_fig(s, 'read, one batch')}, "
+            f"one page per call {_fig(s, 'read, one page per call')}"
+        )
         assert want in text, f"{page.name} should say: {want!r}"
 
 
@@ -61,7 +63,9 @@ def test_orbax_figures_are_the_committed_results(page):
     _full_size(data, "orbax")
     s = data["configs"]["orbax"]["summary"]
     text = " ".join(page.read_text().split())
-    want = (f"orbax writes at {_fig(s, 'write / orbax segments')} the fastest raw writer and reads cold at "
-            f"{_fig(s, 'cold read, 1 at a time / orbax + CRC')} one page at a time, "
-            f"{_fig(s, 'cold read, 16 in flight / orbax + CRC')} 16 in flight")
+    want = (
+        f"orbax writes at {_fig(s, 'write / orbax segments')} the fastest raw writer and reads cold at "
+        f"{_fig(s, 'cold read, 1 at a time / orbax + CRC')} one page at a time, "
+        f"{_fig(s, 'cold read, 16 in flight / orbax + CRC')} 16 in flight"
+    )
     assert want in text, f"{page.name} should say: {want!r}"

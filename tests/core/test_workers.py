@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from hicache_jax.transfer import SerialWorker
-from hicache_jax.workers import (DEFAULT_WORKER_NICE, background_executor, check_nice, lower_thread_priority,
-                                 thread_nice)
+from hicache_jax.workers import DEFAULT_WORKER_NICE, background_executor, check_nice, lower_thread_priority, thread_nice
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux-only")
 
@@ -65,8 +64,9 @@ def test_nice_zero_changes_nothing():
     assert thread_nice() == before
 
 
-@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (20, ValueError), (1.5, TypeError), (True, TypeError),
-                                      ("5", TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc", [(-1, ValueError), (20, ValueError), (1.5, TypeError), (True, TypeError), ("5", TypeError)]
+)
 def test_check_nice_rejects(bad, exc):
     with pytest.raises(exc, match="worker_nice"):
         check_nice(bad)
@@ -76,6 +76,7 @@ def test_check_nice_rejects(bad, exc):
 
 def test_storage_config_validates_worker_nice():
     from hicache_jax.storage import StorageConfig
+
     assert StorageConfig(backend="memory").worker_nice == DEFAULT_WORKER_NICE
     assert StorageConfig(backend="memory", worker_nice=0).worker_nice == 0
     with pytest.raises(ValueError, match="worker_nice"):

@@ -35,8 +35,11 @@ MODEL = ModelConfig(vocab_size=256, num_layers=2, hidden=32, num_heads=4, num_kv
 # MODEL's variants (engine_rank.py's optional 5th argument): KV heads sharded (``mha``, each rank
 # its head), one KV head for two ranks (``one_kv_head``: the pool replicated on every rank) and
 # MLA's one latent (``mla``: replicated).
-MODELS = {"mha": MODEL, "one_kv_head": replace(MODEL, num_kv_heads=1),
-          "mla": replace(MODEL, attention="mla", kv_lora_rank=16, qk_rope_head_dim=8)}
+MODELS = {
+    "mha": MODEL,
+    "one_kv_head": replace(MODEL, num_kv_heads=1),
+    "mla": replace(MODEL, attention="mla", kv_lora_rank=16, qk_rope_head_dim=8),
+}
 PAGE = 4
 CLIENTS, ROUNDS, FIRST, TURN, ANSWER = 3, 3, 24, 8, 4
 SLOW = 3
@@ -176,10 +179,17 @@ def main() -> None:
 
         ranks = rank_context(agreement, timeout_s=60)
         name = f"rank{ranks.rank}"
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=24, host=HostPoolConfig(ratio=1.5), max_batch=4,
-                            prefill_chunk=16, max_context=96,
-                            storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
-                                                  prefetch_timeout_base_s=30.0))  # no 1 s deadline on a loaded CI box
+    cfg = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=24,
+        host=HostPoolConfig(ratio=1.5),
+        max_batch=4,
+        prefill_chunk=16,
+        max_context=96,
+        storage=StorageConfig(
+            backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE, prefetch_timeout_base_s=30.0
+        ),
+    )  # no 1 s deadline on a loaded CI box
     engine = Engine(model, cfg, ranks=ranks)
     rec = Recorder(engine.cache)
     fired = {k: 0 for k in ("alloc_fail", "slow_d2h", "short_read", "missing_page", "late_start")}
@@ -196,8 +206,17 @@ def main() -> None:
     metrics["storage_written_pages"] = engine.storage.stats()["storage_written_pages"]  # by this process
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired,
-                   "stats": engine.cache.step_agreement.stats(), "metrics": metrics}, f)
+        json.dump(
+            {
+                "tokens": tokens,
+                "tiers": tiers,
+                "digests": rec.digests,
+                "fired": fired,
+                "stats": engine.cache.step_agreement.stats(),
+                "metrics": metrics,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,9 @@ def main() -> None:
 
         ranks = rank_context(agreement, timeout_s=60)
         name = f"rank{ranks.rank}"
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=256, host=HostPoolConfig(ratio=2.0), max_batch=3,
-                            prefill_chunk=16, max_context=256)
+    cfg = EngineCacheConfig(
+        page_size=PAGE, device_pages=256, host=HostPoolConfig(ratio=2.0), max_batch=3, prefill_chunk=16, max_context=256
+    )
     # Exactly what the running requests can hold (with ranks: the slide lag included), so the
     # agreed slides must free pages in time (``_alloc_swa`` runs an agreement step when short).
     cfg = replace(cfg, swa_device_pages=Engine.swa_pages_needed(MODEL, cfg, ranks=ranks is not None))
@@ -81,9 +82,18 @@ def main() -> None:
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     engine.close()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "slides": slides,
-                   "swa_allocs_after_agreed_slides": engine.metrics.swa_allocs_after_agreed_slides,
-                   "stats": stats}, f)
+        json.dump(
+            {
+                "tokens": tokens,
+                "tiers": tiers,
+                "digests": rec.digests,
+                "fired": fired,
+                "slides": slides,
+                "swa_allocs_after_agreed_slides": engine.metrics.swa_allocs_after_agreed_slides,
+                "stats": stats,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

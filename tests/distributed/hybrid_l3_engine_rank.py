@@ -46,6 +46,7 @@ import sys
 from dataclasses import replace
 
 import numpy as np
+
 KV_HEADS_ENV = "HYBRID_RANK_KV_HEADS"  # the model's KV heads, if not HYBRID_TINY's
 
 from engine_rank import LateHandle, fail_every  # noqa: E402 - this script's directory is on sys.path
@@ -64,7 +65,15 @@ PAGE = 4
 FIRSTS, ROUNDS, TURN, ANSWER = (44, 36, 36, 40), 4, 8, 4
 CONTROL_ROUNDS = 1
 MISSING_AFTER = 8  # storage queries on rank 1 see at most this many pages (a hit still spans a window)
-FIRED = ("swa_host_alloc_fail", "host_alloc_fail", "late_slide", "slow_d2h", "short_read", "short_window_read", "missing_page")
+FIRED = (
+    "swa_host_alloc_fail",
+    "host_alloc_fail",
+    "late_slide",
+    "slow_d2h",
+    "short_read",
+    "short_window_read",
+    "missing_page",
+)
 
 
 class Round:
@@ -132,8 +141,9 @@ def diverge(engine, rec: AfterStepRecorder, fired: dict, now: Round) -> None:
 def local_pages(pool, ids) -> bytes:
     """This rank's shard (its KV heads) of pages ``ids`` of every component and layer of ``pool``."""
     ids = np.asarray(ids, np.int64)
-    return b"".join(np.asarray(a.addressable_data(0))[ids].tobytes()
-                    for c in pool.geom.components for a in pool.layers(c))
+    return b"".join(
+        np.asarray(a.addressable_data(0))[ids].tobytes() for c in pool.geom.components for a in pool.layers(c)
+    )
 
 
 class PrefixBytes:
@@ -149,10 +159,10 @@ class PrefixBytes:
     def _read(self, req, hit: int) -> bytes:
         e, p = self.engine, self.engine.page_size
         first = swa_first_needed_page(hit, MODEL.sliding_window, p)
-        window = req.component_pages["swa"][first:hit // p]
+        window = req.component_pages["swa"][first : hit // p]
         if req.device_pages.shape[0] * p < hit or (window < 0).any():
             return b""
-        return local_pages(e.device_pool, req.device_pages[:hit // p]) + local_pages(e.swa_pool, window)
+        return local_pages(e.device_pool, req.device_pages[: hit // p]) + local_pages(e.swa_pool, window)
 
     def remember(self, tokens: list) -> None:
         hit = (len(tokens) // self.engine.page_size) * self.engine.page_size
@@ -280,8 +290,13 @@ def run_l3_script(serve) -> None:
     out_dir, storage_dir, agreement, div = sys.argv[1:5]
     controls = sys.argv[5].split(",") if len(sys.argv) > 5 else []
     ranks, name = open_ranks(agreement)
-    write_with_controls(out_dir, name, serve(storage_dir, ranks, agreement, div), controls,
-                        lambda d, control: serve(control_store(d), without_exchange(ranks), "none", control))
+    write_with_controls(
+        out_dir,
+        name,
+        serve(storage_dir, ranks, agreement, div),
+        controls,
+        lambda d, control: serve(control_store(d), without_exchange(ranks), "none", control),
+    )
 
 
 def main() -> None:
@@ -290,10 +305,17 @@ def main() -> None:
 
 def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
     """One run of the workload over ``storage_dir`` (the engine built, served, closed)."""
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=96, host=HostPoolConfig(ratio=2.0), max_batch=3,
-                            prefill_chunk=16, max_context=128,
-                            storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
-                                                  prefetch_timeout_base_s=30.0))  # no 1 s deadline on a loaded box
+    cfg = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=96,
+        host=HostPoolConfig(ratio=2.0),
+        max_batch=3,
+        prefill_chunk=16,
+        max_context=128,
+        storage=StorageConfig(
+            backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE, prefetch_timeout_base_s=30.0
+        ),
+    )  # no 1 s deadline on a loaded box
     engine = Engine(MODEL, cfg, ranks=ranks)
     rec = AfterStepRecorder(engine.cache)
     fired = dict.fromkeys(FIRED, 0)
@@ -316,9 +338,18 @@ def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     swa_loaded = engine.swa.metrics.loaded_tokens
     engine.close()
-    return {"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
-            "swa_loaded_tokens": swa_loaded, "stats": stats, "bytes_remembered": len(audit.want),
-            "bytes_checked": audit.checked, "bytes_mismatched": audit.mismatched}
+    return {
+        "tokens": tokens,
+        "tiers": tiers,
+        "digests": rec.digests,
+        "fired": fired,
+        "metrics": metrics,
+        "swa_loaded_tokens": swa_loaded,
+        "stats": stats,
+        "bytes_remembered": len(audit.want),
+        "bytes_checked": audit.checked,
+        "bytes_mismatched": audit.mismatched,
+    }
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ class VerifyLag:
             req = seq.req
             n = len(req.key)
             kept = max(0, n // PAGE * PAGE - (WINDOW - 1)) // PAGE  # the first page such a slide keeps
-            behind = req.component_pages["swa"][req.cached_pages:kept]
+            behind = req.component_pages["swa"][req.cached_pages : kept]
             self.max_pages = max(self.max_pages, int((behind >= 0).sum()))
         if self.inner is not None:
             self.inner(seqs)
@@ -140,8 +140,10 @@ def lag_granted_per_decoding_request(model, cfg: EngineCacheConfig, spec: SpecCo
     more = replace(cfg, max_batch=cfg.max_batch + 1)
 
     def per_request(ranks: bool) -> int:
-        return Engine.swa_pages_needed(model, more, spec, ranks=ranks) - Engine.swa_pages_needed(model, cfg, spec,
-                                                                                              ranks=ranks)
+        return Engine.swa_pages_needed(model, more, spec, ranks=ranks) - Engine.swa_pages_needed(
+            model, cfg, spec, ranks=ranks
+        )
+
     return per_request(True) - per_request(False)
 
 
@@ -173,8 +175,14 @@ def serve(ranks, agreement: str, div: str) -> dict:
     """One run of the workload (the engine built, served, closed): what ``main`` writes."""
     pair = hybrid_pair()
     spec = SpecConfig(num_draft_tokens=K)
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=256, host=HostPoolConfig(ratio=2.0), max_batch=CLIENTS,
-                            prefill_chunk=16, max_context=240)
+    cfg = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=256,
+        host=HostPoolConfig(ratio=2.0),
+        max_batch=CLIENTS,
+        prefill_chunk=16,
+        max_context=240,
+    )
     cfg = replace(cfg, swa_device_pages=Engine.swa_pages_needed(pair.config, cfg, spec, ranks=ranks is not None))
     engine = Engine(pair.config, cfg, spec=spec, weights=pair, ranks=ranks)
     rec = AfterStepRecorder(engine.cache)
@@ -194,12 +202,18 @@ def serve(ranks, agreement: str, div: str) -> dict:
         rec.prepare()
         rec.apply(None)  # the last digest: the settled state
         settled_swa = engine.swa.digest_state()
-    out = {"tokens": tokens, "tiers": tiers, "accept_lengths": accepts, "digests": rec.digests, "fired": fired,
-           "slides": engine.cache.stats().get("agreement", {}).get("agreed_slides", 0),
-           "swa_allocs_after_agreed_slides": engine.metrics.swa_allocs_after_agreed_slides,
-           "verify_lag_pages": lag.max_pages,
-           "lag_granted_per_decoding_request": lag_granted_per_decoding_request(pair.config, cfg, spec),
-           "settled_swa": settled_swa}
+    out = {
+        "tokens": tokens,
+        "tiers": tiers,
+        "accept_lengths": accepts,
+        "digests": rec.digests,
+        "fired": fired,
+        "slides": engine.cache.stats().get("agreement", {}).get("agreed_slides", 0),
+        "swa_allocs_after_agreed_slides": engine.metrics.swa_allocs_after_agreed_slides,
+        "verify_lag_pages": lag.max_pages,
+        "lag_granted_per_decoding_request": lag_granted_per_decoding_request(pair.config, cfg, spec),
+        "settled_swa": settled_swa,
+    }
     engine.close()
     if ranks is None:  # plain greedy decoding of the same prompts: what speculation must reproduce
         plain = Engine(pair.config, replace(cfg, swa_device_pages=None), weights=pair)
@@ -212,8 +226,13 @@ def main() -> None:
     out_dir, agreement, div = sys.argv[1:4]
     controls = sys.argv[4].split(",") if len(sys.argv) > 4 else []
     ranks, name = open_ranks(agreement)
-    write_with_controls(out_dir, name, serve(ranks, agreement, div), controls,
-                        lambda _, control: serve(without_exchange(ranks), "none", control))
+    write_with_controls(
+        out_dir,
+        name,
+        serve(ranks, agreement, div),
+        controls,
+        lambda _, control: serve(without_exchange(ranks), "none", control),
+    )
 
 
 if __name__ == "__main__":

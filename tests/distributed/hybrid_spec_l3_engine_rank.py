@@ -35,7 +35,16 @@ import numpy as np
 from engine_rank import diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
 from hybrid_spec_engine_rank import (  # noqa: E402
-    ANSWER, CLIENTS, FIRSTS, K, PAGE, PERIOD, TURN, LateSlides, hybrid_pair)
+    ANSWER,
+    CLIENTS,
+    FIRSTS,
+    K,
+    PAGE,
+    PERIOD,
+    TURN,
+    LateSlides,
+    hybrid_pair,
+)
 from spec_l3_engine_rank import DraftBytes, count_draft_reads  # noqa: E402
 
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
@@ -118,10 +127,17 @@ def main() -> None:
         name = f"rank{ranks.rank}"
     pair = hybrid_pair()
     spec = SpecConfig(num_draft_tokens=K)
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=256, host=HostPoolConfig(ratio=2.0), max_batch=CLIENTS,
-                            prefill_chunk=16, max_context=256,
-                            storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
-                                                  prefetch_timeout_base_s=30.0))  # no 1 s deadline on a loaded box
+    cfg = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=256,
+        host=HostPoolConfig(ratio=2.0),
+        max_batch=CLIENTS,
+        prefill_chunk=16,
+        max_context=256,
+        storage=StorageConfig(
+            backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE, prefetch_timeout_base_s=30.0
+        ),
+    )  # no 1 s deadline on a loaded box
     cfg = replace(cfg, swa_device_pages=Engine.swa_pages_needed(pair.config, cfg, spec, ranks=ranks is not None))
     engine = Engine(pair.config, cfg, spec=spec, weights=pair, ranks=ranks)
     rec = AfterStepRecorder(engine.cache)
@@ -138,6 +154,7 @@ def main() -> None:
 
             def calm_host_alloc() -> None:  # the L3 round's host reservations all succeed: its reads run
                 engine.cache.host_allocator.alloc = host_alloc
+
             now.before_l3 = calm_host_alloc
             fail_swa_early(engine, fired, now)
             LateSlides(engine, fired)
@@ -149,10 +166,20 @@ def main() -> None:
     rec.apply(None)
     metrics = {k: v for k, v in engine.cache.metrics.as_dict().items() if "prefetch" in k or "storage" in k}
     metrics["prefetch_skipped_by_reason"] = dict(engine.cache.metrics.prefetch_skipped_by_reason)
-    out = {"tokens": tokens, "tiers": tiers, "accept_lengths": accepts, "digests": rec.digests, "fired": fired,
-           "reads": reads, "metrics": metrics, "swa_loaded_tokens": engine.swa.metrics.loaded_tokens,
-           "bytes_remembered": len(audit.want), "bytes_checked": audit.checked, "bytes_unknown": audit.unknown,
-           "bytes_mismatched": audit.mismatched}
+    out = {
+        "tokens": tokens,
+        "tiers": tiers,
+        "accept_lengths": accepts,
+        "digests": rec.digests,
+        "fired": fired,
+        "reads": reads,
+        "metrics": metrics,
+        "swa_loaded_tokens": engine.swa.metrics.loaded_tokens,
+        "bytes_remembered": len(audit.want),
+        "bytes_checked": audit.checked,
+        "bytes_unknown": audit.unknown,
+        "bytes_mismatched": audit.mismatched,
+    }
     engine.close()
     if ranks is None:  # plain greedy decoding of the same prompts: what speculation must reproduce
         plain = Engine(pair.config, replace(cfg, swa_device_pages=None, storage=None), weights=pair)

@@ -43,8 +43,9 @@ def main() -> None:
 
         ranks = rank_context(agreement, timeout_s=60)
         name = f"rank{ranks.rank}"
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=64, host=HostPoolConfig(ratio=2.0), max_batch=3,
-                            prefill_chunk=16, max_context=96)
+    cfg = EngineCacheConfig(
+        page_size=PAGE, device_pages=64, host=HostPoolConfig(ratio=2.0), max_batch=3, prefill_chunk=16, max_context=96
+    )
     engine = Engine(MODEL, cfg, spec=SpecConfig(num_draft_tokens=3), ranks=ranks)
     rec = AfterStepRecorder(engine.cache)
     fired = {"alloc_fail": 0}

@@ -45,7 +45,9 @@ import numpy as np
 from engine_rank import LATE_S, MODEL, LateHandle, diverge, fail_every  # noqa: E402 - this script's directory is on sys.path
 from hybrid_engine_rank import AfterStepRecorder  # noqa: E402
 from hybrid_l3_engine_rank import (  # noqa: E402
-    local_pages, run_l3_script)
+    local_pages,
+    run_l3_script,
+)
 
 from hicache_jax.engine import Engine, EngineCacheConfig, SpecConfig
 from hicache_jax.host_pool import HostPoolConfig
@@ -79,7 +81,7 @@ class DraftBytes:
         try:
             ids = key.token_ids
             for i, page in enumerate(req.device_pages.tolist()):
-                self.want[tuple(ids[:(i + 1) * p].tolist())] = self._pages([page])
+                self.want[tuple(ids[: (i + 1) * p].tolist())] = self._pages([page])
         finally:
             if req.last_node is not None:
                 cache.dec_lock_ref(req.last_node)
@@ -96,7 +98,7 @@ class DraftBytes:
                 e.spec.wait_load(lb)
             ids = key.token_ids
             for i, page in enumerate(req.device_pages.tolist()):
-                want = self.want.get(tuple(ids[:(i + 1) * p].tolist()))
+                want = self.want.get(tuple(ids[: (i + 1) * p].tolist()))
                 if want is None:
                     self.unknown += 1
                     continue
@@ -159,8 +161,7 @@ def count_draft_reads(engine: Engine, counts: dict) -> None:
     store.get_multi = counted
 
 
-def workload(engine: Engine, rounds: int, late_s: float, fired: dict,
-             before_l3=None) -> tuple[list, list, DraftBytes]:
+def workload(engine: Engine, rounds: int, late_s: float, fired: dict, before_l3=None) -> tuple[list, list, DraftBytes]:
     """Multi-turn conversations; before round 2 the device tier is dropped (L2), before round 3
     the device and host tiers (L3), after ``before_l3()`` (if given). Returns (tokens, cached
     tokens by tier, the byte check)."""
@@ -199,10 +200,17 @@ def main() -> None:
 
 def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
     """One run of the workload over ``storage_dir`` (the engine built, served, closed)."""
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=64, host=HostPoolConfig(ratio=2.0), max_batch=3,
-                            prefill_chunk=16, max_context=96,
-                            storage=StorageConfig(backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE,
-                                                  prefetch_timeout_base_s=30.0))  # no 1 s deadline on a loaded box
+    cfg = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=64,
+        host=HostPoolConfig(ratio=2.0),
+        max_batch=3,
+        prefill_chunk=16,
+        max_context=96,
+        storage=StorageConfig(
+            backend="file", path=storage_dir, prefetch_threshold_tokens=PAGE, prefetch_timeout_base_s=30.0
+        ),
+    )  # no 1 s deadline on a loaded box
     engine = Engine(MODEL, cfg, spec=SpecConfig(num_draft_tokens=K), ranks=ranks)
     rec = AfterStepRecorder(engine.cache)
     fired = dict.fromkeys(FIRED, 0)
@@ -219,6 +227,7 @@ def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
 
             def calm_host_alloc() -> None:  # the L3 round's host reservations all succeed: its reads run
                 engine.cache.host_allocator.alloc = host_alloc
+
             before_l3 = calm_host_alloc
             zero_short_read_pages(engine, fired)
             late = LATE_S
@@ -236,9 +245,19 @@ def serve(storage_dir: str, ranks, agreement: str, div: str) -> dict:
     metrics["prefetch_skipped_by_reason"] = dict(engine.cache.metrics.prefetch_skipped_by_reason)
     stats = engine.cache.step_agreement.stats() if ranks is not None else {}
     engine.close()
-    return {"tokens": tokens, "tiers": tiers, "digests": rec.digests, "fired": fired, "metrics": metrics,
-            "stats": stats, "reads": reads, "bytes_remembered": len(audit.want), "bytes_checked": audit.checked,
-            "bytes_unknown": audit.unknown, "bytes_mismatched": audit.mismatched}
+    return {
+        "tokens": tokens,
+        "tiers": tiers,
+        "digests": rec.digests,
+        "fired": fired,
+        "metrics": metrics,
+        "stats": stats,
+        "reads": reads,
+        "bytes_remembered": len(audit.want),
+        "bytes_checked": audit.checked,
+        "bytes_unknown": audit.unknown,
+        "bytes_mismatched": audit.mismatched,
+    }
 
 
 if __name__ == "__main__":

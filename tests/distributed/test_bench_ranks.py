@@ -19,9 +19,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _bench(tmp_path, *argv: str) -> tuple[dict, str]:
     out = tmp_path / "results" / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "hicache_jax.cli", "bench", *argv, "--num-processes", "2",
-                        "--rank-timeout", "500", "--out", str(out)], cwd=str(ROOT), capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hicache_jax.cli",
+            "bench",
+            *argv,
+            "--num-processes",
+            "2",
+            "--rank-timeout",
+            "500",
+            "--out",
+            str(out),
+        ],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text()), r.stdout
 
@@ -45,7 +61,9 @@ def test_bench_spec_runs_as_two_processes_with_the_same_tokens_on_both_ranks(tmp
     # the counts cover every engine of the rank: cold + L1, then the two restarts on L3
     assert payload["ranks"]["agreement_steps"][0]["caches"] == 3
     cases = payload["cases"]
-    assert all(c["same_tokens_as_cold"] for c in cases.values()), {k: c["same_tokens_as_cold"] for k, c in cases.items()}
+    assert all(c["same_tokens_as_cold"] for c in cases.values()), {
+        k: c["same_tokens_as_cold"] for k, c in cases.items()
+    }
     assert cases["L1"]["cached_tokens"]["device"] > 0
     assert cases["L3 + draft"]["cached_tokens"]["storage"] > 0 and cases["L3, no draft"]["cached_tokens"]["storage"] > 0
     assert payload["ratios"]["restored_over_l1"] == 1.0

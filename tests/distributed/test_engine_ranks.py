@@ -26,8 +26,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-@pytest.mark.parametrize("model", ["mha", pytest.param("one_kv_head", marks=pytest.mark.slow),
-                                   pytest.param("mla", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model", ["mha", pytest.param("one_kv_head", marks=pytest.mark.slow), pytest.param("mla", marks=pytest.mark.slow)]
+)
 def test_two_ranks_serve_the_single_process_tokens_under_divergence(tmp_path, model):
     """``model`` (``engine_rank.MODELS``): ``mha`` shards the two KV heads over the ranks;
     ``one_kv_head`` (fewer KV heads than ranks) and ``mla`` replicate every pool on both ranks,
@@ -38,13 +39,21 @@ def test_two_ranks_serve_the_single_process_tokens_under_divergence(tmp_path, mo
     env = rank_env(0, 1, "")
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
         env.pop(k)
-    single = subprocess.Popen([sys.executable, script, str(tmp_path), str(tmp_path / "l3-single"), "single", "-",
-                               model],
-                              cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    single = subprocess.Popen(
+        [sys.executable, script, str(tmp_path), str(tmp_path / "l3-single"), "single", "-", model],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        launch_local([sys.executable, script, str(tmp_path), str(tmp_path / "l3"), "kv", "all", model], 2,
-                     timeout_s=400,
-                     cwd=str(ROOT))
+        launch_local(
+            [sys.executable, script, str(tmp_path), str(tmp_path / "l3"), "kv", "all", model],
+            2,
+            timeout_s=400,
+            cwd=str(ROOT),
+        )
         out, _ = single.communicate(timeout=400)
     finally:
         if single.poll() is None:
@@ -83,12 +92,39 @@ def test_bench_multiturn_runs_as_two_processes_with_the_single_process_tokens(tm
     """``hicache-jax bench multiturn --num-processes 2``: both ranks serve (rank 0 reports, its
     output echoed live), every rank's tokens equal rank 0's and the no-cache run's, and they
     equal what the same command serves in one process (compared by the payloads' token digests)."""
-    cmd = [sys.executable, "-m", "hicache_jax.cli", "bench", "multiturn", "--model", "tiny", "--clients", "2",
-           "--rounds", "2", "--first-len", "40", "--turn-len", "12", "--answer-len", "3", "--device-pages", "24",
-           "--page-size", "4", "--host-ratio", "1", "--storage-backend", "file", "--rank-timeout", "500"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hicache_jax.cli",
+        "bench",
+        "multiturn",
+        "--model",
+        "tiny",
+        "--clients",
+        "2",
+        "--rounds",
+        "2",
+        "--first-len",
+        "40",
+        "--turn-len",
+        "12",
+        "--answer-len",
+        "3",
+        "--device-pages",
+        "24",
+        "--page-size",
+        "4",
+        "--host-ratio",
+        "1",
+        "--storage-backend",
+        "file",
+        "--rank-timeout",
+        "500",
+    ]
     out = tmp_path / "results" / "mt.json"
-    r = subprocess.run([*cmd, "--num-processes", "2", "--out", str(out)], cwd=str(ROOT), capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [*cmd, "--num-processes", "2", "--out", str(out)], cwd=str(ROOT), capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     payload = json.loads(out.read_text())
     assert payload["ranks"]["num_processes"] == 2 and payload["ranks"]["same_tokens_as_rank0"] == [True, True]

@@ -37,12 +37,22 @@ def run_ranks_and_single(tmp_path, script: str, diverge: str, *controls: str) ->
     env = rank_env(0, 1, "", base)
     for k in ("HICACHE_RANK", "HICACHE_NUM_PROCESSES", "HICACHE_COORDINATOR"):
         env.pop(k)
-    single = subprocess.Popen([sys.executable, script, str(tmp_path), "single", "-"],
-                              cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    single = subprocess.Popen(
+        [sys.executable, script, str(tmp_path), "single", "-"],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        launch_local([sys.executable, script, str(tmp_path), "kv", diverge,
-                      *([",".join(controls)] if controls else [])], 2, timeout_s=300 + 120 * len(controls),
-                     cwd=str(ROOT), env=base)
+        launch_local(
+            [sys.executable, script, str(tmp_path), "kv", diverge, *([",".join(controls)] if controls else [])],
+            2,
+            timeout_s=300 + 120 * len(controls),
+            cwd=str(ROOT),
+            env=base,
+        )
         out, _ = single.communicate(timeout=300)
     finally:
         if single.poll() is None:
@@ -62,9 +72,9 @@ def test_two_ranks_serve_a_hybrid_model_with_the_single_process_tokens_under_swa
     # after an agreement step, at the same point on both ranks.
     assert r0["swa_allocs_after_agreed_slides"] == r1["swa_allocs_after_agreed_slides"] > 0
     assert r0["tiers"] == r1["tiers"]
-    second, last = r0["tiers"][CLIENTS:2 * CLIENTS], r0["tiers"][2 * CLIENTS:]
+    second, last = r0["tiers"][CLIENTS : 2 * CLIENTS], r0["tiers"][2 * CLIENTS :]
     assert all(t["device"] > 0 for t in second), second  # L1
     assert all(t["device"] == 0 for t in last) and any(t["host"] > 0 for t in last), last  # L2
     # The windows whose SWA backup failed on rank 1 are host tombstones on both ranks: their
     # prefixes are served shorter from the host than in the single process (agreed, not wrong).
-    assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS:])
+    assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS :])

@@ -44,9 +44,21 @@ def launch(out: Path, agreement: str, diverge: str, base: dict, controls: tuple[
     CONTROLS; results in ``out / control``)."""
     out.mkdir()
     (out / "l3").mkdir()
-    launch_local([sys.executable, SCRIPT, str(out), str(out / "l3"), agreement, diverge,
-                  *([",".join(controls)] if controls else [])], 2, timeout_s=300 + 120 * len(controls),
-                 cwd=str(ROOT), env=base)
+    launch_local(
+        [
+            sys.executable,
+            SCRIPT,
+            str(out),
+            str(out / "l3"),
+            agreement,
+            diverge,
+            *([",".join(controls)] if controls else []),
+        ],
+        2,
+        timeout_s=300 + 120 * len(controls),
+        cwd=str(ROOT),
+        env=base,
+    )
     return ranks_json(out)
 
 
@@ -54,8 +66,9 @@ def ranks_json(out: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
 
 
-def run_ranks_and_single(tmp_path, kv_heads: int | None = None,
-                         controls: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
+def run_ranks_and_single(
+    tmp_path, kv_heads: int | None = None, controls: tuple[str, ...] = ()
+) -> tuple[dict, dict, dict]:
     """Two ranks under every divergence (then ``controls``: see ``launch``) and, alongside, one
     process: (single, rank 0, rank 1). ``kv_heads``: the model's KV heads if not the tiny
     hybrid's two."""
@@ -67,8 +80,14 @@ def run_ranks_and_single(tmp_path, kv_heads: int | None = None,
         env.pop(k)
     one_dir = tmp_path / "single"
     (one_dir / "l3").mkdir(parents=True)
-    single = subprocess.Popen([sys.executable, SCRIPT, str(one_dir), str(one_dir / "l3"), "single", "-"],
-                              cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    single = subprocess.Popen(
+        [sys.executable, SCRIPT, str(one_dir), str(one_dir / "l3"), "single", "-"],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         r0, r1 = launch(tmp_path / "ranks", "kv", "all", base, controls)
         out, _ = single.communicate(timeout=300)
@@ -88,8 +107,7 @@ def launched(tmp_path_factory) -> tuple[Path, tuple[dict, dict, dict]]:
 
 
 @pytest.mark.parametrize("kv_heads", [None, pytest.param(1, marks=pytest.mark.slow)])
-def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_process_tokens(request, tmp_path,
-                                                                                      kv_heads):
+def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_process_tokens(request, tmp_path, kv_heads):
     """``kv_heads=1``: fewer KV heads than ranks, so the full and the SWA pool are replicated on
     both ranks and rank 0 alone writes their L3 pages (no commit markers)."""
     if kv_heads is None:
@@ -101,7 +119,7 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
     assert not any(r0["fired"].values()), r0["fired"]
     assert r0["tiers"] == r1["tiers"]
-    rounds = [r0["tiers"][i:i + CLIENTS] for i in range(0, len(r0["tiers"]), CLIENTS)]
+    rounds = [r0["tiers"][i : i + CLIENTS] for i in range(0, len(r0["tiers"]), CLIENTS)]
     assert len(rounds) == 4
     assert all(t["device"] > 0 for t in rounds[1]), rounds[1]  # L1
     assert all(t["device"] == 0 for t in rounds[2]) and any(t["host"] > 0 for t in rounds[2]), rounds[2]  # L2
@@ -113,7 +131,7 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
     # Rank 1's faults made the L3 round serve less than one process does, the same on both
     # ranks (agreed, not wrong: the tokens are the same): a request cut short (a missing page,
     # then a short read), one whose window read came up short (nothing attached), and whole ones.
-    alone = one["tiers"][3 * CLIENTS:]
+    alone = one["tiers"][3 * CLIENTS :]
     assert all(t["storage"] > 0 for t in alone), alone
     assert any(0 < t["storage"] < u["storage"] for t, u in zip(rounds[3], alone)), rounds[3]
     assert any(t["storage"] == 0 for t in rounds[3]), rounds[3]
@@ -123,8 +141,9 @@ def test_two_ranks_serve_a_hybrid_model_from_l1_l2_and_l3_with_the_single_proces
     # window's SWA pages) are those it computed (remembered from the tree before the tiers
     # were dropped), for every request whose whole stored prefix came back.
     for r in (one, r0, r1):
-        assert r["bytes_remembered"] == CLIENTS and r["bytes_checked"] >= 1 and not r["bytes_mismatched"], \
-            {k: r[k] for k in ("bytes_remembered", "bytes_checked", "bytes_mismatched")}
+        assert r["bytes_remembered"] == CLIENTS and r["bytes_checked"] >= 1 and not r["bytes_mismatched"], {
+            k: r[k] for k in ("bytes_remembered", "bytes_checked", "bytes_mismatched")
+        }
     assert r0["bytes_checked"] == r1["bytes_checked"]
     if kv_heads is None:
         assert os.listdir(tmp_path / "ranks" / "l3" / "pages-v1" / "commit")  # rank 0 marked what both stored

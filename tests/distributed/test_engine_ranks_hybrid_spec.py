@@ -52,8 +52,7 @@ def results(out: Path, names=("single", "rank0", "rank1")) -> tuple[dict, ...]:
     return tuple(json.loads((out / f"{n}.json").read_text()) for n in names)
 
 
-def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_tokens_under_swa_divergence(
-        launched):
+def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_tokens_under_swa_divergence(launched):
     one, r0, r1 = results(launched)
     assert one["tokens"] == one["plain_tokens"]  # exact: speculation serves plain greedy decoding's tokens
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
@@ -70,12 +69,12 @@ def test_two_ranks_decode_a_hybrid_target_speculatively_with_the_single_process_
     assert r0["verify_lag_pages"] == r1["verify_lag_pages"] == 2
     assert r0["verify_lag_pages"] <= r0["lag_granted_per_decoding_request"]
     assert r0["tiers"] == r1["tiers"]
-    second, last = r0["tiers"][CLIENTS:2 * CLIENTS], r0["tiers"][2 * CLIENTS:]
+    second, last = r0["tiers"][CLIENTS : 2 * CLIENTS], r0["tiers"][2 * CLIENTS :]
     assert all(t["device"] > 0 for t in second), second  # L1
     assert all(t["device"] == 0 for t in last) and any(t["host"] > 0 for t in last), last  # L2
     # The windows whose SWA backup failed on rank 1 are host tombstones on both ranks: their
     # prefixes are served shorter from the host than in the single process (agreed, not wrong).
-    assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS:])
+    assert sum(t["host"] for t in last) < sum(t["host"] for t in one["tiers"][2 * CLIENTS :])
 
 
 def test_without_the_exchange_rank_1s_swa_divergence_splits_the_settled_hybrid_speculative_trees(launched):

@@ -20,8 +20,7 @@ from test_engine_ranks_spec_l3 import HERE, run_ranks_and_single
 CLIENTS, K = 3, 4  # hybrid_spec_engine_rank: requests per round, draft tokens per verify
 
 
-def test_two_ranks_decode_a_hybrid_target_speculatively_from_l1_l2_and_l3_with_the_single_process_tokens(
-        tmp_path):
+def test_two_ranks_decode_a_hybrid_target_speculatively_from_l1_l2_and_l3_with_the_single_process_tokens(tmp_path):
     one, r0, r1 = run_ranks_and_single(tmp_path, str(HERE / "hybrid_spec_l3_engine_rank.py"))
     assert one["tokens"] == one["plain_tokens"]  # exact: speculation serves plain greedy decoding's tokens
     assert r0["tokens"] == r1["tokens"] == one["tokens"]
@@ -31,7 +30,7 @@ def test_two_ranks_decode_a_hybrid_target_speculatively_from_l1_l2_and_l3_with_t
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
     assert not any(r0["fired"].values()), r0["fired"]
     assert r0["tiers"] == r1["tiers"]
-    rounds = [r0["tiers"][i:i + CLIENTS] for i in range(0, len(r0["tiers"]), CLIENTS)]
+    rounds = [r0["tiers"][i : i + CLIENTS] for i in range(0, len(r0["tiers"]), CLIENTS)]
     assert len(rounds) == 4
     assert all(t["device"] > 0 for t in rounds[1]), rounds[1]  # L1
     assert all(t["device"] == 0 for t in rounds[2]) and any(t["host"] > 0 for t in rounds[2]), rounds[2]  # L2
@@ -40,7 +39,7 @@ def test_two_ranks_decode_a_hybrid_target_speculatively_from_l1_l2_and_l3_with_t
     assert r0["metrics"]["loaded_storage_tokens"] == r1["metrics"]["loaded_storage_tokens"] > 0
     assert r0["swa_loaded_tokens"] == r1["swa_loaded_tokens"] > 0
     # Rank 1's faults made the L3 round serve less than one process does (agreed, not wrong).
-    alone = one["tiers"][3 * CLIENTS:]
+    alone = one["tiers"][3 * CLIENTS :]
     assert all(t["storage"] > 0 for t in alone), alone
     assert sum(t["storage"] for t in rounds[3]) < sum(t["storage"] for t in alone)
     assert r0["metrics"]["prefetch_skipped_by_reason"] == r1["metrics"]["prefetch_skipped_by_reason"]

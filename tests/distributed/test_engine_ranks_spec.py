@@ -24,6 +24,6 @@ def test_two_ranks_serve_speculative_decoding_with_the_single_process_tokens_und
     assert len(r0["digests"]) == len(r1["digests"]) > 5 and r0["digests"] == r1["digests"]
     assert r1["fired"]["alloc_fail"] > 0, r1["fired"]
     assert r0["tiers"] == r1["tiers"]
-    second, last = r0["tiers"][CLIENTS:2 * CLIENTS], r0["tiers"][2 * CLIENTS:]
+    second, last = r0["tiers"][CLIENTS : 2 * CLIENTS], r0["tiers"][2 * CLIENTS :]
     assert all(t["device"] > 0 for t in second), second  # L1
     assert all(t["device"] == 0 for t in last) and any(t["host"] > 0 for t in last), last  # L2

@@ -39,16 +39,29 @@ SCRIPT = str(HERE / "spec_l3_engine_rank.py")
 CLIENTS, PAGE = 3, 4  # spec_l3_engine_rank: requests per round, tokens per page
 
 
-def launch(out: Path, agreement: str, diverge: str, base: dict, script: str = SCRIPT,
-           controls: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def launch(
+    out: Path, agreement: str, diverge: str, base: dict, script: str = SCRIPT, controls: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """``script`` as two ranks over a fresh store under ``out``: rank 0's and rank 1's JSON.
     ``controls``: the agreement-off controls the ranks also run after theirs (``script``'s
     CONTROLS; results in ``out / control``)."""
     out.mkdir()
     (out / "l3").mkdir()
-    launch_local([sys.executable, script, str(out), str(out / "l3"), agreement, diverge,
-                  *([",".join(controls)] if controls else [])], 2, timeout_s=300 + 120 * len(controls),
-                 cwd=str(ROOT), env=base)
+    launch_local(
+        [
+            sys.executable,
+            script,
+            str(out),
+            str(out / "l3"),
+            agreement,
+            diverge,
+            *([",".join(controls)] if controls else []),
+        ],
+        2,
+        timeout_s=300 + 120 * len(controls),
+        cwd=str(ROOT),
+        env=base,
+    )
     return ranks_json(out)
 
 
@@ -65,8 +78,14 @@ def run_ranks_and_single(tmp_path, script: str = SCRIPT, controls: tuple[str, ..
         env.pop(k)
     one_dir = tmp_path / "single"
     (one_dir / "l3").mkdir(parents=True)
-    single = subprocess.Popen([sys.executable, script, str(one_dir), str(one_dir / "l3"), "single", "-"],
-                              cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    single = subprocess.Popen(
+        [sys.executable, script, str(one_dir), str(one_dir / "l3"), "single", "-"],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         r0, r1 = launch(tmp_path / "ranks", "kv", "all", base, script, controls)
         out, _ = single.communicate(timeout=300)
@@ -96,7 +115,7 @@ def test_two_ranks_decode_speculatively_from_l1_l2_and_l3_with_the_single_proces
     assert all(v > 0 for v in r1["fired"].values()), r1["fired"]
     assert not any(r0["fired"].values()), r0["fired"]
     assert r0["tiers"] == r1["tiers"]
-    rounds = [r0["tiers"][i:i + CLIENTS] for i in range(0, len(r0["tiers"]), CLIENTS)]
+    rounds = [r0["tiers"][i : i + CLIENTS] for i in range(0, len(r0["tiers"]), CLIENTS)]
     assert len(rounds) == 4
     assert all(t["device"] > 0 for t in rounds[1]), rounds[1]  # L1
     assert all(t["device"] == 0 for t in rounds[2]) and any(t["host"] > 0 for t in rounds[2]), rounds[2]  # L2
@@ -105,7 +124,7 @@ def test_two_ranks_decode_speculatively_from_l1_l2_and_l3_with_the_single_proces
     # pages made the L3 round serve less than one process does (agreed, not wrong).
     assert r0["metrics"]["prefetch_attached_tokens"] == r1["metrics"]["prefetch_attached_tokens"] > 0
     assert r0["metrics"]["loaded_storage_tokens"] == r1["metrics"]["loaded_storage_tokens"] > 0
-    alone = one["tiers"][3 * CLIENTS:]
+    alone = one["tiers"][3 * CLIENTS :]
     assert sum(t["storage"] for t in rounds[3]) < sum(t["storage"] for t in alone), (rounds[3], alone)
     # A prefix whose backup failed (agreed: rank 1's host allocation) never reached L3: its
     # prefetch is skipped alike on both ranks.

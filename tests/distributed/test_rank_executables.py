@@ -33,8 +33,9 @@ EXPECTED = [f"ok {r} {4 * 8 * 64 * 3.0}" for r in range(2)]
 
 
 def launch(env=None) -> list[list[str]]:
-    results = launch_local([sys.executable, str(HERE / "same_executable_rank.py")], 2, timeout_s=120,
-                           cwd=str(ROOT), env=env)
+    results = launch_local(
+        [sys.executable, str(HERE / "same_executable_rank.py")], 2, timeout_s=120, cwd=str(ROOT), env=env
+    )
     return [r.output.strip().splitlines() for r in results]
 
 
@@ -48,8 +49,12 @@ def test_a_program_first_traced_through_different_call_stacks_runs_on_both_ranks
 def test_ranks_neither_load_nor_write_the_persistent_compilation_cache(tmp_path):
     cache = tmp_path / "jax-cache"
     cache.mkdir()
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
     for _ in range(2):  # the second launch's rank 0 would find the first's executables
         assert [ls[-1] for ls in launch(env)] == EXPECTED
     assert list(cache.iterdir()) == []

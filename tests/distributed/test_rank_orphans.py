@@ -71,8 +71,13 @@ def launched(tmp_path):
     rank = tmp_path / "rank.py"
     rank.write_text(textwrap.dedent(RANK).format(dir=str(tmp_path)))
     code = textwrap.dedent(LAUNCHER).format(rank=str(rank), root=str(ROOT))
-    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     pids: list[int] = []
     try:
         end = time.monotonic() + 180

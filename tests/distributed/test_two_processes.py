@@ -30,15 +30,30 @@ ROOT = HERE.parents[1]
 STEPS = 30
 
 
-def run_pair(tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None,
-             components: str = "full") -> list[dict]:
+def run_pair(
+    tmp_path, agreement: str, divergence: str = "all", timeout_s: float = 240, env=None, components: str = "full"
+) -> list[dict]:
     """Both ranks' JSON (``agreement`` ``kv+none``: the kv run's; ``pair_json(tmp_path / "out" /
     "none")`` reads the control's)."""
     store, out = tmp_path / "l3", tmp_path / "out"
     store.mkdir()
     out.mkdir()
-    launch_local([sys.executable, str(HERE / "trace_rank.py"), agreement, divergence, str(store), str(out),
-                  str(STEPS), components], 2, timeout_s=timeout_s, cwd=str(ROOT), env=env)
+    launch_local(
+        [
+            sys.executable,
+            str(HERE / "trace_rank.py"),
+            agreement,
+            divergence,
+            str(store),
+            str(out),
+            str(STEPS),
+            components,
+        ],
+        2,
+        timeout_s=timeout_s,
+        cwd=str(ROOT),
+        env=env,
+    )
     return pair_json(out)
 
 

@@ -42,8 +42,9 @@ def main() -> None:
         run(kind, rank, n, divergence, sub_store, sub_out, steps, components)
 
 
-def run(kind: str, rank: int, n: int, divergence: str, storage_dir: str, out_dir: str, steps: str,
-        components: str) -> None:
+def run(
+    kind: str, rank: int, n: int, divergence: str, storage_dir: str, out_dir: str, steps: str, components: str
+) -> None:
     timeout = float(os.environ.get("HICACHE_AGREEMENT_TIMEOUT", "60"))
     if kind == "none":
         agreement = NoExchangeAgreement(rank, n)

@@ -23,10 +23,12 @@ def main() -> None:
     from hicache_jax.kv_geometry import KVGeometry
 
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.process_index)), ("tp",))
-    for geom, layout, fewer in ((KVGeometry.mha(2, 4, 4, 8, "float32"), "page_first", False),
-                                (KVGeometry.mha(2, 4, 2, 8, "bfloat16"), "layer_first", False),
-                                (KVGeometry.mla(2, 4, 8, 4, "float32"), "page_first_direct", False),
-                                (KVGeometry.mha(2, 4, 1, 8, "float32"), "page_first", True)):
+    for geom, layout, fewer in (
+        (KVGeometry.mha(2, 4, 4, 8, "float32"), "page_first", False),
+        (KVGeometry.mha(2, 4, 2, 8, "bfloat16"), "layer_first", False),
+        (KVGeometry.mla(2, 4, 8, 4, "float32"), "page_first_direct", False),
+        (KVGeometry.mha(2, 4, 1, 8, "float32"), "page_first", True),
+    ):
         dev = JaxDevicePool(geom, 16, mesh=mesh, replicate_fewer_heads=fewer)
         assert dev.replicated == (geom.kind == "mla" or fewer), geom
         lg = dev.local_geom
@@ -42,10 +44,15 @@ def main() -> None:
         h0 = 0 if dev.replicated else rank * lg.heads
         order = host.layout.transfer_order
         for c in geom.components:
-            exp = full[c].astype(dev.dtype)[..., h0:h0 + lg.heads, :].view(geom.container_dtype)  # (L, n, page, H, D)
+            exp = full[c].astype(dev.dtype)[..., h0 : h0 + lg.heads, :].view(geom.container_dtype)  # (L, n, page, H, D)
             got = host.read_pages(c, np.array([5, 6, 7]))
-            got = got.transpose(2, 0, 1, 3, 4) if order == "npl" else got.transpose(1, 0, 2, 3, 4) \
-                if order == "nlp" else got
+            got = (
+                got.transpose(2, 0, 1, 3, 4)
+                if order == "npl"
+                else got.transpose(1, 0, 2, 3, 4)
+                if order == "nlp"
+                else got
+            )
             assert np.array_equal(got, exp), (rank, c, layout)
         lh = eng.load([5, 6, 7], [9, 10, 11])
         for layer in range(geom.num_layers):
@@ -53,7 +60,7 @@ def main() -> None:
         for c in geom.components:
             for layer, arr in enumerate(dev.layers(c)):
                 loc = local_numpy(arr)[[9, 10, 11]].view(geom.container_dtype)
-                exp = full[c][layer].astype(dev.dtype)[..., h0:h0 + lg.heads, :].view(geom.container_dtype)
+                exp = full[c][layer].astype(dev.dtype)[..., h0 : h0 + lg.heads, :].view(geom.container_dtype)
                 assert np.array_equal(loc, exp), (rank, c, layer, layout)
         eng.close()
     print("ok", rank)

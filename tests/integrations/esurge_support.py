@@ -14,8 +14,11 @@ from hicache_jax.storage import StorageConfig
 def hicache_config(l3_dir: str) -> HiCacheConfig:
     """Pages of ``F.PAGE`` tokens, a file L3 in ``l3_dir``; thresholds of one page (these prompts
     are short: the default 256-token prefetch threshold would skip every L3 read)."""
-    return HiCacheConfig(page_size=F.PAGE, load_back_threshold=F.PAGE,
-                         storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=F.PAGE))
+    return HiCacheConfig(
+        page_size=F.PAGE,
+        load_back_threshold=F.PAGE,
+        storage=StorageConfig(backend="file", path=l3_dir, prefetch_threshold_tokens=F.PAGE),
+    )
 
 
 def reset_l1(engine) -> None:

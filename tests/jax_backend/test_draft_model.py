@@ -24,8 +24,10 @@ CFG = ModelConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4, num_kv_he
 
 
 def _pools(geom):
-    return {c: [jnp.zeros((PAGES,) + geom.page_shape, jnp.dtype(geom.numpy_dtype())) for _ in range(geom.num_layers)]
-            for c in geom.components}
+    return {
+        c: [jnp.zeros((PAGES,) + geom.page_shape, jnp.dtype(geom.numpy_dtype())) for _ in range(geom.num_layers)]
+        for c in geom.components
+    }
 
 
 @pytest.mark.parametrize("attention", ["mha", "mla"])
@@ -55,10 +57,12 @@ def test_step_all_on_a_hybrid_model_matches_the_dense_forward():
     table = np.arange(PAGES // 2)
     swa_table = np.arange(PAGES // 2)[::-1].copy()
     pools, swa = _pools(cfg.kv_geometry(page)), _pools(cfg.swa_kv_geometry(page))
-    _, _, pools, swa = runner.step_all(pools, [toks[:10].tolist()], [0], [table], swa_pools=swa,
-                                       swa_page_tables=[swa_table])
-    logits, hidden, _, _ = runner.step_all(pools, [toks[10:].tolist()], [10], [table], swa_pools=swa,
-                                           swa_page_tables=[swa_table])
+    _, _, pools, swa = runner.step_all(
+        pools, [toks[:10].tolist()], [0], [table], swa_pools=swa, swa_page_tables=[swa_table]
+    )
+    logits, hidden, _, _ = runner.step_all(
+        pools, [toks[10:].tolist()], [10], [table], swa_pools=swa, swa_page_tables=[swa_table]
+    )
     f, lg = target_forward(runner.model, jnp.asarray(toks[None]))
     np.testing.assert_allclose(hidden[0, :11], np.asarray(f[0, 10:]), rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(logits[0, :11], np.asarray(lg[0, 10:]), rtol=2e-4, atol=2e-4)
@@ -73,7 +77,7 @@ def test_draft_extend_and_chain_match_the_dense_draft(attention, page):
     toks = rng.integers(0, cfg.vocab_size, 30)
     f, _ = target_forward(runner.model, jnp.asarray(toks[None]))
     f = np.asarray(f[0])
-    table = rng.permutation(PAGES)[:PAGES // 2]
+    table = rng.permutation(PAGES)[: PAGES // 2]
     pools = _pools(draft_kv_geometry(cfg, page))
     k = 4
     # Extend over positions 0..28 in two passes (the first as a "cached" prefix), then chain.
@@ -93,7 +97,9 @@ def test_draft_extend_and_chain_match_the_dense_draft(attention, page):
     # The extend pass wrote exactly the KV of the dense draft at positions 0..28 (the chain's
     # provisional entries lie beyond).
     geom = draft_kv_geometry(cfg, page)
-    h = draft.head.block.norm1(draft.head.inputs(runner.model, jnp.asarray(toks[None, 1:30]), jnp.asarray(f[None, :29])))
+    h = draft.head.block.norm1(
+        draft.head.inputs(runner.model, jnp.asarray(toks[None, 1:30]), jnp.asarray(f[None, :29]))
+    )
     kv = draft.head.block.attn.project_kv(h, jnp.arange(29)[None])
     for c in geom.components:
         got = np.asarray(pools[c][0])[table[np.arange(29) // page], np.arange(29) % page]

@@ -43,10 +43,17 @@ def _check_computed(results) -> None:
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 def test_tokens_identical_across_tiers(attention, page, policy, tmp_path):
     model = ModelConfig(attention=attention, num_layers=2, hidden=64, ffn=128)
-    storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                            prefetch_threshold_tokens=16)
-    config = EngineCacheConfig(page_size=page, device_pages=max(24, 512 // page), write_policy=policy,
-                               max_batch=4, prefill_chunk=32, storage=storage)
+    storage = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=16
+    )
+    config = EngineCacheConfig(
+        page_size=page,
+        device_pages=max(24, 512 // page),
+        write_policy=policy,
+        max_batch=4,
+        prefill_chunk=32,
+        storage=storage,
+    )
     engine = Engine(model, config)
     prompts = _prompts(seed=page)
     cold = engine.generate(prompts, NEW, use_cache=False)
@@ -92,8 +99,19 @@ def test_tokens_identical_across_tiers(attention, page, policy, tmp_path):
 def test_orbax_storage_hit_after_host_eviction(tmp_path):
     """The default (orbax segment log) backend: evict L1 and L2, the prompt comes back from L3."""
     model = ModelConfig(num_layers=2, hidden=64, ffn=128)
-    engine = Engine(model, EngineCacheConfig(page_size=16, device_pages=48, storage=StorageConfig(
-        backend="orbax", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=16)))
+    engine = Engine(
+        model,
+        EngineCacheConfig(
+            page_size=16,
+            device_pages=48,
+            storage=StorageConfig(
+                backend="orbax",
+                path=str(tmp_path / "l3"),
+                prefetch_policy="wait_complete",
+                prefetch_threshold_tokens=16,
+            ),
+        ),
+    )
     prompts = _prompts(seed=3, n=2)
     cold = engine.generate(prompts, NEW, use_cache=False)
     engine.generate(prompts, NEW)
@@ -108,8 +126,7 @@ def test_orbax_storage_hit_after_host_eviction(tmp_path):
 def test_eviction_under_memory_pressure_keeps_tokens_exact():
     model = ModelConfig(num_layers=2, hidden=64, ffn=128)
     # 12 pages of 4 tokens: every prompt evicts the previous ones.
-    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=20, max_batch=1,
-                                             host=HostPoolConfig(ratio=2.0)))
+    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=20, max_batch=1, host=HostPoolConfig(ratio=2.0)))
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 512, 30).tolist() for _ in range(4)]
     cold = engine.generate(prompts, 3, use_cache=False)
@@ -128,12 +145,15 @@ def test_prompt_that_cannot_fit_raises_clearly():
         engine.generate([list(range(40))], 2)
 
 
-@pytest.mark.parametrize("prompts, new, exc, match", [
-    ([[]], 2, ValueError, "prompts\\[0\\]"),
-    ([[1, 2, 600]], 2, ValueError, "token ids"),
-    ([[1.5, 2]], 2, ValueError, "prompts\\[0\\]"),
-    ([[1, 2]], 0, ValueError, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompts, new, exc, match",
+    [
+        ([[]], 2, ValueError, "prompts\\[0\\]"),
+        ([[1, 2, 600]], 2, ValueError, "token ids"),
+        ([[1.5, 2]], 2, ValueError, "prompts\\[0\\]"),
+        ([[1, 2]], 0, ValueError, "max_new_tokens"),
+    ],
+)
 def test_bad_input_rejected(prompts, new, exc, match):
     engine = Engine(ModelConfig(num_layers=1, hidden=32, ffn=64), EngineCacheConfig(page_size=4, device_pages=16))
     with pytest.raises(exc, match=match):
@@ -141,13 +161,16 @@ def test_bad_input_rejected(prompts, new, exc, match):
     assert engine.device_pool.allocator.used == 0
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(page_size=0), ValueError, "page_size"),
-    (dict(device_pages=1), ValueError, "device_pages"),
-    (dict(write_policy="write_sometimes"), ValueError, "write_policy"),
-    (dict(host=2.0), TypeError, "host"),
-    (dict(max_batch=1.0), TypeError, "max_batch"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(page_size=0), ValueError, "page_size"),
+        (dict(device_pages=1), ValueError, "device_pages"),
+        (dict(write_policy="write_sometimes"), ValueError, "write_policy"),
+        (dict(host=2.0), TypeError, "host"),
+        (dict(max_batch=1.0), TypeError, "max_batch"),
+    ],
+)
 def test_engine_config_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         EngineCacheConfig(**kwargs)
@@ -173,10 +196,20 @@ def test_prefix_lost_from_host_while_waiting_comes_back_from_storage(max_batch, 
     from L3 (not recompute it), and count it as a storage hit. With ``max_batch=2`` B waits
     for device room beside a running A: its prefetch must keep running until it is admitted."""
     model = ModelConfig(num_layers=2, hidden=64, ffn=128)
-    storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                            prefetch_threshold_tokens=8)
-    engine = Engine(model, EngineCacheConfig(page_size=4, device_pages=32, max_batch=max_batch, max_context=256,
-                                             host=HostPoolConfig(ratio=1.0), storage=storage))
+    storage = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=8
+    )
+    engine = Engine(
+        model,
+        EngineCacheConfig(
+            page_size=4,
+            device_pages=32,
+            max_batch=max_batch,
+            max_context=256,
+            host=HostPoolConfig(ratio=1.0),
+            storage=storage,
+        ),
+    )
     rng = np.random.default_rng(11)
     b = rng.integers(0, 512, 41).tolist()
     a = rng.integers(0, 512, 100).tolist()  # 25 pages: with B's 10 the 32-page host overflows

@@ -39,13 +39,26 @@ PAGE = 4
 SYSTEM, USER, ANSWER, FOLLOW_UP = 24, 14, 6, 9
 MODELS = {
     "mha": ModelConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128),
-    "mla": ModelConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128,
-                       attention="mla", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+    "mla": ModelConfig(
+        vocab_size=128,
+        num_layers=2,
+        hidden=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        ffn=128,
+        attention="mla",
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    ),
     "hybrid": replace(HYBRID_TINY, vocab_size=128),
 }
 # The GPU variants: Llama-3-8B's layer shape scaled down (GQA 4:1, head 64), bf16 KV.
-GPU_MODEL = ModelConfig(vocab_size=2048, num_layers=4, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
-                        ffn=1536, kv_dtype="bfloat16")
+GPU_MODEL = ModelConfig(
+    vocab_size=2048, num_layers=4, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64, ffn=1536, kv_dtype="bfloat16"
+)
 
 
 def _gpus() -> list:
@@ -55,13 +68,10 @@ def _gpus() -> list:
         return []
 
 
-
-
 # ---------------------------------------------------------------------------------- model step
 def _pools(cfg: ModelConfig, pages: int, swa: bool = False):
     g = cfg.swa_kv_geometry(PAGE) if swa else cfg.kv_geometry(PAGE)
-    return {c: [jnp.zeros((pages,) + g.page_shape, g.numpy_dtype()) for _ in range(g.num_layers)]
-            for c in g.components}
+    return {c: [jnp.zeros((pages,) + g.page_shape, g.numpy_dtype()) for _ in range(g.num_layers)] for c in g.components}
 
 
 def _prefill_split(runner: PagedRunner, tokens: list[int], split: list[int], neighbour: bool):
@@ -74,9 +84,9 @@ def _prefill_split(runner: PagedRunner, tokens: list[int], split: list[int], nei
     table, other = np.arange(32), np.arange(32, 64)
     start, logits = 0, None
     for k in split:
-        seqs = [(tokens[start:start + k], start, table)]
+        seqs = [(tokens[start : start + k], start, table)]
         if neighbour:
-            seqs.append(([7, 8, 9][:1 + start % 3], 3, other))
+            seqs.append(([7, 8, 9][: 1 + start % 3], 3, other))
         args = ([s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs])
         if swa is None:
             out, pools = runner.step(pools, *args)
@@ -122,8 +132,13 @@ def test_fixed_shape_is_validated():
     with pytest.raises(ValueError, match="deterministic_step_tokens"):
         EngineCacheConfig(deterministic_step_tokens=0)
     with pytest.raises(ValueError, match="deterministic_step_tokens"):
-        Engine(MODELS["mha"], EngineCacheConfig(page_size=PAGE, device_pages=32, max_context=64, deterministic=True,
-                                                deterministic_step_tokens=4), spec=SpecConfig(num_draft_tokens=4))
+        Engine(
+            MODELS["mha"],
+            EngineCacheConfig(
+                page_size=PAGE, device_pages=32, max_context=64, deterministic=True, deterministic_step_tokens=4
+            ),
+            spec=SpecConfig(num_draft_tokens=4),
+        )
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -169,15 +184,32 @@ def _turns(vocab: int, seed: int, n: int = 3, scale: int = 1):
 
 
 def _config(tmp_path, deterministic: bool, **kw) -> EngineCacheConfig:
-    l3 = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                       prefetch_threshold_tokens=PAGE)
-    return EngineCacheConfig(**{"page_size": PAGE, "device_pages": 96, "max_batch": 4, "prefill_chunk": 32,
-                                "max_context": 96, "storage": l3, "deterministic": deterministic,
-                                "deterministic_step_tokens": 8, **kw})
+    l3 = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE
+    )
+    return EngineCacheConfig(
+        **{
+            "page_size": PAGE,
+            "device_pages": 96,
+            "max_batch": 4,
+            "prefill_chunk": 32,
+            "max_context": 96,
+            "storage": l3,
+            "deterministic": deterministic,
+            "deterministic_step_tokens": 8,
+            **kw,
+        }
+    )
 
 
-def _serve_tiers(model: ModelConfig, config: EngineCacheConfig, spec: SpecConfig | None, seed: int,
-                 audit: bool = False, scale: int = 1):
+def _serve_tiers(
+    model: ModelConfig,
+    config: EngineCacheConfig,
+    spec: SpecConfig | None,
+    seed: int,
+    audit: bool = False,
+    scale: int = 1,
+):
     """The multi-turn trace: a cold run of both turns (no cache), then turn 1 with the cache
     and turn 2 from L1, from L2, and from L3 in a new engine. Returns the cold turn-2 tokens and
     pages, and per tier (results, pages) - and the audit when ``audit``."""
@@ -210,8 +242,12 @@ def _serve_tiers(model: ModelConfig, config: EngineCacheConfig, spec: SpecConfig
     return cold, tiers, log
 
 
-CASES = {"mha": ("mha", None), "mla": ("mla", None), "hybrid": ("hybrid", None),
-         "spec": ("mha", SpecConfig(num_draft_tokens=3))}
+CASES = {
+    "mha": ("mha", None),
+    "mla": ("mla", None),
+    "hybrid": ("hybrid", None),
+    "spec": ("mha", SpecConfig(num_draft_tokens=3)),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -302,8 +338,15 @@ def test_gpu_engine_exactness(case, deterministic, tmp_path):
     page bytes on every tier; the default mode serves exactly the bytes it computed (its tokens
     may differ from the cold run's: other shapes round differently there)."""
     spec = SpecConfig(num_draft_tokens=3) if case == "spec" else None
-    cfg = _config(tmp_path, deterministic, page_size=16, device_pages=256, max_context=512, prefill_chunk=128,
-                  deterministic_step_tokens=16)
+    cfg = _config(
+        tmp_path,
+        deterministic,
+        page_size=16,
+        device_pages=256,
+        max_context=512,
+        prefill_chunk=128,
+        deterministic_step_tokens=16,
+    )
     (tokens, pages), tiers, audit = _serve_tiers(GPU_MODEL, cfg, spec, seed=4, audit=True, scale=8)
     s = audit.stats()
     assert s["byte_identical"] is True, s

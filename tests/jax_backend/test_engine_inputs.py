@@ -19,8 +19,7 @@ MODEL = ModelConfig(attention="mha", num_layers=1, hidden=32, ffn=64)
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(MODEL, EngineCacheConfig(page_size=4, device_pages=16, max_batch=2, prefill_chunk=16,
-                                          max_context=128))
+    eng = Engine(MODEL, EngineCacheConfig(page_size=4, device_pages=16, max_batch=2, prefill_chunk=16, max_context=128))
     yield eng
     eng.close()
 
@@ -30,18 +29,21 @@ def _untouched(engine):
     return (m.match_calls, m.match_tokens, len(engine.cache.all_nodes()), engine.device_pool.allocator.available)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"arrivals": [float("inf")]}, ValueError, "arrivals"),
-    ({"arrivals": [1e9]}, ValueError, "arrivals"),  # would sleep for decades
-    ({"arrivals": [float("nan")]}, ValueError, "arrivals"),
-    ({"arrivals": [-1.0]}, ValueError, "arrivals"),
-    ({"arrivals": [True]}, TypeError, "arrivals"),
-    ({"arrivals": ["0"]}, TypeError, "arrivals"),
-    ({"arrivals": 0.5}, TypeError, "arrivals"),
-    ({"arrivals": [0.0, 0.0]}, ValueError, "arrivals"),  # one per prompt
-    ({"use_cache": 1}, TypeError, "use_cache"),
-    ({"use_cache": "yes"}, TypeError, "use_cache"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"arrivals": [float("inf")]}, ValueError, "arrivals"),
+        ({"arrivals": [1e9]}, ValueError, "arrivals"),  # would sleep for decades
+        ({"arrivals": [float("nan")]}, ValueError, "arrivals"),
+        ({"arrivals": [-1.0]}, ValueError, "arrivals"),
+        ({"arrivals": [True]}, TypeError, "arrivals"),
+        ({"arrivals": ["0"]}, TypeError, "arrivals"),
+        ({"arrivals": 0.5}, TypeError, "arrivals"),
+        ({"arrivals": [0.0, 0.0]}, ValueError, "arrivals"),  # one per prompt
+        ({"use_cache": 1}, TypeError, "use_cache"),
+        ({"use_cache": "yes"}, TypeError, "use_cache"),
+    ],
+)
 def test_generate_rejects_bad_options_before_running(engine, kwargs, exc, match):
     before = _untouched(engine)
     t0 = time.perf_counter()
@@ -51,15 +53,18 @@ def test_generate_rejects_bad_options_before_running(engine, kwargs, exc, match)
     assert _untouched(engine) == before
 
 
-@pytest.mark.parametrize("prompts, exc, match", [
-    (None, TypeError, "prompts"),
-    ("12345", TypeError, "prompts"),
-    ([None], TypeError, r"prompts\[0\]"),
-    ([[1, 2], "ab"], TypeError, r"prompts\[1\]"),
-    ([[1, 2], []], ValueError, r"prompts\[1\]"),
-    ([[1, 2], [1.5, 2.0]], ValueError, r"prompts\[1\]"),
-    ([[1, 2], [-1, 2]], ValueError, r"prompts\[1\]"),
-])
+@pytest.mark.parametrize(
+    "prompts, exc, match",
+    [
+        (None, TypeError, "prompts"),
+        ("12345", TypeError, "prompts"),
+        ([None], TypeError, r"prompts\[0\]"),
+        ([[1, 2], "ab"], TypeError, r"prompts\[1\]"),
+        ([[1, 2], []], ValueError, r"prompts\[1\]"),
+        ([[1, 2], [1.5, 2.0]], ValueError, r"prompts\[1\]"),
+        ([[1, 2], [-1, 2]], ValueError, r"prompts\[1\]"),
+    ],
+)
 def test_generate_rejects_bad_prompts_before_running(engine, prompts, exc, match):
     before = _untouched(engine)
     with pytest.raises(exc, match=match):
@@ -90,8 +95,18 @@ def test_evict_host_cache_under_write_back_leaves_nothing_on_the_host(tmp_path):
     """write_back backs the prefix up inside the device eviction; the L3 writes of those
     backups pin the host copies until stored, so the host eviction must come after them."""
     storage = StorageConfig(backend="memory", prefetch_policy="wait_complete", prefetch_threshold_tokens=4)
-    eng = Engine(MODEL, EngineCacheConfig(page_size=4, device_pages=32, max_batch=2, prefill_chunk=16,
-                                          max_context=128, write_policy="write_back", storage=storage))
+    eng = Engine(
+        MODEL,
+        EngineCacheConfig(
+            page_size=4,
+            device_pages=32,
+            max_batch=2,
+            prefill_chunk=16,
+            max_context=128,
+            write_policy="write_back",
+            storage=storage,
+        ),
+    )
     prompt = np.random.default_rng(0).integers(0, 256, 40).tolist()
     eng.generate([prompt], 2)
     eng.evict_host_cache()

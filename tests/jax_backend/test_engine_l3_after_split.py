@@ -30,16 +30,25 @@ from hicache_jax.reference_model import ModelConfig
 from hicache_jax.storage.config import StorageConfig
 
 NEW = 4
-HYBRID = ModelConfig(vocab_size=128, num_layers=3, hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, ffn=64,
-                     layer_types="SSF", sliding_window=37)
+HYBRID = ModelConfig(
+    vocab_size=128,
+    num_layers=3,
+    hidden=32,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    ffn=64,
+    layer_types="SSF",
+    sliding_window=37,
+)
 DENSE = ModelConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=64)
 
 
 def _config(path, page: int, chunk: int) -> EngineCacheConfig:
-    l3 = StorageConfig(backend="file", path=str(path), prefetch_policy="wait_complete",
-                       prefetch_threshold_tokens=page)
-    return EngineCacheConfig(page_size=page, device_pages=120, max_batch=2, prefill_chunk=chunk, max_context=200,
-                             storage=l3)
+    l3 = StorageConfig(backend="file", path=str(path), prefetch_policy="wait_complete", prefetch_threshold_tokens=page)
+    return EngineCacheConfig(
+        page_size=page, device_pages=120, max_batch=2, prefill_chunk=chunk, max_context=200, storage=l3
+    )
 
 
 def _serve(engine: Engine, prompt: list[int]):
@@ -90,11 +99,11 @@ def test_hybrid_swa_pool_hits_after_a_split(tmp_path):
     new = lambda n: rng.integers(0, HYBRID.vocab_size, n).tolist()  # noqa: E731
     system = new(30)
     turn = system + new(10)
-    a = turn + new(13)            # 53 tokens: a follow-up of the first turn
-    a2 = a[:50] + new(45)         # continues a at its restored end (past the window: 9 pages)
-    x = system + new(85)          # shares only the system prompt with a
-    b = x + new(9)                # 124 tokens: x's follow-up, shares 30 tokens with a
-    c = a2 + new(2)               # 97 tokens: a2's follow-up, continues from a's split leaf
+    a = turn + new(13)  # 53 tokens: a follow-up of the first turn
+    a2 = a[:50] + new(45)  # continues a at its restored end (past the window: 9 pages)
+    x = system + new(85)  # shares only the system prompt with a
+    b = x + new(9)  # 124 tokens: x's follow-up, shares 30 tokens with a
+    c = a2 + new(2)  # 97 tokens: a2's follow-up, continues from a's split leaf
     (ra, rb, rc), (fb, fc) = _split_then_continue(tmp_path, HYBRID, page, 13, None, [turn, a, a2, x], a, b, c)
     assert ra.cached_tokens == {"device": 0, "host": 0, "storage": 50}
     # The expectation, from the fresh engine: x's stored pages (115 tokens) and a2's (95).

@@ -68,11 +68,19 @@ def _prompts(seed: int, n: int, length: int = 30) -> list[list[int]]:
 
 
 def _engine(tmp_path=None) -> Engine:
-    storage = None if tmp_path is None else StorageConfig(
-        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=8)
-    return Engine(ModelConfig(num_layers=2, hidden=32, ffn=64),
-                  EngineCacheConfig(page_size=PAGE, device_pages=64, max_batch=3, prefill_chunk=16, max_context=64,
-                                    storage=storage))
+    storage = (
+        None
+        if tmp_path is None
+        else StorageConfig(
+            backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=8
+        )
+    )
+    return Engine(
+        ModelConfig(num_layers=2, hidden=32, ffn=64),
+        EngineCacheConfig(
+            page_size=PAGE, device_pages=64, max_batch=3, prefill_chunk=16, max_context=64, storage=storage
+        ),
+    )
 
 
 def _consistent(engine: Engine) -> None:

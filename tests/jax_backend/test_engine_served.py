@@ -42,10 +42,15 @@ def _prompts(seed: int, n: int = 3) -> list[list[int]]:
 
 def _engine(attention: str, tmp_path, layers: int = 2) -> Engine:
     model = ModelConfig(attention=attention, num_layers=layers, hidden=32, ffn=64)
-    storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                            prefetch_threshold_tokens=8)
-    return Engine(model, EngineCacheConfig(page_size=PAGE, device_pages=64, max_batch=2, prefill_chunk=16,
-                                           max_context=64, storage=storage))
+    storage = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=8
+    )
+    return Engine(
+        model,
+        EngineCacheConfig(
+            page_size=PAGE, device_pages=64, max_batch=2, prefill_chunk=16, max_context=64, storage=storage
+        ),
+    )
 
 
 class StepSpy:
@@ -83,8 +88,9 @@ class StepSpy:
                 self.prefill.append(self._open)
                 self._open = 0
                 ids = np.asarray(table[:PREFIX_PAGES])
-                self.served.append({c: np.stack([np.asarray(a[ids]) for a in layers]).view(dtype)
-                                    for c, layers in new.items()})
+                self.served.append(
+                    {c: np.stack([np.asarray(a[ids]) for a in layers]).view(dtype) for c, layers in new.items()}
+                )
         return logits, new
 
 
@@ -284,7 +290,7 @@ def test_load_back_is_read_layer_by_layer_only_after_each_layer_landed(tmp_path)
     i = 0
     for h in range(len(prompts)):
         i = probe.log.index(("load", h), i)
-        assert probe.log[i + 1:i + 2 + 2 * layers] == per_layer + [("step", -1)], probe.log
+        assert probe.log[i + 1 : i + 2 + 2 * layers] == per_layer + [("step", -1)], probe.log
     assert [r.tokens for r in res] == [r.tokens for r in cold]
     assert all(r.cached_tokens["host"] == CACHED for r in res)
     assert _check_served(spy.last[2], cold_pages) == []

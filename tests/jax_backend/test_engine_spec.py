@@ -31,10 +31,20 @@ K, NEW, MAX_CONTEXT = 3, 10, 128
 def _config(page: int, tmp_path=None, **kw) -> EngineCacheConfig:
     storage = None
     if tmp_path is not None:
-        storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                                prefetch_threshold_tokens=page)
-    return EngineCacheConfig(**{"page_size": page, "device_pages": max(48, 768 // page), "max_batch": 4,
-                                "prefill_chunk": 32, "max_context": MAX_CONTEXT, "storage": storage, **kw})
+        storage = StorageConfig(
+            backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=page
+        )
+    return EngineCacheConfig(
+        **{
+            "page_size": page,
+            "device_pages": max(48, 768 // page),
+            "max_batch": 4,
+            "prefill_chunk": 32,
+            "max_context": MAX_CONTEXT,
+            "storage": storage,
+            **kw,
+        }
+    )
 
 
 def _prompts(seed: int, lengths=(50, 61, 45)) -> list[list[int]]:
@@ -53,8 +63,9 @@ def _poison_free_draft_pages(engine: Engine, value: int = 0x3F800000) -> int:
     pool = engine.spec.device_pool
     free = np.flatnonzero(~engine.device_pool.allocator.is_allocated(np.arange(pool.num_pages)))
     for c in pool.geom.components:
-        pool.write_pages_host(c, free, np.full((pool.geom.num_layers, free.size) + pool.geom.page_shape, value,
-                                               pool.geom.container_dtype))
+        pool.write_pages_host(
+            c, free, np.full((pool.geom.num_layers, free.size) + pool.geom.page_shape, value, pool.geom.container_dtype)
+        )
     return free.size
 
 
@@ -74,8 +85,11 @@ def test_tokens_equal_plain_greedy_on_every_tier(page, attention, tmp_path):
     cold = [r.tokens for r in plain.generate(prompts, NEW, use_cache=False)]
     plain.close()
     spec = Engine(model, _config(page, tmp_path), spec=SpecConfig(num_draft_tokens=K))
-    runs = {"no cache": spec.generate(prompts, NEW, use_cache=False), "first": spec.generate(prompts, NEW),
-            "L1": spec.generate(prompts, NEW)}
+    runs = {
+        "no cache": spec.generate(prompts, NEW, use_cache=False),
+        "first": spec.generate(prompts, NEW),
+        "L1": spec.generate(prompts, NEW),
+    }
     for r in runs["L1"]:
         assert r.cached_tokens == {"device": _aligned(r.prompt_len - 1, page), "host": 0, "storage": 0}
     spec.evict_device_cache()
@@ -165,8 +179,7 @@ def test_a_hit_reads_only_draft_entries_computed_with_its_own_successors(page, a
     if split % page == 0:
         theirs, own = _pool_entries(engine, a, split), _pool_entries(cold, b, split)
         for c in engine.spec.device_pool.geom.components:
-            assert not np.allclose(theirs[f"draft/{c}"][split - 1], own[f"draft/{c}"][split - 1],
-                                   rtol=1e-2, atol=1e-3)
+            assert not np.allclose(theirs[f"draft/{c}"][split - 1], own[f"draft/{c}"][split - 1], rtol=1e-2, atol=1e-3)
     for e in (engine, cold):
         e.close()
 
@@ -242,7 +255,8 @@ def test_accept_lengths_are_consistent_and_exported():
     assert registry.get_sample_value("hicache_spec_accepted_tokens_total", lab) == sum(steps) - len(steps)
     assert registry.get_sample_value("hicache_spec_request_accept_length_count", lab) == len(res)
     assert registry.get_sample_value("hicache_spec_request_accept_length_sum", lab) == pytest.approx(
-        sum(r.accept_length for r in res))
+        sum(r.accept_length for r in res)
+    )
     # Every family is exported under the name stats() uses.
     exported = {m.name.removeprefix("hicache_") for m in registry.collect()}
     assert exported == set(SPEC_FAMILY_NAMES) and set(SPEC_FAMILY_NAMES) <= set(stats)
@@ -263,8 +277,9 @@ def test_bad_spec_input_is_refused():
     with pytest.raises(TypeError, match="spec"):
         Engine(MODEL, _config(16), spec={"num_draft_tokens": 2})
     with pytest.raises(ValueError, match="vocab_size"):
-        Engine(ModelConfig(vocab_size=70_000, num_layers=1, hidden=16, head_dim=4, ffn=16), _config(16),
-               spec=SpecConfig())
+        Engine(
+            ModelConfig(vocab_size=70_000, num_layers=1, hidden=16, head_dim=4, ffn=16), _config(16), spec=SpecConfig()
+        )
     engine = Engine(MODEL, _config(16), spec=SpecConfig(num_draft_tokens=K))
     # 2k - 1 positions are written ahead of the output: they must fit max_context.
     with pytest.raises(ValueError, match="speculative"):

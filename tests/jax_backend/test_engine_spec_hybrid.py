@@ -53,8 +53,11 @@ def plain_tokens():
     engine = Engine(HYBRID_TINY, CFG)
     try:
         many = [r.tokens for r in engine.generate(_MANY, NEW, use_cache=False)]
-        return {"tiers": many[:3], "many": many,
-                "long": engine.generate([LONG_PROMPT], LONG_NEW, use_cache=False)[0].tokens}
+        return {
+            "tiers": many[:3],
+            "many": many,
+            "long": engine.generate([LONG_PROMPT], LONG_NEW, use_cache=False)[0].tokens,
+        }
     finally:
         engine.close()
 
@@ -80,7 +83,7 @@ def _prefix_kv(engine: Engine, prompt: list[int], hit: int, page: int = PAGE) ->
         out = {}
         for name, pool in (("full", engine.device_pool), ("draft", engine.spec.device_pool)):
             out.update({(name, c): pool.read_pages_host(c, req.device_pages) for c in pool.geom.components})
-        window = req.component_pages["swa"][swa_first_needed_page(hit, W, page):]
+        window = req.component_pages["swa"][swa_first_needed_page(hit, W, page) :]
         assert (window >= 0).all(), f"the tree holds no SWA page for part of the window: {window}"
         out.update({("swa", c): engine.swa_pool.read_pages_host(c, window) for c in engine.swa_pool.geom.components})
         return out
@@ -111,8 +114,9 @@ def _serve(engine: Engine, prompts, tier: str, want: list) -> list:
 def test_tokens_equal_plain_greedy_from_every_tier_with_the_pages_byte_exact(plain_tokens, tmp_path):
     want = plain_tokens["tiers"]
     prompts = _prompts(1)
-    l3 = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                       prefetch_threshold_tokens=PAGE)
+    l3 = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE
+    )
     cfg = replace(CFG, storage=l3)
     engine = Engine(HYBRID_TINY, cfg, spec=SPEC)
     fresh = None
@@ -185,7 +189,7 @@ def test_the_window_slides_during_speculative_decoding(plain_tokens, use_cache):
         verify = [held[0] for lens, held, _used in calls if lens == [K + 1]]
         assert len(verify) == len(r.accept_lengths) > 4 * bound
         assert max(verify) <= bound + extra
-        assert max(verify[len(verify) // 2:]) <= bound  # long past the prompt: the window only
+        assert max(verify[len(verify) // 2 :]) <= bound  # long past the prompt: the window only
         pages = -(-(len(prompt) + LONG_NEW) // PAGE)
         assert pages > 3 * bound  # without the slide the SWA pages would grow as these
         if not use_cache:  # the request's SWA pages are all the pool has allocated

@@ -35,8 +35,9 @@ def count_steps(engine: Engine) -> list:
 
     def counting(pools, tokens, starts, tables, *a, **kw):
         held = [int((np.asarray(t) >= 0).sum()) for t in kw["swa_page_tables"]]
-        calls.append(([len(t) for t in tokens], engine.device_pool.allocator.used, engine.swa_pool.allocator.used,
-                      held))
+        calls.append(
+            ([len(t) for t in tokens], engine.device_pool.allocator.used, engine.swa_pool.allocator.used, held)
+        )
         return step(pools, tokens, starts, tables, *a, **kw)
 
     engine.runner.step = counting
@@ -59,9 +60,11 @@ def prefix_kv(engine: Engine, tokens: list, hit: int) -> dict:
     req, lb = engine.cache.begin_request(RadixKey(tokens[:hit]), load_back=False)
     try:
         assert lb is None and req.device_pages.shape[0] * p == hit, (req.device_pages.shape, hit)
-        out = {("full", c): engine.device_pool.read_pages_host(c, req.device_pages)
-               for c in engine.device_pool.geom.components}
-        window = req.component_pages["swa"][swa_first_needed_page(hit, W, p):]
+        out = {
+            ("full", c): engine.device_pool.read_pages_host(c, req.device_pages)
+            for c in engine.device_pool.geom.components
+        }
+        window = req.component_pages["swa"][swa_first_needed_page(hit, W, p) :]
         assert (window >= 0).all(), f"the tree holds no SWA page for part of the window: {window}"
         out.update({("swa", c): engine.swa_pool.read_pages_host(c, window) for c in engine.swa_pool.geom.components})
         return out
@@ -93,10 +96,12 @@ def serve(engine, calls, prompts, tier, hits, want_tokens):
 
 @pytest.mark.parametrize("page", [1, 16])
 def test_hybrid_engine_l1_l2_l3_hits_equal_cold(page, tmp_path):
-    l3 = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                       prefetch_threshold_tokens=page)
-    cfg = EngineCacheConfig(page_size=page, device_pages=320 // page, max_batch=2, prefill_chunk=16,
-                            max_context=128, storage=l3)
+    l3 = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=page
+    )
+    cfg = EngineCacheConfig(
+        page_size=page, device_pages=320 // page, max_batch=2, prefill_chunk=16, max_context=128, storage=l3
+    )
     rng = np.random.default_rng(page)
     first = [rng.integers(0, HYBRID_TINY.vocab_size, n).tolist() for n in (45, 38)]  # not page multiples
     e = Engine(HYBRID_TINY, cfg)
@@ -121,8 +126,7 @@ def test_hybrid_engine_l1_l2_l3_hits_equal_cold(page, tmp_path):
         loaded = e.swa.metrics.loaded_tokens
         serve(e, calls, prompts, "host", hits, want)
         # Only the window's SWA pages came back from the host, not the whole prefix's.
-        assert e.swa.metrics.loaded_tokens - loaded == sum(
-            h - swa_first_needed_page(h, W, page) * page for h in hits)
+        assert e.swa.metrics.loaded_tokens - loaded == sum(h - swa_first_needed_page(h, W, page) * page for h in hits)
         for q, h, b in zip(prompts, hits, before):
             assert_same_bytes(prefix_kv(e, q, h), b)
         e.flush()
@@ -142,8 +146,9 @@ def test_hybrid_engine_l1_l2_l3_hits_equal_cold(page, tmp_path):
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_hybrid_engine_frees_swa_pages_as_the_window_slides(use_cache):
     page, chunk = 4, 16
-    cfg = EngineCacheConfig(page_size=page, device_pages=64, max_batch=1, prefill_chunk=chunk, max_context=160,
-                            storage=None)
+    cfg = EngineCacheConfig(
+        page_size=page, device_pages=64, max_batch=1, prefill_chunk=chunk, max_context=160, storage=None
+    )
     e = Engine(HYBRID_TINY, cfg)
     try:
         rng = np.random.default_rng(3)
@@ -154,7 +159,7 @@ def test_hybrid_engine_frees_swa_pages_as_the_window_slides(use_cache):
         calls = count_steps(e)
         n_new = 100  # 4 windows
         e.generate([prompt], n_new, use_cache=use_cache)
-        decode = [(full, swa, held[0]) for lens, full, swa, held in calls if lens == [1]][-(n_new - 1):]
+        decode = [(full, swa, held[0]) for lens, full, swa, held in calls if lens == [1]][-(n_new - 1) :]
         # The request's SWA table holds its own pages of one step's window, and, while that
         # window still reaches into the tree's part, the tree's window pages its lock holds
         # (one window: the tree caps the node) ...
@@ -162,7 +167,7 @@ def test_hybrid_engine_frees_swa_pages_as_the_window_slides(use_cache):
         for lens, _full, _swa, held in calls:
             assert held[0] <= tree_window + swa_table_width(W, lens[0], page)
         # ... and once the window has moved past the prompt, only one step's window.
-        assert max(h for *_x, h in decode[W + 2 * page:]) <= swa_table_width(W, 1, page)
+        assert max(h for *_x, h in decode[W + 2 * page :]) <= swa_table_width(W, 1, page)
         # ... while the full pool holds a page for every page of the sequence (reserved at
         # admission), four windows' worth: without freeing, the SWA pages would have grown so.
         pages = -(-(len(prompt) + n_new - 1) // page)
@@ -181,8 +186,9 @@ def test_hybrid_engine_frees_swa_pages_as_the_window_slides(use_cache):
 
 
 def test_hybrid_engine_checks_the_swa_pool_size():
-    cfg = EngineCacheConfig(page_size=4, device_pages=64, max_batch=2, prefill_chunk=16, max_context=64,
-                            swa_device_pages=29)
+    cfg = EngineCacheConfig(
+        page_size=4, device_pages=64, max_batch=2, prefill_chunk=16, max_context=64, swa_device_pages=29
+    )
     need = Engine.swa_pages_needed(HYBRID_TINY, cfg)
     assert need == swa_table_width(W, 16, 4) + swa_table_width(W, 1, 4) + 2 * 6  # + a tree window each
     with pytest.raises(ValueError, match="swa_device_pages"):
@@ -196,10 +202,18 @@ def test_hybrid_engine_soak_under_heavy_eviction(tmp_path):
     """Multi-turn conversations on small pools of both kinds (device and host evict all the
     time, prefixes come back from every tier): every round's tokens equal the no-cache run's,
     ``sanity_check`` holds after every round, and after ``reset()`` every allocator is full."""
-    l3 = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                       prefetch_threshold_tokens=4)
-    cfg = EngineCacheConfig(page_size=4, device_pages=64, max_batch=3, prefill_chunk=16, max_context=400,
-                            storage=l3, host=HostPoolConfig(ratio=1.0))
+    l3 = StorageConfig(
+        backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=4
+    )
+    cfg = EngineCacheConfig(
+        page_size=4,
+        device_pages=64,
+        max_batch=3,
+        prefill_chunk=16,
+        max_context=400,
+        storage=l3,
+        host=HostPoolConfig(ratio=1.0),
+    )
     # The smallest SWA pool the engine accepts: SWA allocation evicts (tombstones) all the time.
     cfg = replace(cfg, swa_device_pages=Engine.swa_pages_needed(HYBRID_TINY, cfg))
     e = Engine(HYBRID_TINY, cfg)
@@ -222,7 +236,9 @@ def test_hybrid_engine_soak_under_heavy_eviction(tmp_path):
             for i, r in zip(pick, got):
                 for t, n in r.cached_tokens.items():
                     tiers[t] += n
-                hist[i] = hist[i] + r.tokens + rng.integers(0, HYBRID_TINY.vocab_size, int(rng.integers(3, 20))).tolist()
+                hist[i] = (
+                    hist[i] + r.tokens + rng.integers(0, HYBRID_TINY.vocab_size, int(rng.integers(3, 20))).tolist()
+                )
         m, sm = e.cache.metrics, e.swa.metrics
         assert all(tiers.values()), tiers
         assert m.evicted_device_tokens and m.evicted_host_tokens and sm.tombstoned_tokens, (m, sm)

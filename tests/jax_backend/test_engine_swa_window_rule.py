@@ -29,15 +29,25 @@ import pytest
 from hicache_jax.engine import Engine, EngineCacheConfig
 from hicache_jax.reference_model import ModelConfig
 
-MODEL = ModelConfig(vocab_size=128, num_layers=2, hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, ffn=64,
-                    layer_types="SF", sliding_window=15)
+MODEL = ModelConfig(
+    vocab_size=128,
+    num_layers=2,
+    hidden=32,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    ffn=64,
+    layer_types="SF",
+    sliding_window=15,
+)
 PAGE = 7
 
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(MODEL, EngineCacheConfig(page_size=PAGE, device_pages=120, max_batch=1, prefill_chunk=16,
-                                        max_context=160))
+    e = Engine(
+        MODEL, EngineCacheConfig(page_size=PAGE, device_pages=120, max_batch=1, prefill_chunk=16, max_context=160)
+    )
     yield e
     e.close()
 

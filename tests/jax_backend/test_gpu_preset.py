@@ -20,8 +20,14 @@ def _args(model: str = "auto", layers: int | None = None) -> argparse.Namespace:
 def test_llama3_shape_preset_has_the_layer_shape_and_kv_bytes():
     cfg = serving.MODEL_PRESETS["llama3-8b-shape"]
     assert cfg is LLAMA3_8B_SHAPE
-    assert (cfg.vocab_size, cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn) == \
-        (32000, 4096, 32, 8, 128, 14336)
+    assert (cfg.vocab_size, cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn) == (
+        32000,
+        4096,
+        32,
+        8,
+        128,
+        14336,
+    )
     assert cfg.kv_dtype == "bfloat16" and cfg.num_layers == 8 and not cfg.is_hybrid
     # Llama-3-8B keeps 4 KiB of KV per token per layer (K and V, 8 heads x 128, bf16): 32 KiB for 8.
     assert cfg.kv_geometry(16).bytes_per_token == 32 * 1024
@@ -62,8 +68,12 @@ def test_reference_engine_builds_the_gpu_preset_on_the_cpu():
     from hicache_jax.host_pool import HostPoolConfig
 
     cfg = serving.model_config(_args("llama3-8b-shape", layers=1))
-    engine = Engine(cfg, EngineCacheConfig(page_size=16, device_pages=16, host=HostPoolConfig(ratio=2.0),
-                                           max_batch=1, prefill_chunk=64, max_context=64))
+    engine = Engine(
+        cfg,
+        EngineCacheConfig(
+            page_size=16, device_pages=16, host=HostPoolConfig(ratio=2.0), max_batch=1, prefill_chunk=64, max_context=64
+        ),
+    )
     try:
         assert engine.geom.dtype == "bfloat16" and engine.geom.num_kv_heads == 8 and engine.geom.head_dim == 128
         prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 40).tolist()

@@ -42,8 +42,9 @@ def _pinned_or_skip(geom, layout, pages=HOST_PAGES):
 def _engine(geom, layout, groups=None, **kw):
     dev = JaxDevicePool(geom, DEVICE_PAGES)
     host = _pinned_or_skip(geom, layout)
-    eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), load_group_layers=groups,
-                            **kw)
+    eng = JaxTransferEngine(
+        dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), load_group_layers=groups, **kw
+    )
     return dev, host, eng
 
 
@@ -209,9 +210,9 @@ def test_copies_issued_back_to_back_keep_their_order():
     dev, host, eng = _engine(geom, HostLayout.PAGE_FIRST_DIRECT, groups=1)
     data = _fill_device(dev, np.random.default_rng(5))
     h1 = eng.backup([1, 2], [0, 1])
-    l1 = eng.load([0, 1], [10, 11])         # must see pages 1, 2
-    h2 = eng.backup([3, 4], [0, 1])         # overwrites host 0, 1 after l1 read them
-    l2 = eng.load([0, 1], [12, 13])         # must see pages 3, 4
+    l1 = eng.load([0, 1], [10, 11])  # must see pages 1, 2
+    h2 = eng.backup([3, 4], [0, 1])  # overwrites host 0, 1 after l1 read them
+    l2 = eng.load([0, 1], [12, 13])  # must see pages 3, 4
     h3 = eng.backup([5], [2])
     for h in (h1, l1, h2, l2, h3):
         h.wait()
@@ -234,8 +235,9 @@ def test_load_lands_group_by_group_and_layer_arrays_are_the_pools():
         for c in geom.components:
             arr = dev.buffers[c][layer]
             assert arr.is_ready()
-            np.testing.assert_array_equal(np.asarray(arr[np.array([20, 21, 22])]).view(geom.container_dtype),
-                                          data[c][layer, [1, 2, 3]])
+            np.testing.assert_array_equal(
+                np.asarray(arr[np.array([20, 21, 22])]).view(geom.container_dtype), data[c][layer, [1, 2, 3]]
+            )
     assert h.done()
 
 
@@ -363,6 +365,7 @@ def test_a_runtime_that_cannot_stream_falls_back_to_numpy(monkeypatch, caplog):
     def broken_h2d(self, nb, l0, layers):
         def f(arena, ids, n, staging):
             raise RuntimeError("host memory space not supported by this compiler")
+
         return f
 
     monkeypatch.setattr(host_stream.StreamPlan, "h2d", broken_h2d)
@@ -413,8 +416,9 @@ def test_gpu_streams_pinned_pages_byte_exact(name, layout, monkeypatch):
     dev = JaxDevicePool(geom, DEVICE_PAGES, device=dev_)
     host = pinned_host_pool(geom, HOST_PAGES, layout, device=dev_)
     assert host.memory_kind == "pinned_host"
-    eng = JaxTransferEngine(dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), host_copy="xla_stream",
-                            load_group_layers=1)
+    eng = JaxTransferEngine(
+        dev, host, copy_config=PageCopyConfig(max_pages=DEVICE_PAGES), host_copy="xla_stream", load_group_layers=1
+    )
     for name_ in ("read_pages", "write_pages", "write_pages_unchecked", "read_layer", "read_layer_unchecked"):
         monkeypatch.setattr(host, name_, lambda *a, _n=name_, **k: pytest.fail(f"host-side copy through {_n}"))
     rng = np.random.default_rng(10)

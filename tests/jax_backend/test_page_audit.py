@@ -94,8 +94,10 @@ def test_pending_reads_past_the_bound_settle_at_once(pool):
     assert audit.pending == 0 and audit._counts.recorded == 1
 
 
-@pytest.mark.parametrize("kwargs, match", [({"page_size": 0}, "page_size"),
-                                           ({"page_size": PAGE, "max_pending_bytes": -1}, "max_pending_bytes")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"page_size": 0}, "page_size"), ({"page_size": PAGE, "max_pending_bytes": -1}, "max_pending_bytes")],
+)
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PageAudit(**kwargs)

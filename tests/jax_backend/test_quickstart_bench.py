@@ -18,13 +18,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(Path(sys.prefix).resolve() != (ROOT / ".venv").resolve(),
-                    reason="runs from the project's own .venv (./scripts/bench would build one first)")
+@pytest.mark.skipif(
+    Path(sys.prefix).resolve() != (ROOT / ".venv").resolve(),
+    reason="runs from the project's own .venv (./scripts/bench would build one first)",
+)
 def test_quickstart_bench_quick_runs_as_written(tmp_path):
     out = tmp_path / "multiturn.json"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    r = subprocess.run([str(ROOT / "scripts" / "bench"), "--quick", "--out", str(out)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "bench"), "--quick", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "multiturn"

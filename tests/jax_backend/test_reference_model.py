@@ -13,8 +13,10 @@ POOL_PAGES = 200
 
 def _pools(cfg: ModelConfig, page: int):
     g = cfg.kv_geometry(page)
-    return {c: [jnp.zeros((POOL_PAGES,) + g.page_shape, jnp.dtype(g.numpy_dtype())) for _ in range(g.num_layers)]
-            for c in g.components}
+    return {
+        c: [jnp.zeros((POOL_PAGES,) + g.page_shape, jnp.dtype(g.numpy_dtype())) for _ in range(g.num_layers)]
+        for c in g.components
+    }
 
 
 def _greedy(runner: PagedRunner, prompts, splits, new_tokens=6, page_tables=None):
@@ -84,13 +86,16 @@ def test_pool_pages_outside_the_table_are_untouched():
             assert not (a[10] == 7.0).all()
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(attention="gqa"), ValueError, "attention"),
-    (dict(num_heads=3, num_kv_heads=2), ValueError, "num_kv_heads"),
-    (dict(hidden=0), ValueError, "hidden"),
-    (dict(kv_dtype="int4"), ValueError, "dtype"),
-    (dict(num_layers=2.0), TypeError, "num_layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(attention="gqa"), ValueError, "attention"),
+        (dict(num_heads=3, num_kv_heads=2), ValueError, "num_kv_heads"),
+        (dict(hidden=0), ValueError, "hidden"),
+        (dict(kv_dtype="int4"), ValueError, "dtype"),
+        (dict(num_layers=2.0), TypeError, "num_layers"),
+    ],
+)
 def test_config_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ModelConfig(**kwargs)

@@ -17,16 +17,35 @@ import pytest
 from hicache_jax import HostKVPool
 from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
 from hicache_jax.reference_model import (
-    HYBRID_BENCH, HYBRID_TINY, ModelConfig, PagedRunner, swa_first_needed_page, swa_pages_needed, swa_table_width)
+    HYBRID_BENCH,
+    HYBRID_TINY,
+    ModelConfig,
+    PagedRunner,
+    swa_first_needed_page,
+    swa_pages_needed,
+    swa_table_width,
+)
 from pallas_kernels.page_copy import PageCopyConfig
 
-SMALL = dict(vocab_size=256, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=64, kv_lora_rank=16,
-             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+SMALL = dict(
+    vocab_size=256,
+    hidden=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    ffn=64,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+)
 
 
 def _zeros(geom, num_pages: int):
-    return {c: [jnp.zeros((num_pages,) + geom.page_shape, jnp.dtype(geom.numpy_dtype()))
-                for _ in range(geom.num_layers)] for c in geom.components}
+    return {
+        c: [jnp.zeros((num_pages,) + geom.page_shape, jnp.dtype(geom.numpy_dtype())) for _ in range(geom.num_layers)]
+        for c in geom.components
+    }
 
 
 def _poison(pools, pages, value=np.nan):
@@ -65,13 +84,21 @@ def _weights(model) -> dict:
     blocks = []
     for block in model.blocks:
         a = block.attn
-        names = ("wq", "wk", "wv", "wo") if model.cfg.attention == "mha" else ("wq", "w_dkv", "w_kr", "w_uk", "w_uv", "wo")
+        names = (
+            ("wq", "wk", "wv", "wo") if model.cfg.attention == "mha" else ("wq", "w_dkv", "w_kr", "w_uk", "w_uv", "wo")
+        )
         w = {n: getattr(a, n).kernel[...] for n in names}
-        w.update(norm1=block.norm1.scale[...], norm2=block.norm2.scale[...], w1=block.w1.kernel[...],
-                 w2=block.w2.kernel[...], w3=block.w3.kernel[...])
+        w.update(
+            norm1=block.norm1.scale[...],
+            norm2=block.norm2.scale[...],
+            w1=block.w1.kernel[...],
+            w2=block.w2.kernel[...],
+            w3=block.w3.kernel[...],
+        )
         blocks.append(w)
-    return dict(embed=model.embed.embedding[...], blocks=blocks, norm=model.norm.scale[...],
-                lm_head=model.lm_head.kernel[...])
+    return dict(
+        embed=model.embed.embedding[...], blocks=blocks, norm=model.norm.scale[...], lm_head=model.lm_head.kernel[...]
+    )
 
 
 @partial(jax.jit, static_argnums=(2, 3))
@@ -95,8 +122,10 @@ def _dense(w, tokens, cfg: ModelConfig, windows: tuple):
             kr = _rope((h @ a["w_kr"])[:, None, :], pos, cfg.rope_theta)[:, 0]
             k_nope = (c @ a["w_uk"]).reshape(t, cfg.num_heads, nope)
             v = (c @ a["w_uv"]).reshape(t, cfg.num_heads, cfg.v_head_dim)
-            scores = (jnp.einsum("qhd,khd->hqk", q[..., :nope], k_nope)
-                      + jnp.einsum("qhd,kd->hqk", _rope(q[..., nope:], pos, cfg.rope_theta), kr)) / np.sqrt(nope + rope)
+            scores = (
+                jnp.einsum("qhd,khd->hqk", q[..., :nope], k_nope)
+                + jnp.einsum("qhd,kd->hqk", _rope(q[..., nope:], pos, cfg.rope_theta), kr)
+            ) / np.sqrt(nope + rope)
         scores = jnp.where(_band(t, window)[None], scores, -jnp.inf)
         out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v).reshape(t, -1)
         x = x + out @ a["wo"]
@@ -111,8 +140,8 @@ def _dense_logits(model, tokens, windows: list[int | None], pad_to: int = 64):
     before its end."""
     assert len(tokens) <= pad_to
     padded = np.zeros(pad_to, np.int32)
-    padded[:len(tokens)] = tokens
-    return np.asarray(_dense(_weights(model), padded, model.cfg, tuple(windows)))[:len(tokens)]
+    padded[: len(tokens)] = tokens
+    return np.asarray(_dense(_weights(model), padded, model.cfg, tuple(windows)))[: len(tokens)]
 
 
 def _windows(cfg: ModelConfig) -> list[int | None]:
@@ -122,8 +151,9 @@ def _windows(cfg: ModelConfig) -> list[int | None]:
 
 # ---- an engine in miniature: two pools, SWA pages freed and poisoned as the window slides -------
 class _Serving:
-    def __init__(self, runner: PagedRunner, num_seqs: int, full_pages: int = 96, swa_pages: int = 24,
-                 poison=np.nan) -> None:
+    def __init__(
+        self, runner: PagedRunner, num_seqs: int, full_pages: int = 96, swa_pages: int = 24, poison=np.nan
+    ) -> None:
         cfg, page = runner.config, runner.page_size
         self.runner, self.page, self.window, self.poison = runner, page, cfg.sliding_window, poison
         self.pools = _zeros(cfg.kv_geometry(page), full_pages)
@@ -131,7 +161,7 @@ class _Serving:
         rng = np.random.default_rng(7)
         order = rng.permutation(full_pages)  # scattered pages: a wrong table entry reads someone else's KV
         per = full_pages // num_seqs
-        self.tables = [order[i * per:(i + 1) * per] for i in range(num_seqs)]
+        self.tables = [order[i * per : (i + 1) * per] for i in range(num_seqs)]
         self.swa_free = list(rng.permutation(swa_pages))
         self.swa_tables: list[list[int]] = [[] for _ in range(num_seqs)]
         self.peak_swa_held = 0
@@ -160,9 +190,13 @@ class _Serving:
         for i, ts, st in zip(seqs, tokens, starts):
             self._prepare(i, st, st + len(ts))
         logits, self.pools, self.swa = self.runner.step(
-            self.pools, tokens, starts, [self.tables[i][:-(-(st + len(ts)) // self.page)]
-                                         for i, ts, st in zip(seqs, tokens, starts)],
-            swa_pools=self.swa, swa_page_tables=[list(self.swa_tables[i]) for i in seqs])
+            self.pools,
+            tokens,
+            starts,
+            [self.tables[i][: -(-(st + len(ts)) // self.page)] for i, ts, st in zip(seqs, tokens, starts)],
+            swa_pools=self.swa,
+            swa_page_tables=[list(self.swa_tables[i]) for i in seqs],
+        )
         for i, ts, st in zip(seqs, tokens, starts):
             self._release(i, st + len(ts))
         return logits
@@ -178,7 +212,7 @@ def _serve(runner: PagedRunner, prompts, chunks, decode_steps: int, **kw):
     for i, p in enumerate(prompts):
         s = 0
         for n in chunks[i]:
-            lg = srv.step([i], [p[s:s + n]], [s])
+            lg = srv.step([i], [p[s : s + n]], [s])
             s += n
             seen.append((i, s - 1, lg[0]))
         assert s == len(p)
@@ -236,7 +270,7 @@ def test_swa_layers_never_read_pages_or_slots_below_the_window():
     _, pools, swa = runner.step(pools, [toks[:n]], [0], [full_table], swa_pools=swa, swa_page_tables=[swa_table])
     need = swa_pages_needed(n, n + 1, window, page)  # decode at position 41 reads [35, 41]
     assert need.start == (n - window + 1) // page == 8 and (n - window + 1) % page  # the window starts mid-page
-    below = swa_table[:need.start]
+    below = swa_table[: need.start]
 
     def decode(swa_pools, table):
         p = {c: [a.copy() for a in layers] for c, layers in pools.items()}
@@ -247,11 +281,11 @@ def test_swa_layers_never_read_pages_or_slots_below_the_window():
     assert np.isfinite(want).all()
     for value in (np.nan, 1e30, -1e30):
         np.testing.assert_array_equal(decode(_poison(swa, below, value), swa_table), want)
-    for sentinel in (-1, 10 ** 9):
+    for sentinel in (-1, 10**9):
         table = swa_table.copy()
-        table[:need.start] = sentinel
+        table[: need.start] = sentinel
         np.testing.assert_array_equal(decode(swa, table), want)
-    as_list = [None] * need.start + swa_table[need.start:].tolist()  # a list with holes works too
+    as_list = [None] * need.start + swa_table[need.start :].tolist()  # a list with holes works too
     np.testing.assert_array_equal(decode(swa, as_list), want)
     # The slots of the window's first page that lie below the window (positions 32..34), poisoned.
     first_page = int(swa_table[need.start])
@@ -306,8 +340,9 @@ def test_device_pool_and_transfer_engine_carry_the_swa_pool():
     full_table, swa_table = np.arange(8), np.array([11, 3, 5, 0, 9, 2, 7])
 
     def run(tokens, start, table):
-        logits, new, new_swa = runner.step(full_dev.buffers, [tokens], [start], [full_table],
-                                           swa_pools=swa_dev.buffers, swa_page_tables=[table])
+        logits, new, new_swa = runner.step(
+            full_dev.buffers, [tokens], [start], [full_table], swa_pools=swa_dev.buffers, swa_page_tables=[table]
+        )
         for pool, arrays in ((full_dev, new), (swa_dev, new_swa)):
             for c, layers in arrays.items():
                 for l, a in enumerate(layers):
@@ -316,8 +351,8 @@ def test_device_pool_and_transfer_engine_carry_the_swa_pool():
 
     run(toks[:22], 0, swa_table)
     need = swa_pages_needed(22, 23, window, page)
-    src = swa_table[need.start:need.stop]
-    dst = np.array([1, 4, 6][:len(src)])
+    src = swa_table[need.start : need.stop]
+    dst = np.array([1, 4, 6][: len(src)])
     before = {c: swa_dev.read_pages_host(c, src) for c in swa_geom.components}
     eng.backup(src, np.arange(len(src))).wait()
     handle = eng.load(np.arange(len(src)), dst)
@@ -326,8 +361,8 @@ def test_device_pool_and_transfer_engine_carry_the_swa_pool():
     for c in swa_geom.components:
         np.testing.assert_array_equal(swa_dev.read_pages_host(c, dst), before[c])
     moved = swa_table.copy()
-    moved[need.start:need.stop] = dst
-    moved[:need.start] = -1
+    moved[need.start : need.stop] = dst
+    moved[: need.start] = -1
     snapshot = {c: [np.asarray(a) for a in layers] for c, layers in swa_dev.buffers.items()}
     a = run(toks[22:], 22, swa_table)
     # Rewind: the same decode over the loaded copies (the originals poisoned) gives the same logits.
@@ -405,17 +440,21 @@ def test_swa_pages_needed_matches_enumerated_positions_and_the_width_bound():
         assert set(got) == {k // page for k in read}
         assert len(got) <= swa_table_width(window, n, page)
     for page, window, n in ((16, 20, 1), (16, 5, 16), (1, 5, 3), (4, 9, 16)):  # the bound is reached
-        assert max(len(swa_pages_needed(s, s + n, window, page)) for s in range(window, window + page + 1)) == \
-            swa_table_width(window, n, page)
+        assert max(
+            len(swa_pages_needed(s, s + n, window, page)) for s in range(window, window + page + 1)
+        ) == swa_table_width(window, n, page)
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    ((-1, 1, 4, 4), ValueError, "start"),
-    ((5, 5, 4, 4), ValueError, "end"),
-    ((0, 1, 0, 4), ValueError, "window"),
-    ((0, 1, 4, 0), ValueError, "page_size"),
-    ((0.0, 1, 4, 4), TypeError, "start"),
-])
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((-1, 1, 4, 4), ValueError, "start"),
+        ((5, 5, 4, 4), ValueError, "end"),
+        ((0, 1, 0, 4), ValueError, "window"),
+        ((0, 1, 4, 0), ValueError, "page_size"),
+        ((0.0, 1, 4, 4), TypeError, "start"),
+    ],
+)
 def test_swa_pages_needed_rejects_bad_arguments(args, exc, match):
     with pytest.raises(exc, match=match):
         swa_pages_needed(*args)
@@ -423,10 +462,17 @@ def test_swa_pages_needed_rejects_bad_arguments(args, exc, match):
 
 # ---- configuration --------------------------------------------------------------------------------
 def test_layer_patterns_normalize_to_per_layer_tuples():
-    assert ModelConfig(num_layers=4, layer_types="SF", sliding_window=8).layer_types == \
-        ("sliding", "full", "sliding", "full")
-    assert ModelConfig(num_layers=7, layer_types="SSF", sliding_window=8).layer_types == \
-        ("sliding", "sliding", "full") * 2 + ("sliding",)
+    assert ModelConfig(num_layers=4, layer_types="SF", sliding_window=8).layer_types == (
+        "sliding",
+        "full",
+        "sliding",
+        "full",
+    )
+    assert ModelConfig(num_layers=7, layer_types="SSF", sliding_window=8).layer_types == (
+        "sliding",
+        "sliding",
+        "full",
+    ) * 2 + ("sliding",)
     cfg = ModelConfig(num_layers=3, layer_types=("full", "sliding", "sliding"), sliding_window=8)
     assert cfg.swa_layers == (1, 2) and cfg.full_layers == (0,) and cfg.is_hybrid
     assert [cfg.pool_slot(i) for i in range(3)] == [("full", 0), ("swa", 0), ("swa", 1)]
@@ -439,21 +485,24 @@ def test_layer_patterns_normalize_to_per_layer_tuples():
         assert preset.kv_geometry(16).num_layers + preset.swa_kv_geometry(16).num_layers == preset.num_layers
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(layer_types="SX", sliding_window=4), ValueError, "layer_types: a pattern"),
-    (dict(layer_types="", sliding_window=4), ValueError, "layer_types: a pattern"),
-    (dict(layer_types="SFS", sliding_window=4), ValueError, "longer than num_layers"),
-    (dict(layer_types=("full",)), ValueError, r"expected 2 entries"),
-    (dict(layer_types=("full", "swa"), sliding_window=4), ValueError, r"layer_types\[1\]"),
-    (dict(layer_types=3), TypeError, "layer_types"),
-    (dict(layer_types="S", sliding_window=4), ValueError, "at least one 'full'"),
-    (dict(layer_types="SF"), ValueError, "sliding_window: required"),
-    (dict(sliding_window=8), ValueError, "no 'sliding' layer"),
-    (dict(layer_types="SF", sliding_window=0), ValueError, "sliding_window: expected >= 1"),
-    (dict(layer_types="SF", sliding_window=2.5), TypeError, "sliding_window"),
-    (dict(layer_types="SF", sliding_window=True), TypeError, "sliding_window"),
-    (dict(layer_types="SF", sliding_window=4, swa_as_full=1), TypeError, "swa_as_full"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(layer_types="SX", sliding_window=4), ValueError, "layer_types: a pattern"),
+        (dict(layer_types="", sliding_window=4), ValueError, "layer_types: a pattern"),
+        (dict(layer_types="SFS", sliding_window=4), ValueError, "longer than num_layers"),
+        (dict(layer_types=("full",)), ValueError, r"expected 2 entries"),
+        (dict(layer_types=("full", "swa"), sliding_window=4), ValueError, r"layer_types\[1\]"),
+        (dict(layer_types=3), TypeError, "layer_types"),
+        (dict(layer_types="S", sliding_window=4), ValueError, "at least one 'full'"),
+        (dict(layer_types="SF"), ValueError, "sliding_window: required"),
+        (dict(sliding_window=8), ValueError, "no 'sliding' layer"),
+        (dict(layer_types="SF", sliding_window=0), ValueError, "sliding_window: expected >= 1"),
+        (dict(layer_types="SF", sliding_window=2.5), TypeError, "sliding_window"),
+        (dict(layer_types="SF", sliding_window=True), TypeError, "sliding_window"),
+        (dict(layer_types="SF", sliding_window=4, swa_as_full=1), TypeError, "swa_as_full"),
+    ],
+)
 def test_bad_hybrid_configs_raise_clear_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ModelConfig(**kwargs)
@@ -483,5 +532,6 @@ def test_step_rejects_missing_or_wrong_swa_arguments():
         PagedRunner(hyb, page, max_pages_per_seq=4).warmup(pools, 1, 8)
     plain = PagedRunner(ModelConfig(num_layers=1, **SMALL), page)
     with pytest.raises(ValueError, match="expected None"):
-        plain.step(_zeros(plain.config.kv_geometry(page), 8), tok, [0], table, swa_pools=swa,
-                   swa_page_tables=[np.arange(3)])
+        plain.step(
+            _zeros(plain.config.kv_geometry(page), 8), tok, [0], table, swa_pools=swa, swa_page_tables=[np.arange(3)]
+        )

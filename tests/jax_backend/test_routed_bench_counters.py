@@ -32,8 +32,14 @@ def test_warm_up_leaves_no_store_counts_behind():
             counts = engine.storage.storage.metrics.snapshot()
             assert not any(counts.values()), (name, {k: v for k, v in counts.items() if v})
             st = engine.cache.stats()
-            for k in ("storage_read_hit_pages", "storage_read_miss_pages", "storage_read_seconds",
-                      "storage_written_pages", "storage_written_bytes", "prefetched_tokens"):
+            for k in (
+                "storage_read_hit_pages",
+                "storage_read_miss_pages",
+                "storage_read_seconds",
+                "storage_written_pages",
+                "storage_written_bytes",
+                "prefetched_tokens",
+            ):
                 assert st[k] == 0, (name, k, st[k])
     finally:
         run.close()

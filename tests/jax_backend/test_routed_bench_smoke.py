@@ -8,8 +8,26 @@ from hicache_jax import cli
 
 def test_multiturn_over_two_engines_routed_both_ways(tmp_path, capsys):
     out = tmp_path / "routed.json"
-    assert cli.main(["bench", "multiturn", "--quick", "--engines", "2", "--clients", "4", "--rounds", "3",
-                     "--storage-backend", "file", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "multiturn",
+                "--quick",
+                "--engines",
+                "2",
+                "--clients",
+                "4",
+                "--rounds",
+                "3",
+                "--storage-backend",
+                "file",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "prefix / round_robin (same prompts, alternate rounds)" in text
     d = json.loads(out.read_text())

@@ -16,8 +16,8 @@ def png_text(path) -> dict[str, str]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     out, i = {}, 8
     while i < len(data):
-        (n,) = struct.unpack(">I", data[i:i + 4])
-        kind, body = data[i + 4:i + 8], data[i + 8:i + 8 + n]
+        (n,) = struct.unpack(">I", data[i : i + 4])
+        kind, body = data[i + 4 : i + 8], data[i + 8 : i + 8 + n]
         if kind == b"tEXt":
             key, _, value = body.partition(b"\0")
             out[key.decode("latin-1")] = value.decode("latin-1")
@@ -43,21 +43,114 @@ def assert_not_comparable(payload, out_text: str, png, names: list[str]) -> None
     assert png_text(png)["Verdict"].startswith("NOT COMPARABLE AT THESE SIZES (")
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "multiturn", "--model", "tiny", "--clients", "3", "--rounds", "2", "--first-len", "40",
-     "--turn-len", "12", "--answer-len", "3", "--device-pages", "24", "--page-size", "4", "--host-ratio", "4",
-     "--max-batch", "2"],
-    ["bench", "multiturn", "--model", "tiny", "--clients", "3", "--rounds", "2", "--first-len", "40",
-     "--turn-len", "12", "--answer-len", "3", "--device-pages", "24", "--page-size", "4", "--host-ratio", "4",
-     "--max-batch", "2", "--deterministic"],
-    ["bench", "two-run", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "48", "--page-size", "4",
-     "--device-pages", "64"],
-    ["bench", "ttft", "--model", "tiny", "--prompt-len", "64", "--reps", "2", "--decode-steps", "3",
-     "--decode-reps", "1", "--page-size", "4", "--device-pages", "128", "--max-batch", "2",
-     "--storage-backend", "file", "--host-layout", "page_first_direct"],
-    ["bench", "restart", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "40", "--page-size", "4",
-     "--device-pages", "64", "--storage-backend", "file"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "bench",
+            "multiturn",
+            "--model",
+            "tiny",
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--first-len",
+            "40",
+            "--turn-len",
+            "12",
+            "--answer-len",
+            "3",
+            "--device-pages",
+            "24",
+            "--page-size",
+            "4",
+            "--host-ratio",
+            "4",
+            "--max-batch",
+            "2",
+        ],
+        [
+            "bench",
+            "multiturn",
+            "--model",
+            "tiny",
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--first-len",
+            "40",
+            "--turn-len",
+            "12",
+            "--answer-len",
+            "3",
+            "--device-pages",
+            "24",
+            "--page-size",
+            "4",
+            "--host-ratio",
+            "4",
+            "--max-batch",
+            "2",
+            "--deterministic",
+        ],
+        [
+            "bench",
+            "two-run",
+            "--model",
+            "tiny",
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "48",
+            "--page-size",
+            "4",
+            "--device-pages",
+            "64",
+        ],
+        [
+            "bench",
+            "ttft",
+            "--model",
+            "tiny",
+            "--prompt-len",
+            "64",
+            "--reps",
+            "2",
+            "--decode-steps",
+            "3",
+            "--decode-reps",
+            "1",
+            "--page-size",
+            "4",
+            "--device-pages",
+            "128",
+            "--max-batch",
+            "2",
+            "--storage-backend",
+            "file",
+            "--host-layout",
+            "page_first_direct",
+        ],
+        [
+            "bench",
+            "restart",
+            "--model",
+            "tiny",
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "40",
+            "--page-size",
+            "4",
+            "--device-pages",
+            "64",
+            "--storage-backend",
+            "file",
+        ],
+    ],
+)
 def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
     out = tmp_path / "results" / "r.json"  # a directory that does not exist yet, as on a fresh clone
     assert cli.main(argv + ["--out", str(out)]) == 0
@@ -71,8 +164,10 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
     if argv[1] == "multiturn":
         # Round 2 re-sends each 40-token history (+ answer + turn = 55 tokens): 40 tokens hit.
         # The host holds every history (ratio 4), so no hit depends on an L3 prefetch's timing.
-        assert payload["hicache"]["cache_hit_rate"] == pytest.approx(3 * 40 / (3 * 40 + 3 * 55)), \
-            (payload["hicache"]["per_request"], payload["cache_stats"])
+        assert payload["hicache"]["cache_hit_rate"] == pytest.approx(3 * 40 / (3 * 40 + 3 * 55)), (
+            payload["hicache"]["per_request"],
+            payload["cache_stats"],
+        )
         assert payload["no_cache"]["cache_hit_rate"] == 0
         # The work saved (comparable at any size): the engines' own per-request prefill counts.
         assert payload["ratios_vs_no_cache"]["prefill_tokens"] == pytest.approx(3 * 55 / (3 * 40 + 3 * 55))
@@ -97,9 +192,20 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         assert payload["config"]["host_layout"] == "page_first_direct" and "L2 x4 page_first_direct" in captured.out
         assert set(payload["ratios_vs_cold"]) == {"cold", "device", "host", "storage"}
         assert all(len(v) == 2 for v in payload["ttft_s"].values())
-        assert_not_comparable(payload, captured.out, tmp_path / "results" / "r.png",
-                              ["l2_over_l1", "l3_over_l1", "l1_over_cold", "l2_over_cold", "l3_over_cold",
-                               "ordered_rounds", "decode_ratio"])
+        assert_not_comparable(
+            payload,
+            captured.out,
+            tmp_path / "results" / "r.png",
+            [
+                "l2_over_l1",
+                "l3_over_l1",
+                "l1_over_cold",
+                "l2_over_cold",
+                "l3_over_cold",
+                "ordered_rounds",
+                "decode_ratio",
+            ],
+        )
         med = payload["median_ttft_s"]
         assert payload["goals"][0]["value"] == pytest.approx(med["host"] / med["device"])
     if argv[1] == "restart":
@@ -110,14 +216,16 @@ def test_serving_benchmarks_smoke(argv, tmp_path, capsys):
         # first from the parent's spawn, summing to the total (both processes)
         for phase in ("write", "read"):
             ready, child = payload["time_to_first_token"][phase], payload[phase]
-            stamps = [child["spawned"]] + [child["stamps"][k] for k in
-                                           ("entered", "engine_built", "warm", "first_token")]
+            stamps = [child["spawned"]] + [
+                child["stamps"][k] for k in ("entered", "engine_built", "warm", "first_token")
+            ]
             assert all(b > a for a, b in zip(stamps, stamps[1:])), stamps  # in order, every step takes time
             assert ready["total"] == pytest.approx(stamps[-1] - stamps[0])
             assert ready["first_token"] == pytest.approx(child["stamps"]["first_token"] - child["stamps"]["warm"])
             assert ready["first_token"] >= child["ttft_s"][0]  # its first request's own TTFT is inside it
         assert payload["time_to_first_token_ratio"] == pytest.approx(
-            payload["time_to_first_token"]["read"]["total"] / payload["time_to_first_token"]["write"]["total"])
+            payload["time_to_first_token"]["read"]["total"] / payload["time_to_first_token"]["write"]["total"]
+        )
         assert "time to the first token from process start" in captured.out
 
 
@@ -137,7 +245,8 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
         assert cases[case]["cached_tokens"] == {"device": 0, "host": 0, "storage": hit}
     assert all(c["same_tokens_as_cold"] for c in cases.values())
     assert payload["ratios"]["restored_over_l1"] == pytest.approx(
-        cases["L3 + draft"]["accept_length"] / cases["L1"]["accept_length"])
+        cases["L3 + draft"]["accept_length"] / cases["L1"]["accept_length"]
+    )
     assert (tmp_path / "results" / "spec.png").stat().st_size > 1000
     captured = capsys.readouterr()
     assert "accept length restored" in captured.out and f"JSON written to {out}" in captured.out
@@ -151,16 +260,33 @@ def test_multiturn_hybrid_quick_smoke(tmp_path, capsys):
     from hicache_jax.reference_model import HYBRID_TINY
 
     out = tmp_path / "r.json"
-    argv = ["bench", "multiturn", "--model", "hybrid", "--quick", "--clients", "2", "--rounds", "2",
-            "--prefill-chunk", "16", "--storage-backend", "file", "--out", str(out)]
+    argv = [
+        "bench",
+        "multiturn",
+        "--model",
+        "hybrid",
+        "--quick",
+        "--clients",
+        "2",
+        "--rounds",
+        "2",
+        "--prefill-chunk",
+        "16",
+        "--storage-backend",
+        "file",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     payload = json.loads(out.read_text())
     assert payload["config"]["model"] == "hybrid-tiny"
     assert payload["same_tokens"]
     hybrid, as_full, base = payload["hicache"], payload["swa_as_full"], payload["no_cache"]
     cfg = payload["config"]
-    need = Engine.swa_pages_needed(HYBRID_TINY, EngineCacheConfig(
-        page_size=cfg["page_size"], max_batch=cfg["max_batch"], prefill_chunk=16, max_context=10_000))
+    need = Engine.swa_pages_needed(
+        HYBRID_TINY,
+        EngineCacheConfig(page_size=cfg["page_size"], max_batch=cfg["max_batch"], prefill_chunk=16, max_context=10_000),
+    )
     for run in (hybrid, base):
         assert 0 < run["peak_device_pages"]["swa"] <= need
         assert run["peak_device_pages"]["full"] > 0
@@ -177,9 +303,30 @@ def test_multiturn_no_reuse_smoke(tmp_path, capsys):
     it, each round's prompts as long as a conversation's would be, and the overhead goals
     (0.97x / 1.03x) judged, here "not comparable" at --quick sizes only (not for the CPU)."""
     out = tmp_path / "r.json"
-    argv = ["bench", "multiturn", "--model", "tiny", "--quick", "--no-reuse", "--clients", "3", "--rounds", "2",
-            "--first-len", "40", "--turn-len", "12", "--answer-len", "3", "--page-size", "4",
-            "--storage-backend", "file", "--out", str(out)]
+    argv = [
+        "bench",
+        "multiturn",
+        "--model",
+        "tiny",
+        "--quick",
+        "--no-reuse",
+        "--clients",
+        "3",
+        "--rounds",
+        "2",
+        "--first-len",
+        "40",
+        "--turn-len",
+        "12",
+        "--answer-len",
+        "3",
+        "--page-size",
+        "4",
+        "--storage-backend",
+        "file",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     payload = json.loads(out.read_text())
     assert payload["same_tokens"] and payload["config"]["no_reuse"]
@@ -222,7 +369,12 @@ def test_token_divergence_report():
     from hicache_jax.bench.serving import token_divergence
 
     ref = [[1, 2, 3], [4, 5, 6], [7, 8]]
-    assert token_divergence(ref, ref) == {"requests": 3, "diverged": 0, "same": True, "first_divergence": [],
-                                          "earliest_position": None}
+    assert token_divergence(ref, ref) == {
+        "requests": 3,
+        "diverged": 0,
+        "same": True,
+        "first_divergence": [],
+        "earliest_position": None,
+    }
     d = token_divergence([[1, 2, 3], [4, 9, 6], [7, 8, 0]], ref)
     assert (d["diverged"], d["same"], d["first_divergence"], d["earliest_position"]) == (2, False, [[1, 1], [2, 2]], 1)

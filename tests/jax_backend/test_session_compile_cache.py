@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-pytestmark = pytest.mark.skipif(os.environ.get("JAX_COMPILATION_CACHE_DIR") == "",
-                                reason="the persistent compilation cache was turned off (JAX_COMPILATION_CACHE_DIR='')")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("JAX_COMPILATION_CACHE_DIR") == "",
+    reason="the persistent compilation cache was turned off (JAX_COMPILATION_CACHE_DIR='')",
+)
 
 # A computation no other test compiles: the constant is new in every session.
 _SALT = float(uuid.uuid4().int % 10_000) + 0.5
@@ -41,8 +43,12 @@ def test_this_process_writes_what_it_compiles_to_the_session_directory():
 
 def test_a_subprocess_loads_what_an_earlier_one_compiled():
     """The first child compiles and writes; the second, with the same environment, hits."""
-    runs = [subprocess.run([sys.executable, "-c", _PROGRAM], env=dict(os.environ), capture_output=True, text=True,
-                           timeout=300) for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _PROGRAM], env=dict(os.environ), capture_output=True, text=True, timeout=300
+        )
+        for _ in range(2)
+    ]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
     (first_value, first_hits), (second_value, second_hits) = (r.stdout.split() for r in runs)

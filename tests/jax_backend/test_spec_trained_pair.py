@@ -52,10 +52,18 @@ def pair():
 def _engine(pair, tmp_path, backing: bool = True, warm: list[int] | None = None) -> Engine:
     storage = None
     if tmp_path is not None:
-        storage = StorageConfig(backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete",
-                                prefetch_threshold_tokens=PAGE)
-    cfg = EngineCacheConfig(page_size=PAGE, device_pages=64, host=HostPoolConfig(ratio=4.0), max_batch=1,
-                            prefill_chunk=256, max_context=256, storage=storage)
+        storage = StorageConfig(
+            backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE
+        )
+    cfg = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=64,
+        host=HostPoolConfig(ratio=4.0),
+        max_batch=1,
+        prefill_chunk=256,
+        max_context=256,
+        storage=storage,
+    )
     e = Engine(pair.config, cfg, spec=SpecConfig(num_draft_tokens=K, draft_backing=backing), weights=pair)
     if warm is not None:
         e.generate([warm], NEW)
@@ -84,8 +92,10 @@ def test_accept_length_survives_an_l3_restart_only_with_draft_backing(pair, tmp_
         e.close()
     for res in (l1, restored, stale):
         assert [r.tokens for r in res] == [r.tokens for r in cold]
-    mean = {name: float(np.mean([r.accept_length for r in res]))
-            for name, res in (("cold", cold), ("l1", l1), ("restored", restored), ("stale", stale))}
+    mean = {
+        name: float(np.mean([r.accept_length for r in res]))
+        for name, res in (("cold", cold), ("l1", l1), ("restored", restored), ("stale", stale))
+    }
     assert mean["l1"] >= 4.0, mean  # the pair is trained: nearly every proposal is accepted
     assert [r.draft_proposals for r in restored] == [r.draft_proposals for r in l1]
     assert mean["restored"] >= 0.9 * mean["l1"], mean

@@ -27,8 +27,18 @@ from hicache_jax.cache.components import SWAComponent
 from hicache_jax.reference_model import ModelConfig, PagedRunner
 from pallas_kernels.page_copy import PageCopyConfig
 
-SMALL = dict(vocab_size=256, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=64, kv_lora_rank=16,
-             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+SMALL = dict(
+    vocab_size=256,
+    hidden=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    ffn=64,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+)
 PAGE = 4
 CHUNK = 8
 
@@ -45,8 +55,12 @@ class Served:
         self.full_eng = JaxTransferEngine(self.full, HostKVPool(self.full.geom, 96), copy_config=copy)
         self.swa_eng = JaxTransferEngine(self.swa, HostKVPool(self.swa.geom, 48), copy_config=copy)
         self.comp = SWAComponent(self.swa_eng, self.swa.allocator, window)
-        self.cache = HiRadixCache(HiCacheConfig(page_size=PAGE, load_back_threshold=0), self.full_eng,
-                                  self.full.allocator, components=[self.comp])
+        self.cache = HiRadixCache(
+            HiCacheConfig(page_size=PAGE, load_back_threshold=0),
+            self.full_eng,
+            self.full.allocator,
+            components=[self.comp],
+        )
 
     def close(self):
         self.full_eng.close()
@@ -54,8 +68,14 @@ class Served:
 
     def _step(self, req, tokens, start):
         swa_table = req.component_pages["swa"]
-        logits, new, new_swa = self.runner.step(self.full.buffers, [tokens], [start], [req.device_pages],
-                                                swa_pools=self.swa.buffers, swa_page_tables=[swa_table])
+        logits, new, new_swa = self.runner.step(
+            self.full.buffers,
+            [tokens],
+            [start],
+            [req.device_pages],
+            swa_pools=self.swa.buffers,
+            swa_page_tables=[swa_table],
+        )
         for pool, arrays in ((self.full, new), (self.swa, new_swa)):
             for c, layers in arrays.items():
                 for layer, a in enumerate(layers):

@@ -54,7 +54,8 @@ def test_backup_load_roundtrip(name, layout):
         got = host.read_pages(c, hst)
         want = data[c][:, src]  # (L, n, page, H, D)
         want = {"lnp": want, "nlp": want.transpose(1, 0, 2, 3, 4), "npl": want.transpose(1, 2, 0, 3, 4)}[
-            layout.transfer_order]
+            layout.transfer_order
+        ]
         np.testing.assert_array_equal(got, want)
     handle = eng.load(hst, dst)
     handle.wait_layer(0)
@@ -95,8 +96,9 @@ def test_sharded_pool_same_bytes_as_unsharded(name, tp):
         _fill(dev, rng)
         eng.backup([1, 9, 17], [2, 4, 6]).wait()
         eng.load([2, 4, 6], [3, 5, 7]).wait()
-        results.append((host.array.copy(), {c: dev.read_pages_host(c, np.arange(DEVICE_PAGES))
-                                              for c in geom.components}))
+        results.append(
+            (host.array.copy(), {c: dev.read_pages_host(c, np.arange(DEVICE_PAGES)) for c in geom.components})
+        )
         if m is not None and geom.kind == "mha":
             assert dev.layers("k")[0].sharding.spec[2] == "tp"
     np.testing.assert_array_equal(results[0][0], results[1][0])
@@ -193,8 +195,9 @@ def test_pinned_host_pool_roundtrip_and_staging_reuse(layout):
         h.wait()
     for i in range(4):
         for c in geom.components:
-            np.testing.assert_array_equal(dev.read_pages_host(c, np.arange(10 + 3 * i, 13 + 3 * i)),
-                                          data[c][:, i:i + 3])
+            np.testing.assert_array_equal(
+                dev.read_pages_host(c, np.arange(10 + 3 * i, 13 + 3 * i)), data[c][:, i : i + 3]
+            )
 
 
 class _FakeArray:
@@ -288,6 +291,9 @@ def test_staging_probe_sees_a_device_copy_that_aliases_its_buffer(monkeypatch):
     real_buffer, real_put = memory.host_buffer, jax.device_put
     monkeypatch.setattr(memory, "host_buffer", lambda *a, **k: made.append(real_buffer(*a, **k)) or made[-1])
     # allocations (to pinned host) stay real; the move to the device hands back the staging bytes
-    monkeypatch.setattr(memory.jax, "device_put", lambda x, s: real_put(x, s) if s.memory_kind == "pinned_host"
-                        else Aliasing(made[-1][0]))
+    monkeypatch.setattr(
+        memory.jax,
+        "device_put",
+        lambda x, s: real_put(x, s) if s.memory_kind == "pinned_host" else Aliasing(made[-1][0]),
+    )
     assert "aliases" in memory.staging_works(dev)

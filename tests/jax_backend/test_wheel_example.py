@@ -51,8 +51,12 @@ def _find_python(version: str) -> str | None:
     """An interpreter of ``version`` (``major.minor``), found as ``scripts/_env.sh`` does."""
     if sys.version_info[:2] == tuple(map(int, version.split("."))):
         return getattr(sys, "_base_executable", sys.executable)
-    r = subprocess.run(["bash", "-c", f'source "{ROOT}/scripts/_env.sh" && _find_python {version}'],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", "-c", f'source "{ROOT}/scripts/_env.sh" && _find_python {version}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     path = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     return path or None
 
@@ -87,12 +91,29 @@ def wheel(tmp_path_factory) -> Path:
     # The build backend into the wheelhouse (best effort: offline, the wheelhouse may have it).
     _run(pip + ["download", "-q", "-d", str(house), "setuptools>=77"], tmp, env, 600)
     src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "build", "dist", "*.egg-info", "hicache-results", ".test-reports", "__pycache__",
-        ".hypothesis", ".pytest_cache"))
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv*",
+            "build",
+            "dist",
+            "*.egg-info",
+            "hicache-results",
+            ".test-reports",
+            "__pycache__",
+            ".hypothesis",
+            ".pytest_cache",
+        ),
+    )
     dist = tmp / "dist"
-    r = _run(pip + ["wheel", "-q", "--no-deps", "--no-index", "--find-links", str(house), "-w", str(dist),
-                    str(src)], tmp, env, 600)
+    r = _run(
+        pip + ["wheel", "-q", "--no-deps", "--no-index", "--find-links", str(house), "-w", str(dist), str(src)],
+        tmp,
+        env,
+        600,
+    )
     if r.returncode:
         pytest.skip(f"cannot build the wheel (no registry and no setuptools in {house}?): {r.stderr[-500:]}")
     (whl,) = dist.glob("hicache_jax-*.whl")
@@ -108,8 +129,10 @@ def test_wheel_installs_into_a_fresh_venv_and_the_example_hits_every_tier(tmp_pa
     env, house = _clean_env(), _wheelhouse()
     base = _find_python(python)
     if base is None:
-        pytest.skip(f"no Python {python} found (python{python} or a pyenv {python}.x): the README's install "
-                    f"on {python} is not checked here")
+        pytest.skip(
+            f"no Python {python} found (python{python} or a pyenv {python}.x): the README's install "
+            f"on {python} is not checked here"
+        )
     # 1. A fresh venv of that Python; the dependencies into the wheelhouse (by its own pip, so the
     # wheels match its version), then installed from there alone.
     target = tmp_path / "venv"
@@ -124,14 +147,18 @@ def test_wheel_installs_into_a_fresh_venv_and_the_example_hits_every_tier(tmp_pa
     # (crc32c) the install then found nothing and the case skipped as offline.
     for stale in house.glob("hicache_jax-*.whl"):
         stale.unlink()
-    _run([py, "-m", "pip", "download", "-q", "-d", str(house), "--find-links", str(wheel.parent), *lock, spec],
-         tmp_path, env, 900)
-    r = _run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(house), *lock, spec], tmp_path, env,
-             900)
+    _run(
+        [py, "-m", "pip", "download", "-q", "-d", str(house), "--find-links", str(wheel.parent), *lock, spec],
+        tmp_path,
+        env,
+        900,
+    )
+    r = _run(
+        [py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(house), *lock, spec], tmp_path, env, 900
+    )
     if r.returncode:
         if "No matching distribution" in r.stderr or "Could not find a version" in r.stderr:
-            pytest.skip(f"the wheelhouse {house} lacks dependencies and the registry is unreachable: "
-                        f"{r.stderr[-500:]}")
+            pytest.skip(f"the wheelhouse {house} lacks dependencies and the registry is unreachable: {r.stderr[-500:]}")
         pytest.fail(f"pip install {spec} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     # The install must not have pulled the reference engine's dependencies.
     r = _run([py, "-c", "import importlib.util as u; print(u.find_spec('flax') is None)"], tmp_path, env, 120)

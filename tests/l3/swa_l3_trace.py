@@ -25,10 +25,20 @@ from hicache_jax.storage import StorageConfig
 
 def swa_l3_rank(agreement, storage_dir, components="draft+swa"):
     """One rank's SWA cache and its controller over the file store every rank shares."""
-    cache, be, _ = rank_cache(agreement, components=components, policy="write_through", host_pages=64,
-                              swa_host_pages=48)
-    ctl = StorageController(cache, StorageConfig(backend="file", path=str(storage_dir), prefetch_threshold_tokens=4,
-                                                 prefetch_policy="wait_complete", worker_nice=0), model="swa-trace")
+    cache, be, _ = rank_cache(
+        agreement, components=components, policy="write_through", host_pages=64, swa_host_pages=48
+    )
+    ctl = StorageController(
+        cache,
+        StorageConfig(
+            backend="file",
+            path=str(storage_dir),
+            prefetch_threshold_tokens=4,
+            prefetch_policy="wait_complete",
+            worker_nice=0,
+        ),
+        model="swa-trace",
+    )
     return cache, be, ctl
 
 
@@ -91,7 +101,7 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
             req, _lb = drv.admit(key)
             drv.check_prefix(req)
             if draft is not None:
-                draft.check_device(req.key, req.device_pages[:req.cached_pages])
+                draft.check_device(req.key, req.device_pages[: req.cached_pages])
             served.append(req.cached_pages * p)
             if not extend(req, key):
                 cache.abort_request(req)
@@ -121,5 +131,11 @@ def run_swa_l3_trace(cache, be, ctl, *, divergence=frozenset(), steps=30, seed=S
     ctl.flush()
     digests.append(cache.debug_view().digest())
     cache.sanity_check(0, {"swa": 0})
-    return {"digests": digests, "served": served, "fired": fired, "from_l3": from_l3,
-            "swa_loaded": be.swa.metrics.loaded_tokens, "device_only_reads": device_only_reads}
+    return {
+        "digests": digests,
+        "served": served,
+        "fired": fired,
+        "from_l3": from_l3,
+        "swa_loaded": be.swa.metrics.loaded_tokens,
+        "device_only_reads": device_only_reads,
+    }

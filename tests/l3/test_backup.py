@@ -67,8 +67,9 @@ def test_a_job_writes_the_chain_once_and_holds_the_host_pages_until_settled(rig)
     assert rig.stored(a) == 6
     # The pages in storage hold the KV the model wrote (read into free host pages).
     spare = list(range(50, 56))
-    got = rig.storage.batch_get(page_keys(rig.pools.namespaces(a.namespace)[TARGET_POOL], a.token_ids),
-                                spare, TARGET_POOL)
+    got = rig.storage.batch_get(
+        page_keys(rig.pools.namespaces(a.namespace)[TARGET_POOL], a.token_ids), spare, TARGET_POOL
+    )
     assert all(got)
     rig.oracle.check_host(a, np.asarray(spare))
     m = rig.cache.metrics

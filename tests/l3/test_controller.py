@@ -22,8 +22,10 @@ from hicache_jax.l3 import StorageController
 from hicache_jax.storage import StorageConfig
 from hicache_jax.storage.memory import MemoryStorage
 
-HAVE_ORBAX = all(importlib.util.find_spec(m) is not None for m in ("orbax", "tensorstore", "google_crc32c")) and \
-    importlib.util.find_spec("orbax.checkpoint") is not None
+HAVE_ORBAX = (
+    all(importlib.util.find_spec(m) is not None for m in ("orbax", "tensorstore", "google_crc32c"))
+    and importlib.util.find_spec("orbax.checkpoint") is not None
+)
 STORE_BACKENDS = ["memory", "file"] + (["orbax"] if HAVE_ORBAX else [])
 P = 2  # page size of these tests
 GATE_S = 20.0
@@ -42,8 +44,18 @@ def scfg(backend="memory", path=None, **kw):
     return StorageConfig(backend=backend, path=None if backend == "memory" else str(path), **kw)
 
 
-def setup(backend_factory, backend="memory", path=None, *, device_pages=32, host_pages=64, model="m",
-          storage=None, ctl_kw=None, **kw):
+def setup(
+    backend_factory,
+    backend="memory",
+    path=None,
+    *,
+    device_pages=32,
+    host_pages=64,
+    model="m",
+    storage=None,
+    ctl_kw=None,
+    **kw,
+):
     cache, be = make_cache(backend_factory, page_size=P, device_pages=device_pages, host_pages=host_pages)
     ctl = StorageController(cache, scfg(backend, path, **kw), model=model, storage=storage, **(ctl_kw or {}))
     return cache, be, ctl
@@ -200,8 +212,12 @@ def test_draft_sidecar_pages_come_back_with_target_pages():
     draft_be = numpy_backend_factory(small_geom(2, "mla", layers=1), 16, 32, "layer_first", False)
     draft_engine = NumpyTransferEngine(draft_be.device, draft_be.host)
     draft = Backend(draft_be.geom, draft_be.device, draft_be.host, draft_engine)
-    cache = HiRadixCache(HiCacheConfig(page_size=2, storage=scfg()), target.engine, target.device.allocator,
-                         sidecars={"draft": draft_engine})
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=2, storage=scfg()),
+        target.engine,
+        target.device.allocator,
+        sidecars={"draft": draft_engine},
+    )
     ctl = StorageController(cache, model="m")  # the cache config carries the storage settings
     assert sorted(ctl.pools) == ["draft", "target"]
     t_oracle, d_oracle = KVOracle(target), KVOracle(draft)
@@ -236,6 +252,7 @@ def test_draft_sidecar_pages_come_back_with_target_pages():
     store = ctl.storage
     ns = ctl._namespaces(other.namespace)
     from hicache_jax.storage import page_keys
+
     dkeys = page_keys(ns["draft"], other.token_ids)
     with store._lock:
         store._pages.pop(("draft", dkeys[3]))
@@ -390,8 +407,9 @@ def test_wait_complete_waits_for_every_page(backend_factory):
 
 
 def test_timeout_stops_at_the_deadline(backend_factory):
-    cache, be, ctl, store, oracle = _fill(backend_factory, prefetch_policy="timeout", prefetch_timeout_base_s=0.3,
-                                          prefetch_timeout_per_ki_token_s=0.0)
+    cache, be, ctl, store, oracle = _fill(
+        backend_factory, prefetch_policy="timeout", prefetch_timeout_base_s=0.3, prefetch_timeout_per_ki_token_s=0.0
+    )
     assert ctl.config.prefetch_timeout(32) == pytest.approx(0.3)
     op = ctl.prefetch(seq(0, 32))
     _wait_for(lambda: op.hit_tokens is not None)
@@ -446,6 +464,7 @@ def test_threshold_skip_is_visible(backend_factory, caplog):
     """A prefetch under the threshold says why (reason, reason_code), counts per reason and logs:
     once at info, then at debug."""
     import logging
+
     cache, be, ctl = setup(backend_factory, prefetch_threshold_tokens=8)
     m = cache.metrics
     with caplog.at_level(logging.DEBUG, logger="hicache_jax.cache.storage"):
@@ -577,6 +596,7 @@ def test_namespace_isolation(backend_factory, tmp_path):
 def test_kv_dtype_isolation(backend_factory, tmp_path):
     """bf16 and fp16 pages have equal sizes: only the key keeps them apart (sglang #33268)."""
     from hicache_jax import KVGeometry
+
     cfg = scfg("file", tmp_path)
     caches = {}
     for dt in ("bfloat16", "float16"):
@@ -639,6 +659,7 @@ def test_storage_faults_during_prefetch_are_misses(backend_factory, mode, caplog
     if mode == "corrupt":
         k = ctl._namespaces(key.namespace)["target"]
         from hicache_jax.storage import page_keys
+
         store._corrupt_for_test("target", page_keys(k, key.token_ids)[6], offset=3)
     else:
         store.mode = mode
@@ -743,17 +764,16 @@ def test_cancel_and_close_free_everything(backend_factory):
 def test_storage_config_through_the_cache_config():
     c = HiCacheConfig(storage={"backend": "file", "path": "/tmp/x", "prefetch_policy": "best_effort"})
     assert isinstance(c.storage, StorageConfig) and c.storage.prefetch_policy == "best_effort"
-    for bad, exc, match in (({"backend": "s3"}, ValueError, "storage: backend"),
-                            ({"backend": "file"}, ValueError, "storage: path"),
-                            ({"backend": "memory", "prefetch_policy": "eager"}, ValueError, "prefetch_policy"),
-                            ({"backend": "memory", "prefetch_threshold_tokens": -1}, ValueError,
-                             "prefetch_threshold_tokens"),
-                            ({"backend": "memory", "prefetch_timeout_base_s": "1"}, TypeError,
-                             "prefetch_timeout_base_s"),
-                            ({"backend": "memory", "prefetch_timeout_max_s": 0}, ValueError,
-                             "prefetch_timeout_max_s"),
-                            ({"bogus": 1}, ValueError, "unknown keys"),
-                            (5, TypeError, "storage")):
+    for bad, exc, match in (
+        ({"backend": "s3"}, ValueError, "storage: backend"),
+        ({"backend": "file"}, ValueError, "storage: path"),
+        ({"backend": "memory", "prefetch_policy": "eager"}, ValueError, "prefetch_policy"),
+        ({"backend": "memory", "prefetch_threshold_tokens": -1}, ValueError, "prefetch_threshold_tokens"),
+        ({"backend": "memory", "prefetch_timeout_base_s": "1"}, TypeError, "prefetch_timeout_base_s"),
+        ({"backend": "memory", "prefetch_timeout_max_s": 0}, ValueError, "prefetch_timeout_max_s"),
+        ({"bogus": 1}, ValueError, "unknown keys"),
+        (5, TypeError, "storage"),
+    ):
         with pytest.raises(exc, match=match):
             HiCacheConfig(storage=bad)
 
@@ -787,6 +807,7 @@ def test_controller_argument_errors(backend_factory):
 def test_storage_metrics_are_exported(backend_factory):
     prometheus_client = pytest.importorskip("prometheus_client")
     from hicache_jax.cache import register_prometheus
+
     cache, be, ctl = setup(backend_factory)
     registry = prometheus_client.CollectorRegistry()
     register_prometheus(cache, registry=registry, prefix="hc")
@@ -820,8 +841,12 @@ def test_a_split_trims_every_pool_so_storage_hits_continue_after_it():
     draft_be = numpy_backend_factory(small_geom(2, "mla", layers=1), 32, 64, "layer_first", False)
     draft_engine = NumpyTransferEngine(draft_be.device, draft_be.host)
     draft = Backend(draft_be.geom, draft_be.device, draft_be.host, draft_engine)
-    cache = HiRadixCache(HiCacheConfig(page_size=2, storage=scfg()), target.engine, target.device.allocator,
-                         sidecars={"draft": draft_engine})
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=2, storage=scfg()),
+        target.engine,
+        target.device.allocator,
+        sidecars={"draft": draft_engine},
+    )
     ctl = StorageController(cache, model="m")
     t_oracle, d_oracle = KVOracle(target), KVOracle(draft)
 
@@ -833,10 +858,10 @@ def test_a_split_trims_every_pool_so_storage_hits_continue_after_it():
         cache.flush()
         ctl.flush()
 
-    put(seq(0, 24))   # node A0: pages 0..11
-    put(seq(0, 40))   # its child: pages 12..19; everything backed up to storage
+    put(seq(0, 24))  # node A0: pages 0..11
+    put(seq(0, 40))  # its child: pages 12..19; everything backed up to storage
     cache.evict(cache.evictable_tokens)  # device emptied: both nodes host-only
-    cache.evict_host(16)                 # the child leaves the host: pages 12..19 only in storage
+    cache.evict_host(16)  # the child leaves the host: pages 12..19 only in storage
     assert cache.host_tokens == 24
     put(RadixKey(np.concatenate([np.arange(8), np.arange(500, 508)]).astype(np.int64)))  # splits A0 at page 4
     cache.evict(cache.evictable_tokens)
@@ -881,8 +906,12 @@ def test_controller_calls_from_another_thread_are_refused(backend_factory):
     errors = []
 
     def other():
-        for call in (lambda: ctl.prefetch(seq(0, 8)), lambda: ctl.prefetch_ready(op),
-                     lambda: ctl.finish_prefetch(op), lambda: ctl.cancel(op)):
+        for call in (
+            lambda: ctl.prefetch(seq(0, 8)),
+            lambda: ctl.prefetch_ready(op),
+            lambda: ctl.finish_prefetch(op),
+            lambda: ctl.cancel(op),
+        ):
             try:
                 call()
             except OwnerThreadError as e:

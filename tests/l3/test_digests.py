@@ -40,7 +40,7 @@ class Node:
 def expected(node, pool):
     """Keys of the node's own pages: the whole path's keys, its last pages."""
     keys = page_keys(POOLS[pool], node.path_tokens())
-    return keys[len(keys) - node.size // P:]
+    return keys[len(keys) - node.size // P :]
 
 
 def split(node, k_tokens):

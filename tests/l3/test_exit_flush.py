@@ -24,8 +24,10 @@ from hicache_jax.l3 import StorageController, exit_flush
 from hicache_jax.storage import StorageConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-HAVE_ORBAX = all(importlib.util.find_spec(m) is not None for m in ("orbax", "tensorstore", "google_crc32c")) and \
-    importlib.util.find_spec("orbax.checkpoint") is not None
+HAVE_ORBAX = (
+    all(importlib.util.find_spec(m) is not None for m in ("orbax", "tensorstore", "google_crc32c"))
+    and importlib.util.find_spec("orbax.checkpoint") is not None
+)
 BACKENDS = ["file"] + (["orbax"] if HAVE_ORBAX else [])
 P = 2
 TOKENS = 40
@@ -75,9 +77,17 @@ if {crash}:
 
 
 def run_child(path, backend, *, ack=True, other_thread=False, sys_exit=False, crash=False):
-    code = textwrap.dedent(CHILD).format(cache_tests=str(ROOT / "tests" / "cache"), page=P, backend=backend,
-                                         path=str(path), tokens=TOKENS, ack=ack, other_thread=other_thread,
-                                         sys_exit=sys_exit, crash=crash)
+    code = textwrap.dedent(CHILD).format(
+        cache_tests=str(ROOT / "tests" / "cache"),
+        page=P,
+        backend=backend,
+        path=str(path),
+        tokens=TOKENS,
+        ack=ack,
+        other_thread=other_thread,
+        sys_exit=sys_exit,
+        crash=crash,
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == (1 if crash else 0) and "served" in r.stdout, r.stderr[-3000:]
     if crash:
@@ -89,8 +99,11 @@ def storage_hit(path, backend):
     """A fresh cache on ``path``: tokens served from storage, checked against the bytes the
     child wrote."""
     cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=64, host_pages=64)
-    with StorageController(cache, StorageConfig(backend=backend, path=str(path), prefetch_threshold_tokens=P,
-                                                prefetch_policy="wait_complete"), model="m") as ctl:
+    with StorageController(
+        cache,
+        StorageConfig(backend=backend, path=str(path), prefetch_threshold_tokens=P, prefetch_policy="wait_complete"),
+        model="m",
+    ) as ctl:
         key = RadixKey(np.arange(TOKENS, dtype=np.int64))
         got = ctl.finish_prefetch(ctl.prefetch(key))
         if got:
@@ -98,8 +111,8 @@ def storage_hit(path, backend):
             cache.flush()
             expected = np.load(str(path) + ".expected.npz")
             for c in be.geom.components:
-                want = expected[c][:, :got // P]
-                assert np.array_equal(be.device.read(c, req.device_pages[:got // P]), want), c
+                want = expected[c][:, : got // P]
+                assert np.array_equal(be.device.read(c, req.device_pages[: got // P]), want), c
             cache.dec_lock_ref(req.last_node)
     return got
 
@@ -117,8 +130,9 @@ def test_a_process_that_exits_without_close_loses_no_l3_write(tmp_path, backend,
 def test_an_exit_that_cannot_flush_says_how_many_writes_it_loses(tmp_path, backend):
     # The cache belongs to a thread that has finished; its backup copy is done, not acknowledged.
     r = run_child(tmp_path / "l3", backend, ack=False, other_thread=True)
-    assert "L3 writes LOST at exit (0 page(s) in L3 backup jobs, 1 host backup(s) not yet acknowledged" \
-        in r.stderr, r.stderr[-3000:]
+    assert "L3 writes LOST at exit (0 page(s) in L3 backup jobs, 1 host backup(s) not yet acknowledged" in r.stderr, (
+        r.stderr[-3000:]
+    )
     assert "does not own the cache" in r.stderr
     assert storage_hit(tmp_path / "l3", backend) == 0  # what the error says: lost
 
@@ -131,8 +145,7 @@ def test_a_serving_loop_that_dies_loses_no_l3_write(tmp_path, backend, exit_kind
     runs then, before interpreter shutdown (where CPython 3.12 lets no store start a thread,
     and orbax starts one per save), so every store keeps every acknowledged write, as on a
     normal return."""
-    r = run_child(tmp_path / "l3", backend, ack=ack, sys_exit=exit_kind == "sys_exit",
-                  crash=exit_kind == "exception")
+    r = run_child(tmp_path / "l3", backend, ack=ack, sys_exit=exit_kind == "sys_exit", crash=exit_kind == "exception")
     assert "LOST" not in r.stderr, r.stderr[-3000:]
     assert "flushed its pending writes at exit" in r.stderr, r.stderr[-3000:]
     assert storage_hit(tmp_path / "l3", backend) == TOKENS, r.stderr[-3000:]
@@ -151,6 +164,7 @@ def test_flush_one_closes_only_what_has_pending_writes_and_only_on_the_owner_thr
     import threading
 
     from cache_harness import prefill_insert
+
     cache, be = make_cache(numpy_backend_factory, page_size=P, deferred=True)
     ctl = StorageController(cache, StorageConfig(backend="memory"), model="m")
     assert exit_flush.flush_one(ctl) and not ctl.closed  # nothing pending: left alone

@@ -30,8 +30,14 @@ import pytest
 from cache_harness import Backend, KVOracle, numpy_backend_factory, small_geom
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from swa_harness import SWADriver, make_swa_cache
 
 from hicache_jax.backends.numpy_backend import NumpyTransferEngine
@@ -50,8 +56,12 @@ class _Draft:
         target = numpy_backend_factory(small_geom(p, "mha", layers=2), 64, 256, "page_first", False)
         d = numpy_backend_factory(small_geom(p, "mla", layers=1), 64, 256, "layer_first", False)
         eng = NumpyTransferEngine(d.device, d.host)
-        self.cache = HiRadixCache(HiCacheConfig(page_size=p, load_back_threshold=0), target.engine,
-                                  target.device.allocator, sidecars={"draft": eng})
+        self.cache = HiRadixCache(
+            HiCacheConfig(page_size=p, load_back_threshold=0),
+            target.engine,
+            target.device.allocator,
+            sidecars={"draft": eng},
+        )
         self.oracles = [KVOracle(target), KVOracle(Backend(d.geom, d.device, d.host, eng))]
         self.p = p
 
@@ -62,8 +72,8 @@ class _Draft:
             return None
         for o in self.oracles:
             o.write(key, pages)
-        self.cache.insert(RadixKey(key.token_ids[:n * self.p]), pages)
-        return RadixKey(key.token_ids[:n * self.p])
+        self.cache.insert(RadixKey(key.token_ids[: n * self.p]), pages)
+        return RadixKey(key.token_ids[: n * self.p])
 
     def check_served(self, key: RadixKey) -> int:
         req, lb = self.cache.begin_request(key)
@@ -72,7 +82,7 @@ class _Draft:
         self.cache.flush()
         n = req.cached_pages  # the tree's whole pages
         for o in self.oracles:
-            o.check_device(RadixKey(key.token_ids[:n * self.p]), req.device_pages[:n])
+            o.check_device(RadixKey(key.token_ids[: n * self.p]), req.device_pages[:n])
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
         return n * self.p
@@ -80,9 +90,9 @@ class _Draft:
 
 class _SWA:
     def __init__(self, p: int, window: int) -> None:
-        self.cache, full, swa_be, self.swa = make_swa_cache(page_size=p, window=window, device_pages=64,
-                                                            host_pages=256, swa_device_pages=40,
-                                                            swa_host_pages=256)
+        self.cache, full, swa_be, self.swa = make_swa_cache(
+            page_size=p, window=window, device_pages=64, host_pages=256, swa_device_pages=40, swa_host_pages=256
+        )
         self.drv = SWADriver(self.cache, full, swa_be, self.swa)
         self.p = p
 
@@ -111,8 +121,13 @@ class L3SplitMachine(RuleBasedStateMachine):
 
     def build(self):
         side = _Draft(self.p) if self.kind == "draft" else _SWA(self.p, self.window)
-        cfg = StorageConfig(backend="file", path=self.dir, prefetch_threshold_tokens=self.p,
-                            prefetch_policy="wait_complete", worker_nice=0)
+        cfg = StorageConfig(
+            backend="file",
+            path=self.dir,
+            prefetch_threshold_tokens=self.p,
+            prefetch_policy="wait_complete",
+            worker_nice=0,
+        )
         return side, StorageController(side.cache, cfg, model="m")
 
     def sane(self, side):
@@ -244,10 +259,17 @@ def _run(examples, steps, fixed_seed):
     # another run); printed, so a failure names the run that replays it.
     print(f"\nL3 split fuzz: seed {fixed_seed} (L3_SPLIT_FUZZ_SEED={fixed_seed} replays it with -m slow)")
     machine = seed(fixed_seed)(type("L3SplitMachine", (L3SplitMachine,), {}))
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-        phases=[Phase.explicit, Phase.generate],  # shrinking a file-store machine takes minutes
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],  # shrinking a file-store machine takes minutes
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     print(f"L3 split fuzz: {COMPARED}")
     assert COMPARED["n"] and COMPARED["storage"], COMPARED  # the comparison ran, with storage hits
 
@@ -262,7 +284,7 @@ def test_l3_split_fuzz_ci():
 @pytest.mark.slow
 def test_l3_split_fuzz_slow():
     env = os.environ.get("L3_SPLIT_FUZZ_SEED")
-    _run(examples=200, steps=50, fixed_seed=int(env) if env else random.randrange(2 ** 32))
+    _run(examples=200, steps=50, fixed_seed=int(env) if env else random.randrange(2**32))
 
 
 # ---------------------------------------------------------------------------------------------- found by the fuzz

@@ -53,8 +53,12 @@ def test_namespaces_separate_models_revisions_salts_and_tree_namespaces():
     cache, _ = make_cache(numpy_backend_factory, page_size=P)
     base = pools_of(cache).namespaces(NS)[TARGET_POOL]
     assert pools_of(cache).namespaces(NS)[TARGET_POOL] == base  # deterministic
-    others = [pools_of(cache, model="m2").namespaces(NS), pools_of(cache, weights_revision="r2").namespaces(NS),
-              pools_of(cache, salt="s").namespaces(NS), pools_of(cache).namespaces(RadixKey(np.arange(2), extra_key="t").namespace)]
+    others = [
+        pools_of(cache, model="m2").namespaces(NS),
+        pools_of(cache, weights_revision="r2").namespaces(NS),
+        pools_of(cache, salt="s").namespaces(NS),
+        pools_of(cache).namespaces(RadixKey(np.arange(2), extra_key="t").namespace),
+    ]
     assert all(o[TARGET_POOL] != base for o in others)
     assert len({o[TARGET_POOL] for o in others}) == len(others)
 
@@ -73,6 +77,7 @@ def test_sidecar_named_like_the_commit_pool_is_refused():
     from hicache_jax.cache import HiCacheConfig, HiRadixCache
 
     from cache_harness import small_geom
+
     _d, _h, target = make_numpy_backend(small_geom(P), 16, 16)
     _d2, _h2, side = make_numpy_backend(small_geom(P), 16, 16)
     cache = HiRadixCache(HiCacheConfig(page_size=P), target, _d.allocator, sidecars={COMMIT_POOL: side})

@@ -51,9 +51,19 @@ class Rig:
         self.storage = ReadGate(self.config, self.pools.pools, self.pools.specs)
         self.executors = [ThreadPoolExecutor(1) for _ in range(3)]
         self.backups = L3Backups(self.cache, self.pools, self.digests, self.storage, self.executors[0], agreed=False)
-        self.pf = Prefetcher(self.cache, self.pools, self.digests, self.storage, self.config, owner=self,
-                             query=self.executors[1], io=self.executors[2], batch_pages=batch_pages,
-                             max_inflight_fraction=0.5, agreed=False)
+        self.pf = Prefetcher(
+            self.cache,
+            self.pools,
+            self.digests,
+            self.storage,
+            self.config,
+            owner=self,
+            query=self.executors[1],
+            io=self.executors[2],
+            batch_pages=batch_pages,
+            max_inflight_fraction=0.5,
+            agreed=False,
+        )
 
     def store(self, key):
         """Write ``key``'s KV to storage, then drop it from both tiers."""

@@ -27,16 +27,27 @@ class Rank0:
     def __init__(self, threshold_tokens: int = 4, max_inflight_fraction: float = 0.5):
         self.cache, self.be = make_cache(numpy_backend_factory, page_size=P)
         self.oracle = KVOracle(self.be)
-        self.config = StorageConfig(backend="memory", prefetch_policy="best_effort",
-                                    prefetch_threshold_tokens=threshold_tokens)
+        self.config = StorageConfig(
+            backend="memory", prefetch_policy="best_effort", prefetch_threshold_tokens=threshold_tokens
+        )
         self.pools = L3Pools(self.cache.components, model="m", weights_revision="", tp_size=2, tp_rank=0, salt="")
         self.digests = NodeDigests(lambda: self.cache.root, P, self.pools.namespaces)
         self.storage = create_storage(self.config, self.pools.pools, self.pools.specs)
         self.executors = [ThreadPoolExecutor(1) for _ in range(3)]
         self.backups = L3Backups(self.cache, self.pools, self.digests, self.storage, self.executors[0], agreed=True)
-        self.pf = Prefetcher(self.cache, self.pools, self.digests, self.storage, self.config, owner=self,
-                             query=self.executors[1], io=self.executors[2], batch_pages=128,
-                             max_inflight_fraction=max_inflight_fraction, agreed=True)
+        self.pf = Prefetcher(
+            self.cache,
+            self.pools,
+            self.digests,
+            self.storage,
+            self.config,
+            owner=self,
+            query=self.executors[1],
+            io=self.executors[2],
+            batch_pages=128,
+            max_inflight_fraction=max_inflight_fraction,
+            agreed=True,
+        )
         self.steps = RankSteps(self.cache, self.pools, self.pf, self.backups, self.storage, self.config)
 
     def step(self, other=None):
@@ -146,8 +157,9 @@ def test_a_query_without_commit_markers_hits_nothing(r0):
     r0.step(other=lambda out: [1])  # the other rank's shard failed: no markers
     r0.cache.evict(r0.cache.evictable_tokens)
     r0.cache.evict_host(r0.cache.host_tokens)
-    assert r0.storage.batch_exists(page_keys(r0.pools.namespaces(a.namespace)["target"], a.token_ids),
-                                   "target") == 8  # this rank's shard is there
+    assert (
+        r0.storage.batch_exists(page_keys(r0.pools.namespaces(a.namespace)["target"], a.token_ids), "target") == 8
+    )  # this rank's shard is there
     op = r0.pf.start(a)
     _answered(r0, op)
     assert op.progress()[0] == 0

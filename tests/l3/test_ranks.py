@@ -26,13 +26,15 @@ def seq(start, n):
 
 def rank_setup(agreement, path, kind="mha", **storage):
     be = numpy_backend_factory(small_geom(P, kind), 64, 64, "page_first", False)
-    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
-                         agreement=agreement)
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator, agreement=agreement
+    )
     # wait_complete by default: these tests are about which pages are visible, not about a
     # deadline (a 1 s prefetch timeout can pass on a loaded machine; the agreed hit is then 0)
     storage = {"prefetch_policy": "wait_complete", **storage}
-    ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=P,
-                                                 **storage), model="ranks")
+    ctl = StorageController(
+        cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=P, **storage), model="ranks"
+    )
     return cache, be, ctl
 
 
@@ -68,8 +70,9 @@ def test_a_sharded_page_group_is_visible_only_once_every_rank_stored_its_shard(t
         oracle = KVOracle(be)
         fail = [r == 1]  # rank 1's shard of a's pages is not stored (a full disk, say)
         real = ctl.storage.batch_set
-        ctl.storage.batch_set = lambda keys, ids, pool=None: [False] * len(keys) if fail[0] and pool == "target" \
-            else real(keys, ids, pool)
+        ctl.storage.batch_set = lambda keys, ids, pool=None: (
+            [False] * len(keys) if fail[0] and pool == "target" else real(keys, ids, pool)
+        )
         store_then_drop(cache, ctl, oracle, a)
         fail[0] = False
         group.barrier.wait(30)
@@ -181,8 +184,11 @@ def _deadline_on_one_rank(tmp_path, make_agreement):
     a = seq(0, 16)
 
     def rank(r):
-        late = {"prefetch_timeout_base_s": 0.0, "prefetch_timeout_per_ki_token_s": 0.0} if r == 1 else \
-            {"prefetch_timeout_base_s": 60.0}
+        late = (
+            {"prefetch_timeout_base_s": 0.0, "prefetch_timeout_per_ki_token_s": 0.0}
+            if r == 1
+            else {"prefetch_timeout_base_s": 60.0}
+        )
         cache, be, ctl = rank_setup(make_agreement(group, r), tmp_path, prefetch_policy="timeout", **late)
         store_then_drop(cache, ctl, KVOracle(be), a)
         if r == 1:
@@ -206,7 +212,7 @@ def _deadline_on_one_rank(tmp_path, make_agreement):
 
 
 def test_a_deadline_passed_on_one_rank_stops_the_prefetch_on_every_rank(tmp_path):
-    """"A prefetch that may terminate" is agreed (a MAX): rank 1's deadline stops rank 0's
+    """ "A prefetch that may terminate" is agreed (a MAX): rank 1's deadline stops rank 0's
     prefetch at the same step, with the same pages attached."""
     (got0, t0, d0), (got1, t1, d1) = _deadline_on_one_rank(tmp_path, lambda g, r: g.agreement(r))
     assert t0 == t1 == 1
@@ -232,10 +238,20 @@ def test_a_replicated_draft_pool_is_written_by_rank_0_only_and_read_by_every_ran
         be = numpy_backend_factory(small_geom(P), 64, 64, "page_first", False)
         side = numpy_backend_factory(small_geom(P, layers=1), 64, 64, "page_first", False)
         mark_replicated(side.engine)
-        cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0), be.engine, be.device.allocator,
-                             {"draft": side.engine}, agreement=group.agreement(r))
-        ctl = StorageController(cache, StorageConfig(backend="file", path=str(tmp_path), prefetch_threshold_tokens=P,
-                                                     prefetch_policy="wait_complete"), model="ranks")
+        cache = HiRadixCache(
+            HiCacheConfig(page_size=P, load_back_threshold=0),
+            be.engine,
+            be.device.allocator,
+            {"draft": side.engine},
+            agreement=group.agreement(r),
+        )
+        ctl = StorageController(
+            cache,
+            StorageConfig(
+                backend="file", path=str(tmp_path), prefetch_threshold_tokens=P, prefetch_policy="wait_complete"
+            ),
+            model="ranks",
+        )
         assert ctl.replicated == {"draft"} and ctl.markers
         sets = []
         real = ctl.storage.batch_set

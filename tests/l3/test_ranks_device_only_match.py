@@ -25,8 +25,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_harness import (KVOracle, device_only_path, fail_next_allocs, node_path_pages, numpy_backend_factory,
-                           prefill_insert, serve_checked, small_geom)
+from cache_harness import (
+    KVOracle,
+    device_only_path,
+    fail_next_allocs,
+    node_path_pages,
+    numpy_backend_factory,
+    prefill_insert,
+    serve_checked,
+    small_geom,
+)
 from rank_threads import ThreadGroup, run_ranks
 
 from hicache_jax.cache import HiCacheConfig, HiRadixCache, RadixKey
@@ -43,11 +51,20 @@ def seq(*runs):
 def rank_rig(agreement, path, policy="write_through", deferred=False):
     """``deferred``: the engine's copies finish only when waited for (or ``complete``d)."""
     be = numpy_backend_factory(small_geom(P, "mha"), 32, 64, "page_first", deferred)
-    cache = HiRadixCache(HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy), be.engine,
-                         be.device.allocator, agreement=agreement)
+    cache = HiRadixCache(
+        HiCacheConfig(page_size=P, load_back_threshold=0, write_policy=policy),
+        be.engine,
+        be.device.allocator,
+        agreement=agreement,
+    )
     cache.step_agreement.check_digest = True  # every step: the ranks' trees are identical
-    ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=4,
-                                                 prefetch_policy="wait_complete", worker_nice=0), model="ranks")
+    ctl = StorageController(
+        cache,
+        StorageConfig(
+            backend="file", path=str(path), prefetch_threshold_tokens=4, prefetch_policy="wait_complete", worker_nice=0
+        ),
+        model="ranks",
+    )
     return cache, KVOracle(be), ctl
 
 
@@ -135,8 +152,14 @@ def test_a_head_backed_up_by_the_agreement_during_the_read_keeps_one_host_copy(i
             check_head_host_copy(cache, oracle, head)  # the backup's copy (device bytes)
             hits = serve_checked(cache, oracle, whole)
             cache.sanity_check(0)
-            return (attached, cache.metrics.prefetched_tokens, cache.metrics.backup_tokens, hits,
-                    cache.host_tokens, cache.debug_view().digest())
+            return (
+                attached,
+                cache.metrics.prefetched_tokens,
+                cache.metrics.backup_tokens,
+                hits,
+                cache.host_tokens,
+                cache.debug_view().digest(),
+            )
         finally:
             ctl.close()
 
@@ -221,18 +244,18 @@ def test_an_attach_inside_a_step_gives_a_node_reserved_for_backup_no_copy(rollba
     assert hits == {"device": 8, "host": 0, "storage": 8} and host_tokens == 16
 
 
-
 @pytest.mark.parametrize("head_pages", [8, 10])  # a continuation longer than the window, shorter
 def test_two_hybrid_ranks_read_the_continuation_after_a_device_only_match(head_pages, tmp_path):
     """``test_swa_l3_device_only`` over two ranks: the SWA component places its pages on
     device-only nodes (``device_only_host_copies``), so a hybrid cache reads from the root too;
     the window is reserved and read in the agreed second phase, and both ranks attach alike."""
     from swa_harness import SWADriver, insert_with_frontier, make_swa_cache
+
     W = 6  # SWA context 5 tokens: 3 window pages
     group = ThreadGroup(2, timeout=60)
     k = RadixKey(np.arange(100, 124))  # 12 pages
     key = RadixKey(np.r_[k.token_ids, 7])
-    head = RadixKey(k.token_ids[:head_pages * P])
+    head = RadixKey(k.token_ids[: head_pages * P])
 
     def path_nodes(cache, key):
         node = cache.match_prefix(key).last_host_node
@@ -243,12 +266,28 @@ def test_two_hybrid_ranks_read_the_continuation_after_a_device_only_match(head_p
         return out[::-1]
 
     def rank(r):
-        cache, full, swa_be, swa = make_swa_cache(page_size=P, window=W, device_pages=48, host_pages=64,
-                                                  swa_device_pages=24, swa_host_pages=32, agreement=group.agreement(r))
+        cache, full, swa_be, swa = make_swa_cache(
+            page_size=P,
+            window=W,
+            device_pages=48,
+            host_pages=64,
+            swa_device_pages=24,
+            swa_host_pages=32,
+            agreement=group.agreement(r),
+        )
         cache.step_agreement.check_digest = True
         drv = SWADriver(cache, full, swa_be, swa)
-        ctl = StorageController(cache, StorageConfig(backend="file", path=str(tmp_path), prefetch_threshold_tokens=4,
-                                                     prefetch_policy="wait_complete", worker_nice=0), model="m")
+        ctl = StorageController(
+            cache,
+            StorageConfig(
+                backend="file",
+                path=str(tmp_path),
+                prefetch_threshold_tokens=4,
+                prefetch_policy="wait_complete",
+                worker_nice=0,
+            ),
+            model="m",
+        )
         try:
             insert_with_frontier(cache, drv, k, 0)
             cache.flush()
@@ -316,7 +355,7 @@ def test_an_attach_during_write_backs_agreement_inside_an_eviction_gives_the_evi
             steps.exchange = exchange
             assert cache.evict(8) == 8  # the head: backed up (agreed inside), then off the device
             steps.exchange = real_exchange
-            (reserved, (attached, leaf)), = seen
+            ((reserved, (attached, leaf)),) = seen
             assert reserved == 1 and attached == 0 and leaf is None
             cache.flush()
             cache.sanity_check(0)

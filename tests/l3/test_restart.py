@@ -24,16 +24,19 @@ P = 4
 
 def _keys():
     from hicache_jax.cache import RadixKey
+
     rng = np.random.default_rng(7)
     system = rng.integers(0, 32000, 40)
-    return [RadixKey(np.concatenate([system, rng.integers(0, 32000, n)])) for n in (24, 13, 57)] + \
-        [RadixKey(rng.integers(0, 32000, 33), cache_salt="user-7")]
+    return [RadixKey(np.concatenate([system, rng.integers(0, 32000, n)])) for n in (24, 13, 57)] + [
+        RadixKey(rng.integers(0, 32000, 33), cache_salt="user-7")
+    ]
 
 
 def _setup(path):
     from cache_harness import make_cache, numpy_backend_factory
     from hicache_jax.l3 import StorageController
     from hicache_jax.storage import StorageConfig
+
     cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=64, host_pages=128)
     cfg = StorageConfig(backend="file", path=path, prefetch_policy="wait_complete", prefetch_threshold_tokens=8)
     return cache, be, StorageController(cache, cfg, model="tiny", weights_revision="r1")
@@ -42,6 +45,7 @@ def _setup(path):
 def child(mode: str, path: str) -> dict:
     sys.path.insert(0, CACHE_TESTS)
     from cache_harness import KVOracle, prefill_insert
+
     cache, be, ctl = _setup(path)
     keys = _keys()
     out = {"pid": os.getpid()}
@@ -80,8 +84,13 @@ def child(mode: str, path: str) -> dict:
 def _run_child(mode, path):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), mode, str(path)], capture_output=True,
-                       text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), mode, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 

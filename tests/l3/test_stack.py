@@ -30,8 +30,11 @@ class Recorder:
 
 def build(path, backend="file", deferred=False):
     cache, be = make_cache(numpy_backend_factory, page_size=P, device_pages=64, host_pages=64, deferred=deferred)
-    ctl = StorageController(cache, StorageConfig(backend=backend, path=str(path), prefetch_threshold_tokens=P,
-                                                 prefetch_policy="wait_complete"), model="m")
+    ctl = StorageController(
+        cache,
+        StorageConfig(backend=backend, path=str(path), prefetch_threshold_tokens=P, prefetch_policy="wait_complete"),
+        model="m",
+    )
     return cache, be, ctl
 
 
@@ -67,8 +70,13 @@ def test_close_twice_is_fine_and_every_use_after_close_raises(tmp_path):
     stack.close()
     stack.close()
     assert stack.closed and repr(stack) == "CacheStack(closed, storage=yes, transfers=0, closers=0)"
-    for use in (lambda: stack.cache, lambda: stack.storage, lambda: stack.transfers, stack.check_events,
-                lambda: stack.__enter__()):
+    for use in (
+        lambda: stack.cache,
+        lambda: stack.storage,
+        lambda: stack.transfers,
+        stack.check_events,
+        lambda: stack.__enter__(),
+    ):
         with pytest.raises(StackClosedError, match="the stack is closed"):
             use()
     assert ctl.prefetch(KEY).status == "closed"  # the controller admits nothing either
@@ -137,6 +145,7 @@ def on_thread(fn):
             out["error"] = e
 
     import threading
+
     t = threading.Thread(target=run, name="not-the-owner")
     t.start()
     t.join(30)

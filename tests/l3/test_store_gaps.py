@@ -56,7 +56,7 @@ def fresh_storage_hit(path, key):
             req, _ = cache.begin_request(key)
             cache.flush()
             assert req.cached_pages * P == got
-            KVOracle(be).check_device(RadixKey(key.token_ids[:got]), req.device_pages[:got // P])
+            KVOracle(be).check_device(RadixKey(key.token_ids[:got]), req.device_pages[: got // P])
             cache.dec_lock_ref(req.last_node)
         cache.sanity_check(0)
     return got, op.hit_tokens

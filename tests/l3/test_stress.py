@@ -34,16 +34,23 @@ class Stress:
             if draft:
                 side = numpy_backend_factory(small_geom(P, "mla", layers=1), 24, 40)
                 sidecars = {"draft": side.engine}
-            self.cache = HiRadixCache(HiCacheConfig(page_size=P), self.be.engine, self.be.device.allocator,
-                                      sidecars, agreement=agreement)
+            self.cache = HiRadixCache(
+                HiCacheConfig(page_size=P), self.be.engine, self.be.device.allocator, sidecars, agreement=agreement
+            )
             if draft:
                 self.oracles.append(KVOracle(side, salt=0x5A5A5A5A))
         # Several ranks: a capacity would let one rank's store drop pages the other wrote (and
         # the ``reset`` operation is a single-process one): both off, every decision agreed.
         ranks = agreement is not None
-        cfg = StorageConfig(backend=backend, path=path, prefetch_policy=policy, prefetch_threshold_tokens=4,
-                            prefetch_timeout_base_s=0.002, prefetch_timeout_per_ki_token_s=0.0,
-                            capacity_bytes=0 if seed % 2 or ranks else 60 * self.be.geom.bytes_per_page)
+        cfg = StorageConfig(
+            backend=backend,
+            path=path,
+            prefetch_policy=policy,
+            prefetch_threshold_tokens=4,
+            prefetch_timeout_base_s=0.002,
+            prefetch_timeout_per_ki_token_s=0.0,
+            capacity_bytes=0 if seed % 2 or ranks else 60 * self.be.geom.bytes_per_page,
+        )
         self.reset_weight = 0 if ranks else 0.2
         self.ctl = StorageController(self.cache, cfg, model="stress", batch_pages=2)
         self.oracle = self.oracles[0]
@@ -57,7 +64,7 @@ class Stress:
         n = self.rng.randrange(2, 36)
         toks = base[:n].copy()
         if self.rng.random() < 0.3:  # a branch off the family's path
-            toks[self.rng.randrange(0, n):] += 1000
+            toks[self.rng.randrange(0, n) :] += 1000
         ns = {"extra_key": "lora"} if self.rng.random() < 0.15 else {}
         return RadixKey(toks, **ns)
 
@@ -115,8 +122,16 @@ class Stress:
         self.stats["resets"] += 1
 
     def step(self):
-        ops = [(self.arrive, 4), (self.admit, 4), (self.cancel, 1), (self.evict, 2), (self.evict_host, 2),
-               (self.events, 3), (self.flush, 1), (self.reset, self.reset_weight)]
+        ops = [
+            (self.arrive, 4),
+            (self.admit, 4),
+            (self.cancel, 1),
+            (self.evict, 2),
+            (self.evict_host, 2),
+            (self.events, 3),
+            (self.flush, 1),
+            (self.reset, self.reset_weight),
+        ]
         fn = self.rng.choices([f for f, _ in ops], [w for _, w in ops])[0]
         fn()
         self.cache.sanity_check(0)
@@ -154,8 +169,16 @@ def test_storage_stress_ci(backend_factory, policy):
             if isinstance(v, (int, float)):  # counters (not the histograms / per-reason dicts)
                 totals[k] = totals.get(k, 0) + v
     # The run must exercise the L3 paths, not pass trivially.
-    for event in ("storage_backup_tokens", "prefetch_calls", "prefetch_skipped", "prefetch_revoked", "admitted",
-                  "checked_pages", "evicted_host_tokens", "resets"):
+    for event in (
+        "storage_backup_tokens",
+        "prefetch_calls",
+        "prefetch_skipped",
+        "prefetch_revoked",
+        "admitted",
+        "checked_pages",
+        "evicted_host_tokens",
+        "resets",
+    ):
         assert totals[event] > 0, f"stress never produced {event}: {totals}"
     if policy != "best_effort":
         assert totals["prefetch_attached_tokens"] > 0, totals
@@ -170,8 +193,14 @@ def test_storage_stress_with_a_draft_sidecar():
         assert sorted(s.ctl.pools) == ["draft", "target"]
         for k, v in list(m.items()) + list(s.stats.items()):
             totals[k] = totals.get(k, 0) + v
-    for event in ("storage_backup_tokens", "prefetch_attached_tokens", "loaded_storage_tokens", "loaded_tokens",
-                  "checked_pages", "evicted_host_tokens"):
+    for event in (
+        "storage_backup_tokens",
+        "prefetch_attached_tokens",
+        "loaded_storage_tokens",
+        "loaded_tokens",
+        "checked_pages",
+        "evicted_host_tokens",
+    ):
         assert totals[event] > 0, f"stress never produced {event}: {totals}"
 
 
@@ -181,8 +210,14 @@ def test_storage_stress_slow(backend_factory, backend, tmp_path):
     hits = 0
     for seed in range(12):
         policy = ("best_effort", "wait_complete", "timeout")[seed % 3]
-        _, m = run(backend_factory, 100 + seed, policy, steps=2000, backend=backend,
-                   path=str(tmp_path / f"s{seed}") if backend == "file" else None)
+        _, m = run(
+            backend_factory,
+            100 + seed,
+            policy,
+            steps=2000,
+            backend=backend,
+            path=str(tmp_path / f"s{seed}") if backend == "file" else None,
+        )
         hits += m["prefetch_attached_tokens"]
     assert hits > 0
 
@@ -191,6 +226,7 @@ def test_storage_stress_torch_backend():
     """The same stress on the torch backend (CPU), whose D2H/H2D copies really run on worker
     threads, so backups are acknowledged (and L3 jobs queued) at arbitrary points."""
     import importlib.util
+
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (the torch env runs this)")
     from cache_harness import Backend
@@ -239,8 +275,15 @@ def _stress_on_two_ranks(tmp_path, make_agreement, steps, seed=70, policy="wait_
     group = ThreadGroup(2, timeout=60)
 
     def rank(r):
-        s = Stress(numpy_backend_factory, seed, policy, backend="file", path=str(tmp_path), draft=True,
-                   agreement=make_agreement(group, r))
+        s = Stress(
+            numpy_backend_factory,
+            seed,
+            policy,
+            backend="file",
+            path=str(tmp_path),
+            draft=True,
+            agreement=make_agreement(group, r),
+        )
         assert s.ctl.markers and s.ctl.replicated == {"draft"}  # target sharded, MLA draft replicated
         fired = _short_reads_and_a_missing_page(s.ctl) if r == 1 else None
         digests = []
@@ -260,8 +303,7 @@ def _stress_on_two_ranks(tmp_path, make_agreement, steps, seed=70, policy="wait_
 def test_storage_stress_with_a_draft_sidecar_on_two_ranks(tmp_path, policy):
     """Every step's digest is equal on both ranks, every served byte (target and draft) is
     checked on each, and the run goes through L3 (backups, prefetched and attached pages)."""
-    (d0, m0, st0), (d1, m1, st1) = _stress_on_two_ranks(tmp_path, lambda g, r: g.agreement(r), steps=300,
-                                                        policy=policy)
+    (d0, m0, st0), (d1, m1, st1) = _stress_on_two_ranks(tmp_path, lambda g, r: g.agreement(r), steps=300, policy=policy)
     first = next((i for i, (a, b) in enumerate(zip(d0, d1)) if a != b), None)
     assert first is None, f"the ranks' trees differ from step {first}"
     assert all(st1["fired"].values()), st1["fired"]  # each divergence fired on rank 1
@@ -281,6 +323,5 @@ def test_storage_stress_on_two_ranks_without_the_exchange_diverges(tmp_path):
     its tree differ (the test above can see a divergence)."""
     from hicache_jax.cache import NoExchangeAgreement
 
-    (d0, _m0, _s0), (d1, _m1, _s1) = _stress_on_two_ranks(tmp_path, lambda g, r: NoExchangeAgreement(r, 2),
-                                                          steps=200)
+    (d0, _m0, _s0), (d1, _m1, _s1) = _stress_on_two_ranks(tmp_path, lambda g, r: NoExchangeAgreement(r, 2), steps=200)
     assert d0 != d1

@@ -24,8 +24,13 @@ P, W = 2, 6  # SWA context W - 1 = 5 tokens: 3 window pages
 
 def scfg(backend="memory", path=None):
     # worker_nice 0: the L3 threads are not starved on a loaded test machine (flush waits on them)
-    return StorageConfig(backend=backend, path=None if backend == "memory" else str(path),
-                         prefetch_threshold_tokens=4, prefetch_policy="wait_complete", worker_nice=0)
+    return StorageConfig(
+        backend=backend,
+        path=None if backend == "memory" else str(path),
+        prefetch_threshold_tokens=4,
+        prefetch_policy="wait_complete",
+        worker_nice=0,
+    )
 
 
 class CountingStorage(MemoryStorage):
@@ -47,8 +52,9 @@ class CountingStorage(MemoryStorage):
 
 
 def make(storage_cls=None, backend="memory", path=None):
-    cache, full, swa_be, swa = make_swa_cache(page_size=P, window=W, device_pages=48, host_pages=64,
-                                              swa_device_pages=24, swa_host_pages=32)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=P, window=W, device_pages=48, host_pages=64, swa_device_pages=24, swa_host_pages=32
+    )
     storage = None
     if storage_cls is not None:
         pools = {"target": full.host, "swa": swa_be.host}
@@ -118,7 +124,7 @@ def test_existence_needs_every_target_page_but_only_the_window_of_swa_pages():
     assert len(ctl.storage.written["target"]) == 16 and len(ctl.storage.written["swa"]) == 6
 
     def hit(n_pages):
-        op = ctl.prefetch(RadixKey(np.r_[k.token_ids[:n_pages * P], 1]))
+        op = ctl.prefetch(RadixKey(np.r_[k.token_ids[: n_pages * P], 1]))
         got = ctl.finish_prefetch(op)
         assert got in (0, op.hit_tokens)
         drop_everything(cache, ctl)

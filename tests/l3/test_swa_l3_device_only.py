@@ -25,10 +25,10 @@ P, W = 2, 6  # SWA context W - 1 = 5 tokens: 3 window pages
 
 
 def make():
-    cache, full, swa_be, swa = make_swa_cache(page_size=P, window=W, device_pages=48, host_pages=64,
-                                              swa_device_pages=24, swa_host_pages=32)
-    cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=4, prefetch_policy="wait_complete",
-                        worker_nice=0)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=P, window=W, device_pages=48, host_pages=64, swa_device_pages=24, swa_host_pages=32
+    )
+    cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=4, prefetch_policy="wait_complete", worker_nice=0)
     return cache, SWADriver(cache, full, swa_be, swa), swa, StorageController(cache, cfg, model="m")
 
 
@@ -52,7 +52,7 @@ def test_a_hybrid_cache_reads_the_continuation_after_a_device_only_match(head_pa
         cache.evict(cache.evictable_tokens)
         cache.evict_host(cache.host_tokens)
         assert cache.host_tokens == 0 and cache.evictable_tokens == 0
-        head = RadixKey(k.token_ids[:head_pages * P])
+        head = RadixKey(k.token_ids[: head_pages * P])
         insert_with_frontier(cache, drv, head, head_pages - 3)  # SWA for the head's window only
         cache.flush()
         assert ctl.flush(30)
@@ -91,4 +91,3 @@ def test_a_hybrid_cache_reads_the_continuation_after_a_device_only_match(head_pa
         cache.sanity_check(0, {"swa": 0})
     finally:
         ctl.close()
-

@@ -50,12 +50,15 @@ class FaultyStore(MemoryStorage):
 
 
 def make():
-    cache, full, swa_be, swa = make_swa_cache(page_size=P, window=W, device_pages=64, host_pages=64,
-                                              swa_device_pages=24, swa_host_pages=32)
-    cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=4, prefetch_policy="wait_complete",
-                        worker_nice=0)
-    store = FaultyStore(cfg, {"target": full.host, "swa": swa_be.host},
-                        [PoolSpec("target"), PoolSpec("swa", PoolHitPolicy.TRAILING_PAGES, 3)])
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=P, window=W, device_pages=64, host_pages=64, swa_device_pages=24, swa_host_pages=32
+    )
+    cfg = StorageConfig(backend="memory", prefetch_threshold_tokens=4, prefetch_policy="wait_complete", worker_nice=0)
+    store = FaultyStore(
+        cfg,
+        {"target": full.host, "swa": swa_be.host},
+        [PoolSpec("target"), PoolSpec("swa", PoolHitPolicy.TRAILING_PAGES, 3)],
+    )
     return cache, SWADriver(cache, full, swa_be, swa), swa, StorageController(cache, cfg, model="m", storage=store)
 
 

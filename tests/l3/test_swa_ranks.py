@@ -26,13 +26,25 @@ def rank_setup(agreement, path, draft=False, replicated_swa=False):
     if draft:
         draft_be = numpy_backend_factory(small_geom(P, layers=1), 48, 64)
         sidecars = {"draft": draft_be.engine}
-    cache, full, swa_be, swa = make_swa_cache(page_size=P, window=W, device_pages=48, host_pages=64,
-                                              swa_device_pages=24, swa_host_pages=32, agreement=agreement,
-                                              sidecars=sidecars)
+    cache, full, swa_be, swa = make_swa_cache(
+        page_size=P,
+        window=W,
+        device_pages=48,
+        host_pages=64,
+        swa_device_pages=24,
+        swa_host_pages=32,
+        agreement=agreement,
+        sidecars=sidecars,
+    )
     if replicated_swa:  # as if the SWA layers had fewer KV heads than ranks: every rank holds all
         mark_replicated(swa_be.engine)
-    ctl = StorageController(cache, StorageConfig(backend="file", path=str(path), prefetch_threshold_tokens=4,
-                                                 prefetch_policy="wait_complete", worker_nice=0), model="m")
+    ctl = StorageController(
+        cache,
+        StorageConfig(
+            backend="file", path=str(path), prefetch_threshold_tokens=4, prefetch_policy="wait_complete", worker_nice=0
+        ),
+        model="m",
+    )
     return cache, SWADriver(cache, full, swa_be, swa), swa, ctl, draft_be
 
 
@@ -73,7 +85,7 @@ def short_reads(ctl, pool, pages):
     def short_get(keys, ids, p=None):
         flags = list(batch_get(keys, ids, p))
         if p == pool:
-            flags[max(0, len(flags) - pages):] = [False] * min(pages, len(flags))
+            flags[max(0, len(flags) - pages) :] = [False] * min(pages, len(flags))
         return flags
 
     ctl.storage.get_multi, ctl.storage.batch_get = short_multi, short_get
@@ -98,8 +110,9 @@ def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False, replica
         if sets is not None:
             mine = sets.setdefault(r, [])
             batch_set = ctl.storage.batch_set
-            ctl.storage.batch_set = lambda keys, ids, pool=None: mine.append((pool, len(keys))) or \
-                batch_set(keys, ids, pool)
+            ctl.storage.batch_set = lambda keys, ids, pool=None: (
+                mine.append((pool, len(keys))) or batch_set(keys, ids, pool)
+            )
         key = RadixKey(np.arange(1, 25))
         final = drv.serve(key, chunk=6, out=list(range(100, 110)))
         assert final is not None
@@ -121,7 +134,7 @@ def round_trip(tmp_path, diverge=None, make_agreement=None, draft=False, replica
         req, _lb = drv.admit(key)
         drv.check_prefix(req)  # the full pages and the SWA window, byte for byte
         if draft:
-            draft_oracle.check_device(key, req.device_pages[:req.cached_pages])
+            draft_oracle.check_device(key, req.device_pages[: req.cached_pages])
         window = swa.metrics.loaded_tokens - loaded
         drv.abort(req)
         cache.flush()
@@ -164,8 +177,9 @@ def test_a_window_allocation_failing_on_one_rank_revokes_the_prefetch_on_every_r
 
 
 def test_without_the_exchange_a_short_window_read_diverges(tmp_path):
-    (got0, _w0, d0, _r0), (got1, _w1, d1, _r1) = round_trip(tmp_path, lambda ctl: short_reads(ctl, "swa", 1),
-                                                  make_agreement=lambda r: NoExchangeAgreement(r, 2))
+    (got0, _w0, d0, _r0), (got1, _w1, d1, _r1) = round_trip(
+        tmp_path, lambda ctl: short_reads(ctl, "swa", 1), make_agreement=lambda r: NoExchangeAgreement(r, 2)
+    )
     assert (got0, got1) == (34, 0)
     assert d0 != d1
 

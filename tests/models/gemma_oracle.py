@@ -35,15 +35,27 @@ def main(spec_path: str, out_dir: str) -> None:
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     t1 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     t2 = time.perf_counter()
-    result = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-              "tokenizer_load_s": t1 - t0, "model_load_s": t2 - t1, "strings": [], "prompts": {}}
+    result = {
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "tokenizer_load_s": t1 - t0,
+        "model_load_s": t2 - t1,
+        "strings": [],
+        "prompts": {},
+    }
     for s in spec["strings"]:
         ids = tok(s, add_special_tokens=True)["input_ids"]
-        result["strings"].append({"text": s, "ids": ids, "decoded": tok.decode(ids),
-                                  "decoded_skip": tok.decode(ids, skip_special_tokens=True)})
+        result["strings"].append(
+            {
+                "text": s,
+                "ids": ids,
+                "decoded": tok.decode(ids),
+                "decoded_skip": tok.decode(ids, skip_special_tokens=True),
+            }
+        )
     k, every = spec["topk"], spec["full_every"]
     with torch.no_grad():
         for name, text in spec["prompts"].items():
@@ -54,9 +66,15 @@ def main(spec_path: str, out_dir: str) -> None:
             forward_s = time.perf_counter() - ts
             top_vals, top_ids = torch.topk(logits, k, dim=-1)
             full_pos = sorted(set(range(0, len(ids), every)) | {len(ids) - 1})
-            np.savez(out / f"{name}.npz", ids=np.array(ids, np.int32), topk_ids=top_ids.numpy().astype(np.int32),
-                     topk_vals=top_vals.numpy(), lse=torch.logsumexp(logits, dim=-1).numpy(),
-                     full_pos=np.array(full_pos, np.int32), full_logits=logits[full_pos].numpy())
+            np.savez(
+                out / f"{name}.npz",
+                ids=np.array(ids, np.int32),
+                topk_ids=top_ids.numpy().astype(np.int32),
+                topk_vals=top_vals.numpy(),
+                lse=torch.logsumexp(logits, dim=-1).numpy(),
+                full_pos=np.array(full_pos, np.int32),
+                full_logits=logits[full_pos].numpy(),
+            )
             result["prompts"][name] = {"ids": ids, "forward_s": forward_s}
         # Greedy continuations of every prompt in spec["greedy"], generated as one left-padded
         # batch (the attention mask keeps the padding out; positions count from each row's first
@@ -70,19 +88,30 @@ def main(spec_path: str, out_dir: str) -> None:
             x = torch.zeros((len(rows), width), dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)
             for i, r in enumerate(rows):
-                x[i, width - len(r):] = torch.tensor(r)
-                mask[i, width - len(r):] = 1
+                x[i, width - len(r) :] = torch.tensor(r)
+                mask[i, width - len(r) :] = 1
             ts = time.perf_counter()
-            g = model.generate(x, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                               top_k=None, top_p=None, temperature=None, return_dict_in_generate=True,
-                               output_scores=True, pad_token_id=0)
+            g = model.generate(
+                x,
+                attention_mask=mask,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                return_dict_in_generate=True,
+                output_scores=True,
+                pad_token_id=0,
+            )
             result["greedy_s"] = time.perf_counter() - ts
             # the gap between the two best logits at each generated step: a divergence where it
             # is tiny is a near-tie (float32 rounding), not a wrong model
             top2 = [torch.topk(sc.float(), 2, dim=-1).values for sc in g.scores]
             for i, n in enumerate(names):
-                result["prompts"][n].update(greedy=g.sequences[i, width:].tolist(),
-                                            greedy_top2_gap=[float(v[i, 0] - v[i, 1]) for v in top2])
+                result["prompts"][n].update(
+                    greedy=g.sequences[i, width:].tolist(), greedy_top2_gap=[float(v[i, 0] - v[i, 1]) for v in top2]
+                )
     (out / "oracle.json").write_text(json.dumps(result, ensure_ascii=False, indent=1), encoding="utf-8")
 
 

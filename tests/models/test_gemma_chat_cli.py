@@ -23,8 +23,14 @@ TURNS = ["What does the loader cache?", "Which layers attend fully?"]
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "hicache_jax.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "hicache_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _served(stderr: str) -> list[dict[str, int]]:
@@ -43,8 +49,19 @@ def test_gemma_chat_second_process_is_served_from_storage(gguf, tmp_path):
     # token), so that editing docs/models.md cannot push the prompt past --max-context.
     doc = tmp_path / "doc.md"
     doc.write_text(DOC.read_text(encoding="utf-8")[:4000], encoding="utf-8")
-    args = ["chat", "--context", str(doc), "--turns", *TURNS, "--max-new-tokens", "12", "--max-context", "2048",
-            "--storage-dir", str(tmp_path / "l3")]
+    args = [
+        "chat",
+        "--context",
+        str(doc),
+        "--turns",
+        *TURNS,
+        "--max-new-tokens",
+        "12",
+        "--max-context",
+        "2048",
+        "--storage-dir",
+        str(tmp_path / "l3"),
+    ]
     first = _cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     second = _cli(*args)

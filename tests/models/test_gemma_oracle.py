@@ -40,8 +40,9 @@ def _oracle_python() -> str | None:
     path = os.environ.get("HICACHE_ORACLE_PYTHON") or str(ROOT / ".venv-torch" / "bin" / "python")
     if not Path(path).exists():
         return None
-    r = subprocess.run([path, "-c", "import transformers, accelerate, gguf, torch"], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [path, "-c", "import transformers, accelerate, gguf, torch"], capture_output=True, text=True, timeout=300
+    )
     return path if r.returncode == 0 else None
 
 
@@ -51,17 +52,29 @@ def oracle_started(gguf, tmp_path_factory):
     side computes its own results; ``oracle`` waits for it."""
     python = _oracle_python()
     if python is None:
-        pytest.skip("no oracle environment: .venv-torch (or $HICACHE_ORACLE_PYTHON) with torch, transformers, "
-                    "accelerate and gguf (./scripts/test builds it from locks/torch-py311.txt)")
+        pytest.skip(
+            "no oracle environment: .venv-torch (or $HICACHE_ORACLE_PYTHON) with torch, transformers, "
+            "accelerate and gguf (./scripts/test builds it from locks/torch-py311.txt)"
+        )
     out = tmp_path_factory.mktemp("gemma-oracle")
     texts = prompts()  # read once: the oracle and the JAX side see the same text
-    spec = {"gguf": str(gguf), "strings": STRINGS, "prompts": texts, "greedy": {n: GREEDY_TOKENS for n in texts},
-            "topk": TOPK, "full_every": FULL_EVERY}
+    spec = {
+        "gguf": str(gguf),
+        "strings": STRINGS,
+        "prompts": texts,
+        "greedy": {n: GREEDY_TOKENS for n in texts},
+        "topk": TOPK,
+        "full_every": FULL_EVERY,
+    }
     (out / "spec.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     log = open(out / "oracle.log", "w")
-    proc = subprocess.Popen([python, str(Path(__file__).parent / "gemma_oracle.py"), str(out / "spec.json"), str(out)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [python, str(Path(__file__).parent / "gemma_oracle.py"), str(out / "spec.json"), str(out)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     yield proc, out, texts
     if proc.poll() is None:  # a test failed before waiting: the oracle dies with the module
         proc.kill()
@@ -102,13 +115,23 @@ def ours_results(ours, oracle_started):
         top1, full = [], {}
         full_pos = sorted(set(range(0, n, FULL_EVERY)) | {n - 1})  # the oracle's rule
         for a in range(0, n, ROWS):
-            logits = np.asarray(gm.lm_head_jit(params, h[a:a + ROWS], cfg=cfg))
+            logits = np.asarray(gm.lm_head_jit(params, h[a : a + ROWS], cfg=cfg))
             top1.append(logits.argmax(-1))
             full.update({p: logits[p - a] for p in full_pos if a <= p < a + ROWS})
-        res["prompts"][name] = {"ids": ids, "top1": np.concatenate(top1)[:n],
-                                "full_logits": np.stack([full[p] for p in full_pos])}
-    greedy = gm.greedy_generate_many(params, cfg, [res["prompts"][n]["ids"] for n in texts], GREEDY_TOKENS,
-                                     suppress_ids=(cfg.eos_token_id,), cache_len=CACHE_LEN, bucket=BUCKET)
+        res["prompts"][name] = {
+            "ids": ids,
+            "top1": np.concatenate(top1)[:n],
+            "full_logits": np.stack([full[p] for p in full_pos]),
+        }
+    greedy = gm.greedy_generate_many(
+        params,
+        cfg,
+        [res["prompts"][n]["ids"] for n in texts],
+        GREEDY_TOKENS,
+        suppress_ids=(cfg.eos_token_id,),
+        cache_len=CACHE_LEN,
+        bucket=BUCKET,
+    )
     for name, g in zip(texts, greedy):
         res["prompts"][name]["greedy"] = g
     return res
@@ -125,8 +148,10 @@ def oracle(oracle_started, ours_results) -> tuple[dict, Path]:
     log = (out / "oracle.log").read_text(errors="replace")
     assert proc.returncode == 0, f"the oracle failed (exit {proc.returncode}):\n{log[-5000:]}"
     result = json.loads((out / "oracle.json").read_text(encoding="utf-8"))
-    print(f"oracle: {result['versions']}, tokenizer {result['tokenizer_load_s']:.1f} s, "
-          f"model {result['model_load_s']:.1f} s, greedy (batched) {result.get('greedy_s', 0):.1f} s")
+    print(
+        f"oracle: {result['versions']}, tokenizer {result['tokenizer_load_s']:.1f} s, "
+        f"model {result['model_load_s']:.1f} s, greedy (batched) {result.get('greedy_s', 0):.1f} s"
+    )
     result["texts"] = texts
     return result, out
 
@@ -155,12 +180,15 @@ def test_gemma_teacher_forced_logits_match_transformers(oracle, ours_results):
         lengths.append(n)
         agree = float((got["top1"] == ref["topk_ids"][:, 0]).mean())
         full_diff = float(np.abs(got["full_logits"] - ref["full_logits"]).max())
-        print(f"{name:15s} {n:5d} tokens  top-1 agreement {agree:.4f}  max |logit diff| over "
-              f"{len(ref['full_pos'])} full rows {full_diff:.2e}")
+        print(
+            f"{name:15s} {n:5d} tokens  top-1 agreement {agree:.4f}  max |logit diff| over "
+            f"{len(ref['full_pos'])} full rows {full_diff:.2e}"
+        )
         assert agree >= 0.995, f"{name}: top-1 agrees at {agree:.4f} of {n} positions"
         assert full_diff < 0.05, f"{name}: a full logit row differs by {full_diff}"
-    assert len(lengths) >= 8 and min(lengths) <= 24 and max(lengths) >= 1200 and sum(n > 512 for n in lengths) >= 3, \
+    assert len(lengths) >= 8 and min(lengths) <= 24 and max(lengths) >= 1200 and sum(n > 512 for n in lengths) >= 3, (
         lengths
+    )
 
 
 def test_gemma_greedy_continuations_match_transformers(oracle, ours, ours_results):
@@ -174,8 +202,10 @@ def test_gemma_greedy_continuations_match_transformers(oracle, ours, ours_result
             continue
         first = next(i for i, (a, b) in enumerate(zip(ids, ref["greedy"])) if a != b)
         gap = ref["greedy_top2_gap"][first]
-        print(f"{name}: first divergence at generated token {first}, oracle top-2 gap {gap:.2e}\n"
-              f"  ours:   {tok.decode(ids)!r}\n  oracle: {tok.decode(ref['greedy'])!r}")
+        print(
+            f"{name}: first divergence at generated token {first}, oracle top-2 gap {gap:.2e}\n"
+            f"  ours:   {tok.decode(ids)!r}\n  oracle: {tok.decode(ref['greedy'])!r}"
+        )
         assert gap < NEAR_TIE, f"{name}: greedy diverges at token {first} where the oracle's top-2 gap is {gap}"
 
 
@@ -198,10 +228,15 @@ def served(gguf, ours, ours_results, tmp_path_factory):
     tiers = ["cold", "host", "storage", "device", "device", "host", "storage", "cold"]
     assert len(ids) == len(tiers)
     weights = load_weights(gguf)
-    l3 = StorageConfig(backend="orbax", path=str(tmp_path_factory.mktemp("gemma-l3")),
-                       prefetch_policy="wait_complete", prefetch_threshold_tokens=16)
-    cache = EngineCacheConfig(page_size=16, device_pages=768, max_batch=8, prefill_chunk=512,
-                              max_context=CACHE_LEN, storage=l3)
+    l3 = StorageConfig(
+        backend="orbax",
+        path=str(tmp_path_factory.mktemp("gemma-l3")),
+        prefetch_policy="wait_complete",
+        prefetch_threshold_tokens=16,
+    )
+    cache = EngineCacheConfig(
+        page_size=16, device_pages=768, max_batch=8, prefill_chunk=512, max_context=CACHE_LEN, storage=l3
+    )
     engine = Engine(weights.config, cache, weights=weights)
     try:
         audit = engine.enable_page_audit()
@@ -227,17 +262,19 @@ def test_gemma_served_from_every_tier_matches_transformers(oracle, ours, served)
     _, _, tok = ours
     for name, (tier, r) in by_name.items():
         ref = result["prompts"][name]["greedy"]  # the oracle never chose EOS (suppressed)
-        got = r.tokens[:r.tokens.index(cfg.eos_token_id)] if cfg.eos_token_id in r.tokens else r.tokens
+        got = r.tokens[: r.tokens.index(cfg.eos_token_id)] if cfg.eos_token_id in r.tokens else r.tokens
         n = len(result["prompts"][name]["ids"])
         if tier == "cold":
             assert r.cached_total == 0, (name, r.cached_tokens)
         else:  # the whole cached prefix, page-aligned, came from that tier alone
             assert r.cached_tokens[tier] == (n - 17) // 16 * 16 == r.cached_total, (name, tier, r.cached_tokens)
-        if got != ref[:len(got)]:
+        if got != ref[: len(got)]:
             first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
             gap = result["prompts"][name]["greedy_top2_gap"][first]
-            print(f"{name} ({tier}): first divergence at {first}, oracle top-2 gap {gap:.2e}\n"
-                  f"  served: {tok.decode(got)!r}\n  oracle: {tok.decode(ref)!r}")
+            print(
+                f"{name} ({tier}): first divergence at {first}, oracle top-2 gap {gap:.2e}\n"
+                f"  served: {tok.decode(got)!r}\n  oracle: {tok.decode(ref)!r}"
+            )
             assert gap < NEAR_TIE, f"{name} ({tier}): diverges at token {first}, oracle top-2 gap {gap}"
     assert audit["byte_identical"] is True, audit
     assert all(audit["pages_checked"][t] > 0 for t in ("device", "host", "storage")), audit

@@ -21,10 +21,22 @@ from hicache_jax.models.gemma3.paged import Gemma3Transformer, model_config, ran
 from hicache_jax.reference_model import PagedRunner  # noqa: E402
 
 PAGE, WINDOW = 4, 8
-SMALL = Gemma3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=1,
-                     head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=WINDOW,
-                     layer_types=("sliding", "sliding", "full", "sliding"), rope_theta_global=1_000_000.0,
-                     rope_theta_local=10_000.0, query_pre_attn_scalar=32.0)
+SMALL = Gemma3Config(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    sliding_window=WINDOW,
+    layer_types=("sliding", "sliding", "full", "sliding"),
+    rope_theta_global=1_000_000.0,
+    rope_theta_local=10_000.0,
+    query_pre_attn_scalar=32.0,
+)
 
 
 def _plain_logits(w, tokens: list[int]) -> np.ndarray:
@@ -34,8 +46,10 @@ def _plain_logits(w, tokens: list[int]) -> np.ndarray:
 
 
 def _zeros(geom, pages: int):
-    return {c: [jnp.zeros((pages,) + geom.page_shape, jnp.dtype(geom.numpy_dtype())) for _ in range(geom.num_layers)]
-            for c in geom.components}
+    return {
+        c: [jnp.zeros((pages,) + geom.page_shape, jnp.dtype(geom.numpy_dtype())) for _ in range(geom.num_layers)]
+        for c in geom.components
+    }
 
 
 def _paged_logits(w, cfg, tokens: list[int], chunk: int) -> np.ndarray:
@@ -47,9 +61,9 @@ def _paged_logits(w, cfg, tokens: list[int], chunk: int) -> np.ndarray:
     out = []
     for s in range(0, len(tokens), chunk):
         kw = dict(swa_pools=swa, swa_page_tables=[table]) if swa is not None else {}
-        logits, _hidden, *new = runner.step_all(pools, [tokens[s:s + chunk]], [s], [table], **kw)
+        logits, _hidden, *new = runner.step_all(pools, [tokens[s : s + chunk]], [s], [table], **kw)
         pools, swa = new[0], (new[1] if swa is not None else None)
-        out.append(logits[0, :len(tokens[s:s + chunk])])
+        out.append(logits[0, : len(tokens[s : s + chunk])])
     return np.concatenate(out)
 
 
@@ -94,10 +108,17 @@ def test_gemma_engine_tokens_equal_the_plain_greedy_with_every_tier(tmp_path):
     rng = np.random.default_rng(4)
     shared = rng.integers(0, SMALL.vocab_size, 22).tolist()
     histories = [shared + rng.integers(0, SMALL.vocab_size, n).tolist() for n in (3, 9, 14)]
-    cache = EngineCacheConfig(page_size=PAGE, device_pages=96, host=HostPoolConfig(ratio=4.0), max_batch=2,
-                              prefill_chunk=8, max_context=128,
-                              storage=StorageConfig(backend="file", path=str(tmp_path / "l3"),
-                                                  prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE))
+    cache = EngineCacheConfig(
+        page_size=PAGE,
+        device_pages=96,
+        host=HostPoolConfig(ratio=4.0),
+        max_batch=2,
+        prefill_chunk=8,
+        max_context=128,
+        storage=StorageConfig(
+            backend="file", path=str(tmp_path / "l3"), prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE
+        ),
+    )
     engine = Engine(w.config, cache, weights=w)
     try:
         want = gm.greedy_generate_many(w.params, w.gemma, histories, 6, bucket=1)

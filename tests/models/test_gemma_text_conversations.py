@@ -38,16 +38,15 @@ def test_gemma_conversations_only_ever_extend(tok):
         assert arrivals == [0.0] * 4 and len(prompts) == 4
         if previous is not None:
             for c, (p, (q, a)) in enumerate(zip(prompts, previous)):
-                assert p[:len(q) + len(a)] == q + a, (r, c)  # the last prompt and answer, exactly
-                question = tok.decode(p[len(q) + len(a):])
+                assert p[: len(q) + len(a)] == q + a, (r, c)  # the last prompt and answer, exactly
+                question = tok.decode(p[len(q) + len(a) :])
                 want = "Question: " if a[-1:] == brk else "\n\nQuestion: "
                 assert question.startswith(want) and question.endswith("\nAnswer:"), question
         # answers: one ending at a paragraph break, one cut at the length limit (no break)
-        answers = [tok.encode(" An answer.", add_special_tokens=False) + (brk if c % 2 == 0 else [])
-                   for c in range(4)]
+        answers = [tok.encode(" An answer.", add_special_tokens=False) + (brk if c % 2 == 0 else []) for c in range(4)]
         conv.answered([_Result(a) for a in answers])
         previous = list(zip(prompts, answers))
-    assert prompts[0][:docs[0]] == prompts[2][:docs[0]] and prompts[1][:docs[1]] == prompts[3][:docs[1]]
+    assert prompts[0][: docs[0]] == prompts[2][: docs[0]] and prompts[1][: docs[1]] == prompts[3][: docs[1]]
     assert conv.max_context(args.rounds, 32) >= max(len(p) for p in prompts) + 32
     assert [q for q, _a in conv.transcript(0)] == [QUESTIONS[i] for i in conv.question_order[0][:3]]
     warm = TextConversations(args, tok, seed=1, salt="Warm-up copy. ")

@@ -34,8 +34,13 @@ def _unavailable(kind: str) -> str | None:
 
 
 DEVICES = [pytest.param("npu", marks=pytest.mark.npu), pytest.param("cuda", marks=pytest.mark.gpu)]
-CASES = [("mha", "page_first_direct"), ("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_kv_split"),
-         ("mla", "page_first")]
+CASES = [
+    ("mha", "page_first_direct"),
+    ("mha", "page_first"),
+    ("mha", "layer_first"),
+    ("mla", "page_first_kv_split"),
+    ("mla", "page_first"),
+]
 
 
 @pytest.fixture(params=DEVICES)
@@ -56,8 +61,10 @@ def _geom(kind):
 def test_parity_with_cpu_reference(device, kind, layout):
     g = _geom(kind)
     rng = np.random.default_rng(3)
-    data = {c: rng.integers(0, 2**16, (g.num_layers, 12) + g.page_shape, dtype=np.uint64).astype(np.uint16)
-            for c in g.components}
+    data = {
+        c: rng.integers(0, 2**16, (g.num_layers, 12) + g.page_shape, dtype=np.uint64).astype(np.uint16)
+        for c in g.components
+    }
     results = []
     for dev_name in ("cpu", device):
         dev, host, eng = make_torch_backend(g, 12, 10, layout, device=dev_name)
@@ -68,8 +75,14 @@ def test_parity_with_cpu_reference(device, kind, layout):
         for layer in range(g.num_layers):
             lh.wait_layer(layer, timeout=60)
             assert lh.layer_done(layer)
-        results.append(({c: host.read_pages(c, np.arange(10)) for c in g.components},
-                        {c: dev.read(c, np.arange(12)) for c in g.components}, eng.impl, host))
+        results.append(
+            (
+                {c: host.read_pages(c, np.arange(10)) for c in g.components},
+                {c: dev.read(c, np.arange(12)) for c in g.components},
+                eng.impl,
+                host,
+            )
+        )
         eng.close()
     (h_cpu, d_cpu, _, _), (h_acc, d_acc, impl, host) = results
     for c in g.components:

@@ -8,8 +8,16 @@ import torch
 
 from hicache_jax import KVGeometry
 from npu_bridge import make_torch_backend
-from npu_bridge.ascend_op import (D2H, FAST2D, FLAG_1D, H2D, OpSignatureError, bind_op, page_token_indices,
-                                  transfer_kv_dim_exchange_reference as op)
+from npu_bridge.ascend_op import (
+    D2H,
+    FAST2D,
+    FLAG_1D,
+    H2D,
+    OpSignatureError,
+    bind_op,
+    page_token_indices,
+    transfer_kv_dim_exchange_reference as op,
+)
 
 L, PAGE, H, D = 3, 4, 2, 5
 
@@ -63,25 +71,43 @@ def test_partial_pages_rejected():
 def test_non_strict_uses_only_the_first_token_of_each_page_like_the_kernel():
     dk, hk = pools()
     # first token 9 -> page 2; the rest of the group is ignored, as by the kernel
-    op(torch.tensor([9, 0, 0, 0]), torch.tensor([4, 99, 99, 99]), dk, hk, page_size=PAGE, direction=D2H,
-       flags=FAST2D, strict=False)
+    op(
+        torch.tensor([9, 0, 0, 0]),
+        torch.tensor([4, 99, 99, 99]),
+        dk,
+        hk,
+        page_size=PAGE,
+        direction=D2H,
+        flags=FAST2D,
+        strict=False,
+    )
     assert torch.equal(hk[1], dk[:, 2]) and not hk[[0, 2, 3, 4]].any()
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(flags=FLAG_1D), ValueError, "FAST2D"),
-    (dict(direction=3), ValueError, "direction"),
-    (dict(host_indices=tok([1, 2])), ValueError, "pages"),
-    (dict(host_k=torch.zeros((5, L + 1, PAGE, H, D), dtype=torch.int16)), ValueError, "layer counts"),
-    (dict(host_k=torch.zeros((5, L, PAGE, H, D + 1), dtype=torch.int16)), ValueError, "page shapes"),
-    (dict(host_k=torch.zeros((5, L, PAGE * H * D), dtype=torch.int16)), ValueError, "5-D"),
-    (dict(device_indices=tok([6])), IndexError, "out of range"),
-    (dict(page_size=2), ValueError, "page_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(flags=FLAG_1D), ValueError, "FAST2D"),
+        (dict(direction=3), ValueError, "direction"),
+        (dict(host_indices=tok([1, 2])), ValueError, "pages"),
+        (dict(host_k=torch.zeros((5, L + 1, PAGE, H, D), dtype=torch.int16)), ValueError, "layer counts"),
+        (dict(host_k=torch.zeros((5, L, PAGE, H, D + 1), dtype=torch.int16)), ValueError, "page shapes"),
+        (dict(host_k=torch.zeros((5, L, PAGE * H * D), dtype=torch.int16)), ValueError, "5-D"),
+        (dict(device_indices=tok([6])), IndexError, "out of range"),
+        (dict(page_size=2), ValueError, "page_size"),
+    ],
+)
 def test_bad_inputs_rejected(kwargs, exc, match):
     dk, hk = pools()
-    args = dict(device_indices=tok([1]), host_indices=tok([2]), device_k=dk, host_k=hk, page_size=PAGE,
-                direction=D2H, flags=FAST2D)
+    args = dict(
+        device_indices=tok([1]),
+        host_indices=tok([2]),
+        device_k=dk,
+        host_k=hk,
+        page_size=PAGE,
+        direction=D2H,
+        flags=FAST2D,
+    )
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         op(**args)
@@ -99,23 +125,69 @@ def test_v_sized_by_k_element_size_and_contiguity_checked():
 
 
 # ---- signature binding ---------------------------------------------------------------------
-def pinned(device_indices, host_indices, device_k, host_k, device_v, host_v, device_index_k=None,
-           host_index_k=None, page_size=128, direction=1, flags=2):
+def pinned(
+    device_indices,
+    host_indices,
+    device_k,
+    host_k,
+    device_v,
+    host_v,
+    device_index_k=None,
+    host_index_k=None,
+    page_size=128,
+    direction=1,
+    flags=2,
+):
     return dict(locals())
 
 
-def newest(device_indices, host_indices, device_k, host_k, device_v, host_v, device_index_k=None,
-           host_index_k=None, device_index_k_scale=None, host_index_k_scale=None, page_size=128, direction=1, flags=2):
+def newest(
+    device_indices,
+    host_indices,
+    device_k,
+    host_k,
+    device_v,
+    host_v,
+    device_index_k=None,
+    host_index_k=None,
+    device_index_k_scale=None,
+    host_index_k_scale=None,
+    page_size=128,
+    direction=1,
+    flags=2,
+):
     return dict(locals())
 
 
-def fork_a(device_indices, host_indices, device_k, host_k, device_v, host_v, layer_start, layer_num, page_size=128,
-           direction=1, flags=2):
+def fork_a(
+    device_indices,
+    host_indices,
+    device_k,
+    host_k,
+    device_v,
+    host_v,
+    layer_start,
+    layer_num,
+    page_size=128,
+    direction=1,
+    flags=2,
+):
     return dict(locals())
 
 
-def fork_b(device_indices, host_indices, device_k, host_k, device_v, host_v, layer_num, layer_start, page_size=128,
-           direction=1, flags=2):
+def fork_b(
+    device_indices,
+    host_indices,
+    device_k,
+    host_k,
+    device_v,
+    host_v,
+    layer_num,
+    layer_start,
+    page_size=128,
+    direction=1,
+    flags=2,
+):
     return dict(locals())
 
 
@@ -127,8 +199,17 @@ def no_v(device_indices, host_indices, device_k, host_k, page_size=128, directio
     return dict(locals())
 
 
-CORE = dict(device_indices="di", host_indices="hi", device_k="dk", host_k="hk", device_v="dv", host_v="hv",
-            page_size=4, direction=D2H, flags=FAST2D)
+CORE = dict(
+    device_indices="di",
+    host_indices="hi",
+    device_k="dk",
+    host_k="hk",
+    device_v="dv",
+    host_v="hv",
+    page_size=4,
+    direction=D2H,
+    flags=FAST2D,
+)
 
 
 @pytest.mark.parametrize("fn", [pinned, newest, fork_a, fork_b, var_kw])
@@ -143,12 +224,14 @@ def test_binding_calls_by_keyword(fn):
 
 
 def test_binding_rejects_what_a_keyword_call_cannot_satisfy():
-    def posonly(device_indices, host_indices, device_k, host_k, device_v, host_v, /, page_size=128, direction=1,
-                flags=2):
+    def posonly(
+        device_indices, host_indices, device_k, host_k, device_v, host_v, /, page_size=128, direction=1, flags=2
+    ):
         pass
 
-    def unknown(device_indices, host_indices, device_k, host_k, device_v, host_v, workspace, page_size=128,
-                direction=1, flags=2):
+    def unknown(
+        device_indices, host_indices, device_k, host_k, device_v, host_v, workspace, page_size=128, direction=1, flags=2
+    ):
         pass
 
     with pytest.raises(OpSignatureError, match="positional-only"):
@@ -157,8 +240,16 @@ def test_binding_rejects_what_a_keyword_call_cannot_satisfy():
         bind_op(unknown, need_v=True)
     with pytest.raises(OpSignatureError, match="device_v"):
         bind_op(no_v, need_v=True)
-    assert bind_op(no_v, need_v=False).kwargs(dict(CORE), 1).keys() == {"device_indices", "host_indices", "device_k",
-                                                                         "host_k", "page_size", "direction", "flags"}
+    assert bind_op(no_v, need_v=False).kwargs(dict(CORE), 1).keys() == {
+        "device_indices",
+        "host_indices",
+        "device_k",
+        "host_k",
+        "page_size",
+        "direction",
+        "flags",
+    }
+
     class Opaque:  # e.g. an extension callable whose signature cannot be read
         __signature__ = "unreadable"
 

@@ -15,18 +15,22 @@ def run(code: str):
 
 
 def test_import_npu_bridge_pulls_no_torch():
-    r = run("import sys, npu_bridge, npu_bridge.kv_split_pool; "
-            "bad = [m for m in ('torch', 'torch_npu', 'sgl_kernel_npu') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    r = run(
+        "import sys, npu_bridge, npu_bridge.kv_split_pool; "
+        "bad = [m for m in ('torch', 'torch_npu', 'sgl_kernel_npu') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_missing_torch_error_names_it():
     # hide torch from this subprocess: a None entry makes `import torch` raise ImportError
-    r = run("import sys; sys.modules['torch'] = None\n"
-            "import npu_bridge\n"
-            "try:\n    npu_bridge.make_torch_backend\nexcept npu_bridge.MissingDependencyError as e:\n"
-            "    print('ERR', e); sys.exit(0)\nsys.exit(1)")
+    r = run(
+        "import sys; sys.modules['torch'] = None\n"
+        "import npu_bridge\n"
+        "try:\n    npu_bridge.make_torch_backend\nexcept npu_bridge.MissingDependencyError as e:\n"
+        "    print('ERR', e); sys.exit(0)\nsys.exit(1)"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "needs torch" in r.stdout and "torch==2.13.0" in r.stdout
 
@@ -35,5 +39,6 @@ def test_missing_torch_error_names_it():
 def test_missing_torch_npu_error_names_it():
     from npu_bridge import MissingDependencyError, make_torch_backend
     from hicache_jax import KVGeometry
+
     with pytest.raises(MissingDependencyError, match="torch_npu"):
         make_torch_backend(KVGeometry.mha(1, 1, 1, 2, "float16"), 2, 2, "page_first_direct", device="npu")

@@ -26,11 +26,17 @@ CORE_KWARGS = {"device_indices", "host_indices", "device_k", "host_k", "page_siz
 def drive(*args, variant="pinned"):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE / "fakes"), str(ROOT)]), FAKE_OP_VARIANT=variant)
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
-    r = subprocess.run([sys.executable, str(HERE / "fakes" / "contract_driver.py"), *args], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(HERE / "fakes" / "contract_driver.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     lines = [line for line in r.stdout.splitlines() if line.startswith("REPORT ")]
     assert r.returncode == 0 and lines, f"driver failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT ") :])
 
 
 def _calls(events):
@@ -65,8 +71,11 @@ def test_mocked_op_contract_roundtrip(kind):
         assert call["stream"] == stream, "the op must run inside the side stream context"
         # the side stream waited for the compute stream before the copy, and an event follows it
         kinds = [(e["kind"], e.get("stream")) for e in events]
-        assert kinds.index(("wait_stream", stream)) < kinds.index(("op_call", stream)) < kinds.index(
-            ("event_record", stream))
+        assert (
+            kinds.index(("wait_stream", stream))
+            < kinds.index(("op_call", stream))
+            < kinds.index(("event_record", stream))
+        )
     assert rep["backup_calls_before_complete"] == 1  # launched at issue time, not at wait
     assert rep["layers_done"] == [True] * 3
     assert [e["kind"] for e in rep["stream_wait_events"]] == ["wait_event"]  # no host block
@@ -90,8 +99,9 @@ def test_mocked_lazy_imports():
     assert not rep["after_resolve_npu"]["sgl_kernel_npu.kvcacheio"]  # the op loads only for an engine
 
 
-@pytest.mark.parametrize("variant, extra", [("pinned", set()), ("newest", set()),
-                                            ("fork", {"layer_start", "layer_num"})])
+@pytest.mark.parametrize(
+    "variant, extra", [("pinned", set()), ("newest", set()), ("fork", {"layer_start", "layer_num"})]
+)
 def test_mocked_signature_skew_binds_by_keyword(variant, extra):
     rep = drive("binding", variant=variant)
     for impl in ("auto", "ascend"):

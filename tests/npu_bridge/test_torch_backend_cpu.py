@@ -95,8 +95,15 @@ def test_runs_coalesce_consecutive_pairs_only():
     assert _runs(np.array([3]), np.array([0])) == [(3, 0, 1)]
 
 
-@pytest.mark.parametrize("dtype, tdtype", [("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.float8_e4m3fn),
-                                           ("float16", torch.float16), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "dtype, tdtype",
+    [
+        ("bfloat16", torch.bfloat16),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+        ("float16", torch.float16),
+        ("float32", torch.float32),
+    ],
+)
 def test_logical_dtype_values_survive(dtype, tdtype):
     """The model sees the logical dtype; special values come back bit for bit."""
     g = KVGeometry.mha(2, 2, 1, 4, dtype)
@@ -240,6 +247,7 @@ def test_interface_mirrors_numpy_backend():
 def test_kv_split_pool_matches_page_first_direct_semantics():
     """KVSplitHostPool speaks the joined width in nlp order, like page_first_direct, and splits it."""
     from npu_bridge.kv_split_pool import KVSplitHostPool
+
     g = KVGeometry.mla(2, 3, 5, 2, "float16")
     split, direct = KVSplitHostPool(g, 6), HostKVPool(g, 6, "page_first_direct")
     rng = np.random.default_rng(1)

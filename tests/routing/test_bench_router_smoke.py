@@ -12,8 +12,26 @@ def test_bench_router_tiny(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "router.json"
-    bench.main(["--engines", "2", "--conversations", "6", "--turns", "2", "--system-len", "64", "--user-len", "32",
-                "--answer-len", "16", "--device-tokens", "2048", "--out", str(out)])
+    bench.main(
+        [
+            "--engines",
+            "2",
+            "--conversations",
+            "6",
+            "--turns",
+            "2",
+            "--system-len",
+            "64",
+            "--user-len",
+            "32",
+            "--answer-len",
+            "16",
+            "--device-tokens",
+            "2048",
+            "--out",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     rr, px = doc["results"]
     assert rr["policy"] == "round_robin" and px["policy"] == "prefix"

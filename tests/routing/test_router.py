@@ -175,8 +175,13 @@ def hist(total):
 
 
 def test_costs_from_stats_sum_over_engines_and_storage_includes_the_load_back():
-    a = {"load_back_duration_seconds": hist(0.02), "load_back_tokens": 100,
-         "prefetch_duration_seconds": hist(0.3), "prefetched_tokens": 200, "storage_read_seconds": 0.05}
+    a = {
+        "load_back_duration_seconds": hist(0.02),
+        "load_back_tokens": 100,
+        "prefetch_duration_seconds": hist(0.3),
+        "prefetched_tokens": 200,
+        "storage_read_seconds": 0.05,
+    }
     b = {"load_back_duration_seconds": hist(0.01), "load_back_tokens": 200}  # no L3 attached: no prefetch keys
     c = tier_costs_from_stats([a, b])
     assert c["host"] == pytest.approx(0.03 / 300)
@@ -226,8 +231,9 @@ def test_storage_cost_is_the_stores_read_time_not_the_prefetch_durations(tmp_pat
     from hicache_jax.storage import StorageConfig
 
     cache, _dev, _src = make_engine("e0")
-    ctl = StorageController(cache, StorageConfig(backend="memory", prefetch_threshold_tokens=4,
-                                                 prefetch_policy="wait_complete"), model="m")
+    ctl = StorageController(
+        cache, StorageConfig(backend="memory", prefetch_threshold_tokens=4, prefetch_policy="wait_complete"), model="m"
+    )
     try:
         key = RadixKey(np.arange(32, dtype=np.int64))
         serve(cache, key)

@@ -22,8 +22,12 @@ from storage_helpers import assert_pages_equal, fill_random, keys_for, namespace
 POISON = 0xA5
 # bf16 / fp8 / float32 MHA and an MLA geometry (one "kv" component, odd widths); pages above
 # OCDBT's 1 KiB inline threshold, so the orbax reads go through data files.
-GEOMS = {"bf16": KVGeometry.mha(2, 4, 2, 32, "bfloat16"), "fp8": KVGeometry.mha(3, 4, 2, 32, "float8_e4m3fn"),
-         "f32": KVGeometry.mha(2, 4, 1, 32, "float32"), "mla": KVGeometry.mla(2, 4, 48, 16, "bfloat16")}
+GEOMS = {
+    "bf16": KVGeometry.mha(2, 4, 2, 32, "bfloat16"),
+    "fp8": KVGeometry.mha(3, 4, 2, 32, "float8_e4m3fn"),
+    "f32": KVGeometry.mha(2, 4, 1, 32, "float32"),
+    "mla": KVGeometry.mla(2, 4, 48, 16, "bfloat16"),
+}
 LAYOUTS = list(HostLayout)
 # Pages of 512 KiB, to see any page-sized staging buffer in the allocation peak.
 BIG = KVGeometry.mha(8, 16, 8, 128, "bfloat16")
@@ -130,8 +134,10 @@ def check_no_staging_copy(make, monkeypatch, layout="page_first", n: int = 6) ->
         monkeypatch.setattr(PageCodec, "unpack_one", staged)
         monkeypatch.setattr(PageCodec, "unpack", staged)
         pb = st.codecs["target"].page_bytes
-        for call in (lambda: st.batch_get(keys, list(range(n))),
-                     lambda: st.get_multi([PoolTransfer("target", keys, list(range(n))[::-1])])):
+        for call in (
+            lambda: st.batch_get(keys, list(range(n))),
+            lambda: st.get_multi([PoolTransfer("target", keys, list(range(n))[::-1])]),
+        ):
             tracemalloc.start()
             try:
                 base = tracemalloc.get_traced_memory()[0]

@@ -32,7 +32,7 @@ def open_store(backend: str, path: str, **cfg):
 def write(store, keys) -> list[bool]:
     ok = []
     for i in range(0, len(keys), BATCH):
-        chunk = keys[i:i + BATCH]
+        chunk = keys[i : i + BATCH]
         ids = np.arange(len(chunk))
         put_keyed_pages(store, "target", chunk, ids)
         ok += store.batch_set(chunk, ids)
@@ -43,7 +43,7 @@ def verify(store, keys) -> tuple[int, int]:
     """(pages that hit, wrong pages)."""
     hits = wrong = 0
     for i in range(0, len(keys), BATCH):
-        chunk = keys[i:i + BATCH]
+        chunk = keys[i : i + BATCH]
         ids = np.arange(len(chunk))
         flags = store.batch_get(chunk, ids)
         for j, (k, f) in enumerate(zip(chunk, flags)):
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     if mode == "write":
         start, count = rest
         store = open_store(backend, path)
-        ok = write(store, all_keys[start:start + count])
+        ok = write(store, all_keys[start : start + count])
         flushed = store.flush(60)
         store.close()
         print(json.dumps({"accepted": sum(ok), "flushed": flushed, **store.metrics.snapshot()}))
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     if mode == "verify":
         start, count = rest
         store = open_store(backend, path)
-        keys = all_keys[start:start + count]
+        keys = all_keys[start : start + count]
         hits, wrong = verify(store, keys)
         res = {"hits": hits, "wrong": wrong, "exists": store.batch_exists(keys), **store.metrics.snapshot()}
         res["hits"] = hits
@@ -92,8 +92,9 @@ def main(argv: list[str]) -> int:
         try:
             open_store(backend, path).close()
         except Exception as e:
-            print(json.dumps({"error": type(e).__name__, "is_value_error": isinstance(e, ValueError),
-                              "message": str(e)}))
+            print(
+                json.dumps({"error": type(e).__name__, "is_value_error": isinstance(e, ValueError), "message": str(e)})
+            )
             return 0
         print(json.dumps({"error": None}))
         return 0
@@ -104,13 +105,19 @@ def main(argv: list[str]) -> int:
         new = keys_for(8, seed=777)
         ok = write(store, new)
         store.flush(30)
-        res = {"hits": hits, "wrong": wrong, "new_exists": store.batch_exists(new), "accepted": sum(ok),
-               **store.metrics.snapshot()}
+        res = {
+            "hits": hits,
+            "wrong": wrong,
+            "new_exists": store.batch_exists(new),
+            "accepted": sum(ok),
+            **store.metrics.snapshot(),
+        }
         store.close()
         print(json.dumps(res))
         return 3 if wrong else 0
     if mode == "fsize":
         import resource
+
         limit, count = rest
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of dying
         store = open_store(backend, path, segment_pages=count, max_pending_pages=max(count, 8))
@@ -121,8 +128,11 @@ def main(argv: list[str]) -> int:
         exists = store.batch_exists(keys)
         hits, wrong = verify(store, keys)
         store.close()
-        print(json.dumps({"accepted": sum(ok), "exists": exists, "hits": hits, "wrong": wrong,
-                          **store.metrics.snapshot()}))
+        print(
+            json.dumps(
+                {"accepted": sum(ok), "exists": exists, "hits": hits, "wrong": wrong, **store.metrics.snapshot()}
+            )
+        )
         return 3 if wrong else 0
     raise SystemExit(f"unknown mode {mode}")
 

@@ -16,8 +16,11 @@ import numpy as np
 from hicache_jax import HostKVPool, KVGeometry
 from hicache_jax.storage import Namespace, PoolSpec, StorageConfig, create_storage, page_keys
 
-HAVE_ORBAX = all(importlib.util.find_spec(m) is not None for m in ("orbax.checkpoint", "tensorstore", "google_crc32c")) \
-    if importlib.util.find_spec("orbax") is not None else False
+HAVE_ORBAX = (
+    all(importlib.util.find_spec(m) is not None for m in ("orbax.checkpoint", "tensorstore", "google_crc32c"))
+    if importlib.util.find_spec("orbax") is not None
+    else False
+)
 BACKENDS = ["memory", "file"] + (["orbax"] if HAVE_ORBAX else [])
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -98,8 +101,9 @@ def segment_dirs(path) -> list[str]:
 
 def child_env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + os.path.dirname(os.path.abspath(__file__)) + os.pathsep + \
-        env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = (
+        REPO + os.pathsep + os.path.dirname(os.path.abspath(__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    )
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 

@@ -8,8 +8,9 @@ def test_defaults_and_timeout_formula():
     assert (c.backend, c.integrity, c.prefetch_policy, c.read_concurrency) == ("orbax", "full", "timeout", 16)
     assert c.prefetch_timeout(0) == 1.0
     assert c.prefetch_timeout(4096) == pytest.approx(2.0)
-    hiradix = StorageConfig(path="/x", prefetch_timeout_base_s=2.0, prefetch_timeout_per_ki_token_s=0.1,
-                            prefetch_timeout_max_s=30.0)
+    hiradix = StorageConfig(
+        path="/x", prefetch_timeout_base_s=2.0, prefetch_timeout_per_ki_token_s=0.1, prefetch_timeout_max_s=30.0
+    )
     assert hiradix.prefetch_timeout(1024) == pytest.approx(2.1)
     assert hiradix.prefetch_timeout(10**7) == 30.0
 
@@ -27,27 +28,30 @@ def test_segment_pages_sized_by_bytes_unless_set():
         auto.segment_pages_for(0)
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    ({"backend": "s3"}, ValueError, "backend"),
-    ({"backend": 3}, TypeError, "backend"),
-    ({"backend": "file", "path": None}, ValueError, "path"),
-    ({"path": 5}, TypeError, "path"),
-    ({"capacity_bytes": -1}, ValueError, "capacity_bytes"),
-    ({"capacity_bytes": 1.5}, TypeError, "capacity_bytes"),
-    ({"segment_pages": 0}, ValueError, "segment_pages"),
-    ({"segment_pages": True}, TypeError, "segment_pages"),
-    ({"read_concurrency": 0}, ValueError, "read_concurrency"),
-    ({"integrity": "crc"}, ValueError, "integrity"),
-    ({"integrity_sample_rate": 0.0}, ValueError, "integrity_sample_rate"),
-    ({"integrity_sample_rate": 1.5}, ValueError, "integrity_sample_rate"),
-    ({"flush_interval_s": 0}, ValueError, "flush_interval_s"),
-    ({"flush_interval_s": float("nan")}, ValueError, "flush_interval_s"),
-    ({"prefetch_policy": "eager"}, ValueError, "prefetch_policy"),
-    ({"prefetch_threshold_tokens": -5}, ValueError, "prefetch_threshold_tokens"),
-    ({"prefetch_timeout_base_s": "1"}, TypeError, "prefetch_timeout_base_s"),
-    ({"prefetch_timeout_max_s": 0.0}, ValueError, "prefetch_timeout_max_s"),
-    ({"max_pending_pages": 4, "segment_pages": 8}, ValueError, "max_pending_pages"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        ({"backend": "s3"}, ValueError, "backend"),
+        ({"backend": 3}, TypeError, "backend"),
+        ({"backend": "file", "path": None}, ValueError, "path"),
+        ({"path": 5}, TypeError, "path"),
+        ({"capacity_bytes": -1}, ValueError, "capacity_bytes"),
+        ({"capacity_bytes": 1.5}, TypeError, "capacity_bytes"),
+        ({"segment_pages": 0}, ValueError, "segment_pages"),
+        ({"segment_pages": True}, TypeError, "segment_pages"),
+        ({"read_concurrency": 0}, ValueError, "read_concurrency"),
+        ({"integrity": "crc"}, ValueError, "integrity"),
+        ({"integrity_sample_rate": 0.0}, ValueError, "integrity_sample_rate"),
+        ({"integrity_sample_rate": 1.5}, ValueError, "integrity_sample_rate"),
+        ({"flush_interval_s": 0}, ValueError, "flush_interval_s"),
+        ({"flush_interval_s": float("nan")}, ValueError, "flush_interval_s"),
+        ({"prefetch_policy": "eager"}, ValueError, "prefetch_policy"),
+        ({"prefetch_threshold_tokens": -5}, ValueError, "prefetch_threshold_tokens"),
+        ({"prefetch_timeout_base_s": "1"}, TypeError, "prefetch_timeout_base_s"),
+        ({"prefetch_timeout_max_s": 0.0}, ValueError, "prefetch_timeout_max_s"),
+        ({"max_pending_pages": 4, "segment_pages": 8}, ValueError, "max_pending_pages"),
+    ],
+)
 def test_validation_errors_name_the_field(kw, exc, match):
     kw.setdefault("path", "/tmp/x") if "path" not in kw else None
     with pytest.raises(exc, match=match):

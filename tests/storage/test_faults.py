@@ -149,8 +149,16 @@ def test_restart_in_new_process_file(tmp_path):
 
 def test_two_writer_processes_file(tmp_path):
     env = child_env()
-    procs = [subprocess.Popen(child_cmd("write", "file", str(tmp_path), str(a), "96"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for a in (0, 48)]
+    procs = [
+        subprocess.Popen(
+            child_cmd("write", "file", str(tmp_path), str(a), "96"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for a in (0, 48)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
@@ -193,8 +201,13 @@ def test_read_only_directory_file(tmp_path):
 
 def test_disk_full_file_rlimit(tmp_path):
     # RLIMIT_FSIZE makes writes past the limit fail with EFBIG, as a full disk fails them with ENOSPC.
-    r = subprocess.run(child_cmd("fsize", "file", str(tmp_path), "1024", "4"), capture_output=True, text=True,
-                       env=child_env(), timeout=120)
+    r = subprocess.run(
+        child_cmd("fsize", "file", str(tmp_path), "1024", "4"),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["accepted"] == 0 and res["exists"] == 0 and res["hits"] == 0 and res["write_errors"] == 4

@@ -76,6 +76,7 @@ def test_file_short_body_and_foreign_page_size_zero_fill_and_miss(tmp_path):
             f.write(b"\0")
         with open(st._path("target", keys[2]), "r+b") as f:  # a sound page of another size
             import struct
+
             head = bytearray(f.read(64))
             struct.pack_into("<Q", head, 16, pb // 2)
             f.seek(0)
@@ -123,7 +124,8 @@ def test_page_runs_are_the_codec_page_bytes(layout, geom):
     runs.zero(3)
     assert not codec.pack(np.array([3])).any()
     others = [h for h in range(7) if h != 3]
-    np.testing.assert_array_equal(PageCodec(HostKVPool(g, 7, layout, buffer=before)).pack(np.array(others)),
-                                  codec.pack(np.array(others)))
+    np.testing.assert_array_equal(
+        PageCodec(HostKVPool(g, 7, layout, buffer=before)).pack(np.array(others)), codec.pack(np.array(others))
+    )
     with pytest.raises(ValueError, match="host_id"):
         runs.runs(7)

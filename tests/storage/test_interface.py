@@ -10,8 +10,12 @@ from hicache_jax.storage import page_keys
 
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, make_store, namespace
 
-DTYPE_GEOMS = [KVGeometry.mha(2, 4, 2, 32, "bfloat16"), KVGeometry.mha(2, 4, 2, 32, "float16"),
-               KVGeometry.mha(2, 4, 1, 32, "float32"), KVGeometry.mla(2, 4, 48, 16, "float8_e4m3fn")]
+DTYPE_GEOMS = [
+    KVGeometry.mha(2, 4, 2, 32, "bfloat16"),
+    KVGeometry.mha(2, 4, 2, 32, "float16"),
+    KVGeometry.mha(2, 4, 1, 32, "float32"),
+    KVGeometry.mla(2, 4, 48, 16, "float8_e4m3fn"),
+]
 LAYOUTS = list(HostLayout)
 
 
@@ -106,9 +110,13 @@ def test_multi_pool_hit_policies_and_roundtrip(backend, tmp_path):
     keys = _pool_keys(6)
     with make_store(backend, tmp_path, pools, SPECS) as st:
         # target and draft for all 6 pages; swa only the trailing window of the first 4 and of all 6
-        st.set_multi([PoolTransfer("target", keys["target"], range(6)),
-                      PoolTransfer("draft", keys["draft"], range(6)),
-                      PoolTransfer("swa", [keys["swa"][i] for i in (2, 3, 4, 5)], [2, 3, 4, 5])])
+        st.set_multi(
+            [
+                PoolTransfer("target", keys["target"], range(6)),
+                PoolTransfer("draft", keys["draft"], range(6)),
+                PoolTransfer("swa", [keys["swa"][i] for i in (2, 3, 4, 5)], [2, 3, 4, 5]),
+            ]
+        )
         st.flush(30)
         tr = [PoolTransfer(p, keys[p]) for p in ("target", "draft", "swa")]
         r = st.exists_multi(tr)
@@ -131,9 +139,13 @@ def test_multi_pool_shrinks_hit_to_a_complete_window(backend, tmp_path):
     pools = _pools()
     keys = _pool_keys(6, seed=1)
     with make_store(backend, tmp_path, pools, SPECS) as st:
-        st.set_multi([PoolTransfer("target", keys["target"], range(6)),
-                      PoolTransfer("draft", keys["draft"][:5], range(5)),  # draft misses page 5
-                      PoolTransfer("swa", [keys["swa"][i] for i in (1, 2, 4)], [1, 2, 4])])
+        st.set_multi(
+            [
+                PoolTransfer("target", keys["target"], range(6)),
+                PoolTransfer("draft", keys["draft"][:5], range(5)),  # draft misses page 5
+                PoolTransfer("swa", [keys["swa"][i] for i in (1, 2, 4)], [1, 2, 4]),
+            ]
+        )
         st.flush(30)
         tr = [PoolTransfer(p, keys[p], np.arange(6)) for p in ("target", "draft", "swa")]
         # draft limits to 5; the window [3, 5) lacks swa page 3; [2, 4) lacks 3; [1, 3) is complete
@@ -162,10 +174,14 @@ def test_namespace_isolation(backend, tmp_path):
         st.batch_set(page_keys(base, tokens), range(4))
         st.flush(30)
         assert st.batch_exists(page_keys(base, tokens)) == 4
-        for other in (namespace(model="other-model"), namespace(KVGeometry.mha(2, 4, 2, 32, "float8_e4m3fn")),
-                      namespace(extra_key="salt-2"),
-                      namespace(weights_revision="r2"), namespace(tp_size=2, tp_rank=1),
-                      namespace(layout="layer_first")):
+        for other in (
+            namespace(model="other-model"),
+            namespace(KVGeometry.mha(2, 4, 2, 32, "float8_e4m3fn")),
+            namespace(extra_key="salt-2"),
+            namespace(weights_revision="r2"),
+            namespace(tp_size=2, tp_rank=1),
+            namespace(layout="layer_first"),
+        ):
             assert st.batch_exists(page_keys(other, tokens)) == 0, other
 
 
@@ -208,7 +224,7 @@ def test_capacity_evicts_oldest(backend, tmp_path):
     # room for ~8 pages (file pages carry a 64-byte header; orbax evicts whole 4-page segments)
     with make_store(backend, tmp_path, {"target": src}, capacity_bytes=8 * (pb + 64), segment_pages=4) as st:
         for i in range(0, 16, 4):
-            st.batch_set(keys[i:i + 4], range(i, i + 4))
+            st.batch_set(keys[i : i + 4], range(i, i + 4))
             st.flush(30)
         present = [st.batch_exists([k]) for k in keys]
         assert present[-4:] == [1] * 4  # newest kept
@@ -224,8 +240,9 @@ def test_backends_implement_hooks_not_public_methods(backend, tmp_path):
 
     with make_store(backend, tmp_path, {"target": HostKVPool(GEOM, 2)}) as st:
         public = {n for n, v in vars(HiCacheStorage).items() if not n.startswith("_") and callable(v)}
-        overridden = {n for cls in type(st).__mro__[:type(st).__mro__.index(HiCacheStorage)]
-                      for n in vars(cls) if n in public}
+        overridden = {
+            n for cls in type(st).__mro__[: type(st).__mro__.index(HiCacheStorage)] for n in vars(cls) if n in public
+        }
         assert not overridden, f"{type(st).__name__} overrides {sorted(overridden)}"
 
 

@@ -15,16 +15,23 @@ from storage_helpers import REPO
 NS = Namespace(model="m", weights_revision="r1", kv_dtype="bfloat16", page_size=4, layout="page_first")
 TOKENS = np.arange(1000, 1000 + 4 * 6)
 
-_CODE = ("import json, numpy as np; from hicache_jax.storage import Namespace, page_keys; "
-         "ns = Namespace(model='m', weights_revision='r1', kv_dtype='bfloat16', page_size=4, layout='page_first'); "
-         "print(json.dumps([k.hex() for k in page_keys(ns, np.arange(1000, 1024))]))")
+_CODE = (
+    "import json, numpy as np; from hicache_jax.storage import Namespace, page_keys; "
+    "ns = Namespace(model='m', weights_revision='r1', kv_dtype='bfloat16', page_size=4, layout='page_first'); "
+    "print(json.dumps([k.hex() for k in page_keys(ns, np.arange(1000, 1024))]))"
+)
 
 
 def test_keys_identical_across_processes():
     outs = set()
     for seed in ("0", "1", "random"):  # different hash seeds must not matter
-        r = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, cwd=REPO,
-                           env={"PYTHONHASHSEED": seed, "PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+        r = subprocess.run(
+            [sys.executable, "-c", _CODE],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={"PYTHONHASHSEED": seed, "PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"},
+        )
         assert r.returncode == 0, r.stderr
         outs.add(r.stdout.strip())
     assert len(outs) == 1
@@ -34,9 +41,23 @@ def test_keys_identical_across_processes():
 def test_format_is_pinned():
     # Changing the key format silently would orphan every stored page: bump KEY_FORMAT_VERSION instead.
     import hashlib
-    ns_blob = json.dumps({"extra_key": "", "kv_dtype": "bfloat16", "layout": "page_first", "model": "m",
-                          "page_size": 4, "pool": "target", "tp_rank": 0, "tp_size": 1, "weights_revision": "r1",
-                          "key_format": 1}, sort_keys=True, separators=(",", ":")).encode()
+
+    ns_blob = json.dumps(
+        {
+            "extra_key": "",
+            "kv_dtype": "bfloat16",
+            "layout": "page_first",
+            "model": "m",
+            "page_size": 4,
+            "pool": "target",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "weights_revision": "r1",
+            "key_format": 1,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
     seed = hashlib.sha256(b"hicache_jax/ns/v1\0" + ns_blob).digest()
     assert NS.digest == seed
     d0 = hashlib.sha256(seed + np.arange(1000, 1004, dtype="<u4").tobytes()).digest()
@@ -44,9 +65,20 @@ def test_format_is_pinned():
     assert page_keys(NS, TOKENS)[:2] == [d0, d1]
 
 
-@pytest.mark.parametrize("field,value", [("model", "m2"), ("weights_revision", "r2"), ("kv_dtype", "float8_e4m3fn"),
-                                         ("layout", "layer_first"), ("pool", "draft"), ("tp_size", 2),
-                                         ("tp_rank", None), ("extra_key", "lora-7"), ("page_size", None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "m2"),
+        ("weights_revision", "r2"),
+        ("kv_dtype", "float8_e4m3fn"),
+        ("layout", "layer_first"),
+        ("pool", "draft"),
+        ("tp_size", 2),
+        ("tp_rank", None),
+        ("extra_key", "lora-7"),
+        ("page_size", None),
+    ],
+)
 def test_every_namespace_field_changes_every_key(field, value):
     base = page_keys(NS, TOKENS)
     if field == "tp_rank":

@@ -52,8 +52,9 @@ def test_folded_reports_equal_the_stores_contents_through_capacity_evictions(bac
     with make_store(backend, tmp_path, {"target": src}, segment_pages=4) as probe:
         page = probe.codecs["target"].page_bytes
     cap = 10 * (page + 64)  # about ten pages (the file store counts its 64-byte headers)
-    with make_store(backend, tmp_path / "s", {"target": src}, capacity_bytes=cap, segment_pages=4,
-                    refresh_interval_s=0) as st:
+    with make_store(
+        backend, tmp_path / "s", {"target": src}, capacity_bytes=cap, segment_pages=4, refresh_interval_s=0
+    ) as st:
         seen = Folded()
         st.add_listener(seen)
         for step in range(30):
@@ -226,8 +227,9 @@ def test_orbax_refresh_reports_other_writers_segments_arriving_and_vanishing(tmp
     keys = keys_for(4, seed=10)
     more = keys_for(4, seed=11)
     w = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, refresh_interval_s=0)
-    r = make_store("orbax", tmp_path, {"target": HostKVPool(GEOM, 8, "page_first")}, segment_pages=4,
-                   refresh_interval_s=0)
+    r = make_store(
+        "orbax", tmp_path, {"target": HostKVPool(GEOM, 8, "page_first")}, segment_pages=4, refresh_interval_s=0
+    )
     try:
         seen = Folded()
         r.add_listener(seen)

@@ -62,8 +62,12 @@ def test_pack_rejects_bad_ids_and_outputs_before_writing():
     with pytest.raises(ValueError, match="host_id"):
         codec.pack(np.array([-1, 0]), out)
     assert (out == 7).all()
-    for bad in (np.zeros((3, codec.page_bytes), np.uint8), np.zeros((2, codec.page_bytes - 1), np.uint8),
-                np.zeros((2, codec.page_bytes), np.int8), np.zeros((2, 2 * codec.page_bytes), np.uint8)[:, ::2]):
+    for bad in (
+        np.zeros((3, codec.page_bytes), np.uint8),
+        np.zeros((2, codec.page_bytes - 1), np.uint8),
+        np.zeros((2, codec.page_bytes), np.int8),
+        np.zeros((2, 2 * codec.page_bytes), np.uint8)[:, ::2],
+    ):
         with pytest.raises(ValueError, match="out: expected"):
             codec.pack(np.array([0, 1]), bad)
     ro = np.zeros((2, codec.page_bytes), np.uint8)

@@ -24,8 +24,11 @@ def _pools():
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name.startswith("hicache_jax.storage")]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("hicache_jax.storage")
+    ]
 
 
 def test_strict_must_be_a_bool():
@@ -112,9 +115,13 @@ def _free_port() -> int:
 
 def _down_mooncake(**kw) -> StorageConfig:
     pytest.importorskip("mooncake.store", reason="the 'mooncake' extra is not installed")
-    return StorageConfig(backend="mooncake", mooncake_master=f"127.0.0.1:{_free_port()}",
-                         mooncake_metadata=f"http://127.0.0.1:{_free_port()}/metadata",
-                         mooncake_connect_timeout_s=1.0, **kw)
+    return StorageConfig(
+        backend="mooncake",
+        mooncake_master=f"127.0.0.1:{_free_port()}",
+        mooncake_metadata=f"http://127.0.0.1:{_free_port()}/metadata",
+        mooncake_connect_timeout_s=1.0,
+        **kw,
+    )
 
 
 def test_mooncake_master_down_raises_naming_the_setting():
@@ -151,8 +158,9 @@ def test_cache_with_a_misconfigured_store_serves_without_l3_when_not_strict(tmp_
     with pytest.raises(StorageSetupError, match="^path: "):
         StorageController(cache, StorageConfig(backend="file", path=str(f)), model="m")
     caplog.set_level(logging.WARNING, logger="hicache_jax.storage")
-    ctl = StorageController(cache, StorageConfig(backend="file", path=str(f), strict=False,
-                                                 prefetch_threshold_tokens=4), model="m")
+    ctl = StorageController(
+        cache, StorageConfig(backend="file", path=str(f), strict=False, prefetch_threshold_tokens=4), model="m"
+    )
     assert isinstance(ctl.storage, DisabledStorage)
     key = RadixKey(np.arange(0, 16, dtype=np.int64))
     prefill_insert(cache, KVOracle(be), key)

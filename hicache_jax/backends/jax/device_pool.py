@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ...allocator import PageAllocator, check_page_ids
 from ...kv_geometry import KVGeometry
 
+
 class StaleDevicePoolError(RuntimeError):
     """A pool layer array was donated to a step and the step's output was never installed."""
 
@@ -85,8 +86,15 @@ class JaxDevicePool:
     donates to its copies on that thread. Not thread-safe.
     """
 
-    def __init__(self, geom: KVGeometry, num_pages: int, mesh: Mesh | None = None, kv_axis: str = "tp",
-                 device: jax.Device | None = None, replicate_fewer_heads: bool = False) -> None:
+    def __init__(
+        self,
+        geom: KVGeometry,
+        num_pages: int,
+        mesh: Mesh | None = None,
+        kv_axis: str = "tp",
+        device: jax.Device | None = None,
+        replicate_fewer_heads: bool = False,
+    ) -> None:
         if not isinstance(geom, KVGeometry):
             raise TypeError(f"geom: expected KVGeometry, got {type(geom).__name__}")
         self.geom = geom
@@ -105,10 +113,14 @@ class JaxDevicePool:
             if geom.kind == "mha" and replicate_fewer_heads and geom.num_kv_heads < tp:
                 self.replicated = True
             elif geom.kind == "mha" and geom.num_kv_heads % tp:
-                fewer = " (replicate_fewer_heads=True replicates a pool with fewer heads than devices)" \
-                    if geom.num_kv_heads < tp else ""
-                raise ValueError(f"mesh: {geom.num_kv_heads} KV heads do not split over {tp} devices on "
-                                 f"{kv_axis!r}{fewer}")
+                fewer = (
+                    " (replicate_fewer_heads=True replicates a pool with fewer heads than devices)"
+                    if geom.num_kv_heads < tp
+                    else ""
+                )
+                raise ValueError(
+                    f"mesh: {geom.num_kv_heads} KV heads do not split over {tp} devices on {kv_axis!r}{fewer}"
+                )
             spec = PartitionSpec() if self.replicated else PartitionSpec(None, None, kv_axis, None)
             self.sharding = NamedSharding(mesh, spec)
         else:
@@ -117,7 +129,8 @@ class JaxDevicePool:
         shape = (self.num_pages,) + geom.page_shape
         zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.sharding)
         self.buffers: dict[str, list[jax.Array]] = {
-            c: [zeros() for _ in range(geom.num_layers)] for c in geom.components}
+            c: [zeros() for _ in range(geom.num_layers)] for c in geom.components
+        }
 
     @property
     def multiprocess(self) -> bool:
@@ -131,8 +144,12 @@ class JaxDevicePool:
         if not self.multiprocess or self.replicated:
             return self.geom
         shape = (self.num_pages,) + self.geom.page_shape
-        spans = sorted({(sl[2].start or 0, self.geom.num_kv_heads if sl[2].stop is None else sl[2].stop)
-                        for sl in self.sharding.addressable_devices_indices_map(shape).values()})
+        spans = sorted(
+            {
+                (sl[2].start or 0, self.geom.num_kv_heads if sl[2].stop is None else sl[2].stop)
+                for sl in self.sharding.addressable_devices_indices_map(shape).values()
+            }
+        )
         if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
             raise ValueError(f"mesh: this process's KV heads {spans} are not one contiguous range")
         return replace(self.geom, num_kv_heads=spans[-1][1] - spans[0][0])
@@ -170,7 +187,8 @@ class JaxDevicePool:
             f"device pool: layer {layer} of component {component!r} was donated to a jitted step and the "
             f"step's output was never installed, so the pool holds a deleted array. Run KV-writing steps "
             f"through JaxDevicePool.apply(step, ...) (or write_pages), which install the outputs, or call "
-            f"set_layer(component, layer, new_array) for every layer the step returned")
+            f"set_layer(component, layer, new_array) for every layer the step returned"
+        )
 
     def check(self) -> None:
         """Raise ``StaleDevicePoolError`` if any layer array was donated and not replaced."""
@@ -190,8 +208,10 @@ class JaxDevicePool:
         if array.shape != old.shape or array.dtype != old.dtype:
             raise ValueError(f"array: expected {old.shape} {old.dtype}, got {array.shape} {array.dtype}")
         if array.is_deleted():
-            raise ValueError(f"array: already deleted (donated to another step); install the output of the "
-                             f"step that consumed layer {layer} of {component!r} instead")
+            raise ValueError(
+                f"array: already deleted (donated to another step); install the output of the "
+                f"step that consumed layer {layer} of {component!r} instead"
+            )
         self.buffers[component][layer] = self._committed(array)
 
     def _committed(self, array: jax.Array) -> jax.Array:
@@ -227,8 +247,10 @@ class JaxDevicePool:
             for l, a in enumerate(layers):
                 old = self.buffers[c][l]
                 if not isinstance(a, jax.Array) or a.shape != old.shape or a.dtype != old.dtype:
-                    raise ValueError(f"{what}: layer {l} of {c!r}: expected {old.shape} {old.dtype}, got "
-                                     f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')}")
+                    raise ValueError(
+                        f"{what}: layer {l} of {c!r}: expected {old.shape} {old.dtype}, got "
+                        f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')}"
+                    )
         for c, layers in new.items():
             self.buffers[c] = [self._committed(a) for a in layers]
 
@@ -247,14 +269,16 @@ class JaxDevicePool:
         want = (self.geom.num_layers, ids.size) + self.geom.page_shape
         for c, v in kv.items():
             if tuple(getattr(v, "shape", ())) != want:
-                raise ValueError(f"kv[{c!r}]: expected shape {want} (layers, pages, page, heads, dim), "
-                                 f"got {getattr(v, 'shape', type(v).__name__)}")
+                raise ValueError(
+                    f"kv[{c!r}]: expected shape {want} (layers, pages, page, heads, dim), "
+                    f"got {getattr(v, 'shape', type(v).__name__)}"
+                )
         self.check()
         if not ids.size:
             return
         nb = _bucket(ids.size)
         padded = np.full(nb, self.num_pages, np.int32)  # out of range: dropped
-        padded[:ids.size] = ids
+        padded[: ids.size] = ids
         for c, v in kv.items():
             v = jnp.asarray(v)
             if nb != ids.size:

@@ -52,7 +52,6 @@ from ...host_layout import HostLayout, host_array_shape, page_major_shape
 from ...kv_geometry import KVGeometry
 
 
-
 STREAM_LOOPS = ("dynamic", "static")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -80,6 +79,7 @@ def _space(kind: str):
     if space is not None:
         return space.Device if kind == "device" else space.Host
     from jax._src.sharding_impls import TransferToMemoryKind  # older jax
+
     return TransferToMemoryKind(kind)
 
 
@@ -107,13 +107,13 @@ class PinnedHostArena:
         # the host directly in host memory; whether a GPU build stages it in device memory first
         # (a problem for pools larger than the device) is to check on a GPU (scripts/gpu_check.sh).
         to_host = _space("host")
-        self._array = jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), to_host),
-                              out_shardings=self.sharding)()
+        self._array = jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), to_host), out_shardings=self.sharding)()
         self._array.block_until_ready()
         self.address = self._array.unsafe_buffer_pointer()
         # keeps the arena (hence whichever array currently holds the address) alive
-        self.view = numpy_view(self.address, self._array.nbytes, geom.container_dtype,
-                               host_array_shape(geom, self.layout, num_pages), self)
+        self.view = numpy_view(
+            self.address, self._array.nbytes, geom.container_dtype, host_array_shape(geom, self.layout, num_pages), self
+        )
         self.memory_kind = "pinned_host"
 
     @property
@@ -143,7 +143,8 @@ class PinnedHostArena:
             raise HostArenaMovedError(
                 f"host arena: XLA returned the donated pinned-host pool at {addr:#x}, not at {self.address:#x}; "
                 f"the numpy view no longer aliases it (something holds an external reference to the arena "
-                f"array, e.g. np.asarray(arena.array); read host pages through the host pool instead)")
+                f"array, e.g. np.asarray(arena.array); read host pages through the host pool instead)"
+            )
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ class StreamPlan:
                     page = page.reshape(self.staging_shape(1, layers))
                     out.append(lax.dynamic_update_slice(buf, page, self._staging_index(i)))
                 return tuple(out)
+
             return self._loop(nb, n, body, tuple(staging))
 
         return f
@@ -229,6 +231,7 @@ class StreamPlan:
                         start = (jnp.int32(c), ids[i], z, z, z, z)
                     arena = lax.dynamic_update_slice(arena, jax.device_put(page, to_host), start)
                 return arena, count + 1
+
             return self._loop(ids.shape[0], n, body, (arena, jnp.int32(0)))
 
         return f

@@ -42,8 +42,9 @@ def host_memory_kind(device: jax.Device | None = None) -> str | None:
     return None
 
 
-def host_buffer(shape: tuple[int, ...], dtype, device: jax.Device | None = None,
-                memory_kind: str = "pinned_host") -> tuple[np.ndarray, jax.Array]:
+def host_buffer(
+    shape: tuple[int, ...], dtype, device: jax.Device | None = None, memory_kind: str = "pinned_host"
+) -> tuple[np.ndarray, jax.Array]:
     """(writable numpy view, owning JAX array) of a zeroed buffer in ``memory_kind``.
 
     The buffer is made by an eager ``device_put`` of numpy zeros, not as the output of a
@@ -80,8 +81,9 @@ def staging_works(device: jax.Device, memory_kind: str = "pinned_host") -> str:
     return ""
 
 
-def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST,
-                     device: jax.Device | None = None) -> HostKVPool:
+def pinned_host_pool(
+    geom: KVGeometry, num_pages: int, layout: HostLayout | str = HostLayout.PAGE_FIRST, device: jax.Device | None = None
+) -> HostKVPool:
     """A HostKVPool whose array lives in pinned host memory (plain numpy if there is none).
 
     The memory is a ``PinnedHostArena`` (``pool.buffer_owner``): a ``pinned_host`` jax.Array
@@ -94,8 +96,9 @@ def pinned_host_pool(geom: KVGeometry, num_pages: int, layout: HostLayout | str 
         arena = PinnedHostArena(geom, layout, num_pages, device)
     except Exception as e:  # noqa: BLE001 - runtimes that list pinned_host but cannot place arrays there
         # e.g. jax 0.9's CPU backend: "No registered implementation for ... annotate_device_placement"
-        log.warning("pinned host memory is listed but unusable here (%s: %s); the host pool is plain numpy",
-                    type(e).__name__, e)
+        log.warning(
+            "pinned host memory is listed but unusable here (%s: %s); the host pool is plain numpy", type(e).__name__, e
+        )
         return HostKVPool(geom, num_pages, layout)
     return HostKVPool(geom, num_pages, layout, buffer=arena.view, buffer_owner=arena)
 

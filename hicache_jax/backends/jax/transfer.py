@@ -53,12 +53,25 @@ import numpy as np
 from pallas_kernels.page_copy.dispatch import PageCopier, PageCopyConfig
 
 from ...host_pool import HostKVPool
-from ...transfer import (CompletedHandle, FutureHandle, KVTransferEngine, LoadHandle, SerialWorker, TransferError,
-                         TransferHandle)
+from ...transfer import (
+    CompletedHandle,
+    FutureHandle,
+    KVTransferEngine,
+    LoadHandle,
+    SerialWorker,
+    TransferError,
+    TransferHandle,
+)
 from ...workers import DEFAULT_WORKER_NICE, check_nice
 from .device_pool import JaxDevicePool
-from .host_stream import (HostArenaMovedError, PinnedHostArena, StreamPlan, default_group_layers, default_stream_loop,
-                          layer_groups)
+from .host_stream import (
+    HostArenaMovedError,
+    PinnedHostArena,
+    StreamPlan,
+    default_group_layers,
+    default_stream_loop,
+    layer_groups,
+)
 from .memory import StagingRing, host_memory_kind, staging_works
 
 HOST_COPIES = ("auto", "xla_stream", "numpy")
@@ -109,8 +122,12 @@ class JaxLoadHandle(LoadHandle):
 
     def layer_done(self, layer: int) -> bool:
         ok = all(self._ready(a) for a in self._per_layer[layer])
-        if ok and self._t_done is None and layer == self.num_layers - 1 and \
-                all(self._ready(a) for arrays in self._per_layer for a in arrays):
+        if (
+            ok
+            and self._t_done is None
+            and layer == self.num_layers - 1
+            and all(self._ready(a) for arrays in self._per_layer for a in arrays)
+        ):
             self._t_done = time.perf_counter()
         return ok
 
@@ -186,11 +203,19 @@ class JaxTransferEngine(KVTransferEngine):
     the pool's platform, ``default_stream_loop``). ``self.host_copy`` says which path runs,
     ``self.stream_loop`` / ``self.stream_unroll`` which loop."""
 
-    def __init__(self, device_pool: JaxDevicePool, host_pool: HostKVPool, copier: PageCopier | None = None,
-                 copy_config: PageCopyConfig | None = None, use_host_memory_kind: bool = True,
-                 worker_nice: int = DEFAULT_WORKER_NICE, host_copy: str = "auto",
-                 load_group_layers: int | None = None, stream_loop: str | None = None,
-                 stream_unroll: int | None = None) -> None:
+    def __init__(
+        self,
+        device_pool: JaxDevicePool,
+        host_pool: HostKVPool,
+        copier: PageCopier | None = None,
+        copy_config: PageCopyConfig | None = None,
+        use_host_memory_kind: bool = True,
+        worker_nice: int = DEFAULT_WORKER_NICE,
+        host_copy: str = "auto",
+        load_group_layers: int | None = None,
+        stream_loop: str | None = None,
+        stream_unroll: int | None = None,
+    ) -> None:
         if host_copy not in HOST_COPIES:
             raise ValueError(f"host_copy: expected one of {HOST_COPIES}, got {host_copy!r}")
         if stream_loop is None:
@@ -200,8 +225,10 @@ class JaxTransferEngine(KVTransferEngine):
             stream_unroll = 1
         self.stream_loop, self.stream_unroll = stream_loop, stream_unroll
         if device_pool.local_geom != host_pool.geom:
-            raise ValueError(f"host_pool: geometry {host_pool.geom} differs from this process's share of the device "
-                             f"pool {device_pool.local_geom}")
+            raise ValueError(
+                f"host_pool: geometry {host_pool.geom} differs from this process's share of the device "
+                f"pool {device_pool.local_geom}"
+            )
         self.multiprocess = device_pool.multiprocess
         self.geom = host_pool.geom
         self.device_pool = device_pool
@@ -209,8 +236,12 @@ class JaxTransferEngine(KVTransferEngine):
         self.device_num_pages = device_pool.num_pages
         if copier is None:
             mesh, axis = device_pool.copier_sharding
-            copier = PageCopier(copy_config or PageCopyConfig(max_pages=device_pool.num_pages), mesh=mesh,
-                                kv_axis=axis, device=device_pool.local_device if mesh is None else None)
+            copier = PageCopier(
+                copy_config or PageCopyConfig(max_pages=device_pool.num_pages),
+                mesh=mesh,
+                kv_axis=axis,
+                device=device_pool.local_device if mesh is None else None,
+            )
         self.copier = copier
         self.order = host_pool.layout.transfer_order
         # Memory kind D2H buffers land in (pinned where the platform has it); None: plain copies.
@@ -221,8 +252,10 @@ class JaxTransferEngine(KVTransferEngine):
             ring_device = next(iter(device_pool.sharding.device_set))
             failed = staging_works(ring_device, "pinned_host")
             if failed:
-                log.warning("H2D staging falls back to pageable numpy buffers (pinned staging failed on this "
-                            "runtime): %s", failed)
+                log.warning(
+                    "H2D staging falls back to pageable numpy buffers (pinned staging failed on this runtime): %s",
+                    failed,
+                )
             else:
                 self._ring = StagingRing(ring_device, "pinned_host")
         self._d2h = SerialWorker("hicache-d2h", check_nice(worker_nice))
@@ -232,8 +265,14 @@ class JaxTransferEngine(KVTransferEngine):
         self.host_copy = "xla_stream" if host_copy != "numpy" and not why_not else "numpy"
         if self.host_copy == "xla_stream":
             self._arena: PinnedHostArena = host_pool.buffer_owner
-            self._plan = StreamPlan(self.order, self.geom.num_layers, self.device_pool.geom.page_shape,
-                                    self.device_pool.dtype, stream_loop, stream_unroll)
+            self._plan = StreamPlan(
+                self.order,
+                self.geom.num_layers,
+                self.device_pool.geom.page_shape,
+                self.device_pool.dtype,
+                stream_loop,
+                stream_unroll,
+            )
             group = default_group_layers(self.geom) if load_group_layers is None else load_group_layers
             self.load_groups = layer_groups(self.geom.num_layers, group)
             self._stream_exes: dict = {}
@@ -243,8 +282,9 @@ class JaxTransferEngine(KVTransferEngine):
             if failed:
                 if host_copy == "xla_stream":
                     raise ValueError(f"host_copy: 'xla_stream' does not work on this runtime: {failed}")
-                log.warning("host copies fall back to numpy (streaming pinned host pages failed on this "
-                            "runtime): %s", failed)
+                log.warning(
+                    "host copies fall back to numpy (streaming pinned host pages failed on this runtime): %s", failed
+                )
                 self.host_copy = "numpy"
         else:  # validated even where unused
             if load_group_layers is not None:
@@ -315,8 +355,9 @@ class JaxTransferEngine(KVTransferEngine):
     def precompile(self, max_pages: int | None = None) -> int:
         """Compile every bucket's gather, scatter (and stream copies) now, so serving never compiles."""
         shape = (self.device_num_pages,) + self.device_pool.geom.page_shape
-        built = self.copier.precompile(shape, self.device_pool.dtype, self.geom.num_layers, (self.order,),
-                                       max_pages=max_pages)
+        built = self.copier.precompile(
+            shape, self.device_pool.dtype, self.geom.num_layers, (self.order,), max_pages=max_pages
+        )
         if self.host_copy == "xla_stream":
             for nb in self.copier.buckets:
                 if max_pages is not None and nb > self.copier.bucket_for(max_pages):
@@ -325,8 +366,9 @@ class JaxTransferEngine(KVTransferEngine):
                 for l0, g in self.load_groups:
                     self._h2d_exe(nb, l0, g)
                     # group-sized scatter shapes (the copier's precompile covers all-layer buffers)
-                    self.copier.precompile_scatter(shape, self.device_pool.dtype,
-                                                   self._plan.staging_shape(nb, g), nb, self.order)
+                    self.copier.precompile_scatter(
+                        shape, self.device_pool.dtype, self._plan.staging_shape(nb, g), nb, self.order
+                    )
                 built += 1 + len(self.load_groups)
         return built
 
@@ -334,15 +376,22 @@ class JaxTransferEngine(KVTransferEngine):
     def _jit_h2d(self, arena: PinnedHostArena, nb: int, l0: int, g: int):
         """The jitted H2D stream copy of ``arena``'s pages (layers [l0, l0+g)) into staging."""
         dev = (jax.sharding.SingleDeviceSharding(self._device),) * len(self.geom.components)
-        return jax.jit(self._plan.h2d(nb, l0, g), donate_argnums=(3,),
-                       in_shardings=(arena.sharding, dev[0], dev[0], dev), out_shardings=dev)
+        return jax.jit(
+            self._plan.h2d(nb, l0, g),
+            donate_argnums=(3,),
+            in_shardings=(arena.sharding, dev[0], dev[0], dev),
+            out_shardings=dev,
+        )
 
     def _jit_d2h(self, arena: PinnedHostArena):
         """The jitted D2H stream copy of transfer buffers into ``arena`` (donated)."""
         dev = jax.sharding.SingleDeviceSharding(self._device)
-        return jax.jit(self._plan.d2h(), donate_argnums=(0,),
-                       in_shardings=(arena.sharding, (dev,) * len(self.geom.components), dev, dev),
-                       out_shardings=(arena.sharding, dev))
+        return jax.jit(
+            self._plan.d2h(),
+            donate_argnums=(0,),
+            in_shardings=(arena.sharding, (dev,) * len(self.geom.components), dev, dev),
+            out_shardings=(arena.sharding, dev),
+        )
 
     def _compiled(self, key, build):
         # ``build() -> (jitted, example args)`` only on a miss: building a ``jax.jit`` and its
@@ -360,8 +409,9 @@ class JaxTransferEngine(KVTransferEngine):
         return exe
 
     def _aval(self, shape):
-        return jax.ShapeDtypeStruct(tuple(shape), self.device_pool.dtype,
-                                    sharding=jax.sharding.SingleDeviceSharding(self._device))
+        return jax.ShapeDtypeStruct(
+            tuple(shape), self.device_pool.dtype, sharding=jax.sharding.SingleDeviceSharding(self._device)
+        )
 
     def _ids_aval(self, n):
         return jax.ShapeDtypeStruct((n,), np.int32, sharding=jax.sharding.SingleDeviceSharding(self._device))
@@ -370,19 +420,23 @@ class JaxTransferEngine(KVTransferEngine):
         def build():
             staging = tuple(self._aval(self._plan.staging_shape(nb, g)) for _ in self.geom.components)
             # the arena itself, not an aval: a ShapeDtypeStruct does not carry the host memory space
-            return (self._jit_h2d(self._arena, nb, l0, g),
-                    (self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging))
+            return (
+                self._jit_h2d(self._arena, nb, l0, g),
+                (self._arena.array, self._ids_aval(nb), self._ids_aval(1), staging),
+            )
+
         return self._compiled(("h2d", nb, l0, g), build)
 
     def _d2h_exe(self, nb: int):
         def build():
             bufs = tuple(self._aval(self._plan.staging_shape(nb, self.geom.num_layers)) for _ in self.geom.components)
             return self._jit_d2h(self._arena), (self._arena.array, bufs, self._ids_aval(nb), self._ids_aval(1))
+
         return self._compiled(("d2h", nb), build)  # see _h2d_exe
 
     def _pad_ids(self, ids: np.ndarray, nb: int) -> tuple[jax.Array, jax.Array]:
         padded = np.zeros(nb, np.int32)
-        padded[:ids.size] = ids
+        padded[: ids.size] = ids
         ids_dev, n_dev = jax.device_put((padded, np.array([ids.size], np.int32)), self._device)  # one batched call
         return ids_dev, n_dev
 
@@ -428,7 +482,7 @@ class JaxTransferEngine(KVTransferEngine):
             return self._load_stream(d, h)
         nb = self.copier.bucket_for(h.size)
         padded = np.zeros(nb, np.int32)
-        padded[:h.size] = h  # padding reads host page 0; the scatter skips those positions
+        padded[: h.size] = h  # padding reads host page 0; the scatter skips those positions
         per_layer: list[list[jax.Array]] = [[] for _ in range(self.geom.num_layers)]
         for c in self.geom.components:
             layers = self.device_pool.layers(c)  # checked once (StaleDevicePoolError); updated in place below
@@ -449,12 +503,13 @@ class JaxTransferEngine(KVTransferEngine):
             staging = self._staging.pop(key, None)
             if staging is None:
                 shape = self._plan.staging_shape(nb, g)
-                staging = tuple(jax.device_put(np.zeros(shape, self.device_pool.dtype), self._device)
-                                for _ in self.geom.components)
+                staging = tuple(
+                    jax.device_put(np.zeros(shape, self.device_pool.dtype), self._device) for _ in self.geom.components
+                )
             staging = self._h2d_exe(nb, l0, g)(self._arena.array, ids, n, staging)
             self._staging[key] = staging  # donated by the next load of this shape
             for c, buf in zip(self.geom.components, staging):
-                new = self.copier.scatter_layers(layers[c][l0:l0 + g], d, buf, self.order)
+                new = self.copier.scatter_layers(layers[c][l0 : l0 + g], d, buf, self.order)
                 for j, arr in enumerate(new):
                     self.device_pool.set_layer(c, l0 + j, arr)
                     per_layer[l0 + j].append(self.device_pool.buffers[c][l0 + j])  # the installed array

@@ -9,5 +9,18 @@ from .registry import ComponentRegistry, MultiLoadHandle, MultiTransferHandle
 from .sidecar import SidecarComponent
 from .swa import SWA, SWAComponent, SWAMetrics
 
-__all__ = ["FULL", "SWA", "ComponentContext", "ComponentRegistry", "CopyPlan", "FullComponent", "KVComponent",
-           "MultiLoadHandle", "MultiTransferHandle", "NoRoom", "SWAComponent", "SWAMetrics", "SidecarComponent"]
+__all__ = [
+    "FULL",
+    "SWA",
+    "ComponentContext",
+    "ComponentRegistry",
+    "CopyPlan",
+    "FullComponent",
+    "KVComponent",
+    "MultiLoadHandle",
+    "MultiTransferHandle",
+    "NoRoom",
+    "SWAComponent",
+    "SWAMetrics",
+    "SidecarComponent",
+]

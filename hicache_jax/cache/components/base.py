@@ -100,8 +100,16 @@ class NoRoom(Exception):
 class ComponentContext:
     """What a stateful component may act on (``attach``): the cache's own modules."""
 
-    def __init__(self, config: "HiCacheConfig", tree: "RadixTree", residency: "Residency", evictor: "Evictor",
-                 locks: "PathLocks", ledger: "TransferLedger", metrics: "CacheMetrics") -> None:
+    def __init__(
+        self,
+        config: "HiCacheConfig",
+        tree: "RadixTree",
+        residency: "Residency",
+        evictor: "Evictor",
+        locks: "PathLocks",
+        ledger: "TransferLedger",
+        metrics: "CacheMetrics",
+    ) -> None:
         self.config = config
         self.page_size = config.page_size
         self.tree = tree
@@ -120,8 +128,16 @@ class CopyPlan:
 
     __slots__ = ("component", "src", "dst", "_commit", "_done", "_cancel")
 
-    def __init__(self, component: str, src: np.ndarray, dst: np.ndarray, *, commit: Callable[[], None] | None = None,
-                 done: Callable[[], None] | None = None, cancel: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        component: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        *,
+        commit: Callable[[], None] | None = None,
+        done: Callable[[], None] | None = None,
+        cancel: Callable[[], None] | None = None,
+    ) -> None:
         self.component = component
         self.src, self.dst = src, dst
         self._commit, self._done, self._cancel = commit, done, cancel
@@ -169,7 +185,9 @@ class KVComponent:
         self.engine = engine
 
     # ------------------------------------------------------------------ transfers
-    def backup(self, device_ids: np.ndarray, host_ids: np.ndarray, plan: CopyPlan | None = None) -> TransferHandle | None:
+    def backup(
+        self, device_ids: np.ndarray, host_ids: np.ndarray, plan: CopyPlan | None = None
+    ) -> TransferHandle | None:
         """D2H copy of this component's pages for the full pages ``device_ids`` -> ``host_ids``
         (the cache's own ids: ``KVTransferEngine.backup_owned``); a component with its own
         ids copies its ``plan`` instead (None: nothing to copy)."""

@@ -85,23 +85,31 @@ class MultiTransferHandle(_CombinedHandle, TransferHandle):
 class ComponentRegistry:
     """The components of one cache, validated against the full component at construction."""
 
-    def __init__(self, engine: KVTransferEngine, device_allocator: PageAllocator,
-                 sidecars: Mapping[str, KVTransferEngine] | None = None,
-                 plugins: "tuple[KVComponent, ...] | list[KVComponent]" = ()) -> None:
+    def __init__(
+        self,
+        engine: KVTransferEngine,
+        device_allocator: PageAllocator,
+        sidecars: Mapping[str, KVTransferEngine] | None = None,
+        plugins: "tuple[KVComponent, ...] | list[KVComponent]" = (),
+    ) -> None:
         if not isinstance(engine, KVTransferEngine):
             raise TypeError(f"engine: expected a KVTransferEngine, got {type(engine).__name__}")
         if not isinstance(device_allocator, PageAllocator):
             raise TypeError(f"device_allocator: expected a PageAllocator, got {type(device_allocator).__name__}")
         if device_allocator.num_pages != engine.device_num_pages:
-            raise ValueError(f"device_allocator: {device_allocator.num_pages} pages, but the engine's device pool "
-                             f"has {engine.device_num_pages}")
+            raise ValueError(
+                f"device_allocator: {device_allocator.num_pages} pages, but the engine's device pool "
+                f"has {engine.device_num_pages}"
+            )
         host_pool = getattr(engine, "host_pool", None)
         if device_allocator is getattr(host_pool, "allocator", None):
             raise ValueError("device_allocator: this is the engine's host pool's allocator; pass the device pool's")
         own = getattr(getattr(engine, "device_pool", None), "allocator", None)
         if isinstance(own, PageAllocator) and own is not device_allocator:
-            raise ValueError(f"device_allocator: expected the engine's device pool's allocator ({own!r}), got "
-                             f"another one ({device_allocator!r})")
+            raise ValueError(
+                f"device_allocator: expected the engine's device pool's allocator ({own!r}), got "
+                f"another one ({device_allocator!r})"
+            )
         if sidecars is not None and not isinstance(sidecars, Mapping):
             raise TypeError(f"sidecars: expected a mapping of name -> KVTransferEngine, got {type(sidecars).__name__}")
         if isinstance(plugins, (str, bytes, Mapping)) or not isinstance(plugins, (tuple, list)):
@@ -120,11 +128,15 @@ class ComponentRegistry:
             if comp.name in comps:
                 raise ValueError(f"components: the name {comp.name!r} is taken")
             if comp.engine.geom.page_size != engine.geom.page_size:
-                raise ValueError(f"components[{comp.name!r}]: page_size {comp.engine.geom.page_size} != full "
-                                 f"page_size {engine.geom.page_size}")
+                raise ValueError(
+                    f"components[{comp.name!r}]: page_size {comp.engine.geom.page_size} != full "
+                    f"page_size {engine.geom.page_size}"
+                )
             if comp.own_page_ids and (comp.engine is engine or getattr(comp.engine, "host_pool", None) is host_pool):
-                raise ValueError(f"components[{comp.name!r}]: a component with its own page ids needs its own pools, "
-                                 f"not the full component's engine")
+                raise ValueError(
+                    f"components[{comp.name!r}]: a component with its own page ids needs its own pools, "
+                    f"not the full component's engine"
+                )
             comps[comp.name] = comp
         self.components = comps
         self.engines: dict[str, KVTransferEngine] = {n: c.engine for n, c in comps.items()}

@@ -18,11 +18,16 @@ class SidecarComponent(KVComponent):
         if name == FULL:
             raise ValueError(f"sidecars: the name {FULL!r} is reserved for the target KV")
         if engine.geom.page_size != full_engine.geom.page_size:
-            raise ValueError(f"sidecars[{name!r}]: page_size {engine.geom.page_size} != full page_size "
-                             f"{full_engine.geom.page_size}")
+            raise ValueError(
+                f"sidecars[{name!r}]: page_size {engine.geom.page_size} != full page_size {full_engine.geom.page_size}"
+            )
         if engine.device_num_pages < full_engine.device_num_pages:
-            raise ValueError(f"sidecars[{name!r}]: {engine.device_num_pages} device pages < full's "
-                             f"{full_engine.device_num_pages} (sidecars share the full page ids)")
+            raise ValueError(
+                f"sidecars[{name!r}]: {engine.device_num_pages} device pages < full's "
+                f"{full_engine.device_num_pages} (sidecars share the full page ids)"
+            )
         if engine.host_pool.num_pages < full_engine.host_pool.num_pages:
-            raise ValueError(f"sidecars[{name!r}]: {engine.host_pool.num_pages} host pages < full's "
-                             f"{full_engine.host_pool.num_pages} (sidecars share the full page ids)")
+            raise ValueError(
+                f"sidecars[{name!r}]: {engine.host_pool.num_pages} host pages < full's "
+                f"{full_engine.host_pool.num_pages} (sidecars share the full page ids)"
+            )

@@ -131,8 +131,10 @@ class _SWAState:
         self.heap_stamp = [0, 0]  # device_index, host_index
 
     def __repr__(self) -> str:
-        return (f"SWA({self.node!r}, dev={None if self.dev is None else self.dev.tolist()}, "
-                f"host={None if self.host is None else self.host.tolist()}, lock={len(self.holders)})")
+        return (
+            f"SWA({self.node!r}, dev={None if self.dev is None else self.dev.tolist()}, "
+            f"host={None if self.host is None else self.host.tolist()}, lock={len(self.holders)})"
+        )
 
 
 class _Hold:
@@ -201,16 +203,17 @@ class SWAComponent(KVComponent):
     own_page_ids = True
     device_only_host_copies = True  # on_attach_host places a window on the path's nodes
 
-    def __init__(self, engine: KVTransferEngine, device_allocator: PageAllocator, window: int,
-                 name: str = SWA) -> None:
+    def __init__(self, engine: KVTransferEngine, device_allocator: PageAllocator, window: int, name: str = SWA) -> None:
         super().__init__(name, engine)
         if name == FULL:
             raise ValueError(f"name: {FULL!r} is reserved for the target KV")
         if not isinstance(device_allocator, PageAllocator):
             raise TypeError(f"device_allocator: expected a PageAllocator, got {type(device_allocator).__name__}")
         if device_allocator.num_pages != engine.device_num_pages:
-            raise ValueError(f"device_allocator: {device_allocator.num_pages} pages, but the SWA engine's device pool "
-                             f"has {engine.device_num_pages}")
+            raise ValueError(
+                f"device_allocator: {device_allocator.num_pages} pages, but the SWA engine's device pool "
+                f"has {engine.device_num_pages}"
+            )
         own = getattr(getattr(engine, "device_pool", None), "allocator", None)
         if isinstance(own, PageAllocator) and own is not device_allocator:
             raise ValueError("device_allocator: expected the SWA engine's device pool's allocator")
@@ -574,8 +577,10 @@ class SWAComponent(KVComponent):
             return pages.shape[0]
         f = int(valid.argmax())
         if not valid[f:].all():
-            raise ValueError("component_pages: -1 (no page) must only come before the first page id (the ids "
-                             "from the request's SWA frontier on)")
+            raise ValueError(
+                "component_pages: -1 (no page) must only come before the first page id (the ids "
+                "from the request's SWA frontier on)"
+            )
         return f
 
     def check_insert(self, segs: list, off0: int, pages: np.ndarray | None) -> None:
@@ -591,7 +596,7 @@ class SWAComponent(KVComponent):
             k = m // p
             st = self.state(node)
             if st is not None and st.dev is not None:
-                tree_ids[j:j + k] = st.dev[:k]
+                tree_ids[j : j + k] = st.dev[:k]
             j += k
         mine = (pages >= 0) & (pages != tree_ids)
         taken = pages[mine]
@@ -603,8 +608,9 @@ class SWAComponent(KVComponent):
             raise ValueError(f"{name}: duplicate ids {uniq[counts > 1][:8].tolist()}")
         owned = self.dev_owned[taken]
         if owned.any():
-            raise ValueError(f"{name}: pages {taken[owned][:8].tolist()} are already owned by the cache at other "
-                             f"positions")
+            raise ValueError(
+                f"{name}: pages {taken[owned][:8].tolist()} are already owned by the cache at other positions"
+            )
         held = self.device_allocator.allocated_mask(taken)
         if not held.all():
             raise ValueError(f"{name}: pages {taken[~held][:8].tolist()} are not allocated (double free?)")
@@ -628,7 +634,7 @@ class SWAComponent(KVComponent):
             j = 0
             for node in nodes:
                 k = node.size // p
-                c = pages[j:j + k]
+                c = pages[j : j + k]
                 j += k
                 if c.shape[0] == 0 or c[-1] < 0:  # ids are a suffix: none here
                     continue
@@ -727,13 +733,14 @@ class SWAComponent(KVComponent):
         src = []
         for st in need:
             k = st.dev.shape[0]
-            self._set_host(st, ids[off:off + k])
+            self._set_host(st, ids[off : off + k])
             self._hold(st, hold)
             src.append(st.dev)
             off += k
         self.metrics.backup_tokens += npages * self.page_size
-        return CopyPlan(self.name, np.concatenate(src) if len(src) > 1 else src[0], ids,
-                        done=lambda: self._release(hold))
+        return CopyPlan(
+            self.name, np.concatenate(src) if len(src) > 1 else src[0], ids, done=lambda: self._release(hold)
+        )
 
     def on_backup(self, nodes: list) -> CopyPlan | None:
         need, npages = self._backup_need(nodes)
@@ -870,8 +877,9 @@ class SWAComponent(KVComponent):
         if not to_load:
             if not hold.states:
                 return None
-            return CopyPlan(self.name, _EMPTY, _EMPTY, done=lambda: self._release(hold),
-                            cancel=lambda: self._release(hold))
+            return CopyPlan(
+                self.name, _EMPTY, _EMPTY, done=lambda: self._release(hold), cancel=lambda: self._release(hold)
+            )
         to_load.reverse()
         npages = sum(st.host.shape[0] for st in to_load)
         dev = self.alloc_device(npages)
@@ -888,7 +896,7 @@ class SWAComponent(KVComponent):
                 k = st.host.shape[0]
                 self._hold(st, hold)
                 st.access = t
-                self._set_dev(st, dev[off:off + k])
+                self._set_dev(st, dev[off : off + k])
                 off += k
             self._join_window_holds(to_load)
             self.metrics.loaded_tokens += npages * self.page_size
@@ -913,7 +921,7 @@ class SWAComponent(KVComponent):
             st = self.state(node)
             if st is not None and st.dev is not None:
                 lo = max(first, end - k)
-                out[lo:end] = st.dev[lo - (end - k):]
+                out[lo:end] = st.dev[lo - (end - k) :]
             end -= k
             node = node.parent
         return out
@@ -993,11 +1001,14 @@ class SWAComponent(KVComponent):
         taken before its exchange and settled after it, so a reservation that failed on one
         rank only leaves the free counts apart exactly while the digest is compared (the host
         tree tokens and each node's host flag carry the agreed outcome)."""
-        return {"evictable_tokens": self.evictable_tokens, "protected_tokens": self.protected_tokens,
-                "host_tokens": self.host_tokens,
-                "window_holds": sum(len(e[0]) for e in self._win.values()),
-                "windows_released_early": sum(e[1] for e in self._win.values()),
-                "device_available": self.device_allocator.available}
+        return {
+            "evictable_tokens": self.evictable_tokens,
+            "protected_tokens": self.protected_tokens,
+            "host_tokens": self.host_tokens,
+            "window_holds": sum(len(e[0]) for e in self._win.values()),
+            "windows_released_early": sum(e[1] for e in self._win.values()),
+            "device_available": self.device_allocator.available,
+        }
 
     def stats(self) -> dict:
         p = self.page_size
@@ -1078,8 +1089,10 @@ class SWAComponent(KVComponent):
         if both:
             errs.append(f"nodes in both the SWA device and host eviction lists: {[s.node for s in both][:4]}")
         if (evictable, protected, host_tokens) != (self.evictable_tokens, self.protected_tokens, self.host_tokens):
-            errs.append(f"SWA counts: evictable {self.evictable_tokens} / protected {self.protected_tokens} / host "
-                        f"{self.host_tokens}, recomputed {evictable} / {protected} / {host_tokens}")
+            errs.append(
+                f"SWA counts: evictable {self.evictable_tokens} / protected {self.protected_tokens} / host "
+                f"{self.host_tokens}, recomputed {evictable} / {protected} / {host_tokens}"
+            )
         windows = sum(len(e[0]) + e[1] for e in self._win.values())
         if view is not None and windows != view.caller_locks:
             errs.append(f"{windows} SWA window holds for {view.caller_locks} caller locks")
@@ -1087,14 +1100,17 @@ class SWAComponent(KVComponent):
             need = {st for n in self._window(x) if (st := self.state(n)) is not None and st.dev is not None}
             for hold in entry[0]:
                 if not need <= set(hold.states):
-                    errs.append(f"a window hold of a caller lock on {x!r} misses SWA pages of its window: "
-                                f"{[st.node for st in need - set(hold.states)][:4]}")
+                    errs.append(
+                        f"a window hold of a caller lock on {x!r} misses SWA pages of its window: "
+                        f"{[st.node for st in need - set(hold.states)][:4]}"
+                    )
         if self.phantom_pages:
             errs.append(f"SWA host reservations left {self.phantom_pages} phantom pages after their step")
         reserved = np.zeros(0, np.int64) if view is None else view.reserved_host_pages(name)
         for tier, alloc, pages, owned, extra in (
-                ("device", self.device_allocator, dev_pages, self.dev_owned, external),
-                ("host", self.host_allocator, host_pages, self.host_owned, reserved)):
+            ("device", self.device_allocator, dev_pages, self.dev_owned, external),
+            ("host", self.host_allocator, host_pages, self.host_owned, reserved),
+        ):
             try:
                 alloc.check()
             except AssertionError as e:
@@ -1104,26 +1120,36 @@ class SWAComponent(KVComponent):
             if (counts > 1).any():
                 errs.append(f"SWA {tier} pages held by two nodes: {uniq[counts > 1][:8].tolist()}")
             if ids.size and not alloc.is_allocated(ids).all():
-                errs.append(f"SWA {tier} pages in the tree but free in the allocator: "
-                            f"{ids[~alloc.is_allocated(ids)][:8].tolist()}")
+                errs.append(
+                    f"SWA {tier} pages in the tree but free in the allocator: "
+                    f"{ids[~alloc.is_allocated(ids)][:8].tolist()}"
+                )
             mask = np.zeros(alloc.num_pages, bool)
             mask[ids] = True
             if not np.array_equal(mask, owned):
-                errs.append(f"SWA {tier} ownership bitmap disagrees with the tree at pages "
-                            f"{np.flatnonzero(mask != owned)[:8].tolist()}")
+                errs.append(
+                    f"SWA {tier} ownership bitmap disagrees with the tree at pages "
+                    f"{np.flatnonzero(mask != owned)[:8].tolist()}"
+                )
             if tier == "device":
                 if (evictable + protected) // p != uniq.size:
                     errs.append(f"SWA device pages {uniq.size} != (evictable + protected) tokens / page_size")
                 if extra is not None and alloc.available + uniq.size + extra != alloc.num_pages:
-                    errs.append(f"SWA device pool memory leak detected: free {alloc.available} + evictable "
-                                f"{evictable // p} + protected {protected // p} + external {extra} != total "
-                                f"{alloc.num_pages}")
+                    errs.append(
+                        f"SWA device pool memory leak detected: free {alloc.available} + evictable "
+                        f"{evictable // p} + protected {protected // p} + external {extra} != total "
+                        f"{alloc.num_pages}"
+                    )
             else:
-                if extra.size and (np.unique(extra).size != extra.size or mask[extra].any()
-                                   or not alloc.is_allocated(extra).all()):
-                    errs.append("SWA host pages reserved by the storage controller are repeated, free or owned by "
-                                "the tree")
+                if extra.size and (
+                    np.unique(extra).size != extra.size or mask[extra].any() or not alloc.is_allocated(extra).all()
+                ):
+                    errs.append(
+                        "SWA host pages reserved by the storage controller are repeated, free or owned by the tree"
+                    )
                 if alloc.available + uniq.size + extra.size != alloc.num_pages:
-                    errs.append(f"SWA host pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
-                                f"reserved {extra.size} != total {alloc.num_pages}")
+                    errs.append(
+                        f"SWA host pool memory leak detected: free {alloc.available} + tree {uniq.size} + "
+                        f"reserved {extra.size} != total {alloc.num_pages}"
+                    )
         return errs

@@ -116,8 +116,7 @@ def _get_arrays(engine):
 
 def _set_arrays(engine, arrays) -> None:
     kv, views = _kv_views(engine)
-    engine.runner.executor_manager.kv_pages = kv.replace(
-        views=[v.replace(kv_pages=a) for v, a in zip(views, arrays)])
+    engine.runner.executor_manager.kv_pages = kv.replace(views=[v.replace(kv_pages=a) for v, a in zip(views, arrays)])
 
 
 @dataclass(frozen=True)
@@ -140,9 +139,11 @@ def _check_supported(engine) -> KVLayout:
     kvm = getattr(sched, "kv_cache_manager", None)
     if kvm is None or not hasattr(engine, "runner"):
         raise TypeError(f"engine: expected an easydel eSurge engine, got {type(engine).__name__}")
-    supported = ("supported: full-attention models (one KV cache group), or one full-attention group plus "
-                 "sliding-window groups whose KV eSurge keeps in the full-attention group's pages; one "
-                 "data-parallel replica, prefix caching on")
+    supported = (
+        "supported: full-attention models (one KV cache group), or one full-attention group plus "
+        "sliding-window groups whose KV eSurge keeps in the full-attention group's pages; one "
+        "data-parallel replica, prefix caching on"
+    )
     dp = int(getattr(sched, "data_parallel_size", 1) or 1)
     if dp != 1:
         raise UnsupportedEngineError(f"engine: {dp} data-parallel replicas; {supported}")
@@ -163,15 +164,17 @@ def _check_supported(engine) -> KVLayout:
         if where != full[0]:
             raise UnsupportedEngineError(
                 f"engine: KV cache groups {kinds}, but its runner does not read every layer's KV through the "
-                f"full-attention group's page table (group {full[0]}; got {where!r}); {supported}")
+                f"full-attention group's page table (group {full[0]}; got {where!r}); {supported}"
+            )
         page = kvm.page_size
         eagle = 1 if getattr(kvm, "use_eagle", False) else 0
         wins = []
         for i, g in enumerate(groups):
             spec = g.kv_cache_spec
             if spec.page_size != page:
-                raise UnsupportedEngineError(f"engine: KV cache group {i} has page_size {spec.page_size}, "
-                                             f"group {full[0]} {page}; {supported}")
+                raise UnsupportedEngineError(
+                    f"engine: KV cache group {i} has page_size {spec.page_size}, group {full[0]} {page}; {supported}"
+                )
             if i != full[0]:  # eSurge's SlidingWindowManager.find_longest_cache_hit: contiguous pages
                 wins.append((i, -(-(int(spec.sliding_window) - 1) // page) + eagle))
         layout = KVLayout(kv_group=full[0], window_groups=tuple(wins))
@@ -184,29 +187,46 @@ def _check_supported(engine) -> KVLayout:
 class EsurgeHiCache:
     """The handle ``attach`` returns. See the module docstring."""
 
-    def __init__(self, engine, config: HiCacheConfig, *, model: str, weights_revision: str,
-                 host_pages: int | None = None, host_layout: HostLayout | str = HostLayout.PAGE_FIRST,
-                 prefetch_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine,
+        config: HiCacheConfig,
+        *,
+        model: str,
+        weights_revision: str,
+        host_pages: int | None = None,
+        host_layout: HostLayout | str = HostLayout.PAGE_FIRST,
+        prefetch_timeout_s: float = 5.0,
+    ) -> None:
         if not isinstance(config, HiCacheConfig):
             raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
         if not isinstance(model, str) or not model:
             raise ValueError(f"model: expected a non-empty str, got {model!r}")
         if not isinstance(weights_revision, str):
             raise TypeError(f"weights_revision: expected a str, got {type(weights_revision).__name__}")
-        if isinstance(prefetch_timeout_s, bool) or not isinstance(prefetch_timeout_s, (int, float)) or \
-                not math.isfinite(prefetch_timeout_s) or prefetch_timeout_s <= 0:
-            raise ValueError(f"prefetch_timeout_s: expected finite seconds > 0 (how long an admission waits for its "
-                             f"L3 prefetch), got {prefetch_timeout_s!r}")
+        if (
+            isinstance(prefetch_timeout_s, bool)
+            or not isinstance(prefetch_timeout_s, (int, float))
+            or not math.isfinite(prefetch_timeout_s)
+            or prefetch_timeout_s <= 0
+        ):
+            raise ValueError(
+                f"prefetch_timeout_s: expected finite seconds > 0 (how long an admission waits for its "
+                f"L3 prefetch), got {prefetch_timeout_s!r}"
+            )
         if config.write_policy is not WritePolicy.WRITE_THROUGH or config.write_through_threshold != 1:
-            raise ValueError(f"config: expected write_policy='write_through' with write_through_threshold=1 "
-                             f"(pages are backed up when eSurge frees them), got {config.write_policy.value} "
-                             f"threshold {config.write_through_threshold}")
+            raise ValueError(
+                f"config: expected write_policy='write_through' with write_through_threshold=1 "
+                f"(pages are backed up when eSurge frees them), got {config.write_policy.value} "
+                f"threshold {config.write_through_threshold}"
+            )
         self.layout = _check_supported(engine)
         kvm = engine.scheduler.kv_cache_manager
         if config.page_size != kvm.page_size:
             raise ValueError(f"config: page_size {config.page_size} != eSurge's page_size {kvm.page_size}")
-        if host_pages is not None and (isinstance(host_pages, bool) or not isinstance(host_pages, int)
-                                       or host_pages < 1):
+        if host_pages is not None and (
+            isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 1
+        ):
             raise ValueError(f"host_pages: expected an int >= 1 or None, got {host_pages!r}")
         self.engine = engine
         self.config = config
@@ -226,8 +246,9 @@ class EsurgeHiCache:
         self.geometry = geom
         n_engine = int(_get_arrays(engine)[0].shape[0])
         self.host_pool = HostKVPool(geom, host_pages or 2 * n_engine, host_layout)
-        self.transfer = FusedKVTransfer(lambda: _get_arrays(engine), lambda a: _set_arrays(engine, a),
-                                        self.host_pool, num_slots=n_engine)
+        self.transfer = FusedKVTransfer(
+            lambda: _get_arrays(engine), lambda a: _set_arrays(engine, a), self.host_pool, num_slots=n_engine
+        )
         self._build_cache()
         self._metrics = []
         self._install(engine)
@@ -238,8 +259,9 @@ class EsurgeHiCache:
         # The hooks run on eSurge's scheduler thread, the handle's calls on the caller's; both hold
         # eSurge's scheduler lock, which serialises every cache call: the owner-thread check is off.
         config = dataclasses.replace(self.config, check_owner_thread=False)
-        self.cache = HiRadixCache(config, self.transfer, PageAllocator(self.transfer.device_num_pages,
-                                                                       name="esurge-slots"))
+        self.cache = HiRadixCache(
+            config, self.transfer, PageAllocator(self.transfer.device_num_pages, name="esurge-slots")
+        )
         self.l3 = None
         if self.config.storage is not None:
             from ...l3 import StorageController
@@ -410,7 +432,7 @@ class EsurgeHiCache:
             marks = [(g, pool.get_new_pages(min(want, w))) for g, w in self.layout.window_groups]
             t0 = time.perf_counter()
             try:
-                self.transfer.load_pages(host_ids[first:first + want], [pg.page_id for pg in new])
+                self.transfer.load_pages(host_ids[first : first + want], [pg.page_id for pg in new])
             except Exception:  # noqa: BLE001 - a failed load is a miss, never wrong KV
                 self.counters.load_failures += 1
                 pool.free_pages(new)
@@ -539,8 +561,12 @@ class EsurgeHiCache:
             self.weights_revision = self._next_revision or f"{self.weights_revision}+{uuid.uuid4().hex[:12]}"
             self._next_revision = None
             self.transfer.close()
-            self.transfer = FusedKVTransfer(lambda: _get_arrays(self.engine), lambda a: _set_arrays(self.engine, a),
-                                            self.host_pool, num_slots=self.transfer.device_num_pages)
+            self.transfer = FusedKVTransfer(
+                lambda: _get_arrays(self.engine),
+                lambda a: _set_arrays(self.engine, a),
+                self.host_pool,
+                num_slots=self.transfer.device_num_pages,
+            )
             for m in self._metrics:
                 m.unregister()
             self._metrics = []
@@ -587,14 +613,15 @@ class EsurgeHiCache:
 
         class _Collector:
             def collect(self):
-                fam = CounterMetricFamily("hicache_esurge_cached_tokens",
-                                          "Prompt tokens eSurge did not recompute, by the tier that held them",
-                                          labels=[*labels, "cache_source"])
+                fam = CounterMetricFamily(
+                    "hicache_esurge_cached_tokens",
+                    "Prompt tokens eSurge did not recompute, by the tier that held them",
+                    labels=[*labels, "cache_source"],
+                )
                 for s in _SOURCES:
                     fam.add_metric([*labels.values(), s], handle.counters.cached_tokens[s])
                 yield fam
-                fam = CounterMetricFamily("hicache_esurge_prompt_tokens", "Prompt tokens admitted",
-                                          labels=list(labels))
+                fam = CounterMetricFamily("hicache_esurge_prompt_tokens", "Prompt tokens admitted", labels=list(labels))
                 fam.add_metric(list(labels.values()), handle.counters.prompt_tokens)
                 yield fam
 
@@ -627,13 +654,27 @@ class EsurgeHiCache:
             self.transfer.close()
 
 
-def attach(engine, config: HiCacheConfig, *, model: str, weights_revision: str = "",
-           host_pages: int | None = None, host_layout: HostLayout | str = HostLayout.PAGE_FIRST,
-           prefetch_timeout_s: float = 5.0) -> EsurgeHiCache:
+def attach(
+    engine,
+    config: HiCacheConfig,
+    *,
+    model: str,
+    weights_revision: str = "",
+    host_pages: int | None = None,
+    host_layout: HostLayout | str = HostLayout.PAGE_FIRST,
+    prefetch_timeout_s: float = 5.0,
+) -> EsurgeHiCache:
     """Put hicache_jax's host tier (``host_pages`` pages, default twice eSurge's pool) and, when
     ``config.storage`` is set, its L3 tier behind a running eSurge ``engine``. ``model`` and
     ``weights_revision`` go into every L3 key. Returns the handle (``stats``,
     ``register_prometheus``, ``update_model_weights``, ``detach``)."""
     with getattr(engine, "_scheduler_lock", None) or threading.RLock():
-        return EsurgeHiCache(engine, config, model=model, weights_revision=weights_revision, host_pages=host_pages,
-                             host_layout=host_layout, prefetch_timeout_s=prefetch_timeout_s)
+        return EsurgeHiCache(
+            engine,
+            config,
+            model=model,
+            weights_revision=weights_revision,
+            host_pages=host_pages,
+            host_layout=host_layout,
+            prefetch_timeout_s=prefetch_timeout_s,
+        )

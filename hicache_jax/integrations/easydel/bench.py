@@ -63,8 +63,19 @@ class TraceConfig:
     seed: int = 0
 
     def check(self) -> None:
-        positive = ("conversations", "turns", "first", "pages", "page_size", "hidden", "layers", "host_pages",
-                    "max_num_seqs", "max_num_batched_tokens", "passes")
+        positive = (
+            "conversations",
+            "turns",
+            "first",
+            "pages",
+            "page_size",
+            "hidden",
+            "layers",
+            "host_pages",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "passes",
+        )
         for name in positive:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -87,8 +98,7 @@ class TraceConfig:
 def trace(cfg: TraceConfig) -> list[list[str]]:
     """Per turn, the prompt of every conversation (word strings)."""
     r = random.Random(cfg.seed)
-    convs = [[testing.word(r.randrange(testing.VOCAB - 2)) for _ in range(cfg.first)]
-             for _ in range(cfg.conversations)]
+    convs = [[testing.word(r.randrange(testing.VOCAB - 2)) for _ in range(cfg.first)] for _ in range(cfg.conversations)]
     turns = []
     for _ in range(cfg.turns):
         turns.append([" ".join(c) for c in convs])
@@ -113,9 +123,16 @@ def _serve(engine, turns, handle) -> dict:
     if handle is not None:
         stats = handle.stats()
         cached, blocked = dict(stats["cached_tokens"]), dict(stats["blocked_seconds"])
-    return {"ttft_mean_s": total / len(ttft), "input_tok_per_s": prompt_tokens / total, "seconds": total,
-            "prompt_tokens": prompt_tokens, "requests": len(ttft), "cached_tokens": cached,
-            "scheduler_blocked_s": blocked, "outputs": outputs}
+    return {
+        "ttft_mean_s": total / len(ttft),
+        "input_tok_per_s": prompt_tokens / total,
+        "seconds": total,
+        "prompt_tokens": prompt_tokens,
+        "requests": len(ttft),
+        "cached_tokens": cached,
+        "scheduler_blocked_s": blocked,
+        "outputs": outputs,
+    }
 
 
 def run(cfg: TraceConfig, progress=None) -> dict:
@@ -144,12 +161,20 @@ def run(cfg: TraceConfig, progress=None) -> dict:
         testing.build_tokenizer(tok_dir)
         say(f"building eSurge (random Llama hidden {cfg.hidden}, {cfg.layers} layers; compiles every bucket)", 1)
         model = testing.random_llama(hidden=cfg.hidden, layers=cfg.layers, max_positions=cfg.max_model_len)
-        engine = testing.start_engine(model, tok_dir, num_pages=cfg.pages, page_size=cfg.page_size,
-                                      max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                      # eSurge refuses a step budget above max_model_len
-                                      max_num_batched_tokens=min(cfg.max_num_batched_tokens, cfg.max_model_len))
-        say(f"passes (eSurge alone / with the adapter, alternating; {cfg.warmup} warm-up each)",
-            2 * (cfg.warmup + cfg.passes))
+        engine = testing.start_engine(
+            model,
+            tok_dir,
+            num_pages=cfg.pages,
+            page_size=cfg.page_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            # eSurge refuses a step budget above max_model_len
+            max_num_batched_tokens=min(cfg.max_num_batched_tokens, cfg.max_model_len),
+        )
+        say(
+            f"passes (eSurge alone / with the adapter, alternating; {cfg.warmup} warm-up each)",
+            2 * (cfg.warmup + cfg.passes),
+        )
         for i in range(cfg.warmup + cfg.passes):
             for mode in MODES:
                 assert engine.scheduler.kv_cache_manager.reset_prefix_cache(), "eSurge still holds pages"
@@ -158,11 +183,11 @@ def run(cfg: TraceConfig, progress=None) -> dict:
                     storage = None
                     if cfg.storage_backend != "none":
                         path = os.path.join(cfg.storage_dir or l3_root, f"pass{i}")
-                        storage = StorageConfig(backend=cfg.storage_backend, path=path,
-                                                prefetch_threshold_tokens=cfg.page_size)
+                        storage = StorageConfig(
+                            backend=cfg.storage_backend, path=path, prefetch_threshold_tokens=cfg.page_size
+                        )
                     hc = HiCacheConfig(page_size=cfg.page_size, load_back_threshold=cfg.page_size, storage=storage)
-                    handle = attach(engine, hc, model="bench-llama", weights_revision="r0",
-                                    host_pages=cfg.host_pages)
+                    handle = attach(engine, hc, model="bench-llama", weights_revision="r0", host_pages=cfg.host_pages)
                 try:
                     r = _serve(engine, turns, handle)
                 finally:
@@ -171,8 +196,10 @@ def run(cfg: TraceConfig, progress=None) -> dict:
                 warm = i < cfg.warmup
                 if not warm:
                     results[mode].append(r)
-                line = (f"{'warm-up' if warm else 'pass'} {i} {mode:8s}: TTFT mean {r['ttft_mean_s'] * 1e3:7.1f} ms, "
-                        f"input {r['input_tok_per_s']:8.0f} tok/s, cached {r['cached_tokens']}")
+                line = (
+                    f"{'warm-up' if warm else 'pass'} {i} {mode:8s}: TTFT mean {r['ttft_mean_s'] * 1e3:7.1f} ms, "
+                    f"input {r['input_tok_per_s']:8.0f} tok/s, cached {r['cached_tokens']}"
+                )
                 if progress is None:
                     print(line, flush=True)
                 else:
@@ -187,20 +214,33 @@ def run(cfg: TraceConfig, progress=None) -> dict:
 
 
 def _summary(cfg: TraceConfig, pool: int, results: dict, machine: dict) -> dict:
-    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("ttft_mean_s", "input_tok_per_s")}
-           for m, rs in results.items()}
+    med = {
+        m: {k: statistics.median(r[k] for r in rs) for k in ("ttft_mean_s", "input_tok_per_s")}
+        for m, rs in results.items()
+    }
     reference = results["esurge"][0]["outputs"]
     same = all(r["outputs"] == reference for rs in results.values() for r in rs)
     last = results["hicache"][-1]
     prompt_tokens = last["prompt_tokens"]
     hit_rate = {tier: n / prompt_tokens for tier, n in last["cached_tokens"].items()}
-    ratio = {"ttft_mean": med["hicache"]["ttft_mean_s"] / med["esurge"]["ttft_mean_s"],
-             "input_throughput": med["hicache"]["input_tok_per_s"] / med["esurge"]["input_tok_per_s"]}
-    return {"benchmark": "multiturn", "engine": "easydel", "config": asdict(cfg), "pool_pages": pool,
-            "working_set_pages": cfg.conversations * -(-(cfg.first + (cfg.turns - 1) * cfg.follow) // cfg.page_size),
-            "loadavg": list(os.getloadavg()), "machine": machine, "median": med, "ratio": ratio,
-            "hit_rate_by_tier": hit_rate, "same_tokens": same,
-            "passes": {m: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for m, rs in results.items()}}
+    ratio = {
+        "ttft_mean": med["hicache"]["ttft_mean_s"] / med["esurge"]["ttft_mean_s"],
+        "input_throughput": med["hicache"]["input_tok_per_s"] / med["esurge"]["input_tok_per_s"],
+    }
+    return {
+        "benchmark": "multiturn",
+        "engine": "easydel",
+        "config": asdict(cfg),
+        "pool_pages": pool,
+        "working_set_pages": cfg.conversations * -(-(cfg.first + (cfg.turns - 1) * cfg.follow) // cfg.page_size),
+        "loadavg": list(os.getloadavg()),
+        "machine": machine,
+        "median": med,
+        "ratio": ratio,
+        "hit_rate_by_tier": hit_rate,
+        "same_tokens": same,
+        "passes": {m: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for m, rs in results.items()},
+    }
 
 
 def print_report(payload: dict) -> None:
@@ -211,30 +251,54 @@ def print_report(payload: dict) -> None:
     rows = []
     for m in MODES:
         cached = payload["passes"][m][-1]["cached_tokens"]
-        rows.append([m, f"{med[m]['ttft_mean_s'] * 1e3:.1f}", f"{med[m]['input_tok_per_s']:.0f}",
-                     "-" if cached is None else " / ".join(str(cached[t]) for t in ("device", "host", "storage"))])
+        rows.append(
+            [
+                m,
+                f"{med[m]['ttft_mean_s'] * 1e3:.1f}",
+                f"{med[m]['input_tok_per_s']:.0f}",
+                "-" if cached is None else " / ".join(str(cached[t]) for t in ("device", "host", "storage")),
+            ]
+        )
     rows.append(["hicache / esurge", f"x{ratio['ttft_mean']:.2f}", f"x{ratio['input_throughput']:.2f}", ""])
-    print_table(f"eSurge multi-turn: {cfg['conversations']} conversations x {cfg['turns']} turns, "
-                f"{last['prompt_tokens']} prompt tokens per pass, eSurge pool {payload['pool_pages']} pages, "
-                f"host {cfg['host_pages']} pages, L3 {cfg['storage_backend']}; medians of {cfg['passes']} passes",
-                ["mode", "TTFT mean ms", "input tok/s", "cached device / host / storage (last pass)"], rows)
+    print_table(
+        f"eSurge multi-turn: {cfg['conversations']} conversations x {cfg['turns']} turns, "
+        f"{last['prompt_tokens']} prompt tokens per pass, eSurge pool {payload['pool_pages']} pages, "
+        f"host {cfg['host_pages']} pages, L3 {cfg['storage_backend']}; medians of {cfg['passes']} passes",
+        ["mode", "TTFT mean ms", "input tok/s", "cached device / host / storage (last pass)"],
+        rows,
+    )
     rate = ", ".join(f"{t} {v:.0%}" for t, v in payload["hit_rate_by_tier"].items())
     blocked = last["scheduler_blocked_s"]
-    print(f"hit rate by tier (hicache): {rate}; same greedy tokens in every pass: {payload['same_tokens']}; "
-          f"load {tuple(round(x, 2) for x in payload['loadavg'])}")
-    print(f"eSurge's scheduler thread blocked in the adapter's copies (last hicache pass, "
-          f"{last['seconds']:.1f} s of requests): " + ", ".join(f"{k} {v:.3f} s" for k, v in blocked.items()))
+    print(
+        f"hit rate by tier (hicache): {rate}; same greedy tokens in every pass: {payload['same_tokens']}; "
+        f"load {tuple(round(x, 2) for x in payload['loadavg'])}"
+    )
+    print(
+        f"eSurge's scheduler thread blocked in the adapter's copies (last hicache pass, "
+        f"{last['seconds']:.1f} s of requests): " + ", ".join(f"{k} {v:.3f} s" for k, v in blocked.items())
+    )
 
 
 def from_multiturn_args(args) -> TraceConfig:
     """``bench multiturn``'s options (after ``--engine easydel``'s defaults) as a TraceConfig."""
     model = args.model if args.model in MODEL_SHAPES else "bench"
     hidden, layers = MODEL_SHAPES[model]
-    return TraceConfig(conversations=args.clients, turns=args.rounds, first=args.first_len, follow=args.turn_len,
-                       pages=args.device_pages, page_size=args.page_size, hidden=hidden,
-                       layers=args.layers or layers, host_pages=max(1, round(args.host_ratio * args.device_pages)),
-                       storage_backend=args.storage_backend, storage_dir=args.storage_dir,
-                       max_num_seqs=args.max_batch, max_num_batched_tokens=args.prefill_chunk, seed=args.seed)
+    return TraceConfig(
+        conversations=args.clients,
+        turns=args.rounds,
+        first=args.first_len,
+        follow=args.turn_len,
+        pages=args.device_pages,
+        page_size=args.page_size,
+        hidden=hidden,
+        layers=args.layers or layers,
+        host_pages=max(1, round(args.host_ratio * args.device_pages)),
+        storage_backend=args.storage_backend,
+        storage_dir=args.storage_dir,
+        max_num_seqs=args.max_batch,
+        max_num_batched_tokens=args.prefill_chunk,
+        seed=args.seed,
+    )
 
 
 def multiturn(args) -> dict:
@@ -242,9 +306,11 @@ def multiturn(args) -> dict:
     from ...bench.report import Progress
 
     if importlib.util.find_spec("easydel") is None:
-        raise RuntimeError("--engine easydel: easydel is not installed in this environment; easydel 0.3.0 pins "
-                           "jax 0.9.2, so it lives in its own venv (./scripts/test builds .venv-easydel: run "
-                           ".venv-easydel/bin/hicache-jax there; docs/easydel.md)")
+        raise RuntimeError(
+            "--engine easydel: easydel is not installed in this environment; easydel 0.3.0 pins "
+            "jax 0.9.2, so it lives in its own venv (./scripts/test builds .venv-easydel: run "
+            ".venv-easydel/bin/hicache-jax there; docs/easydel.md)"
+        )
     cfg = from_multiturn_args(args)
     with Progress("multiturn --engine easydel") as progress:
         payload = run(cfg, progress)

@@ -51,8 +51,9 @@ def fused_geometry(arrays: Sequence[jax.Array]) -> KVGeometry:
         if tuple(a.shape) != shape or a.dtype != dtype:
             raise ValueError(f"arrays[{i}]: expected {shape} {dtype} like layer 0, got {tuple(a.shape)} {a.dtype}")
     width = int(np.prod(shape[2:]))
-    return KVGeometry.mla(num_layers=len(arrays), page_size=shape[1], kv_lora_rank=width, qk_rope_head_dim=0,
-                          dtype=canonical_dtype(dtype))
+    return KVGeometry.mla(
+        num_layers=len(arrays), page_size=shape[1], kv_lora_rank=width, qk_rope_head_dim=0, dtype=canonical_dtype(dtype)
+    )
 
 
 def _bucket(n: int) -> int:
@@ -75,8 +76,9 @@ def _gather(arrays, ids):
 class FusedKVTransfer(KVTransferEngine):
     """Moves pages between per-layer fused device arrays (not owned) and a ``HostKVPool``."""
 
-    def __init__(self, get_arrays: Callable[[], list], set_arrays: Callable[[list], None], host_pool: HostKVPool,
-                 num_slots: int) -> None:
+    def __init__(
+        self, get_arrays: Callable[[], list], set_arrays: Callable[[list], None], host_pool: HostKVPool, num_slots: int
+    ) -> None:
         if not callable(get_arrays) or not callable(set_arrays):
             raise TypeError("get_arrays, set_arrays: expected callables")
         if not isinstance(host_pool, HostKVPool):
@@ -128,8 +130,11 @@ class FusedKVTransfer(KVTransferEngine):
         g = self.geom
         host = np.asarray(gathered)[:, :n]  # (L, n, P, *rest)
         host = host.reshape(g.num_layers, n, g.page_size, 1, g.width)
-        order = {HostLayout.PAGE_FIRST: (1, 2, 0, 3, 4), HostLayout.PAGE_FIRST_DIRECT: (1, 0, 2, 3, 4),
-                 HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4)}[self.host_pool.layout]
+        order = {
+            HostLayout.PAGE_FIRST: (1, 2, 0, 3, 4),
+            HostLayout.PAGE_FIRST_DIRECT: (1, 0, 2, 3, 4),
+            HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4),
+        }[self.host_pool.layout]
         out = np.ascontiguousarray(host.transpose(order)).view(g.container_dtype)
         assert out.shape == page_major_shape(g, self.host_pool.layout, n)
         return out
@@ -138,8 +143,11 @@ class FusedKVTransfer(KVTransferEngine):
         """Host pages as (L, n, P, *rest) in the engine's dtype."""
         g = self.geom
         buf = self.host_pool.read_pages(COMPONENT, host_ids)
-        back = {HostLayout.PAGE_FIRST: (2, 0, 1, 3, 4), HostLayout.PAGE_FIRST_DIRECT: (1, 0, 2, 3, 4),
-                HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4)}[self.host_pool.layout]
+        back = {
+            HostLayout.PAGE_FIRST: (2, 0, 1, 3, 4),
+            HostLayout.PAGE_FIRST_DIRECT: (1, 0, 2, 3, 4),
+            HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4),
+        }[self.host_pool.layout]
         arr = np.ascontiguousarray(buf.transpose(back))  # (L, n, P, 1, W)
         arr = arr.reshape((g.num_layers, host_ids.size) + self._page_shape)
         return arr.view(np.dtype(self._dtype))

@@ -50,8 +50,10 @@ def prepare_cpu(cache_dir: str | None = None) -> None:
 
         jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
         jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+        jax.config.update(
+            "jax_persistent_cache_min_compile_time_secs",
+            float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+        )
     install_import_shims()
 
 
@@ -111,15 +113,21 @@ def random_llama(seed: int = 0, hidden: int = 64, layers: int = 2, max_positions
     import jax.numpy as jnp
     from flax import nnx
 
-    cfg = ed.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         max_position_embeddings=max_positions)
+    cfg = ed.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=max_positions,
+    )
     cfg.attn_mechanism = "ragged_page_attention_v3"
     return ed.LlamaForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
 
 
-def random_gemma3(seed: int = 0, hidden: int = 64, layers: int = 2, sliding_window: int = 48,
-                  max_positions: int = 512):
+def random_gemma3(seed: int = 0, hidden: int = 64, layers: int = 2, sliding_window: int = 48, max_positions: int = 512):
     """A random bf16 Gemma 3 text model (4 query heads, 2 KV heads, head_dim ``hidden // 4``) for
     eSurge's ragged page attention v3: every second layer full attention, the others a sliding
     window of ``sliding_window`` tokens (eSurge makes two KV cache groups: a hybrid model)."""
@@ -128,11 +136,22 @@ def random_gemma3(seed: int = 0, hidden: int = 64, layers: int = 2, sliding_wind
     import jax.numpy as jnp
     from flax import nnx
 
-    cfg = ed.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4, sliding_window=sliding_window,
-                              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-                              max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=1, pad_token_id=1)
+    cfg = ed.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        query_pre_attn_scalar=hidden // 4,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     cfg.attn_mechanism = "ragged_page_attention_v3"
     return ed.Gemma3ForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
 
@@ -178,16 +197,28 @@ def gemma3_from_gguf(path, tokenizer_dir: str, max_positions: int = 1024):
     gc, w = load_gguf(path)
     tk = Gemma3Tokenizer.from_gguf(path).tk
     cfg = ed.Gemma3TextConfig(
-        vocab_size=gc.vocab_size, hidden_size=gc.hidden_size, intermediate_size=gc.intermediate_size,
-        num_hidden_layers=gc.num_layers, num_attention_heads=gc.num_heads, num_key_value_heads=gc.num_kv_heads,
-        head_dim=gc.head_dim, max_position_embeddings=min(max_positions, gc.max_position_embeddings),
-        rms_norm_eps=gc.rms_norm_eps, sliding_window=gc.sliding_window,
+        vocab_size=gc.vocab_size,
+        hidden_size=gc.hidden_size,
+        intermediate_size=gc.intermediate_size,
+        num_hidden_layers=gc.num_layers,
+        num_attention_heads=gc.num_heads,
+        num_key_value_heads=gc.num_kv_heads,
+        head_dim=gc.head_dim,
+        max_position_embeddings=min(max_positions, gc.max_position_embeddings),
+        rms_norm_eps=gc.rms_norm_eps,
+        sliding_window=gc.sliding_window,
         layer_types=["sliding_attention" if t == "sliding" else "full_attention" for t in gc.layer_types],
-        rope_theta=gc.rope_theta_global, rope_local_base_freq=gc.rope_theta_local,
+        rope_theta=gc.rope_theta_global,
+        rope_local_base_freq=gc.rope_theta_local,
         rope_scaling=None if gc.rope_scale_global == 1.0 else {"rope_type": "linear", "factor": gc.rope_scale_global},
-        query_pre_attn_scalar=gc.query_pre_attn_scalar, attn_logit_softcapping=gc.attn_logit_softcapping,
-        final_logit_softcapping=gc.final_logit_softcapping, bos_token_id=gc.bos_token_id,
-        eos_token_id=gc.eos_token_id, pad_token_id=gc.pad_token_id, tie_word_embeddings=True)
+        query_pre_attn_scalar=gc.query_pre_attn_scalar,
+        attn_logit_softcapping=gc.attn_logit_softcapping,
+        final_logit_softcapping=gc.final_logit_softcapping,
+        bos_token_id=gc.bos_token_id,
+        eos_token_id=gc.eos_token_id,
+        pad_token_id=gc.pad_token_id,
+        tie_word_embeddings=True,
+    )
     cfg.attn_mechanism = "ragged_page_attention_v3"
     model = ed.Gemma3ForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
@@ -199,26 +230,38 @@ def gemma3_from_gguf(path, tokenizer_dir: str, max_positions: int = 1024):
     model.lm_head.kernel.value = bf16(w["token_embd.weight"].T)
     m.norm.kernel.value = bf16(hf_norm_weight(w["output_norm.weight"]))
     for i, layer in enumerate(m.layers):
+
         def g(name, i=i):
             return w[f"blk.{i}.{name}.weight"]
 
         att = layer.self_attn
-        for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        for ours, theirs in (
+            ("q_proj", "attn_q"),
+            ("k_proj", "attn_k"),
+            ("v_proj", "attn_v"),
+            ("o_proj", "attn_output"),
+        ):
             getattr(att, ours).kernel.value = bf16(g(theirs).T)
         att.q_norm.kernel.value = bf16(hf_norm_weight(g("attn_q_norm")))
         att.k_norm.kernel.value = bf16(hf_norm_weight(g("attn_k_norm")))
         for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
             getattr(layer.mlp, ours).kernel.value = bf16(g(theirs).T)
-        for ours, theirs in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attention_norm"),
-                             ("pre_feedforward_layernorm", "ffn_norm"), ("post_feedforward_layernorm", "post_ffw_norm")):
+        for ours, theirs in (
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("pre_feedforward_layernorm", "ffn_norm"),
+            ("post_feedforward_layernorm", "post_ffw_norm"),
+        ):
             getattr(layer, ours).kernel.value = bf16(hf_norm_weight(g(theirs)))
-    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(tokenizer_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(tokenizer_dir)
     return model
 
 
-def start_engine(model, tokenizer_dir: str, num_pages: int = 11, async_scheduling: bool = False,
-                 page_size: int = PAGE, **kw):
+def start_engine(
+    model, tokenizer_dir: str, num_pages: int = 11, async_scheduling: bool = False, page_size: int = PAGE, **kw
+):
     """An eSurge engine on ``model`` with exactly ``num_pages`` KV pages of ``page_size`` tokens
     (page 0 is eSurge's null page). ``kw`` overrides eSurge's arguments (``max_model_len`` 256,
     ``max_num_seqs`` 2, ``max_num_batched_tokens`` 256 by default)."""
@@ -232,9 +275,17 @@ def start_engine(model, tokenizer_dir: str, num_pages: int = 11, async_schedulin
     # eSurge divides this budget by 2 (K, V) * layers * page * kv heads * head_dim * 2 bytes (bf16).
     budget = num_pages * 2 * c.num_hidden_layers * page_size * c.num_key_value_heads * c.head_dim * 2
     rp.per_device_hbm_budget_bytes = lambda *a, **k: budget  # noqa: ARG005 - the CPU fallback is 4 GiB
-    args = dict(model=model, processor=tok, max_model_len=256, max_num_seqs=2, page_size=page_size,
-                max_num_batched_tokens=256, enable_prefix_caching=True, async_scheduling=async_scheduling,
-                silent_mode=True)
+    args = dict(
+        model=model,
+        processor=tok,
+        max_model_len=256,
+        max_num_seqs=2,
+        page_size=page_size,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+        async_scheduling=async_scheduling,
+        silent_mode=True,
+    )
     args.update(kw)
     engine = eSurge(**args)
     got = engine.scheduler.kv_cache_manager.page_pool.num_pages

@@ -15,5 +15,6 @@ __all__ = ["MODEL_PACKAGES", "Gemma3Config", "Gemma3Tokenizer", "load_config", "
 def __getattr__(name: str):  # PEP 562: tokenizers is imported only when the tokenizer is needed
     if name == "Gemma3Tokenizer":
         from .tokenizer import Gemma3Tokenizer
+
         return Gemma3Tokenizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -70,24 +70,40 @@ class Gemma3Config:
     add_bos_token: bool = True
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "max_position_embeddings", "sliding_window"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "sliding_window",
+        ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Gemma3Config.{f}: expected a positive int, got {v!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Gemma3Config: num_heads {self.num_heads} is not a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"Gemma3Config: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"Gemma3Config.head_dim: RoPE needs an even head_dim, got {self.head_dim}")
         if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
-            raise ValueError(f"Gemma3Config.layer_types: expected a tuple of {self.num_layers} entries, "
-                             f"got {self.layer_types!r}")
+            raise ValueError(
+                f"Gemma3Config.layer_types: expected a tuple of {self.num_layers} entries, got {self.layer_types!r}"
+            )
         bad = [t for t in self.layer_types if t not in ("sliding", "full")]
         if bad:
             raise ValueError(f"Gemma3Config.layer_types: entries must be 'sliding' or 'full', got {bad[0]!r}")
-        for f in ("rms_norm_eps", "rope_theta_global", "rope_theta_local", "rope_scale_global",
-                  "query_pre_attn_scalar"):
+        for f in (
+            "rms_norm_eps",
+            "rope_theta_global",
+            "rope_theta_local",
+            "rope_scale_global",
+            "query_pre_attn_scalar",
+        ):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v <= 0:
                 raise ValueError(f"Gemma3Config.{f}: expected a positive finite number, got {v!r}")
@@ -150,8 +166,7 @@ def read_metadata(reader, path: Path) -> dict[str, Any]:
     """All scalar / string metadata (token arrays are left out: see ``tokenizer``)."""
     out: dict[str, Any] = {}
     for key in reader.fields:
-        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in (
-                "tokens", "scores", "token_type", "merges"):
+        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "scores", "token_type", "merges"):
             continue
         try:
             out[key] = _field_value(reader, key)
@@ -172,19 +187,20 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path, n_vocab_tokens: in
     k_len = _require(path, meta, a + "attention.key_length", int)
     v_len = _require(path, meta, a + "attention.value_length", int)
     if k_len != v_len:
-        raise ValueError(f"{path}: attention.key_length {k_len} != attention.value_length {v_len} "
-                         "(Gemma 3 uses one head_dim)")
+        raise ValueError(
+            f"{path}: attention.key_length {k_len} != attention.value_length {v_len} (Gemma 3 uses one head_dim)"
+        )
     pattern = meta.get(a + "attention.sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN)
     if isinstance(pattern, (list, tuple)):  # newer llama.cpp files: one bool per layer, True = sliding
         if len(pattern) != n_layers or not all(isinstance(x, (bool, np.bool_)) for x in pattern):
-            raise ValueError(f"{path}: attention.sliding_window_pattern should be {n_layers} booleans, "
-                             f"got {pattern!r}")
+            raise ValueError(f"{path}: attention.sliding_window_pattern should be {n_layers} booleans, got {pattern!r}")
         layer_types = tuple("sliding" if x else "full" for x in pattern)
     elif isinstance(pattern, (int, np.integer)) and not isinstance(pattern, bool) and pattern >= 1:
         layer_types = tuple("full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(n_layers))
     else:
-        raise ValueError(f"{path}: attention.sliding_window_pattern {pattern!r} is neither a period nor "
-                         "per-layer booleans")
+        raise ValueError(
+            f"{path}: attention.sliding_window_pattern {pattern!r} is neither a period nor per-layer booleans"
+        )
     qpas = meta.get(a + "attention.query_pre_attn_scalar")  # not written by llama.cpp today
     if qpas is None:
         # llama.cpp's rule: the 62-layer 27B model scales by hidden / heads, every other size by head_dim
@@ -215,10 +231,12 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path, n_vocab_tokens: in
         rope_theta_local=float(meta.get(a + "rope.freq_base_swa", DEFAULT_ROPE_LOCAL_BASE)),
         rope_scale_global=rope_scale,
         query_pre_attn_scalar=float(qpas),
-        attn_logit_softcapping=(None if meta.get(a + "attn_logit_softcapping") is None
-                                else float(meta[a + "attn_logit_softcapping"])),
-        final_logit_softcapping=(None if meta.get(a + "final_logit_softcapping") is None
-                                 else float(meta[a + "final_logit_softcapping"])),
+        attn_logit_softcapping=(
+            None if meta.get(a + "attn_logit_softcapping") is None else float(meta[a + "attn_logit_softcapping"])
+        ),
+        final_logit_softcapping=(
+            None if meta.get(a + "final_logit_softcapping") is None else float(meta[a + "final_logit_softcapping"])
+        ),
         tie_word_embeddings=True,  # checked against the tensors in expected_shapes
         bos_token_id=int(meta.get(tok + "bos_token_id", 2)),
         eos_token_id=int(meta.get(tok + "eos_token_id", 1)),
@@ -234,21 +252,23 @@ def expected_shapes(cfg: Gemma3Config) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, H), "output_norm.weight": (H,)}
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
-        shapes.update({
-            b + "attn_norm.weight": (H,),
-            b + "attn_q.weight": (cfg.num_heads * D, H),
-            b + "attn_k.weight": (cfg.num_kv_heads * D, H),
-            b + "attn_v.weight": (cfg.num_kv_heads * D, H),
-            b + "attn_q_norm.weight": (D,),
-            b + "attn_k_norm.weight": (D,),
-            b + "attn_output.weight": (H, cfg.num_heads * D),
-            b + "post_attention_norm.weight": (H,),
-            b + "ffn_norm.weight": (H,),
-            b + "ffn_gate.weight": (F, H),
-            b + "ffn_up.weight": (F, H),
-            b + "ffn_down.weight": (H, F),
-            b + "post_ffw_norm.weight": (H,),
-        })
+        shapes.update(
+            {
+                b + "attn_norm.weight": (H,),
+                b + "attn_q.weight": (cfg.num_heads * D, H),
+                b + "attn_k.weight": (cfg.num_kv_heads * D, H),
+                b + "attn_v.weight": (cfg.num_kv_heads * D, H),
+                b + "attn_q_norm.weight": (D,),
+                b + "attn_k_norm.weight": (D,),
+                b + "attn_output.weight": (H, cfg.num_heads * D),
+                b + "post_attention_norm.weight": (H,),
+                b + "ffn_norm.weight": (H,),
+                b + "ffn_gate.weight": (F, H),
+                b + "ffn_up.weight": (F, H),
+                b + "ffn_down.weight": (H, F),
+                b + "post_ffw_norm.weight": (H,),
+            }
+        )
     return shapes
 
 
@@ -284,17 +304,21 @@ def _dequantize_all(reader, path: Path, cfg: Gemma3Config) -> dict[str, np.ndarr
         if int(t.n_elements) != n or tuple(int(x) for x in reversed(list(t.shape))) != shape:
             raise ValueError(f"{path}: tensor {name} has shape {tuple(reversed(list(t.shape)))}, expected {shape}")
         if n % block:
-            raise ValueError(f"{path}: tensor {name}: {n} elements is not a whole number of "
-                             f"{t.tensor_type.name} blocks")
+            raise ValueError(
+                f"{path}: tensor {name}: {n} elements is not a whole number of {t.tensor_type.name} blocks"
+            )
         nbytes = n // block * type_size
         if int(t.data_offset) + nbytes > file_size or int(t.data.nbytes) != nbytes:
-            raise ValueError(f"{path}: tensor {name} data runs past the end of the file "
-                             f"(offset {int(t.data_offset)} + {nbytes} bytes > {file_size}): truncated?")
+            raise ValueError(
+                f"{path}: tensor {name} data runs past the end of the file "
+                f"(offset {int(t.data_offset)} + {nbytes} bytes > {file_size}): truncated?"
+            )
         try:
             a = quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
-            raise ValueError(f"{path}: tensor {name} ({t.tensor_type.name}) cannot be dequantized "
-                             f"({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{path}: tensor {name} ({t.tensor_type.name}) cannot be dequantized ({type(e).__name__}: {e})"
+            ) from e
         a = np.ascontiguousarray(np.asarray(a, dtype=np.float32).reshape(shape))
         if not np.isfinite(a).all():
             raise ValueError(f"{path}: tensor {name} ({t.tensor_type.name}) holds non-finite values: corrupted?")
@@ -354,8 +378,9 @@ def _read_cache(p: Path) -> tuple[Gemma3Config, dict[str, np.ndarray]] | None:
     except Exception:
         return None  # unreadable / stale cache: rebuilt by the caller
     want = expected_shapes(cfg)
-    if set(weights) != set(want) or any(weights[k].shape != s or weights[k].dtype != np.float32
-                                        for k, s in want.items()):
+    if set(weights) != set(want) or any(
+        weights[k].shape != s or weights[k].dtype != np.float32 for k, s in want.items()
+    ):
         return None
     return cfg, weights
 
@@ -379,8 +404,9 @@ def load_config(path: str | os.PathLike) -> Gemma3Config:
     return _config_of(_open_reader(path), path)
 
 
-def load_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-              use_cache: bool = True) -> tuple[Gemma3Config, dict[str, np.ndarray]]:
+def load_gguf(
+    path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, use_cache: bool = True
+) -> tuple[Gemma3Config, dict[str, np.ndarray]]:
     """``(config, float32 weights by GGUF name)``; see the module docstring."""
     path = Path(path)
     if not path.is_file():

@@ -42,31 +42,48 @@ class KVCache(NamedTuple):
 
 def init_cache(cfg: Gemma3Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+    return KVCache(
+        tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+    )
 
 
 # A block's parameters: our name -> the GGUF tensor's (blk.{i}.<name>.weight). Norms end in "norm".
 _LAYER_TENSORS = {
-    "input_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "q_norm": "attn_q_norm",
-    "k_norm": "attn_k_norm", "wo": "attn_output", "post_attn_norm": "post_attention_norm",
-    "pre_ffw_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
+    "input_norm": "attn_norm",
+    "wq": "attn_q",
+    "wk": "attn_k",
+    "wv": "attn_v",
+    "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm",
+    "wo": "attn_output",
+    "post_attn_norm": "post_attention_norm",
+    "pre_ffw_norm": "ffn_norm",
+    "w_gate": "ffn_gate",
+    "w_up": "ffn_up",
+    "w_down": "ffn_down",
     "post_ffw_norm": "post_ffw_norm",
 }
 
 
 def params_from_gguf(cfg: Gemma3Config, weights: Mapping[str, np.ndarray], dtype=jnp.float32) -> Params:
     """JAX params from ``load_gguf``'s weights: matrices transposed to ``[in, out]``, norms as HF ``w``."""
+
     def mat(name):
         return jnp.asarray(np.ascontiguousarray(weights[name].T), dtype)
 
     def norm(name):
         return jnp.asarray(hf_norm_weight(weights[name]), dtype)
 
-    layers = [{key: (norm if key.endswith("norm") else mat)(f"blk.{i}.{name}.weight")
-               for key, name in _LAYER_TENSORS.items()} for i in range(cfg.num_layers)]
-    return {"embed": jnp.asarray(weights["token_embd.weight"], dtype),
-            "final_norm": norm("output_norm.weight"), "layers": layers}
+    layers = [
+        {key: (norm if key.endswith("norm") else mat)(f"blk.{i}.{name}.weight") for key, name in _LAYER_TENSORS.items()}
+        for i in range(cfg.num_layers)
+    ]
+    return {
+        "embed": jnp.asarray(weights["token_embd.weight"], dtype),
+        "final_norm": norm("output_norm.weight"),
+        "layers": layers,
+    }
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -98,8 +115,16 @@ def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache, new, start)
 
 
-def _attention(lp: Params, x: jax.Array, pos: jax.Array, start: jax.Array, k_cache: jax.Array,
-               v_cache: jax.Array, cfg: Gemma3Config, layer: int):
+def _attention(
+    lp: Params,
+    x: jax.Array,
+    pos: jax.Array,
+    start: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cfg: Gemma3Config,
+    layer: int,
+):
     B, T, _ = x.shape
     N, K, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_per_kv
     sliding = cfg.layer_types[layer] == "sliding"
@@ -119,7 +144,7 @@ def _attention(lp: Params, x: jax.Array, pos: jax.Array, start: jax.Array, k_cac
     S = k_cache.shape[1]
     qg = q.reshape(B, T, K, G, D)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(q.dtype)).astype(jnp.float32)
-    scores = scores * jnp.float32(cfg.query_pre_attn_scalar ** -0.5)
+    scores = scores * jnp.float32(cfg.query_pre_attn_scalar**-0.5)
     if cfg.attn_logit_softcapping is not None:
         c = jnp.float32(cfg.attn_logit_softcapping)
         scores = jnp.tanh(scores / c) * c
@@ -142,8 +167,9 @@ def embed(params: Params, tokens: jax.Array, cfg: Gemma3Config) -> jax.Array:
     return jnp.take(e, tokens, axis=0) * jnp.asarray(math.sqrt(cfg.hidden_size), e.dtype)
 
 
-def _forward(params: Params, tokens: jax.Array, start: jax.Array, cache: KVCache, *,
-             cfg: Gemma3Config) -> tuple[jax.Array, KVCache]:
+def _forward(
+    params: Params, tokens: jax.Array, start: jax.Array, cache: KVCache, *, cfg: Gemma3Config
+) -> tuple[jax.Array, KVCache]:
     """tokens [B, T] at positions ``start[b] + t`` -> (final-normed hidden [B, T, H], updated cache).
 
     ``start`` [B] int32: the number of tokens already in each row's cache. The cache must have
@@ -201,9 +227,16 @@ def prefill_padded(params: Params, cfg: Gemma3Config, ids: list[int], cache: KVC
 lm_head_jit = jax.jit(lm_head, static_argnames=("cfg",))
 
 
-def greedy_generate_many(params: Params, cfg: Gemma3Config, prompts: list[list[int]], max_new_tokens: int, *,
-                         suppress_ids: tuple[int, ...] = (), cache_len: int | None = None,
-                         bucket: int = 256) -> list[list[int]]:
+def greedy_generate_many(
+    params: Params,
+    cfg: Gemma3Config,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    suppress_ids: tuple[int, ...] = (),
+    cache_len: int | None = None,
+    bucket: int = 256,
+) -> list[list[int]]:
     """Greedy continuations of several prompts (no early stop; ``suppress_ids`` are never
     chosen), decoded together (one batched step per token).
 
@@ -229,8 +262,10 @@ def greedy_generate_many(params: Params, cfg: Gemma3Config, prompts: list[list[i
         first.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
         rows_k.append(cache.k)
         rows_v.append(cache.v)
-    cache = KVCache(tuple(jnp.concatenate([r[i] for r in rows_k]) for i in range(cfg.num_layers)),
-                    tuple(jnp.concatenate([r[i] for r in rows_v]) for i in range(cfg.num_layers)))
+    cache = KVCache(
+        tuple(jnp.concatenate([r[i] for r in rows_k]) for i in range(cfg.num_layers)),
+        tuple(jnp.concatenate([r[i] for r in rows_v]) for i in range(cfg.num_layers)),
+    )
     tok = jnp.concatenate(first)
     out = [[int(t)] for t in np.asarray(tok)]
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -241,7 +276,8 @@ def greedy_generate_many(params: Params, cfg: Gemma3Config, prompts: list[list[i
     return out
 
 
-def greedy_generate(params: Params, cfg: Gemma3Config, prompt: list[int], max_new_tokens: int, *,
-                    suppress_ids: tuple[int, ...] = ()) -> list[int]:
+def greedy_generate(
+    params: Params, cfg: Gemma3Config, prompt: list[int], max_new_tokens: int, *, suppress_ids: tuple[int, ...] = ()
+) -> list[int]:
     """Greedy continuation of one prompt (no early stop; ``suppress_ids`` are never chosen)."""
     return greedy_generate_many(params, cfg, [prompt], max_new_tokens, suppress_ids=suppress_ids, bucket=1)[0]

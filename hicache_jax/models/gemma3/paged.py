@@ -47,15 +47,29 @@ def model_config(cfg: Gemma3Config, *, kv_dtype: str = "float32", swa_as_full: b
     if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
         raise ValueError("cfg: logit soft-capping (Gemma 2) is not supported by the paged Gemma 3 family")
     if cfg.rope_scale_global != 1.0:
-        raise ValueError(f"cfg: rope_scale_global {cfg.rope_scale_global} (scaled RoPE of the larger Gemma 3 "
-                         "sizes) is not supported by the paged family yet")
-    return ModelConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, hidden=cfg.hidden_size,
-                       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       ffn=cfg.intermediate_size, rope_theta=float(cfg.rope_theta_global), kv_dtype=kv_dtype,
-                       layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, swa_as_full=swa_as_full,
-                       family="gemma3", rope_theta_local=float(cfg.rope_theta_local),
-                       query_pre_attn_scalar=float(cfg.query_pre_attn_scalar), rms_norm_eps=float(cfg.rms_norm_eps),
-                       max_positions=cfg.max_position_embeddings)
+        raise ValueError(
+            f"cfg: rope_scale_global {cfg.rope_scale_global} (scaled RoPE of the larger Gemma 3 "
+            "sizes) is not supported by the paged family yet"
+        )
+    return ModelConfig(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
+        hidden=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        ffn=cfg.intermediate_size,
+        rope_theta=float(cfg.rope_theta_global),
+        kv_dtype=kv_dtype,
+        layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window,
+        swa_as_full=swa_as_full,
+        family="gemma3",
+        rope_theta_local=float(cfg.rope_theta_local),
+        query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        max_positions=cfg.max_position_embeddings,
+    )
 
 
 class Norm(nnx.Module):
@@ -106,7 +120,7 @@ class Attention(nnx.Module):
         q = self._rope(self.q_norm((x @ self.wq[...]).reshape(b, t, cfg.num_heads, d)), positions)
         qg = q.reshape(b, t, kvh, cfg.num_heads // kvh, d)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, kv["k"].astype(q.dtype)).astype(jnp.float32)
-        scores = scores * jnp.float32(cfg.query_pre_attn_scalar ** -0.5)
+        scores = scores * jnp.float32(cfg.query_pre_attn_scalar**-0.5)
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
         v = jnp.where(kv_valid[:, :, None, None], kv["v"], 0.0)  # stale bits past the length never leak in
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -172,21 +186,25 @@ class Gemma3Weights:
 
     def with_config(self, config: ModelConfig) -> "Gemma3Weights":
         """The same arrays under another placement of the same model (e.g. ``swa_as_full``)."""
-        if config.family != "gemma3" or \
-                model_config(self.gemma, kv_dtype=config.kv_dtype, swa_as_full=config.swa_as_full) != config:
+        if (
+            config.family != "gemma3"
+            or model_config(self.gemma, kv_dtype=config.kv_dtype, swa_as_full=config.swa_as_full) != config
+        ):
             raise ValueError(f"config: not a placement of this checkpoint's model ({self.config})")
         return Gemma3Weights(config, self.gemma, self.params, self.digest, self.path)
 
 
-def load_weights(path: str | Path, *, kv_dtype: str = "float32", dtype=jnp.float32,
-                 cache_dir: str | Path | None = None) -> Gemma3Weights:
+def load_weights(
+    path: str | Path, *, kv_dtype: str = "float32", dtype=jnp.float32, cache_dir: str | Path | None = None
+) -> Gemma3Weights:
     """A Gemma 3 GGUF as ``Gemma3Weights`` (dequantized once and cached: ``load_gguf``)."""
     from .gguf_loader import file_sha256
 
     path = Path(path)
     cfg, weights = load_gguf(path, cache_dir=cache_dir)
-    return Gemma3Weights(model_config(cfg, kv_dtype=kv_dtype), cfg, params_from_gguf(cfg, weights, dtype),
-                         file_sha256(path), path)
+    return Gemma3Weights(
+        model_config(cfg, kv_dtype=kv_dtype), cfg, params_from_gguf(cfg, weights, dtype), file_sha256(path), path
+    )
 
 
 def load_model(name: str = "gemma3-270m", **kwargs) -> Gemma3Weights:
@@ -201,17 +219,33 @@ def random_weights(cfg: Gemma3Config, seed: int = 0, *, kv_dtype: str = "float32
     rng = np.random.default_rng(seed)
 
     def mat(i, o):
-        return jnp.asarray(rng.normal(0, i ** -0.5, (i, o)).astype(np.float32))
+        return jnp.asarray(rng.normal(0, i**-0.5, (i, o)).astype(np.float32))
 
     def norm(n):
         return jnp.asarray(rng.normal(0, 0.1, n).astype(np.float32))
 
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    layers = [{"input_norm": norm(h), "wq": mat(h, cfg.num_heads * d), "wk": mat(h, cfg.num_kv_heads * d),
-               "wv": mat(h, cfg.num_kv_heads * d), "q_norm": norm(d), "k_norm": norm(d),
-               "wo": mat(cfg.num_heads * d, h), "post_attn_norm": norm(h), "pre_ffw_norm": norm(h),
-               "w_gate": mat(h, f), "w_up": mat(h, f), "w_down": mat(f, h), "post_ffw_norm": norm(h)}
-              for _ in range(cfg.num_layers)]
-    params = {"embed": jnp.asarray(rng.normal(0, 1.0, (cfg.vocab_size, h)).astype(np.float32)),
-              "final_norm": norm(h), "layers": layers}
+    layers = [
+        {
+            "input_norm": norm(h),
+            "wq": mat(h, cfg.num_heads * d),
+            "wk": mat(h, cfg.num_kv_heads * d),
+            "wv": mat(h, cfg.num_kv_heads * d),
+            "q_norm": norm(d),
+            "k_norm": norm(d),
+            "wo": mat(cfg.num_heads * d, h),
+            "post_attn_norm": norm(h),
+            "pre_ffw_norm": norm(h),
+            "w_gate": mat(h, f),
+            "w_up": mat(h, f),
+            "w_down": mat(f, h),
+            "post_ffw_norm": norm(h),
+        }
+        for _ in range(cfg.num_layers)
+    ]
+    params = {
+        "embed": jnp.asarray(rng.normal(0, 1.0, (cfg.vocab_size, h)).astype(np.float32)),
+        "final_norm": norm(h),
+        "layers": layers,
+    }
     return Gemma3Weights(model_config(cfg, kv_dtype=kv_dtype), cfg, params, f"random-{seed}")

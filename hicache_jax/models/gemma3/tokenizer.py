@@ -53,8 +53,9 @@ def derive_merges(tokens: Sequence[str]) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tokenizer(tokens: Sequence[str], token_types: Sequence[int], *, bos_token_id: int,
-                    unk_token_id: int, add_bos_token: bool):
+def build_tokenizer(
+    tokens: Sequence[str], token_types: Sequence[int], *, bos_token_id: int, unk_token_id: int, add_bos_token: bool
+):
     """A ``tokenizers.Tokenizer`` from GGUF vocabulary arrays."""
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
@@ -63,22 +64,37 @@ def build_tokenizer(tokens: Sequence[str], token_types: Sequence[int], *, bos_to
     if len(set(spelled)) != len(spelled):
         raise ValueError("tokenizer vocabulary has duplicate tokens after respelling spaces")
     vocab = {t: i for i, t in enumerate(spelled)}
-    tk = Tokenizer(BPE(vocab=vocab, merges=derive_merges(spelled), unk_token=spelled[unk_token_id],
-                       fuse_unk=True, byte_fallback=True, dropout=None))
+    tk = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=derive_merges(spelled),
+            unk_token=spelled[unk_token_id],
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
     tk.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     tk.pre_tokenizer = None
     tk.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     types = np.asarray(token_types)
-    tk.add_special_tokens([AddedToken(spelled[i], normalized=False, special=True)
-                           for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)])
+    tk.add_special_tokens(
+        [AddedToken(spelled[i], normalized=False, special=True) for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)]
+    )
     # user-defined tokens whose text is spelled as in the vocabulary (the space runs are not: they
     # are reached through the normalizer and the merges instead)
-    tk.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
-                   for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED) if tokens[i] == spelled[i]])
+    tk.add_tokens(
+        [
+            AddedToken(tokens[i], normalized=False, special=False)
+            for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)
+            if tokens[i] == spelled[i]
+        ]
+    )
     if add_bos_token:
         bos = spelled[bos_token_id]
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_token_id)])
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_token_id)]
+        )
     return tk
 
 
@@ -93,8 +109,10 @@ def _read_vocab(path: Path):
 
     model = get("tokenizer.ggml.model").contents()
     if model != "llama":
-        raise ValueError(f"{path}: tokenizer.ggml.model is {model!r}; only the SentencePiece ('llama') "
-                         "vocabulary of Gemma is supported")
+        raise ValueError(
+            f"{path}: tokenizer.ggml.model is {model!r}; only the SentencePiece ('llama') "
+            "vocabulary of Gemma is supported"
+        )
     f = get("tokenizer.ggml.tokens")
     tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
     types = np.asarray(get("tokenizer.ggml.token_type").contents(), dtype=np.int32)
@@ -105,8 +123,13 @@ def _read_vocab(path: Path):
         fld = reader.fields.get(key)
         return default if fld is None else fld.contents()
 
-    return (tokens, types, int(scalar("tokenizer.ggml.bos_token_id", 2)),
-            int(scalar("tokenizer.ggml.unknown_token_id", 3)), bool(scalar("tokenizer.ggml.add_bos_token", True)))
+    return (
+        tokens,
+        types,
+        int(scalar("tokenizer.ggml.bos_token_id", 2)),
+        int(scalar("tokenizer.ggml.unknown_token_id", 3)),
+        bool(scalar("tokenizer.ggml.add_bos_token", True)),
+    )
 
 
 class Gemma3Tokenizer:
@@ -116,8 +139,9 @@ class Gemma3Tokenizer:
         self.tk = tokenizer
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-                  use_cache: bool = True) -> "Gemma3Tokenizer":
+    def from_gguf(
+        cls, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, use_cache: bool = True
+    ) -> "Gemma3Tokenizer":
         from tokenizers import Tokenizer
 
         path = Path(path)

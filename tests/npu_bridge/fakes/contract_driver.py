@@ -21,6 +21,7 @@ def _mods():
 
 def _geom(kind):
     from hicache_jax import KVGeometry
+
     if kind == "mha":
         return KVGeometry.mha(3, 4, 2, 8, "bfloat16"), "page_first_direct"
     if kind == "mla_norope":
@@ -30,11 +31,13 @@ def _geom(kind):
 
 def _bits(t):
     import torch
+
     return t.view(torch.int8 if t.element_size() == 1 else torch.int16)
 
 
 def _fill(dev, geom, seed=0):
     import torch
+
     rng = np.random.default_rng(seed)
     for t in dev.buffers.values():  # fake npu tensors are CPU tensors: fill directly
         bits = _bits(t)
@@ -43,8 +46,10 @@ def _fill(dev, geom, seed=0):
 
 def roundtrip(kind, deferred=False):
     import torch
+
     report = {"before_import": _mods()}
     import npu_bridge
+
     report["after_import_npu_bridge"] = _mods()
     geom, layout = _geom(kind)
     start = len(fake_log.EVENTS)
@@ -72,10 +77,14 @@ def roundtrip(kind, deferred=False):
         mark = len(fake_log.EVENTS)
         lh.stream_wait_layer(1)
         report["stream_wait_events"] = fake_log.EVENTS[mark:]
-    report["roundtrip_ok"] = all(torch.equal(_bits(p.tensor)[:, [2, 6]], w)
-                                 for c in geom.components for p, w in zip(dev.parts(c), want[c]))
+    report["roundtrip_ok"] = all(
+        torch.equal(_bits(p.tensor)[:, [2, 6]], w) for c in geom.components for p, w in zip(dev.parts(c), want[c])
+    )
     report["pages_moved"] = report["roundtrip_ok"] and not all(
-        torch.equal(_bits(p.tensor)[:, [2, 6]], _bits(p.tensor)[:, [3, 7]]) for c in geom.components for p in dev.parts(c))
+        torch.equal(_bits(p.tensor)[:, [2, 6]], _bits(p.tensor)[:, [3, 7]])
+        for c in geom.components
+        for p in dev.parts(c)
+    )
     eng.close()
     return report
 
@@ -84,6 +93,7 @@ def binding():
     """Engine construction with impl='auto' and impl='ascend' against the installed (fake) op."""
     import npu_bridge
     from npu_bridge.ascend_op import OpSignatureError
+
     geom, layout = _geom("mha")
     out = {}
     for impl in ("auto", "ascend"):
@@ -104,8 +114,10 @@ def lazy_only():
     report = {"before": _mods()}
     import npu_bridge  # noqa: F401 (imported for what importing it loads)
     import npu_bridge.kv_split_pool  # noqa: F401 (numpy-only module: what importing it loads)
+
     report["after_import"] = _mods()
     from npu_bridge.devices import resolve_device
+
     report["after_devices"] = _mods()
     report["device"] = str(resolve_device("npu"))
     report["after_resolve_npu"] = _mods()

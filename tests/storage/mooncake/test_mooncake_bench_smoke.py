@@ -47,16 +47,20 @@ def test_bench_starts_a_store_uses_it_and_stops_it(capsys):
 
     names = ("mooncake_master", "mooncake_client")
     before = _children(names)
-    args = cli.parser().parse_args(["bench", "ttft", "--storage-backend", "mooncake",
-                                     "--mooncake-node-bytes", str(64 << 20)])
+    args = cli.parser().parse_args(
+        ["bench", "ttft", "--storage-backend", "mooncake", "--mooncake-node-bytes", str(64 << 20)]
+    )
     src = HostKVPool(GEOM, 4, "page_first")
     fill_random(src, 31)
     keys = keys_for(2, seed=31)
     with serving._StorageDir(args):
         assert len(_children(names)) == len(before) + 2  # a master and a store node
         cfg = serving.storage_config(args)
-        assert (cfg.backend, cfg.mooncake_master, cfg.mooncake_global_segment_bytes) == \
-            ("mooncake", args.mooncake_master, 0)
+        assert (cfg.backend, cfg.mooncake_master, cfg.mooncake_global_segment_bytes) == (
+            "mooncake",
+            args.mooncake_master,
+            0,
+        )
         st = create_storage(cfg, {"target": src})
         try:
             assert st.batch_set(keys, [2, 3]) == [True, True]
@@ -79,9 +83,26 @@ def test_bench_restart_on_mooncake(tmp_path, capsys):
     names = ("mooncake_master", "mooncake_client")
     before = _children(names)
     out = tmp_path / "r.json"
-    argv = ["bench", "restart", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "40", "--page-size", "4",
-            "--device-pages", "64", "--storage-backend", "mooncake", "--mooncake-node-bytes", str(64 << 20),
-            "--out", str(out)]
+    argv = [
+        "bench",
+        "restart",
+        "--model",
+        "tiny",
+        "--num-prompts",
+        "2",
+        "--prompt-len",
+        "40",
+        "--page-size",
+        "4",
+        "--device-pages",
+        "64",
+        "--storage-backend",
+        "mooncake",
+        "--mooncake-node-bytes",
+        str(64 << 20),
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     payload = json.loads(out.read_text())
     assert payload["same_tokens"] and payload["write"]["pid"] != payload["read"]["pid"]
@@ -103,16 +124,41 @@ def test_bench_l3_mooncake_quick(tmp_path, placement):
     if reason is not None:
         pytest.skip(f"no Mooncake master here: {reason}")
     out = tmp_path / "l3.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_l3", "--backend", "mooncake", "--quick",
-                        "--mooncake-placement", placement, "--out", str(out)], cwd=REPO, env=child_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_l3",
+            "--backend",
+            "mooncake",
+            "--quick",
+            "--mooncake-placement",
+            placement,
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert list(data["configs"]) == [placement] and data["runs"] == 1
     run = data["configs"][placement]["runs"][0]
     assert run["config"]["placement"] == placement
-    for k in ("write_mooncake", "write_raw", "write_rawm", "read_mooncake", "read_raw", "read_rawm", "read1_mooncake",
-              "read1_raw", "read1_rawm"):
+    for k in (
+        "write_mooncake",
+        "write_raw",
+        "write_rawm",
+        "read_mooncake",
+        "read_raw",
+        "read_rawm",
+        "read1_mooncake",
+        "read1_raw",
+        "read1_rawm",
+    ):
         assert run["gbps"][k] > 0
     m = run["backend_metrics"]
     assert m["corrupt"] == 0 and m["hits"] > 0 and m["hits"] == m["verified"]
@@ -122,7 +168,10 @@ def test_bench_l3_mooncake_quick(tmp_path, placement):
         assert s["runs"] == [ratio] and s["median"] == s["min"] == s["max"] == ratio
         assert s["met_every_run"] == (ratio >= s["goal"])
     assert {op: s["goal"] for op, s in data["configs"][placement]["summary"].items()} == {
-        "write, one batch": 0.9, "read, one batch": 0.9, "read, one page per call": 0.8}
+        "write, one batch": 0.9,
+        "read, one batch": 0.9,
+        "read, one page per call": 0.8,
+    }
     secs = run["seconds"]
     w = [min(b, c) / a for a, b, c in zip(secs["write_mooncake"], secs["write_raw"], secs["write_rawm"])]
     assert run["ratios"]["write, one batch"]["paired"] == sorted(w)[len(w) // 2]  # one round: its own ratio

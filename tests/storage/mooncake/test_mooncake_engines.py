@@ -38,12 +38,21 @@ def child(mode: str, path: str, master: str, metadata: str) -> dict:
     from hicache_jax.reference_model import ModelConfig
     from hicache_jax.storage.config import StorageConfig
 
-    storage = StorageConfig(backend="mooncake", mooncake_master=master, mooncake_metadata=metadata,
-                            mooncake_global_segment_bytes=0,  # the store node holds the pages
-                            mooncake_op_timeout_s=20.0, prefetch_policy="wait_complete", prefetch_threshold_tokens=8)
-    engine = Engine(ModelConfig(num_layers=2, hidden=32, ffn=64),
-                    EngineCacheConfig(page_size=served.PAGE, device_pages=64, max_batch=2, prefill_chunk=16,
-                                      max_context=64, storage=storage))
+    storage = StorageConfig(
+        backend="mooncake",
+        mooncake_master=master,
+        mooncake_metadata=metadata,
+        mooncake_global_segment_bytes=0,  # the store node holds the pages
+        mooncake_op_timeout_s=20.0,
+        prefetch_policy="wait_complete",
+        prefetch_threshold_tokens=8,
+    )
+    engine = Engine(
+        ModelConfig(num_layers=2, hidden=32, ffn=64),
+        EngineCacheConfig(
+            page_size=served.PAGE, device_pages=64, max_batch=2, prefill_chunk=16, max_context=64, storage=storage
+        ),
+    )
     spy = served.StepSpy(engine)
     prompts = served._prompts(11)
     marker = os.path.join(path, "written")
@@ -55,12 +64,18 @@ def child(mode: str, path: str, master: str, metadata: str) -> dict:
             time.sleep(0.05)
     res = served._run(engine, spy, prompts)
     l3 = engine.storage.storage
-    out = {"pid": os.getpid(), "tokens": [r.tokens for r in res], "prefill": spy.last[0],
-           "cached": [r.cached_tokens for r in res]}
+    out = {
+        "pid": os.getpid(),
+        "tokens": [r.tokens for r in res],
+        "prefill": spy.last[0],
+        "cached": [r.cached_tokens for r in res],
+    }
     if mode == "write":
         engine.close()  # every L3 write done
-        np.savez(os.path.join(path, "expected.npz"),
-                 **{f"{i}_{c}": pages[c] for i, pages in enumerate(spy.last[2]) for c in pages})
+        np.savez(
+            os.path.join(path, "expected.npz"),
+            **{f"{i}_{c}": pages[c] for i, pages in enumerate(spy.last[2]) for c in pages},
+        )
     else:
         expected = np.load(os.path.join(path, "expected.npz"))
         want = [{c: expected[f"{i}_{c}"] for c in spy.last[2][i]} for i in range(len(prompts))]
@@ -73,8 +88,13 @@ def child(mode: str, path: str, master: str, metadata: str) -> dict:
 def _start_child(mode: str, path, master) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, str(path), master.rpc_address,
-                             master.metadata_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), mode, str(path), master.rpc_address, master.metadata_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _result(p: subprocess.Popen) -> dict:

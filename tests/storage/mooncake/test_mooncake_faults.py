@@ -47,11 +47,13 @@ def test_master_killed_during_write_through(own_master):
     stop, errors, durations = threading.Event(), [], []
     state = {"i": 0}
     with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
+
         def step():
             i = state["i"] % 100
             state["i"] += 1
-            results.append(st.batch_set(keys[4 * i:4 * i + 4], [i % 16 * 4 + j for j in range(4)]))
+            results.append(st.batch_set(keys[4 * i : 4 * i + 4], [i % 16 * 4 + j for j in range(4)]))
             time.sleep(0.005)
+
         t = threading.Thread(target=_loop_until, args=(stop, step, errors, durations))
         t.start()
         while len(results) < 10:
@@ -65,7 +67,7 @@ def test_master_killed_during_write_through(own_master):
         assert not errors, errors
         assert max(durations) < BOUND_S, max(durations)
         assert all(all(r) for r in results[:n_at_kill])  # stored while the master lived
-        assert not any(any(r) for r in results[n_at_kill + 3:])  # then failed sets, not errors
+        assert not any(any(r) for r in results[n_at_kill + 3 :])  # then failed sets, not errors
         m = st.metrics.snapshot()
         assert m["pages_dropped"] > 0 and m["read_errors"] + m["write_errors"] > 0
         assert m["pages_written"] >= 4 * n_at_kill
@@ -94,6 +96,7 @@ def test_master_killed_during_prefetch(own_master):
             for p in pools:  # whatever is reported loaded is exactly what was stored
                 assert_pages_equal(pools[p], ids[:h], dst[p], out_ids[:h])
             hits.append(h)
+
         t = threading.Thread(target=_loop_until, args=(stop, step, errors, durations))
         t.start()
         while len(hits) < 5:
@@ -107,7 +110,7 @@ def test_master_killed_during_prefetch(own_master):
         assert not errors, errors
         assert max(durations) < BOUND_S, max(durations)
         assert set(hits[:n_at_kill]) == {n}
-        assert set(hits[n_at_kill + 3:]) == {0}
+        assert set(hits[n_at_kill + 3 :]) == {0}
         m = st.metrics.snapshot()
         assert m["hits"] >= n * n_at_kill and m["read_errors"] > 0 and m["corrupt"] == 0  # misses: the index says 0
         own_master.restart_master()
@@ -123,10 +126,14 @@ def test_master_hung_calls_are_bounded_then_recover(own_master):
         st.codecs["target"].pool = dst
         pid = own_master.master_pid
         import os
+
         os.kill(pid, signal.SIGSTOP)
         try:
-            for call in (lambda: st.batch_exists(keys), lambda: st.batch_get(keys[:2], [4, 5]),
-                         lambda: st.batch_set(keys[2:], [2, 3])):
+            for call in (
+                lambda: st.batch_exists(keys),
+                lambda: st.batch_get(keys[:2], [4, 5]),
+                lambda: st.batch_set(keys[2:], [2, 3]),
+            ):
                 out, dt = _timed(call)
                 assert dt < BOUND_S, dt
                 assert not out or out == 0 or not any(out)
@@ -173,8 +180,9 @@ BIG = KVGeometry.mha(4, 16, 8, 128, "bfloat16")  # 256 KiB pages
 # lease ran out mid-transfer ("lease_expired_before_data_transfer_completed"), which CI hit
 # with a 50 ms lease and one 96-page batch read. Writes sleep past the lease so the master may
 # evict what was written before.
-@pytest.mark.parametrize("own_master", [{"lease_ttl_ms": 300, "eviction_high_watermark": 0.5,
-                                         "store_node_bytes": 16 << 20}], indirect=True)
+@pytest.mark.parametrize(
+    "own_master", [{"lease_ttl_ms": 300, "eviction_high_watermark": 0.5, "store_node_bytes": 16 << 20}], indirect=True
+)
 def test_pages_evicted_by_mooncake_are_misses(own_master):
     n = 96  # 24 MiB of pages into the store node's 16 MiB segment
     src = HostKVPool(BIG, n, "page_first")
@@ -183,7 +191,7 @@ def test_pages_evicted_by_mooncake_are_misses(own_master):
     with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S) as st:
         stored = []
         for i in range(0, n, 8):
-            stored += st.batch_set(keys[i:i + 8], list(range(i, i + 8)))
+            stored += st.batch_set(keys[i : i + 8], list(range(i, i + 8)))
             time.sleep(0.35)  # leases run out; the master evicts
         assert sum(stored) >= 48
         dst = HostKVPool(BIG, n, "page_first")

@@ -16,6 +16,7 @@ from mooncake_helpers import mc_store
 def raw(master):
     """A plain Mooncake client of the same master, to damage stored objects."""
     from mooncake.store import MooncakeDistributedStore
+
     c = MooncakeDistributedStore()
     assert c.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "", master.rpc_address) == 0
     yield c

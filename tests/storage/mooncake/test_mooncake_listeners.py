@@ -19,6 +19,7 @@ from storage_helpers import GEOM, fill_random, keys_for
 def raw(master):
     """A second, plain client of the same master (it lends no memory)."""
     from mooncake.store import MooncakeDistributedStore
+
     c = MooncakeDistributedStore()
     assert c.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "", master.rpc_address) == 0
     yield c

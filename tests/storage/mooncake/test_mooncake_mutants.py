@@ -41,6 +41,7 @@ class _CountingClient:
             else:
                 self.data_calls += 1
             return fn(*a, **kw)
+
         return counted
 
 
@@ -49,7 +50,9 @@ def test_calls_miss_fast_while_the_master_stays_down(own_master):
     fill_random(src, 11)
     keys = keys_for(4, seed=12)
     retry = 0.3
-    with mc_store(own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S, mooncake_retry_interval_s=retry) as st:
+    with mc_store(
+        own_master, {"target": src}, fresh=True, mooncake_op_timeout_s=OP_TIMEOUT_S, mooncake_retry_interval_s=retry
+    ) as st:
         assert st.batch_set(keys[:2], [0, 1]) == [True, True]
         counting = st._store = _CountingClient(st._store)
         own_master.kill_master(signal.SIGKILL)

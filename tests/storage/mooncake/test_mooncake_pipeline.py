@@ -80,7 +80,7 @@ def test_pieces_overlap_checks_and_bytes_come_back(master, monkeypatch):
         assert [e[1] for e in gets if e[2] == "start"] == [4, 4, 4]  # three pieces, in order
         # piece 1's checks ran while piece 2 was in flight: after piece 1 arrived, before piece 2 did
         ends = [i for i, e in enumerate(log) if e[0] == "get" and e[2] == "end"]
-        assert sum(e[0] == "check" for e in log[ends[0]:ends[1]]) == 4, log
+        assert sum(e[0] == "check" for e in log[ends[0] : ends[1]]) == 4, log
         assert all(e[1].startswith("l3-mooncake-crc") for e in log if e[0] == "check")
         st._store = st._store._real
 
@@ -179,8 +179,8 @@ def test_write_pieces_overlap_the_next_pieces_crcs_and_bytes_come_back(master, m
         assert [e[1] for e in puts if e[2] == "start"] == [4, 4, 4]  # three pieces, in order
         # piece 2's CRCs ran while piece 1 moved (before its put returned); piece 3's only after
         ends = [i for i, e in enumerate(log) if e[0] == "put" and e[2] == "end"]
-        assert sum(e[0] == "crc" for e in log[:ends[0]]) == 8, log
-        assert sum(e[0] == "crc" for e in log[:ends[1]]) == 12, log
+        assert sum(e[0] == "crc" for e in log[: ends[0]]) == 8, log
+        assert sum(e[0] == "crc" for e in log[: ends[1]]) == 12, log
         assert all(e[1].startswith("l3-mooncake-crc") for e in log if e[0] == "crc")
         monkeypatch.setattr(mst.integrity, "checksum_at", real)
         dst = chk.poisoned(GEOM, N, "page_first")

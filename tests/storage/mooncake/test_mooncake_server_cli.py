@@ -27,8 +27,14 @@ def _need_store():
 
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-W", "always", *args], capture_output=True, text=True,
-                          env=child_env(), timeout=timeout, cwd="/")
+    return subprocess.run(
+        [sys.executable, "-W", "always", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=timeout,
+        cwd="/",
+    )
 
 
 def test_every_flag_has_help():
@@ -44,8 +50,11 @@ def test_every_flag_has_help():
         assert a.option_strings[0] in r.stdout and a.help.split()[0] in r.stdout
 
 
-@pytest.mark.parametrize("entry", [["-m", "hicache_jax.storage.mooncake.server"],
-                                   ["-m", "hicache_jax.cli", "mooncake-server"]], ids=["python_m", "console"])
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "hicache_jax.storage.mooncake.server"], ["-m", "hicache_jax.cli", "mooncake-server"]],
+    ids=["python_m", "console"],
+)
 def test_server_starts_without_warnings(entry):
     _need_store()
     r = _run([*entry, "--max-lifetime-s", "0.5", "--store-node-bytes", str(64 << 20)])
@@ -106,8 +115,13 @@ def _log_lines(env_extra: dict | None = None, **kw) -> dict:
     for k in ("MC_LOG_LEVEL", "GLOG_minloglevel"):
         env.pop(k, None)
     env.update(env_extra or {})
-    r = subprocess.run([sys.executable, "-c", _LOG_CHILD, GLOG_LINE.pattern, _LOG_CLIENT, json.dumps(kw)],
-                       capture_output=True, text=True, env=env, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-c", _LOG_CHILD, GLOG_LINE.pattern, _LOG_CLIENT, json.dumps(kw)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

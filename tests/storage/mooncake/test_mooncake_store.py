@@ -13,8 +13,12 @@ from hicache_jax.storage import PoolHitPolicy, PoolSpec, PoolTransfer, StorageCo
 from mooncake_helpers import mc_config, mc_store
 from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, namespace
 
-DTYPE_GEOMS = [KVGeometry.mha(2, 4, 2, 32, "bfloat16"), KVGeometry.mha(2, 4, 2, 32, "float16"),
-               KVGeometry.mha(2, 4, 1, 32, "float32"), KVGeometry.mla(2, 4, 48, 16, "float8_e4m3fn")]
+DTYPE_GEOMS = [
+    KVGeometry.mha(2, 4, 2, 32, "bfloat16"),
+    KVGeometry.mha(2, 4, 2, 32, "float16"),
+    KVGeometry.mha(2, 4, 1, 32, "float32"),
+    KVGeometry.mla(2, 4, 48, 16, "float8_e4m3fn"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +26,7 @@ def raw(master):
     """A second, plain Mooncake client of the same master (another writer; lends no memory:
     what it puts goes to the store node)."""
     from mooncake.store import MooncakeDistributedStore
+
     c = MooncakeDistributedStore()
     assert c.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "", master.rpc_address) == 0
     yield c
@@ -108,9 +113,14 @@ def test_namespace_isolation(master):
     fill_random(src, 4)
     tokens_seed = 9
     base = namespace()
-    others = [namespace(model="other-model"), namespace(extra_key="tenant-b"), namespace(tp_size=2, tp_rank=1),
-              namespace(layout="layer_first"), base.for_pool("draft"),
-              namespace(KVGeometry.mha(2, 4, 2, 32, "float16"))]
+    others = [
+        namespace(model="other-model"),
+        namespace(extra_key="tenant-b"),
+        namespace(tp_size=2, tp_rank=1),
+        namespace(layout="layer_first"),
+        base.for_pool("draft"),
+        namespace(KVGeometry.mha(2, 4, 2, 32, "float16")),
+    ]
     with mc_store(master, {"target": src}) as st:
         keys = keys_for(3, seed=tokens_seed, ns=base)
         assert st.batch_set(keys, [0, 1, 2]) == [True] * 3
@@ -131,17 +141,24 @@ def test_namespace_isolation(master):
 
 def test_target_draft_swa_pools(master):
     geom_swa = KVGeometry.mha(1, 4, 2, 16, "bfloat16")
-    pools = {"target": HostKVPool(GEOM, 16, "page_first"), "draft": HostKVPool(GEOM, 16, "layer_first"),
-             "swa": HostKVPool(geom_swa, 16, "page_first_direct")}
+    pools = {
+        "target": HostKVPool(GEOM, 16, "page_first"),
+        "draft": HostKVPool(GEOM, 16, "layer_first"),
+        "swa": HostKVPool(geom_swa, 16, "page_first_direct"),
+    }
     for i, p in enumerate(pools.values()):
         fill_random(p, 20 + i)
     specs = [PoolSpec("target"), PoolSpec("draft"), PoolSpec("swa", PoolHitPolicy.TRAILING_PAGES, 2)]
     n = 6
     keys = {p: keys_for(n, seed=31, ns=namespace(pools[p].geom, pools[p].layout.value).for_pool(p)) for p in pools}
     with mc_store(master, pools, specs) as st:
-        res = st.set_multi([PoolTransfer("target", keys["target"], list(range(n))),
-                            PoolTransfer("draft", keys["draft"], list(range(n))),
-                            PoolTransfer("swa", keys["swa"][n - 2:], [n - 2, n - 1])])
+        res = st.set_multi(
+            [
+                PoolTransfer("target", keys["target"], list(range(n))),
+                PoolTransfer("draft", keys["draft"], list(range(n))),
+                PoolTransfer("swa", keys["swa"][n - 2 :], [n - 2, n - 1]),
+            ]
+        )
         assert all(all(v) for v in res.values())
         q = [PoolTransfer(p, keys[p]) for p in pools]
         assert st.exists_multi(q).hit_pages == n
@@ -197,7 +214,7 @@ def test_overwritten_value_is_a_miss_never_wrong_kv(master, raw, how):
         flags = st.batch_get(keys, [5, 6, 7])
         assert flags == [True, False, True]
         assert_pages_equal(src, [0, 2], dst, [5, 7])
-        assert not dst.array[:, 6 * GEOM.page_size:7 * GEOM.page_size].any()  # zero-filled or untouched
+        assert not dst.array[:, 6 * GEOM.page_size : 7 * GEOM.page_size].any()  # zero-filled or untouched
         m = st.metrics.snapshot()
         assert m["corrupt"] == 1 and m["hits"] == 2 and m["misses"] == 1
         # the bad object was removed: the next write stores the page afresh and it reads back
@@ -239,16 +256,18 @@ def test_bad_arguments_raise_and_change_nothing(master):
 
 def test_config_names_what_is_wrong():
     ok = dict(backend="mooncake", mooncake_master="127.0.0.1:5000", mooncake_metadata="http://127.0.0.1:5001/metadata")
-    for kw, exc, field in [({"mooncake_master": None}, ValueError, "mooncake_master"),
-                           ({"mooncake_master": "127.0.0.1"}, ValueError, "mooncake_master"),
-                           ({"mooncake_master": "no such host:1"}, ValueError, "mooncake_master"),
-                           ({"mooncake_master": 5000}, TypeError, "mooncake_master"),
-                           ({"mooncake_metadata": "127.0.0.1:5001"}, ValueError, "mooncake_metadata"),
-                           ({"mooncake_metadata": "http://127.0.0.1:99999/m"}, ValueError, "mooncake_metadata"),
-                           ({"mooncake_protocol": "udp"}, ValueError, "mooncake_protocol"),
-                           ({"mooncake_op_timeout_s": 0}, ValueError, "mooncake_op_timeout_s"),
-                           ({"mooncake_global_segment_bytes": -1}, ValueError, "mooncake_global_segment_bytes"),
-                           ({"capacity_bytes": 1 << 20}, ValueError, "capacity_bytes")]:
+    for kw, exc, field in [
+        ({"mooncake_master": None}, ValueError, "mooncake_master"),
+        ({"mooncake_master": "127.0.0.1"}, ValueError, "mooncake_master"),
+        ({"mooncake_master": "no such host:1"}, ValueError, "mooncake_master"),
+        ({"mooncake_master": 5000}, TypeError, "mooncake_master"),
+        ({"mooncake_metadata": "127.0.0.1:5001"}, ValueError, "mooncake_metadata"),
+        ({"mooncake_metadata": "http://127.0.0.1:99999/m"}, ValueError, "mooncake_metadata"),
+        ({"mooncake_protocol": "udp"}, ValueError, "mooncake_protocol"),
+        ({"mooncake_op_timeout_s": 0}, ValueError, "mooncake_op_timeout_s"),
+        ({"mooncake_global_segment_bytes": -1}, ValueError, "mooncake_global_segment_bytes"),
+        ({"capacity_bytes": 1 << 20}, ValueError, "capacity_bytes"),
+    ]:
         with pytest.raises(exc, match=field):
             StorageConfig(**{**ok, **kw})
 
@@ -262,14 +281,31 @@ def test_no_master_is_a_clear_error_at_construction(master):
     dead = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match="mooncake_master: no Mooncake master reachable"):
-        create_storage(StorageConfig(backend="mooncake", mooncake_master=dead, mooncake_metadata=master.metadata_url,
-                                     mooncake_connect_timeout_s=2.0), pools)
+        create_storage(
+            StorageConfig(
+                backend="mooncake",
+                mooncake_master=dead,
+                mooncake_metadata=master.metadata_url,
+                mooncake_connect_timeout_s=2.0,
+            ),
+            pools,
+        )
     with pytest.raises(ConnectionError, match="mooncake_metadata: no HTTP metadata server"):
-        create_storage(StorageConfig(backend="mooncake", mooncake_master=master.rpc_address,
-                                     mooncake_metadata=f"http://127.0.0.1:{free_port()}/metadata",
-                                     mooncake_connect_timeout_s=2.0), pools)
+        create_storage(
+            StorageConfig(
+                backend="mooncake",
+                mooncake_master=master.rpc_address,
+                mooncake_metadata=f"http://127.0.0.1:{free_port()}/metadata",
+                mooncake_connect_timeout_s=2.0,
+            ),
+            pools,
+        )
     assert time.monotonic() - t0 < 10
     # the master's address and the metadata server's swapped: the master port speaks no HTTP
     with pytest.raises(ConnectionError, match="mooncake_metadata"):
-        create_storage(mc_config(master, mooncake_metadata=f"http://{master.rpc_address}/metadata",
-                                 mooncake_connect_timeout_s=2.0), pools)
+        create_storage(
+            mc_config(
+                master, mooncake_metadata=f"http://{master.rpc_address}/metadata", mooncake_connect_timeout_s=2.0
+            ),
+            pools,
+        )

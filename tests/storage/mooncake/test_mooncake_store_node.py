@@ -110,8 +110,13 @@ time.sleep(120)
 def test_every_process_dies_with_its_parent(tmp_path):
     start_master(store_node_bytes=0).stop()  # skips (with the reason) where no master can run
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         pids = [int(x) for x in child.stdout.readline().split()]
         assert len(pids) == 3 and all(_alive(p) for p in pids), pids

@@ -10,28 +10,48 @@ from storage_helpers import REPO, child_env
 
 def test_bench_l3_quick(tmp_path):
     out = tmp_path / "l3.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_l3", "--quick", "--out", str(out),
-                        "--dir", str(tmp_path / "store")], cwd=REPO, env=child_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_l3", "--quick", "--out", str(out), "--dir", str(tmp_path / "store")],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     top = json.loads(out.read_text())
     assert list(top["configs"]) == ["orbax"] and top["runs"] == 1
     data = top["configs"]["orbax"]["runs"][0]
-    for k in ("write_orbax", "write_raw", "write_raw_seg", "write_raw_seg_pipe", "read1_orbax", "read1_raw", "read1_raw_split",
-              "read16_orbax", "read16_raw"):
+    for k in (
+        "write_orbax",
+        "write_raw",
+        "write_raw_seg",
+        "write_raw_seg_pipe",
+        "read1_orbax",
+        "read1_raw",
+        "read1_raw_split",
+        "read16_orbax",
+        "read16_raw",
+    ):
         assert data["gbps"][k] > 0
-    assert set(data["goal_ratios"]) >= {"write / orbax segments", "cold read, 1 at a time / orbax + CRC",
-                                        "cold read, 16 in flight / orbax + CRC"}
+    assert set(data["goal_ratios"]) >= {
+        "write / orbax segments",
+        "cold read, 1 at a time / orbax + CRC",
+        "cold read, 16 in flight / orbax + CRC",
+    }
     # the goal ratio is against the fastest raw baseline of the op
     assert data["goal_ratios"]["write / orbax segments"] == min(
         data["ratios"]["write / orbax segments / raw file per page"],
         data["ratios"]["write / orbax segments / raw file per segment"],
-        data["ratios"]["write / orbax segments / raw file per segment, pipelined"])
+        data["ratios"]["write / orbax segments / raw file per segment, pipelined"],
+    )
     # each goal with its own threshold (issue 25: write 0.9, cold reads 0.95) and a verdict
     goals = data["goals"]
     assert {k: g["goal"] for k, g in goals.items()} == {
-        "write / orbax segments": 0.9, "cold read, 1 at a time / orbax + CRC": 0.95,
-        "cold read, 16 in flight / orbax + CRC": 0.95}
+        "write / orbax segments": 0.9,
+        "cold read, 1 at a time / orbax + CRC": 0.95,
+        "cold read, 16 in flight / orbax + CRC": 0.95,
+    }
     for k, g in goals.items():
         assert g["ratio"] == data["goal_ratios"][k] and g["met"] == (g["ratio"] >= g["goal"])
     assert "goal >= 0.95: " in r.stdout and "goal >= 0.9: " in r.stdout

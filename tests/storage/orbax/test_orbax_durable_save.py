@@ -65,9 +65,9 @@ def test_segment_files_synced_before_their_committed_name_and_read_back(tmp_path
         # the one rename that gives the step its committed name comes after every fsync of it
         named = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == seg]
         assert len(named) == 1 and events[named[0]][1] == staged, events
-        synced = [e[1] for e in events[:named[0]] if e[0] == "fsync"]
+        synced = [e[1] for e in events[: named[0]] if e[0] == "fsync"]
         # (the publisher's own calls: the writer thread may already be saving the next step)
-        after = [e[1] for e in events[named[0]:] if e[0] == "fsync" and e[2] == events[named[0]][3]]
+        after = [e[1] for e in events[named[0] :] if e[0] == "fsync" and e[2] == events[named[0]][3]]
         files = [os.path.join(d, f) for d, _, fs in os.walk(seg) for f in fs]
         # the page data: tensorstore may spread one save's chunks over several OCDBT data files
         # (how many depends on how its writes batch up), so count their bytes together
@@ -79,8 +79,9 @@ def test_segment_files_synced_before_their_committed_name_and_read_back(tmp_path
         for d in [d for d, _, _ in os.walk(seg)]:
             rel = os.path.relpath(d, seg)
             assert os.path.normpath(os.path.join(staged, rel)) in synced, (rel, synced)
-        assert not any(p == seg or p.startswith(seg + os.sep) for e in events[named[0]:] if e[0] == "fsync"
-                       for p in [e[1]])  # nothing of it synced after, by any thread
+        assert not any(
+            p == seg or p.startswith(seg + os.sep) for e in events[named[0] :] if e[0] == "fsync" for p in [e[1]]
+        )  # nothing of it synced after, by any thread
         assert after and after[0] == parent  # then the committed name itself: the writer directory
 
     dst = HostKVPool(GEOM, 16, "page_first")
@@ -97,8 +98,9 @@ def test_orbax_users_outside_the_store_keep_synced_writes(tmp_path, monkeypatch)
     specs = _spy_contexts(monkeypatch)
     src = HostKVPool(GEOM, 4, "page_first")
     st = make_store("orbax", tmp_path / "l3", {"target": src}, segment_pages=4)  # registers the store's classes
-    with ocp.CheckpointManager(str(tmp_path / "other"), options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=False)) as mgr:
+    with ocp.CheckpointManager(
+        str(tmp_path / "other"), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    ) as mgr:
         mgr.save(0, args=ocp.args.PyTreeSave({"w": np.arange(8, dtype=np.float32)}))
         mgr.wait_until_finished()
     assert specs and all(s.get("file_io_sync", True) is not False for s in specs), specs
@@ -191,9 +193,9 @@ def test_publish_step_names_a_step_only_after_all_of_it_is_synced(tmp_path, monk
     publish_step(str(staged), committed)
     renames = [i for i, e in enumerate(events) if e[0] == "rename"]
     assert [events[i][:3] for i in renames] == [("rename", str(staged), committed)]
-    before = {e[1] for e in events[:renames[0]] if e[0] == "fsync"}
+    before = {e[1] for e in events[: renames[0]] if e[0] == "fsync"}
     assert before == want  # every file and directory synced before it had the name
-    assert [e[:2] for e in events[renames[0] + 1:]] == [("fsync", str(tmp_path / "w0000"))]  # then the name
+    assert [e[:2] for e in events[renames[0] + 1 :]] == [("fsync", str(tmp_path / "w0000"))]  # then the name
     assert sorted(os.listdir(tmp_path / "w0000")) == ["g0123456789abcdef_3"]
     assert (tmp_path / "w0000" / "g0123456789abcdef_3" / "d" / "data").read_bytes() == b"x" * 100
 

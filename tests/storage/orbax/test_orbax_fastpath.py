@@ -78,8 +78,9 @@ def test_multi_pool_get_uses_direct_reads(tmp_path):
     # Buffers that never fill (8-page segments, 4 pages each) and a long flush interval: the
     # segment is saved by flush() with both pools in it, however slow this machine is between
     # the two pools' sets (a full buffer would be saved on its own at once).
-    st = make_store("orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=8,
-                    flush_interval_s=30.0)
+    st = make_store(
+        "orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=8, flush_interval_s=30.0
+    )
     st.set_multi([PoolTransfer(p, keys[p], range(4)) for p in src])
     assert st.flush(60)
     assert len(st.index.segments) == 1  # both pools' buffers saved as one segment
@@ -166,7 +167,7 @@ def test_segment_buffers_are_reused_up_to_the_bound(tmp_path, buffer_bytes):
     seg_bytes = 4 * st.codecs["target"].page_bytes
     all_keys = keys_for(24, seed=7)
     for r in range(3):  # each round reuses the buffers the previous one saved
-        keys = all_keys[8 * r:8 * r + 8]
+        keys = all_keys[8 * r : 8 * r + 8]
         fill_random(src, 100 + r)
         expect = st.codecs["target"].pack(np.arange(8))
         assert all(st.batch_set(keys, range(8)))

@@ -18,8 +18,9 @@ from storage_helpers import GEOM, assert_pages_equal, fill_random, keys_for, mak
 def _committed(tmp_path) -> list[str]:
     """Step directories of every committed segment, as ``w####/<step>``."""
     root = tmp_path / "segments-v1"
-    return sorted(os.path.relpath(d, root) for d in glob.glob(str(root / "w*" / "*"))
-                  if is_committed_step(os.path.basename(d)))
+    return sorted(
+        os.path.relpath(d, root) for d in glob.glob(str(root / "w*" / "*")) if is_committed_step(os.path.basename(d))
+    )
 
 
 # ---- point 1: a reused writer directory never serves another key's bytes -------------------------
@@ -32,16 +33,21 @@ def test_reused_writer_dir_never_serves_old_keys_new_bytes(tmp_path, integrity):
     a = make_store("orbax", tmp_path, {"target": src_a}, segment_pages=4, refresh_interval_s=0)
     # b: the idle reader (it holds w0001), which indexes a's segment and then does nothing
     dst = HostKVPool(GEOM, 4, "page_first")
-    b = make_store("orbax", tmp_path, {"target": dst}, segment_pages=4, refresh_interval_s=0,
-                   integrity=integrity)
+    b = make_store("orbax", tmp_path, {"target": dst}, segment_pages=4, refresh_interval_s=0, integrity=integrity)
     assert all(a.batch_set(old, range(4))) and a.flush(60)
     b.refresh()
     assert b.batch_exists(old) == 4
     a_dir = a.writer_dir
     a.close()  # w0000 released
     # c claims w0000 and, with a capacity below one segment, evicts everything; then releases it
-    c = make_store("orbax", tmp_path, {"target": HostKVPool(GEOM, 4, "page_first")}, segment_pages=4,
-                   refresh_interval_s=0, capacity_bytes=1)
+    c = make_store(
+        "orbax",
+        tmp_path,
+        {"target": HostKVPool(GEOM, 4, "page_first")},
+        segment_pages=4,
+        refresh_interval_s=0,
+        capacity_bytes=1,
+    )
     assert c.writer_dir == a_dir
     c.close()
     assert _committed(tmp_path) == []
@@ -57,8 +63,9 @@ def test_reused_writer_dir_never_serves_old_keys_new_bytes(tmp_path, integrity):
     assert flags == [False] * 4
     for c_ in GEOM.components:  # never d's (or a's) bytes in b's host pages
         got = dst.read_pages(c_, np.arange(4))
-        assert not any(np.array_equal(got[i], src_d.read_pages(c_, np.arange(4))[j])
-                       for i in range(4) for j in range(4))
+        assert not any(
+            np.array_equal(got[i], src_d.read_pages(c_, np.arange(4))[j]) for i in range(4) for j in range(4)
+        )
     assert b.metrics.hits == 0 and b.metrics.quarantined == 0
     b.refresh()  # and a refresh forgets a's vanished segment
     assert b.batch_exists(old) == 0
@@ -98,8 +105,7 @@ def _writer_works(tmp_path, seed=5):
     return st, ok, flushed, keys
 
 
-@pytest.mark.parametrize("stray", ["file", "symlink_dir", "symlink_dangling", "lock_dir", "lock_symlink",
-                                   "lock_fifo"])
+@pytest.mark.parametrize("stray", ["file", "symlink_dir", "symlink_dangling", "lock_dir", "lock_symlink", "lock_fifo"])
 def test_stray_entry_is_skipped_by_the_claim(tmp_path, stray):
     holder, ok, _, _ = _writer_works(tmp_path, seed=1)  # holds w0000
     assert all(ok) and holder.writer_dir.endswith("w0000")
@@ -156,8 +162,16 @@ def test_mismatched_page_size_reader_is_a_miss_not_a_quarantine(tmp_path, read_p
     assert len(segments) == 2
     # a raw reader (same keys) configured with another page size, and a capacity bound that its
     # own bytes could never justify evicting the writer's segments for
-    bad = make_store("orbax", tmp_path, {"target": HostKVPool(OTHER_GEOM, 8, "page_first")}, segment_pages=4,
-                     refresh_interval_s=0, read_path=read_path, integrity=integrity, capacity_bytes=1)
+    bad = make_store(
+        "orbax",
+        tmp_path,
+        {"target": HostKVPool(OTHER_GEOM, 8, "page_first")},
+        segment_pages=4,
+        refresh_interval_s=0,
+        read_path=read_path,
+        integrity=integrity,
+        capacity_bytes=1,
+    )
     assert bad.batch_get(keys, range(8)) == [False] * 8
     m = bad.metrics.snapshot()
     assert m["hits"] == 0 and m["quarantined"] == 0 and m["corrupt"] == 0 and m["segments_evicted"] == 0
@@ -169,8 +183,7 @@ def test_mismatched_page_size_reader_is_a_miss_not_a_quarantine(tmp_path, read_p
     assert not glob.glob(str(tmp_path / "segments-v1" / "quarantine" / "*"))
     # a correctly configured reader still hits everything
     dst = HostKVPool(GEOM, 8, "page_first")
-    good = make_store("orbax", tmp_path, {"target": dst}, segment_pages=4, refresh_interval_s=0,
-                      read_path=read_path)
+    good = make_store("orbax", tmp_path, {"target": dst}, segment_pages=4, refresh_interval_s=0, read_path=read_path)
     assert all(good.batch_get(keys, range(8)))
     assert_pages_equal(src, range(8), dst, range(8))
     good.close()

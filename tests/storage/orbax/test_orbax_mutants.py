@@ -23,7 +23,7 @@ def _write(tmp_path, n=8, **cfg):
     keys = keys_for(n, seed=32)
     st = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, **cfg)
     for lo in range(0, n, 4):  # one segment per batch: the capacity check runs after each save
-        assert all(st.batch_set(keys[lo:lo + 4], range(lo, lo + 4)))
+        assert all(st.batch_set(keys[lo : lo + 4], range(lo, lo + 4)))
         assert st.flush(60)
     return st, src, keys
 

@@ -179,9 +179,9 @@ def test_pages_enqueued_after_a_flush_are_not_sealed_by_it(tmp_path):
     st = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, flush_interval_s=60)
     try:
         for i in range(0, 40, 4):
-            assert all(st.batch_set(keys[i:i + 2], range(2)))
+            assert all(st.batch_set(keys[i : i + 2], range(2)))
             time.sleep(0.05)  # the writer has every chance to act on a standing request
-            assert all(st.batch_set(keys[i + 2:i + 4], range(2, 4)))
+            assert all(st.batch_set(keys[i + 2 : i + 4], range(2, 4)))
             assert st.flush(60)
         assert st.metrics.segments_written == 10
         assert sorted(s.counts["target"] for s in st.index.segments.values()) == [4] * 10
@@ -219,9 +219,10 @@ def test_two_stores_in_one_process_never_run_two_orbax_saves_at_once(tmp_path, m
         stores.append(make_store("orbax", tmp_path / f"s{i}", {"target": src}, segment_pages=4, flush_interval_s=60))
         keys.append(keys_for(16, seed=60 + i))
     try:
+
         def write(i):
             for j in range(0, 16, 4):
-                assert all(stores[i].batch_set(keys[i][j:j + 4], range(j, j + 4)))
+                assert all(stores[i].batch_set(keys[i][j : j + 4], range(j, j + 4)))
             assert stores[i].flush(60)
 
         threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]

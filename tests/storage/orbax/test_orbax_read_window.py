@@ -184,7 +184,7 @@ def test_lone_page_split_requests_and_chunks_bit_exact(tmp_path, fds, monkeypatc
     st.codecs["target"].pool = dst
     for i, h in zip(range(4), [3, 2, 1, 0]):
         advised.clear()
-        assert st.batch_get(keys[i:i + 1], [h]) == [True]
+        assert st.batch_get(keys[i : i + 1], [h]) == [True]
         seg_name, slot = st.index.location("target", keys[i])
         loc = st.index.segments[seg_name].locs["target"][slot]
         _, off, length = loc
@@ -220,7 +220,7 @@ def test_lone_page_read_in_groups_only_when_its_crc_is_checked(tmp_path, fds, mo
     st.codecs["target"].pool = dst
     for i in range(4):
         reads.clear()
-        assert st.batch_get(keys[i:i + 1], [i]) == [True]
+        assert st.batch_get(keys[i : i + 1], [i]) == [True]
         pb = geom.bytes_per_page
         assert sum(reads) == pb + ocdbt_direct.SHARD_TAIL
         if integrity == "full":
@@ -276,8 +276,15 @@ def test_get_multi_stops_at_a_bad_page_and_reports_nothing_beyond(tmp_path, fds,
     for i, p in enumerate(src.values()):
         fill_random(p, 70 + i)
     keys = {p: keys_for(6, seed=80 + i) for i, p in enumerate(src)}
-    st = make_store("orbax", tmp_path, src, [PoolSpec("target"), PoolSpec("draft")], segment_pages=8,
-                    flush_interval_s=30.0, read_concurrency=4)
+    st = make_store(
+        "orbax",
+        tmp_path,
+        src,
+        [PoolSpec("target"), PoolSpec("draft")],
+        segment_pages=8,
+        flush_interval_s=30.0,
+        read_concurrency=4,
+    )
     st.set_multi([PoolTransfer(p, keys[p], range(6)) for p in src])
     assert st.flush(60)
     st.codecs["target"].pool, st.codecs["draft"].pool = src["target"], src["draft"]

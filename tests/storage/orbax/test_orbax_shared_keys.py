@@ -20,8 +20,7 @@ def _two_writers_sharing_a_key(tmp_path, b_capacity=0):
     fill_random(src, 3)
     keys = keys_for(3, seed=5)
     a = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, refresh_interval_s=0)
-    b = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, refresh_interval_s=0,
-                   capacity_bytes=b_capacity)
+    b = make_store("orbax", tmp_path, {"target": src}, segment_pages=4, refresh_interval_s=0, capacity_bytes=b_capacity)
     assert a.batch_set(keys[:2], [0, 1]) == [True, True] and a.flush(60)
     assert b.batch_exists(keys[:1]) == 0  # b has not seen a's segment: it writes the key again
     assert b.batch_set([keys[0], keys[2]], [0, 2]) == [True, True] and b.flush(60)

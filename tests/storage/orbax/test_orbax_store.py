@@ -13,8 +13,16 @@ import pytest
 
 from hicache_jax import HostKVPool
 
-from storage_helpers import (GEOM, assert_pages_equal, child_cmd, child_env, fill_random, keys_for, make_store,
-                             segment_dirs)
+from storage_helpers import (
+    GEOM,
+    assert_pages_equal,
+    child_cmd,
+    child_env,
+    fill_random,
+    keys_for,
+    make_store,
+    segment_dirs,
+)
 from test_faults import _run_readonly
 
 
@@ -72,8 +80,9 @@ def test_default_segments_are_sized_by_bytes(tmp_path, max_pending, want):
     src = HostKVPool(GEOM, n, "page_first")
     fill_random(src, 13)
     keys = keys_for(n, seed=23)
-    st = make_store("orbax", tmp_path, {"target": src}, segment_pages=None, max_pending_pages=max_pending,
-                    flush_interval_s=60)
+    st = make_store(
+        "orbax", tmp_path, {"target": src}, segment_pages=None, max_pending_pages=max_pending, flush_interval_s=60
+    )
     assert all(st.batch_set(keys[:want], range(want)))  # one full segment: saved without a flush
     deadline = time.monotonic() + 60
     while st.metrics.segments_written < 1 and time.monotonic() < deadline:
@@ -168,12 +177,14 @@ def test_corrupt_segment_metadata_is_skipped_at_startup(tmp_path):
 
 def test_restart_in_new_process(tmp_path):
     env = child_env()
-    w = subprocess.run(child_cmd("write", "orbax", str(tmp_path), "0", "40"), capture_output=True, text=True,
-                       env=env, timeout=300)
+    w = subprocess.run(
+        child_cmd("write", "orbax", str(tmp_path), "0", "40"), capture_output=True, text=True, env=env, timeout=300
+    )
     assert w.returncode == 0, w.stderr[-3000:]
     assert json.loads(w.stdout.strip().splitlines()[-1])["pages_written"] == 40
-    r = subprocess.run(child_cmd("verify", "orbax", str(tmp_path), "0", "48"), capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        child_cmd("verify", "orbax", str(tmp_path), "0", "48"), capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["hits"] == 40 and res["wrong"] == 0 and res["exists"] == 40 and res["corrupt"] == 0
@@ -181,16 +192,25 @@ def test_restart_in_new_process(tmp_path):
 
 def test_two_writer_processes(tmp_path):
     env = child_env()
-    procs = [subprocess.Popen(child_cmd("write", "orbax", str(tmp_path), str(a), "64"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for a in (0, 32)]
+    procs = [
+        subprocess.Popen(
+            child_cmd("write", "orbax", str(tmp_path), str(a), "64"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for a in (0, 32)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1])["write_errors"] == 0
     writers = sorted(os.path.basename(d) for d in glob.glob(str(tmp_path / "segments-v1" / "w*")))
     assert writers == ["w0000", "w0001"]  # one writer directory each: no shared step numbers
-    r = subprocess.run(child_cmd("verify", "orbax", str(tmp_path), "0", "96"), capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        child_cmd("verify", "orbax", str(tmp_path), "0", "96"), capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["hits"] == 96 and res["wrong"] == 0 and res["corrupt"] == 0 and res["quarantined"] == 0
@@ -201,8 +221,13 @@ def test_other_process_segments_are_picked_up_by_refresh(tmp_path):
     st = make_store("orbax", tmp_path, {"target": src}, refresh_interval_s=0.0)
     keys = keys_for(512, seed=0)[:16]  # the child's key list
     assert st.batch_exists(keys) == 0
-    w = subprocess.run(child_cmd("write", "orbax", str(tmp_path), "0", "16"), capture_output=True, text=True,
-                       env=child_env(), timeout=300)
+    w = subprocess.run(
+        child_cmd("write", "orbax", str(tmp_path), "0", "16"),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
     assert w.returncode == 0, w.stderr[-3000:]
     assert st.batch_exists(keys) == 0  # not yet scanned
     st.refresh()
@@ -224,8 +249,13 @@ def test_sigkill_stress(tmp_path, delay):
 def _sigkill_round(tmp_path, kill_after_s):
     env = child_env()
     # 32 pages x 2 KiB per segment; the child saves in a loop and we kill it during a save
-    p = subprocess.Popen(child_cmd("loop", "orbax", str(tmp_path), "32"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        child_cmd("loop", "orbax", str(tmp_path), "32"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     committed = []
     try:
         for line in p.stdout:
@@ -250,6 +280,7 @@ def _sigkill_round(tmp_path, kill_after_s):
     st = make_store("orbax", tmp_path, {"target": src}, segment_pages=32, refresh_interval_s=0.0)
     # every committed batch hits in full and reads back bit-exact
     from storage_helpers import check_keyed_pages
+
     for i in committed:
         keys = keys_for(32, seed=1000 + i)
         assert st.batch_exists(keys) == 32
@@ -273,8 +304,9 @@ def _sigkill_round(tmp_path, kill_after_s):
 
 def test_read_only_directory(tmp_path):
     env = child_env()
-    w = subprocess.run(child_cmd("write", "orbax", str(tmp_path), "0", "16"), capture_output=True, text=True,
-                       env=env, timeout=300)
+    w = subprocess.run(
+        child_cmd("write", "orbax", str(tmp_path), "0", "16"), capture_output=True, text=True, env=env, timeout=300
+    )
     assert w.returncode == 0, w.stderr[-3000:]
     res = _run_readonly("orbax", str(tmp_path), 16)
     assert res["hits"] == 16 and res["wrong"] == 0
@@ -283,8 +315,13 @@ def test_read_only_directory(tmp_path):
 
 def test_disk_full_rlimit(tmp_path):
     # 8 pages x 2 KiB = 16 KiB of page data per segment; files may not exceed 4 KiB
-    r = subprocess.run(child_cmd("fsize", "orbax", str(tmp_path), "4096", "8"), capture_output=True, text=True,
-                       env=child_env(), timeout=300)
+    r = subprocess.run(
+        child_cmd("fsize", "orbax", str(tmp_path), "4096", "8"),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["exists"] == 0 and res["hits"] == 0 and res["wrong"] == 0

@@ -23,9 +23,19 @@ def _kw(name, default=P.empty, kind=P.POSITIONAL_OR_KEYWORD):
     return P(name, kind, default=default)
 
 
-_BASE = [_kw("device_indices"), _kw("host_indices"), _kw("device_k"), _kw("host_k"), _kw("device_v"), _kw("host_v"),
-         _kw("device_index_k", None), _kw("host_index_k", None), _kw("page_size", 128), _kw("direction", 1),
-         _kw("flags", 2)]
+_BASE = [
+    _kw("device_indices"),
+    _kw("host_indices"),
+    _kw("device_k"),
+    _kw("host_k"),
+    _kw("device_v"),
+    _kw("host_v"),
+    _kw("device_index_k", None),
+    _kw("host_index_k", None),
+    _kw("page_size", 128),
+    _kw("direction", 1),
+    _kw("flags", 2),
+]
 VARIANTS = {
     "pinned": _BASE,
     "newest": _BASE + [_kw("device_index_k_scale", None), _kw("host_index_k_scale", None)],
@@ -45,13 +55,20 @@ class _FakeOp:
         bound = self.__signature__.bind(*args, **kwargs)  # TypeError like the real wrapper on bad args
         bound.apply_defaults()
         a = bound.arguments
-        fake_log.record("op_call", n_positional=len(args), keywords=sorted(kwargs), stream=torch_npu.current_stream().name,
-                        direction=a["direction"], flags=a["flags"], page_size=a["page_size"],
-                        index_devices=[str(a["device_indices"].device), str(a["host_indices"].device)],
-                        index_dtypes=[str(a["device_indices"].dtype), str(a["host_indices"].dtype)],
-                        n_indices=int(a["device_indices"].numel()),
-                        layer_args={k: a[k] for k in ("layer_start", "layer_num") if k in a},
-                        k_shapes=[list(a["device_k"].shape), list(a["host_k"].shape)])
+        fake_log.record(
+            "op_call",
+            n_positional=len(args),
+            keywords=sorted(kwargs),
+            stream=torch_npu.current_stream().name,
+            direction=a["direction"],
+            flags=a["flags"],
+            page_size=a["page_size"],
+            index_devices=[str(a["device_indices"].device), str(a["host_indices"].device)],
+            index_dtypes=[str(a["device_indices"].dtype), str(a["host_indices"].dtype)],
+            n_indices=int(a["device_indices"].numel()),
+            layer_args={k: a[k] for k in ("layer_start", "layer_num") if k in a},
+            k_shapes=[list(a["device_k"].shape), list(a["host_k"].shape)],
+        )
         ps = a["page_size"]
         dpages = (a["device_indices"][::ps] // ps).tolist()
         hpages = (a["host_indices"][::ps] // ps).tolist()

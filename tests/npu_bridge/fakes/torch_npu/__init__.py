@@ -93,8 +93,16 @@ def synchronize(device=None):
 
 
 npu = __import__("types").ModuleType("torch.npu")
-for _name in ("Stream", "Event", "current_stream", "stream", "is_available", "device_count", "current_device",
-              "synchronize"):
+for _name in (
+    "Stream",
+    "Event",
+    "current_stream",
+    "stream",
+    "is_available",
+    "device_count",
+    "current_device",
+    "synchronize",
+):
     setattr(npu, _name, globals()[_name])
 
 torch.utils.rename_privateuse1_backend("npu")
@@ -107,8 +115,14 @@ def _serve(real, *shape, **kw):
     dev = kw.get("device")
     dev_type = torch.device(dev).type if dev is not None else "cpu"
     pin = bool(kw.pop("pin_memory", False))
-    fake_log.record("alloc", fn=real.__name__, shape=list(shape[0] if len(shape) == 1 and not isinstance(
-        shape[0], int) else shape), device=dev_type, pin_memory=pin, dtype=str(kw.get("dtype")))
+    fake_log.record(
+        "alloc",
+        fn=real.__name__,
+        shape=list(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape),
+        device=dev_type,
+        pin_memory=pin,
+        dtype=str(kw.get("dtype")),
+    )
     if dev_type == "npu":
         kw["device"] = "cpu"
     return real(*shape, **kw)
