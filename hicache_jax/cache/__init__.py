@@ -10,7 +10,7 @@ from .agreement import Agreement, AgreementError, NoExchangeAgreement, RankDiver
 from .components import FULL, ComponentRegistry, KVComponent, MultiLoadHandle, MultiTransferHandle
 from .config import EvictionPolicy, HiCacheConfig, TreeDecisions, WritePolicy
 from .debug_view import CacheDebugView
-from .digest import tree_digest
+from .rank_digest import tree_digest
 from .errors import CacheClosedError, CacheFailedError, CacheInvariantError, OwnerThreadError
 from .eviction_index import EvictionIndex
 from .eviction_policies import EvictionStrategy
@@ -18,7 +18,7 @@ from .hiradix_cache import HiRadixCache
 from .locks import LockReceipt
 from .metrics import CacheMetrics, register_prometheus
 from .radix_key import RadixKey, as_token_ids
-from .request import CacheRequest
+from .cache_request import CacheRequest
 from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
 from .tree_node import TreeNode

@@ -49,7 +49,7 @@ from .evictor import Evictor
 from .locks import PathLocks
 from .metrics import CacheMetrics
 from .residency import Residency
-from .transfers import PendingOp, TransferLedger
+from .copies_in_flight import PendingOp, TransferLedger
 from .tree_node import TreeNode
 
 

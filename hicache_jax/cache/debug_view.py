@@ -21,9 +21,9 @@ from .tree_node import TreeNode
 if TYPE_CHECKING:  # pragma: no cover
     from .hiradix_cache import HiRadixCache
     from .locks import CallerLocks
-    from .requests import RequestHelpers
+    from .request_helpers import RequestHelpers
     from .residency import Residency
-    from .transfers import TransferLedger
+    from .copies_in_flight import TransferLedger
     from .tree import RadixTree
 
 
@@ -151,11 +151,11 @@ class CacheDebugView:
 
     def digest(self, pages: bool = False) -> str:
         """Hex digest of the tree's structure and residency per node, the clock, the counters
-        and the copies in flight (``digest.state_digest``): equal across ranks whose trees
+        and the copies in flight (``rank_digest.state_digest``): equal across ranks whose trees
         made the same decisions. ``pages=True`` also folds in the page ids. Stateful components
         (e.g. ``swa``) add their per-node state and counters (``KVComponent.digest_node`` /
         ``digest_state``); a cache without them digests exactly as before."""
-        from .digest import state_digest
+        from .rank_digest import state_digest
 
         return state_digest(self._tree.root, self._tree.clock, self.counters, self.pending(), pages, self.components)
 

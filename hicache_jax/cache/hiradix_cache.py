@@ -23,9 +23,9 @@ module                 job
 ``backup``             issuing a backup (chain, host pages, marking, ack at issue)
 ``load_back``          issuing a load-back (chain, device pages, locks)
 ``evictor``            eviction on both tiers, allocation with eviction
-``transfers``          copies in flight: acknowledgement through ``agreement``, retries,
+``copies_in_flight``   copies in flight: acknowledgement through ``agreement``, retries,
                        the failure latch
-``requests``           ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
+``request_helpers``    ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
 ``components``         the KV components (full, sidecars, stateful plug-ins) and their hooks
 ``debug_view``         a read-only view for invariant checks (``invariants``) and tests
 ``residency_watch``    observers of pages arriving on / leaving a tier (``add_watch``); off
@@ -34,7 +34,7 @@ module                 job
 ``event_source``       / cleared per tier, keyed by the L3's chained page keys
 ``retention``          soft retention (``enable_retention``, ``retain=`` hints): a bounded,
                        expiring LRU bonus per prefix within a per-namespace token budget
-``results``, ``errors``  what the public calls return and raise; ``request``: ``CacheRequest``
+``results``, ``errors``  what the public calls return and raise; ``cache_request``: ``CacheRequest``
 =====================  =======================================================================
 
 Contract
@@ -89,7 +89,7 @@ L3 surface (used by ``hicache_jax.l3``, nothing else of the cache)
     ``reserve_host_pages`` (host pages for a prefetch, evicting host leaves) and
     ``insert_host`` (attach prefetched pages).
 
-Failed copies (``transfers``)
+Failed copies (``copies_in_flight``)
     A copy that fails is issued again up to ``config.transfer_retries`` times when
     acknowledged; then the cache stops: every call raises ``CacheFailedError`` until
     ``reset()``, which empties it (and forgets callers' locks: they must abandon their
@@ -188,13 +188,13 @@ from .locks import CallerLocks, LockReceipt, PathLocks
 from .lookup import Lookup
 from .metrics import CacheMetrics, build_info, family_values
 from .radix_key import as_radix_key
-from .request import CacheRequest
-from .requests import RequestHelpers
+from .cache_request import CacheRequest
+from .request_helpers import RequestHelpers
 from .residency import Residency
 from .residency_watch import ResidencyWatch, combine
 from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
-from .transfers import TransferLedger
+from .copies_in_flight import TransferLedger
 from .tree import RadixTree
 from .tree_node import TreeNode
 from .write_policy import WritePolicyDriver

@@ -78,7 +78,7 @@ class Inserter:
         where the caller's page was a duplicate (freed) among the first ``len(tree_head)``
         pages and the tree's page ids there; ``(None, None)`` when the tree kept every page.
 
-        ``path`` / ``off0``: the request helpers' locked path (``requests``), the tree's
+        ``path`` / ``off0``: the request helpers' locked path (``request_helpers``), the tree's
         on-device nodes that already spell the first ``off0`` tokens with the caller's own
         pages there. The walk then starts below them, ``pages`` covers only the tokens after
         them, and ``dup_mask`` / ``tree_head`` are relative to that start. The path nodes are

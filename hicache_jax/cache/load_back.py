@@ -38,7 +38,7 @@ from .locks import PathLocks
 from .metrics import CacheMetrics
 from .residency import EMPTY_IDS, Residency
 from .results import LoadBackResult
-from .transfers import PendingOp, TransferLedger
+from .copies_in_flight import PendingOp, TransferLedger
 from .tree_node import TreeNode
 
 

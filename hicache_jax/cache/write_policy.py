@@ -25,7 +25,7 @@ from __future__ import annotations
 from .backup import BackupIssuer, reports_components
 from .config import WritePolicy
 from .metrics import CacheMetrics
-from .transfers import TransferLedger
+from .copies_in_flight import TransferLedger
 from .tree import RadixTree
 from .tree_node import TreeNode
 

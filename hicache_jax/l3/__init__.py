@@ -3,7 +3,7 @@
 
 Depends on the cache (``hicache_jax.cache``) through its public L3 surface only; the cache
 never imports this package. See ``controller`` for the contract; ``StorageController`` is a
-facade over ``pools``, ``digests``, ``backup``, ``prefetch``, ``rank_steps`` and ``exit_flush``.
+facade over ``pools``, ``node_keys``, ``backup``, ``prefetch``, ``rank_steps`` and ``exit_flush``.
 """
 
 from .controller import PrefetchOperation, StorageController, encode_namespace

@@ -34,7 +34,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from ..cache.locks import LockReceipt
-from .digests import INFLIGHT, NEW, STORED, NodeDigests, PageDigests
+from .node_keys import INFLIGHT, NEW, STORED, NodeDigests, PageDigests
 from .pools import COMMIT_POOL, TARGET_POOL, L3Pools
 
 log = logging.getLogger("hicache_jax.cache.storage")

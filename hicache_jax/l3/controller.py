@@ -166,7 +166,7 @@ closes it when the main script returns (or at interpreter shutdown) and logs an 
 the counts where it cannot write them.
 
 Modules (this class is the facade; each part has its own module and tests): ``pools`` (storage
-pools and key namespaces), ``digests`` (per-node page keys), ``backup`` (write-through jobs),
+pools and key namespaces), ``node_keys`` (per-node page keys), ``backup`` (write-through jobs),
 ``prefetch`` (prefetch operations), ``rank_steps`` (several ranks: the agreement participant
 and the commit markers), ``exit_flush`` (the exit-time flush). The controller owns the three worker executors and the storage it
 built, and shuts them down in ``close`` in that order: prefetch threads, backup thread, store.
@@ -184,7 +184,7 @@ from ..storage import HiCacheStorage, Namespace, StorageConfig, create_storage
 from ..workers import background_executor
 from .backup import L3Backups
 from . import exit_flush
-from .digests import NodeDigests
+from .node_keys import NodeDigests
 from .pools import L3Pools
 from .prefetch import Prefetcher, PrefetchOperation
 from .rank_steps import RankSteps

@@ -40,7 +40,7 @@ import numpy as np
 from ..cache.locks import LockReceipt
 from ..cache.radix_key import RadixKey, as_radix_key
 from ..storage import Namespace, PoolTransfer, consecutive, page_keys
-from .digests import STORED, NodeDigests, PageDigests
+from .node_keys import STORED, NodeDigests, PageDigests
 from .pools import TARGET_POOL, L3Pools
 
 log = logging.getLogger("hicache_jax.cache.storage")

@@ -16,7 +16,7 @@ from rank_trace import rank_cache, run_trace
 from swa_harness import SWADriver, make_swa_cache
 
 from hicache_jax.cache import RadixKey
-from hicache_jax.cache.digest import state_digest
+from hicache_jax.cache.rank_digest import state_digest
 
 # ``run_trace(rank_cache(None), steps=12)``'s digests (sha256 of their concatenation) and its
 # final digest with page ids, recorded before components took part in the digest: a full-only

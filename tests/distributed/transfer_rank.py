@@ -18,7 +18,7 @@ def main() -> None:
     from jax.sharding import Mesh
 
     from hicache_jax.backends.jax import JaxDevicePool, JaxTransferEngine
-    from hicache_jax.backends.jax.transfer import local_numpy
+    from hicache_jax.backends.jax.transfer_engine import local_numpy
     from hicache_jax.host_pool import HostKVPool
     from hicache_jax.kv_geometry import KVGeometry
 

@@ -222,7 +222,7 @@ def test_load_handle_readiness_is_per_layer():
     """``JaxLoadHandle`` reports and waits for each layer on that layer's arrays only (a
     handle that answered for every layer from layer 0's arrays, or waited for all at once,
     would let a forward read layers that have not landed)."""
-    from hicache_jax.backends.jax.transfer import JaxLoadHandle
+    from hicache_jax.backends.jax.transfer_engine import JaxLoadHandle
 
     log = []
     layers = [[_FakeArray(log, f"{c}{l}") for c in "kv"] for l in range(3)]

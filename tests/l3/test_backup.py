@@ -12,7 +12,7 @@ import pytest
 from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3.backup import L3Backups
-from hicache_jax.l3.digests import INFLIGHT, NEW, STORED, NodeDigests
+from hicache_jax.l3.node_keys import INFLIGHT, NEW, STORED, NodeDigests
 from hicache_jax.l3.pools import TARGET_POOL, L3Pools
 from hicache_jax.storage import StorageConfig, create_storage, page_keys
 

@@ -14,7 +14,7 @@ import pytest
 from cache_harness import KVOracle, make_cache, numpy_backend_factory, prefill_insert
 from hicache_jax.cache import RadixKey
 from hicache_jax.l3.backup import L3Backups
-from hicache_jax.l3.digests import NEW, STORED, NodeDigests
+from hicache_jax.l3.node_keys import NEW, STORED, NodeDigests
 from hicache_jax.l3.pools import COMMIT_POOL, L3Pools
 from hicache_jax.l3.prefetch import Prefetcher
 from hicache_jax.l3.rank_steps import OP_BUDGET, RankSteps

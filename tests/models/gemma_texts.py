@@ -61,7 +61,7 @@ PROMPT_CHARS = {
     "code_tree": ("hicache_jax/cache/tree.py", 0, 2400),
     "docs_exactness": ("docs/exactness.md", 0, 2300),
     "readme_long": ("README.md", 2000, 3600),
-    "code_transfer": ("hicache_jax/backends/jax/transfer.py", 0, 4800),
+    "code_transfer": ("hicache_jax/backends/jax/transfer_engine.py", 0, 4800),
     "docs_events": ("docs/kv-events-and-routing.md", 0, 5000),
 }
 

@@ -5,6 +5,6 @@ Importing this module imports JAX; ``hicache_jax`` itself never does.
 
 from .device_pool import JaxDevicePool, StaleDevicePoolError
 from .memory import host_memory_kind
-from .transfer import JaxTransferEngine
+from .transfer_engine import JaxTransferEngine
 
 __all__ = ["JaxDevicePool", "JaxTransferEngine", "StaleDevicePoolError", "host_memory_kind"]

@@ -36,7 +36,7 @@ from .insert import Inserter
 from .locks import CallerLocks
 from .metrics import CacheMetrics
 from .radix_key import RadixKey
-from .request import CacheRequest
+from .cache_request import CacheRequest
 from .residency import EMPTY_IDS, Residency
 from .results import LoadBackResult, MatchResult
 from .tree import RadixTree

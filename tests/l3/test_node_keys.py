@@ -1,4 +1,4 @@
-"""``hicache_jax.l3.digests``: per-node L3 page keys, on a hand-built tree.
+"""``hicache_jax.l3.node_keys``: per-node L3 page keys, on a hand-built tree.
 
 Every expectation is computed independently: the keys of a node's pages are the keys of its
 full path's tokens (``page_keys`` over the concatenation), sliced at the node's pages.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_jax.l3.digests import NEW, STORED, NodeDigests, PageDigests
+from hicache_jax.l3.node_keys import NEW, STORED, NodeDigests, PageDigests
 from hicache_jax.storage import Namespace, page_keys
 
 P = 2
