@@ -10,8 +10,7 @@ from .host_pool import HostKVPool, HostPoolConfig
 from .kv_geometry import KVGeometry
 from .stack import CacheStack, StackClosedError
 from .transfer import CompletedHandle, KVTransferEngine, LoadHandle, TransferError, TransferHandle
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__  # re-exported (hicache_jax.__version__)
 
 __all__ = [
     "CacheStack",

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.options import REAL_MODELS, _bounded
+from .bench.options import REAL_MODELS, bounded
 
 DESCRIPTION_CHAT = "chat with a real checkpoint through the cache (turns from stdin or --turns)"
 DESCRIPTION_GENERATE = "one greedy continuation of PROMPT through the cache"
@@ -54,18 +54,18 @@ def add_arguments(p: argparse.ArgumentParser, mode: str) -> None:
     p.add_argument("--model", choices=REAL_MODELS, default=REAL_MODELS[0], help="the checkpoint")
     p.add_argument(
         "--max-new-tokens",
-        type=_bounded(int, 1, 4096),
+        type=bounded(int, 1, 4096),
         default=64 if mode == "chat" else 48,
         help="tokens generated per turn at most",
     )
     p.add_argument(
         "--max-context",
-        type=_bounded(int, 16, MAX_CONTEXT),
+        type=bounded(int, 16, MAX_CONTEXT),
         default=4096,
         help="longest prompt + answer in tokens (fixes the engine's attention width)",
     )
-    p.add_argument("--page-size", type=_bounded(int, 1, 4096), default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=_bounded(int, 4, 1 << 20), default=512, help="L1 pool size in pages")
+    p.add_argument("--page-size", type=bounded(int, 1, 4096), default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=bounded(int, 4, 1 << 20), default=512, help="L1 pool size in pages")
     p.add_argument(
         "--storage-dir",
         default=None,

@@ -52,7 +52,7 @@ BENCHMARKS = (
         "multiturn",
         "multi-turn conversations, cache vs no cache, TTFT split into queueing and service",
         options.multiturn_arguments,
-        "hicache_jax.bench.serving:multiturn",
+        "hicache_jax.bench.multiturn:multiturn",
     ),
     Benchmark(
         "two-run",

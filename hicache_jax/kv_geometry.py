@@ -30,7 +30,7 @@ KV_DTYPES: dict[str, tuple[int, np.dtype]] = {
     "float32": (4, np.dtype(np.uint32)),
     "float8_e4m3fn": (1, np.dtype(np.uint8)),
 }
-_DTYPE_ALIASES = {
+DTYPE_ALIASES = {
     "bf16": "bfloat16",
     "fp16": "float16",
     "fp32": "float32",
@@ -46,9 +46,9 @@ MAX_DIM = (1 << 31) - 1  # every dimension of a page fits an int32 (kernels inde
 def canonical_dtype(dtype: object) -> str:
     """Return the canonical KV dtype name for ``dtype`` (a name, numpy or JAX dtype)."""
     name = getattr(dtype, "name", None) or getattr(getattr(dtype, "dtype", None), "name", None) or str(dtype)
-    name = _DTYPE_ALIASES.get(name, name)
+    name = DTYPE_ALIASES.get(name, name)
     if name not in KV_DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(KV_DTYPES)} (or {sorted(_DTYPE_ALIASES)}), got {dtype!r}")
+        raise ValueError(f"dtype: expected one of {sorted(KV_DTYPES)} (or {sorted(DTYPE_ALIASES)}), got {dtype!r}")
     return name
 
 

@@ -9,7 +9,12 @@
 * Library modules (``hicache_jax``, ``npu_bridge``, ``pallas_kernels``, ``benchmarks``; not the
   test files beside the kernels) read no private attribute of an object other than
   ``self``/``cls`` unless a class of the same module defines that attribute (a module's own
-  helper classes are its business).
+  helper classes are its business), and import no private name from another module (a
+  package's private submodule, ``from . import _lazy``, is its own package's business).
+* No import circles among the modules of ``hicache_jax``, ``npu_bridge`` and ``pallas_kernels``:
+  every import counts, also those inside functions and under ``TYPE_CHECKING`` (a circle closed
+  only for the type checker still ties the modules into one), and a package's ``__init__`` is a
+  module like the others.
 
 Each rule's checker is itself tested on a snippet that breaks it.
 """
@@ -121,6 +126,112 @@ def library_violations(source: str) -> list[str]:
     ]
 
 
+# Private names of third-party modules that a library module must import, with the reason.
+ALLOWED_FOREIGN_IMPORTS = {
+    # hicache_jax/storage/integrity.py: google_crc32c's C extension module, whose
+    # ``crc32c_extend`` it calls through ctypes with the GIL released (the package's own
+    # wrapper keeps the GIL for numpy buffers).
+    "_crc32c",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` in the module ``name`` (file ``path``) reads."""
+    if not node.level:
+        return node.module or ""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_import_violations(source: str, name: str, path: Path, modules: set[str]) -> list[str]:
+    """``from m import _x`` where ``_x`` is a private name defined in another module (not a
+    private submodule of a package of ours, not an allowed third-party name)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom) or (node.module or "") == "__future__":
+            continue
+        mod = _imported(name, path, node)
+        for a in node.names:
+            if not _private(a.name) or f"{mod}.{a.name}" in modules:
+                continue
+            if mod.split(".")[0] not in {m.split(".")[0] for m in modules} and a.name in ALLOWED_FOREIGN_IMPORTS:
+                continue
+            out.append(f"{node.lineno}: from {mod} import {a.name}")
+    return out
+
+
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``files`` it imports (every import statement anywhere in it);
+    ``from pkg import name`` reads ``pkg.name`` where that is a module, else ``pkg``."""
+    names = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {m: set() for m in names}
+    for m, p in names.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = _imported(m, p, node)
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in names else mod for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t not in names and "." in t:  # a name inside a module: the module
+                    t = t.rsplit(".", 1)[0]
+                if t in names and t != m:
+                    graph[m].add(t)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
 def kernel_import_violations(source: str) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(source)):
@@ -167,6 +278,26 @@ def test_library_modules_read_no_other_modules_privates():
     assert not bad, f"library modules reading another module's private attributes: {bad}"
 
 
+def test_library_modules_import_no_other_modules_private_names():
+    files = [p for p in _py_files(*LIBRARY) if not (p.name.startswith("test_") or p.name == "conftest.py")]
+    modules = {_module_name(p) for p in files}
+    bad = {}
+    for p in files:
+        v = private_import_violations(p.read_text(), _module_name(p), p, modules)
+        if v:
+            bad[str(p.relative_to(ROOT))] = v
+    assert not bad, f"library modules importing another module's private names: {bad}"
+
+
+def test_no_import_circles_in_the_packages():
+    graph = import_graph(_py_files("hicache_jax", "npu_bridge", "pallas_kernels"))
+    assert {"hicache_jax.cache.hiradix_cache", "hicache_jax.cache.metrics"} <= graph["hicache_jax.cache"] | {
+        "hicache_jax.cache.metrics"
+    } and graph["hicache_jax.cache.hiradix_cache"], "the graph sees the cache's imports"
+    circles = import_circles(graph)
+    assert not circles, f"import circles (every import counts, TYPE_CHECKING ones too): {circles}"
+
+
 # ---------------------------------------------------------------------------------- the checkers
 def test_checkers_see_what_they_claim():
     names = _cache_private_names()
@@ -183,6 +314,31 @@ def test_checkers_see_what_they_claim():
     ]
     assert kernel_import_violations("import hicache_jax.cache as c\nimport numpy\n") == ["1: import hicache_jax.cache"]
     assert kernel_import_violations("from .common import x\nimport jax\n") == []
+    # private names: another module's is refused, a sibling private module and an allowed
+    # third-party name are not
+    mods = {"pkg", "pkg.a", "pkg._lazy", "pkg.b"}
+    here = ROOT / "pkg" / "b.py"
+    assert private_import_violations("from .a import _helper, public\n", "pkg.b", here, mods) == [
+        "1: from pkg.a import _helper"
+    ]
+    assert (
+        private_import_violations("from . import _lazy\nfrom google_crc32c import _crc32c\n", "pkg.b", here, mods) == []
+    )
+    assert private_import_violations("from numpy import _secret\n", "pkg.b", here, mods) == [
+        "1: from numpy import _secret"
+    ]
+    # circles: a type-only import closes one as well as a plain one; a chain is none
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    tmp = ROOT / ".pytest_cache" / "arch_pkg"
+    (tmp / "p").mkdir(parents=True, exist_ok=True)
+    (tmp / "p" / "__init__.py").write_text("from .x import X\n")
+    (tmp / "p" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .y import Y\nX = 1\n"
+    )
+    (tmp / "p" / "y.py").write_text("def f():\n    from .x import X\n    return X\n")
+    g = import_graph(sorted((tmp / "p").glob("*.py")))
+    assert import_circles(g) == [[".pytest_cache.arch_pkg.p.x", ".pytest_cache.arch_pkg.p.y"]]
 
 
 @pytest.mark.parametrize("module", ["hicache_jax.cache", "hicache_jax.l3"])

@@ -13,7 +13,7 @@ import os
 import tempfile
 
 from ..host_layout import HostLayout
-from ..kv_geometry import _DTYPE_ALIASES, KV_DTYPES, KVGeometry
+from ..kv_geometry import DTYPE_ALIASES, KV_DTYPES, KVGeometry
 from ..storage.config import BACKENDS, PREFETCH_POLICIES, StorageConfig
 from ..workers import DEFAULT_WORKER_NICE, MAX_NICE
 from .report import results_path
@@ -152,7 +152,7 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
         args.model = QUICK_MODEL[args.model]
 
 
-def _bounded(kind: type, lo: float, hi: float, lo_open: bool = False):
+def bounded(kind: type, lo: float, hi: float, lo_open: bool = False):
     """An argparse type: ``kind`` in [lo, hi] (or (lo, hi] with ``lo_open``; floats finite), a
     usage error otherwise, so a bad size stops the benchmark before it builds an engine. Every
     size has an upper bound: a value no machine could hold is refused at once instead of
@@ -174,7 +174,7 @@ def _bounded(kind: type, lo: float, hi: float, lo_open: bool = False):
     return parse
 
 
-# Upper bounds of the sizes (far above any run the benchmarks make; see ``_bounded``).
+# Upper bounds of the sizes (far above any run the benchmarks make; see ``bounded``).
 MAX_TOKENS = 1 << 20  # tokens of one prompt / turn / answer / chunk / context
 MAX_PAGE_SIZE = 4096
 MAX_PAGES = 1 << 24  # pages of one pool or one transfer
@@ -188,29 +188,29 @@ MAX_BYTES = 1 << 50
 MAX_SEED = (1 << 32) - 1
 MAX_SECONDS = 7 * 24 * 3600.0
 
-_positive_int = _bounded(int, 1, MAX_COUNT)
-_non_negative_int = _bounded(int, 0, MAX_COUNT)
-_tokens = _bounded(int, 1, MAX_TOKENS)
-_non_negative_tokens = _bounded(int, 0, MAX_TOKENS)
-_page_size = _bounded(int, 1, MAX_PAGE_SIZE)
-_pages = _bounded(int, 1, MAX_PAGES)
-_non_negative_pages = _bounded(int, 0, MAX_PAGES)
-_layers = _bounded(int, 1, MAX_LAYERS)
-_bytes = _bounded(int, 0, MAX_BYTES)
-_seed = _bounded(int, 0, MAX_SEED)
-_nice = _bounded(int, 0, MAX_NICE)
-_positive_float = _bounded(float, 0, 1024.0, lo_open=True)  # a ratio
-_rate = _bounded(float, 0, 1e6)  # requests per second
-_seconds = _bounded(float, 0, MAX_SECONDS, lo_open=True)
-_fraction = _bounded(float, 0, 1)
+_positive_int = bounded(int, 1, MAX_COUNT)
+_non_negative_int = bounded(int, 0, MAX_COUNT)
+_tokens = bounded(int, 1, MAX_TOKENS)
+_non_negative_tokens = bounded(int, 0, MAX_TOKENS)
+_page_size = bounded(int, 1, MAX_PAGE_SIZE)
+_pages = bounded(int, 1, MAX_PAGES)
+_non_negative_pages = bounded(int, 0, MAX_PAGES)
+_layers = bounded(int, 1, MAX_LAYERS)
+_bytes = bounded(int, 0, MAX_BYTES)
+_seed = bounded(int, 0, MAX_SEED)
+_nice = bounded(int, 0, MAX_NICE)
+_positive_float = bounded(float, 0, 1024.0, lo_open=True)  # a ratio
+_rate = bounded(float, 0, 1e6)  # requests per second
+_seconds = bounded(float, 0, MAX_SECONDS, lo_open=True)
+_fraction = bounded(float, 0, 1)
 
 
 def _kv_dtype(text: str) -> str:
     """An argparse type: a KV dtype name (``kv_geometry.KV_DTYPES`` or an alias), canonical."""
-    names = sorted(KV_DTYPES) + sorted(_DTYPE_ALIASES)
+    names = sorted(KV_DTYPES) + sorted(DTYPE_ALIASES)
     if text not in names:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
-    return _DTYPE_ALIASES.get(text, text)
+    return DTYPE_ALIASES.get(text, text)
 
 
 _kv_dtype.__name__ = "KV dtype"
@@ -376,7 +376,7 @@ def multiturn_arguments(p: argparse.ArgumentParser) -> None:
     rank_arguments(p)
     p.add_argument(
         "--engines",
-        type=_bounded(int, 1, MAX_ENGINES),
+        type=bounded(int, 1, MAX_ENGINES),
         default=1,
         help="N > 1: N reference engines in one process sharing one L3 (orbax is replaced by file; "
         "one store per policy), requests routed by each --router policy in alternate rounds of "
@@ -396,7 +396,7 @@ def rank_arguments(p: argparse.ArgumentParser) -> None:
     """``--num-processes`` and its options (``hicache_jax.bench.ranks``)."""
     p.add_argument(
         "--num-processes",
-        type=_bounded(int, 1, MAX_PROCESSES),
+        type=bounded(int, 1, MAX_PROCESSES),
         default=1,
         help="run as N tensor-parallel ranks on this machine (jax.distributed on the CPU, each rank "
         "holding its share of the KV heads; every rank's tokens are checked against rank 0's; "
@@ -603,7 +603,7 @@ def step_cost_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--in-flight",
-        type=_bounded(int, 1, MAX_COUNT),
+        type=bounded(int, 1, MAX_COUNT),
         default=STEP_COST_GOAL_IN_FLIGHT,
         help="requests running at every decode step",
     )
@@ -616,20 +616,20 @@ def step_cost_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive_int, default=200, help="measured scheduler steps (after the warm-up)")
     p.add_argument(
         "--warmup-steps",
-        type=_bounded(int, 0, MAX_COUNT),
+        type=bounded(int, 0, MAX_COUNT),
         default=48,
         help="steps before measuring (the pools fill and eviction starts within them)",
     )
     p.add_argument(
         "--profile-steps",
-        type=_bounded(int, 0, MAX_COUNT),
+        type=bounded(int, 0, MAX_COUNT),
         default=20,
         help="steps run under cProfile after the measured ones (0: no profile)",
     )
     p.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV page")
     p.add_argument(
         "--prompt-len",
-        type=_bounded(int, 8, MAX_TOKENS // 4),
+        type=bounded(int, 8, MAX_TOKENS // 4),
         default=1024,
         help="tokens of a new conversation's prompt (a follow-up turn adds a quarter of it; "
         "conversations grow to twice it)",
@@ -730,8 +730,8 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
         help="also measure xla / mgpu / gpu gather and scatter side by side (default: on a GPU)",
     )
     p.add_argument("--layers", type=_layers, default=8, help="KV layers")
-    p.add_argument("--heads", type=_bounded(int, 1, MAX_HEADS), default=8, help="KV heads")
-    p.add_argument("--head-dim", type=_bounded(int, 1, MAX_HEAD_DIM), default=128, help="head dimension")
+    p.add_argument("--heads", type=bounded(int, 1, MAX_HEADS), default=8, help="KV heads")
+    p.add_argument("--head-dim", type=bounded(int, 1, MAX_HEAD_DIM), default=128, help="head dimension")
     p.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="KV dtype")
     p.add_argument("--page-sizes", type=_page_size, nargs="+", default=[1, 16, 64], help="tokens per page")
     p.add_argument(
@@ -763,7 +763,7 @@ def transfer_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stream-unroll",
-        type=_bounded(int, 1, 1024),
+        type=bounded(int, 1, 1024),
         default=None,
         help="unroll factor of static page loops (default: the platform's, 8 on a GPU)",
     )
@@ -790,7 +790,7 @@ def spec_arguments(p: argparse.ArgumentParser) -> None:
         help="pattern length of the repetitive prompt (0: the period the pair was trained on)",
     )
     p.add_argument("--new-tokens", type=_tokens, default=32, help="tokens generated per prompt")
-    p.add_argument("--k", type=_bounded(int, 1, 1024), default=4, help="draft tokens per verify step (chain drafting)")
+    p.add_argument("--k", type=bounded(int, 1, 1024), default=4, help="draft tokens per verify step (chain drafting)")
     p.add_argument(
         "--reps", type=_positive_int, default=5, help="prompts (patterns) per case; times are medians over them"
     )

@@ -47,7 +47,7 @@ from ..cache import RadixKey
 from ..cache.event_source import KVEventSource
 from ..routing import PrefixRouter
 from .report import Progress, machine_info, print_table
-from .serving import _Conversations, _summarize, _Round, build_engine, describe, model_config, resolve_model
+from .serving import Conversations, summarize_rounds, Round, build_engine, describe, model_config, resolve_model
 
 POLICIES = ("round_robin", "prefix")
 
@@ -99,7 +99,7 @@ class _PolicyRun:
             }
         )
         for i, (n, engine) in enumerate(self.engines.items()):
-            conv = _Conversations(warm, vocab, self.args.seed + 1000 + i)
+            conv = Conversations(warm, vocab, self.args.seed + 1000 + i)
             for _ in range(warm.rounds):
                 prompts, _arr = conv.prompts()
                 conv.answered(engine.generate(prompts, warm.answer_len))
@@ -217,7 +217,7 @@ def _run(args, progress: Progress) -> dict:
         for run in runs:
             run.warm_and_attach(model.vocab_size)
             progress.advance(1)
-        conv = _Conversations(args, model.vocab_size, args.seed)
+        conv = Conversations(args, model.vocab_size, args.seed)
         rounds = {p: [] for p in policies}
         tokens = {p: [] for p in policies}
         progress.phase(
@@ -241,7 +241,7 @@ def _run(args, progress: Progress) -> dict:
                     if other is not run:
                         other.settle()  # no other policy's background copies overlap this round
                 results, seconds = run.serve_round(order, prompts, arrivals, args.answer_len)
-                rounds[run.policy].append(_Round(results, seconds))
+                rounds[run.policy].append(Round(results, seconds))
                 tokens[run.policy].extend(x.tokens for x in results)
                 first = results if first is None else first
                 hit = sum(x.cached_total for x in results) / sum(x.prompt_len for x in results)
@@ -253,7 +253,7 @@ def _run(args, progress: Progress) -> dict:
             conv.answered(first)  # every policy is sent the same prompts
         summaries = {}
         for run in runs:
-            s = _summarize(rounds[run.policy])
+            s = summarize_rounds(rounds[run.policy])
             for k in ("ttft_all_s", "ttft_by_round_s", "ttft_by_tier", "service_all_s", "service_by_tier"):
                 s.pop(k)
             s["requests_per_engine"] = {n: run.requests.get(n, 0) for n in run.names}

@@ -345,12 +345,12 @@ def print_exactness(div: dict, audit, deterministic: bool, where: str = "") -> N
 # ---------------------------------------------------------------------------------------------
 # multiturn
 @dataclass
-class _Round:
+class Round:
     results: list
     seconds: float
 
 
-class _Conversations:
+class Conversations:
     """The clients' histories: every round appends the previous answer and a new question."""
 
     def __init__(self, args, vocab: int, seed: int) -> None:
@@ -373,7 +373,7 @@ class _Conversations:
             h.extend(res.tokens)
 
 
-def _serve_round(engine: "Engine", conv: _Conversations, use_cache: bool) -> _Round:
+def _serve_round(engine: "Engine", conv: Conversations, use_cache: bool) -> Round:
     prompts, arrivals = conv.prompts()
     t0 = time.perf_counter()
     results = engine.generate(
@@ -383,12 +383,12 @@ def _serve_round(engine: "Engine", conv: _Conversations, use_cache: bool) -> _Ro
         arrivals=arrivals,
         stop_tokens=getattr(conv, "stop_tokens", ()),
     )
-    r = _Round(results, time.perf_counter() - t0)
+    r = Round(results, time.perf_counter() - t0)
     conv.answered(results)
     return r
 
 
-def _summarize(rounds: list[_Round]) -> dict:
+def summarize_rounds(rounds: list[Round]) -> dict:
     res = [x for r in rounds for x in r.results]
     ttft = [x.ttft_s for x in res]
     prompt = sum(x.prompt_len for x in res)
@@ -435,14 +435,8 @@ def _summarize(rounds: list[_Round]) -> dict:
 
 
 def multiturn(args) -> dict:
-    if getattr(args, "engine", "reference") == "easydel":  # EasyDeL's eSurge with and without the adapter
-        from ..integrations.easydel.bench import multiturn as esurge_multiturn
-
-        return esurge_multiturn(args)
-    if getattr(args, "engines", 1) > 1:  # several engines, routed (bench.routed)
-        from .routed import multiturn_routed
-
-        return multiturn_routed(args)
+    """``bench multiturn`` on one reference engine (or ``--num-processes`` ranks of one); the
+    command itself (``bench.multiturn``) hands eSurge and routed runs elsewhere."""
     if ranks.wants_ranks(args):  # --num-processes N: N ranks serve it (bench.ranks)
         with _StorageDir(args):
             return ranks.launch(args, "multiturn")
@@ -484,7 +478,7 @@ def _new_conversations(args, vocab: int, seed: int, warm: bool = False):
         from .text_conversations import TextConversations
 
         return TextConversations(args, real_tokenizer(args.model), seed, salt="Warm-up copy. " if warm else "")
-    return _Conversations(args, vocab, seed)
+    return Conversations(args, vocab, seed)
 
 
 def _multiturn(args, progress: Progress) -> dict:
@@ -530,7 +524,7 @@ def _multiturn(args, progress: Progress) -> dict:
     audit = enable_audit(cached_engine)  # after the warm-up's reset: the measured rounds only
     # The same trace through every engine, alternate rounds: the no-cache round first.
     convs = {name: _new_conversations(args, vocab, args.seed) for name, _e, _u in runs}
-    rounds: dict[str, list[_Round]] = {name: [] for name, _e, _u in runs}
+    rounds: dict[str, list[Round]] = {name: [] for name, _e, _u in runs}
     progress.phase(
         f"{args.clients} clients x {args.rounds} rounds, {' / '.join(rounds)} alternating", len(runs) * args.rounds
     )
@@ -553,7 +547,7 @@ def _multiturn(args, progress: Progress) -> dict:
     stats = cached_engine.stats()
     summaries = {}
     for name, engine, _use in runs:
-        s = summaries[name] = _summarize(rounds[name])
+        s = summaries[name] = summarize_rounds(rounds[name])
         s["peak_device_pages"] = {"full": engine.metrics.peak_device_pages, "swa": engine.metrics.peak_swa_device_pages}
         s["peak_kv_bytes"] = (
             engine.metrics.peak_device_pages * engine.geom.bytes_per_page
@@ -723,7 +717,7 @@ def bytes_moved(stats: dict) -> tuple[dict, str]:
     return out, ", ".join(parts)
 
 
-def _side_by_side(base, cached, cached_rounds: list[_Round], client: int = 1, width: int = 60) -> list[dict]:
+def _side_by_side(base, cached, cached_rounds: list[Round], client: int = 1, width: int = 60) -> list[dict]:
     """Print one conversation's answers without and with the cache, side by side, with what the
     cache served of each turn's prompt; returns them for the JSON."""
     import textwrap

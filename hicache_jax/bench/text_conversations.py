@@ -97,7 +97,7 @@ def stop_tokens(tokenizer) -> list[int]:
 
 
 class TextConversations:
-    """The clients' conversations as token ids (the ``_Conversations`` interface of
+    """The clients' conversations as token ids (the ``Conversations`` interface of
     ``bench.serving``: ``prompts()`` then ``answered(results)`` each round)."""
 
     def __init__(self, args, tokenizer, seed: int, salt: str = "") -> None:

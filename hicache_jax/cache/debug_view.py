@@ -11,7 +11,7 @@ instead of private attributes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -19,7 +19,8 @@ from .eviction_index import EvictionIndex
 from .tree_node import TreeNode
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .hiradix_cache import HiRadixCache
+    from ..allocator import PageAllocator
+    from .config import HiCacheConfig
     from .locks import CallerLocks
     from .request_helpers import RequestHelpers
     from .residency import Residency
@@ -27,10 +28,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from .tree import RadixTree
 
 
+class ViewedCache(Protocol):
+    """What the view takes from the cache it shows (``HiRadixCache`` is one): its identity (the
+    nodes' owner), settings and allocators. Typed against this rather than the cache, so this
+    module never imports the module that imports it (no import circle in ``cache``)."""
+
+    config: "HiCacheConfig"
+    page_size: int
+    device_allocator: "PageAllocator"
+    host_allocator: "PageAllocator | None"
+
+
 class CacheDebugView:
     def __init__(
         self,
-        cache: "HiRadixCache",
+        cache: ViewedCache,
         tree: "RadixTree",
         residency: "Residency",
         ledger: "TransferLedger",

@@ -40,10 +40,7 @@ import numbers
 import threading
 import weakref
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Mapping
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .hiradix_cache import HiRadixCache
+from typing import Any, Callable, Mapping, Protocol
 
 # Upper bounds (seconds) of the duration histograms' buckets: 100 us .. 30 s, then +Inf.
 DURATION_BUCKETS_S = (
@@ -68,6 +65,18 @@ DURATION_BUCKETS_S = (
 
 
 @dataclass
+class MetricsSource(Protocol):
+    """What the families and the Prometheus export read from a cache (``HiRadixCache`` is one).
+    Typed against this rather than the cache, so this module never imports the module that
+    imports it (no import circle in ``cache``)."""
+
+    build_info: dict[str, str]
+    metrics: "CacheMetrics"
+    storage_hook: Any  # an object with ``stats() -> dict`` (an attached L3 controller), or None
+
+    def gauges(self) -> dict[str, Any]: ...
+
+
 class Histogram:
     """Counts of observations per bucket (``bounds``: upper bounds, then +Inf; the duration
     buckets by default), their sum and count. Owner thread only."""
@@ -191,7 +200,7 @@ def build_info(engine: object) -> dict[str, str]:
     for ``npu_bridge``, else its top-level module) and the platform its device pool is on
     (a JAX device's platform, e.g. ``cpu`` / ``gpu`` / ``tpu``; ``host`` for the numpy
     backend, whose "device" pool is host memory). Read once, when the cache is built."""
-    from .. import __version__
+    from ..version import __version__
 
     module = type(engine).__module__
     parts = module.split(".")
@@ -218,7 +227,7 @@ def _build_info(c: "_Context") -> dict:
 class _Context:
     """What the families read, gathered once per scrape / ``stats()`` call."""
 
-    def __init__(self, cache: "HiRadixCache") -> None:
+    def __init__(self, cache: "MetricsSource") -> None:
         self.build = cache.build_info
         self.m = cache.metrics
         self.g = cache.gauges()
@@ -562,7 +571,7 @@ FAMILIES: tuple[Family, ...] = (
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 
 
-def family_values(cache: "HiRadixCache") -> dict[str, Any]:
+def family_values(cache: "MetricsSource") -> dict[str, Any]:
     """Every family that applies, by name: a number, a {label value: number} dict, or a
     histogram as ``{"count", "sum", "buckets"}`` (what ``stats()`` returns)."""
     ctx = _Context(cache)
@@ -587,10 +596,10 @@ class _Collector:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.label_names: tuple[str, ...] | None = None
-        self.caches: list[tuple["HiRadixCache", tuple[str, ...]]] = []
+        self.caches: list[tuple["MetricsSource", tuple[str, ...]]] = []
         self.lock = threading.Lock()
 
-    def add(self, cache: "HiRadixCache", labels: Mapping[str, str]) -> None:
+    def add(self, cache: "MetricsSource", labels: Mapping[str, str]) -> None:
         names, values = tuple(labels), tuple(labels.values())
         with self.lock:
             if self.label_names is not None and set(names) == set(self.label_names):
@@ -613,7 +622,7 @@ class _Collector:
             self.label_names = names
             self.caches.append((cache, values))
 
-    def remove(self, cache: "HiRadixCache") -> bool:
+    def remove(self, cache: "MetricsSource") -> bool:
         with self.lock:
             self.caches = [(c, v) for c, v in self.caches if c is not cache]
             if not self.caches:
@@ -661,7 +670,7 @@ _COLLECTORS_LOCK = threading.Lock()
 class PrometheusExport:
     """What ``register_prometheus`` returns: ``unregister()`` stops exporting the cache."""
 
-    def __init__(self, registry: Any, collector: _Collector, cache: "HiRadixCache") -> None:
+    def __init__(self, registry: Any, collector: _Collector, cache: "MetricsSource") -> None:
         self.registry, self.collector, self.cache = registry, collector, cache
 
     def unregister(self) -> None:
@@ -689,7 +698,7 @@ def _check_labels(labels: object) -> dict[str, str]:
 
 
 def register_prometheus(
-    cache: "HiRadixCache", registry: Any = None, prefix: str = "hicache", labels: Mapping[str, object] | None = None
+    cache: "MetricsSource", registry: Any = None, prefix: str = "hicache", labels: Mapping[str, object] | None = None
 ) -> PrometheusExport:
     """Export ``cache``'s families (``FAMILIES``) through prometheus_client; values are read at
     scrape time (no per-operation cost). Returns a ``PrometheusExport`` (``unregister()``).

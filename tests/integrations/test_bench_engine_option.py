@@ -67,13 +67,13 @@ def test_options_map_onto_the_trace():
 
 
 def test_multiturn_hands_easydel_runs_to_the_esurge_benchmark(monkeypatch):
-    from hicache_jax.bench import serving
+    from hicache_jax.bench import multiturn
     from hicache_jax.integrations.easydel import bench
 
     seen = []
     monkeypatch.setattr(bench, "multiturn", lambda args: seen.append(args) or {"engine": "easydel"})
     args = _parse("--engine", "easydel")
-    assert serving.multiturn(args) == {"engine": "easydel"} and seen == [args]
+    assert multiturn.multiturn(args) == {"engine": "easydel"} and seen == [args]
 
 
 def test_without_easydel_the_run_says_where_it_lives(monkeypatch):

@@ -47,7 +47,7 @@ def test_gemma_gguf_with_a_poisoned_norm_is_refused(gguf, tmp_path):
     """The first norm weight (F32) overwritten with NaN bytes dequantizes to non-finite values: refused."""
     import numpy as np
 
-    reader = gguf_loader._open_reader(gguf)
+    reader = gguf_loader.open_reader(gguf)
     t = next(t for t in reader.tensors if t.name.endswith("norm.weight"))  # the first norm: fails early
     bad = _bad_copy(gguf, tmp_path / "nan.gguf", patch=(int(t.data_offset), np.full(4, np.nan, np.float32).tobytes()))
     cache = tmp_path / "cache"

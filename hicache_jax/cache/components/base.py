@@ -88,7 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..locks import PathLocks
     from ..metrics import CacheMetrics
     from ..residency import Residency
-    from ..transfers import TransferLedger
+    from ..copies_in_flight import TransferLedger
     from ..tree import RadixTree
 
 

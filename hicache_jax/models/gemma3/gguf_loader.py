@@ -135,7 +135,7 @@ class Gemma3Config:
 # reading the file
 
 
-def _open_reader(path: Path):
+def open_reader(path: Path):
     import gguf
 
     try:
@@ -401,7 +401,7 @@ def _config_of(reader, path: Path) -> Gemma3Config:
 def load_config(path: str | os.PathLike) -> Gemma3Config:
     """The validated config of a Gemma 3 GGUF (metadata only; no tensors read)."""
     path = Path(path)
-    return _config_of(_open_reader(path), path)
+    return _config_of(open_reader(path), path)
 
 
 def load_gguf(
@@ -418,7 +418,7 @@ def load_gguf(
         hit = _read_cache(cp)
         if hit is not None:
             return hit
-    reader = _open_reader(path)
+    reader = open_reader(path)
     cfg = _config_of(reader, path)
     weights = _dequantize_all(reader, path, cfg)
     del reader

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .gguf_loader import _open_reader, default_cache_dir, file_sha256, replace_atomically
+from .gguf_loader import open_reader, default_cache_dir, file_sha256, replace_atomically
 
 SPIECE_SPACE = "\u2581"
 TOKEN_TYPE_CONTROL = 3
@@ -99,7 +99,7 @@ def build_tokenizer(
 
 
 def _read_vocab(path: Path):
-    reader = _open_reader(path)
+    reader = open_reader(path)
 
     def get(key):
         f = reader.fields.get(key)
