@@ -64,7 +64,6 @@ DURATION_BUCKETS_S = (
 )
 
 
-@dataclass
 class MetricsSource(Protocol):
     """What the families and the Prometheus export read from a cache (``HiRadixCache`` is one).
     Typed against this rather than the cache, so this module never imports the module that
@@ -77,6 +76,7 @@ class MetricsSource(Protocol):
     def gauges(self) -> dict[str, Any]: ...
 
 
+@dataclass
 class Histogram:
     """Counts of observations per bucket (``bounds``: upper bounds, then +Inf; the duration
     buckets by default), their sum and count. Owner thread only."""
