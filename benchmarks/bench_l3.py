@@ -32,9 +32,10 @@ In one process, for ``--pages`` random pages of ``--page-mib`` MiB each, per rou
                 to the device); 16 in flight = 16 threads. One at a time also "raw split": the
                 page asked for in 256 KiB ``POSIX_FADV_WILLNEED`` pieces first, as the backend
                 does for a lone page, and "split, into host page": the same, landing in the
-                host page the backend fills (shown only, to tell whether the host pool's
-                memory costs more than a reused buffer: on the project VM it did not
-                consistently, 0.80-1.00 vs 0.83-0.97 GB/s over 6 runs)
+                host page the backend fills (the same destination as the backend's; like
+                every raw reader of the op it counts for the goal, whose ratio is against the
+                fastest: in the 2026-12-07 runs this one, 1.30-1.33 GB/s against 0.97-1.16 into a
+                reused buffer, where earlier runs measured 0.80-1.00 vs 0.83-0.97 GB/s)
   Also orbax with integrity=off, to show what the CRC costs.
 
 Ratios are backend GB/s / raw GB/s of the same bytes in the same round, the median over rounds
