@@ -112,8 +112,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from benchmarks._report import gbps, machine_info, median_seconds, print_table, write_json
-from hicache_jax.bench.report import results_path
+from hicache_jax.bench.report import gbps, machine_info, median_seconds, print_table, results_path, write_json
 from hicache_jax import HostKVPool, KVGeometry
 from hicache_jax.storage import Namespace, PageCodec, StorageConfig, create_storage, page_keys
 from hicache_jax.storage import integrity

@@ -1,6 +1,6 @@
 """KV page-transfer benchmark for the torch backend: D2H backup / H2D load vs raw torch copies.
 
-Same table columns and JSON shape as ``benchmarks/bench_transfer.py`` (the JAX one). The
+Same table columns and JSON shape as ``hicache-jax bench transfer`` (the JAX one, ``hicache_jax/bench/transfer.py``). The
 gather / scatter columns are N/A: this backend has no separate device gather kernel (the
 torch copy gathers inside the transfer; the Ascend op copies pages directly).
 

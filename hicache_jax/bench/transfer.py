@@ -286,7 +286,7 @@ def _compare(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    """``python -m benchmarks.bench_transfer`` / tests: the same options as ``hicache-jax bench transfer``."""
+    """Tests and scripts: the same options as ``hicache-jax bench transfer``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.transfer_arguments(p)
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Benchmark pieces for the page-copy kernels (driven by ``benchmarks/bench_transfer.py``).
+"""Benchmark pieces for the page-copy kernels (driven by ``hicache-jax bench transfer``, ``hicache_jax/bench/transfer.py``).
 
 Each measurement is paired with a raw device-to-device copy of the same number of bytes
 measured in the same process, so the reported ratio is hardware-independent.
