@@ -438,10 +438,7 @@ class MooncakeStorage(HiCacheStorage):
         except _StoreDown:
             return ok
         for j, (lo, hi) in enumerate(chunks):
-            got = list(self._wait(what, fut))
-            if len(got) != hi - lo:
-                raise RuntimeError(f"{what} returned {len(got)} results for {hi - lo} keys")
-            codes[lo:hi] = got
+            codes[lo:hi] = self._got(what, self._wait(what, fut), (lo, hi))
             fut = None
             if j + 1 < len(chunks):
                 a, b = chunks[j + 1]
