@@ -10,8 +10,8 @@ an engine whose batch bound is that many. Each step mirrors the reference engine
   ``begin_request`` (match, load back a host hit, lock), ``alloc_device`` for the prompt and
   the decode tokens, ``req.extend`` with the prompt's pages, then, the prefill done,
   ``cache_unfinished_req`` (the prompt's pages become shareable and are backed up);
-* one decode token for every running request: ``req.extend`` with the grown key (and a page
-  of its reserve when the token starts a page);
+* one decode token for every running request: ``req.append`` with that token (and a page of
+  its reserve when the token starts a page; O(1): the key is joined when the request inserts);
 * the ``--finishes-per-step`` oldest requests finish: ``cache_finished_req`` and the unused
   reserve back to the allocator;
 * ``check_events`` once (backups acknowledged, the step's KV event batch delivered; the
@@ -158,6 +158,7 @@ class _Sim:
         self.host_pages = int(HOST_RATIO * self.device_pages)
         device, host, engine = make_numpy_backend(self.geom, self.device_pages, self.host_pages)
         self.allocator = device.allocator
+        self.no_pages = np.zeros(0, np.int32)
         self.cache = HiRadixCache(
             HiCacheConfig(page_size=args.page_size, write_policy="write_through"), engine, device.allocator
         )
@@ -247,13 +248,16 @@ class _Sim:
         # One decode step (engine._decode_step): every running request's newest token enters the KV.
         clock.start("decode")
         clock.mark()
+        none = self.no_pages
         for seq in self.running:
             req = seq.req
             n = seq.n
             need = _pages_for(n, page) - req.device_pages.shape[0]
-            grow, seq.reserve = seq.reserve[:need], seq.reserve[need:]
-            req.extend(RadixKey(seq.tokens[:n]), grow)
-        lap("RadixKey + req.extend (decode token)", len(self.running))
+            grow = none
+            if need:
+                grow, seq.reserve = seq.reserve[:need], seq.reserve[need:]
+            req.append([int(seq.tokens[n - 1])], grow)
+        lap("req.append (decode token)", len(self.running))
         clock.stop()
         for seq in self.running:
             seq.n += 1  # the step's output token

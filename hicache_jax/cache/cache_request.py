@@ -15,6 +15,13 @@ With a component that keeps its own page ids (e.g. ``swa``), ``component_pages[n
 that component's ids the same way: one per started page, -1 where the request holds none
 (pages out of its sliding window). The first ``cached_pages`` entries are the tree's (only
 those the request's lock holds: its window), the rest the request's own.
+
+Growing a request: ``extend(key, new_pages)`` takes the whole grown key and checks that it
+starts with the current tokens (one compare of every token: fine per prompt or chunk);
+``append(tokens, new_pages)`` takes only the new tokens (a decode step's one token) and costs
+O(new tokens): they wait in a list and ``key`` joins them onto the key the first time it is
+read (the request helpers read it when they insert). ``num_tokens`` is the length either way,
+without building the key.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..allocator import ID_DTYPE, as_page_ids
-from .radix_key import RadixKey, as_radix_key
+from .radix_key import TOKEN_DTYPE, TOKEN_LIMIT, RadixKey, as_radix_key, as_token_ids, joined_key
 from .tree_node import TreeNode
 
 
 @dataclass
 class CacheRequest:
+    # The tokens so far (a property, installed below the class: the key as last set or built,
+    # plus the tokens ``append`` added since, joined on first read).
     key: RadixKey
     page_size: int = 1
     # One device page id per started page of ``key`` (ceil(len / page_size)); the first
@@ -52,6 +61,21 @@ class CacheRequest:
     owner: object = field(default=None, repr=False, compare=False)
     # Set when ``cache_finished_req`` / ``abort_request`` released it: it holds nothing now.
     released: bool = False
+
+    def __copy__(self) -> CacheRequest:
+        out = object.__new__(CacheRequest)
+        out.__dict__.update(self.__dict__)
+        out._tail = list(self._tail)  # ``append`` grows it in place: a copy gets its own
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(key)``, without joining the tokens ``append`` added onto the key; TypeError
+        naming ``req.key`` when the key is not a ``RadixKey``."""
+        key = self._key
+        if type(key) is not RadixKey and not isinstance(key, RadixKey):
+            raise TypeError(f"req.key: expected a RadixKey, got {type(key).__name__}")
+        return key.token_ids.shape[0] + len(self._tail)
 
     @property
     def hit_tokens(self) -> dict[str, int]:
@@ -86,6 +110,41 @@ class CacheRequest:
             return
         extra = self._component_extension(component_pages, pages.shape[0])
         self.key = key
+        self._add_pages(pages, extra)
+
+    def append(self, tokens: object, new_pages: object, component_pages: dict | None = None) -> None:
+        """Grow the request by ``tokens`` (the new token ids only: a list of ints or a 1-D
+        integer array), adding ``new_pages`` so there is one page per started page, and, per
+        component with its own page ids, as many of its ids (as ``extend``).
+
+        ``extend(RadixKey(tokens so far + tokens), new_pages, component_pages)`` in effect, in
+        time O(len(tokens)): the current tokens are neither copied nor compared (the caller
+        says what follows them). Validates before changing anything.
+        """
+        n = self.num_tokens  # TypeError naming req.key for one that is not a RadixKey
+        if type(tokens) is list and all(type(t) is int and 0 <= t < TOKEN_LIMIT for t in tokens):
+            new = tokens
+        else:
+            new = as_token_ids(tokens, "tokens").tolist()
+        pages = as_page_ids(new_pages, "new_pages")
+        n += len(new)
+        want = -(-n // self.page_size)
+        have = self.device_pages.shape[0]
+        if have + pages.shape[0] != want:
+            raise ValueError(
+                f"new_pages: {n} tokens need {want} pages in all, the request has {have} and got {pages.shape[0]} more"
+            )
+        if component_pages is None and self.component_pages is None:
+            self._tail += new
+            if pages.shape[0]:
+                self.device_pages = np.concatenate([self.device_pages, pages])
+            return
+        extra = self._component_extension(component_pages, pages.shape[0])
+        self._tail += new
+        self._add_pages(pages, extra)
+
+    def _add_pages(self, pages: np.ndarray, extra: dict) -> None:
+        """The validated new device pages and per-component ids become the request's."""
         self.device_pages = np.concatenate([self.device_pages, pages])
         if extra:
             old = dict(self.component_pages or {})
@@ -118,6 +177,24 @@ class CacheRequest:
                     f"component_pages: the request tracks {name!r} pages; give one id per new page (-1 for none)"
                 )
         return extra
+
+
+def _get_key(self: CacheRequest) -> RadixKey:
+    tail = self._tail
+    if tail:  # join what ``append`` added (validated there), once
+        self._key = joined_key(self._key, np.array(tail, TOKEN_DTYPE))
+        self._tail = []
+    return self._key
+
+
+def _set_key(self: CacheRequest, key: RadixKey) -> None:
+    self._key = key  # checked where it is used (``extend``, ``append``, the request helpers)
+    self._tail = []
+
+
+# Installed after ``@dataclass`` read the field list: ``key`` stays the first field (the
+# constructor's first argument; its ``self.key = key`` runs the setter).
+CacheRequest.key = property(_get_key, _set_key, doc="The request's tokens so far (a ``RadixKey``).")
 
 
 def _as_ids_or_none(ids: object, name: str) -> np.ndarray:

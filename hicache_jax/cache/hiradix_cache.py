@@ -141,7 +141,8 @@ Sliding-window (SWA) requests (``components.swa``; generic over components with 
     2. each prefill chunk and each decode step: ``alloc_device(n)`` and
        ``alloc_component("swa", n)`` for the new pages (each pool evicts by its own rules:
        SWA allocation tombstones nodes or evicts unlocked leaves whole; on failure free what
-       was taken), ``req.extend(key, pages, {"swa": swa_pages})``, run the forward pass,
+       was taken), ``req.extend(key, pages, {"swa": swa_pages})`` (a decode step:
+       ``req.append([token], pages, {"swa": swa_pages})``), run the forward pass,
        then ``slide_window(req)``: the request's own SWA pages wholly before the window
        (of its next pass and of its whole pages' end) are freed and set to -1, and once the
        window lies past the tree's part, its lock's hold on the tree's SWA pages goes (the
@@ -291,7 +292,9 @@ class HiRadixCache:
        its tokens each tier served.
     2. ``pages = alloc_device(n)`` for the rest (evicts unlocked leaves when short; None when
        it cannot: ``device_fit(n)`` says whether it never can or cannot now),
-       ``req.extend(key, pages)``, run the model on the uncached suffix.
+       ``req.extend(key, pages)``, run the model on the uncached suffix; per decode step
+       ``req.append([token], pages)`` (the new token only, and a page when it starts one: O(1),
+       where ``extend`` with the grown key copies and compares every token).
     3. ``cache_finished_req(req)``: insert its whole pages, free the partial tail, unlock
        (``cache_unfinished_req`` after a chunk). A request given up on (client gone):
        ``abort_request(req)`` frees what it holds and inserts nothing.
@@ -1221,7 +1224,7 @@ class HiRadixCache:
         if get_ident() != self._owner:
             self._not_owner("slide_window")
         req = self._requests.check(req)
-        n = len(req.key)
+        n = req.num_tokens  # (the key itself is not built: a decode step's ``append`` stays O(1))
         if written is not None:
             n = min(check_int("written", written, 0), n)
         if self._component_steps is not None:

@@ -212,6 +212,20 @@ def as_radix_key(key: object, name: str = "key") -> RadixKey:
     return out
 
 
+def joined_key(key: RadixKey, tail: np.ndarray) -> RadixKey:
+    """``key`` followed by ``tail`` (int64 ids, already checked), in ``key``'s namespace: one
+    copy of the bytes, no re-validation of ``key``'s tokens or namespace."""
+    data = key.token_bytes + tail.tobytes()
+    out = object.__new__(RadixKey)
+    d = out.__dict__
+    d["token_ids"] = np.frombuffer(data, TOKEN_DTYPE)
+    d["extra_key"] = key.extra_key
+    d["cache_salt"] = key.cache_salt
+    d["token_bytes"] = data
+    d["namespace"] = key.namespace
+    return out
+
+
 def aligned_len(n: int, page_size: int) -> int:
     return n - n % page_size
 

@@ -118,16 +118,13 @@ class RequestHelpers:
         p = self.page_size
         if req.page_size != p:
             raise ValueError(f"req: page_size {req.page_size} != cache page_size {p}")
-        key = req.key
-        if not isinstance(key, RadixKey):
-            raise TypeError(f"req.key: expected a RadixKey, got {type(key).__name__}")
+        n = req.num_tokens  # TypeError naming req.key for one that is not a RadixKey
         pages = req.device_pages
         if type(pages) is not np.ndarray or pages.ndim != 1 or pages.dtype.kind not in "iu":
             shape = f" {pages.dtype}{pages.shape}" if isinstance(pages, np.ndarray) else ""
             raise TypeError(
                 f"req.device_pages: expected a 1-D integer array of device page ids, got {type(pages).__name__}{shape}"
             )
-        n = key.token_ids.shape[0]
         if pages.shape[0] != -(-n // p) and not (partial and pages.shape[0] < -(-n // p)):
             raise ValueError(f"req: {n} tokens need {-(-n // p)} device pages, it holds {pages.shape[0]}")
         prio, cached = req.priority, req.cached_pages

@@ -41,7 +41,8 @@ cache call sequence per request (``HiRadixCache``'s "Sliding-window (SWA) reques
 2. before each prefill chunk and each decode step that starts a page: ``alloc_component("swa",
    n)`` (evicts SWA by the component's rules: tombstones, unlocked leaves whole; if short, the
    engine flushes in-flight copies, whose holds pin SWA pages, and retries) and
-   ``req.extend(key, full_pages, {"swa": swa_pages})``; the prefill waits for every layer of
+   ``req.extend(key, full_pages, {"swa": swa_pages})`` (a decode step: ``req.append([token],
+   full_pages, {"swa": swa_pages})``); the prefill waits for every layer of
    the load-back of both pools (``wait_layer(i)``, ``wait_layer(j, component="swa")``).
 3. after each step: ``slide_window(req)``: the request's own SWA pages wholly before the next
    step's window go back to the SWA pool (entries -1) and the lock's hold on the tree's window
@@ -212,6 +213,9 @@ class _Seq:
     @property
     def all_tokens(self) -> np.ndarray:
         return np.concatenate([self.prompt, np.asarray(self.out, np.int64)])
+
+
+_NO_PAGES = np.zeros(0, ID_DTYPE)
 
 
 class OutOfDeviceMemory(RuntimeError):
@@ -920,7 +924,7 @@ class Engine:
     def _slide(self, reqs) -> None:
         if self.hybrid:
             for req in reqs:  # the step just run wrote the KV of the whole key (on this rank)
-                self.cache.slide_window(req, written=len(req.key))
+                self.cache.slide_window(req, written=req.num_tokens)
 
     def _prefill(self, seq: _Seq) -> None:
         req = seq.req
@@ -980,14 +984,18 @@ class Engine:
 
     def _decode_step(self, running: list[_Seq]) -> None:
         for seq in running:
+            # The newest token enters the KV now: ``append`` adds it to the request's key in
+            # O(1) (``extend`` with the whole grown key would copy and compare every token).
             req = seq.req
-            if self.hybrid:
-                self._grow(seq, seq.all_tokens)
-                continue
-            total = seq.prompt.shape[0] + len(seq.out)  # the newest token enters the KV now
+            total = seq.prompt.shape[0] + len(seq.out)
             need = self._pages_for(total) - req.device_pages.shape[0]
-            pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
-            req.extend(RadixKey(seq.all_tokens), pages)
+            pages = _NO_PAGES
+            if need:
+                pages, seq.reserve = seq.reserve[:need], seq.reserve[need:]
+            if self.hybrid:
+                req.append([seq.out[-1]], pages, {"swa": self._alloc_swa(need)})
+            else:
+                req.append([seq.out[-1]], pages)
         logits = self._run(
             [[s.out[-1]] for s in running], [s.prompt.shape[0] + len(s.out) - 1 for s in running], running
         )

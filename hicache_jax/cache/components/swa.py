@@ -956,7 +956,7 @@ class SWAComponent(KVComponent):
         # The window of the request's next pass, and that of its whole pages' end (what its
         # next insert makes usable for later matches): keep both.
         p = self.page_size
-        n = len(req.key) if upto is None else min(upto, len(req.key))
+        n = req.num_tokens if upto is None else min(upto, req.num_tokens)
         keep_from = (n // p) * p - self.context
         if keep_from <= 0:
             return
