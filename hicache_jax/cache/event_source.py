@@ -76,7 +76,9 @@ from dataclasses import replace
 from typing import Callable
 
 from .._checks import check_int
-from ..storage.keys import Namespace, page_keys
+import numpy as np
+
+from ..storage.keys import TOKEN_DTYPE as KEY_TOKEN_DTYPE, Namespace, encoded_page_keys, page_keys
 from .components import FULL
 from .events import EventBatch, KVEvent
 from .hiradix_cache import HiRadixCache
@@ -177,7 +179,7 @@ class KVEventSource(ResidencyWatch):
         self.page_size = cache.page_size
         self.max_pending = max_pending
         self._ns: dict[tuple, tuple[Namespace, str]] = {}
-        self._keys: dict[TreeNode, list[bytes]] = {}
+        self._keys: dict[TreeNode, tuple[bytes, ...]] = {}
         self._pending: list[KVEvent] = []
         # The first batch is a snapshot (resync): the cache may hold pages already, and a
         # receiver that followed an earlier source of this engine starts over.
@@ -309,7 +311,7 @@ class KVEventSource(ResidencyWatch):
         key = as_radix_key(key)
         return page_keys(self._namespace(key.namespace)[0], key.token_ids)
 
-    def node_keys(self, node: TreeNode) -> list[bytes]:
+    def node_keys(self, node: TreeNode) -> tuple[bytes, ...]:
         """``node``'s page keys (computed and kept; its ancestors' too)."""
         keys = self._keys
         ks = keys.get(node)
@@ -323,7 +325,9 @@ class KVEventSource(ResidencyWatch):
             n = n.parent
         prev = None if n is root else keys[n][-1]
         for n in reversed(path):
-            ks = page_keys(self._namespace(n.namespace)[0], n.key, prev)
+            # The tree's tokens are in [0, 2**32) (``RadixKey`` checked them): encoded as they are.
+            data = np.frombuffer(n.kb, np.int64).astype(KEY_TOKEN_DTYPE).tobytes()
+            ks = tuple(encoded_page_keys(self._namespace(n.namespace)[0], data, prev))
             keys[n] = ks
             prev = ks[-1]
         return keys[node]
@@ -432,9 +436,10 @@ class KVEventSource(ResidencyWatch):
             return  # the next drain is a resync (a snapshot): nothing to queue
         ks = self.node_keys(node)
         parent = node.parent
-        prev = None if parent is self.cache.root else self.node_keys(parent)[-1]
+        prev = None if parent is self.cache.root else (self._keys.get(parent) or self.node_keys(parent))[-1]
+        # Fields built here from the tree (a tuple of this source's keys): not checked again.
         self._pending.append(
-            KVEvent(kind, tier, tuple(ks), prev, node.size, self.model, self._namespace(node.namespace)[1])
+            KVEvent.unchecked(kind, tier, ks, prev, node.size, self.model, self._namespace(node.namespace)[1])
         )
         if len(self._pending) > self.max_pending:
             self._pending = []
@@ -478,13 +483,13 @@ class KVEventSource(ResidencyWatch):
         stack = list(root.children.values())
         while stack:
             node = stack.pop()
-            ks = tuple(self.node_keys(node))
+            ks = self.node_keys(node)
             prev = None if node.parent is root else self.node_keys(node.parent)[-1]
             ns = self._namespace(node.namespace)[1]
             if node.value is not None:
-                out.append(KVEvent("stored", "device", ks, prev, node.size, self.model, ns))
+                out.append(KVEvent.unchecked("stored", "device", ks, prev, node.size, self.model, ns))
             if node.host_value is not None:
-                out.append(KVEvent("stored", "host", ks, prev, node.size, self.model, ns))
+                out.append(KVEvent.unchecked("stored", "host", ks, prev, node.size, self.model, ns))
             stack.extend(node.children.values())
         return out
 

@@ -48,6 +48,7 @@ a schema it does not know (``from_dict`` does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 SCHEMA_VERSION = 1
 EVENT_KINDS = ("stored", "removed", "cleared")
@@ -72,7 +73,7 @@ class KVEvent:
         if (
             isinstance(self.keys, (bytes, str))
             or not isinstance(self.keys, (tuple, list))
-            or any(not isinstance(k, bytes) for k in self.keys)
+            or not all(map(isinstance, self.keys, repeat(bytes)))
         ):
             raise TypeError(f"keys: expected a tuple of page keys (bytes), got {type(self.keys).__name__}")
         object.__setattr__(self, "keys", tuple(self.keys))
@@ -86,6 +87,33 @@ class KVEvent:
             raise TypeError(f"model: expected a str, got {type(self.model).__name__}")
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise TypeError(f"namespace: expected a str or None, got {type(self.namespace).__name__}")
+
+    @classmethod
+    def unchecked(
+        cls,
+        kind: str,
+        tier: str,
+        keys: tuple,
+        parent_key: bytes | None,
+        token_count: int,
+        model: str,
+        namespace: str | None,
+    ) -> "KVEvent":
+        """The event of these fields, taken as they are: for an event source that builds them
+        from the tree itself (``event_source``: a tuple of page keys from its own chain, an
+        int count), one per stored or removed node, where the constructor's checks would cost
+        more than the event. Anything else builds events with the constructor, which checks
+        every field."""
+        e = object.__new__(cls)
+        d = e.__dict__  # frozen: no __setattr__; written once, as the constructor would
+        d["kind"] = kind
+        d["tier"] = tier
+        d["keys"] = keys
+        d["parent_key"] = parent_key
+        d["token_count"] = token_count
+        d["model"] = model
+        d["namespace"] = namespace
+        return e
 
     def to_dict(self) -> dict:
         return {
@@ -127,7 +155,7 @@ class EventBatch:
             raise TypeError(f"engine: expected a str, got {type(self.engine).__name__}")
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
             raise ValueError(f"seq: expected an int >= 0, got {self.seq!r}")
-        if not isinstance(self.events, (tuple, list)) or any(not isinstance(e, KVEvent) for e in self.events):
+        if not isinstance(self.events, (tuple, list)) or not all(map(isinstance, self.events, repeat(KVEvent))):
             raise TypeError(f"events: expected a tuple of KVEvent, got {type(self.events).__name__}")
         object.__setattr__(self, "events", tuple(self.events))
         if not isinstance(self.resync, bool):

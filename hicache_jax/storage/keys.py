@@ -148,19 +148,37 @@ def page_keys(ns: Namespace, tokens: object, prev: bytes | None = None) -> list[
     ``prev`` continues a chain: pass the key of the page just before ``tokens`` (e.g. the
     parent node's last page key); ``None`` starts at the namespace seed. Keys are 32 raw bytes.
     """
+    _check_chain(ns, prev)
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    return _chain(ns, encode_page_tokens(arr) if arr.size else b"", prev)
+
+
+def encoded_page_keys(ns: Namespace, data: bytes, prev: bytes | None = None) -> list[bytes]:
+    """``page_keys`` of tokens already encoded (``encode_page_tokens``' little-endian uint32
+    bytes, e.g. of ids known to be in range): the keys of every full page of ``data``, with
+    no pass over the tokens before hashing."""
+    _check_chain(ns, prev)
+    if not isinstance(data, bytes):
+        raise TypeError(f"data: expected bytes (encode_page_tokens' output), got {type(data).__name__}")
+    return _chain(ns, data, prev)
+
+
+def _check_chain(ns: object, prev: object) -> None:
     if not isinstance(ns, Namespace):
         raise TypeError(f"ns: expected a Namespace, got {type(ns).__name__}")
     if prev is not None and (not isinstance(prev, (bytes, bytearray)) or len(prev) != KEY_BYTES):
         raise ValueError(f"prev: expected {KEY_BYTES} raw bytes or None")
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
-    data = encode_page_tokens(arr) if arr.size else b""
+
+
+def _chain(ns: Namespace, data: bytes, prev: bytes | None) -> list[bytes]:
     step = ns.page_size * TOKEN_DTYPE.itemsize
     digest = bytes(prev) if prev is not None else ns.digest
+    sha256 = hashlib.sha256
     out = []
     for off in range(0, (len(data) // step) * step, step):
-        digest = hashlib.sha256(digest + data[off : off + step]).digest()
+        digest = sha256(digest + data[off : off + step]).digest()
         out.append(digest)
     return out
 

@@ -63,6 +63,16 @@ def stored_keys(storage) -> set:
     }
 
 
+def checked(batch: EventBatch) -> None:
+    """Every event of ``batch`` (the source builds device / host events with ``unchecked``) is
+    the event the checking constructor builds from its fields."""
+    for e in batch.events:
+        again = KVEvent(e.kind, e.tier, e.keys, e.parent_key, e.token_count, e.model, e.namespace)
+        assert again == e and type(e.keys) is tuple and type(e.token_count) is int, e
+        assert all(type(k) is bytes and len(k) == 32 for k in e.keys)
+        assert e.parent_key is None or type(e.parent_key) is bytes and len(e.parent_key) == 32
+
+
 class Trace:
     """A small cache with an L3 (memory store) and an event source; ``do(op)`` runs one step."""
 
@@ -156,6 +166,7 @@ class Trace:
 
     def check(self, settle: bool = True) -> EventBatch:
         batch = self.src.drain()
+        checked(batch)
         self.view.apply(batch)
         self.events += batch.events
         exp = expected_keys(self.cache)
@@ -293,6 +304,37 @@ def test_subscribers_get_one_batch_per_check_events_and_json_round_trips():
         view.apply(got[1])
         with pytest.raises(ValueError, match="seq"):
             view.apply(got[0])
+    finally:
+        t.close()
+
+
+def test_unchecked_builds_the_event_the_constructor_builds_and_the_constructor_still_checks():
+    k = (b"a" * 32, b"b" * 32)
+    fields = ("stored", "host", k, b"c" * 32, 4, MODEL, "")
+    e = KVEvent.unchecked(*fields)
+    assert e == KVEvent(*fields) and hash(e) == hash(KVEvent(*fields)) and e.to_dict() == KVEvent(*fields).to_dict()
+    with pytest.raises(AttributeError):
+        e.kind = "removed"  # frozen, as the constructor's
+    for bad, exc in (((b"a" * 32, "b"), TypeError), ([b"a", 1], TypeError), ("ab", TypeError)):
+        with pytest.raises(exc, match="keys"):
+            KVEvent("stored", "device", bad)
+    with pytest.raises(TypeError, match="events"):
+        EventBatch("e", 0, (e, "x"))
+    assert EventBatch("e", 0, [e]).events == (e,)
+
+
+def test_node_keys_are_kept_as_tuples_and_split_with_the_node():
+    t = Trace(5, with_l3=False)
+    try:
+        k = t.keys[2]  # 14 tokens: 7 pages
+        node = prefill_insert(t.cache, t.oracle, k).last_node
+        ks = t.src.node_keys(node)
+        assert type(ks) is tuple and ks is t.src.node_keys(node)
+        assert list(ks) == page_keys(replace(target_namespace(t.cache, MODEL), extra_key=""), k.token_ids)
+        t.cache.match_prefix(RadixKey(k.token_ids[:4]))  # splits the node after 2 pages
+        upper = t.cache.match_prefix(RadixKey(k.token_ids[:4])).last_device_node
+        assert t.src.node_keys(upper) == ks[:2] and t.src.node_keys(node) == ks[2:]
+        assert type(t.src.node_keys(upper)) is tuple
     finally:
         t.close()
 

@@ -8,7 +8,7 @@ import pytest
 
 from hicache_jax import KVGeometry
 from hicache_jax.storage import Namespace, page_keys, pool_page_keys
-from hicache_jax.storage.keys import encode_page_tokens, keys_to_array
+from hicache_jax.storage.keys import encode_page_tokens, encoded_page_keys, keys_to_array
 
 from storage_helpers import REPO
 
@@ -103,6 +103,21 @@ def test_chain_continues_and_depends_on_prefix():
     # a trailing partial page gets no key
     assert page_keys(NS, TOKENS[:10]) == full[:2]
     assert page_keys(NS, []) == []
+
+
+def test_encoded_page_keys_are_the_page_keys_of_the_encoding():
+    data = encode_page_tokens(TOKENS)
+    full = page_keys(NS, TOKENS)
+    assert encoded_page_keys(NS, data) == full
+    assert encoded_page_keys(NS, data[8 * 4 :], prev=full[1]) == full[2:]  # 2 pages of 4 tokens, 4 bytes each
+    assert encoded_page_keys(NS, data[: 10 * 4]) == full[:2]  # a trailing partial page gets no key
+    assert encoded_page_keys(NS, b"") == []
+    with pytest.raises(TypeError, match="data"):
+        encoded_page_keys(NS, TOKENS)
+    with pytest.raises(TypeError, match="ns"):
+        encoded_page_keys("ns", data)
+    with pytest.raises(ValueError, match="prev"):
+        encoded_page_keys(NS, data, prev=b"short")
 
 
 def test_pool_keys_are_disjoint():
