@@ -122,11 +122,20 @@ class CacheRequest:
         says what follows them). Validates before changing anything.
         """
         n = self.num_tokens  # TypeError naming req.key for one that is not a RadixKey
-        if type(tokens) is list and all(type(t) is int and 0 <= t < TOKEN_LIMIT for t in tokens):
+        # The usual call (a decode step: one int token, no page or one) checked inline.
+        if type(tokens) is list and (
+            len(tokens) == 1
+            and type(tokens[0]) is int
+            and 0 <= tokens[0] < TOKEN_LIMIT
+            or all(type(t) is int and 0 <= t < TOKEN_LIMIT for t in tokens)
+        ):
             new = tokens
         else:
             new = as_token_ids(tokens, "tokens").tolist()
-        pages = as_page_ids(new_pages, "new_pages")
+        if type(new_pages) is np.ndarray and new_pages.shape == _NONE:
+            pages = _NO_PAGES  # no page (as_page_ids takes any empty array); never stored itself
+        else:
+            pages = as_page_ids(new_pages, "new_pages")
         n += len(new)
         want = -(-n // self.page_size)
         have = self.device_pages.shape[0]
@@ -177,6 +186,10 @@ class CacheRequest:
                     f"component_pages: the request tracks {name!r} pages; give one id per new page (-1 for none)"
                 )
         return extra
+
+
+_NONE = (0,)
+_NO_PAGES = np.zeros(0, ID_DTYPE)
 
 
 def _get_key(self: CacheRequest) -> RadixKey:

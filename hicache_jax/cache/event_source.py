@@ -434,14 +434,25 @@ class KVEventSource(ResidencyWatch):
     def _emit(self, kind: str, tier: str, node: TreeNode) -> None:
         if self._overflowed:
             return  # the next drain is a resync (a snapshot): nothing to queue
-        ks = self.node_keys(node)
+        # One event per node changing tier (hundreds a busy step): the kept keys and
+        # namespaces are looked up inline, computed on a miss.
+        keys = self._keys
+        ks = keys.get(node)
+        if ks is None:
+            ks = self.node_keys(node)
         parent = node.parent
-        prev = None if parent is self.cache.root else (self._keys.get(parent) or self.node_keys(parent))[-1]
+        if parent is self.cache.root:
+            prev = None
+        else:
+            pk = keys.get(parent)
+            prev = (pk if pk is not None else self.node_keys(parent))[-1]
+        ns = self._ns.get(node.namespace)
+        if ns is None:
+            ns = self._namespace(node.namespace)
+        pending = self._pending
         # Fields built here from the tree (a tuple of this source's keys): not checked again.
-        self._pending.append(
-            KVEvent.unchecked(kind, tier, ks, prev, node.size, self.model, self._namespace(node.namespace)[1])
-        )
-        if len(self._pending) > self.max_pending:
+        pending.append(KVEvent.unchecked(kind, tier, ks, prev, node.size, self.model, ns[1]))
+        if len(pending) > self.max_pending:
             self._pending = []
             self._overflowed = True
 

@@ -264,7 +264,7 @@ class RequestHelpers:
     def finished(self, req: CacheRequest) -> None:
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
-        tail = req.device_pages[aligned:]
+        tail = req.device_pages[aligned:]  # the partial last page, if any (``check``: one page per started page)
         res = self.res
         if tail.size:
             n_dev = res.device_allocator.num_pages
@@ -285,9 +285,10 @@ class RequestHelpers:
         self._release(req, tail, comp_tails)
 
     def _release(self, req: CacheRequest, own: np.ndarray, comp_own: list) -> None:
-        """Free the request's own pages (checked by the caller), unlock its prefix, empty it."""
+        """Free the request's own pages (checked by the caller: in range, allocated, not the
+        tree's, distinct), unlock its prefix, empty it."""
         if own.size:
-            self.res.device_allocator.free(own)
+            self.res.device_allocator.free_owned(own)
         for c, t in comp_own:
             if t.size:
                 c.device_allocator.free(t)

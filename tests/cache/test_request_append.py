@@ -287,3 +287,15 @@ def test_swa_decode_by_append_matches_extend(page, window):
             out.append((_state(cache), _counters(cache), cache.debug_view().digest()))
         results.append((out, finished))
     assert results[0] == results[1]
+
+
+def test_empty_page_ids_of_any_dtype_keep_the_page_table_int32():
+    cache, full, swa_be, swa = make_swa_cache(page_size=4, window=6)
+    req, _ = cache.begin_request(RadixKey([5]))
+    req.extend(RadixKey([5]), cache.alloc_device(1), {"swa": cache.alloc_component("swa", 1)})
+    req.append([6], np.zeros(0, np.float64), {"swa": np.zeros(0, np.float64)})
+    plain = CacheRequest(RadixKey([1]), 4, np.array([0], np.int32))
+    plain.append([2], np.zeros(0, np.float64))
+    for r in (req, plain):
+        assert r.device_pages.dtype == np.int32 and r.num_tokens == 2
+    assert req.component_pages["swa"].dtype == np.int32
