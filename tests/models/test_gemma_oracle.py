@@ -107,10 +107,12 @@ def ours_results(ours, oracle_started):
     cfg, params, tok = ours
     _, _, texts = oracle_started
     res = {"strings": [tok.encode(s) for s in STRINGS], "prompts": {}}
+    started = []  # each prompt's last hidden state, cache and length: its greedy decode starts there
     for name, text in texts.items():
         ids = tok.encode(text)
         n = len(ids)
-        h, _ = gm.prefill_padded(params, cfg, ids, gm.init_cache(cfg, 1, CACHE_LEN), BUCKET)
+        h, cache = gm.prefill_padded(params, cfg, ids, gm.init_cache(cfg, 1, CACHE_LEN), BUCKET)
+        started.append((h[n - 1], cache, n))
         h = jnp.pad(h, ((0, -n % ROWS), (0, 0)))  # whole row chunks: one compiled head
         top1, full = [], {}
         full_pos = sorted(set(range(0, n, FULL_EVERY)) | {n - 1})  # the oracle's rule
@@ -123,15 +125,7 @@ def ours_results(ours, oracle_started):
             "top1": np.concatenate(top1)[:n],
             "full_logits": np.stack([full[p] for p in full_pos]),
         }
-    greedy = gm.greedy_generate_many(
-        params,
-        cfg,
-        [res["prompts"][n]["ids"] for n in texts],
-        GREEDY_TOKENS,
-        suppress_ids=(cfg.eos_token_id,),
-        cache_len=CACHE_LEN,
-        bucket=BUCKET,
-    )
+    greedy = gm.greedy_continue_many(params, cfg, started, GREEDY_TOKENS, suppress_ids=(cfg.eos_token_id,))
     for name, g in zip(texts, greedy):
         res["prompts"][name]["greedy"] = g
     return res

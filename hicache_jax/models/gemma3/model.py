@@ -252,23 +252,52 @@ def greedy_generate_many(
     cache_len = cache_len or -(-longest // bucket) * bucket + max_new_tokens
     if longest + max_new_tokens > cache_len:
         raise ValueError(f"cache_len: {cache_len} positions cannot hold {longest} + {max_new_tokens} tokens")
+    started = []
+    for p in prompts:
+        h, cache = prefill_padded(params, cfg, p, init_cache(cfg, 1, cache_len, dtype), bucket)
+        started.append((h[-1], cache, len(p)))
+    return greedy_continue_many(params, cfg, started, max_new_tokens, suppress_ids=suppress_ids)
+
+
+def greedy_continue_many(
+    params: Params,
+    cfg: Gemma3Config,
+    started: list[tuple[jax.Array, KVCache, int]],
+    max_new_tokens: int,
+    *,
+    suppress_ids: tuple[int, ...] = (),
+) -> list[list[int]]:
+    """``greedy_generate_many`` after the prefill: ``started`` holds, per prompt, the final
+    hidden state of its last position, the one-row cache its prefill left (``prefill_padded``;
+    every row of the same length) and its length. A caller that already prefilled its prompts
+    (e.g. to read their logits) decodes them without computing them again. The caches are
+    consumed: the batched cache is built from them and donated to the decode steps."""
+    if not started:
+        raise ValueError("started: expected at least one prefilled prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    cache_len = started[0][1].k[0].shape[1]
+    for i, (_, cache, n) in enumerate(started):
+        if cache.k[0].shape[:2] != (1, cache_len):
+            raise ValueError(f"started[{i}]: expected a one-row cache of {cache_len} positions")
+        if not 0 < n or n + max_new_tokens > cache_len:
+            raise ValueError(f"started[{i}]: {n} tokens + {max_new_tokens} new do not fit {cache_len} positions")
     suppress = np.zeros(cfg.vocab_size, bool)
     suppress[list(suppress_ids)] = True
     suppress = jnp.asarray(suppress)
-    rows_k, rows_v, first = [], [], []
-    for p in prompts:
-        h, cache = prefill_padded(params, cfg, p, init_cache(cfg, 1, cache_len, dtype), bucket)
-        logits = jnp.where(suppress[None, :], -jnp.inf, lm_head_jit(params, h[-1:], cfg=cfg))
-        first.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        rows_k.append(cache.k)
-        rows_v.append(cache.v)
+    first = [
+        jnp.argmax(jnp.where(suppress[None, :], -jnp.inf, lm_head_jit(params, h[None], cfg=cfg)), axis=-1).astype(
+            jnp.int32
+        )
+        for h, _, _ in started
+    ]
     cache = KVCache(
-        tuple(jnp.concatenate([r[i] for r in rows_k]) for i in range(cfg.num_layers)),
-        tuple(jnp.concatenate([r[i] for r in rows_v]) for i in range(cfg.num_layers)),
+        tuple(jnp.concatenate([c.k[i] for _, c, _ in started]) for i in range(cfg.num_layers)),
+        tuple(jnp.concatenate([c.v[i] for _, c, _ in started]) for i in range(cfg.num_layers)),
     )
     tok = jnp.concatenate(first)
     out = [[int(t)] for t in np.asarray(tok)]
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths = np.array([n for _, _, n in started], np.int32)
     for n in range(1, max_new_tokens):
         tok, cache = _greedy_step(params, tok[:, None], jnp.asarray(lengths + n - 1), cache, suppress, cfg=cfg)
         for row, t in zip(out, np.asarray(tok)):
