@@ -135,11 +135,34 @@ class Gemma3Config:
 # reading the file
 
 
-def open_reader(path: Path):
-    import gguf
+def _reader_class():
+    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map.
 
+    The reader parses the header one small slice at a time (this file: ~790,000 slices, most of
+    them the 262,144 vocabulary strings); slicing an ``np.memmap`` runs the subclass's Python
+    ``__getitem__`` / ``__array_finalize__`` for each, half the parse (10.3 s -> 5.5 s on this
+    VM). The view reads the same mapped bytes (its base keeps the map open); tensors' ``data``
+    become plain ndarray views too. Same library, same parse: only the slicing is cheaper."""
+    global _READER
+    if _READER is None:
+        import gguf
+
+        class PlainViewReader(gguf.GGUFReader):
+            def _get(self, offset, dtype, count=1, override_order=None):
+                if type(self.data) is np.memmap:  # the first read: swap in the plain view
+                    self.data = self.data.view(np.ndarray)
+                return super()._get(offset, dtype, count, override_order)
+
+        _READER = PlainViewReader
+    return _READER
+
+
+_READER = None
+
+
+def open_reader(path: Path):
     try:
-        return gguf.GGUFReader(str(path), "r")
+        return _reader_class()(str(path), "r")
     except Exception as e:  # the reader raises ValueError, IndexError, struct/numpy errors...
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
