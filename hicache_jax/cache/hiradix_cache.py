@@ -26,6 +26,7 @@ module                 job
 ``copies_in_flight``   copies in flight: acknowledgement through ``agreement``, retries,
                        the failure latch
 ``request_helpers``    ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
+``call_gate``          the owner thread, the failure latch's refusal of calls, ``close``
 ``components``         the KV components (full, sidecars, stateful plug-ins) and their hooks
 ``debug_view``         a read-only view for invariant checks (``invariants``) and tests
 ``residency_watch``    observers of pages arriving on / leaving a tier (``add_watch``); off
@@ -93,7 +94,7 @@ Failed copies (``copies_in_flight``)
     A copy that fails is issued again up to ``config.transfer_retries`` times when
     acknowledged; then the cache stops: every call raises ``CacheFailedError`` until
     ``reset()``, which empties it (and forgets callers' locks: they must abandon their
-    requests). The refusal is installed when the latch closes (``_refuse_calls``), so the
+    requests). The refusal is installed when the latch closes (``call_gate``), so the
     public calls check nothing while it is open.
 
 Across processes (``agreement``, ``step_agreement``)
@@ -163,7 +164,6 @@ Sliding-window (SWA) requests (``components.swa``; generic over components with 
 
 from __future__ import annotations
 
-import threading
 from threading import get_ident
 from typing import Mapping, Sequence
 
@@ -174,6 +174,7 @@ from ..allocator import PageAllocator, check_page_ids
 from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
 from .backup import AgreedBackups, BackupIssuer
+from .call_gate import CallGate
 from .component_steps import ComponentSteps
 from .components import ComponentContext, ComponentRegistry, KVComponent
 from .config import EvictionPolicy, HiCacheConfig, WritePolicy
@@ -213,51 +214,6 @@ __all__ = [
 ]
 
 
-# The public calls a closed failure latch refuses (see ``_refuse_calls``).
-_REFUSED_AFTER_FAILURE = (
-    "match_prefix",
-    "peek_prefix",
-    "insert",
-    "insert_host",
-    "inc_lock_ref",
-    "dec_lock_ref",
-    "writing_check",
-    "loading_check",
-    "check_events",
-    "agree_step",
-    "flush",
-    "alloc_device",
-    "evict",
-    "evict_host",
-    "load_back",
-    "begin_request",
-    "cache_unfinished_req",
-    "cache_finished_req",
-    "alloc_component",
-    "reserve_component_host_pages",
-    "reserve_component_host_pages_agreed",
-    "slide_window",
-    "abort_request",
-)
-
-# The public calls a closed cache refuses (``close``): every one that serves or changes it.
-_REFUSED_WHEN_CLOSED = _REFUSED_AFTER_FAILURE + (
-    "reset",
-    "enable_retention",
-    "add_watch",
-    "remove_watch",
-    "backed_up_prefix",
-    "tree_match_tokens",
-    "pin_host",
-    "unpin_host",
-    "reserve_host_pages",
-    "reserve_host_pages_agreed",
-    "settle_host_pages",
-    "settle_component_host_pages",
-    "device_fit",
-)
-
-
 def _check_flag(name: str, value: object) -> bool:
     """A bool flag (``bool`` or ``numpy.bool_``); TypeError naming ``name`` otherwise (a flag
     is never taken by truthiness: ``chunked=None`` or ``block="no"`` is a caller's bug)."""
@@ -274,7 +230,7 @@ def _check_priority(priority: object) -> int:
     return int(priority)
 
 
-class HiRadixCache:
+class HiRadixCache(CallGate):
     """A radix tree over token pages whose KV lives on the device (L1) and the host (L2), with
     an optional L3 behind it (``hicache_jax.l3.StorageController``).
 
@@ -337,10 +293,7 @@ class HiRadixCache:
         if not isinstance(agreement, Agreement):
             raise TypeError(f"agreement: expected an Agreement, got {type(agreement).__name__}")
         self.config = config
-        # The owner thread (module docstring): None until the first checked call binds it.
-        self._owner: int | None = None
-        self._owner_name = ""
-        self._check_owner_thread = config.check_owner_thread
+        self._open_gate(config.check_owner_thread)  # the owner thread (module docstring), open
         self.build_info = build_info(engine)  # the build_info metric's labels
         self.page_size = p = config.page_size
         self.device_allocator = device_allocator
@@ -353,7 +306,6 @@ class HiRadixCache:
         )
         self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
         self._retention = None  # ``retention.enable_retention``
-        self._closed = False  # ``close``
         self._tree = tree = RadixTree(p, self, self._split_hook(res, stateful))
         res.adopt_root(tree.root)
         self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
@@ -411,97 +363,6 @@ class HiRadixCache:
             if self._own:
                 self._component_steps = ComponentSteps(tuple(self._own.values()))
                 steps.add(self._component_steps)
-
-    def _refuse_calls(self, failure: CacheFailedError) -> None:
-        """The failure latch closed: until ``reset``, every public call in
-        ``_REFUSED_AFTER_FAILURE`` raises ``failure`` before doing anything. The refusal is an
-        instance attribute shadowing the method, so an open latch costs the calls nothing."""
-        if self._closed:
-            return  # a closed cache refuses every call already, for good
-
-        def refuse(*_args, **_kwargs):
-            raise failure
-
-        for name in _REFUSED_AFTER_FAILURE:
-            setattr(self, name, refuse)
-
-    # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Close the cache for good: finish the copies in flight (``flush``; after a
-        ``CacheFailedError``, ``reset`` first: the failed copies' bytes are dropped), then
-        refuse every call that serves or changes the cache (``_REFUSED_WHEN_CLOSED``) with
-        ``CacheClosedError``, even if the flush raised. Read-only views (``stats``,
-        ``gauges``, ``sanity_check``, ``debug_view``, the properties) still answer.
-
-        Owner thread only (``OwnerThreadError`` from another, with nothing changed);
-        idempotent. An L3 controller attached to the cache must be closed first (it still
-        uses the cache while closing): ``CacheStack.close`` does both in that order."""
-        if self._closed:
-            return
-        if get_ident() != self._owner:
-            self._not_owner("close")
-        try:
-            if self._ledger.failure is not None:
-                self.reset()
-            self.flush()
-        finally:
-            self._closed = True
-
-            def refusal(name: str):
-                def refuse(*_args, **_kwargs):
-                    raise CacheClosedError(
-                        f"{name}: the cache is closed (close() or CacheStack.close() was "
-                        f"called); build a new cache to serve again"
-                    )
-
-                return refuse
-
-            for name in _REFUSED_WHEN_CLOSED:
-                setattr(self, name, refusal(name))
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` ran."""
-        return self._closed
-
-    # ------------------------------------------------------------------ owner thread
-    def _not_owner(self, call: str) -> None:
-        """A checked call from a thread that is not the owner's: the first call binds the
-        owner; with the check off the owner follows the caller; otherwise OwnerThreadError."""
-        tid = get_ident()
-        if self._owner is None or not self._check_owner_thread:
-            self._owner, self._owner_name = tid, threading.current_thread().name
-            return
-        raise OwnerThreadError(
-            f"{call}: called from thread {threading.current_thread().name!r} (id {tid}), but this cache belongs to "
-            f"thread {self._owner_name!r} (id {self._owner}): every call to a cache and its StorageController must "
-            f"come from one thread, the owner (the first thread that called it). Make the calls from the owner "
-            f"thread, hand the cache over with cache.release_owner() on the owner thread, or turn the check off "
-            f"with HiCacheConfig(check_owner_thread=False) if your engine serialises the calls itself"
-        )
-
-    def check_owner(self, call: str = "call") -> None:
-        """Raise ``OwnerThreadError`` naming ``call`` unless the current thread is the cache's
-        owner (binding the owner if none is yet). For a caller's own entry points that use the
-        cache, e.g. the L3 controller's; the cache's own calls check themselves."""
-        if get_ident() != self._owner:
-            self._not_owner(call)
-
-    def release_owner(self) -> None:
-        """On the owner thread: give up ownership; the next thread that calls becomes the
-        owner (a deliberate hand-over, e.g. to a new scheduler thread)."""
-        if get_ident() != self._owner:
-            self._not_owner("release_owner")
-        self._owner, self._owner_name = None, ""
-
-    @property
-    def owner_thread(self) -> int | None:
-        """The owner thread's id (``threading.get_ident()``), None until the first call."""
-        return self._owner
-
-    def _accept_calls(self) -> None:
-        for name in _REFUSED_AFTER_FAILURE:
-            self.__dict__.pop(name, None)
 
     def _split_hook(self, res: Residency, stateful: tuple):
         """What the tree calls on a split: residency, every stateful component, and the

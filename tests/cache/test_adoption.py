@@ -11,7 +11,7 @@ import pytest
 
 from cache_harness import KVOracle, make_cache, prefill_insert
 from hicache_jax.cache import DeviceFit, HiCacheConfig, OwnerThreadError, RadixKey
-from hicache_jax.cache.hiradix_cache import _REFUSED_AFTER_FAILURE
+from hicache_jax.cache.call_gate import REFUSED_AFTER_FAILURE
 
 
 def seq(start, n):
@@ -73,7 +73,7 @@ def test_every_call_that_changes_the_cache_is_checked_before_its_arguments(backe
         "abort_request": 1,
         "device_fit": 1,
     }
-    for name in [*_REFUSED_AFTER_FAILURE, "reset", "device_fit", "release_owner"]:
+    for name in [*REFUSED_AFTER_FAILURE, "reset", "device_fit", "release_owner"]:
         method = getattr(cache, name)
         err = on_thread(method, *([None] * n_args.get(name, 0)))  # bad arguments: the thread check comes first
         assert isinstance(err, OwnerThreadError), (name, err)

@@ -171,14 +171,14 @@ def test_close_from_a_thread_that_does_not_own_the_cache_changes_nothing(tmp_pat
 
 def test_after_close_the_raw_cache_refuses_to_serve_too(tmp_path):
     from hicache_jax.cache import CacheClosedError
-    from hicache_jax.cache.hiradix_cache import _REFUSED_WHEN_CLOSED
+    from hicache_jax.cache.call_gate import REFUSED_WHEN_CLOSED
 
     cache, be, ctl = build(tmp_path)
     with CacheStack(cache, ctl):
         prefill_insert(cache, KVOracle(be), KEY)
     assert cache.closed
     n_args = {"insert": 2, "insert_host": 3, "begin_request": 1, "match_prefix": 1, "alloc_device": 1}
-    for name in _REFUSED_WHEN_CLOSED:
+    for name in REFUSED_WHEN_CLOSED:
         with pytest.raises(CacheClosedError, match=f"{name}: the cache is closed"):
             getattr(cache, name)(*([KEY] * n_args.get(name, 0)))
     # read-only views still answer, and what was cached is intact
