@@ -35,6 +35,7 @@ module                 job
 ``event_source``       / cleared per tier, keyed by the L3's chained page keys
 ``retention``          soft retention (``enable_retention``, ``retain=`` hints): a bounded,
                        expiring LRU bonus per prefix within a per-namespace token budget
+``arguments``          the checks of the public calls' arguments
 ``results``, ``errors``  what the public calls return and raise; ``cache_request``: ``CacheRequest``
 =====================  =======================================================================
 
@@ -173,6 +174,15 @@ from .._checks import check_int
 from ..allocator import PageAllocator, check_page_ids
 from ..transfer import KVTransferEngine
 from .agreement import Agreement, SingleProcessAgreement
+from .arguments import (
+    check_component_pages,
+    check_external_pages,
+    check_flag,
+    check_host_attach,
+    check_priority,
+    check_retain,
+    own_component,
+)
 from .backup import AgreedBackups, BackupIssuer
 from .call_gate import CallGate
 from .component_steps import ComponentSteps
@@ -212,22 +222,6 @@ __all__ = [
     "MatchResult",
     "OwnerThreadError",
 ]
-
-
-def _check_flag(name: str, value: object) -> bool:
-    """A bool flag (``bool`` or ``numpy.bool_``); TypeError naming ``name`` otherwise (a flag
-    is never taken by truthiness: ``chunked=None`` or ``block="no"`` is a caller's bug)."""
-    if value is True or value is False:
-        return value
-    if isinstance(value, np.bool_):
-        return bool(value)
-    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-
-
-def _check_priority(priority: object) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-        raise TypeError(f"priority: expected an int, got {type(priority).__name__}")
-    return int(priority)
 
 
 class HiRadixCache(CallGate):
@@ -497,15 +491,6 @@ class HiRadixCache(CallGate):
         """The installed ``retention.Retention``, or None."""
         return self._retention
 
-    def _check_retain(self, retain: object):
-        from .retention import RetentionHint
-
-        if not isinstance(retain, RetentionHint):
-            raise TypeError(f"retain: expected a RetentionHint or None, got {type(retain).__name__}")
-        if self._retention is None:
-            raise ValueError("retain: retention is not enabled on this cache (retention.enable_retention)")
-        return retain
-
     def _retain_key(self, key, hint) -> None:
         """Apply ``hint`` to the nodes wholly inside ``key``'s cached whole pages."""
         n = len(key) - len(key) % self.page_size
@@ -570,60 +555,19 @@ class HiRadixCache(CallGate):
             self._not_owner("insert")
         key = as_radix_key(key)
         if retain is not None:
-            retain = self._check_retain(retain)
-        priority = _check_priority(priority)
-        chunked = _check_flag("chunked", chunked)
+            retain = check_retain(retain, self._retention)
+        priority = check_priority(priority)
+        chunked = check_flag("chunked", chunked)
         if device_pages is None:
             raise TypeError("device_pages: expected a sequence of device page ids, got None")
         pages = check_page_ids(device_pages, self.device_allocator.num_pages, "device_pages", unique=False)
         cp = None
         if component_pages is not None:
-            cp = self._check_component_pages(component_pages, pages.shape[0], "device")
+            cp = check_component_pages(self._own, component_pages, pages.shape[0], "device")
         result = self._inserter.insert(key, pages, chunked, priority=priority, comp_pages=cp)[0]  # a private copy
         if retain is not None and result.last_node is not self._tree.root:
             self._retention.retain(self._tree.root, result.last_node, retain)
         return result
-
-    def _own_component(self, name: object) -> KVComponent:
-        comp = self._own.get(name) if isinstance(name, str) else None
-        if comp is None:
-            raise ValueError(f"name: expected a component with its own page ids {sorted(self._own)}, got {name!r}")
-        return comp
-
-    def _check_component_pages(self, component_pages: object, n: int, tier: str) -> dict:
-        """Validated per-component ids (int32 copies, -1 = none), one per page of the call."""
-        if not isinstance(component_pages, Mapping):
-            raise TypeError(
-                f"component_pages: expected a mapping of component name -> page ids, got "
-                f"{type(component_pages).__name__}"
-            )
-        out = {}
-        for name, ids in component_pages.items():
-            comp = self._own.get(name) if isinstance(name, str) else None
-            if comp is None:
-                raise ValueError(
-                    f"component_pages: {name!r} is not a component with its own page ids {sorted(self._own)}"
-                )
-            what = f"component_pages[{name!r}]"
-            if ids is None:
-                raise TypeError(f"{what}: expected a sequence of page ids (-1: none), got None")
-            arr = np.array(ids, copy=True) if not isinstance(ids, np.ndarray) else ids.copy()
-            if arr.size == 0:
-                arr = np.zeros(0, np.int32)
-            if arr.dtype.kind not in "iu":
-                raise TypeError(f"{what}: expected integer page ids, got dtype {arr.dtype}")
-            if arr.ndim != 1:
-                raise ValueError(f"{what}: expected a 1-D sequence of page ids, got shape {arr.shape}")
-            if arr.shape[0] != n:
-                raise ValueError(f"{what}: expected {n} ids (one per page), got {arr.shape[0]}")
-            alloc = comp.device_allocator if tier == "device" else comp.host_allocator
-            if arr.size and (int(arr.min()) < -1 or int(arr.max()) >= alloc.num_pages):
-                raise ValueError(f"{what}: ids out of range [-1, {alloc.num_pages}) (-1: no page)")
-            arr = arr.astype(np.int32)
-            if tier == "host":
-                comp.check_host_pages(arr, what)
-            out[name] = arr
-        return out
 
     def insert_host(
         self, key: object, host_pages: object, start: int, component_pages: Mapping[str, object] | None = None
@@ -651,21 +595,13 @@ class HiRadixCache(CallGate):
         if get_ident() != self._owner:
             self._not_owner("insert_host")
         key = as_radix_key(key)
-        p = self.page_size
-        start = check_int("start", start, 0)
-        if host_pages is None:
-            raise TypeError("host_pages: expected a sequence of host page ids, got None")
-        ids = check_page_ids(host_pages, self.host_allocator.num_pages, "host_pages")
-        end = start + ids.shape[0] * p
-        if start % p or end > len(key):
-            raise ValueError(f"start: {start} must be a page multiple with start + pages <= {len(key)} tokens")
-        if ids.size:
-            bad = ids[self._res.host_owned[ids] | ~self.host_allocator.is_allocated(ids)]
-            if bad.size:
-                raise ValueError(f"host_pages: {bad[:8].tolist()} are free or owned by the tree")
+        start, ids = check_host_attach(
+            len(key), start, host_pages, self.page_size, self.host_allocator, self._res.host_owned
+        )
+        end = start + ids.shape[0] * self.page_size
         cp = None
         if component_pages is not None:
-            cp = self._check_component_pages(component_pages, ids.shape[0], "host")
+            cp = check_component_pages(self._own, component_pages, ids.shape[0], "host")
         new = end - self._tree.walk(key, end)[1]  # tokens the attach may add as new nodes
         attached, leaf = self._inserter.attach_host(key, ids, start, cp)
         # Their load-back counts as cached_tokens{storage}: every new node, also the upper
@@ -775,7 +711,7 @@ class HiRadixCache(CallGate):
         own page ids), evicting with that component's own host eviction if short."""
         if get_ident() != self._owner:
             self._not_owner("reserve_component_host_pages")
-        comp = self._own_component(name)
+        comp = own_component(self._own, name)
         return comp.alloc_host(check_int("num_pages", num_pages, 0))
 
     def reserve_host_pages_agreed(self, num_pages: int, min_pages: int) -> tuple[int, np.ndarray | None]:
@@ -801,7 +737,7 @@ class HiRadixCache(CallGate):
 
     def settle_host_pages(self, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
         """End a ``reserve_host_pages_agreed`` of ``num_pages`` pages (see there)."""
-        self._evictor.settle_host(check_int("num_pages", num_pages, 0), ids, _check_flag("keep", keep))
+        self._evictor.settle_host(check_int("num_pages", num_pages, 0), ids, check_flag("keep", keep))
 
     def reserve_component_host_pages_agreed(self, name: str, num_pages: int) -> np.ndarray | None:
         """Several ranks, from a ``StepAgreement`` participant's ``prepare``: the reserve of
@@ -818,14 +754,14 @@ class HiRadixCache(CallGate):
         is nobody to disagree with)."""
         if get_ident() != self._owner:
             self._not_owner("reserve_component_host_pages_agreed")
-        comp = self._own_component(name)
+        comp = own_component(self._own, name)
         return comp.reserve_host_agreed(check_int("num_pages", num_pages, 0))
 
     def settle_component_host_pages(self, name: str, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
         """End a ``reserve_component_host_pages_agreed`` of ``num_pages`` pages (see there)."""
-        comp = self._own_component(name)
+        comp = own_component(self._own, name)
         num_pages = check_int("num_pages", num_pages, 0)
-        keep = _check_flag("keep", keep)
+        keep = check_flag("keep", keep)
         if ids is not None:
             ids = np.asarray(ids)
             if ids.ndim != 1 or ids.shape[0] != num_pages:
@@ -838,7 +774,7 @@ class HiRadixCache(CallGate):
         With several ranks: one agreement step (see the module docstring)."""
         if get_ident() != self._owner:
             self._not_owner("writing_check")
-        block = _check_flag("block", block)
+        block = check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[0]
             self._step(writes=block)
@@ -854,7 +790,7 @@ class HiRadixCache(CallGate):
         With several ranks: one agreement step (see the module docstring)."""
         if get_ident() != self._owner:
             self._not_owner("loading_check")
-        block = _check_flag("block", block)
+        block = check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[1]
             self._step(loads=block)
@@ -889,7 +825,7 @@ class HiRadixCache(CallGate):
         process: ``check_events`` (``block``: ``flush``)."""
         if get_ident() != self._owner:
             self._not_owner("agree_step")
-        block = _check_flag("block", block)
+        block = check_flag("block", block)
         if self.agreed:
             self._step(block, block)
         elif block:
@@ -960,7 +896,7 @@ class HiRadixCache(CallGate):
         evicting nothing, for more pages than the component's pool has."""
         if get_ident() != self._owner:
             self._not_owner("alloc_component")
-        comp = self._own_component(name)
+        comp = own_component(self._own, name)
         return comp.alloc_device(check_int("num_pages", num_pages, 0))
 
     def evict(self, num_tokens: int) -> int:
@@ -1015,8 +951,8 @@ class HiRadixCache(CallGate):
         if mem_quota is not None:
             mem_quota = check_int("mem_quota", mem_quota, 0)
         if retain is not None:
-            retain = self._check_retain(retain)
-        req, lb = self._requests.begin(key, mem_quota, _check_flag("load_back", load_back), _check_priority(priority))
+            retain = check_retain(retain, self._retention)
+        req, lb = self._requests.begin(key, mem_quota, check_flag("load_back", load_back), check_priority(priority))
         if retain is not None:
             req.retain = retain
             if req.last_node is not None:
@@ -1031,7 +967,7 @@ class HiRadixCache(CallGate):
         """
         if get_ident() != self._owner:
             self._not_owner("cache_unfinished_req")
-        self._requests.unfinished(self._requests.check(req), _check_flag("chunked", chunked))
+        self._requests.unfinished(self._requests.check(req), check_flag("chunked", chunked))
         if req.retain is not None and self._retention is not None and req.last_node is not None:
             self._retention.retain(self._tree.root, req.last_node, req.retain)
 
@@ -1214,15 +1150,7 @@ class HiRadixCache(CallGate):
         if external_device_pages is not None:
             external_device_pages = check_int("external_device_pages", external_device_pages, 0)
         if external_pages is not None:
-            if not isinstance(external_pages, Mapping):
-                raise TypeError(
-                    f"external_pages: expected a mapping of component name -> pages, got "
-                    f"{type(external_pages).__name__}"
-                )
-            external_pages = {
-                self._own_component(k).name: check_int(f"external_pages[{k!r}]", v, 0)
-                for k, v in external_pages.items()
-            }
+            external_pages = check_external_pages(self._own, external_pages)
         errors = collect_violations(self.debug_view(), external_device_pages, external_pages)
         if errors:
             raise CacheInvariantError(f"{len(errors)} cache invariant violation(s):\n  " + "\n  ".join(errors))
