@@ -23,6 +23,7 @@ module                 job
 ``backup``             issuing a backup (chain, host pages, marking, ack at issue)
 ``load_back``          issuing a load-back (chain, device pages, locks)
 ``evictor``            eviction on both tiers, allocation with eviction
+``host_reservations``  host pages reserved for a caller (an L3 prefetch), one rank or several
 ``copies_in_flight``   copies in flight: acknowledgement through ``agreement``, retries,
                        the failure latch
 ``request_helpers``    ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
@@ -194,11 +195,12 @@ from .errors import CacheClosedError, CacheFailedError, CacheInvariantError, Own
 from .eviction_index import EvictionIndex
 from .eviction_policies import strategy_for
 from .evictor import Evictor
+from .host_reservations import HostReservations
 from .insert import Inserter
 from .load_back import LoadBackIssuer
 from .locks import CallerLocks, LockReceipt, PathLocks
 from .lookup import Lookup
-from .metrics import CacheMetrics, build_info, family_values
+from .metrics import CacheMetrics, build_info, cache_stats, occupancy
 from .radix_key import as_radix_key
 from .cache_request import CacheRequest
 from .request_helpers import RequestHelpers
@@ -311,6 +313,7 @@ class HiRadixCache(CallGate):
         self._evictor = evictor = Evictor(
             tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK, d.host_eviction_order
         )
+        self._reservations = HostReservations(evictor)
         self._backups = backups = BackupIssuer(res, locks, ledger, evictor, m, p, d.evict_whole)
         self._policy = policy = WritePolicyDriver(
             config.write_policy, config.write_through_threshold, tree, backups, ledger, m
@@ -700,73 +703,47 @@ class HiRadixCache(CallGate):
             raise TypeError(f"receipt: expected a pin_host receipt, got {type(receipt).__name__} {receipt!r}")
         self._locks.release(receipt)
 
+    # Host reservations (``host_reservations``: the protocol with several ranks is there).
     def reserve_host_pages(self, num_pages: int) -> np.ndarray | None:
         """``num_pages`` host pages for the caller (an L3 prefetch's destination), evicting
         host leaves if short; None when there is no room (the eviction done). The caller owns
         them until it hands them to ``insert_host`` or frees them."""
-        return self._evictor.alloc_host(check_int("num_pages", num_pages, 0))
+        return self._reservations.reserve(num_pages)
 
     def reserve_component_host_pages(self, name: str, num_pages: int) -> np.ndarray | None:
         """``reserve_host_pages`` from the host pool of the component ``name`` (one with its
         own page ids), evicting with that component's own host eviction if short."""
         if get_ident() != self._owner:
             self._not_owner("reserve_component_host_pages")
-        comp = own_component(self._own, name)
-        return comp.alloc_host(check_int("num_pages", num_pages, 0))
+        return self._reservations.reserve_component(own_component(self._own, name), num_pages)
 
     def reserve_host_pages_agreed(self, num_pages: int, min_pages: int) -> tuple[int, np.ndarray | None]:
         """Several ranks, from a ``StepAgreement`` participant's ``prepare``: the reserve of
-        reserve -> agree -> commit for ``num_pages`` host pages (an L3 prefetch's destination).
-
-        Evicts host leaves by the shortfall of the free count every rank shares, then takes
-        ``min(num_pages, free)`` pages if that is at least ``min_pages``. Returns ``(n, ids)``:
-        ``n`` the pages reserved as every rank counts them (0: too few fit, nothing held), and
-        this rank's ids, or None when its allocation failed. After the step's agreement, end it
-        on every rank with ``settle_host_pages(n, ids, keep)``: ``keep`` when every rank got
-        its pages (the caller owns them), else they are freed."""
-        num_pages = check_int("num_pages", num_pages, 0)
-        min_pages = check_int("min_pages", min_pages, 0)
-        ev = self._evictor
-        short = num_pages - ev.host_available
-        if short > 0:
-            ev.evict_host(short)
-        n = min(num_pages, ev.host_available)
-        if n < max(min_pages, 1):
-            return 0, None
-        return n, ev.reserve_host(n)
+        reserve -> agree -> commit for ``num_pages`` host pages (an L3 prefetch's destination),
+        at least ``min_pages``. Returns ``(n, ids)``: ``n`` the pages reserved as every rank
+        counts them (0: nothing held), and this rank's ids, or None when its allocation
+        failed. After the step's agreement, end it on every rank with
+        ``settle_host_pages(n, ids, keep)`` (``HostReservations.reserve_agreed``)."""
+        return self._reservations.reserve_agreed(num_pages, min_pages)
 
     def settle_host_pages(self, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
-        """End a ``reserve_host_pages_agreed`` of ``num_pages`` pages (see there)."""
-        self._evictor.settle_host(check_int("num_pages", num_pages, 0), ids, check_flag("keep", keep))
+        """End a ``reserve_host_pages_agreed`` of ``num_pages`` pages: ``keep`` when every rank
+        got its pages (the caller owns them), else they are freed."""
+        self._reservations.settle(num_pages, ids, keep)
 
     def reserve_component_host_pages_agreed(self, name: str, num_pages: int) -> np.ndarray | None:
-        """Several ranks, from a ``StepAgreement`` participant's ``prepare``: the reserve of
-        reserve -> agree -> commit for ``num_pages`` host pages of the component ``name`` (one
-        with its own page ids, e.g. an L3 prefetch's SWA window, all or nothing).
-
-        Evicts that component's host pages by the shortfall of the free count every rank
-        shares (this step's failed reservations counted as taken), then allocates. Returns
-        this rank's ids, or None: its allocation failed, or the shared free count is short
-        on every rank. Report ``ids is not None``; after the step's agreement end it on every
-        rank with ``settle_component_host_pages(name, num_pages, ids, keep)``, ``keep`` when
-        every rank got its pages (the caller owns them then, e.g. for ``insert_host``'s
-        ``component_pages``), else they are freed. One process: the same calls work (there
-        is nobody to disagree with)."""
+        """``reserve_host_pages_agreed`` for ``num_pages`` host pages of the component ``name``
+        (one with its own page ids, e.g. an L3 prefetch's SWA window), all or nothing. Returns
+        this rank's ids or None; report ``ids is not None``, then end it on every rank with
+        ``settle_component_host_pages(name, num_pages, ids, keep)``
+        (``HostReservations.reserve_component_agreed``)."""
         if get_ident() != self._owner:
             self._not_owner("reserve_component_host_pages_agreed")
-        comp = own_component(self._own, name)
-        return comp.reserve_host_agreed(check_int("num_pages", num_pages, 0))
+        return self._reservations.reserve_component_agreed(own_component(self._own, name), num_pages)
 
     def settle_component_host_pages(self, name: str, num_pages: int, ids: np.ndarray | None, keep: bool) -> None:
         """End a ``reserve_component_host_pages_agreed`` of ``num_pages`` pages (see there)."""
-        comp = own_component(self._own, name)
-        num_pages = check_int("num_pages", num_pages, 0)
-        keep = check_flag("keep", keep)
-        if ids is not None:
-            ids = np.asarray(ids)
-            if ids.ndim != 1 or ids.shape[0] != num_pages:
-                raise ValueError(f"ids: expected the {num_pages} ids the reservation returned, got shape {ids.shape}")
-        comp.settle_host_agreed(num_pages, ids, keep)
+        self._reservations.settle_component(own_component(self._own, name), num_pages, ids, keep)
 
     # ------------------------------------------------------------------ transfers
     def writing_check(self, block: bool = False) -> int:
@@ -1083,57 +1060,19 @@ class HiRadixCache(CallGate):
                 self._poll_events()
             except CacheFailedError:
                 pass  # latched: the owner's next call raises it
-        res = self._res
-        p = self.page_size
-        writes, loads = self._ledger.in_flight
-        dev_pages, host_pages = self.device_allocator.num_pages, self.host_allocator.num_pages
-        pools = {}
-        for name, comp in self.components.components.items():
-            bpp = comp.engine.geom.bytes_per_page
-            if comp.own_page_ids:  # its own pools (e.g. a sliding window's, smaller)
-                pools[("device", name)] = comp.device_allocator.num_pages * bpp
-                pools[("host", name)] = comp.host_allocator.num_pages * bpp
-            else:
-                pools[("device", name)] = dev_pages * bpp
-                pools[("host", name)] = host_pages * bpp
-        return {
-            "device_capacity_tokens": dev_pages * p,
-            "device_free_tokens": self.device_allocator.available * p,
-            "device_used_tokens": res.evictable_tokens + res.protected_tokens,
-            "device_evictable_tokens": res.evictable_tokens,
-            "device_protected_tokens": res.protected_tokens,
-            "host_capacity_tokens": host_pages * p,
-            "host_free_tokens": self.host_allocator.available * p,
-            "host_used_tokens": res.host_tokens,
-            "pool_capacity_bytes": pools,
-            "backups_in_flight": writes,
-            "load_backs_in_flight": loads,
-        }
+        return occupancy(self)
 
     def stats(self) -> dict:
         """The configuration and every metric family (``metrics.FAMILIES``: the names the
         Prometheus export and the README use), L3's included while a storage controller is
         attached. A few pre-issue-20 keys remain as aliases (``device_tree_tokens``,
         ``host_tree_tokens``, ``hit_rate``)."""
-        out = {
-            "write_policy": self.write_policy.value,
-            "eviction_policy": self.config.eviction_policy.value,
-            "page_size": self.page_size,
-            "nodes": len(self.all_nodes()) - 1,
-        }
-        out.update(family_values(self))
-        out["device_tree_tokens"] = out["device_used_tokens"]
-        out["host_tree_tokens"] = out["host_used_tokens"]
-        out["hit_rate"] = out["cache_hit_rate"]
-        if self._stateful:
-            out["components"] = {c.name: c.stats() for c in self._stateful}
-        if self._retention is not None:
-            out["retention"] = self._retention.stats()
+        agreement = None
         if self.agreed:  # several ranks: the per-step agreement's exchanges and time
-            out["agreement"] = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
+            agreement = {**self._steps.stats(), "rolled_back_backups": self._agreed_backups.rolled_back}
             if self._component_steps is not None:
-                out["agreement"]["agreed_slides"] = self._component_steps.slides
-        return out
+                agreement["agreed_slides"] = self._component_steps.slides
+        return cache_stats(self, agreement)
 
     def sanity_check(
         self, external_device_pages: int | None = None, external_pages: Mapping[str, int] | None = None

@@ -588,6 +588,65 @@ def family_values(cache: "MetricsSource") -> dict[str, Any]:
     return out
 
 
+def occupancy(cache: Any) -> dict[str, Any]:
+    """``HiRadixCache.gauges()``'s values, read through the cache's public attributes only
+    (token counters, allocators, copies in flight, components): capacity / free / used per
+    tier, KV bytes per (tier, pool), copies in flight. No tree walk, no change: any thread may
+    call it (a scrape's values are as fresh as the owner's last poll)."""
+    p = cache.page_size
+    writes, loads = cache.in_flight
+    dev, host = cache.device_allocator, cache.host_allocator
+    dev_pages, host_pages = dev.num_pages, host.num_pages
+    evictable, protected = cache.evictable_tokens, cache.protected_tokens
+    pools = {}
+    for name, comp in cache.components.components.items():
+        bpp = comp.engine.geom.bytes_per_page
+        if comp.own_page_ids:  # its own pools (e.g. a sliding window's, smaller)
+            pools[("device", name)] = comp.device_allocator.num_pages * bpp
+            pools[("host", name)] = comp.host_allocator.num_pages * bpp
+        else:
+            pools[("device", name)] = dev_pages * bpp
+            pools[("host", name)] = host_pages * bpp
+    return {
+        "device_capacity_tokens": dev_pages * p,
+        "device_free_tokens": dev.available * p,
+        "device_used_tokens": evictable + protected,
+        "device_evictable_tokens": evictable,
+        "device_protected_tokens": protected,
+        "host_capacity_tokens": host_pages * p,
+        "host_free_tokens": host.available * p,
+        "host_used_tokens": cache.host_tokens,
+        "pool_capacity_bytes": pools,
+        "backups_in_flight": writes,
+        "load_backs_in_flight": loads,
+    }
+
+
+def cache_stats(cache: Any, agreement: dict | None) -> dict[str, Any]:
+    """``HiRadixCache.stats()``: the configuration and every family (``family_values``), the
+    pre-issue-20 aliases, the stateful components' and retention's own stats, and with
+    several ranks ``agreement`` (the step agreement's exchanges and the cache's agreed
+    counts). Public attributes of the cache only; read-only, any thread."""
+    out = {
+        "write_policy": cache.write_policy.value,
+        "eviction_policy": cache.config.eviction_policy.value,
+        "page_size": cache.page_size,
+        "nodes": len(cache.all_nodes()) - 1,
+    }
+    out.update(family_values(cache))
+    out["device_tree_tokens"] = out["device_used_tokens"]
+    out["host_tree_tokens"] = out["host_used_tokens"]
+    out["hit_rate"] = out["cache_hit_rate"]
+    stateful = cache.components.stateful
+    if stateful:
+        out["components"] = {c.name: c.stats() for c in stateful}
+    if cache.retention is not None:
+        out["retention"] = cache.retention.stats()
+    if agreement is not None:
+        out["agreement"] = agreement
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Prometheus
 class _Collector:
