@@ -46,6 +46,22 @@ def check_retain(retain: object, retention) -> object:
     return retain
 
 
+def check_retention_config(config: object, eviction_policy: object, enabled: bool, agreed: bool) -> None:
+    """``enable_retention``'s ``config``: a ``retention.RetentionConfig``, for a cache that
+    evicts by LRU, has no retention yet and runs on one rank."""
+    from .config import EvictionPolicy
+    from .retention import RetentionConfig
+
+    if not isinstance(config, RetentionConfig):
+        raise TypeError(f"config: expected a RetentionConfig, got {type(config).__name__}")
+    if EvictionPolicy.parse(eviction_policy) != EvictionPolicy.LRU:
+        raise ValueError(f"config: retention orders by LRU; the cache's eviction_policy is {eviction_policy!r}")
+    if enabled:
+        raise ValueError("config: retention is already enabled on this cache")
+    if agreed:  # expiry reads a per-process clock: ranks' trees would diverge
+        raise ValueError("config: retention is not supported with a collective agreement (several ranks) yet")
+
+
 def own_component(own: Mapping[str, KVComponent], name: object) -> KVComponent:
     """The component ``name`` among ``own`` (the components with their own page ids)."""
     comp = own.get(name) if isinstance(name, str) else None

@@ -97,6 +97,27 @@ class TransferLedger:
     def ack_loads(self, block: bool) -> int:
         return self._ack(self.loads, block)
 
+    def poll(self) -> None:
+        """One process: acknowledge finished copies without blocking, poll the L3 hook."""
+        if self.writes:
+            self.ack_writes(False)
+        if self.storage_hook is not None:
+            self.storage_hook.poll()
+        if self.loads:
+            self.ack_loads(False)
+
+    def step(self, writes: bool = False, loads: bool = False) -> None:
+        """Several ranks: one agreement step of ``steps``; ``writes`` / ``loads``: wait for
+        this rank's copies of that queue first (a blocking acknowledgement). Raises the
+        failure latched (on every rank) at this step."""
+        self.block_writes, self.block_loads = writes, loads
+        try:
+            self.steps.step()
+        finally:
+            self.block_writes = self.block_loads = False
+        if self.failure is not None:  # latched on every rank at this step
+            raise self.failure
+
     def _ack(self, queue: deque, block: bool) -> int:
         if block:
             n = len(queue)

@@ -182,13 +182,14 @@ from .arguments import (
     check_host_attach,
     check_priority,
     check_retain,
+    check_retention_config,
     own_component,
 )
 from .backup import AgreedBackups, BackupIssuer
 from .call_gate import CallGate
 from .component_steps import ComponentSteps
 from .components import ComponentContext, ComponentRegistry, KVComponent
-from .config import EvictionPolicy, HiCacheConfig, WritePolicy
+from .config import HiCacheConfig, WritePolicy
 from .debug_view import CacheDebugView
 from .decisions import resolve
 from .errors import CacheClosedError, CacheFailedError, CacheInvariantError, OwnerThreadError
@@ -359,6 +360,7 @@ class HiRadixCache(CallGate):
             steps.add(ledger)
             if self._own:
                 self._component_steps = ComponentSteps(tuple(self._own.values()))
+                self._requests.component_steps = self._component_steps
                 steps.add(self._component_steps)
 
     def _split_hook(self, res: Residency, stateful: tuple):
@@ -473,18 +475,9 @@ class HiRadixCache(CallGate):
         accepted. Returns the ``retention.Retention`` (its ``stats()``)."""
         if get_ident() != self._owner:
             self._not_owner("enable_retention")
-        from .retention import RetentionConfig, install
+        from .retention import install
 
-        if not isinstance(config, RetentionConfig):
-            raise TypeError(f"config: expected a RetentionConfig, got {type(config).__name__}")
-        if EvictionPolicy.parse(self.config.eviction_policy) != EvictionPolicy.LRU:
-            raise ValueError(
-                f"config: retention orders by LRU; the cache's eviction_policy is {self.config.eviction_policy!r}"
-            )
-        if self._retention is not None:
-            raise ValueError("config: retention is already enabled on this cache")
-        if self.agreed:  # expiry reads a per-process clock: ranks' trees would diverge
-            raise ValueError("config: retention is not supported with a collective agreement (several ranks) yet")
+        check_retention_config(config, self.config.eviction_policy, self._retention is not None, self.agreed)
         self._retention = self._requests.retention = ret = install(self._res, config)
         self.add_watch(ret)
         return ret
@@ -493,15 +486,6 @@ class HiRadixCache(CallGate):
     def retention(self):
         """The installed ``retention.Retention``, or None."""
         return self._retention
-
-    def _retain_key(self, key, hint) -> None:
-        """Apply ``hint`` to the nodes wholly inside ``key``'s cached whole pages."""
-        n = len(key) - len(key) % self.page_size
-        segs, _matched = self._tree.walk(key, n)
-        while segs and segs[-1][1] < segs[-1][0].size:
-            segs.pop()  # the walk ends inside this node: it holds more than the key
-        if segs:
-            self._retention.retain(self._tree.root, segs[-1][0], hint)
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: object) -> MatchResult:
@@ -607,13 +591,7 @@ class HiRadixCache(CallGate):
             cp = check_component_pages(self._own, component_pages, ids.shape[0], "host")
         new = end - self._tree.walk(key, end)[1]  # tokens the attach may add as new nodes
         attached, leaf = self._inserter.attach_host(key, ids, start, cp)
-        # Their load-back counts as cached_tokens{storage}: every new node, also the upper
-        # part of one a component split while placing its pages (a window's start).
-        node = leaf
-        while node is not None and new > 0 and node.value is None:
-            self._load_backs.from_storage(node)
-            new -= node.size
-            node = node.parent
+        self._load_backs.attached_from_storage(leaf, new)  # their load-back: cached_tokens{storage}
         return attached, leaf
 
     # ------------------------------------------------------------------ locks
@@ -665,19 +643,7 @@ class HiRadixCache(CallGate):
         change alike at agreed points. The device-only nodes may get backed up by the ranks'
         agreement before the read ends; ``insert_host`` then frees their pages (each node gets
         one host copy: the backup's, or the read's)."""
-        key = as_radix_key(key)
-        n = len(key) - len(key) % self.page_size
-        segs, matched = self._tree.walk(key, n)
-        if not segs:
-            return self._tree.root, 0, 0
-        if matched < n and segs[-1][0].host_value is None and self._device_only_host_copies:
-            # Backed-up nodes form a prefix of the path: the last one before the first that is not.
-            k = next(i for i, (node, _m, _off) in enumerate(segs) if node.host_value is None)
-            if k == 0:
-                return self._tree.root, 0, 0
-            node, m, off = segs[k - 1]
-            return node, off + m, m
-        return segs[-1][0], matched, segs[-1][1]
+        return self._lookup.backed_up(as_radix_key(key), self._device_only_host_copies)
 
     def tree_match_tokens(self, key: object) -> int:
         """Read-only walk: how many tokens of ``key``'s whole pages the tree holds on any tier
@@ -754,7 +720,7 @@ class HiRadixCache(CallGate):
         block = check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[0]
-            self._step(writes=block)
+            self._ledger.step(writes=block)
             return before - self._ledger.in_flight[0]
         n = self._ledger.ack_writes(block)
         hook = self._ledger.storage_hook
@@ -770,7 +736,7 @@ class HiRadixCache(CallGate):
         block = check_flag("block", block)
         if self.agreed:
             before = self._ledger.in_flight[1]
-            self._step(loads=block)
+            self._ledger.step(loads=block)
             return before - self._ledger.in_flight[1]
         return self._ledger.ack_loads(block)
 
@@ -780,21 +746,11 @@ class HiRadixCache(CallGate):
         if get_ident() != self._owner:
             self._not_owner("check_events")
         if self.agreed:
-            self._step()
+            self._ledger.step()
         else:
-            self._poll_events()
+            self._ledger.poll()
         if self._res.watch is not None:
             self._res.watch.step()
-
-    def _poll_events(self) -> None:
-        """One process: acknowledge finished copies without blocking, poll the L3 hook."""
-        ledger = self._ledger
-        if ledger.writes:
-            ledger.ack_writes(False)
-        if ledger.storage_hook is not None:
-            ledger.storage_hook.poll()
-        if ledger.loads:
-            ledger.ack_loads(False)
 
     def agree_step(self, block: bool = False) -> None:
         """Several ranks: one agreement step now (a caller's blocking wait runs these in a loop
@@ -804,23 +760,11 @@ class HiRadixCache(CallGate):
             self._not_owner("agree_step")
         block = check_flag("block", block)
         if self.agreed:
-            self._step(block, block)
+            self._ledger.step(block, block)
         elif block:
             self.flush()
         else:
             self.check_events()
-
-    def _step(self, writes: bool = False, loads: bool = False) -> None:
-        """One agreement step; ``writes`` / ``loads``: wait for this rank's copies of that
-        queue first (a blocking acknowledgement)."""
-        ledger = self._ledger
-        ledger.block_writes, ledger.block_loads = writes, loads
-        try:
-            self._steps.step()
-        finally:
-            ledger.block_writes = ledger.block_loads = False
-        if ledger.failure is not None:  # latched on every rank at this step
-            raise ledger.failure
 
     def flush(self) -> None:
         """Block until every transfer in flight is acknowledged (with several ranks: and every
@@ -832,7 +776,7 @@ class HiRadixCache(CallGate):
             ledger, backups, slides = self._ledger, self._agreed_backups, self._component_steps
             # agreed state: the same on every rank, so every rank runs the same steps
             while ledger.writes or ledger.loads or not backups.idle or (slides is not None and not slides.idle):
-                self._step(True, True)
+                self._ledger.step(True, True)
             return
         self.writing_check(block=True)
         self.loading_check(block=True)
@@ -929,12 +873,9 @@ class HiRadixCache(CallGate):
             mem_quota = check_int("mem_quota", mem_quota, 0)
         if retain is not None:
             retain = check_retain(retain, self._retention)
-        req, lb = self._requests.begin(key, mem_quota, check_flag("load_back", load_back), check_priority(priority))
-        if retain is not None:
-            req.retain = retain
-            if req.last_node is not None:
-                self._retention.retain(self._tree.root, req.last_node, retain)
-        return req, lb
+        return self._requests.begin(
+            key, mem_quota, check_flag("load_back", load_back), check_priority(priority), retain
+        )
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Insert the request's whole pages so far and re-point it at the tree's pages.
@@ -945,20 +886,12 @@ class HiRadixCache(CallGate):
         if get_ident() != self._owner:
             self._not_owner("cache_unfinished_req")
         self._requests.unfinished(self._requests.check(req), check_flag("chunked", chunked))
-        if req.retain is not None and self._retention is not None and req.last_node is not None:
-            self._retention.retain(self._tree.root, req.last_node, req.retain)
 
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the finished request's whole pages, free its partial tail page, unlock it."""
         if get_ident() != self._owner:
             self._not_owner("cache_finished_req")
-        req = self._requests.check(req)
-        key = req.key  # the request is emptied
-        self._requests.finished(req)
-        if self._component_steps is not None:
-            self._component_steps.forget(req)
-        if req.retain is not None and self._retention is not None:
-            self._retain_key(key, req.retain)
+        self._requests.finished(self._requests.check(req))
 
     def abort_request(self, req: CacheRequest) -> None:
         """Give up on a request (client disconnected, cancelled, failed): free the pages it
@@ -971,17 +904,7 @@ class HiRadixCache(CallGate):
         raise ValueError with nothing changed."""
         if get_ident() != self._owner:
             self._not_owner("abort_request")
-        if (
-            isinstance(req, CacheRequest)
-            and req.last_node is None
-            and not req.device_pages.size
-            and req.owner in (None, self._requests)
-        ):
-            req.released = True  # holds nothing (aborted or finished already, or begun on no match)
-            return
-        self._requests.abort(self._requests.check(req, partial=True))
-        if self._component_steps is not None:
-            self._component_steps.forget(req)
+        self._requests.abort(req)
 
     def slide_window(self, req: CacheRequest, written: int | None = None) -> None:
         """After a forward pass wrote the KV of all of ``req.key``'s tokens: components with
@@ -998,14 +921,7 @@ class HiRadixCache(CallGate):
         if get_ident() != self._owner:
             self._not_owner("slide_window")
         req = self._requests.check(req)
-        n = req.num_tokens  # (the key itself is not built: a decode step's ``append`` stays O(1))
-        if written is not None:
-            n = min(check_int("written", written, 0), n)
-        if self._component_steps is not None:
-            self._component_steps.note(req, n)
-            return
-        for comp in self._requests.own:
-            comp.slide_request(req, None if written is None else n)
+        self._requests.slide(req, None if written is None else check_int("written", written, 0))
 
     # ------------------------------------------------------------------ reset / stats / checks
     def reset(self) -> None:
@@ -1057,7 +973,7 @@ class HiRadixCache(CallGate):
         in flight until the owner's next ``check_events``."""
         if get_ident() == self._owner and not self.agreed and self._ledger.failure is None:
             try:
-                self._poll_events()
+                self._ledger.poll()
             except CacheFailedError:
                 pass  # latched: the owner's next call raises it
         return occupancy(self)
@@ -1084,12 +1000,10 @@ class HiRadixCache(CallGate):
         ``external_pages``: the same per component with its own page ids (name -> its device
         pages the caller holds), for that component's pool identity.
         """
-        from .invariants import collect_violations
+        from .invariants import raise_violations
 
         if external_device_pages is not None:
             external_device_pages = check_int("external_device_pages", external_device_pages, 0)
         if external_pages is not None:
             external_pages = check_external_pages(self._own, external_pages)
-        errors = collect_violations(self.debug_view(), external_device_pages, external_pages)
-        if errors:
-            raise CacheInvariantError(f"{len(errors)} cache invariant violation(s):\n  " + "\n  ".join(errors))
+        raise_violations(self.debug_view(), external_device_pages, external_pages)

@@ -13,10 +13,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import CacheInvariantError
 from .radix_key import page_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from .debug_view import CacheDebugView
+
+
+def raise_violations(
+    view: "CacheDebugView", external_device_pages: int | None = None, external_pages: dict | None = None
+) -> None:
+    """``HiRadixCache.sanity_check``: ``CacheInvariantError`` listing every violation, if any."""
+    found = collect_violations(view, external_device_pages, external_pages)
+    if found:
+        raise CacheInvariantError(f"{len(found)} cache invariant violation(s):\n  " + "\n  ".join(found))
 
 
 def collect_violations(

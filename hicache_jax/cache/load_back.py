@@ -77,6 +77,16 @@ class LoadBackIssuer:
             origin.difference_update([n for n in origin if n.deleted or n.value is not None])
             self._prune_at = max(1024, 2 * len(origin))
 
+    def attached_from_storage(self, leaf: TreeNode | None, new: int) -> None:
+        """``insert_host`` attached ``new`` tokens of new nodes ending at ``leaf``: their
+        load-back counts as cached_tokens{storage}: every new node, also the upper part of one
+        a component split while placing its pages (a window's start)."""
+        node = leaf
+        while node is not None and new > 0 and node.value is None:
+            self.from_storage(node)
+            new -= node.size
+            node = node.parent
+
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         """The tree split ``lower`` (which keeps its identity) under a new ``upper``."""
         origin = self.storage_origin

@@ -32,6 +32,24 @@ class Lookup:
         self.stamp_split_remainder = stamp_split_remainder
         self.hooked: tuple = ()  # components with their own residency (``components``)
 
+    def backed_up(self, key: RadixKey, device_only_host_copies: bool) -> tuple:
+        """``backed_up_prefix`` (read-only): ``(node, tokens, tokens of that node inside the
+        match)`` of ``key``'s whole pages, ending at the deepest backed-up node of the match
+        where it ends before the key on device-only nodes and ``device_only_host_copies``
+        (those nodes take their host copies from the L3 read then)."""
+        n = len(key) - len(key) % self.page_size
+        segs, matched = self.tree.walk(key, n)
+        if not segs:
+            return self.tree.root, 0, 0
+        if matched < n and segs[-1][0].host_value is None and device_only_host_copies:
+            # Backed-up nodes form a prefix of the path: the last one before the first that is not.
+            k = next(i for i, (node, _m, _off) in enumerate(segs) if node.host_value is None)
+            if k == 0:
+                return self.tree.root, 0, 0
+            node, m, off = segs[k - 1]
+            return node, off + m, m
+        return segs[-1][0], matched, segs[-1][1]
+
     def match(self, key: RadixKey) -> MatchResult:
         tokens = key.token_ids
         n = tokens.shape[0] - tokens.shape[0] % self.page_size

@@ -67,10 +67,15 @@ class RequestHelpers:
         self.metrics = metrics
         self.own: tuple = ()  # stateful components with their own page ids (the facade sets them)
         self.retention = None  # the cache's ``retention.Retention`` once enabled (the facade sets it)
+        # Several ranks with own-id components: the agreed window slides (``component_steps``;
+        # the facade sets it), which forget a request that finishes or is aborted.
+        self.component_steps = None
 
     def begin(
-        self, key: RadixKey, mem_quota: int | None, load_back: bool, priority: int
+        self, key: RadixKey, mem_quota: int | None, load_back: bool, priority: int, retain: object = None
     ) -> tuple[CacheRequest, LoadBackResult | None]:
+        """``begin_request`` (validated): match, load back, lock; ``retain`` (a checked
+        ``RetentionHint`` or None) is kept in the request and applied to the matched prefix."""
         res = self.match(key)
         pages, last = res.device_indices, res.last_device_node
         lb = None
@@ -101,6 +106,10 @@ class RequestHelpers:
         req.owner = self
         if self.own:
             req.component_pages = {c.name: c.request_pages(last, pages.shape[0]) for c in self.own}
+        if retain is not None:
+            req.retain = retain
+            if req.last_node is not None:
+                self.retention.retain(root, req.last_node, retain)
         return req, lb
 
     def check(self, req: object, partial: bool = False) -> CacheRequest:
@@ -260,8 +269,11 @@ class RequestHelpers:
         req.cached_pages = aligned
         if self.own:
             self._reread_component_pages(req, node, aligned)
+        if req.retain is not None and self.retention is not None and req.last_node is not None:
+            self.retention.retain(root, req.last_node, req.retain)
 
     def finished(self, req: CacheRequest) -> None:
+        key = req.key  # the request is emptied
         p = self.page_size
         aligned = req.key.token_ids.shape[0] // p
         tail = req.device_pages[aligned:]  # the partial last page, if any (``check``: one page per started page)
@@ -283,6 +295,19 @@ class RequestHelpers:
                 comp_tails.append((c, t))
         self._insert(req, False)
         self._release(req, tail, comp_tails)
+        if self.component_steps is not None:
+            self.component_steps.forget(req)
+        if req.retain is not None and self.retention is not None:
+            self._retain_key(key, req.retain)
+
+    def _retain_key(self, key: RadixKey, hint) -> None:
+        """Apply ``hint`` to the nodes wholly inside ``key``'s cached whole pages."""
+        n = len(key) - len(key) % self.page_size
+        segs, _matched = self.tree.walk(key, n)
+        while segs and segs[-1][1] < segs[-1][0].size:
+            segs.pop()  # the walk ends inside this node: it holds more than the key
+        if segs:
+            self.retention.retain(self.tree.root, segs[-1][0], hint)
 
     def _release(self, req: CacheRequest, own: np.ndarray, comp_own: list) -> None:
         """Free the request's own pages (checked by the caller: in range, allocated, not the
@@ -301,7 +326,35 @@ class RequestHelpers:
         if req.component_pages is not None:
             req.component_pages = {name: EMPTY_IDS.copy() for name in req.component_pages}
 
-    def abort(self, req: CacheRequest) -> None:
+    def abort(self, req: object) -> None:
+        """``abort_request``: a request that holds nothing (aborted or finished already, or
+        begun on no match) is only marked released; otherwise checked, then aborted."""
+        if (
+            isinstance(req, CacheRequest)
+            and req.last_node is None
+            and not req.device_pages.size
+            and req.owner in (None, self)
+        ):
+            req.released = True
+            return
+        self._abort(self.check(req, partial=True))
+        if self.component_steps is not None:
+            self.component_steps.forget(req)
+
+    def slide(self, req: CacheRequest, written: int | None) -> None:
+        """``slide_window`` (validated): slide every own-id component's window of ``req`` to
+        ``written`` tokens (None: all of them); with several ranks, only note the length (the
+        next step slides every rank to the MIN, ``component_steps``)."""
+        n = req.num_tokens  # (the key itself is not built: a decode step's ``append`` stays O(1))
+        if written is not None:
+            n = min(written, n)
+        if self.component_steps is not None:
+            self.component_steps.note(req, n)
+            return
+        for comp in self.own:
+            comp.slide_request(req, None if written is None else n)
+
+    def _abort(self, req: CacheRequest) -> None:
         res = self.res
         own = req.device_pages[req.cached_pages :]
         if own.size:
