@@ -28,6 +28,8 @@ module                 job
                        the failure latch
 ``request_helpers``    ``begin_request`` / ``cache_unfinished_req`` / ``cache_finished_req``
 ``call_gate``          the owner thread, the failure latch's refusal of calls, ``close``
+``assembly``           the parts above, built and wired together (``__init__``), emptied
+                       together (``reset``)
 ``components``         the KV components (full, sidecars, stateful plug-ins) and their hooks
 ``debug_view``         a read-only view for invariant checks (``invariants``) and tests
 ``residency_watch``    observers of pages arriving on / leaving a tier (``add_watch``); off
@@ -185,34 +187,21 @@ from .arguments import (
     check_retention_config,
     own_component,
 )
-from .backup import AgreedBackups, BackupIssuer
+from .assembly import assemble
 from .call_gate import CallGate
-from .component_steps import ComponentSteps
-from .components import ComponentContext, ComponentRegistry, KVComponent
-from .config import HiCacheConfig, WritePolicy
+from .components import ComponentRegistry, KVComponent
+from .config import HiCacheConfig
 from .debug_view import CacheDebugView
-from .decisions import resolve
 from .errors import CacheClosedError, CacheFailedError, CacheInvariantError, OwnerThreadError
 from .eviction_index import EvictionIndex
-from .eviction_policies import strategy_for
-from .evictor import Evictor
-from .host_reservations import HostReservations
-from .insert import Inserter
-from .load_back import LoadBackIssuer
-from .locks import CallerLocks, LockReceipt, PathLocks
-from .lookup import Lookup
+from .locks import LockReceipt
 from .metrics import CacheMetrics, build_info, cache_stats, occupancy
 from .radix_key import as_radix_key
 from .cache_request import CacheRequest
-from .request_helpers import RequestHelpers
-from .residency import Residency
 from .residency_watch import ResidencyWatch, combine
 from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
-from .copies_in_flight import TransferLedger
-from .tree import RadixTree
 from .tree_node import TreeNode
-from .write_policy import WritePolicyDriver
 
 __all__ = [
     "CacheClosedError",
@@ -292,88 +281,26 @@ class HiRadixCache(CallGate):
         self.config = config
         self._open_gate(config.check_owner_thread)  # the owner thread (module docstring), open
         self.build_info = build_info(engine)  # the build_info metric's labels
-        self.page_size = p = config.page_size
+        self.page_size = config.page_size
         self.device_allocator = device_allocator
         self.host_allocator = host_alloc
         self.write_policy = config.write_policy
-        self.metrics = m = CacheMetrics()
-        stateful = self.components.stateful
-        self._res = res = Residency(
-            device_allocator, host_alloc, strategy_for(config.eviction_policy), config.host_reclaim
-        )
+        self.metrics = CacheMetrics()
         self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
         self._retention = None  # ``retention.enable_retention``
-        self._tree = tree = RadixTree(p, self, self._split_hook(res, stateful))
-        res.adopt_root(tree.root)
-        self.root = tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
-        self._locks = locks = PathLocks(res)
-        self._callers = CallerLocks(locks)
-        self._ledger = ledger = TransferLedger(self.components, m, locks, config.transfer_retries, self._refuse_calls)
-        # The choices that differ from upstream's (docs/deviations-from-upstream.md).
-        self.decisions = d = resolve(config, device_allocator.num_pages, host_alloc.num_pages)
-        self._evictor = evictor = Evictor(
-            tree, res, m, p, config.write_policy == WritePolicy.WRITE_BACK, d.host_eviction_order
-        )
-        self._reservations = HostReservations(evictor)
-        self._backups = backups = BackupIssuer(res, locks, ledger, evictor, m, p, d.evict_whole)
-        self._policy = policy = WritePolicyDriver(
-            config.write_policy, config.write_through_threshold, tree, backups, ledger, m
-        )
-        evictor.before_evict = policy.before_evict
-        self._inserter = Inserter(tree, res, policy, p, d.count_hits, d.stamp_split_remainder)
-        self._lookup = Lookup(tree, res, p, d.stamp_split_remainder)
-        self._load_backs = LoadBackIssuer(res, locks, ledger, evictor, m, p, config.load_back_threshold, d.evict_whole)
-        self._requests = RequestHelpers(
-            tree, res, self._inserter, self._callers, self.match_prefix, self.load_back, p, m
-        )
-        self._stateful = stateful
-        if stateful:  # their hooks run only then: the full component's paths check one tuple
-            for part in (evictor, backups, self._inserter, self._lookup, self._load_backs, locks):
-                part.hooked = stateful
-            ctx = ComponentContext(config, tree, res, evictor, locks, ledger, m)
-            for comp in stateful:
-                comp.attach(ctx)
-        # Components with their own page ids (e.g. ``swa``), by name: the callers' per-component
-        # pages (``component_pages``) and allocations go to them.
-        self._own = {c.name: c for c in stateful if c.own_page_ids}
-        self._requests.own = tuple(self._own.values())
         self.agreement = agreement
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
-        # Whether an L3 prefetch reads for device-only nodes and gives them host copies
-        # (``backed_up_prefix``, ``insert_host``). Only where every stateful component places
-        # its pages on such nodes (``device_only_host_copies``: ``swa`` does). With ranks too:
-        # the walk reads agreed state only, and a node whose backup is reserved for an
-        # agreement and not yet decided never takes a copy from an attach (``reserved``).
-        self._device_only_host_copies = all(c.device_only_host_copies for c in stateful)
-        self._inserter.device_only_host_copies = self._device_only_host_copies
-        self._inserter.reserved = backups.reserved
-        self._steps = steps = StepAgreement(agreement, digest=lambda: self.debug_view().digest())
-        self._agreed_backups = None
-        self._component_steps = None  # several ranks with own-id components: agreed window slides
-        if self.agreed:
-            self._agreed_backups = AgreedBackups(backups)
-            policy.defer = self._agreed_backups.want
-            if config.write_policy == WritePolicy.WRITE_BACK:
-                evictor.before_evict = policy.before_evict_agreed
-            ledger.steps = steps
-            steps.add(self._agreed_backups)
-            steps.add(ledger)
-            if self._own:
-                self._component_steps = ComponentSteps(tuple(self._own.values()))
-                self._requests.component_steps = self._component_steps
-                steps.add(self._component_steps)
-
-    def _split_hook(self, res: Residency, stateful: tuple):
-        """What the tree calls on a split: residency, every stateful component, and the
-        load-back issuer's storage origin (built after the tree, so looked up per split)."""
-
-        def split(upper: TreeNode, lower: TreeNode, k: int) -> None:
-            res.split(upper, lower, k)
-            for comp in stateful:
-                comp.on_split(upper, lower, k)
-            self._load_backs.on_split(upper, lower)
-
-        return split
+        parts = assemble(self, config, self.components, device_allocator, agreement, self.metrics, self._refuse_calls)
+        self._res, self._tree, self._locks, self._callers = parts.res, parts.tree, parts.locks, parts.callers
+        self._ledger, self._evictor, self._backups = parts.ledger, parts.evictor, parts.backups
+        self._inserter, self._lookup, self._load_backs = parts.inserter, parts.lookup, parts.load_backs
+        self._requests, self._reservations, self._steps = parts.requests, parts.reservations, parts.steps
+        self._stateful, self._own = parts.stateful, parts.own
+        self._device_only_host_copies = parts.device_only_host_copies
+        self._agreed_backups, self._component_steps = parts.agreed_backups, parts.component_steps
+        self._parts = parts
+        self.decisions = parts.decisions  # the choices that differ from upstream's
+        self.root = parts.tree.root  # replaced by reset (a plain attribute: harnesses read it per request)
 
     # ------------------------------------------------------------------ state, read-only
     @property
@@ -945,19 +872,7 @@ class HiRadixCache(CallGate):
             ledger.storage_hook.on_reset()  # L3 backups still reading host pages finish first
         if self._res.watch is not None:
             self._res.watch.cleared()
-        self._res.drop_all()
-        self._tree.mark_all_deleted()
-        self._callers.clear()
-        self._load_backs.storage_origin.clear()
-        if self._agreed_backups is not None:
-            self._agreed_backups.clear()
-        self._backups.reserved.clear()  # (empty between agreements; the same dict as the inserter's)
-        if self._component_steps is not None:
-            self._component_steps.clear()
-        for comp in self._stateful:
-            comp.reset()
-        self.root = self._tree.new_root()
-        self._res.adopt_root(self.root)
+        self.root = self._parts.drop_all()
 
     def all_nodes(self) -> list[TreeNode]:
         return self._tree.nodes()
