@@ -65,7 +65,7 @@ def drop_everything(cache):
     """Evict device and host tiers entirely (what a long idle period or memory pressure does)."""
     cache.flush()
     if cache.storage_hook is not None:
-        assert cache.storage_hook.flush(10)  # L3 backups hold host locks until stored
+        assert cache.storage_hook.flush(60)  # L3 backups hold host locks until stored
     cache.evict(cache.evictable_tokens)
     cache.evict_host(cache.host_tokens)
     assert cache.host_tokens == 0 and cache.evictable_tokens == 0
@@ -131,7 +131,7 @@ def test_round_trip_through_storage_after_dropping_both_tiers(backend_factory, b
     cache.flush()
     prefill_insert(cache, oracle, b)
     cache.flush()
-    assert ctl.flush(10)
+    assert ctl.flush(60)
     m = cache.metrics
     assert m.storage_backup_tokens == 20 + 10  # b's shared prefix is not written again
     assert m.storage_backup_bytes == 15 * be.geom.bytes_per_page and m.storage_backup_failed_tokens == 0
@@ -276,7 +276,7 @@ def test_backup_keeps_host_pages_until_the_storage_copied_them(backend_factory):
     assert cache.evict_host(10) == 0  # the L3 job still reads these host pages
     cache.sanity_check(0)
     store.writes.set()
-    assert ctl.flush(10)
+    assert ctl.flush(60)
     assert node.host_lock_ref == 0 and cache.evict_host(10) == 10
     assert cache.metrics.storage_backup_tokens == 10
     fetch_and_check(cache, ctl, oracle, seq(0, 10), 10)
@@ -534,7 +534,7 @@ def test_prefetch_reads_what_fits_when_the_host_is_held(backend_factory, free_pa
         assert m.prefetch_truncated == 0 and m.prefetch_revoked == 1
     cache.sanity_check()
     store.writes.set()
-    assert ctl.flush(10)
+    assert ctl.flush(60)
     cache.sanity_check(0)
     ctl.close()
 

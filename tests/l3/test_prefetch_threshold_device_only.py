@@ -59,13 +59,13 @@ def stored_then_device_only_head(cache, oracle, ctl, stored, head):
     only (recomputed, host copy reclaimed)."""
     prefill_insert(cache, oracle, seq(stored))
     cache.flush()
-    assert ctl.flush(10)
+    assert ctl.flush(60)
     cache.evict(cache.evictable_tokens)
     cache.evict_host(cache.host_tokens)
     assert cache.host_tokens == 0 and cache.evictable_tokens == 0
     prefill_insert(cache, oracle, seq(head))
     cache.flush()
-    assert ctl.flush(10)
+    assert ctl.flush(60)
     cache.evict_host(cache.host_tokens)
     assert cache.peek_prefix(seq(head)) == (head, 0) and cache.host_tokens == 0
     cache.sanity_check()
