@@ -106,6 +106,27 @@ class TransferLedger:
         if self.loads:
             self.ack_loads(False)
 
+    def check_writes(self, block: bool, agreed: bool) -> int:
+        """``writing_check``: one process acknowledges finished backups (FIFO, up to the first
+        unfinished one; all if ``block``) and polls the L3 hook; several ranks (``agreed``)
+        run one agreement step. Returns how many backups left the queue."""
+        if agreed:
+            before = len(self.writes)
+            self.step(writes=block)
+            return before - len(self.writes)
+        n = self.ack_writes(block)
+        if self.storage_hook is not None:
+            self.storage_hook.poll()
+        return n
+
+    def check_loads(self, block: bool, agreed: bool) -> int:
+        """``loading_check``: as ``check_writes`` for load-backs (no L3 poll)."""
+        if agreed:
+            before = len(self.loads)
+            self.step(loads=block)
+            return before - len(self.loads)
+        return self.ack_loads(block)
+
     def step(self, writes: bool = False, loads: bool = False) -> None:
         """Several ranks: one agreement step of ``steps``; ``writes`` / ``loads``: wait for
         this rank's copies of that queue first (a blocking acknowledgement). Raises the

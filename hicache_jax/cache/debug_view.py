@@ -20,12 +20,9 @@ from .tree_node import TreeNode
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..allocator import PageAllocator
+    from .assembly import CacheParts
     from .config import HiCacheConfig
-    from .locks import CallerLocks
     from .request_helpers import RequestHelpers
-    from .residency import Residency
-    from .copies_in_flight import TransferLedger
-    from .tree import RadixTree
 
 
 class ViewedCache(Protocol):
@@ -40,32 +37,19 @@ class ViewedCache(Protocol):
 
 
 class CacheDebugView:
-    def __init__(
-        self,
-        cache: ViewedCache,
-        tree: "RadixTree",
-        residency: "Residency",
-        ledger: "TransferLedger",
-        callers: "CallerLocks",
-        requests: "RequestHelpers",
-        stateful: tuple,
-        evictor=None,
-        agreed_backups=None,
-        component_steps=None,
-        reserved_backups: dict | None = None,
-    ) -> None:
+    def __init__(self, cache: ViewedCache, parts: "CacheParts") -> None:
         self.cache = cache
         self.config = cache.config
         self.page_size = cache.page_size
         self.device_allocator = cache.device_allocator
         self.host_allocator = cache.host_allocator
-        self.components = stateful  # the stateful plug-in components (their ``check`` hooks)
-        self._tree, self._res, self._ledger = tree, residency, ledger
-        self._callers, self._requests = callers, requests
-        self._evictor = evictor
-        self._agreed_backups = agreed_backups  # several ranks' backup reservations, or None
-        self._component_steps = component_steps  # several ranks' agreed window slides, or None
-        self._reserved_backups = {} if reserved_backups is None else reserved_backups  # BackupIssuer.reserved
+        self.components = parts.stateful  # the stateful plug-in components (their ``check`` hooks)
+        self._tree, self._res, self._ledger = parts.tree, parts.res, parts.ledger
+        self._callers, self._requests = parts.callers, parts.requests
+        self._evictor = parts.evictor
+        self._agreed_backups = parts.agreed_backups  # several ranks' backup reservations, or None
+        self._component_steps = parts.component_steps  # several ranks' agreed window slides, or None
+        self._reserved_backups = parts.backups.reserved  # BackupIssuer.reserved
 
     @property
     def root(self) -> TreeNode:

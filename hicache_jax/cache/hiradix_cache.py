@@ -198,7 +198,7 @@ from .locks import LockReceipt
 from .metrics import CacheMetrics, build_info, cache_stats, occupancy
 from .radix_key import as_radix_key
 from .cache_request import CacheRequest
-from .residency_watch import ResidencyWatch, combine
+from .residency_watch import ResidencyWatch, WatchSet
 from .results import DeviceFit, InsertResult, LoadBackResult, MatchResult
 from .step_agreement import StepAgreement
 from .tree_node import TreeNode
@@ -286,13 +286,13 @@ class HiRadixCache(CallGate):
         self.host_allocator = host_alloc
         self.write_policy = config.write_policy
         self.metrics = CacheMetrics()
-        self._watches: tuple = ()  # ``add_watch``; ``res.watch`` is their combination
         self._retention = None  # ``retention.enable_retention``
         self.agreement = agreement
         self.agreed = agreement.collective  # several ranks: the agreed protocol (module docstring)
         parts = assemble(self, config, self.components, device_allocator, agreement, self.metrics, self._refuse_calls)
         self._res, self._tree, self._locks, self._callers = parts.res, parts.tree, parts.locks, parts.callers
         self._ledger, self._evictor, self._backups = parts.ledger, parts.evictor, parts.backups
+        self._watches = WatchSet(self._res)  # ``add_watch``; ``res.watch`` is their combination
         self._inserter, self._lookup, self._load_backs = parts.inserter, parts.lookup, parts.load_backs
         self._requests, self._reservations, self._steps = parts.requests, parts.reservations, parts.steps
         self._stateful, self._own = parts.stateful, parts.own
@@ -360,19 +360,7 @@ class HiRadixCache(CallGate):
 
     def debug_view(self) -> CacheDebugView:
         """A read-only view of the internals, for ``sanity_check`` and tests."""
-        return CacheDebugView(
-            self,
-            self._tree,
-            self._res,
-            self._ledger,
-            self._callers,
-            self._requests,
-            self._stateful,
-            self._evictor,
-            self._agreed_backups,
-            self._component_steps,
-            self._backups.reserved,
-        )
+        return CacheDebugView(self, self._parts)
 
     # ------------------------------------------------------------------ residency watches
     def add_watch(self, watch: ResidencyWatch) -> None:
@@ -380,21 +368,13 @@ class HiRadixCache(CallGate):
         KV events, retention). Owner thread; a watch is attached at most once."""
         if get_ident() != self._owner:
             self._not_owner("add_watch")
-        if not isinstance(watch, ResidencyWatch):
-            raise TypeError(f"watch: expected a ResidencyWatch, got {type(watch).__name__}")
-        if watch in self._watches:
-            raise ValueError(f"watch: {watch!r} is already attached")
-        self._watches += (watch,)
-        self._res.watch = combine(self._watches)
+        self._watches.add(watch)
 
     def remove_watch(self, watch: ResidencyWatch) -> None:
         """Detach a watch ``add_watch`` attached (ValueError if it is not attached)."""
         if get_ident() != self._owner:
             self._not_owner("remove_watch")
-        if watch not in self._watches:
-            raise ValueError(f"watch: {watch!r} is not attached")
-        self._watches = tuple(w for w in self._watches if w is not watch)
-        self._res.watch = combine(self._watches)
+        self._watches.remove(watch)
 
     def enable_retention(self, config):
         """Install soft retention (``retention``; LRU eviction only): from now on the device,
@@ -644,28 +624,14 @@ class HiRadixCache(CallGate):
         With several ranks: one agreement step (see the module docstring)."""
         if get_ident() != self._owner:
             self._not_owner("writing_check")
-        block = check_flag("block", block)
-        if self.agreed:
-            before = self._ledger.in_flight[0]
-            self._ledger.step(writes=block)
-            return before - self._ledger.in_flight[0]
-        n = self._ledger.ack_writes(block)
-        hook = self._ledger.storage_hook
-        if hook is not None:
-            hook.poll()
-        return n
+        return self._ledger.check_writes(check_flag("block", block), self.agreed)
 
     def loading_check(self, block: bool = False) -> int:
         """Acknowledge finished load-backs (FIFO, up to the first unfinished one; all if ``block``).
         With several ranks: one agreement step (see the module docstring)."""
         if get_ident() != self._owner:
             self._not_owner("loading_check")
-        block = check_flag("block", block)
-        if self.agreed:
-            before = self._ledger.in_flight[1]
-            self._ledger.step(loads=block)
-            return before - self._ledger.in_flight[1]
-        return self._ledger.ack_loads(block)
+        return self._ledger.check_loads(check_flag("block", block), self.agreed)
 
     def check_events(self) -> None:
         """Poll both queues without blocking (call once per scheduler step). With several

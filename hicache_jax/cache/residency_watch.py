@@ -91,3 +91,27 @@ def combine(watches: tuple) -> ResidencyWatch | None:
     if not watches:
         return None
     return watches[0] if len(watches) == 1 else WatchFanout(watches)
+
+
+class WatchSet:
+    """The watches attached to one cache (``add_watch`` / ``remove_watch``), installed as
+    their combination (``combine``) in the ``watch`` slot of its residency. Owner thread only
+    (the facade checks); validates before changing anything."""
+
+    def __init__(self, residency) -> None:
+        self._residency = residency
+        self.watches: tuple = ()
+
+    def add(self, watch: ResidencyWatch) -> None:
+        if not isinstance(watch, ResidencyWatch):
+            raise TypeError(f"watch: expected a ResidencyWatch, got {type(watch).__name__}")
+        if watch in self.watches:
+            raise ValueError(f"watch: {watch!r} is already attached")
+        self.watches += (watch,)
+        self._residency.watch = combine(self.watches)
+
+    def remove(self, watch: ResidencyWatch) -> None:
+        if watch not in self.watches:
+            raise ValueError(f"watch: {watch!r} is not attached")
+        self.watches = tuple(w for w in self.watches if w is not watch)
+        self._residency.watch = combine(self.watches)
