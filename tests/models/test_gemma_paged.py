@@ -151,3 +151,41 @@ def test_gemma_engine_tokens_equal_the_plain_greedy_with_every_tier(tmp_path):
         Engine(w.config, cache)
     with pytest.raises(ValueError, match="max_context 4097 exceeds the model's context of 4096 positions"):
         Engine(w.config, EngineCacheConfig(page_size=PAGE, max_context=4097), weights=w)
+
+
+def test_gemma_greedy_continue_many_from_caller_prefills_equals_greedy_generate_many():
+    """The oracle test decodes from the caches its teacher-forced prefills left: that must give
+    the tokens a whole-sequence forward per token gives (and ``greedy_generate_many`` the same);
+    bad ``started`` entries are refused."""
+    w = random_weights(SMALL, seed=5)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, SMALL.vocab_size, n).tolist() for n in (3, 11, 17)]
+    want = []  # independently: a whole-sequence forward per token, no decode step, no cache reuse
+    for p in prompts:
+        seq = list(p)
+        for _ in range(7):
+            h, _ = gm.prefill_padded(w.params, w.gemma, seq, gm.init_cache(w.gemma, 1, 32), 8)
+            logits = np.array(gm.lm_head_jit(w.params, h[-1:], cfg=w.gemma))[0]
+            logits[1] = -np.inf
+            seq.append(int(logits.argmax()))
+        want.append(seq[len(p) :])
+    assert gm.greedy_generate_many(w.params, w.gemma, prompts, 7, suppress_ids=(1,), cache_len=32, bucket=8) == want
+
+    def started(cache_len=32):
+        out = []
+        for p in prompts:
+            h, cache = gm.prefill_padded(w.params, w.gemma, p, gm.init_cache(w.gemma, 1, cache_len), 8)
+            out.append((h[len(p) - 1], cache, len(p)))
+        return out
+
+    assert gm.greedy_continue_many(w.params, w.gemma, started(), 7, suppress_ids=(1,)) == want
+    assert all(1 not in row for row in want)
+    with pytest.raises(ValueError, match="started: expected at least one"):
+        gm.greedy_continue_many(w.params, w.gemma, [], 7)
+    with pytest.raises(ValueError, match="max_new_tokens: expected >= 1"):
+        gm.greedy_continue_many(w.params, w.gemma, started(), 0)
+    with pytest.raises(ValueError, match=r"started\[2\]: 17 tokens \+ 16 new do not fit 32"):
+        gm.greedy_continue_many(w.params, w.gemma, started(), 16)
+    mixed = started()[:2] + started(cache_len=40)[2:]
+    with pytest.raises(ValueError, match=r"started\[2\]: expected a one-row cache of 32 positions"):
+        gm.greedy_continue_many(w.params, w.gemma, mixed, 7)
