@@ -75,9 +75,9 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from .._checks import check_int
 import numpy as np
 
+from .._checks import check_int
 from ..storage.keys import TOKEN_DTYPE as KEY_TOKEN_DTYPE, Namespace, encoded_page_keys, page_keys
 from .components import FULL
 from .events import EventBatch, KVEvent

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .radix_key import RadixKey
+from .radix_key import RadixKey, aligned_len
 from .residency import EMPTY_IDS, Residency
 from .results import MatchResult
 from .tree import RadixTree
@@ -37,7 +37,7 @@ class Lookup:
         match)`` of ``key``'s whole pages, ending at the deepest backed-up node of the match
         where it ends before the key on device-only nodes and ``device_only_host_copies``
         (those nodes take their host copies from the L3 read then)."""
-        n = len(key) - len(key) % self.page_size
+        n = aligned_len(len(key), self.page_size)
         segs, matched = self.tree.walk(key, n)
         if not segs:
             return self.tree.root, 0, 0

@@ -35,7 +35,7 @@ from ..allocator import check_page_ids
 from .insert import Inserter
 from .locks import CallerLocks
 from .metrics import CacheMetrics
-from .radix_key import RadixKey
+from .radix_key import RadixKey, aligned_len
 from .cache_request import CacheRequest
 from .residency import EMPTY_IDS, Residency
 from .results import LoadBackResult, MatchResult
@@ -273,9 +273,9 @@ class RequestHelpers:
             self.retention.retain(root, req.last_node, req.retain)
 
     def finished(self, req: CacheRequest) -> None:
-        key = req.key  # the request is emptied
+        key = req.key  # kept for the retention hint: the request is emptied below
         p = self.page_size
-        aligned = req.key.token_ids.shape[0] // p
+        aligned = key.token_ids.shape[0] // p
         tail = req.device_pages[aligned:]  # the partial last page, if any (``check``: one page per started page)
         res = self.res
         if tail.size:
@@ -302,8 +302,7 @@ class RequestHelpers:
 
     def _retain_key(self, key: RadixKey, hint) -> None:
         """Apply ``hint`` to the nodes wholly inside ``key``'s cached whole pages."""
-        n = len(key) - len(key) % self.page_size
-        segs, _matched = self.tree.walk(key, n)
+        segs, _matched = self.tree.walk(key, aligned_len(len(key), self.page_size))
         while segs and segs[-1][1] < segs[-1][0].size:
             segs.pop()  # the walk ends inside this node: it holds more than the key
         if segs:
